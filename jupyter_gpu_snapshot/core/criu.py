@@ -1,0 +1,174 @@
+"""Running the ``criu`` binary and turning its log into errors people can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import NotReady, SnapshotError
+
+MIN_VERSION = (4, 2)
+
+# CRIU prefixes its error lines like "(00.123456) Error (criu/sk-inet.c:93): ...".
+_ERROR_LINE = re.compile(r"^\(\s*[\d.]+\)\s+(?:\d+:\s+)?Error \([^)]*\):\s*(.*)$")
+_PORT = re.compile(r"port (\d+)")
+
+# What a cause in CRIU's log means for the user, first match wins.
+_KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"Address already in use"),
+     "a port of the kernel is in use; is the original kernel (or another restore) still running?"),
+    (re.compile(r"No space left on device"), "the disk holding the snapshot store is full"),
+    (re.compile(r"has bad size|bad size"),
+     "a file the kernel had open has changed size since the snapshot"),
+    (re.compile(r"Operation not permitted|Permission denied|CAP_"),
+     "criu lacks privileges; run as root or grant CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN"),
+    (re.compile(r"No such file or directory"),
+     "a file the kernel had open is missing on this machine"),
+]
+
+
+@dataclass(frozen=True)
+class CriuRun:
+    """One finished criu invocation."""
+
+    argv: list[str]
+    returncode: int
+    seconds: float
+    log_path: Path
+
+
+def explain_log(log_path: Path, returncode: int) -> str:
+    """One line naming the cause of a failed criu run, taken from its log."""
+    if returncode < 0:
+        return f"criu was killed by signal {-returncode}"
+    errors: list[str] = []
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                match = _ERROR_LINE.match(line.strip())
+                if match:
+                    errors.append(match.group(1).strip())
+    except OSError:
+        return f"criu exited with status {returncode} and left no log"
+    if not errors:
+        return f"criu exited with status {returncode}"
+    joined = " | ".join(errors)
+    for pattern, meaning in _KNOWN_CAUSES:
+        if pattern.search(joined):
+            port = _PORT.search(joined)
+            detail = f" (port {port.group(1)})" if port and "port" in meaning else ""
+            return f"{meaning}{detail}; criu said: {errors[0]}"
+    return f"criu said: {errors[0]}"
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    match = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        return None
+    return tuple(int(g) for g in match.groups() if g is not None)
+
+
+class CriuRunner:
+    """Builds criu command lines and runs them without blocking the event loop."""
+
+    def __init__(self, criu_path: str = "criu") -> None:
+        self.criu_path = criu_path
+        self._version: tuple[int, ...] | None = None
+
+    def executable(self) -> str:
+        found = shutil.which(self.criu_path)
+        if not found:
+            raise NotReady(
+                "preflight",
+                f"criu not found (looked for {self.criu_path!r})",
+                hint="install criu >= 4.2 (scripts/install-criu.sh does it on Debian)",
+            )
+        return found
+
+    def version(self) -> tuple[int, ...]:
+        if self._version is None:
+            out = subprocess.run(
+                [self.executable(), "--version"], capture_output=True, text=True, check=False
+            )
+            parsed = parse_version(out.stdout)
+            if parsed is None:
+                raise NotReady("preflight", f"cannot read criu's version from {out.stdout!r}")
+            self._version = parsed
+        return self._version
+
+    def require_version(self) -> str:
+        version = self.version()
+        text = ".".join(map(str, version))
+        if version[:2] < MIN_VERSION:
+            raise NotReady(
+                "preflight",
+                f"criu {text} is too old; version 4.2 or newer is needed",
+                hint="run scripts/install-criu.sh, or install a newer criu",
+            )
+        return text
+
+    def dump_argv(self, pid: int, images: Path, work: Path, *, leave_running: bool) -> list[str]:
+        argv = [
+            self.executable(), "dump", "-t", str(pid), "-D", str(images), "-W", str(work),
+            "-o", "dump.log", "-v4",
+            # Established ZMQ connections are closed; clients reconnect with the same
+            # connection file. --tcp-established would need a network lock.
+            "--tcp-close",
+            "--file-locks",
+        ]
+        if leave_running:
+            argv.append("--leave-running")
+        return argv
+
+    def restore_argv(self, images: Path, work: Path, pidfile: Path) -> list[str]:
+        return [
+            self.executable(), "restore", "-D", str(images), "-W", str(work),
+            "-o", "restore.log", "-v4", "--tcp-close", "--file-locks",
+            "--restore-detached", "--pidfile", str(pidfile),
+        ]
+
+    async def run(
+        self,
+        argv: list[str],
+        log_path: Path,
+        *,
+        on_tick: Callable[[], None] | None = None,
+        tick_seconds: float = 0.2,
+    ) -> CriuRun:
+        """Run criu to completion, calling ``on_tick`` while it runs (for progress)."""
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        wait = asyncio.ensure_future(proc.communicate())
+        while True:
+            done, _ = await asyncio.wait({wait}, timeout=tick_seconds)
+            if done:
+                break
+            if on_tick:
+                on_tick()
+        _, stderr = wait.result()
+        if stderr and proc.returncode:
+            with open(log_path, "ab") as f:
+                f.write(b"\n-- criu stderr --\n" + stderr[-4000:])
+        return CriuRun(argv, proc.returncode or 0, time.monotonic() - started, log_path)
+
+    def check_output(self) -> tuple[bool, str]:
+        out = subprocess.run(
+            [self.executable(), "check"], capture_output=True, text=True, check=False
+        )
+        text = (out.stdout + out.stderr).strip()
+        return out.returncode == 0, text
+
+    @staticmethod
+    def failure(step: str, run: CriuRun, kept_log: Path) -> SnapshotError:
+        return SnapshotError(step, explain_log(run.log_path, run.returncode), log_path=kept_log)

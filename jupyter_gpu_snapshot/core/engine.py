@@ -1,0 +1,485 @@
+"""Save and restore orchestration.
+
+save:    preflight -> suspend (hooks) -> dump (criu) -> resume (hooks) -> commit (store)
+restore: verify (checksums) -> preflight -> restore (criu) -> resume (hooks)
+
+Hooks are where the GPU layer locks and checkpoints CUDA before the dump and brings it back
+afterwards. Whatever fails, the engine rolls back what it did: hooks that ran are told to
+resume, the half-written directory is removed, the kernel is woken, and one SnapshotError
+naming the step and the cause is raised. The critical section runs shielded, so a cancelled
+caller never leaves a kernel frozen or its CUDA locked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._version import __version__
+from . import process
+from .criu import CriuRunner
+from .errors import Busy, InvalidRequest, SnapshotError
+from .store import Snapshot, SnapshotStore, new_snapshot_id, validate_name
+
+# Free disk must exceed the estimated image by this much; a full disk can hang the machine.
+DISK_MARGIN_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A progress report: the phase under way and, when known, bytes done of a total."""
+
+    phase: str
+    done: int = 0
+    total: int = 0
+    message: str = ""
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclass
+class SaveTarget:
+    """What to save: any pid of the kernel, plus what the caller knows about it."""
+
+    pid: int
+    kernel_name: str | None = None
+    kernel_spec: dict[str, Any] | None = None
+    connection_info: dict[str, Any] | None = None
+    notebook_path: str | None = None
+    kernel_id: str | None = None
+    reason: str = "user"
+
+
+@dataclass
+class SaveContext:
+    """Shared by the hooks during one save."""
+
+    target: SaveTarget
+    kernel: process.KernelProcess
+    snapshot_id: str
+    images_dir: Path
+    stop: bool
+    report: ProgressCallback
+    # Hooks add their own manifest sections here (the GPU layer adds "gpu").
+    manifest: dict[str, Any] = field(default_factory=dict)
+    # Bytes that the dump will write beyond host RSS (e.g. GPU memory staged to the host).
+    extra_bytes: int = 0
+
+    @property
+    def root_pid(self) -> int:
+        return self.kernel.root_pid
+
+
+@dataclass
+class RestoreContext:
+    """Shared by the hooks during one restore."""
+
+    snapshot: Snapshot
+    report: ProgressCallback
+    root_pid: int = 0
+
+
+@dataclass(frozen=True)
+class RestoredKernel:
+    """A kernel brought back by ``restore``; it listens with its original connection info."""
+
+    pid: int
+    connection_info: dict[str, Any]
+    snapshot: Snapshot
+    timings: dict[str, float]
+
+    @property
+    def kernel_pid(self) -> int:
+        found = process.kernel_of(self.pid)
+        return found.pid if found else self.pid
+
+
+class SnapshotHook:
+    """Extension points around the dump and the restore. The base class does nothing."""
+
+    name = "hook"
+
+    async def preflight_save(self, ctx: SaveContext) -> None:
+        """Called by ``save`` before anything touches the process; raise to refuse."""
+
+    async def before_dump(self, ctx: SaveContext) -> None:
+        """Called by ``save`` right before ``criu dump`` (the GPU layer suspends CUDA)."""
+
+    async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+        """Called by ``save`` after the dump, or after a failure once ``before_dump`` returned.
+
+        ``error`` is None on success. The hook must leave a surviving process running
+        (``ctx.stop`` false, or any failure); it runs in reverse order of ``before_dump``.
+        """
+
+    async def preflight_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``restore`` after the checksums, before criu runs; raise to refuse."""
+
+    async def after_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``restore`` once criu has recreated the tree (``ctx.root_pid``)."""
+
+
+class SnapshotEngine:
+    """Saves kernels into a ``SnapshotStore`` and restores them from it."""
+
+    def __init__(
+        self,
+        store: SnapshotStore | None = None,
+        criu: CriuRunner | None = None,
+        hooks: Sequence[SnapshotHook] = (),
+    ) -> None:
+        self.store = store or SnapshotStore()
+        self.criu = criu or CriuRunner()
+        self.hooks = list(hooks)
+        self._busy: set[int | str] = set()
+
+    # -- queries ---------------------------------------------------------------------------
+    def list(self, notebook_path: str | None = None) -> list[Snapshot]:
+        return self.store.list(notebook_path)
+
+    def get(self, ref: str) -> Snapshot:
+        return self.store.get(ref)
+
+    def delete(self, ref: str) -> Snapshot:
+        return self.store.delete(ref)
+
+    def logs_dir(self) -> Path:
+        path = self.store.ensure() / "logs"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def _keep_log(self, log: Path, label: str) -> Path:
+        kept = self.logs_dir() / f"{time.strftime('%Y%m%dT%H%M%S')}-{label}.log"
+        try:
+            shutil.copyfile(log, kept)
+            os.chmod(kept, 0o600)
+        except OSError:
+            return log
+        return kept
+
+    def _claim(self, key: int | str, what: str) -> None:
+        if key in self._busy:
+            raise Busy("preflight", f"another snapshot operation on {what} is under way")
+        self._busy.add(key)
+
+    # -- save ------------------------------------------------------------------------------
+    async def save(
+        self,
+        target: SaveTarget,
+        name: str | None = None,
+        stop: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> Snapshot:
+        """Snapshot the kernel tree of ``target.pid``; keep it running unless ``stop``."""
+        report = _throttled(progress)
+        started = time.monotonic()
+        report(Progress("preflight"))
+        if name is not None:
+            validate_name(name)
+            if self.store.find_name(name) is not None:
+                raise InvalidRequest(
+                    "preflight",
+                    f"a snapshot named {name!r} exists already",
+                    hint="pick another name, or delete the old one first",
+                )
+        kernel = process.inspect_kernel(target.pid)
+        process.require_ready(kernel)
+        self._claim(kernel.root_pid, f"kernel pid {kernel.kernel_pid}")
+        try:
+            # Shielded: once we start, rollback must run even if our caller is cancelled.
+            return await asyncio.shield(
+                self._save(target, kernel, name, stop, report, started)
+            )
+        finally:
+            self._busy.discard(kernel.root_pid)
+
+    async def _save(
+        self,
+        target: SaveTarget,
+        kernel: process.KernelProcess,
+        name: str | None,
+        stop: bool,
+        report: ProgressCallback,
+        started: float,
+    ) -> Snapshot:
+        criu_version = self.criu.require_version()
+        snapshot_id = new_snapshot_id()
+        ctx = SaveContext(target, kernel, snapshot_id, Path(), stop, report)
+        for hook in self.hooks:
+            await hook.preflight_save(ctx)
+        estimate = process.tree_rss(kernel.root_pid) + ctx.extra_bytes
+        free = self.store.free_bytes()
+        if free < estimate + DISK_MARGIN_BYTES:
+            raise SnapshotError(
+                "preflight",
+                f"not enough free disk for the snapshot: about {_gib(estimate)} needed, "
+                f"{_gib(free)} free in {self.store.root}",
+                hint="free some space or delete old snapshots",
+            )
+        partial = self.store.begin(snapshot_id)
+        ctx.images_dir = partial
+        timings: dict[str, float] = {"preflight": time.monotonic() - started}
+        suspended: list[SnapshotHook] = []
+        pause_started = time.monotonic()
+        error: BaseException | None = None
+        run = None
+        try:
+            report(Progress("suspend"))
+            t = time.monotonic()
+            for hook in self.hooks:
+                await hook.before_dump(ctx)
+                suspended.append(hook)
+            timings["suspend"] = time.monotonic() - t
+
+            t = time.monotonic()
+
+            def dump_tick() -> None:
+                report(Progress("dump", _dir_bytes(partial), estimate))
+
+            report(Progress("dump", 0, estimate))
+            argv = self.criu.dump_argv(
+                kernel.root_pid, partial, partial, leave_running=not stop
+            )
+            run = await self.criu.run(argv, partial / "dump.log", on_tick=dump_tick)
+            timings["dump"] = time.monotonic() - t
+            if run.returncode != 0:
+                error = self.criu.failure("dump", run, self._keep_log(run.log_path, "dump"))
+        except BaseException as exc:  # a hook failed: roll back what ran
+            error = exc
+        t = time.monotonic()
+        report(Progress("resume"))
+        resume_error = await self._resume(ctx, suspended, error)
+        timings["resume"] = time.monotonic() - t
+        timings["pause"] = time.monotonic() - pause_started
+        if error is not None or resume_error is not None:
+            self.store.abort(partial)
+            if not stop or error is not None:
+                process.continue_tree(kernel.root_pid)
+            failure = error or resume_error
+            if isinstance(failure, SnapshotError):
+                raise failure
+            raise SnapshotError("suspend", f"{type(failure).__name__}: {failure}") from failure
+
+        report(Progress("commit"))
+        t = time.monotonic()
+        manifest = self._manifest(ctx, name, criu_version)
+        manifest["timings"] = timings
+        try:
+            snapshot = await asyncio.to_thread(
+                self.store.commit,
+                partial,
+                manifest,
+                lambda done, total: report(Progress("commit", done, total)),
+            )
+        except Exception as exc:
+            self.store.abort(partial)
+            cause = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+            raise SnapshotError(
+                "commit", f"could not write the snapshot to {self.store.root}: {cause}"
+            ) from exc
+        timings["commit"] = time.monotonic() - t
+        timings["total"] = time.monotonic() - started
+        snapshot.manifest["timings"] = timings
+        report(Progress("done", snapshot.size_bytes, snapshot.size_bytes))
+        return snapshot
+
+    async def _resume(
+        self, ctx: SaveContext, suspended: list[SnapshotHook], error: BaseException | None
+    ) -> BaseException | None:
+        first: BaseException | None = None
+        for hook in reversed(suspended):
+            try:
+                await hook.after_dump(ctx, error)
+            except BaseException as exc:
+                first = first or exc
+        return first
+
+    def _manifest(self, ctx: SaveContext, name: str | None, criu_version: str) -> dict[str, Any]:
+        target = ctx.target
+        created = time.time()
+        kernel_name = target.kernel_name or "python3-snapshot"
+        return {
+            "id": ctx.snapshot_id,
+            "name": name or f"{kernel_name}-{ctx.snapshot_id}",
+            "created": created,
+            "host": socket.gethostname(),
+            "reason": target.reason,
+            "kernel": {
+                "name": kernel_name,
+                "spec": target.kernel_spec,
+                "kernel_id": target.kernel_id,
+                "connection_info": _jsonable(target.connection_info or ctx.kernel.connection_info),
+                "notebook_path": target.notebook_path,
+                "pid": ctx.kernel.kernel_pid,
+                "root_pid": ctx.kernel.root_pid,
+                "log_files": _append_only_files(ctx.kernel.root_pid),
+            },
+            "versions": {
+                "criu": criu_version,
+                "linux": platform.release(),
+                "python": _python_version_of(ctx.kernel.kernel_pid),
+                "jupyter_gpu_snapshot": __version__,
+            },
+            **ctx.manifest,
+        }
+
+    # -- restore ---------------------------------------------------------------------------
+    async def restore(
+        self, ref: str | Snapshot, progress: ProgressCallback | None = None
+    ) -> RestoredKernel:
+        """Bring a snapshot back as a running process tree in a new PID namespace."""
+        report = _throttled(progress)
+        snapshot = ref if isinstance(ref, Snapshot) else self.store.get(ref)
+        self._claim(snapshot.id, f"snapshot {snapshot.id}")
+        try:
+            return await asyncio.shield(self._restore(snapshot, report))
+        finally:
+            self._busy.discard(snapshot.id)
+
+    async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        report(Progress("verify", 0, snapshot.size_bytes))
+        await asyncio.to_thread(
+            self.store.verify, snapshot, lambda d, t: report(Progress("verify", d, t))
+        )
+        timings["verify"] = time.monotonic() - started
+
+        t = time.monotonic()
+        report(Progress("preflight"))
+        self.criu.require_version()
+        info = snapshot.connection_info
+        busy = process.ports_in_use(info)
+        if busy:
+            raise SnapshotError(
+                "preflight",
+                f"{', '.join(busy)} of {info.get('ip', '127.0.0.1')} in use",
+                hint="is the original kernel, or another restore of it, still running? "
+                "Shut it down first",
+            )
+        for path in snapshot.manifest["kernel"].get("log_files", []):
+            _ensure_append_file(Path(path))
+        ctx = RestoreContext(snapshot, report)
+        for hook in self.hooks:
+            await hook.preflight_restore(ctx)
+        timings["preflight"] = time.monotonic() - t
+
+        t = time.monotonic()
+        report(Progress("restore", 0, snapshot.size_bytes))
+        work = self.logs_dir() / f".restore-{snapshot.id}-{os.getpid()}-{int(time.time()*1e3)}"
+        work.mkdir(mode=0o700)
+        pidfile = work / "restore.pid"
+        try:
+            run = await self.criu.run(
+                self.criu.restore_argv(snapshot.path, work, pidfile), work / "restore.log"
+            )
+            timings["restore"] = time.monotonic() - t
+            if run.returncode != 0:
+                raise self.criu.failure("restore", run, self._keep_log(run.log_path, "restore"))
+            try:
+                ctx.root_pid = int(pidfile.read_text().strip())
+            except (OSError, ValueError) as exc:
+                raise SnapshotError(
+                    "restore", "criu reported success but wrote no pid file"
+                ) from exc
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+        t = time.monotonic()
+        report(Progress("resume"))
+        try:
+            for hook in self.hooks:
+                await hook.after_restore(ctx)
+        except BaseException as exc:
+            # A half-restored kernel (CUDA not back) must not linger holding the ports.
+            process.kill_tree(ctx.root_pid)
+            if isinstance(exc, SnapshotError):
+                raise
+            raise SnapshotError("resume", f"{type(exc).__name__}: {exc}") from exc
+        timings["resume"] = time.monotonic() - t
+        timings["total"] = time.monotonic() - started
+        report(Progress("done"))
+        return RestoredKernel(ctx.root_pid, info, snapshot, timings)
+
+
+def _throttled(progress: ProgressCallback | None, interval: float = 0.1) -> ProgressCallback:
+    """At most one report per ``interval`` within a phase; phase changes always pass."""
+    if progress is None:
+        return lambda _p: None
+    last: list[Any] = ["", 0.0]
+    sink = progress
+
+    def report(p: Progress) -> None:
+        now = time.monotonic()
+        if p.phase != last[0] or now - last[1] >= interval or (p.total and p.done >= p.total):
+            last[0], last[1] = p.phase, now
+            sink(p)
+
+    return report
+
+
+def _jsonable(info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Connection info as JSON: jupyter_client hands out the HMAC key as bytes."""
+    if info is None:
+        return None
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in info.items()}
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                try:
+                    total += entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return total
+
+
+def _append_only_files(root: int) -> list[str]:
+    """Files the tree has open write-only for appending (kernel logs).
+
+    They must exist at restore; CRIU does not check their size, so recreating an empty one
+    on another machine is enough.
+    """
+    found: set[str] = set()
+    for proc in process.tree(root):
+        try:
+            for f in proc.open_files():
+                if f.mode == "a":
+                    found.add(f.path)
+        except Exception:  # noqa: BLE001 - a vanished process has no files to keep
+            continue
+    return sorted(found)
+
+
+def _ensure_append_file(path: Path) -> None:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.close(fd)
+
+
+def _python_version_of(pid: int) -> str:
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return sys.version.split()[0]
+    return Path(exe).name

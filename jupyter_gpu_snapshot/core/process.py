@@ -1,0 +1,235 @@
+"""Facts about a kernel's process tree, read from /proc.
+
+A snapshot-ready kernel runs as the child of a small init that is PID 1 of its own PID
+namespace (see ``nsinit``). CRIU dumps that init with everything below it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .errors import NotFound, NotReady
+
+
+def _status_field(pid: int, key: str) -> list[str]:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return line.split(":", 1)[1].split()
+    return []
+
+
+def pid_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+def namespace_init(pid: int) -> int | None:
+    """Host pid of the init of ``pid``'s PID namespace, or None when it shares ours."""
+    if pid_namespace(pid) == pid_namespace(os.getpid()):
+        return None
+    ns = pid_namespace(pid)
+    current = pid
+    while True:
+        nspids = _status_field(current, "NSpid")
+        if nspids and nspids[-1] == "1":
+            return current
+        parent = psutil.Process(current).ppid()
+        if parent <= 0 or pid_namespace(parent) != ns:
+            return current
+        current = parent
+
+
+def tree(root: int) -> list[psutil.Process]:
+    proc = psutil.Process(root)
+    return [proc, *proc.children(recursive=True)]
+
+
+def tree_alive(root: int) -> bool:
+    try:
+        proc = psutil.Process(root)
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def tree_rss(root: int) -> int:
+    total = 0
+    for proc in tree(root):
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_info().rss
+    return total
+
+
+def continue_tree(root: int) -> None:
+    """Wake every task of the tree; a dump that died mid-way may leave tasks stopped."""
+    with contextlib.suppress(psutil.Error):
+        for proc in tree(root):
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGCONT)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL the init of a namespace; the kernel dies with it."""
+    with contextlib.suppress(psutil.Error):
+        procs = tree(root)
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=5)
+
+
+def kernel_of(root: int) -> psutil.Process | None:
+    """The kernel process under a namespace init (its first child), or the root itself."""
+    try:
+        proc = psutil.Process(root)
+        children = proc.children()
+    except psutil.NoSuchProcess:
+        return None
+    return children[0] if children else proc
+
+
+def _fd_kind(pid: int, fd: int) -> str:
+    try:
+        mode = os.stat(f"/proc/{pid}/fd/{fd}").st_mode
+    except OSError:
+        return "closed"
+    if stat.S_ISFIFO(mode):
+        return "pipe"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        return "null" if target == "/dev/null" else "tty"
+    return "file"
+
+
+def _descriptors_shared_within(procs: list[psutil.Process]) -> Callable[[int, int], bool]:
+    """Whether a pipe or socket fd has its other end inside the tree.
+
+    ipykernel itself puts a pipe on fds 1 and 2 to capture C-level output; both ends live
+    in the kernel, so CRIU restores it. A pipe to the launching server would not survive.
+    """
+    seen: dict[str, int] = {}
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                    seen[target] = seen.get(target, 0) + 1
+
+    def internal(pid: int, fd: int) -> bool:
+        try:
+            return seen.get(os.readlink(f"/proc/{pid}/fd/{fd}"), 0) > 1
+        except OSError:
+            return False
+
+    return internal
+
+
+def connection_file_of(pid: int) -> Path | None:
+    """The ``-f`` argument of an ipykernel command line."""
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return None
+    for i, arg in enumerate(cmdline):
+        if arg in ("-f", "--f") and i + 1 < len(cmdline):
+            return Path(cmdline[i + 1])
+        if arg.startswith(("--f=", "--IPKernelApp.connection_file=")):
+            return Path(arg.split("=", 1)[1])
+    return None
+
+
+def ports_in_use(connection_info: dict[str, Any]) -> list[str]:
+    """Names of the kernel's channels whose TCP port cannot be bound now."""
+    if connection_info.get("transport", "tcp") != "tcp":
+        return []
+    ip = connection_info.get("ip", "127.0.0.1")
+    busy = []
+    for channel in ("shell", "iopub", "stdin", "control", "hb"):
+        port = connection_info.get(f"{channel}_port")
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((ip, int(port)))
+            except OSError:
+                busy.append(f"{channel} port {port}")
+    return busy
+
+
+@dataclass
+class KernelProcess:
+    """A running kernel as the engine sees it."""
+
+    root_pid: int
+    kernel_pid: int
+    connection_file: Path | None
+    connection_info: dict[str, Any] | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return not self.problems
+
+
+def inspect_kernel(pid: int) -> KernelProcess:
+    """Find the tree to dump for ``pid`` and everything that would make the dump unsafe."""
+    if not psutil.pid_exists(pid):
+        raise NotFound("preflight", f"no process with pid {pid}")
+    problems: list[str] = []
+    init = namespace_init(pid)
+    if init is None:
+        root = pid
+        kernel = psutil.Process(pid)
+        problems.append(
+            "it shares the host's PID namespace, so its PIDs could clash at restore; "
+            "start it with the 'Python 3 (snapshots)' kernel (python3-snapshot)"
+        )
+    else:
+        root = init
+        found = psutil.Process(pid) if pid != init else kernel_of(init)
+        if found is None:
+            raise NotFound("preflight", f"process {pid} has exited")
+        kernel = found
+    with contextlib.suppress(psutil.Error):
+        if "JPY_PARENT_PID" in kernel.environ():
+            problems.append(
+                "it polls its parent process (JPY_PARENT_PID is set) and would exit after restore"
+            )
+    procs = tree(root)
+    internal = _descriptors_shared_within(procs)
+    for proc in procs:
+        for fd, label in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+            kind = _fd_kind(proc.pid, fd)
+            if kind == "tty" or (kind in ("pipe", "socket") and not internal(proc.pid, fd)):
+                problems.append(
+                    f"{label} of pid {proc.pid} is a {kind} to the outside, "
+                    "which does not survive a restore"
+                )
+    connection_file = connection_file_of(kernel.pid)
+    info = None
+    if connection_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(connection_file.read_text())
+    return KernelProcess(root, kernel.pid, connection_file, info, problems)
+
+
+def require_ready(kernel: KernelProcess) -> None:
+    if kernel.problems:
+        raise NotReady(
+            "preflight",
+            f"kernel pid {kernel.kernel_pid} is not snapshot-ready: " + "; ".join(kernel.problems),
+        )

@@ -1,0 +1,48 @@
+"""The ``python3-snapshot`` kernelspec: ipykernel launched through our provisioner."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager
+
+from .provisioner import PROVISIONER_NAME
+
+KERNEL_NAME = "python3-snapshot"
+DISPLAY_NAME = "Python 3 (snapshots)"
+
+
+def kernel_json(python: str | None = None) -> dict[str, Any]:
+    return {
+        "argv": [
+            python or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+            # History lives in SQLite by default: a shared file that changes size under a
+            # snapshot (CRIU then refuses the restore) and is locked across processes.
+            "--HistoryManager.hist_file=:memory:",
+        ],
+        "display_name": DISPLAY_NAME,
+        "language": "python",
+        "interrupt_mode": "signal",
+        "metadata": {
+            "debugger": True,
+            "kernel_provisioner": {"provisioner_name": PROVISIONER_NAME, "config": {}},
+        },
+    }
+
+
+def install(user: bool = False, prefix: str | None = None) -> str:
+    """Install the kernelspec; returns the directory it went to."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_dir = Path(tmp) / KERNEL_NAME
+        spec_dir.mkdir()
+        (spec_dir / "kernel.json").write_text(json.dumps(kernel_json(), indent=2))
+        if prefix is None and not user:
+            prefix = sys.prefix
+        dest: str = KernelSpecManager().install_kernel_spec(
+            str(spec_dir), KERNEL_NAME, user=user, prefix=prefix, replace=True
+        )
+    return dest
