@@ -1,0 +1,48 @@
+# Two commands do all the set-up on a fresh Debian 12 machine (as root):
+#   make lab    install everything, then start JupyterLab with the extension on notebooks/
+#   make test   install everything, then run the whole test suite
+# Every step is idempotent: a second run skips what is already in place.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+JUPYTER := $(VENV)/bin/jupyter
+LAB_ARGS ?= --ip=127.0.0.1 --no-browser --allow-root
+
+.PHONY: install system criu venv kernelspec lab test lint pytest benchmark clean
+
+install: system criu venv kernelspec
+
+system:
+	@bash scripts/install-system-deps.sh
+
+criu: system
+	@bash scripts/install-criu.sh
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+kernelspec: venv
+	@$(JUPYTER) gpu-snapshot kernelspec install --sys-prefix
+
+lab: install
+	cd notebooks && ../$(JUPYTER) lab $(LAB_ARGS)
+
+test: install lint pytest
+
+lint: venv
+	$(VENV)/bin/ruff check jupyter_gpu_snapshot tests benchmarks
+	$(VENV)/bin/mypy
+
+pytest: install
+	$(VENV)/bin/pytest
+
+benchmark: install
+	$(PY) benchmarks/bench_cpu.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

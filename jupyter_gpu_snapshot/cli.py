@@ -1,0 +1,281 @@
+"""``jupyter gpu-snapshot``: check the machine, and save, list, restore and delete snapshots.
+
+It works without a running server: ``save`` takes a kernel's pid or id, ``restore`` brings
+a kernel back standalone and prints a connection file for ``jupyter console --existing``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jupyter_core.paths import jupyter_runtime_dir
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
+from rich.table import Table
+
+from .config import GPUSnapshot
+from .core import process
+from .core.checks import run_checks
+from .core.engine import Progress as EngineProgress
+from .core.engine import SaveTarget, SnapshotEngine
+from .core.errors import NotFound, SnapshotError
+from .core.store import Snapshot
+
+out = Console()
+err = Console(stderr=True)
+
+
+def _engine(args: argparse.Namespace) -> SnapshotEngine:
+    kwargs: dict[str, Any] = {}
+    if args.store:
+        kwargs["store_dir"] = args.store
+    if args.criu:
+        kwargs["criu_path"] = args.criu
+    return GPUSnapshot(**kwargs).make_engine()
+
+
+class _ProgressBar:
+    """Shows engine progress on stderr; silent with --json or when stderr is no terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description:>9}"), BarColumn(), DownloadColumn(),
+            console=err, transient=True, disable=not enabled,
+        )
+        self.task: TaskID | None = None
+
+    def __enter__(self) -> _ProgressBar:
+        self.bar.__enter__()
+        self.task = self.bar.add_task("preflight", total=None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(None, None, None)
+
+    def __call__(self, p: EngineProgress) -> None:
+        assert self.task is not None
+        self.bar.update(self.task, description=p.phase, completed=p.done, total=p.total or None)
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{n} B"
+
+
+def _kernel_pid_from_id(kernel_id: str) -> tuple[int, Path]:
+    connection_file = Path(jupyter_runtime_dir()) / f"kernel-{kernel_id}.json"
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if str(connection_file) in cmdline and "ipykernel" in " ".join(cmdline):
+            return proc.pid, connection_file
+    raise NotFound(
+        "lookup",
+        f"no running kernel with id {kernel_id} (looked for {connection_file})",
+        hint="'jupyter gpu-snapshot save --pid PID' takes the kernel's process id instead",
+    )
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    checks = run_checks(engine.criu, engine.store)
+    if args.json:
+        out.print_json(data=[c.__dict__ for c in checks])
+    else:
+        table = Table(show_header=False, box=None)
+        for c in checks:
+            mark = "[green]ok[/]" if c.ok else ("[red]MISSING[/]" if c.required else "[yellow]--[/]")
+            table.add_row(mark, c.name, c.detail + (f"  [dim]({c.fix})[/]" if c.fix else ""))
+        out.print(table)
+    failed = [c for c in checks if c.required and not c.ok]
+    if failed and not args.json:
+        err.print(f"[red]{len(failed)} requirement(s) missing:[/] " + ", ".join(c.name for c in failed))
+    return 1 if failed else 0
+
+
+def cmd_kernelspec(args: argparse.Namespace) -> int:
+    from .kernelspec import install
+
+    dest = install(user=args.user, prefix=args.prefix)
+    out.print(f"installed kernelspec python3-snapshot in {dest}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    snapshots = _engine(args).list(args.notebook)
+    if args.json:
+        out.print_json(data=[s.summary() for s in snapshots])
+        return 0
+    if not snapshots:
+        out.print("no snapshots")
+        return 0
+    table = Table("name", "id", "created", "size", "notebook")
+    for s in snapshots:
+        created = datetime.fromtimestamp(s.created).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(s.name, s.id, created, _human(s.size_bytes), s.notebook_path or "")
+    out.print(table)
+    return 0
+
+
+def _describe(snapshot: Snapshot) -> str:
+    t = snapshot.manifest.get("timings", {})
+    return (
+        f"saved {snapshot.name} ({snapshot.id}): {_human(snapshot.size_bytes)}, "
+        f"kernel paused {t.get('pause', 0):.2f} s, total {t.get('total', 0):.2f} s"
+    )
+
+
+def cmd_save(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    if args.kernel_id:
+        pid, _ = _kernel_pid_from_id(args.kernel_id)
+        target = SaveTarget(pid=pid, kernel_id=args.kernel_id)
+    else:
+        target = SaveTarget(pid=args.pid)
+    with _ProgressBar(not args.json and err.is_terminal) as bar:
+        snapshot = asyncio.run(engine.save(target, name=args.name, stop=args.stop, progress=bar))
+    if args.json:
+        out.print_json(data=snapshot.summary())
+    else:
+        out.print(_describe(snapshot))
+    return 0
+
+
+def write_connection_file(info: dict[str, Any], directory: Path | None = None) -> Path:
+    directory = directory or Path(jupyter_runtime_dir())
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / f"kernel-{uuid.uuid4()}.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f, indent=2)
+    return path
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    with _ProgressBar(not args.json and err.is_terminal) as bar:
+        restored = asyncio.run(engine.restore(args.snapshot, progress=bar))
+    connection_file = write_connection_file(restored.connection_info)
+    result = {
+        "snapshot": restored.snapshot.id,
+        "pid": restored.pid,
+        "kernel_pid": restored.kernel_pid,
+        "connection_file": str(connection_file),
+        "timings": restored.timings,
+    }
+    if args.json:
+        out.print_json(data=result)
+    else:
+        out.print(
+            f"restored {restored.snapshot.name} as pid {restored.pid} "
+            f"(kernel pid {restored.kernel_pid}) in {restored.timings['total']:.2f} s\n"
+            f"connect with: jupyter console --existing {connection_file}"
+        )
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    snapshot = _engine(args).delete(args.snapshot)
+    out.print(f"deleted {snapshot.name} ({snapshot.id})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    kernel = process.inspect_kernel(args.pid)
+    data = {
+        "pid": kernel.kernel_pid,
+        "root_pid": kernel.root_pid,
+        "ready": kernel.ready,
+        "problems": kernel.problems,
+        "connection_file": str(kernel.connection_file) if kernel.connection_file else None,
+    }
+    if args.json:
+        out.print_json(data=data)
+    else:
+        state = "snapshot-ready" if kernel.ready else "not snapshot-ready: " + "; ".join(kernel.problems)
+        out.print(f"kernel pid {kernel.kernel_pid}: {state}")
+    return 0 if kernel.ready else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jupyter gpu-snapshot",
+        description="Snapshot live Jupyter kernels (CUDA state included) and restore them.",
+    )
+    parser.add_argument("--store", help="snapshot store directory (default: the configured one)")
+    parser.add_argument("--criu", help="criu executable to use")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="check criu, privileges, kernel features and the GPU driver")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("kernelspec", help="manage the python3-snapshot kernelspec")
+    ks = p.add_subparsers(dest="action", required=True)
+    pi = ks.add_parser("install", help="install the 'Python 3 (snapshots)' kernelspec")
+    where = pi.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="install for this user only")
+    where.add_argument("--sys-prefix", dest="prefix", action="store_const", const=sys.prefix,
+                       help="install into this Python environment (default)")
+    where.add_argument("--prefix", help="install under this prefix")
+    pi.set_defaults(func=cmd_kernelspec)
+
+    p = sub.add_parser("list", help="list snapshots")
+    p.add_argument("--notebook", help="only the snapshots of this notebook path")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("save", help="snapshot a running kernel")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pid", type=int, help="process id of the kernel")
+    target.add_argument("--kernel-id", help="Jupyter kernel id (from the server's /api/kernels)")
+    p.add_argument("--name", help="snapshot name (letters, digits, '.', '_', '-')")
+    p.add_argument("--stop", action="store_true", help="end the kernel after the snapshot")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_save)
+
+    p = sub.add_parser("restore", help="restore a snapshot as a standalone kernel")
+    p.add_argument("snapshot", help="snapshot name or id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("rm", help="delete a snapshot")
+    p.add_argument("snapshot", help="snapshot name or id")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("status", help="say whether a kernel process is snapshot-ready")
+    p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except SnapshotError as exc:
+        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

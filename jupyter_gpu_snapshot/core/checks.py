@@ -1,0 +1,123 @@
+"""What this machine needs for snapshots, checked one by one (``jupyter gpu-snapshot check``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .criu import MIN_VERSION, CriuRunner
+from .errors import SnapshotError
+from .store import SnapshotStore
+
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+CAP_CHECKPOINT_RESTORE = 40
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+    fix: str = ""
+
+
+def _effective_caps() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def check_criu(criu: CriuRunner) -> list[Check]:
+    fix = "run scripts/install-criu.sh (Debian) or install criu >= 4.2"
+    try:
+        version = criu.version()
+    except SnapshotError as exc:
+        return [Check("criu", False, exc.cause, fix=fix)]
+    text = ".".join(map(str, version))
+    if version[:2] < MIN_VERSION:
+        return [Check("criu", False, f"criu {text} found, 4.2 or newer needed", fix=fix)]
+    ok, output = criu.check_output()
+    last = output.splitlines()[-1] if output else ""
+    return [
+        Check("criu", True, f"criu {text} at {criu.executable()}"),
+        Check("criu check", ok, last or "no output", fix="" if ok else "see 'criu check' output"),
+    ]
+
+
+def check_privileges() -> Check:
+    if os.geteuid() == 0:
+        return Check("privileges", True, "running as root")
+    caps = _effective_caps()
+    needed = {
+        "CAP_CHECKPOINT_RESTORE": CAP_CHECKPOINT_RESTORE,
+        "CAP_SYS_ADMIN": CAP_SYS_ADMIN,
+        "CAP_SYS_PTRACE": CAP_SYS_PTRACE,
+    }
+    lacking = [name for name, bit in needed.items() if not caps & (1 << bit)]
+    if lacking:
+        return Check(
+            "privileges", False, f"missing {', '.join(lacking)}",
+            fix="run as root, or grant the capabilities to criu and the server",
+        )
+    return Check("privileges", True, "checkpoint capabilities present")
+
+
+def check_pid_namespaces() -> Check:
+    unshare = shutil.which("unshare")
+    if not unshare:
+        return Check("pid namespaces", False, "unshare not found", fix="install util-linux")
+    out = subprocess.run(
+        [unshare, "--pid", "--fork", "true"], capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        return Check(
+            "pid namespaces", False, out.stderr.strip() or "unshare --pid failed",
+            fix="snapshot-ready kernels need 'unshare --pid' (root or CAP_SYS_ADMIN)",
+        )
+    return Check("pid namespaces", True, "unshare --pid works")
+
+
+def check_kernel_features() -> Check:
+    if not Path("/proc/sys/kernel/ns_last_pid").exists():
+        return Check(
+            "kernel", False, "no /proc/sys/kernel/ns_last_pid",
+            fix="the Linux kernel needs CONFIG_CHECKPOINT_RESTORE",
+        )
+    return Check("kernel", True, f"Linux {os.uname().release} with CONFIG_CHECKPOINT_RESTORE")
+
+
+def check_store(store: SnapshotStore) -> Check:
+    try:
+        store.ensure()
+        free = store.free_bytes()
+    except OSError as exc:
+        return Check("store", False, f"{store.root}: {exc.strerror}", fix="set c.GPUSnapshot.store_dir")
+    mode = store.root.stat().st_mode & 0o777
+    if mode != 0o700:
+        return Check("store", False, f"{store.root} has mode {mode:o}, needs 700")
+    return Check("store", True, f"{store.root} (0700), {free / (1 << 30):.1f} GiB free")
+
+
+def run_checks(
+    criu: CriuRunner,
+    store: SnapshotStore,
+    extra: list[Callable[[], list[Check]]] | None = None,
+) -> list[Check]:
+    checks = [
+        *check_criu(criu),
+        check_privileges(),
+        check_pid_namespaces(),
+        check_kernel_features(),
+        check_store(store),
+    ]
+    for more in extra or []:
+        checks.extend(more())
+    return checks
