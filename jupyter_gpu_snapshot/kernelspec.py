@@ -23,6 +23,10 @@ def kernel_json(python: str | None = None) -> dict[str, Any]:
             # History lives in SQLite by default: a shared file that changes size under a
             # snapshot (CRIU then refuses the restore) and is locked across processes.
             "--HistoryManager.hist_file=:memory:",
+            # IPython's banner draws a random tip from the global `random` on every
+            # kernel_info request, so a client reconnecting after a restore would advance
+            # the user's RNG state.
+            "--InteractiveShell.enable_tip=False",
         ],
         "display_name": DISPLAY_NAME,
         "language": "python",
@@ -43,6 +47,6 @@ def install(user: bool = False, prefix: str | None = None) -> str:
         if prefix is None and not user:
             prefix = sys.prefix
         dest: str = KernelSpecManager().install_kernel_spec(
-            str(spec_dir), KERNEL_NAME, user=user, prefix=prefix, replace=True
+            str(spec_dir), KERNEL_NAME, user=user, prefix=prefix
         )
     return dest

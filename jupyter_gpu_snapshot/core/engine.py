@@ -215,6 +215,9 @@ class SnapshotEngine:
         criu_version = self.criu.require_version()
         snapshot_id = new_snapshot_id()
         ctx = SaveContext(target, kernel, snapshot_id, Path(), stop, report)
+        # Read now: with stop=True the tree is gone once criu is done.
+        log_files = _append_only_files(kernel.root_pid)
+        python_exe = _python_of(kernel.kernel_pid)
         for hook in self.hooks:
             await hook.preflight_save(ctx)
         estimate = process.tree_rss(kernel.root_pid) + ctx.extra_bytes
@@ -272,7 +275,7 @@ class SnapshotEngine:
 
         report(Progress("commit"))
         t = time.monotonic()
-        manifest = self._manifest(ctx, name, criu_version)
+        manifest = self._manifest(ctx, name, criu_version, log_files, python_exe)
         manifest["timings"] = timings
         try:
             snapshot = await asyncio.to_thread(
@@ -304,7 +307,14 @@ class SnapshotEngine:
                 first = first or exc
         return first
 
-    def _manifest(self, ctx: SaveContext, name: str | None, criu_version: str) -> dict[str, Any]:
+    def _manifest(
+        self,
+        ctx: SaveContext,
+        name: str | None,
+        criu_version: str,
+        log_files: list[str],
+        python_exe: str,
+    ) -> dict[str, Any]:
         target = ctx.target
         created = time.time()
         kernel_name = target.kernel_name or "python3-snapshot"
@@ -322,12 +332,12 @@ class SnapshotEngine:
                 "notebook_path": target.notebook_path,
                 "pid": ctx.kernel.kernel_pid,
                 "root_pid": ctx.kernel.root_pid,
-                "log_files": _append_only_files(ctx.kernel.root_pid),
+                "log_files": log_files,
             },
             "versions": {
                 "criu": criu_version,
                 "linux": platform.release(),
-                "python": _python_version_of(ctx.kernel.kernel_pid),
+                "python": python_exe,
                 "jupyter_gpu_snapshot": __version__,
             },
             **ctx.manifest,
@@ -477,9 +487,10 @@ def _ensure_append_file(path: Path) -> None:
         os.close(fd)
 
 
-def _python_version_of(pid: int) -> str:
+def _python_of(pid: int) -> str:
+    """The kernel's interpreter, e.g. ``python3.11 (/path/bin/python3.11)``."""
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
         return sys.version.split()[0]
-    return Path(exe).name
+    return f"{Path(exe).name} ({exe})"

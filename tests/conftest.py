@@ -1,0 +1,164 @@
+"""Shared fixtures: real snapshot-ready kernels, a private snapshot store, and helpers.
+
+Every kernel here is a real ipykernel launched through jupyter_client with the
+python3-snapshot kernelspec (our provisioner), and every snapshot is made by real CRIU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import textwrap
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from jupyter_client.blocking import BlockingKernelClient
+from jupyter_client.manager import KernelManager
+
+# Keep connection files and kernel logs of the tests out of the user's runtime dir.
+os.environ.setdefault("JUPYTER_RUNTIME_DIR", tempfile.mkdtemp(prefix="jgs-runtime-"))
+
+from jupyter_gpu_snapshot.core import process  # noqa: E402
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine  # noqa: E402
+from jupyter_gpu_snapshot.core.store import SnapshotStore  # noqa: E402
+from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, install  # noqa: E402
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one engine coroutine to completion from a synchronous test."""
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _snapshot_kernelspec() -> None:
+    install()
+
+
+@dataclass
+class KernelHandle:
+    """A running kernel and a client that talks to it."""
+
+    km: KernelManager
+    client: BlockingKernelClient
+
+    @property
+    def root_pid(self) -> int:
+        root = getattr(self.km.provisioner, "root_pid", None)
+        assert root, "the kernel was not launched by the snapshot provisioner"
+        return int(root)
+
+    @property
+    def kernel_pid(self) -> int:
+        found = process.kernel_of(self.root_pid)
+        assert found is not None
+        return int(found.pid)
+
+    def execute(self, code: str, timeout: float = 60) -> str:
+        return execute(self.client, code, timeout)
+
+
+class KernelError(AssertionError):
+    pass
+
+
+def execute(client: BlockingKernelClient, code: str, timeout: float = 60) -> str:
+    """Run code in the kernel; return what it printed; raise on an error reply."""
+    chunks: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        content = msg["content"]
+        if msg["msg_type"] == "stream":
+            chunks.append(content["text"])
+        elif msg["msg_type"] == "execute_result":
+            chunks.append(content["data"].get("text/plain", "") + "\n")
+        elif msg["msg_type"] == "error":
+            chunks.append("\n".join(content["traceback"]))
+
+    reply = client.execute_interactive(textwrap.dedent(code), timeout=timeout, output_hook=hook)
+    text = "".join(chunks)
+    if reply["content"]["status"] != "ok":
+        raise KernelError(f"kernel error: {reply['content'].get('ename')}: {text}")
+    return text
+
+
+def connect(info: dict[str, Any] | Path, timeout: float = 30) -> BlockingKernelClient:
+    client = BlockingKernelClient()
+    if isinstance(info, Path):
+        client.load_connection_file(str(info))
+    else:
+        client.load_connection_info(info)
+    client.start_channels()
+    client.wait_for_ready(timeout=timeout)
+    return client
+
+
+def start_kernel(kernel_name: str = KERNEL_NAME, **kwargs: Any) -> KernelHandle:
+    km = KernelManager(kernel_name=kernel_name, **kwargs)
+    km.start_kernel()
+    client = km.blocking_client()
+    client.start_channels()
+    client.wait_for_ready(timeout=60)
+    return KernelHandle(km, client)
+
+
+def stop_kernel(handle: KernelHandle) -> None:
+    handle.client.stop_channels()
+    root = getattr(handle.km.provisioner, "root_pid", None)
+    if handle.km.has_kernel:
+        handle.km.shutdown_kernel(now=True)
+    if root and process.tree_alive(root):
+        process.kill_tree(root)
+
+
+@pytest.fixture
+def kernel() -> Iterator[KernelHandle]:
+    handle = start_kernel()
+    try:
+        yield handle
+    finally:
+        stop_kernel(handle)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SnapshotStore:
+    return SnapshotStore(tmp_path / "store")
+
+
+@pytest.fixture
+def engine(store: SnapshotStore) -> SnapshotEngine:
+    return SnapshotEngine(store)
+
+
+class RestoredTrees:
+    """Restored process trees to kill after a test, whatever happened in it."""
+
+    def __init__(self) -> None:
+        self.roots: list[int] = []
+        self.clients: list[BlockingKernelClient] = []
+
+    def connect(self, info: dict[str, Any] | Path, root: int) -> BlockingKernelClient:
+        self.roots.append(root)
+        client = connect(info)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.stop_channels()
+        for root in self.roots:
+            process.kill_tree(root)
+
+
+@pytest.fixture
+def restored() -> Iterator[RestoredTrees]:
+    trees = RestoredTrees()
+    try:
+        yield trees
+    finally:
+        trees.close()

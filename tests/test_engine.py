@@ -1,0 +1,241 @@
+"""Scenarios for the snapshot engine: real kernels, real CRIU, state checked after restore.
+
+Each scenario sets up state that pickling-based tools cannot save (a generator mid-way, a
+closure, an open file, a live thread), snapshots, restores and checks it all came back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+
+from .conftest import KernelHandle, execute, run
+
+STATE_SETUP = """
+import hashlib, random, threading, time
+import numpy as np
+
+answer = 42
+words = {"a": [1, 2, 3], "b": "snapshot"}
+big = np.random.default_rng(1).random(25_000_000)          # ~200 MB of float64
+big_digest = hashlib.sha256(big.tobytes()).hexdigest()
+squares = (i * i for i in range(100))
+[next(squares) for _ in range(3)]                            # now at 3: next is 9
+add_five = (lambda k: lambda x: x + k)(5)
+fh = open(DATA_PATH)
+fh.read(5)
+random.seed(1234); random.random()
+rng = np.random.default_rng(99); rng.random(3)
+ticks = [0]
+def _tick():
+    while True:
+        ticks[0] += 1
+        time.sleep(0.01)
+threading.Thread(target=_tick, daemon=True).start()
+time.sleep(0.1)
+"""
+
+STATE_PROBE = """
+import json as _json
+print(_json.dumps({
+    "answer": answer,
+    "words": words,
+    "big": hashlib.sha256(big.tobytes()).hexdigest() == big_digest,
+    "big_len": int(big.size),
+    "closure": add_five(1),
+    "file_pos": fh.tell(),
+    "py_rng": hash(random.getstate()),
+    "np_rng": _json.dumps(rng.bit_generator.state, default=str),
+}))
+"""
+
+
+def _set_state(kernel: KernelHandle, tmp_path: Path) -> dict[str, object]:
+    data = tmp_path / "data.txt"
+    data.write_text("hello snapshot world")
+    kernel.execute(f"DATA_PATH = {str(data)!r}\n" + STATE_SETUP, timeout=120)
+    return _probe(kernel.execute)
+
+
+def _probe(execute: object) -> dict[str, object]:
+    assert callable(execute)
+    return dict(json.loads(execute(STATE_PROBE).strip().splitlines()[-1]))
+
+
+def _ticks(execute: object) -> int:
+    assert callable(execute)
+    return int(execute("time.sleep(0.3); print(ticks[0])").strip())
+
+
+def _save(engine: SnapshotEngine, kernel: KernelHandle, **kwargs: object) -> object:
+    target = SaveTarget(
+        pid=kernel.root_pid, connection_info=kernel.km.get_connection_info(), kernel_name="python3-snapshot"
+    )
+    return run(engine.save(target, **kwargs))  # type: ignore[arg-type]
+
+
+def _listed(store: SnapshotStore) -> list[str]:
+    return [s.id for s in store.list()]
+
+
+def _no_partials(store: SnapshotStore) -> None:
+    leftovers = [p.name for p in store.root.iterdir() if p.name.startswith(".partial-")]
+    assert leftovers == []
+
+
+def test_save_keep_running_then_kernel_continues(engine, store, kernel, tmp_path):
+    before = _set_state(kernel, tmp_path)
+    snap = _save(engine, kernel, name="keep-running")
+    assert _listed(store) == [snap.id]
+    # The kernel was only paused: same state, and it keeps computing.
+    assert _probe(kernel.execute) == before
+    t1 = _ticks(kernel.execute)
+    assert _ticks(kernel.execute) > t1
+    kernel.execute("answer += 1")
+    assert "43" in kernel.execute("print(answer)")
+
+    manifest = snap.manifest
+    assert manifest["format"] == 1
+    assert manifest["name"] == "keep-running"
+    assert manifest["kernel"]["connection_info"]["key"]
+    assert manifest["versions"]["criu"].startswith("4.")
+    assert {"suspend", "dump", "resume", "commit", "total", "pause"} <= set(manifest["timings"])
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    # Snapshots are secrets: the store and everything in it are private.
+    assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(snap.path.stat().st_mode) == 0o700
+    for f in snap.path.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    _no_partials(store)
+
+
+def test_save_stop_restore_brings_back_all_state(engine, store, kernel, tmp_path, restored):
+    before = _set_state(kernel, tmp_path)
+    root = kernel.root_pid
+    snap = _save(engine, kernel, name="stopped", stop=True)
+    kernel.km.provisioner.process.wait(timeout=10)
+    assert not process.tree_alive(root)
+
+    back = run(engine.restore("stopped"))
+    assert back.pid != root or True  # the host pid may or may not repeat; the state must
+    client = restored.connect(back.connection_info, back.pid)
+    run_code = lambda code: execute(client, code)  # noqa: E731
+    assert _probe(run_code) == before
+    assert "9" == run_code("print(next(squares))").strip()
+    assert run_code("print(repr(fh.read(4)))").strip() == "' sna'"
+    t1 = _ticks(run_code)
+    assert _ticks(run_code) > t1, "the background thread stopped counting"
+    assert "43" in run_code("answer += 1; print(answer)")
+    # Inside its namespace the kernel keeps its pid; outside it has a fresh one.
+    assert process.namespace_init(back.kernel_pid) == back.pid
+
+
+def test_restore_twice_from_one_snapshot(engine, kernel, tmp_path, restored):
+    before = _set_state(kernel, tmp_path)
+    snap = _save(engine, kernel, stop=True)
+    kernel.km.provisioner.process.wait(timeout=10)
+    for _ in range(2):
+        back = run(engine.restore(snap.id))
+        client = restored.connect(back.connection_info, back.pid)
+        assert _probe(lambda code, c=client: execute(c, code)) == before
+        client.stop_channels()
+        process.kill_tree(back.pid)
+
+
+def test_restore_while_original_runs_is_refused(engine, store, kernel, tmp_path):
+    before = _set_state(kernel, tmp_path)
+    snap = _save(engine, kernel)
+    with pytest.raises(SnapshotError) as err:
+        run(engine.restore(snap.id))
+    assert err.value.step == "preflight"
+    assert "in use" in err.value.message and "still running" in err.value.message
+    assert _probe(kernel.execute) == before
+    assert _listed(store) == [snap.id]
+
+
+def _occupy_pid(pid: int) -> object:
+    """Start a process that gets exactly ``pid`` (root may steer the next pid)."""
+    import subprocess
+    import time
+
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "600"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+        time.sleep(0.01)
+    pytest.fail(f"could not start a process with pid {pid}")
+
+
+def test_restore_after_original_pids_are_taken(engine, kernel, tmp_path, restored):
+    before = _set_state(kernel, tmp_path)
+    root, kpid = kernel.root_pid, kernel.kernel_pid
+    snap = _save(engine, kernel, stop=True)
+    kernel.km.provisioner.process.wait(timeout=10)
+    squatters = [_occupy_pid(root), _occupy_pid(kpid)]
+    try:
+        back = run(engine.restore(snap.id))
+        client = restored.connect(back.connection_info, back.pid)
+        assert _probe(lambda code: execute(client, code)) == before
+        assert back.pid not in (root, kpid)
+    finally:
+        for proc in squatters:
+            proc.kill()  # type: ignore[attr-defined]
+            proc.wait()  # type: ignore[attr-defined]
+
+
+def test_corrupted_image_is_refused_before_criu_runs(engine, store, kernel, tmp_path):
+    _set_state(kernel, tmp_path)
+    snap = _save(engine, kernel, stop=True)
+    pages = max(snap.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(pages.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    logs_before = set((store.root / "logs").glob("*")) if (store.root / "logs").exists() else set()
+    with pytest.raises(SnapshotError) as err:
+        run(engine.restore(snap.id))
+    assert err.value.step == "verify"
+    assert pages.name in err.value.message and "sha256" in err.value.message
+    logs_after = set((store.root / "logs").glob("*")) if (store.root / "logs").exists() else set()
+    assert logs_after == logs_before, "criu ran although the image was corrupt"
+
+    pages.unlink()
+    with pytest.raises(SnapshotError, match="missing"):
+        run(engine.restore(snap.id))
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "x" * 65, "name with space", ".."])
+def test_bad_names_are_refused_and_nothing_changes(engine, store, kernel, bad):
+    kernel.execute("x = 1")
+    with pytest.raises(InvalidRequest) as err:
+        _save(engine, kernel, name=bad)
+    assert err.value.step == "preflight" and "invalid snapshot name" in err.value.message
+    with pytest.raises(SnapshotError):
+        run(engine.restore(bad))
+    assert _listed(store) == []
+    assert "1" in kernel.execute("print(x)")
+
+
+def test_unknown_snapshot_and_duplicate_name(engine, store, kernel):
+    with pytest.raises(NotFound, match="no snapshot 'nope'"):
+        run(engine.restore("nope"))
+    with pytest.raises(NotFound):
+        engine.delete("20260101T000000Z-deadbeef")
+    _save(engine, kernel, name="once")
+    with pytest.raises(InvalidRequest, match="exists already"):
+        _save(engine, kernel, name="once")
+    assert len(_listed(store)) == 1
