@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -79,10 +80,17 @@ def _kernel_pid_from_id(kernel_id: str) -> tuple[int, Path]:
     connection_file = Path(jupyter_runtime_dir()) / f"kernel-{kernel_id}.json"
     import psutil
 
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info.get("cmdline") or []
-        if str(connection_file) in cmdline and "ipykernel" in " ".join(cmdline):
-            return proc.pid, connection_file
+    matching = {
+        proc.pid
+        for proc in psutil.process_iter(["cmdline"])
+        if str(connection_file) in (proc.info.get("cmdline") or [])
+    }
+    # The launcher and the namespace init carry the kernel's command line too; the kernel
+    # is the innermost of them.
+    for pid in matching:
+        with contextlib.suppress(psutil.Error):
+            if not any(child.pid in matching for child in psutil.Process(pid).children()):
+                return pid, connection_file
     raise NotFound(
         "lookup",
         f"no running kernel with id {kernel_id} (looked for {connection_file})",
@@ -98,12 +106,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         table = Table(show_header=False, box=None)
         for c in checks:
-            mark = "[green]ok[/]" if c.ok else ("[red]MISSING[/]" if c.required else "[yellow]--[/]")
+            missing = "[red]MISSING[/]" if c.required else "[yellow]--[/]"
+            mark = "[green]ok[/]" if c.ok else missing
             table.add_row(mark, c.name, c.detail + (f"  [dim]({c.fix})[/]" if c.fix else ""))
         out.print(table)
     failed = [c for c in checks if c.required and not c.ok]
     if failed and not args.json:
-        err.print(f"[red]{len(failed)} requirement(s) missing:[/] " + ", ".join(c.name for c in failed))
+        names = ", ".join(c.name for c in failed)
+        err.print(f"[red]{len(failed)} requirement(s) missing:[/] {names}")
     return 1 if failed else 0
 
 
@@ -206,7 +216,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         out.print_json(data=data)
     else:
-        state = "snapshot-ready" if kernel.ready else "not snapshot-ready: " + "; ".join(kernel.problems)
+        why = "; ".join(kernel.problems)
+        state = "snapshot-ready" if kernel.ready else f"not snapshot-ready: {why}"
         out.print(f"kernel pid {kernel.kernel_pid}: {state}")
     return 0 if kernel.ready else 1
 

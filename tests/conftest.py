@@ -22,10 +22,10 @@ from jupyter_client.manager import KernelManager
 # Keep connection files and kernel logs of the tests out of the user's runtime dir.
 os.environ.setdefault("JUPYTER_RUNTIME_DIR", tempfile.mkdtemp(prefix="jgs-runtime-"))
 
-from jupyter_gpu_snapshot.core import process  # noqa: E402
-from jupyter_gpu_snapshot.core.engine import SnapshotEngine  # noqa: E402
-from jupyter_gpu_snapshot.core.store import SnapshotStore  # noqa: E402
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, install  # noqa: E402
+from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, install
 
 T = TypeVar("T")
 

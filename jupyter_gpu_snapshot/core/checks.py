@@ -99,7 +99,9 @@ def check_store(store: SnapshotStore) -> Check:
         store.ensure()
         free = store.free_bytes()
     except OSError as exc:
-        return Check("store", False, f"{store.root}: {exc.strerror}", fix="set c.GPUSnapshot.store_dir")
+        return Check(
+            "store", False, f"{store.root}: {exc.strerror}", fix="set c.GPUSnapshot.store_dir"
+        )
     mode = store.root.stat().st_mode & 0o777
     if mode != 0o700:
         return Check("store", False, f"{store.root} has mode {mode:o}, needs 700")

@@ -18,6 +18,8 @@ MIN_VERSION = (4, 2)
 # CRIU prefixes its error lines like "(00.123456) Error (criu/sk-inet.c:93): ...".
 _ERROR_LINE = re.compile(r"^\(\s*[\d.]+\)\s+(?:\d+:\s+)?Error \([^)]*\):\s*(.*)$")
 _PORT = re.compile(r"port (\d+)")
+# Logged as errors on every run on some systems without affecting the outcome.
+_BENIGN = re.compile(r"Can't setup RLIMIT_NOFILE")
 
 # What a cause in CRIU's log means for the user, first match wins.
 _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
@@ -52,7 +54,7 @@ def explain_log(log_path: Path, returncode: int) -> str:
         with open(log_path, errors="replace") as f:
             for line in f:
                 match = _ERROR_LINE.match(line.strip())
-                if match:
+                if match and not _BENIGN.search(match.group(1)):
                     errors.append(match.group(1).strip())
     except OSError:
         return f"criu exited with status {returncode} and left no log"
@@ -65,6 +67,11 @@ def explain_log(log_path: Path, returncode: int) -> str:
             detail = f" (port {port.group(1)})" if port and "port" in meaning else ""
             return f"{meaning}{detail}; criu said: {errors[0]}"
     return f"criu said: {errors[0]}"
+
+
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
@@ -158,8 +165,7 @@ class CriuRunner:
                 on_tick()
         _, stderr = wait.result()
         if stderr and proc.returncode:
-            with open(log_path, "ab") as f:
-                f.write(b"\n-- criu stderr --\n" + stderr[-4000:])
+            await asyncio.to_thread(_append, log_path, b"\n-- criu stderr --\n" + stderr[-4000:])
         return CriuRun(argv, proc.returncode or 0, time.monotonic() - started, log_path)
 
     def check_output(self) -> tuple[bool, str]:

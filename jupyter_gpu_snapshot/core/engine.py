@@ -13,11 +13,14 @@ caller never leaves a kernel frozen or its CUDA locked.
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
 import os
 import platform
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -159,12 +162,17 @@ class SnapshotEngine:
         return path
 
     def _keep_log(self, log: Path, label: str) -> Path:
-        kept = self.logs_dir() / f"{time.strftime('%Y%m%dT%H%M%S')}-{label}.log"
+        """Copy a failed run's criu log into the store's logs/; where that fails (a full
+        disk), keep the private temporary copy, so the error always points at a log."""
         try:
+            kept = self.logs_dir() / f"{time.strftime('%Y%m%dT%H%M%S')}-{label}.log"
             shutil.copyfile(log, kept)
             os.chmod(kept, 0o600)
         except OSError:
-            return log
+            fd, spare = tempfile.mkstemp(prefix=f"jupyter-gpu-snapshot-{label}-", suffix=".log")
+            os.close(fd)
+            shutil.copyfile(log, spare)
+            return Path(spare)
         return kept
 
     def _claim(self, key: int | str, what: str) -> None:
@@ -231,8 +239,9 @@ class SnapshotEngine:
             )
         partial = self.store.begin(snapshot_id)
         ctx.images_dir = partial
+        work = Path(tempfile.mkdtemp(prefix="jupyter-gpu-snapshot-dump-"))
         timings: dict[str, float] = {"preflight": time.monotonic() - started}
-        suspended: list[SnapshotHook] = []
+        suspended: builtins.list[SnapshotHook] = []
         pause_started = time.monotonic()
         error: BaseException | None = None
         run = None
@@ -250,15 +259,16 @@ class SnapshotEngine:
                 report(Progress("dump", _dir_bytes(partial), estimate))
 
             report(Progress("dump", 0, estimate))
-            argv = self.criu.dump_argv(
-                kernel.root_pid, partial, partial, leave_running=not stop
-            )
-            run = await self.criu.run(argv, partial / "dump.log", on_tick=dump_tick)
+            argv = self.criu.dump_argv(kernel.root_pid, partial, work, leave_running=not stop)
+            run = await self.criu.run(argv, work / "dump.log", on_tick=dump_tick)
             timings["dump"] = time.monotonic() - t
             if run.returncode != 0:
                 error = self.criu.failure("dump", run, self._keep_log(run.log_path, "dump"))
         except BaseException as exc:  # a hook failed: roll back what ran
             error = exc
+        finally:
+            # criu's log lives off the store's disk: on a full disk it would lose the cause.
+            shutil.rmtree(work, ignore_errors=True)
         t = time.monotonic()
         report(Progress("resume"))
         resume_error = await self._resume(ctx, suspended, error)
@@ -297,7 +307,7 @@ class SnapshotEngine:
         return snapshot
 
     async def _resume(
-        self, ctx: SaveContext, suspended: list[SnapshotHook], error: BaseException | None
+        self, ctx: SaveContext, suspended: builtins.list[SnapshotHook], error: BaseException | None
     ) -> BaseException | None:
         first: BaseException | None = None
         for hook in reversed(suspended):
@@ -312,7 +322,7 @@ class SnapshotEngine:
         ctx: SaveContext,
         name: str | None,
         criu_version: str,
-        log_files: list[str],
+        log_files: builtins.list[str],
         python_exe: str,
     ) -> dict[str, Any]:
         target = ctx.target
@@ -386,8 +396,7 @@ class SnapshotEngine:
 
         t = time.monotonic()
         report(Progress("restore", 0, snapshot.size_bytes))
-        work = self.logs_dir() / f".restore-{snapshot.id}-{os.getpid()}-{int(time.time()*1e3)}"
-        work.mkdir(mode=0o700)
+        work = Path(tempfile.mkdtemp(prefix="jupyter-gpu-snapshot-restore-"))
         pidfile = work / "restore.pid"
         try:
             run = await self.criu.run(
@@ -454,10 +463,8 @@ def _dir_bytes(path: Path) -> int:
     try:
         with os.scandir(path) as it:
             for entry in it:
-                try:
+                with contextlib.suppress(OSError):
                     total += entry.stat(follow_symlinks=False).st_size
-                except OSError:
-                    pass
     except OSError:
         pass
     return total
@@ -475,7 +482,7 @@ def _append_only_files(root: int) -> list[str]:
             for f in proc.open_files():
                 if f.mode == "a":
                     found.add(f.path)
-        except Exception:  # noqa: BLE001 - a vanished process has no files to keep
+        except Exception:
             continue
     return sorted(found)
 

@@ -16,6 +16,7 @@ Only the standard library is imported: this process is part of every snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -40,10 +41,8 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: nsinit.py --log FILE -- COMMAND...\n")
         return 2
     log_path, command = argv[1], argv[3:]
-    try:
+    with contextlib.suppress(OSError):  # already a session leader
         os.setsid()
-    except OSError:
-        pass  # already a session leader
     _redirect_stdio(log_path)
     # No descriptor of the launcher may leak into the dumped tree.
     os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)
@@ -58,10 +57,8 @@ def main(argv: list[str]) -> int:
             os._exit(127)
 
     def forward(signum: int, _frame: object) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(kernel_pid, signum)
-        except ProcessLookupError:
-            pass
 
     for signum in FORWARDED:
         signal.signal(signum, forward)

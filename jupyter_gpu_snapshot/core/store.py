@@ -7,6 +7,7 @@ the whole memory of a kernel (tokens, keys), so the store is 0700 and every file
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import json
@@ -298,9 +299,9 @@ class SnapshotStore:
                 )
 
     # -- housekeeping ----------------------------------------------------------------------
-    def clean_stale(self) -> list[Path]:
+    def clean_stale(self) -> builtins.list[Path]:
         """Remove working directories left by saves whose process is gone."""
-        removed: list[Path] = []
+        removed: builtins.list[Path] = []
         if not self.root.is_dir():
             return removed
         for entry in self.root.iterdir():
@@ -319,7 +320,7 @@ class SnapshotStore:
                 removed.append(entry)
         return removed
 
-    def prune(self, keep: int, notebook_path: str | None) -> list[Snapshot]:
+    def prune(self, keep: int, notebook_path: str | None) -> builtins.list[Snapshot]:
         """Delete all but the newest ``keep`` snapshots of one notebook."""
         if keep <= 0:
             return []

@@ -1,0 +1,170 @@
+"""The failure contract: whatever fails, one clear error naming the step and the cause,
+the kernel alive and answering, nothing partial listed, earlier snapshots untouched."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core.criu import CriuRunner
+from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+
+from .conftest import KernelHandle, run, start_kernel, stop_kernel
+
+
+def _target(kernel: KernelHandle) -> SaveTarget:
+    return SaveTarget(pid=kernel.root_pid, connection_info=kernel.km.get_connection_info())
+
+
+def _assert_contract(kernel: KernelHandle, store: SnapshotStore, listed_before: list[str]) -> None:
+    assert process.tree_alive(kernel.root_pid)
+    assert kernel.execute("counter += 1; print(counter)").strip().isdigit()
+    assert [s.id for s in store.list()] == listed_before
+    assert not any(p.name.startswith(".partial-") for p in store.root.iterdir())
+
+
+def _wrapper(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "criu-wrapper"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.fixture
+def busy_kernel(kernel: KernelHandle) -> KernelHandle:
+    kernel.execute("import numpy as np; counter = 0; data = np.ones(20_000_000)")
+    return kernel
+
+
+def test_criu_missing(store, busy_kernel):
+    engine = SnapshotEngine(store, CriuRunner("/nonexistent/criu"))
+    with pytest.raises(NotReady) as err:
+        run(engine.save(_target(busy_kernel)))
+    assert err.value.step == "preflight" and "criu not found" in err.value.message
+    store.ensure()
+    _assert_contract(busy_kernel, store, [])
+
+
+def test_criu_too_old(store, busy_kernel, tmp_path):
+    old = _wrapper(tmp_path, 'echo "Version: 3.17.1"\n')
+    engine = SnapshotEngine(store, CriuRunner(old))
+    with pytest.raises(NotReady, match=r"criu 3\.17\.1 is too old"):
+        run(engine.save(_target(busy_kernel)))
+    store.ensure()
+    _assert_contract(busy_kernel, store, [])
+
+
+def test_criu_killed_mid_dump(store, busy_kernel, tmp_path):
+    good = SnapshotEngine(store)
+    earlier = run(good.save(_target(busy_kernel), name="earlier"))
+    real = shutil.which("criu")
+    # Runs the real criu and SIGKILLs it while it is dumping.
+    killer = _wrapper(
+        tmp_path,
+        f'case "$1" in dump) "{real}" "$@" & pid=$!; sleep 0.15; kill -9 $pid; wait $pid; '
+        f'exit $?;; *) exec "{real}" "$@";; esac\n',
+    )
+    engine = SnapshotEngine(store, CriuRunner(killer))
+    with pytest.raises(SnapshotError) as err:
+        run(engine.save(_target(busy_kernel), name="doomed"))
+    assert err.value.step == "dump"
+    assert err.value.log_path is not None and err.value.log_path.exists()
+    _assert_contract(busy_kernel, store, [earlier.id])
+    # The earlier snapshot is intact: it still verifies.
+    store.verify(store.get("earlier"))
+
+
+def test_criu_error_is_explained_from_its_log(store, busy_kernel, tmp_path):
+    failing = _wrapper(
+        tmp_path,
+        'case "$1" in --version) echo "Version: 4.2.1";; '
+        'dump) while [ "$1" != "-W" ]; do shift; done; '
+        'echo "(00.012) Error (criu/cr-dump.c:1): No space left on device" > "$2/dump.log"; '
+        "exit 1;; esac\n",
+    )
+    engine = SnapshotEngine(store, CriuRunner(failing))
+    with pytest.raises(SnapshotError) as err:
+        run(engine.save(_target(busy_kernel)))
+    assert err.value.step == "dump"
+    assert "disk holding the snapshot store is full" in err.value.message
+    _assert_contract(busy_kernel, store, [])
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_too_small_is_refused_before_freezing(small_fs, busy_kernel):
+    store = SnapshotStore(small_fs / "store")
+    engine = SnapshotEngine(store)
+    with pytest.raises(SnapshotError) as err:
+        run(engine.save(_target(busy_kernel)))
+    assert err.value.step == "preflight" and "not enough free disk" in err.value.message
+    _assert_contract(busy_kernel, store, [])
+
+
+def test_disk_filling_during_dump(small_fs, busy_kernel, monkeypatch):
+    # The disk fills while the dump runs (another writer raced us past the preflight).
+    store = SnapshotStore(small_fs / "store")
+    monkeypatch.setattr(SnapshotStore, "free_bytes", lambda self: 1 << 40)
+    engine = SnapshotEngine(store)
+    with pytest.raises(SnapshotError) as err:
+        run(engine.save(_target(busy_kernel)))
+    assert err.value.step in ("dump", "commit")
+    assert "full" in err.value.message or "No space" in err.value.message
+    _assert_contract(busy_kernel, store, [])
+
+
+def test_kernel_not_snapshot_ready(store):
+    plain = start_kernel("python3")
+    try:
+        pid = plain.km.provisioner.process.pid
+        with pytest.raises(NotReady) as err:
+            run(SnapshotEngine(store).save(SaveTarget(pid=pid)))
+        message = err.value.message
+        assert "not snapshot-ready" in message and "python3-snapshot" in message
+        assert "1" in plain.execute("print(1)")
+    finally:
+        stop_kernel(plain)
+
+
+def test_unknown_pid(store):
+    with pytest.raises(SnapshotError, match="no process with pid"):
+        run(SnapshotEngine(store).save(SaveTarget(pid=2**22 + 12345)))
+
+
+def test_failing_hook_rolls_back(store, busy_kernel):
+    from jupyter_gpu_snapshot.core.engine import SaveContext, SnapshotHook
+
+    calls: list[str] = []
+
+    class Recorder(SnapshotHook):
+        async def before_dump(self, ctx: SaveContext) -> None:
+            calls.append("before")
+
+        async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+            calls.append(f"after:{type(error).__name__}")
+
+    class Refuses(SnapshotHook):
+        async def before_dump(self, ctx: SaveContext) -> None:
+            raise SnapshotError("suspend", "CUDA lock timed out after 0.1 s")
+
+    engine = SnapshotEngine(store, hooks=[Recorder(), Refuses()])
+    with pytest.raises(SnapshotError, match="suspend failed: CUDA lock timed out"):
+        run(engine.save(_target(busy_kernel)))
+    # The hook that had run was told to resume; the one that failed was not.
+    assert calls == ["before", "after:SnapshotError"]
+    _assert_contract(busy_kernel, store, [])

@@ -1,0 +1,76 @@
+"""The snapshot-ready provisioner behaves like the default one, and launches kernels the
+way a restore needs them: own PID namespace, own session, no parent polling, no pipes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from jupyter_gpu_snapshot.core import process
+
+from .conftest import KernelError, KernelHandle, start_kernel
+
+
+def _nspid(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return line.split()[1:]
+    return []
+
+
+def test_kernel_runs_under_its_own_namespace_init(kernel: KernelHandle):
+    root, kpid = kernel.root_pid, kernel.kernel_pid
+    assert _nspid(root)[-1] == "1" and _nspid(kpid)[-1] == "2"
+    assert process.pid_namespace(kpid) != process.pid_namespace(os.getpid())
+    # The init leads its own session inside the namespace; the kernel lives in it.
+    assert os.getsid(root) == root and os.getsid(kpid) == root
+    assert "JPY_PARENT_PID" not in psutil.Process(kpid).environ()
+    inspected = process.inspect_kernel(kpid)
+    assert inspected.ready, inspected.problems
+    assert inspected.root_pid == root
+    log = kernel.km.provisioner.log_path
+    kernel.execute("import sys; print('to-the-log', file=sys.__stderr__, flush=True)")
+    deadline = time.monotonic() + 5
+    while "to-the-log" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "to-the-log" in log.read_text()
+
+
+def test_interrupt_reaches_the_kernel(kernel: KernelHandle):
+    kernel.client.execute("import time; time.sleep(60)")
+    time.sleep(1.0)
+    kernel.km.interrupt_kernel()
+    reply = kernel.client.get_shell_msg(timeout=20)
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert "2" in kernel.execute("print(1 + 1)")
+
+
+def test_restart_gives_a_fresh_kernel_and_ends_the_old_tree(kernel: KernelHandle):
+    kernel.execute("marker = 'old'")
+    old_root = kernel.root_pid
+    kernel.km.restart_kernel(now=True)
+    kernel.client.wait_for_ready(timeout=60)
+    assert kernel.root_pid != old_root
+    assert not process.tree_alive(old_root)
+    with pytest.raises(KernelError, match="NameError"):
+        kernel.execute("print(marker)")
+
+
+def test_shutdown_and_kill_leave_nothing_running(kernel: KernelHandle):
+    root, kpid = kernel.root_pid, kernel.kernel_pid
+    launcher = kernel.km.provisioner.process.pid
+    kernel.client.stop_channels()
+    kernel.km.shutdown_kernel()
+    for pid in (root, kpid, launcher):
+        assert not process.tree_alive(pid), pid
+
+    other = start_kernel()
+    root, launcher = other.root_pid, other.km.provisioner.process.pid
+    other.client.stop_channels()
+    other.km.shutdown_kernel(now=True)  # the kill path
+    assert not process.tree_alive(root) and not process.tree_alive(launcher)
