@@ -15,8 +15,10 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +37,8 @@ OWNER_FILE = ".owner"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
 _HASH_CHUNK = 8 << 20
+TREE_CHUNK = 64 << 20
+TREE_TAG = b"jupyter-gpu-snapshot sha256 tree, 64 MiB chunks\n"
 
 ProgressFn = Callable[[int, int], None]
 
@@ -69,13 +73,45 @@ def new_snapshot_id(now: float | None = None) -> str:
 
 
 def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
+    """The sha256 of a file; large files are hashed in parallel chunks.
+
+    Files up to ``TREE_CHUNK`` bytes get their plain sha256. Larger ones (the memory pages)
+    get the sha256 of the concatenated sha256s of their ``TREE_CHUNK``-sized chunks, so that
+    every core hashes at once: checking a multi-GB image before each restore is otherwise
+    several seconds of one core at about 1.5 GB/s.
+    """
+    size = path.stat().st_size
+    if size <= TREE_CHUNK:
+        digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+                if progress:
+                    progress(len(chunk))
+        return digest.hexdigest()
+    lock = threading.Lock()
+    fd = os.open(path, os.O_RDONLY)
+
+    def chunk_digest(offset: int) -> bytes:
+        digest = hashlib.sha256()
+        end = min(offset + TREE_CHUNK, size)
+        while offset < end:
+            data = os.pread(fd, min(_HASH_CHUNK, end - offset), offset)
+            if not data:
+                raise OSError(f"{path} shrank while it was read")
+            digest.update(data)  # releases the GIL: chunks really hash in parallel
+            offset += len(data)
             if progress:
-                progress(len(chunk))
-    return digest.hexdigest()
+                with lock:
+                    progress(len(data))
+        return digest.digest()
+
+    try:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            parts = list(pool.map(chunk_digest, range(0, size, TREE_CHUNK)))
+    finally:
+        os.close(fd)
+    return hashlib.sha256(TREE_TAG + b"".join(parts)).hexdigest()
 
 
 def _fsync_path(path: Path) -> None:
