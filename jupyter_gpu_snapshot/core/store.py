@@ -348,10 +348,8 @@ class SnapshotStore:
                 owner = -1
                 with contextlib.suppress(OSError, ValueError):
                     owner = int((entry / OWNER_FILE).read_text())
-                if owner > 0 and owner != os.getpid() and psutil.pid_exists(owner):
-                    continue
-                if owner == os.getpid():
-                    continue
+                if owner > 0 and psutil.pid_exists(owner):
+                    continue  # a save in progress, ours or another process's
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
         return removed
