@@ -128,6 +128,9 @@ class CriuRunner:
             # connection file. --tcp-established would need a network lock.
             "--tcp-close",
             "--file-locks",
+            # The namespace's own mounts (its /proc) are dumped; the host's mounts it
+            # inherited are recorded as external and bound back at restore.
+            "--external", "mnt[]",
         ]
         if leave_running:
             argv.append("--leave-running")
@@ -138,6 +141,8 @@ class CriuRunner:
             self.executable(), "restore", "-D", str(images), "-W", str(work),
             "-o", "restore.log", "-v4", "--tcp-close", "--file-locks",
             "--restore-detached", "--pidfile", str(pidfile),
+            # The counterpart of --external mnt[] at dump: bind the host's mounts back.
+            "--ext-mount-map", "auto", "--root", "/",
         ]
 
     async def run(

@@ -5,6 +5,9 @@ becomes PID 1 of a fresh PID namespace, so CRIU can dump the whole tree and rest
 a new namespace where its PIDs can never clash with the host's. It:
 
 - starts its own session inside the namespace (CRIU refuses a session leader outside it);
+- gives the namespace its own mount namespace with a fresh /proc: with the host's /proc,
+  /proc/self/task/<tid> names host thread ids while gettid() returns namespace ones, and
+  libcuda fails its initialisation on that mismatch (cuInit: CUDA_ERROR_OPERATING_SYSTEM);
 - points stdin at /dev/null and stdout/stderr at an append-only log file, because pipes to
   the launching server do not survive a restore, and CRIU skips the size check only for
   files opened write-only with O_APPEND;
@@ -17,6 +20,7 @@ Only the standard library is imported: this process is part of every snapshot.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -36,14 +40,43 @@ def _redirect_stdio(log_path: str) -> None:
             os.close(fd)
 
 
+_PROC_READY = "JUPYTER_GPU_SNAPSHOT_NSINIT_PROC"
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+
+
+def _own_proc() -> str | None:
+    """Enter a private mount namespace and mount this PID namespace's /proc; None if done."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}"
+    # Private, so that the new /proc never propagates back to the host's mounts.
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return f"making / private: {os.strerror(ctypes.get_errno())}"
+    if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
+        return f"mounting /proc: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[0] != "--log" or argv[2] != "--":
         sys.stderr.write("usage: nsinit.py --log FILE -- COMMAND...\n")
         return 2
     log_path, command = argv[1], argv[3:]
+    problem = None
+    if os.environ.pop(_PROC_READY, None) is None:
+        problem = _own_proc()
+        if problem is None:
+            # Exec ourselves again: what was mapped before the unshare (python, its
+            # libraries) refers to the host's mounts, which CRIU cannot resolve inside.
+            os.environ[_PROC_READY] = "1"
+            os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__), *argv])
     with contextlib.suppress(OSError):  # already a session leader
         os.setsid()
     _redirect_stdio(log_path)
+    if problem is not None:
+        # CPU kernels still work; CUDA will not initialise in this namespace.
+        sys.stderr.write(f"nsinit: no private /proc ({problem}); CUDA will not work here\n")
     # No descriptor of the launcher may leak into the dumped tree.
     os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)
 
