@@ -10,6 +10,7 @@ the restored process as a normal kernel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -17,22 +18,33 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 from jupyter_client.connect import KernelConnectionInfo
-from jupyter_client.provisioning import LocalProvisioner
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from jupyter_core.paths import jupyter_runtime_dir
+from jupyter_core.utils import ensure_async
 from traitlets import Unicode
 
 from .config import GPUSnapshot
 from .core import process
-from .core.engine import RestoredKernel
+from .core.engine import ProgressCallback, RestoredKernel, SnapshotEngine
 
 NSINIT = Path(__file__).parent / "core" / "nsinit.py"
 PROVISIONER_NAME = "gpu-snapshot-provisioner"
 # Kernel start must fail loudly, not hang, if the namespace init never shows up.
 _INIT_WAIT_SECONDS = 10.0
+# How a kernel finds the server that launched it (the %gpu_snapshot magic reads these).
+ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
+ENV_TOKEN = "JUPYTER_GPU_SNAPSHOT_TOKEN"
+ENV_KERNEL_ID = "JUPYTER_GPU_SNAPSHOT_KERNEL_ID"
+# Keyword arguments of ``KernelManager.start_kernel`` that ask for an adoption; they must
+# never reach Popen, and a restart finds them again in the manager's launch arguments.
+RESTORE_KWARGS = ("restore_snapshot", "restore_engine", "restore_progress")
+# How long the message telling a restored kernel its new slot waits for a reply; the
+# kernel runs it after a running cell even when nobody waits any more.
+_ENV_REFRESH_SECONDS = 10.0
 
 
 def kernel_log_dir() -> Path:
@@ -68,8 +80,43 @@ def wait_for_namespace_init(launcher_pid: int, timeout: float = _INIT_WAIT_SECON
     )
 
 
+async def refresh_kernel_env(km: Any, env: dict[str, str], log: Any) -> bool:
+    """Update ``os.environ`` inside a running kernel with a silent execute request.
+
+    Silent requests leave no history, no output and no execution count. A kernel busy with
+    a cell runs it after the cell; we stop waiting for the reply after a few seconds.
+    Returns whether the kernel confirmed; failures are logged, never raised.
+    """
+    try:
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    except Exception as exc:
+        log.warning("could not tell the restored kernel its new environment: %s", exc)
+        return False
+    try:
+        code = f"__import__('os').environ.update({env!r})"
+        msg_id = client.execute(code, silent=True, store_history=False)
+        deadline = time.monotonic() + _ENV_REFRESH_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                reply = await ensure_async(
+                    client.get_shell_msg(timeout=max(0.0, deadline - time.monotonic()))
+                )
+            except Exception:  # queue.Empty on timeout: the kernel is busy with a cell
+                break
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return bool(reply["content"].get("status") == "ok")
+        log.info("the restored kernel has not yet taken its new environment (it is busy)")
+        return False
+    finally:
+        client.stop_channels()
+
+
 class AdoptedProcess:
     """Popen-like handle on a restored kernel tree, which is not our child."""
+
+    # No pipes: LocalProvisioner.wait() closes these when they are set.
+    stdin = stdout = stderr = None
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -98,8 +145,16 @@ class AdoptedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class SnapshotReadyProvisioner(LocalProvisioner):  # type: ignore[misc]
-    """Launches snapshot-ready kernels; adopts restored ones (``restore_snapshot=ID``)."""
+class SnapshotReadyProvisioner(LocalProvisioner):
+    """Launches snapshot-ready kernels; adopts restored ones.
+
+    ``KernelManager.start_kernel(restore_snapshot=ID)`` makes the next launch an adoption:
+    the manager takes the snapshot's connection info (ports and HMAC key, which the restored
+    process still listens with) and ``launch_kernel`` runs the engine's restore instead of
+    starting a process. ``restore_engine`` (a ``SnapshotEngine``) and ``restore_progress``
+    (a progress callback) may come with it; the server extension passes its own. A later
+    restart of that kernel launches a fresh kernel in the same slot.
+    """
 
     log_dir = Unicode(
         "",
@@ -107,30 +162,65 @@ class SnapshotReadyProvisioner(LocalProvisioner):  # type: ignore[misc]
         help="Directory for the per-kernel stdout/stderr logs (default: the Jupyter runtime dir).",
     )
 
+    server_url = Unicode(
+        "",
+        config=True,
+        help="""URL of the Jupyter server (base_url included) that snapshot-ready kernels call
+        for %gpu_snapshot; given to them as $JUPYTER_GPU_SNAPSHOT_URL. The jupyter_gpu_snapshot
+        server extension sets it when it loads; empty means the kernel gets none.""",
+    )
+
+    server_token = Unicode(
+        "",
+        config=True,
+        help="""Token the kernel authenticates to the server with ($JUPYTER_GPU_SNAPSHOT_TOKEN).
+        Set by the server extension when it loads, like server_url.""",
+    )
+
     root_pid: int | None = None
     log_path: Path | None = None
     restored: RestoredKernel | None = None
     _pending_restore: str | None = None
+    _restore_engine: SnapshotEngine | None = None
+    _restore_progress: ProgressCallback | None = None
     _restore_used = False
+    _env_refresh: asyncio.Future[bool] | None = None
 
     def _settings(self) -> GPUSnapshot:
         return GPUSnapshot(parent=self)
 
+    def server_env(self) -> dict[str, str]:
+        """The variables that tell a kernel which server and kernel slot it belongs to."""
+        if not self.server_url:
+            return {}
+        return {
+            ENV_URL: self.server_url,
+            ENV_TOKEN: self.server_token,
+            ENV_KERNEL_ID: str(self.kernel_id),
+        }
+
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         """Called by ``KernelManager.pre_start_kernel()`` before every (re)start."""
-        snapshot_ref = kwargs.pop("restore_snapshot", None)
+        snapshot_ref, engine, progress = (kwargs.pop(key, None) for key in RESTORE_KWARGS)
         # A restart after a restore starts a fresh kernel, not the snapshot again.
         if snapshot_ref and not self._restore_used:
-            snapshot = self._settings().make_engine().get(snapshot_ref)
+            engine = engine or self._settings().make_engine()
+            snapshot = engine.get(snapshot_ref)
             km = self.parent
             if km is not None:
                 # The restored kernel listens on its original ports with its original key.
                 km.load_connection_info(snapshot.connection_info)
                 km.cache_ports = False
             self._pending_restore = snapshot.id
+            self._restore_engine = engine
+            self._restore_progress = progress
         kwargs = await super().pre_launch(**kwargs)
         env = dict(kwargs.get("env") or os.environ)
         env.pop("JPY_PARENT_PID", None)
+        # Values inherited from a server that itself runs inside a kernel would be wrong.
+        for key in (ENV_URL, ENV_TOKEN, ENV_KERNEL_ID):
+            env.pop(key, None)
+        env.update(self.server_env())
         kwargs["env"] = env
         log_dir = Path(self.log_dir) if self.log_dir else kernel_log_dir()
         log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -150,28 +240,50 @@ class SnapshotReadyProvisioner(LocalProvisioner):  # type: ignore[misc]
             info = await super().launch_kernel(cmd, **kwargs)
         finally:
             os.close(log_fd)
+        assert self.process is not None
         self.root_pid = await asyncio.to_thread(wait_for_namespace_init, self.process.pid)
-        return info  # type: ignore[no-any-return]
+        return info
 
     async def _adopt(self, snapshot_id: str) -> KernelConnectionInfo:
-        self._pending_restore = None
+        engine = self._restore_engine or self._settings().make_engine()
+        progress = self._restore_progress
+        self._pending_restore = self._restore_engine = self._restore_progress = None
         self._restore_used = True
-        engine = self._settings().make_engine()
-        self.restored = await engine.restore(snapshot_id)
+        try:
+            self.restored = await engine.restore(snapshot_id, progress)
+        except BaseException:
+            # The slot never comes to life: its connection file (with the key) must go.
+            km = self.parent
+            if km is not None:
+                with contextlib.suppress(OSError):
+                    km.cleanup_connection_file()
+            raise
         self.root_pid = self.restored.pid
-        self.process = AdoptedProcess(self.restored.pid)
+        # LocalProvisioner only polls, waits for and signals its process: duck typing works.
+        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(self.restored.pid))
         self.pid = self.restored.pid
         self.pgid = None
-        return self.connection_info  # type: ignore[no-any-return]
+        return self.connection_info
+
+    async def post_launch(self, **kwargs: Any) -> None:
+        """Called by ``KernelManager.post_start_kernel()`` once the kernel runs.
+
+        A restored kernel's environment still names the slot and server it was saved
+        from; tell it the new ones, so %gpu_snapshot inside it addresses this slot. It is
+        not awaited: a kernel restored in the middle of a cell answers after that cell.
+        """
+        await super().post_launch(**kwargs)
+        if self.restored is not None and self.server_url and self.parent is not None:
+            self._env_refresh = asyncio.ensure_future(
+                refresh_kernel_env(self.parent, self.server_env(), self.log)
+            )
 
     async def send_signal(self, signum: int) -> None:
         """Called by ``KernelManager.signal_kernel()``; nsinit forwards it to the kernel."""
         if self.root_pid is None:
-            return await super().send_signal(signum)  # type: ignore[no-any-return]
-        try:
+            return await super().send_signal(signum)
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.root_pid, signum)
-        except ProcessLookupError:
-            pass
 
     async def kill(self, restart: bool = False) -> None:
         """Called by ``KernelManager._kill_kernel()``: killing the init ends the namespace."""
@@ -185,6 +297,9 @@ class SnapshotReadyProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     async def cleanup(self, restart: bool = False) -> None:
         """Called by ``KernelManager.cleanup_resources()``; nothing may outlive the kernel."""
+        if self._env_refresh is not None:
+            self._env_refresh.cancel()
+            self._env_refresh = None
         if self.root_pid is not None and process.tree_alive(self.root_pid):
             await asyncio.to_thread(process.kill_tree, self.root_pid)
         self.root_pid = None
