@@ -19,3 +19,13 @@ def load_ipython_extension(ipython: Any) -> None:
         print(f"jupyter_gpu_snapshot: %gpu_snapshot is unavailable: {exc}")
         return
     load(ipython)
+
+
+def _jupyter_server_extension_points() -> list[dict[str, Any]]:
+    """Called by jupyter_server when it finds the extension enabled in its config.
+
+    The server code is imported only here, never when a kernel imports the package.
+    """
+    from .server import GPUSnapshotApp
+
+    return [{"module": "jupyter_gpu_snapshot.server", "app": GPUSnapshotApp}]

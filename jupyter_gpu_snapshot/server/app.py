@@ -1,0 +1,143 @@
+"""The Jupyter server extension: REST API, job events, kernel environment, shutdown saves.
+
+It is enabled by the ``jupyter_server_config.d/jupyter_gpu_snapshot.json`` data file that
+the package installs; ``c.GPUSnapshot.*`` configures it (``jupyter_server_config.py`` or
+``jupyter_gpu_snapshot_config.py``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import urllib.parse
+from pathlib import Path
+
+from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.serverapp import ServerApp
+from traitlets.config import Config
+
+from ..config import GPUSnapshot
+from ..provisioner import SnapshotReadyProvisioner
+from .handlers import API_PREFIX, routes
+from .jobs import Job, JobRunner
+from .service import SnapshotService
+from .shutdown import ShutdownReport, snapshot_kernels_on_shutdown
+
+EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "job-v1.yaml"
+JOB_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/job/v1"
+
+
+def kernel_facing_url(serverapp: ServerApp) -> str:
+    """The server's URL (base_url included) as a kernel on this host reaches it.
+
+    A server listening on every address is reached over loopback, not its host name.
+    """
+    if serverapp.sock:
+        return f"http+unix://{urllib.parse.quote(serverapp.sock, safe='')}{serverapp.base_url}"
+    ip = serverapp.ip or "localhost"
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        address = None
+    if address is not None and address.is_unspecified:
+        ip = "::1" if address.version == 6 else "127.0.0.1"
+    host = f"[{ip}]" if ":" in ip else ip
+    scheme = "https" if serverapp.certfile else "http"
+    return f"{scheme}://{host}:{serverapp.port}{serverapp.base_url}"
+
+
+class GPUSnapshotApp(ExtensionApp):
+    """Snapshots of the server's kernels, as a service of the server."""
+
+    name = "jupyter_gpu_snapshot"
+    # Loaded beside JupyterLab and others, never as the only app.
+    load_other_extensions = True
+    classes = [*ExtensionApp.classes, GPUSnapshot, SnapshotReadyProvisioner]
+
+    service: SnapshotService | None = None
+    gpu_settings: GPUSnapshot | None = None
+    last_shutdown: ShutdownReport | None = None
+
+    def initialize_settings(self) -> None:
+        """Called by ``ExtensionApp.initialize()`` when the server loads the extension."""
+        assert self.serverapp is not None
+        serverapp = self.serverapp
+        self.gpu_settings = settings = GPUSnapshot(parent=self)
+        engine = settings.make_engine()
+        removed = engine.store.clean_stale()
+        for path in removed:
+            self.log.info("gpu-snapshot: removed stale working directory %s", path)
+        assert serverapp.event_logger is not None
+        serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
+        jobs = JobRunner(on_change=self._emit_job, log=self.log)
+        self.service = SnapshotService(
+            engine,
+            settings,
+            serverapp.kernel_manager,
+            session_manager=serverapp.session_manager,
+            contents_manager=serverapp.contents_manager,
+            kernel_spec_manager=serverapp.kernel_spec_manager,
+            jobs=jobs,
+            log=self.log,
+        )
+        self._tell_kernels_where_we_are()
+        self.log.info(
+            "gpu-snapshot: API at %s%s/, snapshots in %s",
+            serverapp.base_url,
+            API_PREFIX,
+            engine.store.root,
+        )
+
+    def initialize_handlers(self) -> None:
+        """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
+        assert self.service is not None
+        self.handlers.extend(routes(self.service))
+
+    async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
+        """Called once the server listens: the port is final only now (port retries)."""
+        self._tell_kernels_where_we_are()
+
+    def _tell_kernels_where_we_are(self) -> None:
+        """Hand the URL and token to the provisioner through the kernel manager's config.
+
+        Kernel managers and their provisioners take their config from the server's kernel
+        manager when a kernel starts, so kernels started from now on see these values.
+        """
+        assert self.serverapp is not None
+        serverapp = self.serverapp
+        token = getattr(serverapp.identity_provider, "token", "") or ""
+        serverapp.kernel_manager.update_config(
+            Config(
+                {
+                    "SnapshotReadyProvisioner": {
+                        "server_url": kernel_facing_url(serverapp),
+                        "server_token": token,
+                    }
+                }
+            )
+        )
+
+    def _emit_job(self, job: Job) -> None:
+        assert self.serverapp is not None and self.serverapp.event_logger is not None
+        self.serverapp.event_logger.emit(schema_id=JOB_EVENT_ID, data=job.to_dict())
+
+    def current_activity(self) -> list[str] | None:
+        """Called by the server's idle shutdown: running jobs keep the server up."""
+        if self.service is None:
+            return None
+        running = self.service.jobs.running()
+        return [f"gpu-snapshot {j.kind} job {j.id}" for j in running] or None
+
+    async def stop_extension(self) -> None:
+        """Called by ``ServerApp._cleanup()`` before it shuts down all kernels.
+
+        Running jobs get to finish; then, with ``snapshot_on_shutdown``, every
+        snapshot-ready kernel is saved, all within ``shutdown_budget`` seconds.
+        """
+        if self.service is None or self.gpu_settings is None:
+            return
+        budget = float(self.gpu_settings.shutdown_budget)
+        if self.gpu_settings.snapshot_on_shutdown:
+            self.last_shutdown = await snapshot_kernels_on_shutdown(self.service, budget, self.log)
+        else:
+            for job in await self.service.jobs.drain(budget):
+                self.log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)

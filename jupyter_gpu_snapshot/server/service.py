@@ -1,0 +1,390 @@
+"""What the REST API does: the engine, applied to the server's kernels and sessions.
+
+Handlers call this and nothing else; it raises only the core's errors (``InvalidRequest``,
+``NotFound``, ``Busy``, ``NotReady``, ``SnapshotError``), which the handlers map to HTTP
+statuses in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import posixpath
+import uuid
+from typing import Any
+
+from jupyter_core.utils import ensure_async
+from tornado import web
+
+from ..config import GPUSnapshot
+from ..core import process
+from ..core.engine import SaveTarget, SnapshotEngine
+from ..core.errors import Busy, InvalidRequest, NotFound, SnapshotError
+from ..core.store import Snapshot, validate_name
+from ..kernelspec import KERNEL_NAME
+from ..provisioner import PROVISIONER_NAME, RESTORE_KWARGS
+from .jobs import Job, JobRunner
+
+
+def kernel_key(kernel_id: str) -> str:
+    return f"kernel:{kernel_id}"
+
+
+def snapshot_key(snapshot_id: str) -> str:
+    return f"snapshot:{snapshot_id}"
+
+
+class SnapshotService:
+    """Snapshots of the server's kernels: queries, save and restore jobs, status."""
+
+    def __init__(
+        self,
+        engine: SnapshotEngine,
+        settings: GPUSnapshot,
+        kernel_manager: Any,
+        session_manager: Any = None,
+        contents_manager: Any = None,
+        kernel_spec_manager: Any = None,
+        jobs: JobRunner | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.kernel_manager = kernel_manager
+        self.session_manager = session_manager
+        self.contents_manager = contents_manager
+        self.kernel_spec_manager = kernel_spec_manager
+        self.log = log or logging.getLogger(__name__)
+        self.jobs = jobs or JobRunner(log=self.log)
+
+    # -- snapshots -------------------------------------------------------------------------
+    def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        return [s.summary() for s in self.engine.list(notebook_path)]
+
+    def get_snapshot(self, ref: str) -> dict[str, Any]:
+        return self.engine.get(ref).summary()
+
+    def delete_snapshot(self, ref: str) -> None:
+        snapshot = self.engine.get(ref)
+        holder = self.jobs.busy_with(snapshot_key(snapshot.id))
+        if holder is not None:
+            raise Busy(
+                "delete",
+                f"snapshot {snapshot.id} is being restored (job {holder.id})",
+                hint="wait for the restore to finish",
+            )
+        self.engine.delete(snapshot.id)
+
+    # -- kernels ---------------------------------------------------------------------------
+    def _kernel(self, kernel_id: str) -> Any:
+        if kernel_id not in self.kernel_manager:
+            raise NotFound(
+                "lookup",
+                f"no kernel {kernel_id!r} on this server",
+                hint="GET /api/kernels lists the running kernels",
+            )
+        return self.kernel_manager.get_kernel(kernel_id)
+
+    @staticmethod
+    def root_pid(km: Any) -> int | None:
+        """The pid CRIU dumps: our provisioner's namespace init, else the kernel's own."""
+        provisioner = getattr(km, "provisioner", None)
+        if provisioner is None or not provisioner.has_process:
+            return None
+        root = getattr(provisioner, "root_pid", None) or getattr(provisioner, "pid", None)
+        return int(root) if root else None
+
+    async def _sessions(self) -> list[dict[str, Any]]:
+        if self.session_manager is None:
+            return []
+        return list(await ensure_async(self.session_manager.list_sessions()))
+
+    async def notebook_path(self, kernel_id: str) -> str | None:
+        """The path of the notebook (or else any document) whose session runs the kernel."""
+        mine = [s for s in await self._sessions() if (s.get("kernel") or {}).get("id") == kernel_id]
+        mine.sort(key=lambda s: s.get("type") != "notebook")
+        return str(mine[0]["path"]) if mine else None
+
+    async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
+        km = self._kernel(kernel_id)
+        root = self.root_pid(km)
+        reasons: list[str] = []
+        if root is None:
+            reasons.append("the kernel has no running process")
+        else:
+            try:
+                found = await asyncio.to_thread(process.inspect_kernel, root)
+                reasons.extend(found.problems)
+            except SnapshotError as exc:
+                reasons.append(exc.cause)
+        try:
+            await asyncio.to_thread(self.engine.criu.require_version)
+        except SnapshotError as exc:
+            reasons.append(exc.cause)
+        notebook = await self.notebook_path(kernel_id)
+        mine = [
+            s for s in self.engine.list()
+            if (s.manifest.get("kernel") or {}).get("kernel_id") == kernel_id
+            or (notebook is not None and s.notebook_path == notebook)
+        ]
+        job = self.jobs.busy_with(kernel_key(kernel_id))
+        return {
+            "kernel_id": kernel_id,
+            "ready": not reasons,
+            "reasons": reasons,
+            "kernel_name": km.kernel_name,
+            "notebook_path": notebook,
+            "cuda": await self._cuda_status(root),
+            "last_snapshot": mine[-1].summary() if mine else None,
+            "job": job.to_dict() if job else None,
+        }
+
+    async def _cuda_status(self, root: int | None) -> dict[str, Any] | None:
+        """What the GPU layer says about the kernel's CUDA state; null when nobody can tell.
+
+        A hook may offer ``kernel_status(root_pid) -> dict | None`` (sync or async). Without
+        one, a kernel that has not loaded libcuda is known to have no CUDA state.
+        """
+        if root is None:
+            return None
+        for hook in self.engine.hooks:
+            probe = getattr(hook, "kernel_status", None)
+            if probe is None:
+                continue
+            answer = probe(root)
+            if inspect.isawaitable(answer):
+                answer = await answer
+            if answer is not None:
+                return dict(answer)
+        if not await asyncio.to_thread(_tree_maps_libcuda, root):
+            return {"state": "none", "memory_bytes": 0}
+        return None
+
+    # -- save ------------------------------------------------------------------------------
+    async def start_save(
+        self,
+        kernel_id: str,
+        name: str | None = None,
+        stop: bool = False,
+        reason: str = "user",
+    ) -> Job:
+        """Validate the request and start a save job; raises at once for a bad request."""
+        self._kernel(kernel_id)
+        if name is not None:
+            validate_name(name)
+            if self.engine.store.find_name(name) is not None:
+                raise InvalidRequest(
+                    "preflight",
+                    f"a snapshot named {name!r} exists already",
+                    hint="pick another name, or delete the old one first",
+                )
+        job = Job("save", kernel_id, reason=reason)
+        return self.jobs.start(
+            job, [kernel_key(kernel_id)], lambda j: self._save(j, kernel_id, name, stop, reason)
+        )
+
+    async def _save(
+        self, job: Job, kernel_id: str, name: str | None, stop: bool, reason: str
+    ) -> dict[str, Any]:
+        km = self._kernel(kernel_id)
+        root = self.root_pid(km)
+        if root is None:
+            raise NotFound("preflight", f"kernel {kernel_id} has no running process")
+        spec = getattr(km, "kernel_spec", None)
+        target = SaveTarget(
+            pid=root,
+            kernel_name=km.kernel_name,
+            kernel_spec=spec.to_dict() if spec is not None else None,
+            connection_info=km.get_connection_info(session=False),
+            notebook_path=await self.notebook_path(kernel_id),
+            kernel_id=kernel_id,
+            reason=reason,
+        )
+        if stop:
+            # criu ends the tree after a stopping dump; the restarter would then start an
+            # empty kernel in this slot. It watches again if the kernel survives.
+            km.stop_restarter()
+        try:
+            snapshot = await self.engine.save(
+                target, name=name, stop=stop, progress=self.jobs.progress(job)
+            )
+        except BaseException:
+            if stop:
+                km.start_restarter()
+            raise
+        job.snapshot_id = snapshot.id
+        if stop:
+            await self._shutdown_quietly(kernel_id)
+        self._apply_retention(snapshot)
+        return snapshot.summary()
+
+    async def _shutdown_quietly(self, kernel_id: str) -> None:
+        if kernel_id not in self.kernel_manager:
+            return
+        try:
+            await ensure_async(self.kernel_manager.shutdown_kernel(kernel_id, now=True))
+        except Exception:  # the snapshot is safe; a slot that lingers is only untidy
+            self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
+
+    def _apply_retention(self, snapshot: Snapshot) -> None:
+        """Keep the newest ``keep_last`` snapshots of the snapshot's notebook."""
+        keep = int(self.settings.keep_last)
+        notebook = snapshot.notebook_path
+        # Snapshots of kernels without a notebook are never pruned: nothing groups them.
+        if keep <= 0 or notebook is None:
+            return
+        same = [s for s in self.engine.list(notebook) if s.notebook_path == notebook]
+        for old in same[:-keep]:
+            if self.jobs.busy_with(snapshot_key(old.id)) is not None:
+                continue
+            try:
+                self.engine.delete(old.id)
+                self.log.info("gpu-snapshot: retention removed snapshot %s of %s", old.id, notebook)
+            except (SnapshotError, OSError) as exc:
+                self.log.warning("gpu-snapshot: retention could not remove %s: %s", old.id, exc)
+
+    # -- restore ---------------------------------------------------------------------------
+    async def start_restore(
+        self, ref: str, path: str | None = None, session_id: str | None = None
+    ) -> Job:
+        """Validate the request and start a restore job into a new kernel slot."""
+        snapshot = self.engine.get(ref)
+        session = None
+        if session_id is not None:
+            session = await self._session(session_id=session_id)
+            if session is None:
+                raise NotFound("lookup", f"no session {session_id!r} on this server")
+        elif path is not None:
+            session = await self._session(path=path)
+        if session is not None and path is None:
+            path = str(session["path"])
+        new_kernel_id = str(uuid.uuid4())
+        keys = [snapshot_key(snapshot.id), kernel_key(new_kernel_id)]
+        if session is not None:
+            # Its kernel is replaced at the end; no other operation may hold it meanwhile.
+            keys.append(kernel_key(session["kernel"]["id"]))
+        job = Job("restore", new_kernel_id, snapshot.id)
+        return self.jobs.start(job, keys, lambda j: self._restore(j, snapshot, session, path))
+
+    async def _session(self, **query: str) -> dict[str, Any] | None:
+        if self.session_manager is None:
+            return None
+        try:
+            return dict(await self.session_manager.get_session(**query))
+        except web.HTTPError as exc:
+            if exc.status_code == 404:
+                return None
+            raise
+
+    def restore_kernel_name(self, snapshot: Snapshot) -> str:
+        """The kernelspec a restored kernel runs under (it decides what a restart starts)."""
+        specs: dict[str, Any] = {}
+        if self.kernel_spec_manager is not None:
+            specs = self.kernel_spec_manager.get_all_specs()
+
+        def ours(name: str) -> bool:
+            meta = (specs.get(name) or {}).get("spec", {}).get("metadata", {})
+            provisioner = (meta.get("kernel_provisioner") or {}).get("provisioner_name")
+            return bool(provisioner == PROVISIONER_NAME)
+
+        saved = str((snapshot.manifest.get("kernel") or {}).get("name") or "")
+        for name in (saved, KERNEL_NAME):
+            if name and ours(name):
+                return name
+        raise NotFound(
+            "preflight",
+            f"no kernelspec launches kernels through {PROVISIONER_NAME} "
+            f"(looked for {saved or KERNEL_NAME!r} and {KERNEL_NAME!r})",
+            hint="install it with 'jupyter gpu-snapshot kernelspec install --sys-prefix'",
+        )
+
+    async def _restore(
+        self, job: Job, snapshot: Snapshot, session: dict[str, Any] | None, path: str | None
+    ) -> dict[str, Any]:
+        kernel_id = job.kernel_id
+        assert kernel_id is not None
+        kernel_name = self.restore_kernel_name(snapshot)
+        launch: dict[str, Any] = dict(
+            zip(RESTORE_KWARGS, (snapshot.id, self.engine, self.jobs.progress(job)), strict=True)
+        )
+        if path:
+            # Only a later restart uses these: it starts a fresh kernel beside the notebook.
+            launch["path"] = await self._kernel_dir(path)
+            if self.session_manager is not None:
+                launch["env"] = self.session_manager.get_kernel_env(path)
+        try:
+            await ensure_async(
+                self.kernel_manager.start_kernel(
+                    kernel_id=kernel_id, kernel_name=kernel_name, **launch
+                )
+            )
+            # With pending kernels, start_kernel returns before the restore has run.
+            await self.kernel_manager.get_kernel(kernel_id).ready
+        except KeyError:
+            raise SnapshotError("restore", "the restored kernel vanished while starting") from None
+        try:
+            session_id = await self._attach(kernel_id, session, path)
+        except Exception as exc:
+            # A kernel nobody can reach from the notebook is no restore: undo it.
+            await self._shutdown_quietly(kernel_id)
+            raise SnapshotError(
+                "attach", f"could not switch the session to the restored kernel: {exc}"
+            ) from exc
+        return {"kernel_id": kernel_id, "session_id": session_id}
+
+    async def _kernel_dir(self, path: str) -> str:
+        if self.contents_manager is not None:
+            with contextlib.suppress(Exception):
+                return str(await ensure_async(self.contents_manager.get_kernel_path(path=path)))
+        return posixpath.dirname(path)
+
+    async def _attach(
+        self, kernel_id: str, session: dict[str, Any] | None, path: str | None
+    ) -> str | None:
+        """Point the given session (or the notebook's, or a new one) at the restored kernel."""
+        sm = self.session_manager
+        if sm is None:
+            return None
+        if session is not None:
+            try:
+                await sm.update_session(session["id"], kernel_id=kernel_id)
+            except web.HTTPError as exc:
+                # The server dropped the session (its kernel died) since the request.
+                if exc.status_code != 404:
+                    raise
+            else:
+                await self._retire(str(session["kernel"]["id"]), kernel_id)
+                return str(session["id"])
+        if not path:
+            return None
+        kind = "notebook" if path.endswith(".ipynb") else "file"
+        model = await sm.create_session(
+            path=path, name=posixpath.basename(path), type=kind, kernel_id=kernel_id
+        )
+        return str(model["id"])
+
+    async def _retire(self, old_kernel_id: str, new_kernel_id: str) -> None:
+        """Shut down the kernel a session used before, unless another session still uses it.
+
+        This is what changing a notebook's kernel in JupyterLab does.
+        """
+        if old_kernel_id == new_kernel_id or old_kernel_id not in self.kernel_manager:
+            return
+        if any((s.get("kernel") or {}).get("id") == old_kernel_id for s in await self._sessions()):
+            return
+        await self._shutdown_quietly(old_kernel_id)
+
+
+def _tree_maps_libcuda(root: int) -> bool:
+    """Whether any process of the tree has libcuda mapped (it used the CUDA driver)."""
+    try:
+        procs = process.tree(root)
+    except Exception:  # a vanished tree maps nothing
+        return False
+    for proc in procs:
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as f:
+            if any("libcuda.so" in line for line in f):
+                return True
+    return False
