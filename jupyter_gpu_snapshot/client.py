@@ -7,9 +7,11 @@ from runtime directories. Only the standard library is used: this module is impo
 every snapshot-ready kernel and must stay light.
 
 A kernel restored from a snapshot is the same process memory in a new process: its
-environment still names the kernel slot it was saved from. ``KernelIdentity`` notices the
-new incarnation (host pid and start time change; CRIU cannot keep either) and asks the
-server which kernel slot the process now belongs to.
+environment names the kernel slot it was saved from until the server, having adopted it
+into a new slot, updates ``os.environ`` there (the provisioner's ``post_launch`` does, with
+a silent execute request, so only once the cell running at the restore has finished).
+``KernelIdentity`` notices the new incarnation (the start time changes; CRIU cannot keep
+it) and takes the new kernel id from the environment once the server has set it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ import json
 import os
 import socket
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
@@ -127,49 +126,19 @@ def _read_small(path: str) -> str:
         return ""
 
 
-def host_pid() -> int:
-    """This process's pid as the host sees it.
-
-    Snapshot-ready kernels run in their own PID namespace, where ``os.getpid()`` is small
-    and is restored unchanged by CRIU. /proc is the host's procfs (the namespace gets no
-    /proc of its own), so /proc/self names the host pid, which changes on every restore.
-    """
-    with contextlib.suppress(OSError, ValueError):
-        return int(Path("/proc/self").readlink().name)
-    return os.getpid()
-
-
 def incarnation() -> str:
     """A value that differs between a process and any restored copy of it.
 
-    Boot id, host pid and the start time (ticks after boot): CRIU restores memory, not the
-    kernel's bookkeeping of when and as which pid the process was created.
+    The boot id and the process's start time (clock ticks after boot): CRIU restores
+    memory, pids and namespaces, not the kernel's record of when a process was created.
+    The pid alone would not do: a kernel is pid 2 of its own namespace, and so is its copy.
     """
     boot = _read_small("/proc/sys/kernel/random/boot_id").strip()
     stat = _read_small("/proc/self/stat")
     # Fields after the parenthesised command name; starttime is field 22 overall.
     fields = stat.rsplit(")", 1)[-1].split()
     start = fields[19] if len(fields) > 19 else ""
-    return f"{boot}:{host_pid()}:{start}"
-
-
-_PORT_KEYS = ("ip", "shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
-
-
-def _ports_of(info: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(str(info.get(k)) for k in _PORT_KEYS)
-
-
-def own_ports() -> tuple[Any, ...] | None:
-    """The address and ports this kernel listens on, from the running ipykernel app."""
-    try:
-        from ipykernel.kernelapp import IPKernelApp
-    except ImportError:
-        return None
-    if not IPKernelApp.initialized():
-        return None
-    app = IPKernelApp.instance()
-    return _ports_of({k: getattr(app, k, None) for k in _PORT_KEYS})
+    return f"{boot}:{os.getpid()}:{start}"
 
 
 @dataclass
@@ -205,24 +174,35 @@ class ServerLink:
 class KernelIdentity:
     """Which kernel slot of the server this process is, across restores.
 
-    Recorded once when the extension loads; re-resolved through the server when the
-    process finds itself in a new incarnation (a restored copy).
+    Recorded when the extension loads. In a restored copy (a new incarnation) the kernel id
+    in the environment is trusted only once the server has replaced the recorded one.
     """
 
     def __init__(self, kernel_id: str) -> None:
         self.kernel_id = kernel_id
         self.incarnation = incarnation()
-        # Set once this process has found out it is a restored copy.
+        # Set once this process has found out it is a restored copy of that kernel.
         self.restored_from_kernel: str | None = None
 
     def changed(self) -> bool:
         return incarnation() != self.incarnation
 
-    def adopt(self, kernel_id: str) -> None:
-        if kernel_id != self.kernel_id:
-            self.restored_from_kernel = self.kernel_id
-        self.kernel_id = kernel_id
+    def current(self, environ: Mapping[str, str] | None = None) -> str:
+        env = os.environ if environ is None else environ
+        told = env.get(ENV_KERNEL_ID, "").strip()
+        if not self.changed():
+            return self.kernel_id
+        if not told or told == self.kernel_id:
+            raise ClientError(
+                "find this kernel",
+                "this kernel was restored from a snapshot, and the server has not yet told "
+                "it which kernel it is now",
+                hint="The server does so as soon as the running cell ends; try again then",
+            )
+        self.restored_from_kernel = self.kernel_id
+        self.kernel_id = told
         self.incarnation = incarnation()
+        return told
 
 
 class SnapshotClient:
@@ -230,13 +210,19 @@ class SnapshotClient:
 
     def __init__(
         self,
-        link: ServerLink,
+        link: ServerLink | None = None,
         identity: KernelIdentity | None = None,
         timeout: float = REQUEST_TIMEOUT,
     ) -> None:
-        self.link = link
-        self.identity = identity or KernelIdentity(link.kernel_id)
+        # Without a fixed link the environment is read at every request: the server
+        # updates it in a kernel restored from a snapshot (new kernel id, maybe new token).
+        self._link = link
+        self.identity = identity or KernelIdentity(self.link.kernel_id)
         self.timeout = timeout
+
+    @property
+    def link(self) -> ServerLink:
+        return self._link if self._link is not None else ServerLink.from_env()
 
     # -- plumbing --------------------------------------------------------------------------
     def request(
@@ -250,32 +236,37 @@ class SnapshotClient:
     ) -> Any:
         """One request to ``{url}{path}``; the decoded JSON answer, or None for 204."""
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.link.url + path, data=data, method=method)
-        req.add_header("Accept", "application/json")
+        link = self.link
+        headers = {"Accept": "application/json"}
         if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.link.token:
-            req.add_header("Authorization", f"token {self.link.token}")
+            headers["Content-Type"] = "application/json"
+        if link.token:
+            headers["Authorization"] = f"token {link.token}"
+        target = urllib.parse.urlsplit(link.url)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            conn = _connection(target, timeout or self.timeout)
+            try:
+                conn.request(method, target.path + path, body=data, headers=headers)
+                resp = conn.getresponse()
                 raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise _api_error(exc, step, self.link.url) from None
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            finally:
+                conn.close()
+        except (http.client.HTTPException, OSError) as exc:
             raise ConnectionProblem(
                 "connect",
-                f"cannot reach the Jupyter server at {self.link.url} ({_describe(reason)})",
+                f"cannot reach the Jupyter server at {link.url} ({_describe(exc)})",
                 hint="Is the server still running?",
             ) from None
+        if resp.status >= 400:
+            raise _api_error(resp.status, resp.reason, raw, step, link.url + path)
         if not raw:
             return None
         try:
             return json.loads(raw)
         except ValueError:
             raise ApiError(
-                200, step, f"the server at {self.link.url} answered {path} with something "
-                "other than JSON", hint=_NO_EXTENSION_HINT,
+                resp.status, step, f"the server at {link.url} answered {path} with "
+                "something other than JSON", hint=_NO_EXTENSION_HINT,
             ) from None
 
     def api(self, method: str, path: str, body: Json | None = None, **kw: Any) -> Any:
@@ -284,49 +275,8 @@ class SnapshotClient:
     # -- identity --------------------------------------------------------------------------
     @property
     def kernel_id(self) -> str:
-        """This kernel's id on the server, re-resolved once after a restore."""
-        if self.identity.changed():
-            self.identity.adopt(self._resolve_kernel_id())
-        return self.identity.kernel_id
-
-    def _resolve_kernel_id(self) -> str:
-        """The kernel slot a restored copy of this process was adopted into.
-
-        Every snapshot of one kernel lineage listens on the same ports, and a port can be
-        held by one process only, so the live kernel that a restore of a snapshot with our
-        ports produced is this process.
-        """
-        ports = own_ports()
-        if ports is None:
-            raise ClientError(
-                "find this kernel",
-                "this process was restored from a snapshot, and it is not an ipykernel "
-                "whose ports could identify it",
-            )
-        ours = {
-            str(s["id"])
-            for s in self.snapshots()
-            if _ports_of((s.get("kernel") or {}).get("connection_info") or {}) == ports
-        }
-        alive = {
-            str(k.get("id"))
-            for k in self.request("GET", "api/kernels", step="find this kernel") or []
-        }
-        for job in self.jobs():  # newest first
-            result = job.get("result") or {}
-            if (
-                job.get("kind") == "restore"
-                and job.get("status") == "succeeded"
-                and job.get("snapshot_id") in ours
-                and result.get("kernel_id") in alive
-            ):
-                return str(result["kernel_id"])
-        raise ClientError(
-            "find this kernel",
-            "this process was restored from a snapshot, but the server has no record of "
-            "restoring it",
-            hint="Was it restored outside this server? Restore snapshots through JupyterLab",
-        )
+        """This kernel's id on the server, followed across restores."""
+        return self.identity.current()
 
     # -- endpoints -------------------------------------------------------------------------
     def status(self) -> Json:
@@ -392,7 +342,7 @@ class SnapshotClient:
         job: Json,
         on_update: Callable[[Json], None] | None = None,
         *,
-        poll: float = POLL_SECONDS,
+        poll: float | None = None,
         posted_at: float | None = None,
     ) -> Json:
         """Poll ``jobs/{id}`` until the job ends; return it, or raise.
@@ -405,9 +355,10 @@ class SnapshotClient:
         marker = incarnation()
         kernel_id = self.identity.kernel_id
         started = posted_at if posted_at is not None else time.time()
+        interval = POLL_SECONDS if poll is None else poll
         failures = 0
         while job.get("status") == "running":
-            time.sleep(poll)
+            time.sleep(interval)
             if incarnation() != marker:
                 raise RestoredWhileWaiting(str(job["id"]), kernel_id, started)
             try:
@@ -465,24 +416,50 @@ def _describe(reason: object) -> str:
     return text
 
 
-def _api_error(exc: urllib.error.HTTPError, step: str, url: str) -> ApiError:
+def _connection(target: urllib.parse.SplitResult, timeout: float) -> http.client.HTTPConnection:
+    if target.scheme == "http+unix":  # a server listening on a Unix socket
+        return _UnixHTTPConnection(urllib.parse.unquote(target.netloc), timeout)
+    if target.scheme == "https":
+        return http.client.HTTPSConnection(
+            target.hostname or "localhost", target.port, timeout=timeout
+        )
+    return http.client.HTTPConnection(target.hostname or "localhost", target.port, timeout=timeout)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _api_error(status: int, reason: str, raw: bytes, step: str, url: str) -> ApiError:
     body: Json = {}
-    with contextlib.suppress(Exception):
-        parsed = json.loads(exc.read() or b"{}")
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(raw or b"{}")
         if isinstance(parsed, dict):
             body = parsed
     cause = body.get("cause") or body.get("message") or body.get("reason")
     hint = body.get("hint")
-    if exc.code == 403 and not cause:
-        cause = "the server refused this kernel's token"
+    if status == 403 and not body.get("step"):
+        cause = f"the server refused this kernel's token ({cause or reason})"
         hint = "The server may have been restarted with a new token"
-    elif exc.code == 404 and not body:
-        cause = f"the server at {url} has no {exc.url.removeprefix(url)}"
+    elif status == 404 and not body:
+        cause = f"the server has no {url}"
         hint = _NO_EXTENSION_HINT
     return ApiError(
-        exc.code,
+        status,
         str(body.get("step") or step),
-        str(cause or f"HTTP {exc.code} {exc.reason}"),
+        str(cause or f"HTTP {status} {reason}"),
         hint=str(hint) if hint else None,
         message=str(body["message"]) if body.get("step") and body.get("message") else None,
     )

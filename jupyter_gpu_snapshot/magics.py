@@ -15,8 +15,8 @@ dumps this very process while the cell sits in that loop, so:
   Nothing waits on the kernel's own event loop or shell thread, so nothing can deadlock.
 - A restored copy wakes up in the same loop, in a new process: CRIU closed its TCP
   connections (``--tcp-close``). Before each poll, and after any broken request, the loop
-  compares the process's incarnation (boot id, host pid, start time; CRIU keeps none of
-  them) with the one it recorded before waiting. A copy sees them differ, stops waiting at
+  compares the process's incarnation (boot id and start time; CRIU keeps neither) with
+  the one it recorded before waiting. A copy sees them differ, stops waiting at
   once and prints ``restored from snapshot <id>``, asking the server which snapshot the
   save job produced (or, if the job is gone, the first snapshot of that kernel since).
 - ``save --stop`` ends this kernel when the dump completes, so only a restored copy prints.
@@ -99,10 +99,10 @@ class GPUSnapshotMagics(Magics):
         self.panel: SnapshotPanel | None = None
 
     def client(self) -> SnapshotClient:
-        link = ServerLink.from_env()
+        link = ServerLink.from_env()  # says clearly when there is no server
         if self.identity is None:
             self.identity = KernelIdentity(link.kernel_id)
-        return SnapshotClient(link, self.identity)
+        return SnapshotClient(identity=self.identity)
 
     @magic_arguments()
     @argument(
@@ -230,22 +230,28 @@ class GPUSnapshotMagics(Magics):
             path=session.get("path") if session else None,
             session_id=session.get("id") if session else None,
         )
+        if session:
+            # The server retires this kernel once the notebook is switched: this cell may
+            # never finish, so say what happens before it does.
+            print(
+                f"Restoring snapshot {summary['id']} ({summary.get('name')}) into a new kernel; "
+                f"{session.get('path')} switches to it and this kernel shuts down."
+            )
+            sys.stdout.flush()
         progress = _ProgressLine(self.shell, "Restoring")
         try:
             job = client.wait(job, progress.update)
         finally:
             progress.close()
         result = job.get("result") or {}
-        new_kernel = result.get("kernel_id")
         if result.get("session_id"):
-            where = (
-                f"this notebook now uses it; this kernel ({client.kernel_id}) keeps running "
-                "until you shut it down"
-            )
+            where = "the notebook now uses it"
         else:
             where = "no notebook session was switched to it (this kernel has none)"
-        print(f"Restored snapshot {summary['id']} ({summary.get('name')}) into kernel "
-              f"{new_kernel}: {where}.")
+        print(
+            f"Restored snapshot {summary['id']} ({summary.get('name')}) into kernel "
+            f"{result.get('kernel_id')}: {where}."
+        )
 
     def _widget(self, client: SnapshotClient, args: Any) -> None:
         from .widget import SnapshotPanel  # ipywidgets only when asked for
@@ -277,7 +283,7 @@ class _ProgressLine:
         self.enabled = getattr(shell, "kernel", None) is not None
 
     def update(self, job: dict[str, Any]) -> None:
-        if not self.enabled:
+        if not self.enabled or job.get("status") != "running":
             return
         text = f"{self.verb}: {job_progress_text(job)}"
         if self.handle is None:

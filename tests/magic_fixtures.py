@@ -1,0 +1,276 @@
+"""A real ``jupyter server`` with the snapshot extension, and notebook kernels in it.
+
+The magic and the widget run inside kernels and talk to the server over HTTP, exactly as
+in JupyterLab: the server is a subprocess on 127.0.0.1 with a token, its kernels are real
+python3-snapshot kernels started through ``/api/sessions``, and the tests reach a kernel
+over ZMQ with the connection file the server wrote (as ``jupyter console --existing``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from jupyter_client.blocking import BlockingKernelClient
+
+from jupyter_gpu_snapshot.core import process
+
+SERVER_START_SECONDS = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cell:
+    """What one execute request produced."""
+
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    ename: str | None = None
+    traceback: list[str] = field(default_factory=list)
+    displays: list[dict[str, Any]] = field(default_factory=list)
+    iopub: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def error_text(self) -> str:
+        return "\n".join(self.traceback)
+
+
+def run_cell(
+    client: BlockingKernelClient,
+    code: str,
+    timeout: float = 60,
+    on_message: Callable[[dict[str, Any]], None] | None = None,
+) -> Cell:
+    """Execute code; collect its output, errors and every IOPub message it caused."""
+    cell = Cell("?")
+
+    def hook(msg: dict[str, Any]) -> None:
+        cell.iopub.append(msg)
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            if content["name"] == "stdout":
+                cell.stdout += content["text"]
+            else:
+                cell.stderr += content["text"]
+        elif kind == "error":
+            cell.ename = content["ename"]
+            cell.traceback = list(content["traceback"])
+        elif kind in ("display_data", "update_display_data", "execute_result"):
+            cell.displays.append(content)
+        if on_message is not None:
+            on_message(msg)
+
+    reply = client.execute_interactive(
+        textwrap.dedent(code), timeout=timeout, output_hook=hook, allow_stdin=False
+    )
+    cell.status = reply["content"]["status"]
+    if cell.ename is None and cell.status == "error":
+        cell.ename = reply["content"].get("ename")
+    return cell
+
+
+def ok(client: BlockingKernelClient, code: str, timeout: float = 60) -> str:
+    """Execute code that must succeed; its stdout."""
+    cell = run_cell(client, code, timeout)
+    assert cell.status == "ok", f"{cell.ename}: {cell.error_text}{cell.stderr}"
+    return cell.stdout
+
+
+@dataclass
+class NotebookKernel:
+    """A notebook's session on the server and a ZMQ client of its kernel."""
+
+    server: JupyterServer
+    path: str
+    session_id: str
+    kernel_id: str
+    client: BlockingKernelClient
+
+    def run(self, code: str, timeout: float = 60, **kw: Any) -> Cell:
+        return run_cell(self.client, code, timeout, **kw)
+
+    def ok(self, code: str, timeout: float = 60) -> str:
+        return ok(self.client, code, timeout)
+
+
+class JupyterServer:
+    """``jupyter server`` as a subprocess with a private root, runtime dir and store."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.root = base / "notebooks"
+        self.runtime = base / "runtime"
+        self.store = base / "store"
+        for d in (self.root, self.runtime):
+            d.mkdir(parents=True, exist_ok=True)
+        self.port = _free_port()
+        self.token = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.log_path = base / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.clients: list[BlockingKernelClient] = []
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(JUPYTER_RUNTIME_DIR=str(self.runtime), JUPYTER_GPU_SNAPSHOT_DIR=str(self.store))
+        # A kernel of this test server must not believe it runs under another one.
+        for key in list(env):
+            if key.startswith("JUPYTER_GPU_SNAPSHOT_") and key != "JUPYTER_GPU_SNAPSHOT_DIR":
+                env.pop(key)
+        return env
+
+    def start(self) -> None:
+        argv = [
+            sys.executable, "-m", "jupyter_server",
+            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}", "--ServerApp.open_browser=False",
+            "--allow-root",
+            '--ServerApp.jpserver_extensions={"jupyter_gpu_snapshot": True}',
+            f"--GPUSnapshot.store_dir={self.store}",
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                cwd=self.root,
+            )
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter server exited: {self.log_tail()}")
+            try:
+                status, _ = self.request("GET", "api/status")
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"jupyter server did not answer: {self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.stop_channels()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)  # jupyter server asks to confirm the first
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        # Kernels (restored ones included) are ours only if they use our runtime dir.
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = proc.info.get("cmdline") or []
+            if any(str(self.runtime) in arg for arg in cmdline):
+                process.kill_tree(proc.pid)
+
+    # -- HTTP ------------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"token {self.token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read(), exc.code
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def get(self, path: str) -> Any:
+        status, body = self.request("GET", path)
+        assert status == 200, f"GET {path}: {status} {body}"
+        return body
+
+    def snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        query = f"?notebook_path={urllib.request.quote(notebook_path)}" if notebook_path else ""
+        return list(self.get(f"gpu-snapshot/snapshots{query}")["snapshots"])
+
+    def wait_job(self, job_id: str, timeout: float = 120) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.get(f"gpu-snapshot/jobs/{job_id}")
+            if job["status"] != "running":
+                return dict(job)
+            time.sleep(0.1)
+        raise AssertionError(f"job {job_id} still running after {timeout} s")
+
+    def start_save(self, kernel_id: str, name: str | None = None) -> dict[str, Any]:
+        body = {"name": name} if name else {}
+        status, job = self.request("POST", f"gpu-snapshot/kernels/{kernel_id}/snapshots", body)
+        assert status == 202, f"save: {status} {job}"
+        return dict(job)
+
+    # -- kernels ---------------------------------------------------------------------------
+    def connect(self, kernel_id: str, timeout: float = 60) -> BlockingKernelClient:
+        client = BlockingKernelClient()
+        client.load_connection_file(str(self.runtime / f"kernel-{kernel_id}.json"))
+        client.start_channels()
+        client.wait_for_ready(timeout=timeout)
+        self.clients.append(client)
+        return client
+
+    def open_notebook(self, path: str) -> NotebookKernel:
+        """What opening a notebook in JupyterLab does: a session with a new kernel."""
+        status, session = self.request(
+            "POST",
+            "api/sessions",
+            {"path": path, "name": path, "type": "notebook",
+             "kernel": {"name": "python3-snapshot"}},
+        )
+        assert status == 201, f"session: {status} {session}"
+        kernel_id = session["kernel"]["id"]
+        return NotebookKernel(self, path, session["id"], kernel_id, self.connect(kernel_id))
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return dict(self.get(f"api/sessions/{session_id}"))
+
+    def kernel_ids(self) -> set[str]:
+        return {k["id"] for k in self.get("api/kernels")}
+
+    def shutdown_kernel(self, kernel_id: str) -> None:
+        status, body = self.request("DELETE", f"api/kernels/{kernel_id}")
+        assert status == 204, f"shutdown: {status} {body}"
+
+
+@pytest.fixture(scope="module")
+def jupyter_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterServer]:
+    server = JupyterServer(tmp_path_factory.mktemp("server"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,285 @@
+"""Scenarios for ``%gpu_snapshot``: real server extension, real python3-snapshot kernels, CRIU.
+
+Every kernel here is started the way JupyterLab starts one (a session on a ``jupyter
+server`` subprocess), so it finds its server through the environment the provisioner gave
+it, and every snapshot is a real CRIU dump.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from .conftest import start_kernel, stop_kernel
+from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, ok, run_cell
+
+__all__ = ["jupyter_server"]  # the fixture, imported for pytest
+
+SAVED = re.compile(
+    r"Saved snapshot (?P<id>\d{8}T\d{6}Z-[0-9a-f]{8}) \((?P<name>[^)]+)\) at [\d-]+ [\d:]+: "
+    r"(?P<size>[\d.]+ (?:B|KiB|MiB|GiB)) in (?P<secs>[\d.]+) s \(kernel paused [\d.]+ s\)\."
+)
+
+
+def one_line_error(cell: Cell) -> str:
+    """The failure the user sees: one line, no traceback."""
+    assert cell.status == "error", cell
+    assert len(cell.traceback) == 1, cell.traceback
+    return re.sub(r"\x1b\[[0-9;]*m", "", cell.traceback[0])
+
+
+@pytest.fixture
+def notebook(jupyter_server: JupyterServer, request: pytest.FixtureRequest) -> NotebookKernel:
+    return jupyter_server.open_notebook(f"{request.node.name}.ipynb")
+
+
+def test_outside_a_server_the_magic_says_so() -> None:
+    # A python3-snapshot kernel started by jupyter_client directly: the extension loads
+    # (its kernelspec asks for it) but no server gave it a URL.
+    handle = start_kernel()
+    try:
+        for command in ("status", "save", "list", "widget"):
+            line = one_line_error(run_cell(handle.client, f"%gpu_snapshot {command}"))
+            assert line == (
+                f"%gpu_snapshot {command}: no Jupyter server to talk to: this kernel was not "
+                "started by a Jupyter server with jupyter_gpu_snapshot "
+                "(JUPYTER_GPU_SNAPSHOT_URL is not set). Open the notebook in JupyterLab with "
+                "the 'Python 3 (snapshots)' kernel, or use the 'jupyter gpu-snapshot' "
+                "command line"
+            ), line
+        # The kernel is fine and answers the next cell; loading pulled in no ipywidgets.
+        out = ok(handle.client, "import sys; print(6 * 7, 'ipywidgets' in sys.modules)")
+        assert out == "42 False\n"
+    finally:
+        stop_kernel(handle)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("", "the following arguments are required: command"),
+        ("frob", "invalid choice: 'frob'"),
+        ("rm", "%gpu_snapshot rm needs a snapshot name or id"),
+        ("restore", "%gpu_snapshot restore needs a snapshot name or id"),
+        ("list extra", "%gpu_snapshot list takes no name"),
+        ("status --stop", "--stop only applies to %gpu_snapshot save"),
+        ("save --all", "--all only applies to %gpu_snapshot list"),
+        ("save a b", "unrecognized arguments: b"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(
+    jupyter_server: JupyterServer, usage_kernel: NotebookKernel, line: str, expected: str
+) -> None:
+    cell = usage_kernel.run(f"%gpu_snapshot {line}")
+    assert cell.status == "error"
+    assert cell.ename == "UsageError", cell
+    assert f"UsageError: {expected}" in cell.stderr or expected in cell.stderr, cell.stderr
+    # Nothing was saved by a refused command.
+    assert jupyter_server.snapshots(usage_kernel.path) == []
+
+
+@pytest.fixture(scope="module")
+def usage_kernel(jupyter_server: JupyterServer) -> Iterator[NotebookKernel]:
+    yield jupyter_server.open_notebook("usage.ipynb")
+
+
+def test_save_list_status_rm(jupyter_server: JupyterServer, notebook: NotebookKernel) -> None:
+    notebook.ok("state = {'answer': 42}")
+    status = notebook.ok("%gpu_snapshot status")
+    assert f"Kernel {notebook.kernel_id}: ready to snapshot." in status
+    assert "CUDA: not in use by this kernel." in status
+    assert "No snapshot of this notebook yet." in status
+
+    out = notebook.ok("%gpu_snapshot save first")
+    saved = SAVED.search(out)
+    assert saved, out
+    assert saved["name"] == "first"
+    listed = jupyter_server.snapshots(notebook.path)
+    assert [s["id"] for s in listed] == [saved["id"]]
+    assert listed[0]["kernel"]["kernel_id"] == notebook.kernel_id
+    # The kernel kept running with its state.
+    assert notebook.ok("print(state['answer'])") == "42\n"
+
+    out = notebook.ok("%gpu_snapshot save")  # an unnamed one, too
+    second = SAVED.search(out)
+    assert second, out
+
+    listing = notebook.ok("%gpu_snapshot list")
+    assert listing.startswith(f"2 snapshot(s) of {notebook.path}:")
+    lines = listing.splitlines()
+    assert lines[1].split()[:2] == ["NAME", "ID"]
+    assert second["id"] in lines[2] and saved["id"] in lines[3]  # newest first
+    assert "first" in lines[3]
+
+    status = notebook.ok("%gpu_snapshot status")
+    assert f"Last snapshot: {second['name']} ({second['id']})" in status
+
+    assert notebook.ok("%gpu_snapshot rm first") == f"Deleted snapshot {saved['id']} (first).\n"
+    assert [s["id"] for s in jupyter_server.snapshots(notebook.path)] == [second["id"]]
+    assert notebook.ok(f"%gpu_snapshot rm {second['id']}").startswith("Deleted snapshot")
+    assert jupyter_server.snapshots(notebook.path) == []
+    assert notebook.ok("%gpu_snapshot list") == f"No snapshots of {notebook.path}.\n"
+
+    line = one_line_error(notebook.run("%gpu_snapshot rm first"))
+    assert line.startswith("%gpu_snapshot rm: lookup failed: no snapshot 'first'"), line
+
+
+def test_failures_are_one_line_and_leave_the_kernel_running(
+    jupyter_server: JupyterServer, notebook: NotebookKernel
+) -> None:
+    line = one_line_error(notebook.run("%gpu_snapshot save ../escape"))
+    assert line.startswith("%gpu_snapshot save: preflight failed: invalid snapshot name"), line
+
+    notebook.ok("%gpu_snapshot save taken")
+    line = one_line_error(notebook.run("%gpu_snapshot save taken"))
+    assert "a snapshot named 'taken' exists already" in line
+    assert len(jupyter_server.snapshots(notebook.path)) == 1
+
+    line = one_line_error(notebook.run("%gpu_snapshot restore no-such-snapshot"))
+    assert line.startswith("%gpu_snapshot restore: lookup failed: no snapshot"), line
+
+    # A server that went away: the magic names the step and the cause, and returns.
+    notebook.ok("import os; _url = os.environ['JUPYTER_GPU_SNAPSHOT_URL']")
+    notebook.ok("os.environ['JUPYTER_GPU_SNAPSHOT_URL'] = 'http://127.0.0.1:9/'")
+    started = time.monotonic()
+    line = one_line_error(notebook.run("%gpu_snapshot status"))
+    assert time.monotonic() - started < 10
+    assert line.startswith(
+        "%gpu_snapshot status: connect failed: cannot reach the Jupyter server at "
+        "http://127.0.0.1:9/"
+    ), line
+    notebook.ok("os.environ['JUPYTER_GPU_SNAPSHOT_URL'] = _url")
+    assert notebook.ok("print('alive')") == "alive\n"
+
+
+SAVE_IN_A_CELL = """
+import time
+from IPython.utils.capture import capture_output
+with capture_output() as cap:
+    get_ipython().run_line_magic("gpu_snapshot", "save {args}")
+woke = time.time()
+cell_finished = True
+print(cap.stdout, end="")
+"""
+
+
+def _restore_alone(server: JupyterServer, snapshot_id: str) -> dict[str, Any]:
+    """Restore into a new slot attached to no notebook; the finished job."""
+    status, job = server.request("POST", f"gpu-snapshot/snapshots/{snapshot_id}/restore", {})
+    assert status == 202, (status, job)
+    done = server.wait_job(str(job["id"]))
+    assert done["status"] == "succeeded", done
+    return done
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["keep-running", "stop"])
+def test_save_from_a_running_cell_and_its_restored_copy(
+    jupyter_server: JupyterServer, notebook: NotebookKernel, stop: bool
+) -> None:
+    notebook.ok("import os; state = [1, 2, 3]; cell_finished = False")
+    name = "mid-cell-stop" if stop else "mid-cell"
+    code = SAVE_IN_A_CELL.format(args=f"{name} --stop" if stop else name)
+    if stop:
+        # The dump ends this kernel, so its cell never answers; follow the job instead.
+        notebook.client.execute(code)
+        job = _wait_for_kernel_job(jupyter_server, notebook.kernel_id)
+        assert job["status"] == "succeeded", job
+        snapshot_id = str(job["result"]["id"])
+        assert _gone(jupyter_server, notebook.kernel_id)
+    else:
+        cell = notebook.run(code)
+        assert cell.status == "ok", cell
+        saved = SAVED.search(cell.stdout)
+        assert saved, cell.stdout
+        assert "restored" not in cell.stdout
+        snapshot_id = saved["id"]
+        assert notebook.ok("print(cell_finished, state)") == "True [1, 2, 3]\n"
+        # The copy needs the ports the original holds.
+        jupyter_server.shutdown_kernel(notebook.kernel_id)
+
+    job = _restore_alone(jupyter_server, snapshot_id)
+    new_kernel = str(job["result"]["kernel_id"])
+    assert new_kernel != notebook.kernel_id
+    copy = jupyter_server.connect(new_kernel)
+    # Runs after the restored cell has finished: it was frozen inside the magic's wait.
+    seen = json.loads(ok(copy, "import json; print(json.dumps([cell_finished, state, "
+                               "cap.stdout.splitlines(), woke]))"))
+    assert seen[:2] == [True, [1, 2, 3]]
+    printed, woke = seen[2], float(seen[3])
+    assert printed[-1] == (
+        f"This kernel was restored from snapshot {snapshot_id} ({name}), "
+        "taken while this cell waited for it."
+    )
+    assert not any(line.startswith("Saved snapshot") for line in printed), printed
+    # The copy noticed at once: its cell ended before the restore job did (the job also
+    # waits for the kernel to answer), or within a second of it.
+    assert float(job["started"]) <= woke <= float(job["finished"]) + 1.0
+    outcome = ok(
+        copy,
+        "o = get_ipython().magics_manager.registry['GPUSnapshotMagics'].last_outcome; "
+        "print(o.restored, o.snapshot_id)",
+    )
+    assert outcome == f"True {snapshot_id}\n"
+
+    # The copy knows which kernel it is now, and snapshots itself under that id.
+    status = ok(copy, "%gpu_snapshot status")
+    assert f"Kernel {new_kernel}: ready to snapshot." in status
+    assert f"restored from a snapshot of kernel {notebook.kernel_id}" in status
+    again = SAVED.search(ok(copy, f"%gpu_snapshot save {name}-again"))
+    assert again, status
+    summary = jupyter_server.get(f"gpu-snapshot/snapshots/{again['id']}")
+    assert summary["kernel"]["kernel_id"] == new_kernel
+
+
+def _wait_for_kernel_job(server: JupyterServer, kernel_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        jobs = server.get(f"gpu-snapshot/jobs?kernel_id={kernel_id}")["jobs"]
+        if jobs:
+            return server.wait_job(jobs[0]["id"])
+        time.sleep(0.05)
+    raise AssertionError(f"no job for kernel {kernel_id}")
+
+
+def _gone(server: JupyterServer, kernel_id: str, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if kernel_id not in server.kernel_ids():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_restore_switches_the_notebook_to_the_restored_kernel(
+    jupyter_server: JupyterServer,
+) -> None:
+    a = jupyter_server.open_notebook("restore-a.ipynb")
+    a.ok("origin = 'notebook a'")
+    assert SAVED.search(a.ok("%gpu_snapshot save from-a"))
+    jupyter_server.shutdown_kernel(a.kernel_id)  # frees the ports the restored copy needs
+
+    b = jupyter_server.open_notebook("restore-b.ipynb")
+    b.ok("origin = 'notebook b'")
+    # The server retires b's kernel once the notebook is switched, so this cell never
+    # answers; its announcement comes first.
+    said: list[str] = []
+    b.client.execute("%gpu_snapshot restore from-a")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not said:
+        msg = b.client.get_iopub_msg(timeout=60)
+        if msg["msg_type"] == "stream":
+            said.append(msg["content"]["text"])
+    assert said and said[0].startswith("Restoring snapshot "), said
+    assert "restore-b.ipynb switches to it and this kernel shuts down." in said[0]
+
+    assert _gone(jupyter_server, b.kernel_id)
+    session = jupyter_server.session(b.session_id)
+    new_kernel = session["kernel"]["id"]
+    assert new_kernel not in (a.kernel_id, b.kernel_id)
+    restored = jupyter_server.connect(new_kernel)
+    assert ok(restored, "print(origin)") == "notebook a\n"
