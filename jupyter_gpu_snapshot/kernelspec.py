@@ -27,6 +27,9 @@ def kernel_json(python: str | None = None) -> dict[str, Any]:
             # kernel_info request, so a client reconnecting after a restore would advance
             # the user's RNG state.
             "--InteractiveShell.enable_tip=False",
+            # %gpu_snapshot in every snapshot-ready kernel. extra_extensions adds to, rather
+            # than replaces, the extensions a user configured.
+            "--IPKernelApp.extra_extensions=jupyter_gpu_snapshot",
         ],
         "display_name": DISPLAY_NAME,
         "language": "python",
