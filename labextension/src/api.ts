@@ -1,0 +1,165 @@
+/**
+ * The server extension's REST API (docs/api-contract.md), typed.
+ *
+ * Every call goes through ServerConnection, so the token, the XSRF cookie and the
+ * server's base URL are handled the way the rest of JupyterLab handles them.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+export type Phase =
+  | 'preflight'
+  | 'suspend'
+  | 'dump'
+  | 'resume'
+  | 'commit'
+  | 'verify'
+  | 'restore'
+  | 'done';
+
+export interface ISnapshotSummary {
+  id: string;
+  name: string;
+  /** Seconds since the epoch. */
+  created: number;
+  created_iso: string;
+  size_bytes: number;
+  host: string | null;
+  notebook_path: string | null;
+  kernel: { name?: string; kernel_id?: string; [key: string]: unknown };
+  reason: 'user' | 'shutdown';
+  timings: { [key: string]: number };
+  gpu: { [key: string]: unknown } | null;
+}
+
+export interface IJobError {
+  step: string;
+  cause: string;
+  hint?: string | null;
+  log?: string | null;
+  message: string;
+}
+
+export interface IRestoreResult {
+  kernel_id: string;
+  session_id: string | null;
+}
+
+export interface IJob {
+  id: string;
+  kind: 'save' | 'restore';
+  kernel_id: string | null;
+  snapshot_id: string | null;
+  status: 'running' | 'succeeded' | 'failed';
+  phase: Phase;
+  done: number;
+  total: number;
+  started: number;
+  finished: number | null;
+  result: ISnapshotSummary | IRestoreResult | null;
+  error: IJobError | null;
+}
+
+export interface IKernelStatus {
+  kernel_id: string;
+  ready: boolean;
+  reasons: string[];
+  kernel_name: string;
+  cuda: { state: string; memory_bytes: number; [key: string]: unknown } | null;
+  last_snapshot: ISnapshotSummary | null;
+  job: IJob | null;
+}
+
+/** An error answer of the API, carrying the server's own message. */
+export class SnapshotAPIError extends Error {
+  constructor(
+    message: string,
+    readonly status: number,
+    readonly step?: string
+  ) {
+    super(message);
+  }
+}
+
+export class SnapshotAPI {
+  constructor(
+    readonly settings: ServerConnection.ISettings = ServerConnection.makeSettings()
+  ) {}
+
+  async listSnapshots(notebookPath?: string): Promise<ISnapshotSummary[]> {
+    const query = notebookPath
+      ? URLExt.objectToQueryString({ notebook_path: notebookPath })
+      : '';
+    const data = await this._request<{ snapshots: ISnapshotSummary[] }>(
+      'snapshots' + query
+    );
+    return data.snapshots;
+  }
+
+  async deleteSnapshot(id: string): Promise<void> {
+    await this._request('snapshots/' + encodeURIComponent(id), {
+      method: 'DELETE'
+    });
+  }
+
+  startSave(
+    kernelId: string,
+    options: { name?: string; stop?: boolean } = {}
+  ): Promise<IJob> {
+    return this._request<IJob>(
+      `kernels/${encodeURIComponent(kernelId)}/snapshots`,
+      { method: 'POST', body: JSON.stringify(options) }
+    );
+  }
+
+  startRestore(
+    snapshotId: string,
+    options: { path?: string; session_id?: string }
+  ): Promise<IJob> {
+    return this._request<IJob>(
+      `snapshots/${encodeURIComponent(snapshotId)}/restore`,
+      { method: 'POST', body: JSON.stringify(options) }
+    );
+  }
+
+  getJob(jobId: string): Promise<IJob> {
+    return this._request<IJob>('jobs/' + encodeURIComponent(jobId));
+  }
+
+  kernelStatus(kernelId: string): Promise<IKernelStatus> {
+    return this._request<IKernelStatus>(
+      `kernels/${encodeURIComponent(kernelId)}/status`
+    );
+  }
+
+  private async _request<T>(endpoint: string, init: RequestInit = {}): Promise<T> {
+    const url = URLExt.join(this.settings.baseUrl, 'gpu-snapshot', endpoint);
+    let response: Response;
+    try {
+      response = await ServerConnection.makeRequest(url, init, this.settings);
+    } catch (error) {
+      throw new SnapshotAPIError(
+        `cannot reach the Jupyter server: ${(error as Error).message}`,
+        0
+      );
+    }
+    const text = await response.text();
+    let data: any = null;
+    if (text) {
+      try {
+        data = JSON.parse(text);
+      } catch {
+        data = null;
+      }
+    }
+    if (!response.ok) {
+      const message =
+        (data && typeof data.message === 'string' && data.message) ||
+        (response.status === 404 && !data
+          ? 'the gpu-snapshot server extension is not enabled on this server'
+          : `${response.status} ${response.statusText}`);
+      throw new SnapshotAPIError(message, response.status, data?.step);
+    }
+    return data as T;
+  }
+}
