@@ -1,0 +1,340 @@
+"""A live panel of this kernel's snapshot state, built from ipywidgets 8's own widgets.
+
+``%gpu_snapshot widget`` shows it. It reads everything from the server extension's REST API
+(``kernels/{id}/status``, ``jobs?kernel_id=``, ``snapshots?notebook_path=``) and offers
+Save, Restore and Delete, with errors shown inline.
+
+Why a background thread, and why it cannot deadlock the kernel
+---------------------------------------------------------------
+The panel must keep moving while the kernel is busy: during ``%gpu_snapshot save`` in a
+cell, or any long cell while the toolbar saves. Timers on the kernel's event loop only fire
+between cells, so a daemon thread polls instead. It cannot deadlock the kernel because:
+
+- it never waits for the shell thread or the kernel's event loop: it only makes HTTP
+  requests (each with a timeout) and sets widget traits;
+- setting a trait sends a comm message through ipykernel's IOPub thread, which accepts
+  messages from any thread through a per-thread pipe and never blocks the sender;
+- the one lock it shares with the button handlers (which run on the shell thread) guards
+  only trait updates, is never held across a request, and is the only lock either takes;
+- button handlers only start jobs (one short POST) and return; progress comes from polls.
+
+A save freezes the whole process, this thread included; it resumes where it stopped. In a
+restored copy its first request fails or sees the new incarnation, and the client
+re-resolves which kernel slot it now is.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as w  # type: ignore[import-untyped]
+
+from .client import ClientError, SnapshotClient, format_age, format_bytes
+from .magics import cuda_text, job_progress_text, last_snapshot_text
+
+Json = dict[str, Any]
+
+IDLE_POLL_SECONDS = 1.0
+BUSY_POLL_SECONDS = 0.25
+# Status and the snapshot list cost the server more than the jobs list; refresh them
+# less often while idle, and at once when a job ends.
+STATUS_EVERY_SECONDS = 3.0
+LIST_EVERY_SECONDS = 10.0
+
+
+def _text(value: str, color: str | None = None) -> str:
+    style = f' style="color:{color}"' if color else ""
+    return f"<span{style}>{html.escape(value)}</span>"
+
+
+class SnapshotRow(w.HBox):  # type: ignore[misc]  # ipywidgets is untyped
+    """One snapshot: what it is, and its Restore and Delete buttons."""
+
+    def __init__(
+        self,
+        summary: Json,
+        on_restore: Callable[[SnapshotRow], None],
+        on_delete: Callable[[SnapshotRow], None],
+    ) -> None:
+        self.summary = summary
+        self.snapshot_id = str(summary["id"])
+        self.label = w.HTML()
+        self.restore_button = w.Button(
+            description="Restore", icon="history", tooltip="Restore into a new kernel and "
+            "switch this notebook to it", layout=w.Layout(width="auto"),
+        )
+        self.delete_button = w.Button(
+            description="Delete", icon="trash", tooltip="Delete this snapshot",
+            layout=w.Layout(width="auto"),
+        )
+        self.confirming = False
+        self.restore_button.on_click(lambda _b: on_restore(self))
+        self.delete_button.on_click(lambda _b: on_delete(self))
+        super().__init__([self.label, self.restore_button, self.delete_button])
+        self.render()
+
+    def render(self) -> None:
+        s = self.summary
+        created = float(s.get("created", 0))
+        self.label.value = (
+            f"<b>{html.escape(str(s.get('name')))}</b> &nbsp;"
+            f"{html.escape(format_age(time.time() - created))} &middot; "
+            f"{html.escape(format_bytes(int(s.get('size_bytes', 0))))} &middot; "
+            f"<code>{html.escape(self.snapshot_id)}</code>"
+        )
+
+    def confirm(self, on: bool) -> None:
+        """First Delete click asks; the second deletes (snapshots cannot be undeleted)."""
+        self.confirming = on
+        self.delete_button.description = "Really delete?" if on else "Delete"
+        self.delete_button.button_style = "danger" if on else ""
+
+
+class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
+    """Readiness, CUDA state, last snapshot, save progress and this notebook's snapshots."""
+
+    def __init__(
+        self,
+        client: SnapshotClient,
+        *,
+        start: bool = True,
+        idle_poll: float = IDLE_POLL_SECONDS,
+        busy_poll: float = BUSY_POLL_SECONDS,
+    ) -> None:
+        self.client = client
+        self.idle_poll = idle_poll
+        self.busy_poll = busy_poll
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._notebook_path: str | None = None
+        self._session_id: str | None = None
+        self._session_known = False
+        self._tracked: dict[str, Json] = {}  # running jobs we show, by id
+        self._finished: set[str] | None = None  # ended jobs already reported
+        self._poll_error = False
+        self._last_status = 0.0
+        self._last_list = 0.0
+        self.refreshes = 0  # completed polls, for scripts and tests that wait for one
+
+        self.title = w.HTML("<b>GPU snapshots</b>")
+        self.readiness = w.HTML()
+        self.cuda = w.HTML()
+        self.last = w.HTML()
+        self.phase = w.Label()
+        self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, bar_style="info")
+        self.progress_box = w.HBox([self.progress, self.phase])
+        self.progress_box.layout.display = "none"
+        self.message = w.HTML()
+        self.error = w.HTML()
+        self.name_input = w.Text(placeholder="name (optional)", layout=w.Layout(width="14em"))
+        self.save_button = w.Button(
+            description="Save", icon="camera", button_style="primary",
+            tooltip="Snapshot this kernel now; it keeps running",
+        )
+        self.save_button.on_click(lambda _b: self.save())
+        self.snapshot_list = w.VBox()
+        self.rows: dict[str, SnapshotRow] = {}
+        super().__init__([
+            self.title, self.readiness, self.cuda, self.last, self.progress_box,
+            w.HBox([self.name_input, self.save_button]), self.message, self.error,
+            w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
+        ])
+        if start:
+            self.start()
+
+    # -- the poller ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="gpu-snapshot-panel", daemon=True
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for row in self.rows.values():
+            row.close()
+        super().close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.refresh()
+            interval = self.busy_poll if self._tracked else self.idle_poll
+            self._wake.wait(interval)
+            self._wake.clear()
+
+    def refresh(self, full: bool = False) -> None:
+        """One poll of the server; the thread calls it, and so may anyone else."""
+        try:
+            if not self._session_known:
+                session = self.client.session()
+                self._notebook_path = session.get("path") if session else None
+                self._session_id = session.get("id") if session else None
+                self._session_known = True
+            now = time.monotonic()
+            ended = self._poll_jobs()
+            if full or ended or now - self._last_status >= STATUS_EVERY_SECONDS:
+                self._show_status(self.client.status())
+                self._last_status = now
+            if full or ended or now - self._last_list >= LIST_EVERY_SECONDS:
+                self._show_snapshots(self.client.snapshots(self._notebook_path))
+                self._last_list = now
+            with self._lock:
+                if self._poll_error:  # the server answers again
+                    self.error.value = ""
+                    self._poll_error = False
+        except ClientError as exc:
+            self._show_poll_error(exc.message)
+        except Exception as exc:  # the poller must survive anything and say what it was
+            self._show_poll_error(f"panel update failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.refreshes += 1
+
+    def _show_poll_error(self, message: str) -> None:
+        with self._lock:
+            self.error.value = _text(message, "#c62828")
+            self._poll_error = True
+
+    def _poll_jobs(self) -> bool:
+        """Follow the jobs of this kernel, and ours; True when one has just ended."""
+        kernel_id = self.client.kernel_id
+        jobs = {str(j["id"]): j for j in self.client.jobs(kernel_id)}
+        for job_id in list(self._tracked):
+            if job_id not in jobs:  # e.g. a restore, filed under the new kernel
+                jobs[job_id] = self.client.job(job_id)
+        first_poll = self._finished is None
+        finished = self._finished if self._finished is not None else set()
+        ended = False
+        for job_id, job in jobs.items():
+            if job.get("status") == "running":
+                self._tracked[job_id] = job
+            elif job_id not in finished:
+                finished.add(job_id)
+                # Jobs that ended before the panel opened are history, not news.
+                if job_id in self._tracked or not first_poll:
+                    self._tracked.pop(job_id, None)
+                    self._job_ended(job)
+                    ended = True
+        self._finished = finished
+        running = [j for j in jobs.values() if j.get("status") == "running"]
+        with self._lock:
+            if running:
+                job = running[0]
+                total = float(job.get("total") or 0)
+                done = float(job.get("done") or 0)
+                self.progress.value = min(done / total, 1.0) if total else 0.0
+                self.progress.bar_style = "info"
+                self.phase.value = f"{job.get('kind')}: {job_progress_text(job)}"
+                self.progress_box.layout.display = "flex"
+            else:
+                self.progress_box.layout.display = "none"
+            self.save_button.disabled = bool(running)
+        return ended
+
+    def _job_ended(self, job: Json) -> None:
+        result = job.get("result") or {}
+        with self._lock:
+            if job.get("status") == "failed":
+                error = job.get("error") or {}
+                text = error.get("message") or f"{job.get('kind')} failed"
+                self.error.value = _text(f"{job.get('kind')}: {text}", "#c62828")
+            elif job.get("kind") == "save":
+                self.message.value = _text(
+                    f"Saved {result.get('name')} ({format_bytes(int(result.get('size_bytes', 0)))})"
+                )
+            elif job.get("kind") == "restore":
+                where = (
+                    "this notebook now uses it" if result.get("session_id")
+                    else "no notebook was switched to it"
+                )
+                self.message.value = _text(
+                    f"Restored into kernel {result.get('kernel_id')}: {where}"
+                )
+
+    def _show_status(self, status: Json) -> None:
+        with self._lock:
+            if status.get("ready"):
+                self.readiness.value = _text("Snapshot-ready", "#2e7d32")
+            else:
+                reasons = "; ".join(status.get("reasons") or []) or "no reason given"
+                self.readiness.value = _text(f"Not snapshot-ready: {reasons}", "#c62828")
+            cuda = cuda_text(status.get("cuda"))
+            estimate = status.get("estimate_bytes")
+            if estimate:
+                cuda += f" A snapshot now would be about {format_bytes(int(estimate))}."
+            self.cuda.value = _text(cuda)
+            last = status.get("last_snapshot")
+            self.last.value = _text(
+                f"Last snapshot: {last_snapshot_text(last)}" if last else "No snapshot yet"
+            )
+
+    def _show_snapshots(self, snapshots: list[Json]) -> None:
+        with self._lock:
+            rows: dict[str, SnapshotRow] = {}
+            for summary in reversed(snapshots):  # newest first
+                sid = str(summary["id"])
+                row = self.rows.get(sid)
+                if row is None:
+                    row = SnapshotRow(summary, self._restore_clicked, self._delete_clicked)
+                else:
+                    row.summary = summary
+                    row.render()
+                rows[sid] = row
+            for sid, row in self.rows.items():
+                if sid not in rows:
+                    row.close()
+            self.rows = rows
+            self.snapshot_list.children = list(rows.values())
+
+    # -- actions (button handlers run on the shell thread: start a job, never wait) --------
+    def _act(self, what: str, action: Callable[[], Json | None]) -> Json | None:
+        with self._lock:
+            self.error.value = ""
+            self.message.value = ""
+        try:
+            result = action()
+        except ClientError as exc:
+            with self._lock:
+                self.error.value = _text(f"{what}: {exc.message}", "#c62828")
+            return None
+        if result and result.get("status") == "running":
+            self._tracked[str(result["id"])] = result
+        self._wake.set()
+        return result
+
+    def save(self) -> Json | None:
+        """The Save button: start a save job of this kernel; the poller shows its progress."""
+        name = self.name_input.value.strip() or None
+        job = self._act("save", lambda: self.client.start_save(name))
+        if job is not None:
+            self.name_input.value = ""
+        return job
+
+    def _restore_clicked(self, row: SnapshotRow) -> None:
+        self._act(
+            "restore",
+            lambda: self.client.start_restore(
+                row.snapshot_id, path=self._notebook_path, session_id=self._session_id
+            ),
+        )
+
+    def _delete_clicked(self, row: SnapshotRow) -> None:
+        if not row.confirming:
+            for other in self.rows.values():
+                other.confirm(other is row)
+            return
+        row.confirm(False)
+
+        def delete() -> None:
+            self.client.delete(row.snapshot_id)
+            self._show_snapshots(self.client.snapshots(self._notebook_path))
+
+        self._act("delete", delete)

@@ -1,0 +1,240 @@
+"""Scenarios for the ``%gpu_snapshot widget`` panel, without a browser.
+
+The panel runs in a real python3-snapshot kernel of a real ``jupyter server``. The tests
+see it the way a frontend does, through its comm messages on IOPub, click its buttons the
+way a frontend does (a ``custom`` click message on the button's comm) or by calling the
+click handlers inside the kernel, and check the effects through the server's REST API.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from jupyter_client.blocking import BlockingKernelClient
+
+from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server
+
+__all__ = ["jupyter_server"]  # the fixture, imported for pytest
+
+PANEL = "p = get_ipython().magics_manager.registry['GPUSnapshotMagics'].panel"
+
+
+def show_panel(notebook: NotebookKernel) -> Cell:
+    """``%gpu_snapshot widget``, then wait for the panel's first poll of the server."""
+    cell = notebook.run("%gpu_snapshot widget")
+    assert cell.status == "ok", cell
+    assert any(
+        "application/vnd.jupyter.widget-view+json" in d.get("data", {}) for d in cell.displays
+    ), cell.displays
+    notebook.ok(
+        f"""
+        import time
+        {PANEL}
+        deadline = time.monotonic() + 20
+        while p.refreshes < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert p.refreshes >= 1
+        """
+    )
+    return cell
+
+
+def panel_state(notebook: NotebookKernel) -> dict[str, Any]:
+    return dict(json.loads(notebook.ok(
+        f"""
+        import json
+        {PANEL}
+        print(json.dumps({{
+            "readiness": p.readiness.value, "cuda": p.cuda.value, "last": p.last.value,
+            "message": p.message.value, "error": p.error.value,
+            "rows": list(p.rows), "labels": [r.label.value for r in p.rows.values()],
+            "confirming": [r.confirming for r in p.rows.values()],
+            "delete_labels": [r.delete_button.description for r in p.rows.values()],
+            "save_disabled": p.save_button.disabled,
+        }}))
+        """
+    )))
+
+
+def wait_panel(notebook: NotebookKernel, condition: str, timeout: float = 30) -> None:
+    """Wait inside the kernel until a condition on the panel ``p`` holds."""
+    notebook.ok(
+        f"""
+        {PANEL}
+        deadline = time.monotonic() + {timeout}
+        while not ({condition}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {condition}, ({condition!r}, p.error.value, p.message.value)
+        """,
+        timeout=timeout + 10,
+    )
+
+
+def comm_ids(cell: Cell) -> dict[tuple[str, str], str]:
+    """(model name, description) -> comm id, from the comm_open messages a display sent."""
+    found = {}
+    for msg in cell.iopub:
+        if msg["msg_type"] == "comm_open":
+            state = msg["content"]["data"]["state"]
+            key = (state.get("_model_name", ""), str(state.get("description", "")))
+            found[key] = msg["content"]["comm_id"]
+    return found
+
+
+def click_through_comm(client: BlockingKernelClient, comm_id: str) -> None:
+    """What JupyterLab sends when a user clicks a button."""
+    content = {"comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
+    client.shell_channel.send(client.session.msg("comm_msg", content))
+
+
+def wait_for_job(server: JupyterServer, kernel_id: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jobs = server.get(f"gpu-snapshot/jobs?kernel_id={kernel_id}")["jobs"]
+        if jobs:
+            return server.wait_job(jobs[0]["id"])
+        time.sleep(0.05)
+    raise AssertionError(f"no job for kernel {kernel_id}")
+
+
+@pytest.fixture
+def notebook(jupyter_server: JupyterServer, request: pytest.FixtureRequest) -> NotebookKernel:
+    return jupyter_server.open_notebook(f"{request.node.name}.ipynb")
+
+
+def test_panel_shows_the_kernel_and_saves_on_a_click(
+    jupyter_server: JupyterServer, notebook: NotebookKernel
+) -> None:
+    cell = show_panel(notebook)
+    state = panel_state(notebook)
+    assert "Snapshot-ready" in state["readiness"]
+    assert "CUDA: not in use by this kernel." in state["cuda"]
+    assert "No snapshot yet" in state["last"]
+    assert state["rows"] == [] and state["error"] == ""
+
+    notebook.ok(f"{PANEL}; p.name_input.value = 'clicked'")
+    click_through_comm(notebook.client, comm_ids(cell)[("ButtonModel", "Save")])
+    job = wait_for_job(jupyter_server, notebook.kernel_id)
+    assert job["status"] == "succeeded", job
+    snapshot_id = job["result"]["id"]
+    assert job["result"]["name"] == "clicked"
+    assert [s["id"] for s in jupyter_server.snapshots(notebook.path)] == [snapshot_id]
+
+    wait_panel(notebook, f"{snapshot_id!r} in p.rows and 'Saved' in p.message.value")
+    state = panel_state(notebook)
+    assert "Saved clicked (" in state["message"]
+    assert f"Last snapshot: clicked ({snapshot_id})" in state["last"]
+    assert "<b>clicked</b>" in state["labels"][0] and snapshot_id in state["labels"][0]
+    assert state["error"] == ""
+
+
+def test_panel_follows_a_save_started_elsewhere_while_the_kernel_is_busy(
+    jupyter_server: JupyterServer, notebook: NotebookKernel
+) -> None:
+    cell = show_panel(notebook)
+    ids = comm_ids(cell)
+    progress_id = ids[("FloatProgressModel", "")]
+    # Enough memory that the save takes a while, and a panel polling often enough to see it.
+    notebook.ok(f"import os; blob = os.urandom(400 << 20); {PANEL}; p.idle_poll = 0.05")
+
+    # A long cell keeps the kernel busy; meanwhile the save comes from elsewhere (the
+    # toolbar uses the same REST call).
+    msg_id = notebook.client.execute("time.sleep(6)")
+    updates: list[tuple[str, dict[str, Any]]] = []
+    busy = saved_at = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        msg = notebook.client.get_iopub_msg(timeout=30)
+        content = msg["content"]
+        if msg["msg_type"] == "status" and msg["parent_header"].get("msg_id") == msg_id:
+            if content["execution_state"] == "busy":
+                busy = True
+                job = jupyter_server.start_save(notebook.kernel_id, "from-elsewhere")
+            elif content["execution_state"] == "idle":
+                break
+        elif msg["msg_type"] == "comm_msg" and busy:
+            state = content["data"].get("state", {})
+            updates.append((content["comm_id"], state))
+            if "Saved from-elsewhere" in str(state.get("value", "")):
+                saved_at = len(updates)
+    assert busy, "the long cell never started"
+    done = jupyter_server.wait_job(job["id"])
+    assert done["status"] == "succeeded", done
+
+    phases = [s["value"] for _, s in updates if str(s.get("value", "")).startswith("save: ")]
+    fractions = [s["value"] for cid, s in updates if cid == progress_id and "value" in s]
+    # While the kernel ran the long cell, the panel showed the save's phases with bytes...
+    assert any(p.split()[1] in ("dump", "commit") and " of " in p for p in phases), phases
+    assert any(0 < f <= 1 for f in fractions), fractions
+    # ... and then its result, all before the cell ended.
+    assert saved_at is not None, updates
+    wait_panel(notebook, f"{done['result']['id']!r} in p.rows")
+
+
+def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
+    path = "buttons.ipynb"
+    first = jupyter_server.open_notebook(path)
+    first.ok("origin = 'the first kernel'")
+    for name in ("keep", "drop"):
+        assert first.ok(f"%gpu_snapshot save {name}").startswith("Saved snapshot")
+    by_name = {s["name"]: s["id"] for s in jupyter_server.snapshots(path)}
+    jupyter_server.shutdown_kernel(first.kernel_id)  # as after a reboot: only snapshots left
+
+    second = jupyter_server.open_notebook(path)
+    second.ok("origin = 'the second kernel'")
+    show_panel(second)
+    state = panel_state(second)
+    assert state["rows"] == [by_name["drop"], by_name["keep"]]  # newest first
+
+    # Delete asks first; the second click deletes.
+    click = f"{PANEL}; p.rows[{by_name['drop']!r}].delete_button.click()"
+    second.ok(click)
+    state = panel_state(second)
+    assert state["confirming"] == [True, False]
+    assert state["delete_labels"][0] == "Really delete?"
+    assert by_name["drop"] in [s["id"] for s in jupyter_server.snapshots(path)]
+    second.ok(click)
+    assert [s["id"] for s in jupyter_server.snapshots(path)] == [by_name["keep"]]
+    assert panel_state(second)["rows"] == [by_name["keep"]]
+
+    # A restore that cannot work shows its error in the panel; the kernel is unharmed.
+    assert second.ok("%gpu_snapshot save mine").startswith("Saved snapshot")
+    mine = next(s["id"] for s in jupyter_server.snapshots(path) if s["name"] == "mine")
+    wait_panel(second, f"{mine!r} in p.rows", timeout=20)
+    second.ok(f"{PANEL}; p.rows[{mine!r}].restore_button.click()")
+    wait_panel(second, "'restore' in p.error.value")
+    error = panel_state(second)["error"]
+    assert "preflight failed" in error and "in use" in error, error
+    assert second.ok("print(origin)") == "the second kernel\n"
+
+    # Restoring the first kernel's snapshot switches the notebook to a new kernel with the
+    # first kernel's state; the second kernel is retired, as when one changes kernels.
+    second.ok(f"{PANEL}; p.rows[{by_name['keep']!r}].restore_button.click()")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        session = jupyter_server.session(second.session_id)
+        if session["kernel"]["id"] != second.kernel_id:
+            break
+        time.sleep(0.1)
+    new_kernel = session["kernel"]["id"]
+    assert new_kernel != second.kernel_id
+    restored = jupyter_server.connect(new_kernel)
+    from .magic_fixtures import ok
+
+    assert ok(restored, "print(origin)") == "the first kernel\n"
+    assert second.kernel_id not in jupyter_server.kernel_ids()
+    # The restored kernel knows its slot, and its own panel works.
+    assert f"Kernel {new_kernel}: ready" in ok(restored, "%gpu_snapshot status")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_jobs(jupyter_server: JupyterServer) -> Iterator[None]:
+    yield
+    running = [
+        j for j in jupyter_server.get("gpu-snapshot/jobs")["jobs"] if j["status"] == "running"
+    ]
+    assert running == []
