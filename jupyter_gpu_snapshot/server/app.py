@@ -7,6 +7,7 @@ the package installs; ``c.GPUSnapshot.*`` configures it (``jupyter_server_config
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import urllib.parse
 from pathlib import Path
@@ -56,6 +57,7 @@ class GPUSnapshotApp(ExtensionApp):
     service: SnapshotService | None = None
     gpu_settings: GPUSnapshot | None = None
     last_shutdown: ShutdownReport | None = None
+    _stopping: asyncio.Future[None] | None = None
 
     def initialize_settings(self) -> None:
         """Called by ``ExtensionApp.initialize()`` when the server loads the extension."""
@@ -131,8 +133,15 @@ class GPUSnapshotApp(ExtensionApp):
         """Called by ``ServerApp._cleanup()`` before it shuts down all kernels.
 
         Running jobs get to finish; then, with ``snapshot_on_shutdown``, every
-        snapshot-ready kernel is saved, all within ``shutdown_budget`` seconds.
+        snapshot-ready kernel is saved, all within ``shutdown_budget`` seconds. A second
+        stop request while this runs (``jupyter server stop`` sends SIGTERM after 5 s)
+        waits for the same work instead of starting it again.
         """
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._save_before_stop())
+        await asyncio.shield(self._stopping)
+
+    async def _save_before_stop(self) -> None:
         if self.service is None or self.gpu_settings is None:
             return
         budget = float(self.gpu_settings.shutdown_budget)

@@ -322,8 +322,11 @@ class SnapshotService:
             )
             # With pending kernels, start_kernel returns before the restore has run.
             await self.kernel_manager.get_kernel(kernel_id).ready
-        except KeyError:
-            raise SnapshotError("restore", "the restored kernel vanished while starting") from None
+        except BaseException as exc:
+            self._forget_failed_start(kernel_id)
+            if isinstance(exc, KeyError):
+                raise SnapshotError("restore", "the restored kernel vanished") from None
+            raise
         try:
             session_id = await self._attach(kernel_id, session, path)
         except Exception as exc:
@@ -333,6 +336,21 @@ class SnapshotService:
                 "attach", f"could not switch the session to the restored kernel: {exc}"
             ) from exc
         return {"kernel_id": kernel_id, "session_id": session_id}
+
+    def _forget_failed_start(self, kernel_id: str) -> None:
+        """Drop what the kernel manager keeps of a kernel whose start failed.
+
+        jupyter_client leaves a failed start in its pending kernels, and shutdown_all then
+        fails on it (404) when the server stops; with pending kernels on, the slot itself
+        stays listed. Neither may outlive a failed restore.
+        """
+        km = self.kernel_manager
+        if kernel_id in km:
+            with contextlib.suppress(Exception):
+                km.remove_kernel(kernel_id)
+        pending = getattr(km, "_pending_kernels", None)
+        if isinstance(pending, dict):
+            pending.pop(kernel_id, None)
 
     async def _kernel_dir(self, path: str) -> str:
         if self.contents_manager is not None:
