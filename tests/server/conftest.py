@@ -1,0 +1,263 @@
+"""A real Jupyter server with the extension, real python3-snapshot kernels, real CRIU.
+
+pytest-jupyter's fixtures are imported here rather than enabled for the whole suite, so
+its event-loop plugin applies to these tests only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytest_jupyter.jupyter_server import *  # noqa: F403 - the fixtures, scoped to tests/server
+from tornado.httpclient import HTTPResponse
+from tornado.websocket import WebSocketClientConnection
+from traitlets.config import Config
+
+from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, kernel_json
+
+Json = dict[str, Any]
+Fetch = Callable[..., Awaitable[HTTPResponse]]
+
+# Seconds a save or restore of a small kernel may take on a slow two-core machine.
+JOB_TIMEOUT = 90.0
+
+
+# -- server ----------------------------------------------------------------------------------
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    return tmp_path / "snapshots"
+
+
+@pytest.fixture
+def criu_path() -> str:
+    found = shutil.which("criu")
+    assert found, "criu >= 4.2 must be installed (make criu)"
+    return found
+
+
+@pytest.fixture
+def snapshot_config() -> Json:
+    """Extra ``c.GPUSnapshot`` settings; tests override this fixture."""
+    return {}
+
+
+@pytest.fixture
+def server_config() -> Json:
+    """Extra server settings (other than ``GPUSnapshot``); tests override this fixture."""
+    return {}
+
+
+@pytest.fixture
+def jp_server_config(
+    store_dir: Path, criu_path: str, snapshot_config: Json, server_config: Json
+) -> Config:
+    config = Config(
+        {
+            "ServerApp": {"jpserver_extensions": {"jupyter_gpu_snapshot": True}},
+            "GPUSnapshot": {"store_dir": str(store_dir), "criu_path": criu_path, **snapshot_config},
+        }
+    )
+    config.merge(Config(server_config))
+    return config
+
+
+@pytest.fixture(autouse=True)
+def snapshot_kernelspec(jp_kernel_dir: Path) -> Path:
+    """python3-snapshot where this test's server looks for kernelspecs."""
+    spec_dir = Path(jp_kernel_dir) / KERNEL_NAME
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "kernel.json").write_text(json.dumps(kernel_json()))
+    return spec_dir
+
+
+# -- REST ------------------------------------------------------------------------------------
+class Api:
+    """Calls to the server under test; returns (status, JSON or None) without raising."""
+
+    def __init__(self, fetch: Fetch, token: str = "") -> None:
+        self.fetch = fetch
+        self.token = token
+
+    async def call(
+        self,
+        method: str,
+        *parts: str,
+        body: Json | None = None,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        kwargs: dict[str, Any] = {"method": method, "raise_error": False}
+        if method in ("POST", "PUT", "PATCH"):
+            kwargs["body"] = json.dumps(body or {})
+        if headers is not None:
+            kwargs["headers"] = headers
+        response = await self.fetch(*parts, params=params, **kwargs)
+        try:
+            data = json.loads(response.body) if response.body else None
+        except ValueError:  # the server's own HTML error pages
+            data = response.body.decode(errors="replace")
+        return response.code, data
+
+    async def ok(self, method: str, *parts: str, expect: int = 200, **kw: Any) -> Any:
+        code, data = await self.call(method, *parts, **kw)
+        assert code == expect, f"{method} {'/'.join(parts)}: {code} {data}"
+        return data
+
+    # -- the snapshot API --------------------------------------------------------------------
+    async def save(self, kernel_id: str, **body: Any) -> Json:
+        job: Json = await self.ok(
+            "POST", "gpu-snapshot", "kernels", kernel_id, "snapshots", body=body, expect=202
+        )
+        return job
+
+    async def restore(self, ref: str, **body: Any) -> Json:
+        job: Json = await self.ok(
+            "POST", "gpu-snapshot", "snapshots", ref, "restore", body=body, expect=202
+        )
+        return job
+
+    async def snapshots(self, **params: str) -> list[Json]:
+        data = await self.ok("GET", "gpu-snapshot", "snapshots", params=params)
+        return list(data["snapshots"])
+
+    async def wait(self, job: Json, timeout: float = JOB_TIMEOUT) -> Json:
+        """Poll the job until it ends; return its last state."""
+        deadline = time.monotonic() + timeout
+        while job["status"] == "running":
+            assert time.monotonic() < deadline, f"job did not end in {timeout}s: {job}"
+            await asyncio.sleep(0.1)
+            job = await self.ok("GET", "gpu-snapshot", "jobs", job["id"])
+        return job
+
+    async def succeeded(self, job: Json) -> Json:
+        job = await self.wait(job)
+        assert job["status"] == "succeeded", job["error"]
+        return job
+
+    # -- the server's own API ----------------------------------------------------------------
+    async def start_kernel(self, name: str = KERNEL_NAME) -> str:
+        data = await self.ok("POST", "api", "kernels", body={"name": name}, expect=201)
+        return str(data["id"])
+
+    async def kernel_ids(self) -> list[str]:
+        return [k["id"] for k in await self.ok("GET", "api", "kernels")]
+
+
+@pytest.fixture
+def api(jp_fetch: Fetch, jp_auth_header: dict[str, str]) -> Api:
+    return Api(jp_fetch, jp_auth_header["Authorization"])
+
+
+# -- kernels over the websocket, as JupyterLab talks to them ---------------------------------
+class KernelSocket:
+    """A kernel's channels websocket; ``execute`` returns what the code printed."""
+
+    def __init__(self, ws: WebSocketClientConnection) -> None:
+        self.ws = ws
+        self.session = uuid.uuid4().hex
+
+    async def execute(self, code: str, timeout: float = 60.0) -> str:
+        msg_id = uuid.uuid4().hex
+        header = {
+            "msg_id": msg_id,
+            "msg_type": "execute_request",
+            "username": "test",
+            "session": self.session,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "version": "5.3",
+        }
+        content = {
+            "code": code,
+            "silent": False,
+            "store_history": True,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        }
+        message = {
+            "header": header,
+            "parent_header": {},
+            "metadata": {},
+            "content": content,
+            "channel": "shell",
+            "buffers": [],
+        }
+        await self.ws.write_message(json.dumps(message))
+        out: list[str] = []
+        reply: Json | None = None
+        idle = False
+        deadline = time.monotonic() + timeout
+        while reply is None or not idle:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no reply to {code!r} in {timeout}s"
+            raw = await asyncio.wait_for(self.ws.read_message(), left)
+            assert raw is not None, "the kernel's websocket closed"
+            msg = json.loads(raw)
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, body = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out.append(body["text"])
+            elif kind == "execute_result":
+                out.append(body["data"].get("text/plain", "") + "\n")
+            elif kind == "error":
+                out.append("\n".join(body["traceback"]))
+            elif kind == "execute_reply":
+                reply = body
+            elif kind == "status" and body["execution_state"] == "idle":
+                idle = True
+        text = "".join(out)
+        assert reply["status"] == "ok", f"{code!r} failed: {text}"
+        return text
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+KernelConnector = Callable[[str], Awaitable[KernelSocket]]
+
+
+@pytest.fixture
+def kernel_socket(jp_ws_fetch: Callable[..., Any]) -> Iterator[KernelConnector]:
+    sockets: list[KernelSocket] = []
+
+    async def connect(kernel_id: str) -> KernelSocket:
+        ws = await jp_ws_fetch("api", "kernels", kernel_id, "channels")
+        sock = KernelSocket(ws)
+        sockets.append(sock)
+        return sock
+
+    yield connect
+    for sock in sockets:
+        sock.close()
+
+
+# -- failure injection -----------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """Mount tmpfs filesystems of a given size in MiB (root only, as criu itself)."""
+    mounts: list[Path] = []
+
+    def mount(mib: int) -> Path:
+        point = tmp_path / f"disk-{len(mounts)}"
+        point.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", str(point)],
+            check=True,
+        )
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", "-l", str(point)], check=False)
