@@ -141,6 +141,38 @@ def incarnation() -> str:
     return f"{boot}:{os.getpid()}:{start}"
 
 
+def namespace_rss_bytes() -> int | None:
+    """Resident memory of every process of this kernel's PID namespace, or None.
+
+    That is what CRIU writes for the host side of a snapshot. A snapshot-ready kernel's
+    namespace has a /proc of its own (its init mounts one), so /proc lists exactly the
+    tree that is dumped. Elsewhere /proc is the host's, and the sum would mean nothing.
+    """
+    if "nsinit" not in _read_small("/proc/1/cmdline"):
+        return None
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        for line in _read_small(f"/proc/{entry}/status").splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+                break
+    return total
+
+
+def snapshot_estimate(status: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(host bytes, GPU bytes) a snapshot taken now would hold, from here and the status.
+
+    The GPU layer stages the device memory in host memory before the dump, so both count.
+    """
+    host = namespace_rss_bytes()
+    if host is None:
+        return None
+    cuda = status.get("cuda") or {}
+    return host, int(cuda.get("memory_bytes") or 0)
+
+
 @dataclass
 class ServerLink:
     """Where the server is and how to authenticate, as the provisioner left it."""

@@ -47,6 +47,7 @@ from .client import (
     SnapshotClient,
     format_age,
     format_bytes,
+    snapshot_estimate,
 )
 
 if TYPE_CHECKING:
@@ -332,9 +333,9 @@ def status_lines(status: dict[str, Any], identity: KernelIdentity | None = None)
         lines.append(f"This process was restored from a snapshot of kernel "
                      f"{identity.restored_from_kernel}.")
     lines.append(cuda_text(status.get("cuda")))
-    estimate = _estimate_bytes(status)
+    estimate = estimate_text(status)
     if estimate:
-        lines.append(f"A snapshot now would be about {format_bytes(estimate)}.")
+        lines.append(estimate + ".")
     last = status.get("last_snapshot")
     if last:
         lines.append(f"Last snapshot: {last_snapshot_text(last)}.")
@@ -364,12 +365,15 @@ def last_snapshot_text(summary: dict[str, Any]) -> str:
     )
 
 
-def _estimate_bytes(status: dict[str, Any]) -> int:
-    for key in ("estimate_bytes", "estimated_bytes", "would_save_bytes"):
-        value = status.get(key)
-        if value:
-            return int(value)
-    return 0
+def estimate_text(status: dict[str, Any]) -> str | None:
+    estimate = snapshot_estimate(status)
+    if estimate is None:
+        return None
+    host, gpu = estimate
+    text = f"A snapshot now would hold about {format_bytes(host + gpu)}"
+    if gpu:
+        text += f" ({format_bytes(host)} host memory, {format_bytes(gpu)} GPU memory)"
+    return text
 
 
 def _local_time(epoch: float) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 import ipywidgets as w  # type: ignore[import-untyped]
 
 from .client import ClientError, SnapshotClient, format_age, format_bytes
-from .magics import cuda_text, job_progress_text, last_snapshot_text
+from .magics import cuda_text, estimate_text, job_progress_text, last_snapshot_text
 
 Json = dict[str, Any]
 
@@ -267,9 +267,9 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                 reasons = "; ".join(status.get("reasons") or []) or "no reason given"
                 self.readiness.value = _text(f"Not snapshot-ready: {reasons}", "#c62828")
             cuda = cuda_text(status.get("cuda"))
-            estimate = status.get("estimate_bytes")
+            estimate = estimate_text(status)
             if estimate:
-                cuda += f" A snapshot now would be about {format_bytes(int(estimate))}."
+                cuda += f" {estimate}."
             self.cuda.value = _text(cuda)
             last = status.get("last_snapshot")
             self.last.value = _text(

@@ -8,9 +8,13 @@ it, and every snapshot is a real CRIU dump.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,9 +99,15 @@ def test_save_list_status_rm(jupyter_server: JupyterServer, notebook: NotebookKe
     assert "CUDA: not in use by this kernel." in status
     assert "No snapshot of this notebook yet." in status
 
+    estimate = re.search(r"A snapshot now would hold about ([\d.]+) MiB\.", status)
+    assert estimate, status
+
     out = notebook.ok("%gpu_snapshot save first")
     saved = SAVED.search(out)
     assert saved, out
+    # The estimate (the namespace's resident memory) is what the image turned out to be.
+    size_mib = float(saved["size"].split()[0]) * (1024 if saved["size"].endswith("GiB") else 1)
+    assert 0.5 < float(estimate[1]) / size_mib < 2, (estimate[0], saved["size"])
     assert saved["name"] == "first"
     listed = jupyter_server.snapshots(notebook.path)
     assert [s["id"] for s in listed] == [saved["id"]]
@@ -283,3 +293,26 @@ def test_restore_switches_the_notebook_to_the_restored_kernel(
     assert new_kernel not in (a.kernel_id, b.kernel_id)
     restored = jupyter_server.connect(new_kernel)
     assert ok(restored, "print(origin)") == "notebook a\n"
+
+
+def test_loading_the_extension_never_waits_for_a_server(tmp_path: Path) -> None:
+    # A server that would swallow packets (a non-routed address) and one that is gone: the
+    # extension loads at once either way, because loading makes no request.
+    script = (
+        "import time\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        "t = time.monotonic()\n"
+        "shell.run_line_magic('load_ext', 'jupyter_gpu_snapshot')\n"
+        "print(time.monotonic() - t, 'gpu_snapshot' in shell.magics_manager.magics['line'])\n"
+    )
+    for url in ("http://10.255.255.1:9/", "http://127.0.0.1:9/"):
+        env = dict(os.environ, JUPYTER_GPU_SNAPSHOT_URL=url,
+                   JUPYTER_GPU_SNAPSHOT_KERNEL_ID="0" * 8 + "-0000-0000-0000-" + "0" * 12,
+                   IPYTHONDIR=str(tmp_path))
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True,
+            check=True, timeout=60,
+        ).stdout.split()
+        assert out[1] == "True", out
+        assert float(out[0]) < 1.0, out

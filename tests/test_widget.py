@@ -113,6 +113,7 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
     state = panel_state(notebook)
     assert "Snapshot-ready" in state["readiness"]
     assert "CUDA: not in use by this kernel." in state["cuda"]
+    assert "A snapshot now would hold about" in state["cuda"]
     assert "No snapshot yet" in state["last"]
     assert state["rows"] == [] and state["error"] == ""
 
