@@ -54,6 +54,10 @@ class GPUSnapshotApp(ExtensionApp):
     load_other_extensions = True
     classes = [*ExtensionApp.classes, GPUSnapshot, SnapshotReadyProvisioner]
 
+    def _config_file_name_default(self) -> str:
+        # c.GPUSnapshot may live in jupyter_gpu_snapshot_config.py as well.
+        return "jupyter_gpu_snapshot_config"
+
     service: SnapshotService | None = None
     gpu_settings: GPUSnapshot | None = None
     last_shutdown: ShutdownReport | None = None

@@ -162,3 +162,17 @@ def test_installing_the_package_enables_the_extension() -> None:
     text = listing.stdout + listing.stderr
     assert "jupyter_gpu_snapshot \x1b[32menabled" in text or "jupyter_gpu_snapshot enabled" in text
     assert "jupyter_gpu_snapshot 0" in text and "OK" in text
+
+
+class TestConfigFile:
+    @pytest.fixture
+    def server_config(self, jp_config_dir: Any) -> dict[str, Any]:
+        (jp_config_dir / "jupyter_gpu_snapshot_config.py").write_text(
+            "c.GPUSnapshot.keep_last = 7\nc.GPUSnapshot.shutdown_budget = 12.5\n"
+        )
+        return {}
+
+    async def test_settings_come_from_the_extensions_config_file(self, jp_serverapp: Any):
+        app = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
+        assert app.gpu_settings.keep_last == 7
+        assert app.gpu_settings.shutdown_budget == 12.5
