@@ -10,6 +10,7 @@ from traitlets.config import Configurable
 
 from .core.criu import CriuRunner
 from .core.engine import SnapshotEngine, SnapshotHook
+from .core.gpu_hook import CudaCheckpointHook
 from .core.store import SnapshotStore, default_store_dir
 
 
@@ -77,8 +78,14 @@ class GPUSnapshot(Configurable):
 
 
 def default_hooks(settings: GPUSnapshot | None = None) -> list[SnapshotHook]:
-    """The hooks every engine runs: the GPU layer, when it is importable."""
-    return []
+    """The hooks every engine runs: the GPU layer (inert for kernels without CUDA state)."""
+    settings = settings or GPUSnapshot()
+    return [
+        CudaCheckpointHook(
+            lock_timeout=settings.cuda_lock_timeout,
+            drop_caches=settings.drop_allocator_caches,
+        )
+    ]
 
 
 def engine_from_settings(**kwargs: Any) -> SnapshotEngine:

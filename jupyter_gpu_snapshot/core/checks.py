@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .criu import MIN_VERSION, CriuRunner
+from .cuda import load_driver
 from .errors import SnapshotError
+from .gpu_info import read_inventory
 from .store import SnapshotStore
 
 CAP_SYS_PTRACE = 19
@@ -108,6 +110,34 @@ def check_store(store: SnapshotStore) -> Check:
     return Check("store", True, f"{store.root} (0700), {free / (1 << 30):.1f} GiB free")
 
 
+def check_gpu() -> list[Check]:
+    """The NVIDIA driver, its checkpoint API and the GPUs; optional, CPU kernels need none."""
+    fix = "NVIDIA driver 570 or newer snapshots GPU kernels; CPU kernels need none"
+    status = load_driver()
+    if status.driver is None:
+        return [Check("gpu driver", False, status.problem, required=False, fix=fix)]
+    info = status.driver.info
+    checks = [Check("gpu driver", True, f"driver {info.version or '?'} (CUDA "
+                    f"{info.cuda_version // 1000}.{info.cuda_version % 1000 // 10}), checkpoint "
+                    f"API via {info.backend}", required=False)]
+    if not info.lock_timeout:
+        checks.append(Check("gpu lock timeout", False, "this driver ignores lock timeouts: a "
+                            "save waits for running GPU work to finish", required=False, fix=fix))
+    inventory = read_inventory()
+    if inventory is None:
+        return [*checks, Check("gpus", False, "NVML and nvidia-smi cannot be read",
+                               required=False)]
+    for d in inventory.devices:
+        note = ", MIG mode: not supported by the checkpoint API" if d.mig_enabled else ""
+        checks.append(Check(f"gpu {d.index}", not d.mig_enabled, f"{d.name}, "
+                            f"{d.memory_free / (1 << 30):.1f} of {d.memory_total / (1 << 30):.1f}"
+                            f" GiB free{note}", required=False))
+    if inventory.mps_active:
+        checks.append(Check("gpu mps", False, "an MPS daemon runs; MPS clients cannot be "
+                            "checkpointed", required=False))
+    return checks
+
+
 def run_checks(
     criu: CriuRunner,
     store: SnapshotStore,
@@ -119,6 +149,7 @@ def run_checks(
         check_pid_namespaces(),
         check_kernel_features(),
         check_store(store),
+        *check_gpu(),
     ]
     for more in extra or []:
         checks.extend(more())

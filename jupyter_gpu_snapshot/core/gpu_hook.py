@@ -1,0 +1,423 @@
+"""The engine hook that takes a kernel's CUDA state into its snapshot and brings it back.
+
+save:    preflight (refusals, release allocator caches, size the GPU bytes)
+         -> lock + checkpoint every CUDA process of the tree (before_dump)
+         -> criu dump -> restore + unlock whatever survived (after_dump)
+restore: preflight (same GPUs, same driver, enough free memory) -> criu restore
+         -> restore + unlock the restored processes (after_restore)
+
+A tree without CUDA state passes through untouched. The driver calls run in worker threads
+and are awaited without being cancellable: a cancelled save waits for the call in flight,
+then rolls back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import psutil
+
+from . import process
+from .allocator_caches import CacheRelease, release_in_kernel
+from .cuda import CudaError, DriverStatus, ProcessState, load_driver
+from .cuda_checkpoint import CudaCheckpoint, CudaProcess
+from .engine import Progress, RestoreContext, SaveContext, SnapshotHook
+from .errors import NotReady
+from .gpu_info import GpuInventory, host_memory_available, read_inventory
+
+T = TypeVar("T")
+CacheReleaser = Callable[[SaveContext], Awaitable[CacheRelease]]
+
+_GIB = 1 << 30
+# Host RAM kept free beyond the staged GPU bytes; a full host hung the GPU machine once.
+HOST_MARGIN_BYTES = 1 << 30
+HOST_MARGIN_FRACTION = 0.05
+# GPU memory kept free beyond what a restored process needs (contexts grow a little).
+GPU_MARGIN_BYTES = 256 << 20
+
+_EXECUTOR = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cuda-checkpoint")
+
+
+async def uninterruptible(fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking driver call in a thread and wait for it even if we are cancelled.
+
+    The cancellation is re-raised once the call has returned, so callers can roll back.
+    """
+    future = _EXECUTOR.submit(fn, *args)
+    cancelled = False
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(asyncio.wrap_future(future))
+            break
+        cancelled = True
+    result = future.result()
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+def ns_pid(pid: int) -> int:
+    """The pid of ``pid`` inside its innermost PID namespace."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid
+
+
+GPU_DEVICE_PREFIX = "/dev/nvidia"
+
+
+def gpu_device_users(pids: list[int]) -> list[int]:
+    """Pids that have an NVIDIA device file open (to spot GPU use without a driver API)."""
+    users = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(GPU_DEVICE_PREFIX):
+                        users.append(pid)
+                        break
+    return users
+
+
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB"
+
+
+@dataclass
+class _Save:
+    procs: list[CudaProcess]
+    status: DriverStatus
+    inventory: GpuInventory | None
+    moved: dict[int, dict[str, int]]
+    release: CacheRelease | None
+    suspended: bool = False
+    section: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(sum(per_gpu.values()) for per_gpu in self.moved.values())
+
+
+class CudaCheckpointHook(SnapshotHook):
+    """Suspends CUDA around the dump and resumes it after; see the module docstring.
+
+    ``driver``, ``inventory`` and ``memory_available`` are injectable so that the sequencing
+    can be tested without a GPU; ``release_caches`` replaces the built-in release over the
+    kernel's connection file (a server may prefer its own kernel client).
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        lock_timeout: float = 10.0,
+        drop_caches: bool = True,
+        *,
+        driver: Callable[[], DriverStatus] = load_driver,
+        inventory: Callable[[], GpuInventory | None] = read_inventory,
+        release_caches: CacheReleaser | None = None,
+        memory_available: Callable[[], int] = host_memory_available,
+    ) -> None:
+        self.lock_timeout = lock_timeout
+        self.drop_caches = drop_caches
+        self._load_driver = driver
+        self._read_inventory = inventory
+        self._release = release_caches or _release_over_connection_file
+        self._memory_available = memory_available
+        self._status: DriverStatus | None = None
+        self._saves: dict[str, _Save] = {}
+        self._gpu_pairs: dict[str, list[tuple[str, str]]] = {}
+
+    def driver_status(self) -> DriverStatus:
+        if self._status is None:
+            self._status = self._load_driver()
+        return self._status
+
+    # -- save ------------------------------------------------------------------------------
+    async def preflight_save(self, ctx: SaveContext) -> None:
+        """Called by ``SnapshotEngine.save`` before anything is locked; raises to refuse."""
+        pids = [p.pid for p in process.tree(ctx.root_pid)]
+        status = await asyncio.to_thread(self.driver_status)
+        if status.driver is None:
+            users = gpu_device_users(pids)
+            if users:
+                raise NotReady(
+                    "preflight",
+                    f"pid {', '.join(map(str, users))} of the kernel uses the GPU, but "
+                    f"{status.problem}",
+                    hint="install NVIDIA driver 570 or newer to snapshot GPU kernels",
+                )
+            return
+        cuda = CudaCheckpoint(status.driver)
+        procs = await asyncio.to_thread(cuda.holders, pids)
+        if not procs:
+            return
+        for proc in procs:
+            _require_running(proc)
+        inventory = await asyncio.to_thread(self._read_inventory)
+        _refuse_unsupported(inventory, procs)
+        release: CacheRelease | None = None
+        if self.drop_caches and ctx.kernel.kernel_pid in {p.pid for p in procs}:
+            ctx.report(Progress("preflight", message="releasing unused GPU allocator caches"))
+            release = await self._release_safely(ctx)
+            if release.released:
+                inventory = await asyncio.to_thread(self._read_inventory)
+        elif not self.drop_caches:
+            release = CacheRelease(False, "turned off (c.GPUSnapshot.drop_allocator_caches)")
+        moved = {p.pid: dict(inventory.process_memory.get(p.pid, {})) if inventory else {}
+                 for p in procs}
+        save = _Save(procs, status, inventory, moved, release)
+        need = int(save.moved_bytes * (1 + HOST_MARGIN_FRACTION)) + HOST_MARGIN_BYTES
+        available = self._memory_available()
+        if available < need:
+            raise NotReady(
+                "preflight",
+                f"not enough free host memory to stage the kernel's GPU memory: "
+                f"{_gib(save.moved_bytes)} to move plus a margin, {_gib(available)} available",
+                hint="free host memory, or free GPU memory in the kernel (del tensors, "
+                "torch.cuda.empty_cache()) and retry",
+            )
+        # The staged GPU bytes become process memory that criu writes to the image.
+        ctx.extra_bytes += save.moved_bytes
+        self._saves[ctx.snapshot_id] = save
+
+    async def _release_safely(self, ctx: SaveContext) -> CacheRelease:
+        try:
+            return await self._release(ctx)
+        except Exception as exc:  # releasing is an optimisation, never a reason to fail
+            return CacheRelease(False, f"could not release caches: {type(exc).__name__}: {exc}")
+
+    async def before_dump(self, ctx: SaveContext) -> None:
+        """Called by ``SnapshotEngine.save`` right before ``criu dump``: lock, then checkpoint."""
+        save = self._saves.get(ctx.snapshot_id)
+        if save is None:
+            return
+        assert save.status.driver is not None
+        cuda = CudaCheckpoint(save.status.driver)
+        total = save.moved_bytes
+        live = save.release.live_bytes if save.release and save.release.released else None
+        ctx.report(Progress("suspend", 0, total, message=_moving_message(total, live)))
+        try:
+            await uninterruptible(cuda.suspend, save.procs, self.lock_timeout)
+        except asyncio.CancelledError:
+            await uninterruptible(cuda.resume_all, save.procs)
+            self._saves.pop(ctx.snapshot_id, None)
+            raise
+        except BaseException:
+            self._saves.pop(ctx.snapshot_id, None)  # suspend rolled itself back
+            raise
+        save.suspended = True
+        save.section = self._section(save, live)
+        ctx.manifest["gpu"] = save.section
+        ctx.report(Progress("suspend", total, total, message=_moving_message(total, live)))
+
+    async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+        """Called by ``SnapshotEngine.save`` after the dump: resume every process still alive."""
+        save = self._saves.pop(ctx.snapshot_id, None)
+        if save is None or not save.suspended:
+            return
+        assert save.status.driver is not None
+        alive = [p for p in save.procs if psutil.pid_exists(p.pid)]
+        if not alive:
+            return  # a stopping dump ended the tree; its CUDA state lives in the image
+        if error is not None:
+            # A dump that died may have left tasks stopped, the driver's restore thread too.
+            process.continue_tree(ctx.root_pid)
+        ctx.report(Progress("resume", 0, save.moved_bytes, message="bringing GPU memory back"))
+        problems = await uninterruptible(CudaCheckpoint(save.status.driver).resume_all, alive)
+        save.section["timings"] = _timings(save.procs)
+        if problems:
+            raise CudaError("resume", "; ".join(problems))
+
+    def _section(self, save: _Save, live: int | None) -> dict[str, Any]:
+        info = save.status.info or save.status.driver.info  # type: ignore[union-attr]
+        inventory = save.inventory
+        release = save.release
+        return {
+            "driver_version": info.version or (inventory.driver_version if inventory else ""),
+            "cuda_driver_version": info.cuda_version,
+            "backend": info.backend,
+            "devices": [d.to_dict() for d in inventory.devices] if inventory else [],
+            "processes": [
+                {"pid": p.pid, "ns_pid": ns_pid(p.pid),
+                 "gpu_bytes": sum(save.moved[p.pid].values()), "devices": save.moved[p.pid]}
+                for p in save.procs
+            ],
+            "moved_bytes": save.moved_bytes,
+            "live_bytes": live,
+            "allocator_caches": release.to_dict() if release else None,
+            "lock_timeout": self.lock_timeout,
+            "timings": _timings(save.procs),
+        }
+
+    # -- restore ---------------------------------------------------------------------------
+    async def preflight_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``SnapshotEngine.restore`` before criu runs; raises to refuse."""
+        gpu = ctx.snapshot.manifest.get("gpu")
+        if not gpu or not gpu.get("processes"):
+            return
+        sid = ctx.snapshot.id
+        status = await asyncio.to_thread(self.driver_status)
+        if status.driver is None:
+            raise NotReady("preflight", f"snapshot {sid} holds CUDA state, but {status.problem}")
+        info = status.driver.info
+        saved_driver = gpu.get("driver_version", "")
+        if saved_driver and info.version and saved_driver != info.version:
+            raise NotReady(
+                "preflight",
+                f"snapshot {sid} was taken with NVIDIA driver {saved_driver}; this machine has "
+                f"{info.version}. The driver's user-space part is inside the snapshot and "
+                "must match the kernel module exactly",
+                hint=f"restore it on a machine with driver {saved_driver}",
+            )
+        inventory = await asyncio.to_thread(self._read_inventory)
+        if inventory is None:
+            raise NotReady("preflight", f"snapshot {sid} holds CUDA state, but no GPU can be "
+                           "read here (NVML and nvidia-smi both failed)")
+        pairs = _match_devices(sid, gpu.get("devices", []), inventory, info.gpu_remap)
+        _require_gpu_memory(sid, gpu, inventory, pairs)
+        need = ctx.snapshot.size_bytes + HOST_MARGIN_BYTES
+        available = self._memory_available()
+        if available < need:
+            raise NotReady(
+                "preflight",
+                f"not enough free host memory to restore snapshot {sid}: "
+                f"{_gib(ctx.snapshot.size_bytes)} of images plus a margin, "
+                f"{_gib(available)} available",
+            )
+        self._gpu_pairs[sid] = pairs
+
+    async def after_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``SnapshotEngine.restore`` once criu has recreated the tree."""
+        gpu = ctx.snapshot.manifest.get("gpu")
+        if not gpu or not gpu.get("processes"):
+            return
+        pairs = self._gpu_pairs.pop(ctx.snapshot.id, [])
+        driver = self.driver_status().driver
+        assert driver is not None  # preflight_restore refused otherwise
+        by_ns_pid = {ns_pid(p.pid): p.pid for p in process.tree(ctx.root_pid)}
+        procs = []
+        for saved in gpu["processes"]:
+            host = by_ns_pid.get(int(saved["ns_pid"]))
+            if host is None:
+                raise CudaError("resume", f"process {saved['ns_pid']} of the snapshot, which "
+                                "held CUDA state, is missing from the restored tree")
+            state = await asyncio.to_thread(driver.state, host)
+            if state != ProcessState.CHECKPOINTED:
+                raise CudaError(
+                    "resume",
+                    f"restored pid {host} should hold checkpointed CUDA state, but the driver "
+                    f"reports {state.value if state else 'none'}",
+                )
+            procs.append(CudaProcess(host, state))
+        total = sum(int(p.get("gpu_bytes", 0)) for p in gpu["processes"])
+        ctx.report(Progress("resume", 0, total, message="bringing GPU memory back"))
+        problems = await uninterruptible(CudaCheckpoint(driver).resume_all, procs, pairs)
+        if problems:
+            raise CudaError("resume", "; ".join(problems))
+        ctx.report(Progress("resume", total, total))
+
+
+async def _release_over_connection_file(ctx: SaveContext) -> CacheRelease:
+    info = ctx.target.connection_info or ctx.kernel.connection_info
+    if not info:
+        return CacheRelease(False, "the kernel's connection file is unknown; caches kept")
+    return await release_in_kernel(info)
+
+
+def _require_running(proc: CudaProcess) -> None:
+    if proc.state == ProcessState.RUNNING:
+        return
+    if proc.state == ProcessState.FAILED:
+        raise CudaError(
+            "preflight",
+            f"the driver reports the CUDA state of pid {proc.pid} as failed: its GPU state "
+            "is lost, so there is nothing to snapshot",
+            hint="restart the kernel",
+        )
+    raise CudaError(
+        "preflight",
+        f"the CUDA state of pid {proc.pid} is {proc.state.value}, not running: another "
+        "checkpoint of it is under way or was left unfinished",
+        hint="wait for the other checkpoint to finish (or run cuda-checkpoint to resume it)",
+    )
+
+
+def _refuse_unsupported(inventory: GpuInventory | None, procs: list[CudaProcess]) -> None:
+    if inventory is None:
+        return
+    if inventory.mps_active:
+        raise NotReady("preflight", "an MPS daemon runs on this machine; the driver's "
+                       "checkpoint API does not support MPS clients",
+                       hint="stop nvidia-cuda-mps-control, or use a machine without MPS")
+    for proc in procs:
+        for uuid in inventory.process_memory.get(proc.pid, {}):
+            device = inventory.device(uuid)
+            if device is not None and device.mig_enabled:
+                raise NotReady("preflight", f"pid {proc.pid} uses GPU {device.index} "
+                               f"({device.name}) in MIG mode, which the driver's checkpoint "
+                               "API does not support")
+
+
+def _match_devices(sid: str, saved: list[dict[str, Any]], inventory: GpuInventory,
+                   remap: bool) -> list[tuple[str, str]]:
+    """GPU pairs (old UUID, new UUID) where the UUIDs differ; raises on other differences."""
+    now = sorted(inventory.devices, key=lambda d: d.index)
+    before = sorted(saved, key=lambda d: int(d["index"]))
+    if len(now) != len(before):
+        raise NotReady("preflight", f"snapshot {sid} was taken on a machine with "
+                       f"{len(before)} GPU(s); this one has {len(now)}")
+    pairs = []
+    for old, new in zip(before, now, strict=True):
+        if old["name"] != new.name:
+            raise NotReady("preflight", f"GPU {new.index} of snapshot {sid} was a "
+                           f"{old['name']}; here it is a {new.name}",
+                           hint="restore it on a machine with the same GPU models")
+        if old["uuid"] != new.uuid:
+            pairs.append((str(old["uuid"]), new.uuid))
+    if pairs and not remap:
+        raise NotReady("preflight", f"snapshot {sid} was taken on other GPUs (other UUIDs); "
+                       "restoring onto other GPUs needs driver 570 or newer")
+    return pairs
+
+
+def _require_gpu_memory(sid: str, gpu: dict[str, Any], inventory: GpuInventory,
+                        pairs: list[tuple[str, str]]) -> None:
+    moved_to = dict(pairs)
+    need: dict[str, int] = {}
+    for proc in gpu["processes"]:
+        for uuid, used in proc.get("devices", {}).items():
+            target = moved_to.get(uuid, uuid)
+            need[target] = need.get(target, 0) + int(used)
+    for uuid, used in need.items():
+        device = inventory.device(uuid)
+        if device is None:
+            raise NotReady("preflight", f"GPU {uuid} of snapshot {sid} is not on this machine")
+        if device.memory_free < used + GPU_MARGIN_BYTES:
+            raise NotReady(
+                "preflight",
+                f"GPU {device.index} ({device.name}) has {_gib(device.memory_free)} free; "
+                f"snapshot {sid} needs {_gib(used)} there",
+                hint="free GPU memory (shut down other kernels) and retry",
+            )
+
+
+def _timings(procs: list[CudaProcess]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for proc in procs:
+        for step, seconds in proc.timings.items():
+            out[step] = round(out.get(step, 0.0) + seconds, 4)
+    return out
+
+
+def _moving_message(total: int, live: int | None) -> str:
+    text = f"moving {_gib(total)} of GPU memory to host memory"
+    return text + (f" ({_gib(live)} of it live tensors)" if live is not None else "")
