@@ -1,0 +1,175 @@
+"""A scripted stand-in for the CUDA driver's checkpoint API, for machines without a GPU.
+
+A process "holds CUDA state" when its environment has ``JGS_FAKE_CUDA=<bytes>:<token>``
+(``fake_cuda_env`` makes one); the fake
+keeps each such process's state (running, locked, checkpointed, failed), enforces the
+driver's transitions (a wrong one answers CUDA_ERROR_ILLEGAL_STATE, as the real driver
+does), records every call, and fails or delays any step on request. As with the real
+driver, a process restored from an image taken while it was checkpointed comes back
+checkpointed: the fake recognises it by its environment, which CRIU restores.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from jupyter_gpu_snapshot.core.cuda import (
+    CUDA_ERROR_ILLEGAL_STATE,
+    CUDA_ERROR_TIMEOUT,
+    DriverCallError,
+    DriverInfo,
+    DriverStatus,
+    ProcessState,
+)
+from jupyter_gpu_snapshot.core.gpu_info import GpuDevice, GpuInventory
+
+FAKE_ENV = "JGS_FAKE_CUDA"
+GIB = 1 << 30
+UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
+
+
+def fake_cuda_env(nbytes: int) -> dict[str, str]:
+    """Environment for a kernel that the fake driver treats as holding ``nbytes`` on the GPU."""
+    return {FAKE_ENV: f"{nbytes}:{uuid.uuid4().hex}"}
+
+
+def fake_cuda_token(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            # The namespace's init inherits the environment but never touches the GPU.
+            if b"nsinit.py" in f.read():
+                return None
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(FAKE_ENV.encode() + b"="):
+            return item.split(b"=", 1)[1].decode()
+    return None
+
+
+def fake_cuda_bytes(pid: int) -> int | None:
+    token = fake_cuda_token(pid)
+    return int(token.split(":")[0]) if token else None
+
+
+@dataclass
+class Failure:
+    code: int
+    times: int
+    leaves: ProcessState | None = None
+
+
+@dataclass
+class FakeCudaDriver:
+    """Implements ``CheckpointDriver``; see the module docstring."""
+
+    version: str = "580.159.04"
+    states: dict[int, ProcessState] = field(default_factory=dict)
+    calls: list[tuple[str, int]] = field(default_factory=list)
+    delays: dict[str, float] = field(default_factory=dict)
+    restore_pairs: list[Sequence[tuple[str, str]]] = field(default_factory=list)
+    _failures: dict[str, Failure] = field(default_factory=dict)
+    _imaged: set[str] = field(default_factory=set)  # tokens of processes checkpointed
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def info(self) -> DriverInfo:
+        return DriverInfo(self.version, 13000, "fake", True)
+
+    def status(self) -> DriverStatus:
+        return DriverStatus(self, info=self.info)
+
+    def fail(self, op: str, code: int, times: int = 1, leaves: ProcessState | None = None) -> None:
+        """Make the next ``times`` calls of ``op`` fail with ``code``."""
+        self._failures[op] = Failure(code, times, leaves)
+
+    def ops(self, pid: int | None = None) -> list[str]:
+        return [op for op, p in self.calls if op != "state" and (pid is None or p == pid)]
+
+    def _step(self, op: str, pid: int, needs: ProcessState, becomes: ProcessState) -> None:
+        with self._lock:
+            self.calls.append((op, pid))
+            state = self._current(pid)
+            failure = self._failures.get(op)
+            if failure and failure.times > 0:
+                failure.times -= 1
+                if failure.leaves is not None:
+                    self.states[pid] = failure.leaves
+            elif state != needs:
+                failure = Failure(CUDA_ERROR_ILLEGAL_STATE, 0)
+            else:
+                failure = None
+        time.sleep(self.delays.get(op, 0.0))
+        if failure is not None:
+            raise DriverCallError(f"cuCheckpointProcess{op.title()}", pid, failure.code)
+        with self._lock:
+            self.states[pid] = becomes
+            if becomes == ProcessState.CHECKPOINTED:
+                self._imaged.add(fake_cuda_token(pid) or "")
+
+    def _current(self, pid: int) -> ProcessState | None:
+        if pid not in self.states:
+            held = fake_cuda_token(pid)
+            if held is None:
+                return None
+            # Restored from an image made while checkpointed: comes back checkpointed.
+            self.states[pid] = (ProcessState.CHECKPOINTED if held in self._imaged
+                                else ProcessState.RUNNING)
+        return self.states[pid]
+
+    # -- CheckpointDriver ------------------------------------------------------------------
+    def state(self, pid: int) -> ProcessState | None:
+        with self._lock:
+            self.calls.append(("state", pid))
+            return self._current(pid)
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        failure = self._failures.get("lock")
+        if failure and failure.times > 0 and failure.code == CUDA_ERROR_TIMEOUT:
+            time.sleep(timeout_ms / 1000)  # a real timeout takes its time
+        self._step("lock", pid, ProcessState.RUNNING, ProcessState.LOCKED)
+
+    def checkpoint(self, pid: int) -> None:
+        self._step("checkpoint", pid, ProcessState.LOCKED, ProcessState.CHECKPOINTED)
+
+    def restore(self, pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
+        self.restore_pairs.append(list(gpu_pairs))
+        self._step("restore", pid, ProcessState.CHECKPOINTED, ProcessState.LOCKED)
+
+    def unlock(self, pid: int) -> None:
+        self._step("unlock", pid, ProcessState.LOCKED, ProcessState.RUNNING)
+
+    def restore_thread_id(self, pid: int) -> int | None:
+        return pid  # the fake "restore thread" is the main thread: it must not be stopped
+
+
+@dataclass
+class FakeGpus:
+    """The NVML reading that goes with a ``FakeCudaDriver``: one 80 GiB GPU by default."""
+
+    driver: FakeCudaDriver
+    devices: list[tuple[str, str, int]] = field(
+        default_factory=lambda: [("NVIDIA Fake H100 80GB HBM3", UUID0, 80 * GIB)])
+    free: int | None = None
+    mig: bool = False
+    mps: bool = False
+
+    def __call__(self) -> GpuInventory:
+        memory: dict[int, dict[str, int]] = {}
+        for pid, state in list(self.driver.states.items()):
+            held = fake_cuda_bytes(pid)
+            if held and state in (ProcessState.RUNNING, ProcessState.LOCKED):
+                memory[pid] = {self.devices[0][1]: held}
+        used = sum(sum(m.values()) for m in memory.values())
+        devices = tuple(
+            GpuDevice(i, uuid, name, total, used if i == 0 else 0,
+                      self.free if self.free is not None else total - (used if i == 0 else 0),
+                      self.mig)
+            for i, (name, uuid, total) in enumerate(self.devices))
+        return GpuInventory(self.driver.version, devices, memory, self.mps, "fake")

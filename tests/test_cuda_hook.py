@@ -1,0 +1,446 @@
+"""The GPU layer's sequencing, rollback and refusals, with real kernels and real CRIU.
+
+Only the CUDA driver is a stand-in here (``tests/gpu/fake_driver.py``): on a machine without
+a GPU it plays the driver's state machine and fails any step on request. Each scenario then
+checks what the real kernel process is left with: alive, answering, its (fake) CUDA state
+running, nothing partial in the store, earlier snapshots intact. The same scenarios run for
+real on a GPU in ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_gpu_snapshot.core import gpu_hook, process
+from jupyter_gpu_snapshot.core.criu import CriuRunner
+from jupyter_gpu_snapshot.core.cuda import (
+    CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_TIMEOUT,
+    CUDA_ERROR_UNKNOWN,
+    CudaError,
+    DriverStatus,
+    ProcessState,
+)
+from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
+from jupyter_gpu_snapshot.core.gpu_hook import CudaCheckpointHook
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
+
+from .conftest import KernelHandle, RestoredTrees, execute, run, stop_kernel
+from .gpu.fake_driver import GIB, FakeCudaDriver, FakeGpus, fake_cuda_env
+
+TWO_GIB = 2 * GIB
+
+
+def start_kernel_with(env: dict[str, str]) -> KernelHandle:
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name=KERNEL_NAME)
+    km.start_kernel(env={**os.environ, **env})
+    client = km.blocking_client()
+    client.start_channels()
+    client.wait_for_ready(timeout=60)
+    return KernelHandle(km, client)
+
+
+@pytest.fixture
+def fake() -> FakeCudaDriver:
+    return FakeCudaDriver()
+
+
+@pytest.fixture
+def gpus(fake: FakeCudaDriver) -> FakeGpus:
+    return FakeGpus(fake)
+
+
+@pytest.fixture
+def gpu_kernel() -> Iterator[KernelHandle]:
+    """A real snapshot-ready kernel that the fake driver sees holding 2 GiB on the GPU."""
+    handle = start_kernel_with(fake_cuda_env(TWO_GIB))
+    handle.execute("import numpy as np; counter = 0; data = np.arange(5_000_000)")
+    try:
+        yield handle
+    finally:
+        stop_kernel(handle)
+
+
+def make_engine(store: SnapshotStore, fake: FakeCudaDriver, gpus: FakeGpus,
+                criu: CriuRunner | None = None, **hook: Any) -> SnapshotEngine:
+    settings: dict[str, Any] = {"lock_timeout": 0.5, "memory_available": lambda: 64 * GIB}
+    settings.update(hook)
+    return SnapshotEngine(store, criu, [
+        CudaCheckpointHook(driver=fake.status, inventory=gpus, **settings)
+    ])
+
+
+def target(kernel: KernelHandle) -> SaveTarget:
+    return SaveTarget(pid=kernel.root_pid, connection_info=kernel.km.get_connection_info())
+
+
+def assert_contract(kernel: KernelHandle, fake: FakeCudaDriver, store: SnapshotStore,
+                    listed_before: list[str]) -> None:
+    """The failure contract, as the real process and the (fake) driver see it."""
+    assert process.tree_alive(kernel.root_pid)
+    assert kernel.execute("counter += 1; print(counter, int(data.sum()))").split()[1] == str(
+        sum(range(5_000_000)))
+    assert fake.states[kernel.kernel_pid] == ProcessState.RUNNING
+    assert [s.id for s in store.list()] == listed_before
+    store.ensure()
+    assert not any(p.name.startswith(".partial-") for p in store.root.iterdir())
+    for snapshot in store.list():
+        store.verify(snapshot)
+
+
+def criu_wrapper(tmp_path: Path, body: str) -> CriuRunner:
+    script = tmp_path / "criu-wrapper"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return CriuRunner(str(script))
+
+
+# -- the happy paths ----------------------------------------------------------------------------
+def test_keep_running_save_suspends_then_resumes_cuda(store, fake, gpus, gpu_kernel):
+    engine = make_engine(store, fake, gpus)
+    snapshot = run(engine.save(target(gpu_kernel), name="kept"))
+    pid = gpu_kernel.kernel_pid
+    assert fake.ops(pid) == ["lock", "checkpoint", "restore", "unlock"]
+    # nsinit, the namespace's PID 1, holds no CUDA state and is never touched.
+    assert fake.ops(gpu_kernel.root_pid) == []
+    gpu = snapshot.manifest["gpu"]
+    assert gpu["driver_version"] == "580.159.04"
+    assert gpu["devices"][0]["name"] == "NVIDIA Fake H100 80GB HBM3"
+    assert gpu["processes"] == [{"pid": pid, "ns_pid": 2, "gpu_bytes": TWO_GIB,
+                                 "devices": {gpus.devices[0][1]: TWO_GIB}}]
+    assert gpu["moved_bytes"] == TWO_GIB
+    assert set(gpu["timings"]) == {"lock", "checkpoint", "restore", "unlock"}
+    assert [s.id for s in store.list()] == [snapshot.id]
+    assert_contract(gpu_kernel, fake, store, [snapshot.id])
+
+
+def test_stop_save_then_restore_resumes_cuda_in_the_restored_process(
+        store, fake, gpus, gpu_kernel, restored: RestoredTrees):
+    engine = make_engine(store, fake, gpus)
+    gpu_kernel.execute("marker = 'before the snapshot'")
+    old_pid = gpu_kernel.kernel_pid
+    snapshot = run(engine.save(target(gpu_kernel), name="stopped", stop=True))
+    assert fake.ops(old_pid) == ["lock", "checkpoint"]  # the image holds it checkpointed
+    assert not process.tree_alive(gpu_kernel.root_pid)
+    gpu_kernel.client.stop_channels()
+
+    back = run(engine.restore(snapshot.id))
+    client = restored.connect(back.connection_info, back.pid)
+    new_pid = back.kernel_pid
+    assert new_pid != old_pid
+    assert fake.ops(new_pid) == ["restore", "unlock"]
+    assert fake.states[new_pid] == ProcessState.RUNNING
+    # Same pid inside its namespace, same variables.
+    assert execute(client, "import os; print(os.getpid(), marker)").split(maxsplit=1) == [
+        "2", "before the snapshot\n"]
+
+
+def test_kernel_without_cuda_passes_through(store, fake, gpus, kernel):
+    engine = make_engine(store, fake, gpus)
+    snapshot = run(engine.save(target(kernel), name="cpu-only"))
+    assert fake.ops() == []
+    assert "gpu" not in snapshot.manifest
+    assert kernel.execute("print('alive')").strip() == "alive"
+
+
+def test_kernel_namespace_has_its_own_proc(kernel):
+    # libcuda reads /proc/self/task/<gettid()>/comm at cuInit; with the host's /proc that
+    # path does not exist inside a PID namespace and CUDA fails to initialise.
+    out = kernel.execute(
+        "import os, threading\n"
+        "print(os.getpid(), open(f'/proc/self/task/{threading.get_native_id()}/comm').read())"
+    )
+    assert out.split()[0] == "2"
+
+
+# -- failures at each CUDA step, as data ---------------------------------------------------------
+FAILURES = [
+    # (step that fails, CUresult, times, message part, calls the kernel sees)
+    ("lock", CUDA_ERROR_TIMEOUT, 1, "CUDA_ERROR_TIMEOUT", ["lock"]),
+    ("checkpoint", CUDA_ERROR_NOT_SUPPORTED, 1, "managed (UVM) memory",
+     ["lock", "checkpoint", "unlock"]),
+    ("restore", CUDA_ERROR_OUT_OF_MEMORY, 3, "still checkpointed in host memory",
+     ["lock", "checkpoint", "restore", "restore", "restore"]),
+    ("unlock", CUDA_ERROR_UNKNOWN, 3, "still locked",
+     ["lock", "checkpoint", "restore", "unlock", "unlock", "unlock"]),
+]
+
+
+@pytest.mark.parametrize(("step", "code", "times", "says", "calls"), FAILURES,
+                         ids=[f[0] for f in FAILURES])
+def test_cuda_step_failure(store, fake, gpus, gpu_kernel, step, code, times, says, calls):
+    engine = make_engine(store, fake, gpus)
+    earlier = run(engine.save(target(gpu_kernel), name="earlier"))
+    fake.calls.clear()
+    fake.fail(step, code, times)
+    with pytest.raises(CudaError) as err:
+        run(engine.save(target(gpu_kernel), name="doomed"))
+    assert says in err.value.message and str(gpu_kernel.kernel_pid) in err.value.message
+    assert fake.ops(gpu_kernel.kernel_pid) == calls
+    if step in ("lock", "checkpoint"):
+        assert err.value.step == "suspend"
+        assert_contract(gpu_kernel, fake, store, [earlier.id])
+    else:
+        # The driver kept refusing: the loud error says so, and the state is honest.
+        assert err.value.step == "resume"
+        stuck = fake.states[gpu_kernel.kernel_pid]
+        assert stuck == (ProcessState.CHECKPOINTED if step == "restore" else ProcessState.LOCKED)
+        assert [s.id for s in store.list()] == [earlier.id]
+        fake.fail(step, code, 0)  # the driver recovers; the kernel can be brought back
+        from jupyter_gpu_snapshot.core.cuda_checkpoint import CudaCheckpoint, CudaProcess
+
+        CudaCheckpoint(fake).resume(CudaProcess(gpu_kernel.kernel_pid, stuck))
+        assert_contract(gpu_kernel, fake, store, [earlier.id])
+
+
+@pytest.mark.parametrize("step", ["restore", "unlock"])
+def test_transient_resume_failure_is_retried(store, fake, gpus, gpu_kernel, step):
+    engine = make_engine(store, fake, gpus)
+    fake.fail(step, CUDA_ERROR_OUT_OF_MEMORY, times=2)
+    snapshot = run(engine.save(target(gpu_kernel), name="retried"))
+    assert fake.ops(gpu_kernel.kernel_pid).count(step) == 3
+    assert_contract(gpu_kernel, fake, store, [snapshot.id])
+
+
+def test_failed_state_is_refused_before_anything_is_locked(store, fake, gpus, gpu_kernel):
+    engine = make_engine(store, fake, gpus)
+    fake.states[gpu_kernel.kernel_pid] = ProcessState.FAILED
+    with pytest.raises(CudaError) as err:
+        run(engine.save(target(gpu_kernel)))
+    assert err.value.step == "preflight" and "failed" in err.value.message
+    assert fake.ops() == []
+    assert process.tree_alive(gpu_kernel.root_pid)
+    store.ensure()
+    assert store.list() == []
+
+
+def test_state_locked_by_someone_else_is_refused(store, fake, gpus, gpu_kernel):
+    engine = make_engine(store, fake, gpus)
+    fake.states[gpu_kernel.kernel_pid] = ProcessState.LOCKED
+    with pytest.raises(CudaError, match="is locked, not running"):
+        run(engine.save(target(gpu_kernel)))
+    assert fake.ops() == []
+
+
+def test_failure_that_leaves_the_driver_failed_is_loud(store, fake, gpus, gpu_kernel):
+    engine = make_engine(store, fake, gpus)
+    fake.fail("checkpoint", CUDA_ERROR_UNKNOWN, leaves=ProcessState.FAILED)
+    with pytest.raises(CudaError) as err:
+        run(engine.save(target(gpu_kernel)))
+    assert "reports the CUDA state" in err.value.message and "failed" in err.value.message
+    assert process.tree_alive(gpu_kernel.root_pid)  # CPU side still answers
+    assert gpu_kernel.execute("print(counter)").strip() == "0"
+
+
+# -- criu failing while CUDA is suspended --------------------------------------------------------
+def test_criu_error_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
+    real = shutil.which("criu")
+    failing = criu_wrapper(
+        tmp_path,
+        'case "$1" in dump) while [ "$1" != "-W" ]; do shift; done; '
+        'echo "(00.012) Error (criu/cr-dump.c:1): injected failure" > "$2/dump.log"; exit 1;; '
+        f'*) exec "{real}" "$@";; esac\n',
+    )
+    earlier = run(make_engine(store, fake, gpus).save(target(gpu_kernel), name="earlier"))
+    fake.calls.clear()
+    with pytest.raises(SnapshotError) as err:
+        run(make_engine(store, fake, gpus, failing).save(target(gpu_kernel)))
+    assert err.value.step == "dump" and "injected failure" in err.value.message
+    assert fake.ops(gpu_kernel.kernel_pid) == ["lock", "checkpoint", "restore", "unlock"]
+    assert_contract(gpu_kernel, fake, store, [earlier.id])
+
+
+def test_criu_killed_mid_dump_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
+    gpu_kernel.execute("big = np.ones(40_000_000)")  # a dump that lasts long enough to kill
+    real = shutil.which("criu")
+    killer = criu_wrapper(
+        tmp_path,
+        f'case "$1" in dump) "{real}" "$@" & pid=$!; sleep 0.15; kill -9 $pid; wait $pid; '
+        f'exit $?;; *) exec "{real}" "$@";; esac\n',
+    )
+    with pytest.raises(SnapshotError) as err:
+        run(make_engine(store, fake, gpus, killer).save(target(gpu_kernel), stop=True))
+    assert err.value.step == "dump"
+    assert fake.ops(gpu_kernel.kernel_pid) == ["lock", "checkpoint", "restore", "unlock"]
+    assert_contract(gpu_kernel, fake, store, [])
+
+
+def test_cancelled_suspend_waits_for_the_driver_then_rolls_back(fake, gpus, gpu_kernel):
+    fake.delays["checkpoint"] = 1.0
+    hook = CudaCheckpointHook(drop_caches=False, driver=fake.status, inventory=gpus,
+                              memory_available=lambda: 64 * GIB)
+    kernel = process.inspect_kernel(gpu_kernel.root_pid)
+    ctx = SaveContext(target(gpu_kernel), kernel, "20260101T000000Z-0000abcd", Path(),
+                      False, lambda _: None)
+
+    async def cancel_mid_checkpoint() -> None:
+        await hook.preflight_save(ctx)
+        task = asyncio.ensure_future(hook.before_dump(ctx))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    started = time.monotonic()
+    run(cancel_mid_checkpoint())
+    # The cancellation surfaced only after the checkpoint in flight ended and was undone.
+    assert time.monotonic() - started >= 1.0
+    assert fake.ops(gpu_kernel.kernel_pid) == ["lock", "checkpoint", "restore", "unlock"]
+    assert fake.states[gpu_kernel.kernel_pid] == ProcessState.RUNNING
+    assert gpu_kernel.execute("print(counter)").strip() == "0"
+
+
+# -- preflight refusals ---------------------------------------------------------------------------
+def test_host_memory_short_is_refused(store, fake, gpus, gpu_kernel):
+    engine = make_engine(store, fake, gpus, memory_available=lambda: 2 * GIB)
+    with pytest.raises(NotReady, match=r"not enough free host memory .* 2\.00 GiB to move"):
+        run(engine.save(target(gpu_kernel)))
+    assert fake.ops() == []
+    assert_contract(gpu_kernel, fake, store, [])
+
+
+def test_disk_check_counts_the_gpu_bytes(store, fake, gpus):
+    store.ensure()
+    free = shutil.disk_usage(store.root).free
+    handle = start_kernel_with(fake_cuda_env(free + GIB))
+    try:
+        handle.execute("import numpy as np; counter = 0; data = np.arange(5_000_000)")
+        engine = make_engine(store, fake, gpus, memory_available=lambda: 4 * free)
+        with pytest.raises(SnapshotError, match="not enough free disk"):
+            run(engine.save(target(handle)))
+        assert fake.ops() == []
+        assert_contract(handle, fake, store, [])
+    finally:
+        stop_kernel(handle)
+
+
+@pytest.mark.parametrize(("setting", "says"), [("mig", "MIG mode"), ("mps", "MPS")])
+def test_mig_and_mps_are_refused(store, fake, gpus, gpu_kernel, setting, says):
+    setattr(gpus, setting, True)
+    with pytest.raises(NotReady, match=says):
+        run(make_engine(store, fake, gpus).save(target(gpu_kernel)))
+    assert fake.ops() == []
+    assert_contract(gpu_kernel, fake, store, [])
+
+
+def test_gpu_use_without_a_checkpoint_api_is_refused(store, kernel, tmp_path, monkeypatch):
+    device = tmp_path / "nvidia0"
+    device.write_text("")
+    kernel.execute(f"gpu_device = open({str(device)!r})")
+    monkeypatch.setattr(gpu_hook, "GPU_DEVICE_PREFIX", str(tmp_path / "nvidia"))
+    no_api = DriverStatus(None, "driver 535.1 has no CUDA checkpoint API")
+    engine = SnapshotEngine(store, None, [CudaCheckpointHook(driver=lambda: no_api)])
+    with pytest.raises(NotReady, match=r"uses the GPU, but driver 535\.1 has no CUDA"):
+        run(engine.save(target(kernel)))
+    assert kernel.execute("print('alive')").strip() == "alive"
+
+
+# -- restore refusals ----------------------------------------------------------------------------
+def test_restore_refuses_other_gpus_drivers_and_short_memory(
+        store, fake, gpus, gpu_kernel, restored: RestoredTrees):
+    engine = make_engine(store, fake, gpus)
+    snapshot = run(engine.save(target(gpu_kernel), name="moved", stop=True))
+    gpu_kernel.client.stop_channels()
+    info = snapshot.connection_info
+    original = list(gpus.devices)
+    refusals: list[tuple[str, Any]] = [
+        ("this one has 2", lambda: gpus.devices.append(("NVIDIA Fake H100 80GB HBM3",
+                                                         "GPU-1", 80 * GIB))),
+        ("here it is a NVIDIA Fake A100", lambda: gpus.devices.__setitem__(
+            0, ("NVIDIA Fake A100", original[0][1], 80 * GIB))),
+        ("needs 2.00 GiB there", lambda: setattr(gpus, "free", GIB)),
+        ("driver 580.159.04; this machine has 590.1.2", lambda: setattr(fake, "version",
+                                                                        "590.1.2")),
+    ]
+    for says, change in refusals:
+        gpus.devices[:] = original
+        gpus.free, fake.version = None, "580.159.04"
+        change()
+        with pytest.raises(NotReady, match=says):
+            run(make_engine(store, fake, gpus).restore(snapshot.id))
+        assert process.ports_in_use(info) == []  # nothing was started
+    # Same model, other UUID: restored onto it, with the pair handed to the driver.
+    gpus.devices[:] = [(original[0][0], "GPU-99999999-1111-2222-3333-444444444444", 80 * GIB)]
+    gpus.free, fake.version = None, "580.159.04"
+    back = run(make_engine(store, fake, gpus).restore(snapshot.id))
+    restored.connect(back.connection_info, back.pid)
+    assert fake.restore_pairs[-1] == [(original[0][1], gpus.devices[0][1])]
+    assert fake.states[back.kernel_pid] == ProcessState.RUNNING
+    assert [s.id for s in store.list()] == [snapshot.id]
+
+
+# -- allocator caches ----------------------------------------------------------------------------
+# A stand-in for torch.cuda inside the real kernel: 3 GiB reserved, 1 GiB of it live.
+FAKE_TORCH = """
+import sys, types
+torch = types.ModuleType("torch"); cuda = types.ModuleType("torch.cuda"); torch.cuda = cuda
+cuda.reserved, cuda.emptied = 3 << 30, 0
+cuda.is_initialized = lambda: True
+cuda.device_count = lambda: 1
+cuda.synchronize = lambda: None
+cuda.memory_reserved = lambda d: cuda.reserved
+cuda.memory_allocated = lambda d: 1 << 30
+def empty_cache():
+    cuda.emptied += 1; cuda.reserved = 1 << 30
+cuda.empty_cache = empty_cache
+sys.modules["torch"] = torch; sys.modules["torch.cuda"] = cuda
+"""
+
+
+def _kernel_names(kernel: KernelHandle) -> set[str]:
+    names = json.loads(kernel.execute("import json; print(json.dumps(sorted(globals())))"))
+    # IPython adds _i<N> for each cell run; the release must add nothing of its own.
+    return {n for n in names if not n.startswith("_i")}
+
+
+def test_idle_kernel_releases_allocator_caches_silently(store, fake, gpus, gpu_kernel):
+    gpu_kernel.execute(FAKE_TORCH)
+    names = _kernel_names(gpu_kernel)
+    count = gpu_kernel.execute("print(get_ipython().execution_count)")
+    snapshot = run(make_engine(store, fake, gpus).save(target(gpu_kernel)))
+    caches = snapshot.manifest["gpu"]["allocator_caches"]
+    assert caches["released"] and caches["frameworks"] == ["torch"]
+    assert caches["freed_bytes"] == 2 << 30 and caches["live_bytes"] == 1 << 30
+    assert snapshot.manifest["gpu"]["live_bytes"] == 1 << 30
+    assert gpu_kernel.execute("print(torch.cuda.emptied)").strip() == "1"
+    # Silent: no execution count, no new names in the user's namespace.
+    after = gpu_kernel.execute("print(get_ipython().execution_count)")
+    assert int(after) == int(count) + 2  # the two cells above, nothing else
+    assert _kernel_names(gpu_kernel) == names
+
+
+def test_busy_kernel_keeps_its_caches_and_is_not_disturbed(store, fake, gpus, gpu_kernel):
+    gpu_kernel.execute(FAKE_TORCH)
+    msg_id = gpu_kernel.client.execute("import time; time.sleep(4); counter += 1")
+    time.sleep(0.5)
+    snapshot = run(make_engine(store, fake, gpus).save(target(gpu_kernel)))
+    caches = snapshot.manifest["gpu"]["allocator_caches"]
+    assert not caches["released"] and "busy" in caches["reason"]
+    reply = gpu_kernel.client.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = gpu_kernel.client.get_shell_msg(timeout=30)
+    assert reply["content"]["status"] == "ok"
+    time.sleep(0.5)
+    # Nothing was queued behind the cell: the caches are still untouched after it ended.
+    assert gpu_kernel.execute("print(torch.cuda.emptied, counter)").split() == ["0", "1"]
+
+
+def test_cache_release_can_be_turned_off(store, fake, gpus, gpu_kernel):
+    gpu_kernel.execute(FAKE_TORCH)
+    snapshot = run(make_engine(store, fake, gpus, drop_caches=False).save(target(gpu_kernel)))
+    assert "turned off" in snapshot.manifest["gpu"]["allocator_caches"]["reason"]
+    assert gpu_kernel.execute("print(torch.cuda.emptied)").strip() == "0"
