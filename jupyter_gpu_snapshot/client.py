@@ -508,11 +508,13 @@ def format_bytes(n: float) -> str:
 
 
 def format_age(seconds: float) -> str:
+    """A coarse age: the panel re-renders only when this text changes, and every change is
+    kernel activity that would keep an idle-culling server from culling the kernel."""
     seconds = max(0.0, seconds)
     if seconds < 60:
-        return f"{int(seconds)} s ago"
+        return "just now"
     if seconds < 3600:
         return f"{int(seconds // 60)} min ago"
-    if seconds < 86400:
-        return f"{seconds / 3600:.1f} h ago"
-    return f"{seconds / 86400:.1f} days ago"
+    if seconds < 48 * 3600:
+        return f"{int(seconds // 3600)} h ago"
+    return f"{int(seconds // 86400)} days ago"

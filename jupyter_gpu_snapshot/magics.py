@@ -348,7 +348,9 @@ def status_lines(status: dict[str, Any], identity: KernelIdentity | None = None)
 
 
 def cuda_text(cuda: dict[str, Any] | None) -> str:
-    if not cuda or cuda.get("state") in (None, "none"):
+    if cuda is None:  # the kernel loaded the CUDA driver, and no GPU layer can say more
+        return "CUDA: state unknown (the server cannot inspect it)."
+    if cuda.get("state") in (None, "none"):
         return "CUDA: not in use by this kernel."
     text = f"CUDA: {cuda.get('state')}"
     memory = cuda.get("memory_bytes")

@@ -123,6 +123,11 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.refreshes = 0  # completed polls, for scripts and tests that wait for one
 
         self.title = w.HTML("<b>GPU snapshots</b>")
+        self.close_button = w.Button(
+            icon="times", tooltip="Close this panel (it stops asking the server)",
+            layout=w.Layout(width="2.5em"),
+        )
+        self.close_button.on_click(lambda _b: self.close())
         self.readiness = w.HTML()
         self.cuda = w.HTML()
         self.last = w.HTML()
@@ -141,7 +146,8 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.snapshot_list = w.VBox()
         self.rows: dict[str, SnapshotRow] = {}
         super().__init__([
-            self.title, self.readiness, self.cuda, self.last, self.progress_box,
+            w.HBox([self.title, self.close_button]), self.readiness, self.cuda, self.last,
+            self.progress_box,
             w.HBox([self.name_input, self.save_button]), self.message, self.error,
             w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
         ])
@@ -158,11 +164,13 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             self._thread.start()
 
     def close(self) -> None:
+        """Stop polling and close every widget of the panel (their views disappear)."""
         self._stop.set()
         self._wake.set()
-        for row in self.rows.values():
-            row.close()
-        super().close()
+        with self._lock:
+            for widget in _descendants(self)[:-1]:  # the panel itself last, below
+                widget.close()
+            super().close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -278,6 +286,8 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
 
     def _show_snapshots(self, snapshots: list[Json]) -> None:
         with self._lock:
+            if self._stop.is_set():  # closed meanwhile: open no new widgets
+                return
             rows: dict[str, SnapshotRow] = {}
             for summary in reversed(snapshots):  # newest first
                 sid = str(summary["id"])
@@ -338,3 +348,17 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             self._show_snapshots(self.client.snapshots(self._notebook_path))
 
         self._act("delete", delete)
+
+
+def _descendants(widget: Any) -> list[Any]:
+    """The widget and all widgets inside it, children first, with their layout and style
+    models (each of ours has its own; closing the widget leaves them open)."""
+    found: list[Any] = []
+    for child in getattr(widget, "children", ()):
+        found.extend(_descendants(child))
+    for part in ("layout", "style"):
+        model = getattr(widget, part, None)
+        if isinstance(model, w.Widget):
+            found.append(model)
+    found.append(widget)
+    return found

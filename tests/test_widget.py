@@ -132,6 +132,16 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
     assert "<b>clicked</b>" in state["labels"][0] and snapshot_id in state["labels"][0]
     assert state["error"] == ""
 
+    # The panel's close button stops the polling and closes every widget's comm.
+    closing = notebook.run(f"{PANEL}; p.close_button.click(); p._thread.join(10)")
+    assert closing.status == "ok", closing
+    closed = {m["content"]["comm_id"] for m in closing.iopub if m["msg_type"] == "comm_close"}
+    assert set(comm_ids(cell).values()) <= closed
+    out = notebook.ok(
+        f"{PANEL}; n = p.refreshes; time.sleep(1.5); print(p._thread.is_alive(), p.refreshes - n)"
+    )
+    assert out == "False 0\n"
+
 
 def test_panel_follows_a_save_started_elsewhere_while_the_kernel_is_busy(
     jupyter_server: JupyterServer, notebook: NotebookKernel
