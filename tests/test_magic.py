@@ -316,3 +316,32 @@ def test_loading_the_extension_never_waits_for_a_server(tmp_path: Path) -> None:
         ).stdout.split()
         assert out[1] == "True", out
         assert float(out[0]) < 1.0, out
+
+
+def test_interrupting_a_save_only_stops_waiting(
+    jupyter_server: JupyterServer, notebook: NotebookKernel
+) -> None:
+    notebook.ok("import os; blob = os.urandom(300 << 20)")  # a save that takes a while
+    interrupted: list[float] = []
+
+    def interrupt_once_waiting(msg: dict[str, Any]) -> None:
+        # The progress line appears once the cell is in the magic's wait loop.
+        text = str(msg["content"].get("data", {}).get("text/plain", ""))
+        if text.startswith("Saving: ") and not interrupted:
+            status, _ = jupyter_server.request(
+                "POST", f"api/kernels/{notebook.kernel_id}/interrupt"
+            )
+            assert status == 204
+            interrupted.append(time.monotonic())
+
+    cell = notebook.run("%gpu_snapshot save interrupted", on_message=interrupt_once_waiting)
+    assert interrupted, "the save never showed progress"
+    assert cell.status == "ok", cell
+    job_id = re.search(r"\(job ([0-9a-f]{32})\)", cell.stdout)
+    assert cell.stdout.startswith("Stopped waiting; the save goes on in the server"), cell.stdout
+    assert job_id, cell.stdout
+    # The save itself went on and succeeded; the kernel is fine.
+    job = jupyter_server.wait_job(job_id[1])
+    assert job["status"] == "succeeded", job
+    assert [s["name"] for s in jupyter_server.snapshots(notebook.path)] == ["interrupted"]
+    assert notebook.ok("print(len(blob) >> 20)") == "300\n"
