@@ -4,12 +4,13 @@
  * The toolbar button, the status bar item and the commands all read the same state from
  * here, so a snapshot started from one of them shows in all.
  */
-import { Notification } from '@jupyterlab/apputils';
+import { Notification, showErrorMessage } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 import {
   IJob,
+  IJobError,
   IKernelStatus,
   IRestoreResult,
   ISnapshotSummary,
@@ -23,6 +24,35 @@ import {
   jobFraction
 } from './format';
 import { JobFollower } from './jobs';
+
+/** The step and the cause (toasts cut long text; the log path is in the details). */
+function shortError(error: IJobError | null): string {
+  if (!error) {
+    return 'the job ended without a result';
+  }
+  if (!error.step || !error.cause) {
+    return error.message;
+  }
+  return `${error.step} failed: ${error.cause}` + (error.hint ? `. ${error.hint}` : '');
+}
+
+/** A "Details" button showing the whole message, the hint and the kept log. */
+function detailsAction(title: string, error: IJobError | null): Notification.IAction[] {
+  if (!error) {
+    return [];
+  }
+  const lines = [error.message];
+  if (error.log && !error.message.includes(error.log)) {
+    lines.push(`Log: ${error.log}`);
+  }
+  return [
+    {
+      label: 'Details',
+      caption: 'Show the whole error and where its log is',
+      callback: () => void showErrorMessage(title, lines.join('\n'))
+    }
+  ];
+}
 
 export const SNAPSHOT_KERNEL_NAME = 'python3-snapshot';
 export const SNAPSHOT_KERNEL_DISPLAY_NAME = 'Python 3 (snapshots)';
@@ -137,16 +167,20 @@ export class SnapshotController {
       };
     }
     if (!entry.status.ready) {
-      let reasons = entry.status.reasons.join('; ');
-      if (!reasons) {
-        reasons =
-          entry.status.kernel_name === SNAPSHOT_KERNEL_NAME
-            ? 'the server says this kernel is not snapshot-ready'
-            : `kernel not started with the '${SNAPSHOT_KERNEL_DISPLAY_NAME}' kernel`;
+      const details = entry.status.reasons.join('; ');
+      if (entry.status.kernel_name !== SNAPSHOT_KERNEL_NAME) {
+        // The usual case: say what to do first, the server's findings after.
+        return {
+          enabled: false,
+          reason:
+            `Snapshots unavailable: kernel not started with the '${SNAPSHOT_KERNEL_DISPLAY_NAME}' ` +
+            'kernel; switch with Kernel › Change Kernel…' +
+            (details ? `\n(${details})` : '')
+        };
       }
       return {
         enabled: false,
-        reason: `Snapshots unavailable: ${reasons}`
+        reason: `Snapshots unavailable: ${details || 'the server says this kernel is not snapshot-ready'}`
       };
     }
     return {
@@ -205,9 +239,10 @@ export class SnapshotController {
     Notification.update({
       id,
       type: 'error',
-      message: `Snapshot failed: ${final.error?.message ?? 'the job ended without a result'}`,
+      message: `Snapshot failed: ${shortError(final.error)}`,
       progress: undefined,
-      autoClose: false
+      autoClose: false,
+      actions: detailsAction('Snapshot failed', final.error)
     });
     return null;
   }
@@ -221,24 +256,28 @@ export class SnapshotController {
     const id = Notification.emit(`Restoring '${snapshot.name}'…`, 'in-progress', {
       autoClose: false
     });
-    const fail = (message: string) => {
+    const fail = (message: string, error: IJobError | null = null) => {
       Notification.update({
         id,
         type: 'error',
         message: `Restore of '${snapshot.name}' failed: ${message}`,
         progress: undefined,
-        autoClose: false
+        autoClose: false,
+        actions: detailsAction(`Restore of '${snapshot.name}' failed`, error)
       });
       return false;
     };
     const started = Date.now();
     let job: IJob;
     try {
+      // With a session, the server moves it to the restored kernel. Without one, the
+      // notebook makes its own session below: JupyterLab cannot adopt a session that the
+      // server would create for the path, and a second one for the same path would follow.
       const sessionId = sessionContext.session?.id;
-      job = await this.api.startRestore(snapshot.id, {
-        path: sessionContext.path || panel.context.path,
-        ...(sessionId ? { session_id: sessionId } : {})
-      });
+      job = await this.api.startRestore(
+        snapshot.id,
+        sessionId ? { path: sessionContext.path, session_id: sessionId } : {}
+      );
     } catch (error) {
       return fail((error as Error).message);
     }
@@ -257,7 +296,7 @@ export class SnapshotController {
     this._restores.delete(path);
     this._changed.emit('');
     if (final.status !== 'succeeded' || !final.result) {
-      return fail(final.error?.message ?? 'the job ended without a result');
+      return fail(shortError(final.error), final.error);
     }
     const result = final.result as IRestoreResult;
     try {

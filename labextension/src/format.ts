@@ -40,9 +40,9 @@ export function formatSeconds(seconds: number): string {
 
 const PHASE_LABELS: { [phase: string]: string } = {
   preflight: 'checking',
-  suspend: 'suspending CUDA',
+  suspend: 'pausing the kernel',
   dump: 'writing memory',
-  resume: 'resuming',
+  resume: 'resuming the kernel',
   commit: 'committing',
   verify: 'verifying',
   restore: 'restoring',
