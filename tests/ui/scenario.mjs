@@ -1,0 +1,319 @@
+// Browser scenarios of the JupyterLab extension, driven with Playwright in the system
+// chromium. test_lab_ui.py starts the Jupyter server, runs one scenario per call:
+//
+//   node scenario.mjs <round-trip|not-snapshot-ready|save-fails>
+//
+// with LAB_URL (the server's base URL), LAB_TOKEN, NOTEBOOK (path relative to the
+// server's root), ARTIFACTS (a folder for screenshots) in the environment. Every step
+// takes a screenshot; the last line on stdout is a JSON object of what was seen, for
+// the Python side to check. Any failed wait throws, exits 1 and leaves a screenshot.
+import { chromium } from 'playwright-core';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+
+const { LAB_URL, LAB_TOKEN, NOTEBOOK, ARTIFACTS } = process.env;
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const STEP_TIMEOUT = 60_000;
+const scenario = process.argv[2];
+
+const seen = { scenario, steps: [], console_errors: [] };
+let page;
+let shot = 0;
+
+function log(message) {
+  console.log(`[${scenario}] ${message}`);
+}
+
+async function screenshot(name) {
+  shot += 1;
+  const file = path.join(ARTIFACTS, `${scenario}-${String(shot).padStart(2, '0')}-${name}.png`);
+  await page.screenshot({ path: file });
+  seen.steps.push(name);
+  log(`screenshot ${path.basename(file)}`);
+}
+
+// --- JupyterLab helpers -------------------------------------------------------------
+
+const snapshotButton = () => page.locator('.jp-gpu-snapshot-button');
+
+async function buttonState(state) {
+  await page.waitForSelector(`.jp-gpu-snapshot-button[data-state="${state}"]`, {
+    timeout: STEP_TIMEOUT
+  });
+}
+
+async function buttonTooltip() {
+  return snapshotButton().locator('[title]').first().getAttribute('title');
+}
+
+// Headless chromium draws no native tooltips: show the button's title in a box of the
+// test's own for the screenshot, then take it away.
+async function showTooltip() {
+  await page.evaluate(() => {
+    const button = document.querySelector('.jp-gpu-snapshot-button [title]');
+    const box = button.getBoundingClientRect();
+    const tip = document.createElement('div');
+    tip.id = 'ui-test-tooltip';
+    tip.textContent = `tooltip: ${button.getAttribute('title')}`;
+    Object.assign(tip.style, {
+      position: 'fixed', left: `${box.left}px`, top: `${box.bottom + 4}px`,
+      maxWidth: '560px', padding: '4px 6px', zIndex: 10000, whiteSpace: 'pre-wrap',
+      background: '#ffffe1', border: '1px solid #888', font: '12px sans-serif'
+    });
+    document.body.appendChild(tip);
+  });
+}
+
+async function hideTooltip() {
+  await page.evaluate(() => document.getElementById('ui-test-tooltip')?.remove());
+}
+
+async function toast(pattern) {
+  const locator = page.locator('.Toastify__toast').filter({ hasText: pattern });
+  await locator.first().waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
+  return (await locator.first().innerText()).trim();
+}
+
+// Every text any notification shows, in order: progress updates are short-lived.
+async function recordToasts() {
+  await page.evaluate(() => {
+    window.__toasts = [];
+    const record = () => {
+      for (const node of document.querySelectorAll('.Toastify__toast')) {
+        const text = node.innerText.trim();
+        if (text && window.__toasts[window.__toasts.length - 1] !== text) {
+          window.__toasts.push(text);
+        }
+      }
+    };
+    new MutationObserver(record).observe(document.body, {
+      subtree: true,
+      childList: true,
+      characterData: true
+    });
+  });
+}
+
+async function recordedToasts() {
+  return page.evaluate(() => window.__toasts);
+}
+
+async function runCell(index) {
+  const cell = page.locator('.jp-Notebook .jp-Cell').nth(index);
+  await cell.locator('.jp-InputArea-prompt').click();
+  await page.keyboard.press('Shift+Enter');
+  const output = cell.locator('.jp-OutputArea-output');
+  await output.first().waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
+  return (await output.allInnerTexts()).join('\n').trim();
+}
+
+async function kernelMenu(command) {
+  await page.locator('.lm-MenuBar-item', { hasText: /^Kernel$/ }).click();
+  const item = page.locator(`.lm-Menu-item[data-command="${command}"]`);
+  await item.waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
+  return item;
+}
+
+async function api(endpoint, init = {}) {
+  const response = await fetch(new URL(endpoint, LAB_URL), {
+    ...init,
+    headers: { Authorization: `token ${LAB_TOKEN}`, ...(init.headers || {}) }
+  });
+  const text = await response.text();
+  return { status: response.status, body: text ? JSON.parse(text) : null };
+}
+
+async function notebookKernelId() {
+  const { body } = await api('api/sessions');
+  const session = body.find(s => s.path === NOTEBOOK);
+  return session ? session.kernel.id : null;
+}
+
+async function openNotebook() {
+  const url = new URL(`lab/tree/${NOTEBOOK}`, LAB_URL);
+  url.searchParams.set('token', LAB_TOKEN);
+  url.searchParams.set('reset', '');
+  await page.goto(url.href);
+  await page.locator('.jp-NotebookPanel .jp-Cell').first().waitFor({ timeout: STEP_TIMEOUT });
+  log('notebook open');
+}
+
+// --- scenarios --------------------------------------------------------------------
+
+const scenarios = {
+  // Save a kernel with the toolbar button, shut it down, restore it from the dialog in
+  // the Kernel menu, see its state, then delete the snapshot from the dialog.
+  async 'round-trip'() {
+    await openNotebook();
+    await buttonState('ready');
+    seen.ready_tooltip = await buttonTooltip();
+    await showTooltip();
+    await screenshot('kernel-ready');
+    await hideTooltip();
+
+    seen.state_output = await runCell(0);
+    seen.kernel_before = await notebookKernelId();
+    await screenshot('state-set');
+
+    await recordToasts();
+    await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+    seen.saved_toast = await toast(/Snapshot saved/);
+    seen.save_toasts = await recordedToasts();
+    await screenshot('snapshot-saved');
+    await page.locator('.jp-gpu-snapshot-status', { hasText: /Snapshot .* ago/ }).waitFor({
+      timeout: STEP_TIMEOUT
+    });
+    seen.status_item = await page.locator('.jp-gpu-snapshot-status').innerText();
+    await screenshot('status-bar-age');
+
+    await (await kernelMenu('kernelmenu:shutdown')).click();
+    await buttonState('disabled');
+    seen.after_shutdown_tooltip = await buttonTooltip();
+    seen.kernel_after_shutdown = await notebookKernelId();
+    await showTooltip();
+    await screenshot('kernel-shut-down');
+    await hideTooltip();
+
+    const restoreItem = await kernelMenu('gpu-snapshot:restore');
+    seen.kernel_menu = await page
+      .locator('.lm-Menu-item[data-command^="gpu-snapshot:"]')
+      .evaluateAll(items => items.map(i => i.innerText.trim()));
+    await screenshot('kernel-menu');
+    await restoreItem.click();
+    const dialog = page.locator('.jp-Dialog');
+    await dialog.locator('.jp-gpu-snapshot-table tr[data-snapshot-id]').first().waitFor({
+      timeout: STEP_TIMEOUT
+    });
+    seen.dialog_rows = await dialog
+      .locator('tr[data-snapshot-id]')
+      .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-name')));
+    seen.dialog_text = await dialog.locator('.jp-gpu-snapshot-picker').innerText();
+    await screenshot('restore-dialog');
+    await dialog.locator('.jp-mod-accept').click();
+    seen.restored_toast = await toast(/Kernel restored/);
+    seen.restore_toasts = await recordedToasts();
+    await buttonState('ready');
+    await screenshot('kernel-restored');
+
+    seen.kernel_after_restore = await notebookKernelId();
+    seen.after_restore_output = await runCell(1);
+    await screenshot('state-after-restore');
+
+    await (await kernelMenu('gpu-snapshot:restore')).click();
+    const row = dialog.locator('tr[data-snapshot-id]').first();
+    await row.waitFor({ timeout: STEP_TIMEOUT });
+    await row.locator('.jp-gpu-snapshot-delete').click();
+    await row.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).waitFor();
+    await screenshot('delete-confirm');
+    await row.locator('.jp-gpu-snapshot-delete').click();
+    await dialog
+      .locator('.jp-gpu-snapshot-empty', { hasText: 'No snapshot of this notebook yet' })
+      .waitFor({ timeout: STEP_TIMEOUT });
+    await screenshot('snapshot-deleted');
+    await dialog.locator('.jp-mod-reject').click();
+    seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
+  },
+
+  // A notebook on the plain python3 kernel: the button stays disabled and says why.
+  async 'not-snapshot-ready'() {
+    await openNotebook();
+    await page.waitForFunction(
+      () => {
+        const node = document.querySelector('.jp-gpu-snapshot-button');
+        const title = node?.querySelector('[title]')?.getAttribute('title') || '';
+        return node?.dataset.state === 'disabled' && title.startsWith('Snapshots unavailable');
+      },
+      null,
+      { timeout: STEP_TIMEOUT }
+    );
+    seen.disabled_tooltip = await buttonTooltip();
+    seen.kernel = await notebookKernelId();
+    await showTooltip();
+    await screenshot('button-disabled');
+    await hideTooltip();
+    // The palette entry is disabled too.
+    await page.keyboard.press('Control+Shift+C');
+    await page.locator('.lm-CommandPalette-input').fill('Snapshot kernel');
+    const entry = page.locator('.lm-CommandPalette-item', { hasText: 'Snapshot kernel' });
+    // JupyterLab keeps disabled commands in the palette's DOM but does not show them.
+    await entry.first().waitFor({ state: 'attached', timeout: STEP_TIMEOUT });
+    seen.palette_disabled = await entry
+      .first()
+      .evaluate(node => node.classList.contains('lm-mod-disabled'));
+    await screenshot('palette-entry-disabled');
+  },
+
+  // criu fails while dumping: an error notification names the step and the cause, and
+  // the kernel goes on answering.
+  async 'save-fails'() {
+    await openNotebook();
+    await buttonState('ready');
+    seen.state_output = await runCell(0);
+    await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+    seen.error_toast = await toast(/Snapshot failed/);
+    await screenshot('snapshot-failed');
+    await page
+      .locator('.Toastify__toast', { hasText: 'Snapshot failed' })
+      .getByRole('button', { name: 'Details' })
+      .click();
+    const details = page.locator('.jp-Dialog');
+    await details.waitFor({ timeout: STEP_TIMEOUT });
+    seen.error_details = (await details.locator('.jp-Dialog-body').innerText()).trim();
+    await screenshot('error-details');
+    await details.locator('.jp-mod-accept, .jp-mod-reject').first().click();
+    await buttonState('ready');
+    seen.after_failure_output = await runCell(1);
+    await screenshot('kernel-still-alive');
+    seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
+  }
+};
+
+// --- main ---------------------------------------------------------------------------
+
+async function main() {
+  if (!scenarios[scenario]) {
+    throw new Error(`unknown scenario ${scenario}; one of ${Object.keys(scenarios).join(', ')}`);
+  }
+  fs.mkdirSync(ARTIFACTS, { recursive: true });
+  const profile = fs.mkdtempSync(path.join(os.tmpdir(), 'jgs-chromium-'));
+  const context = await chromium.launchPersistentContext(profile, {
+    executablePath: CHROMIUM,
+    headless: true,
+    viewport: { width: 1366, height: 820 },
+    args: [
+      '--headless',
+      '--no-sandbox',
+      '--disable-gpu',
+      '--disable-quic',
+      '--no-first-run',
+      '--disable-background-networking',
+      '--disable-component-update',
+      '--disable-sync'
+    ]
+  });
+  page = context.pages()[0] ?? (await context.newPage());
+  page.on('console', message => {
+    if (message.type() === 'error') {
+      seen.console_errors.push(message.text().slice(0, 500));
+    }
+  });
+  page.on('pageerror', error => seen.console_errors.push(String(error).slice(0, 500)));
+  let failed = null;
+  try {
+    await scenarios[scenario]();
+  } catch (error) {
+    failed = error;
+    seen.error = String(error.stack || error);
+    await screenshot('FAILED').catch(() => undefined);
+  } finally {
+    await context.close();
+    fs.rmSync(profile, { recursive: true, force: true });
+  }
+  console.log(JSON.stringify(seen));
+  if (failed) {
+    process.exitCode = 1;
+  }
+}
+
+await main();

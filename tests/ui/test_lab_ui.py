@@ -1,0 +1,328 @@
+"""The JupyterLab extension in a real browser (Debian's chromium, driven by Playwright).
+
+Each test starts a real ``jupyter lab`` on 127.0.0.1 with a token, its own config, runtime
+and snapshot directories, and a notebook on the ``python3-snapshot`` (or plain
+``python3``) kernel; then ``scenario.mjs`` clicks through the UI and reports what it saw.
+Screenshots of every step land in test-artifacts/ui/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+ARTIFACTS = REPO / "test-artifacts" / "ui"
+BIN = Path(sys.executable).parent
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+SERVER_START_TIMEOUT = 60
+SCENARIO_TIMEOUT = 240
+
+# The cells every scenario notebook holds: one sets state (RNG included), one reads it.
+SET_STATE = (
+    "import random\n"
+    "random.seed(2024)\n"
+    "secret = [round(random.random(), 6) for _ in range(3)]\n"
+    "print('state set:', secret)"
+)
+READ_STATE = "print('state now:', secret, 'next random:', round(random.random(), 6))"
+
+pytestmark = pytest.mark.timeout(SCENARIO_TIMEOUT + SERVER_START_TIMEOUT + 60)
+
+
+def expected_state() -> tuple[list[float], float]:
+    import random
+
+    rng = random.Random(2024)
+    secret = [round(rng.random(), 6) for _ in range(3)]
+    return secret, round(rng.random(), 6)
+
+
+def write_notebook(path: Path, kernel_name: str, display_name: str) -> None:
+    cells = [
+        {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+         "source": source}
+        for source in (SET_STATE, READ_STATE)
+    ]
+    notebook = {
+        "cells": cells,
+        "metadata": {
+            "kernelspec": {"name": kernel_name, "display_name": display_name,
+                           "language": "python"},
+            "language_info": {"name": "python"},
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(notebook, indent=1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LabServer:
+    url: str
+    token: str
+    root: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def get(self, endpoint: str) -> Any:
+        request = urllib.request.Request(
+            self.url + endpoint, headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.load(response)
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="session")
+def ui_tools() -> dict[str, str]:
+    """Node, chromium, the UI test's npm packages and the built extension, or a clear failure."""
+    missing = []
+    node = shutil.which("node")
+    if node is None:
+        missing.append("node (scripts/install-ui-deps.sh installs it)")
+    if not os.access(CHROMIUM, os.X_OK):
+        missing.append(f"{CHROMIUM} (scripts/install-ui-deps.sh installs Debian's chromium)")
+    listing = subprocess.run(
+        [str(BIN / "jupyter"), "labextension", "list"], capture_output=True, text=True,
+        check=False,
+    )
+    if "jupyter-gpu-snapshot" not in listing.stdout + listing.stderr:
+        missing.append("the jupyter-gpu-snapshot labextension (pip install -e . builds it)")
+    if missing:
+        pytest.fail("the browser tests need: " + "; ".join(missing))
+    assert node is not None
+    if not (HERE / "node_modules" / "playwright-core").is_dir():
+        jlpm = shutil.which("jlpm", path=str(BIN)) or "jlpm"
+        subprocess.run([jlpm, "install", "--immutable"], cwd=HERE, check=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return {"node": node}
+
+
+@pytest.fixture
+def start_lab(tmp_path: Path) -> Iterator[Callable[..., LabServer]]:
+    """Starts ``jupyter lab`` on a free port, isolated from the user's Jupyter dirs."""
+    started: list[LabServer] = []
+
+    def start(name: str, notebooks: dict[str, str], config: str = "") -> LabServer:
+        root = tmp_path / "notebooks"
+        root.mkdir()
+        for filename, kernel in notebooks.items():
+            display = "Python 3 (snapshots)" if kernel == "python3-snapshot" else "Python 3"
+            write_notebook(root / filename, kernel, display)
+        config_dir = tmp_path / "config"
+        config_dir.mkdir()
+        (config_dir / "jupyter_server_config.py").write_text(config)
+        settings = tmp_path / "lab-settings"
+        # No news or update toasts over the screenshots.
+        (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True)
+        (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings")\
+            .write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+        token = secrets.token_hex(16)
+        port = free_port()
+        env = dict(
+            os.environ,
+            JUPYTER_CONFIG_DIR=str(config_dir),
+            JUPYTER_DATA_DIR=str(tmp_path / "data"),
+            JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+            JUPYTER_GPU_SNAPSHOT_DIR=str(tmp_path / "store"),
+            IPYTHONDIR=str(tmp_path / "ipython"),
+            PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        )
+        log_path = ARTIFACTS / f"{name}-server.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - closed with the server
+        process = subprocess.Popen(
+            [
+                str(BIN / "jupyter"), "lab", "--no-browser", "--ip=127.0.0.1",
+                f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={root}", "--allow-root",
+                f"--LabApp.user_settings_dir={settings}",
+                f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+            ],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        log.close()
+        server = LabServer(f"http://127.0.0.1:{port}/", token, root, process, log_path)
+        started.append(server)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"jupyter lab exited with {process.returncode}:\n{server.log_tail()}")
+            try:
+                server.get("api/status")
+                server.get("gpu-snapshot/snapshots")
+                return server
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"jupyter lab did not answer in time:\n{server.log_tail()}")
+                time.sleep(0.3)
+
+    yield start
+
+    for server in started:
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGTERM)
+            try:
+                server.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.process.pid, signal.SIGKILL)
+                server.process.wait(10)
+
+
+def run_scenario(
+    tools: dict[str, str], server: LabServer, scenario: str, notebook: str
+) -> dict[str, Any]:
+    env = dict(
+        os.environ,
+        LAB_URL=server.url,
+        LAB_TOKEN=server.token,
+        NOTEBOOK=notebook,
+        ARTIFACTS=str(ARTIFACTS),
+        CHROMIUM=CHROMIUM,
+    )
+    for old in ARTIFACTS.glob(f"{scenario}-*.png"):
+        old.unlink()
+    result = subprocess.run(
+        [tools["node"], str(HERE / "scenario.mjs"), scenario],
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT,
+        check=False,
+    )
+    lines = result.stdout.strip().splitlines()
+    try:
+        seen: dict[str, Any] = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        seen = {}
+    if result.returncode != 0:
+        pytest.fail(
+            f"scenario {scenario} failed (exit {result.returncode}):\n"
+            f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}\n"
+            f"--- server log ---\n{server.log_tail()}"
+        )
+    return seen
+
+
+def test_labextension_is_enabled_and_ok(ui_tools: dict[str, str]) -> None:
+    listing = subprocess.run(
+        [str(BIN / "jupyter"), "labextension", "list"], capture_output=True, text=True,
+        check=True,
+    )
+    line = next(
+        line for line in (listing.stdout + listing.stderr).splitlines()
+        if "jupyter-gpu-snapshot" in line
+    )
+    assert "enabled" in line and "OK" in line, line
+
+
+def test_snapshot_then_restore_through_the_dialog(
+    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+) -> None:
+    server = start_lab("round-trip", {"state.ipynb": "python3-snapshot"})
+    seen = run_scenario(ui_tools, server, "round-trip", "state.ipynb")
+    secret, next_random = expected_state()
+
+    assert seen["ready_tooltip"].startswith("Snapshot kernel")
+    assert seen["state_output"] == f"state set: {secret}"
+    # The notification followed the job's phases, then gave the size and the time.
+    phases = r"Snapshot of state\.ipynb: (checking|pausing|writing memory|resuming|committing)"
+    assert any(re.match(phases, text) for text in seen["save_toasts"]), seen["save_toasts"]
+    assert re.fullmatch(
+        r"Snapshot saved: '[\w.-]+', [\d.]+ (B|KiB|MiB|GiB) in [\d.]+ s", seen["saved_toast"]
+    ), seen["saved_toast"]
+    assert seen["status_item"].startswith("Snapshot") and "ago" in seen["status_item"]
+    # Shutting the kernel down ended the session; the button says there is no kernel.
+    assert seen["kernel_after_shutdown"] is None
+    assert seen["after_shutdown_tooltip"] == "No kernel is running in this notebook"
+    assert seen["kernel_menu"] == ["Snapshot kernel", "Restore kernel from snapshot…"]
+    assert len(seen["dialog_rows"]) == 1
+    assert "Snapshots of state.ipynb" in seen["dialog_text"]
+    assert any(
+        re.match(r"Restoring '[\w.-]+': (checking|verifying|restoring)", text)
+        for text in seen["restore_toasts"]
+    ), seen["restore_toasts"]
+    assert seen["restored_toast"].startswith("Kernel restored from")
+    # The notebook runs a new kernel slot holding the old kernel's memory.
+    assert seen["kernel_after_restore"] not in (None, seen["kernel_before"])
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["snapshots_left"] == 0
+    assert server.get("gpu-snapshot/snapshots") == {"snapshots": []}
+    sessions = server.get("api/sessions")
+    assert [s["kernel"]["id"] for s in sessions if s["path"] == "state.ipynb"] == [
+        seen["kernel_after_restore"]
+    ]
+    assert seen["console_errors"] == []
+
+
+def test_button_disabled_on_a_kernel_that_is_not_snapshot_ready(
+    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+) -> None:
+    server = start_lab("not-snapshot-ready", {"plain.ipynb": "python3"})
+    seen = run_scenario(ui_tools, server, "not-snapshot-ready", "plain.ipynb")
+
+    assert seen["kernel"] is not None
+    assert seen["disabled_tooltip"].startswith(
+        "Snapshots unavailable: kernel not started with the 'Python 3 (snapshots)' kernel"
+    ), seen["disabled_tooltip"]
+    assert "PID namespace" in seen["disabled_tooltip"]  # the server's own findings follow
+    assert seen["palette_disabled"] is True
+    status = server.get(f"gpu-snapshot/kernels/{seen['kernel']}/status")
+    assert status["ready"] is False
+    assert seen["console_errors"] == []
+
+
+FAILING_CRIU = """#!/bin/sh
+# criu that answers like the real one but fails every dump, as a broken criu would.
+for arg in "$@"; do
+    if [ "$arg" = dump ]; then
+        echo "Error (criu/cr-dump.c:2100): forced dump failure for the UI test" >&2
+        exit 1
+    fi
+done
+exec {criu} "$@"
+"""
+
+
+def test_failed_snapshot_shows_the_error_and_the_kernel_lives_on(
+    ui_tools: dict[str, str], start_lab: Callable[..., LabServer], tmp_path: Path
+) -> None:
+    real_criu = shutil.which("criu") or "/usr/local/sbin/criu"
+    fake = tmp_path / "criu-that-fails"
+    fake.write_text(FAILING_CRIU.format(criu=real_criu))
+    fake.chmod(0o755)
+    server = start_lab(
+        "save-fails", {"state.ipynb": "python3-snapshot"},
+        config=f"c.GPUSnapshot.criu_path = {str(fake)!r}\n",
+    )
+    seen = run_scenario(ui_tools, server, "save-fails", "state.ipynb")
+    secret, next_random = expected_state()
+
+    assert seen["error_toast"].startswith("Snapshot failed: dump failed"), seen["error_toast"]
+    assert "criu" in seen["error_toast"], seen["error_toast"]
+    # The whole message, with criu's kept log, is one click away.
+    assert seen["error_details"].startswith("dump failed:"), seen["error_details"]
+    assert "log" in seen["error_details"], seen["error_details"]
+    assert seen["after_failure_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["snapshots_left"] == 0
