@@ -74,6 +74,7 @@ def test_criu_killed_mid_dump(store, busy_kernel, tmp_path):
     with pytest.raises(SnapshotError) as err:
         run(engine.save(_target(busy_kernel), name="doomed"))
     assert err.value.step == "dump"
+    assert "killed by signal 9" in err.value.message
     assert err.value.log_path is not None and err.value.log_path.exists()
     _assert_contract(busy_kernel, store, [earlier.id])
     # The earlier snapshot is intact: it still verifies.

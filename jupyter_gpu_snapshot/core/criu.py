@@ -59,6 +59,8 @@ def explain_log(log_path: Path, returncode: int) -> str:
     except OSError:
         return f"criu exited with status {returncode} and left no log"
     if not errors:
+        if returncode > 128:  # a shell or wrapper reports a killed criu as 128 + signal
+            return f"criu was killed by signal {returncode - 128}"
         return f"criu exited with status {returncode}"
     joined = " | ".join(errors)
     for pattern, meaning in _KNOWN_CAUSES:
