@@ -12,6 +12,8 @@ import contextlib
 import inspect
 import logging
 import posixpath
+import queue
+import time
 import uuid
 from typing import Any
 
@@ -21,11 +23,14 @@ from tornado import web
 from ..config import GPUSnapshot
 from ..core import process
 from ..core.engine import SaveTarget, SnapshotEngine
-from ..core.errors import Busy, InvalidRequest, NotFound, SnapshotError
+from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.store import Snapshot, validate_name
 from ..kernelspec import KERNEL_NAME
 from ..provisioner import PROVISIONER_NAME, RESTORE_KWARGS
 from .jobs import Job, JobRunner
+
+# How long a save waits for a kernel that is still starting to answer.
+KERNEL_ANSWER_SECONDS = 30.0
 
 
 def kernel_key(kernel_id: str) -> str:
@@ -202,6 +207,7 @@ class SnapshotService:
             kernel_id=kernel_id,
             reason=reason,
         )
+        await self._until_answering(km, kernel_id)
         if stop:
             # criu ends the tree after a stopping dump; the restarter would then start an
             # empty kernel in this slot. It watches again if the kernel survives.
@@ -219,6 +225,34 @@ class SnapshotService:
             await self._shutdown_quietly(kernel_id)
         self._apply_retention(snapshot)
         return snapshot.summary()
+
+    async def _until_answering(self, km: Any, kernel_id: str) -> None:
+        """Wait until the kernel answers on its control channel.
+
+        A kernel dumped while it is still starting (before it has bound its ports) comes
+        back as a process that never answers; the server lists a kernel as soon as its
+        process runs. The control channel answers even while a cell runs.
+        """
+        client = km.client()
+        client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+        try:
+            request = client.session.msg("kernel_info_request")
+            client.control_channel.send(request)
+            deadline = time.monotonic() + KERNEL_ANSWER_SECONDS
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    reply = await ensure_async(client.control_channel.get_msg(timeout=left))
+                except queue.Empty:
+                    break
+                if reply.get("parent_header", {}).get("msg_id") == request["header"]["msg_id"]:
+                    return
+        finally:
+            client.stop_channels()
+        raise NotReady(
+            "preflight",
+            f"kernel {kernel_id} did not answer within {KERNEL_ANSWER_SECONDS:.0f} s",
+            hint="is it still starting? Try again once it is idle",
+        )
 
     async def _shutdown_quietly(self, kernel_id: str) -> None:
         if kernel_id not in self.kernel_manager:
