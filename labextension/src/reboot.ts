@@ -50,9 +50,8 @@ export class ShutdownOffer {
     }
     this._offered.add(snapshot.id);
     Notification.info(
-      `Restore the kernel from before shutdown? ${panel.context.localPath} had a ` +
-        `running kernel when the server stopped; it was saved ${formatAge(snapshot.created)} ` +
-        `(${formatBytes(snapshot.size_bytes)}).`,
+      `Restore the kernel from before shutdown? It was saved when the server stopped, ` +
+        `${formatAge(snapshot.created)} (${formatBytes(snapshot.size_bytes)}).`,
       {
         autoClose: false,
         actions: [

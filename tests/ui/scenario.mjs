@@ -72,28 +72,44 @@ async function hideTooltip() {
 async function toast(pattern) {
   const locator = page.locator('.Toastify__toast').filter({ hasText: pattern });
   await locator.first().waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
+  // Toasts slide in; the screenshot should show the whole of it.
+  await locator
+    .first()
+    .evaluate(
+      node =>
+        new Promise(resolve => {
+          const settled = () =>
+            node.getBoundingClientRect().right <= window.innerWidth
+              ? resolve()
+              : requestAnimationFrame(settled);
+          settled();
+        })
+    )
+    .catch(() => undefined);
   return (await locator.first().innerText()).trim();
 }
 
 // Every text any notification shows, in order: progress updates are short-lived.
 async function recordToasts() {
-  await page.evaluate(() => {
-    window.__toasts = [];
-    const record = () => {
-      for (const node of document.querySelectorAll('.Toastify__toast')) {
-        const text = node.innerText.trim();
-        if (text && window.__toasts[window.__toasts.length - 1] !== text) {
-          window.__toasts.push(text);
-        }
-      }
-    };
-    new MutationObserver(record).observe(document.body, {
-      subtree: true,
-      childList: true,
-      characterData: true
-    });
-  });
+  await page.evaluate(TOAST_RECORDER);
 }
+
+const TOAST_RECORDER = () => {
+  window.__toasts = [];
+  const record = () => {
+    for (const node of document.querySelectorAll('.Toastify__toast')) {
+      const text = node.innerText.trim();
+      if (text && window.__toasts[window.__toasts.length - 1] !== text) {
+        window.__toasts.push(text);
+      }
+    }
+  };
+  new MutationObserver(record).observe(document.body, {
+    subtree: true,
+    childList: true,
+    characterData: true
+  });
+};
 
 async function recordedToasts() {
   return page.evaluate(() => window.__toasts);
@@ -267,6 +283,43 @@ const scenarios = {
     await screenshot('kernel-still-alive');
     seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
   }
+};
+
+// --- after a server restart (two runs of this script, the server stopped between) ---
+
+scenarios['before-shutdown'] = async () => {
+  await openNotebook();
+  await buttonState('ready');
+  seen.state_output = await runCell(0);
+  seen.kernel_before = await notebookKernelId();
+  // Saved with the notebook, so the outputs are there again after the restart.
+  await page.keyboard.press('Control+s');
+  await page.locator('.lm-TabBar-tab.jp-mod-dirty').waitFor({
+    state: 'detached',
+    timeout: STEP_TIMEOUT
+  });
+  await screenshot('state-set');
+};
+
+scenarios['after-restart'] = async () => {
+  await openNotebook();
+  seen.offer = await toast(/Restore the kernel from before shutdown\?/);
+  const offer = page.locator('.Toastify__toast', {
+    hasText: 'Restore the kernel from before shutdown?'
+  });
+  // The notebook started a fresh kernel meanwhile; the restore replaces it.
+  await buttonState('ready');
+  seen.fresh_kernel = await notebookKernelId();
+  await screenshot('restore-offered');
+  await offer.getByRole('button', { name: 'Restore' }).click();
+  seen.restored_toast = await toast(/Kernel restored/);
+  await buttonState('ready');
+  seen.kernel_after_restore = await notebookKernelId();
+  await screenshot('kernel-restored');
+  seen.after_restore_output = await runCell(1);
+  await screenshot('state-after-restore');
+  seen.sessions = (await api('api/sessions')).body.map(s => [s.path, s.kernel.id]);
+  seen.kernels = (await api('api/kernels')).body.map(k => k.id);
 };
 
 // --- main ---------------------------------------------------------------------------

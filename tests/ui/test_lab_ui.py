@@ -129,17 +129,19 @@ def start_lab(tmp_path: Path) -> Iterator[Callable[..., LabServer]]:
     started: list[LabServer] = []
 
     def start(name: str, notebooks: dict[str, str], config: str = "") -> LabServer:
+        # A second start in the same test is a restart: same notebooks, store and config.
         root = tmp_path / "notebooks"
-        root.mkdir()
+        root.mkdir(exist_ok=True)
         for filename, kernel in notebooks.items():
-            display = "Python 3 (snapshots)" if kernel == "python3-snapshot" else "Python 3"
-            write_notebook(root / filename, kernel, display)
+            if not (root / filename).exists():
+                display = "Python 3 (snapshots)" if kernel == "python3-snapshot" else "Python 3"
+                write_notebook(root / filename, kernel, display)
         config_dir = tmp_path / "config"
-        config_dir.mkdir()
+        config_dir.mkdir(exist_ok=True)
         (config_dir / "jupyter_server_config.py").write_text(config)
         settings = tmp_path / "lab-settings"
         # No news or update toasts over the screenshots.
-        (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True)
+        (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True, exist_ok=True)
         (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings")\
             .write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
         token = secrets.token_hex(16)
@@ -184,13 +186,19 @@ def start_lab(tmp_path: Path) -> Iterator[Callable[..., LabServer]]:
     yield start
 
     for server in started:
-        if server.process.poll() is None:
-            server.process.send_signal(signal.SIGTERM)
-            try:
-                server.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.process.pid, signal.SIGKILL)
-                server.process.wait(10)
+        stop_lab(server)
+
+
+def stop_lab(server: LabServer) -> int:
+    """Stops the server as a node shutdown would (SIGTERM); returns its exit status."""
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait(10)
+    return server.process.returncode
 
 
 def run_scenario(
@@ -204,7 +212,7 @@ def run_scenario(
         ARTIFACTS=str(ARTIFACTS),
         CHROMIUM=CHROMIUM,
     )
-    for old in ARTIFACTS.glob(f"{scenario}-*.png"):
+    for old in ARTIFACTS.glob(f"{scenario}-[0-9]*.png"):
         old.unlink()
     result = subprocess.run(
         [tools["node"], str(HERE / "scenario.mjs"), scenario],
@@ -326,3 +334,35 @@ def test_failed_snapshot_shows_the_error_and_the_kernel_lives_on(
     assert "log" in seen["error_details"], seen["error_details"]
     assert seen["after_failure_output"] == f"state now: {secret} next random: {next_random}"
     assert seen["snapshots_left"] == 0
+
+
+def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
+    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+) -> None:
+    config = "c.GPUSnapshot.snapshot_on_shutdown = True\n"
+    server = start_lab("before-shutdown", {"state.ipynb": "python3-snapshot"}, config)
+    before = run_scenario(ui_tools, server, "before-shutdown", "state.ipynb")
+    secret, next_random = expected_state()
+    assert before["state_output"] == f"state set: {secret}"
+
+    assert stop_lab(server) == 0
+    assert "gpu-snapshot" in server.log_tail(200)
+
+    server = start_lab("after-restart", {"state.ipynb": "python3-snapshot"}, config)
+    snapshots = server.get("gpu-snapshot/snapshots")["snapshots"]
+    assert [(s["reason"], s["notebook_path"]) for s in snapshots] == [
+        ("shutdown", "state.ipynb")
+    ]
+    seen = run_scenario(ui_tools, server, "after-restart", "state.ipynb")
+
+    assert seen["offer"].startswith("Restore the kernel from before shutdown?"), seen["offer"]
+    assert seen["restored_toast"].startswith("Kernel restored from")
+    assert seen["kernel_after_restore"] not in (None, seen["fresh_kernel"])
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    # The fresh kernel the notebook had started was retired; one session, one kernel.
+    assert seen["sessions"] == [["state.ipynb", seen["kernel_after_restore"]]]
+    assert seen["kernels"] == [seen["kernel_after_restore"]]
+    # JupyterLab's debugger probes each new kernel; retiring the fresh kernel a moment
+    # after it started cancels that probe, which JupyterLab logs. Nothing else may show.
+    probe = "Could not restore the debugger state: Canceled future for debug_request"
+    assert [e for e in seen["console_errors"] if not e.startswith(probe)] == []
