@@ -238,7 +238,9 @@ class JupyterServer:
     def connect(self, kernel_id: str, timeout: float = 60) -> BlockingKernelClient:
         client = BlockingKernelClient()
         client.load_connection_file(str(self.runtime / f"kernel-{kernel_id}.json"))
-        client.start_channels()
+        # No heartbeat channel: the server watches the kernel already, and a first beat
+        # that is late on a loaded machine makes wait_for_ready report a living kernel dead.
+        client.start_channels(hb=False)
         client.wait_for_ready(timeout=timeout)
         self.clients.append(client)
         return client
