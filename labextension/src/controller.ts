@@ -256,14 +256,30 @@ export class SnapshotController {
     const id = Notification.emit(`Restoring '${snapshot.name}'…`, 'in-progress', {
       autoClose: false
     });
-    const fail = (message: string, error: IJobError | null = null) => {
+    const fail = (message: string, error: IJobError | null = null): boolean => {
+      const actions = detailsAction(`Restore of '${snapshot.name}' failed`, error);
+      // A restored kernel listens on the ports of the kernel that was saved: going back
+      // to an earlier snapshot of the kernel still running here needs that one gone.
+      if (
+        error?.step === 'preflight' &&
+        / in use$/.test(error.cause) &&
+        sessionContext.session?.kernel
+      ) {
+        message = "its ports are taken, most likely by this notebook's kernel";
+        actions.unshift({
+          label: 'Shut down kernel, restore',
+          caption: "Shut down the notebook's kernel (its current state is lost), then restore",
+          displayType: 'accent',
+          callback: () => void this._restoreReplacing(panel, snapshot)
+        });
+      }
       Notification.update({
         id,
         type: 'error',
         message: `Restore of '${snapshot.name}' failed: ${message}`,
         progress: undefined,
         autoClose: false,
-        actions: detailsAction(`Restore of '${snapshot.name}' failed`, error)
+        actions
       });
       return false;
     };
@@ -319,6 +335,16 @@ export class SnapshotController {
       autoClose: 8000
     });
     return true;
+  }
+
+  private async _restoreReplacing(
+    panel: NotebookPanel,
+    snapshot: ISnapshotSummary
+  ): Promise<void> {
+    if (!panel.isDisposed) {
+      await panel.sessionContext.shutdown();
+      await this.restore(panel, snapshot);
+    }
   }
 
   /** Make the notebook's session use the restored kernel, unless the server already did. */

@@ -285,6 +285,36 @@ const scenarios = {
   }
 };
 
+// Going back to an earlier snapshot of the kernel that still runs: the restore is refused
+// (the ports are taken) and the error offers to shut that kernel down first.
+scenarios['restore-over-running-kernel'] = async () => {
+  await openNotebook();
+  await buttonState('ready');
+  seen.state_output = await runCell(0);
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+  await toast(/Snapshot saved/);
+  await buttonState('ready');
+  seen.changed_output = await runCell(2);
+  seen.kernel_before = await notebookKernelId();
+
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  await dialog.locator('.jp-mod-accept').click();
+  seen.refused_toast = await toast(/Restore of .* failed/);
+  await screenshot('restore-refused');
+  await page
+    .locator('.Toastify__toast', { hasText: 'failed' })
+    .getByRole('button', { name: 'Shut down kernel, restore' })
+    .click();
+  seen.restored_toast = await toast(/Kernel restored/);
+  await buttonState('ready');
+  seen.kernel_after_restore = await notebookKernelId();
+  seen.after_restore_output = await runCell(1);
+  await screenshot('state-after-restore');
+  seen.kernels = (await api('api/kernels')).body.map(k => k.id);
+};
+
 // --- after a server restart (two runs of this script, the server stopped between) ---
 
 scenarios['before-shutdown'] = async () => {

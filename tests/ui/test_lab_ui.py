@@ -42,6 +42,7 @@ SET_STATE = (
     "print('state set:', secret)"
 )
 READ_STATE = "print('state now:', secret, 'next random:', round(random.random(), 6))"
+CHANGE_STATE = "secret = 'changed'\nprint('state changed')"
 
 pytestmark = pytest.mark.timeout(SCENARIO_TIMEOUT + SERVER_START_TIMEOUT + 60)
 
@@ -58,7 +59,7 @@ def write_notebook(path: Path, kernel_name: str, display_name: str) -> None:
     cells = [
         {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
          "source": source}
-        for source in (SET_STATE, READ_STATE)
+        for source in (SET_STATE, READ_STATE, CHANGE_STATE)
     ]
     notebook = {
         "cells": cells,
@@ -298,6 +299,24 @@ def test_button_disabled_on_a_kernel_that_is_not_snapshot_ready(
     assert seen["palette_disabled"] is True
     status = server.get(f"gpu-snapshot/kernels/{seen['kernel']}/status")
     assert status["ready"] is False
+    assert seen["console_errors"] == []
+
+
+def test_going_back_to_a_snapshot_of_the_running_kernel_offers_to_replace_it(
+    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+) -> None:
+    server = start_lab("restore-over-running-kernel", {"state.ipynb": "python3-snapshot"})
+    seen = run_scenario(ui_tools, server, "restore-over-running-kernel", "state.ipynb")
+    secret, next_random = expected_state()
+
+    assert seen["changed_output"] == "state changed"
+    assert seen["refused_toast"].startswith("Restore of "), seen["refused_toast"]
+    assert "its ports are taken, most likely by this notebook's kernel" in seen["refused_toast"]
+    assert "Shut down kernel, restore" in seen["refused_toast"]  # the action
+    assert seen["restored_toast"].startswith("Kernel restored from")
+    assert seen["kernel_after_restore"] not in (None, seen["kernel_before"])
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["kernels"] == [seen["kernel_after_restore"]]
     assert seen["console_errors"] == []
 
 
