@@ -141,6 +141,34 @@ def incarnation() -> str:
     return f"{boot}:{os.getpid()}:{start}"
 
 
+_PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+
+
+def own_ports() -> dict[str, int] | None:
+    """The ports this kernel listens on, from the running ipykernel application."""
+    try:
+        from ipykernel.kernelapp import IPKernelApp
+    except ImportError:
+        return None
+    if not IPKernelApp.initialized():
+        return None
+    app = IPKernelApp.instance()
+    return {key: int(getattr(app, key, 0) or 0) for key in _PORT_KEYS}
+
+
+def holds_ports_of(summary: Mapping[str, Any]) -> bool:
+    """Whether this kernel listens on the ports a restore of ``summary`` would need.
+
+    Every snapshot of a kernel, and every restore of one, listens on that kernel's ports,
+    so a snapshot of this kernel's lineage cannot be restored while this kernel runs.
+    """
+    mine = own_ports()
+    theirs = (summary.get("kernel") or {}).get("connection_info") or {}
+    if not mine or not theirs:
+        return False
+    return any(mine[key] and mine[key] == int(theirs.get(key) or 0) for key in _PORT_KEYS)
+
+
 def namespace_rss_bytes() -> int | None:
     """Resident memory of every process of this kernel's PID namespace, or None.
 
@@ -353,6 +381,17 @@ class SnapshotClient:
     def start_restore(
         self, ref: str, path: str | None = None, session_id: str | None = None
     ) -> Json:
+        """POST the restore of snapshot ``ref`` (an id), refusing one that cannot work."""
+        summary = self.snapshot(ref)
+        if holds_ports_of(summary):
+            raise ClientError(
+                "preflight",
+                f"snapshot {summary.get('id')} ({summary.get('name')}) was taken from this "
+                "kernel (or from the kernel it was restored from), and this kernel holds the "
+                "ports the restored one listens on",
+                hint="Shut this kernel down first, then restore the snapshot from JupyterLab's "
+                "restore dialog or with %gpu_snapshot restore in another notebook",
+            )
         body: Json = {}
         if path:
             body["path"] = path

@@ -166,10 +166,7 @@ class GPUSnapshotMagics(Magics):
             self._report_restored(client, restored)
             return
         except KeyboardInterrupt:
-            print(
-                f"Stopped waiting; the save goes on in the server (job {job.get('id')}). "
-                "%gpu_snapshot status shows how it ends."
-            )
+            _stopped_waiting("save", job)
             return
         summary = dict(job.get("result") or {})
         self.last_outcome = SaveOutcome(summary.get("id"), False, summary)
@@ -242,6 +239,9 @@ class GPUSnapshotMagics(Magics):
         progress = _ProgressLine(self.shell, "Restoring")
         try:
             job = client.wait(job, progress.update)
+        except KeyboardInterrupt:
+            _stopped_waiting("restore", job)
+            return
         finally:
             progress.close()
         result = job.get("result") or {}
@@ -261,6 +261,16 @@ class GPUSnapshotMagics(Magics):
             self.panel.close()
         self.panel = SnapshotPanel(client)
         _display(self.panel)
+
+
+def _stopped_waiting(kind: str, job: dict[str, Any]) -> None:
+    if not job.get("id"):
+        print(f"Interrupted before the {kind} was asked for; nothing was started.")
+        return
+    print(
+        f"Stopped waiting; the {kind} goes on in the server (job {job['id']}). "
+        "%gpu_snapshot status shows how it ends."
+    )
 
 
 def _check_usage(command: str, name: str | None, stop: bool, all_notebooks: bool) -> None:

@@ -152,6 +152,16 @@ def test_failures_are_one_line_and_leave_the_kernel_running(
 
     line = one_line_error(notebook.run("%gpu_snapshot restore no-such-snapshot"))
     assert line.startswith("%gpu_snapshot restore: lookup failed: no snapshot"), line
+    # Its own snapshot cannot come back while this kernel holds the ports: said at once,
+    # before the notebook is told it will switch, and no job is started.
+    cell = notebook.run("%gpu_snapshot restore taken")
+    line = one_line_error(cell)
+    assert line.startswith("%gpu_snapshot restore: preflight failed: snapshot "), line
+    assert "(taken) was taken from this kernel" in line and "Shut this kernel down" in line
+    assert cell.stdout == ""
+    taken = jupyter_server.get("gpu-snapshot/snapshots/taken")["id"]
+    jobs = jupyter_server.get("gpu-snapshot/jobs")["jobs"]
+    assert [j for j in jobs if j["kind"] == "restore" and j["snapshot_id"] == taken] == []
 
     # A server that went away: the magic names the step and the cause, and returns.
     notebook.ok("import os; _url = os.environ['JUPYTER_GPU_SNAPSHOT_URL']")

@@ -190,7 +190,7 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     path = "buttons.ipynb"
     first = jupyter_server.open_notebook(path)
     first.ok("origin = 'the first kernel'")
-    for name in ("keep", "drop"):
+    for name in ("keep", "damaged", "drop"):
         assert first.ok(f"%gpu_snapshot save {name}").startswith("Saved snapshot")
     by_name = {s["name"]: s["id"] for s in jupyter_server.snapshots(path)}
     jupyter_server.shutdown_kernel(first.kernel_id)  # as after a reboot: only snapshots left
@@ -199,28 +199,45 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     second.ok("origin = 'the second kernel'")
     show_panel(second)
     state = panel_state(second)
-    assert state["rows"] == [by_name["drop"], by_name["keep"]]  # newest first
+    assert state["rows"] == [by_name["drop"], by_name["damaged"], by_name["keep"]]  # newest first
 
     # Delete asks first; the second click deletes.
     click = f"{PANEL}; p.rows[{by_name['drop']!r}].delete_button.click()"
     second.ok(click)
     state = panel_state(second)
-    assert state["confirming"] == [True, False]
+    assert state["confirming"] == [True, False, False]
     assert state["delete_labels"][0] == "Really delete?"
     assert by_name["drop"] in [s["id"] for s in jupyter_server.snapshots(path)]
     second.ok(click)
-    assert [s["id"] for s in jupyter_server.snapshots(path)] == [by_name["keep"]]
-    assert panel_state(second)["rows"] == [by_name["keep"]]
+    assert [s["id"] for s in jupyter_server.snapshots(path)] == [
+        by_name["keep"], by_name["damaged"]
+    ]
+    assert panel_state(second)["rows"] == [by_name["damaged"], by_name["keep"]]
 
-    # A restore that cannot work shows its error in the panel; the kernel is unharmed.
+    # Restores that cannot work show their error in the panel; the kernel is unharmed.
+    # A damaged image: the server's restore job fails when it checks the files.
+    image = max((jupyter_server.store / by_name["damaged"]).glob("pages-*.img"),
+                key=lambda f: f.stat().st_size)
+    with open(image, "r+b") as f:
+        f.write(b"\0" * 4096)
+    second.ok(f"{PANEL}; p.rows[{by_name['damaged']!r}].restore_button.click()")
+    wait_panel(second, "'restore:' in p.error.value")
+    error = panel_state(second)["error"]
+    assert f"restore: verify failed: image file {image.name} of {by_name['damaged']} does " \
+        "not match its sha256" in error, error
+    # A snapshot of this very kernel: refused before any job, since this kernel holds the
+    # ports the restored one would listen on.
     assert second.ok("%gpu_snapshot save mine").startswith("Saved snapshot")
     mine = next(s["id"] for s in jupyter_server.snapshots(path) if s["name"] == "mine")
     wait_panel(second, f"{mine!r} in p.rows", timeout=20)
     second.ok(f"{PANEL}; p.rows[{mine!r}].restore_button.click()")
-    wait_panel(second, "'restore' in p.error.value")
     error = panel_state(second)["error"]
-    assert "preflight failed" in error and "in use" in error, error
+    assert "restore: preflight failed: snapshot " in error, error
+    assert "this kernel holds the ports" in error, error
+    assert [j for j in jupyter_server.get("gpu-snapshot/jobs")["jobs"]
+            if j["kind"] == "restore" and j["snapshot_id"] == mine] == []
     assert second.ok("print(origin)") == "the second kernel\n"
+    assert jupyter_server.session(second.session_id)["kernel"]["id"] == second.kernel_id
 
     # Restoring the first kernel's snapshot switches the notebook to a new kernel with the
     # first kernel's state; the second kernel is retired, as when one changes kernels.
