@@ -389,8 +389,8 @@ class SnapshotClient:
                 f"snapshot {summary.get('id')} ({summary.get('name')}) was taken from this "
                 "kernel (or from the kernel it was restored from), and this kernel holds the "
                 "ports the restored one listens on",
-                hint="Shut this kernel down first, then restore the snapshot from JupyterLab's "
-                "restore dialog or with %gpu_snapshot restore in another notebook",
+                hint="Restore it from JupyterLab's restore dialog, which offers to shut this "
+                "kernel down first",
             )
         body: Json = {}
         if path:

@@ -157,7 +157,7 @@ def test_failures_are_one_line_and_leave_the_kernel_running(
     cell = notebook.run("%gpu_snapshot restore taken")
     line = one_line_error(cell)
     assert line.startswith("%gpu_snapshot restore: preflight failed: snapshot "), line
-    assert "(taken) was taken from this kernel" in line and "Shut this kernel down" in line
+    assert "(taken) was taken from this kernel" in line and "restore dialog" in line
     assert cell.stdout == ""
     taken = jupyter_server.get("gpu-snapshot/snapshots/taken")["id"]
     jobs = jupyter_server.get("gpu-snapshot/jobs")["jobs"]
