@@ -6,12 +6,7 @@ environment (``JUPYTER_GPU_SNAPSHOT_URL``, ``_TOKEN``, ``_KERNEL_ID``), so nothi
 from runtime directories. Only the standard library is used: this module is imported into
 every snapshot-ready kernel and must stay light.
 
-A kernel restored from a snapshot is the same process memory in a new process: its
-environment names the kernel slot it was saved from until the server, having adopted it
-into a new slot, updates ``os.environ`` there (the provisioner's ``post_launch`` does, with
-a silent execute request, so only once the cell running at the restore has finished).
-``KernelIdentity`` notices the new incarnation (the start time changes; CRIU cannot keep
-it) and takes the new kernel id from the environment once the server has set it.
+Which kernel slot this process is, across restores, is ``kernel_identity``'s business.
 """
 
 from __future__ import annotations
@@ -23,13 +18,20 @@ import os
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .kernel_identity import (
+    ENV_KERNEL_ID,
+    IdentityUnknown,
+    KernelIdentity,
+    holds_ports_of,
+    incarnation,
+)
+
 ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
 ENV_TOKEN = "JUPYTER_GPU_SNAPSHOT_TOKEN"
-ENV_KERNEL_ID = "JUPYTER_GPU_SNAPSHOT_KERNEL_ID"
 API_PREFIX = "gpu-snapshot/"
 
 # Requests never block a cell for long: a server that stopped answering is reported, not
@@ -118,89 +120,6 @@ class RestoredWhileWaiting(Exception):
         super().__init__(f"restored from a snapshot taken by job {job_id}")
 
 
-def _read_small(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def incarnation() -> str:
-    """A value that differs between a process and any restored copy of it.
-
-    The boot id and the process's start time (clock ticks after boot): CRIU restores
-    memory, pids and namespaces, not the kernel's record of when a process was created.
-    The pid alone would not do: a kernel is pid 2 of its own namespace, and so is its copy.
-    """
-    boot = _read_small("/proc/sys/kernel/random/boot_id").strip()
-    stat = _read_small("/proc/self/stat")
-    # Fields after the parenthesised command name; starttime is field 22 overall.
-    fields = stat.rsplit(")", 1)[-1].split()
-    start = fields[19] if len(fields) > 19 else ""
-    return f"{boot}:{os.getpid()}:{start}"
-
-
-_PORT_KEYS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
-
-
-def own_ports() -> dict[str, int] | None:
-    """The ports this kernel listens on, from the running ipykernel application."""
-    try:
-        from ipykernel.kernelapp import IPKernelApp
-    except ImportError:
-        return None
-    if not IPKernelApp.initialized():
-        return None
-    app = IPKernelApp.instance()
-    return {key: int(getattr(app, key, 0) or 0) for key in _PORT_KEYS}
-
-
-def holds_ports_of(summary: Mapping[str, Any]) -> bool:
-    """Whether this kernel listens on the ports a restore of ``summary`` would need.
-
-    Every snapshot of a kernel, and every restore of one, listens on that kernel's ports,
-    so a snapshot of this kernel's lineage cannot be restored while this kernel runs.
-    """
-    mine = own_ports()
-    theirs = (summary.get("kernel") or {}).get("connection_info") or {}
-    if not mine or not theirs:
-        return False
-    return any(mine[key] and mine[key] == int(theirs.get(key) or 0) for key in _PORT_KEYS)
-
-
-def namespace_rss_bytes() -> int | None:
-    """Resident memory of every process of this kernel's PID namespace, or None.
-
-    That is what CRIU writes for the host side of a snapshot. A snapshot-ready kernel's
-    namespace has a /proc of its own (its init mounts one), so /proc lists exactly the
-    tree that is dumped. Elsewhere /proc is the host's, and the sum would mean nothing.
-    """
-    if "nsinit" not in _read_small("/proc/1/cmdline"):
-        return None
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        for line in _read_small(f"/proc/{entry}/status").splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-                break
-    return total
-
-
-def snapshot_estimate(status: Mapping[str, Any]) -> tuple[int, int] | None:
-    """(host bytes, GPU bytes) a snapshot taken now would hold, from here and the status.
-
-    The GPU layer stages the device memory in host memory before the dump, so both count.
-    """
-    host = namespace_rss_bytes()
-    if host is None:
-        return None
-    cuda = status.get("cuda") or {}
-    return host, int(cuda.get("memory_bytes") or 0)
-
-
 @dataclass
 class ServerLink:
     """Where the server is and how to authenticate, as the provisioner left it."""
@@ -229,40 +148,6 @@ class ServerLink:
         if not url.endswith("/"):
             url += "/"
         return cls(url, env.get(ENV_TOKEN, ""), kernel_id)
-
-
-class KernelIdentity:
-    """Which kernel slot of the server this process is, across restores.
-
-    Recorded when the extension loads. In a restored copy (a new incarnation) the kernel id
-    in the environment is trusted only once the server has replaced the recorded one.
-    """
-
-    def __init__(self, kernel_id: str) -> None:
-        self.kernel_id = kernel_id
-        self.incarnation = incarnation()
-        # Set once this process has found out it is a restored copy of that kernel.
-        self.restored_from_kernel: str | None = None
-
-    def changed(self) -> bool:
-        return incarnation() != self.incarnation
-
-    def current(self, environ: Mapping[str, str] | None = None) -> str:
-        env = os.environ if environ is None else environ
-        told = env.get(ENV_KERNEL_ID, "").strip()
-        if not self.changed():
-            return self.kernel_id
-        if not told or told == self.kernel_id:
-            raise ClientError(
-                "find this kernel",
-                "this kernel was restored from a snapshot, and the server has not yet told "
-                "it which kernel it is now",
-                hint="The server does so as soon as the running cell ends; try again then",
-            )
-        self.restored_from_kernel = self.kernel_id
-        self.kernel_id = told
-        self.incarnation = incarnation()
-        return told
 
 
 class SnapshotClient:
@@ -336,7 +221,14 @@ class SnapshotClient:
     @property
     def kernel_id(self) -> str:
         """This kernel's id on the server, followed across restores."""
-        return self.identity.current()
+        try:
+            return self.identity.current()
+        except IdentityUnknown as exc:
+            raise ClientError(
+                "find this kernel",
+                str(exc),
+                hint="The server does so as soon as the running cell ends; try again then",
+            ) from None
 
     # -- endpoints -------------------------------------------------------------------------
     def status(self) -> Json:
@@ -534,26 +426,3 @@ def _api_error(status: int, reason: str, raw: bytes, step: str, url: str) -> Api
         hint=str(hint) if hint else None,
         message=str(body["message"]) if body.get("step") and body.get("message") else None,
     )
-
-
-def format_bytes(n: float) -> str:
-    size = float(n)
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    i = 0
-    while size >= 1024 and i < len(units) - 1:
-        size /= 1024
-        i += 1
-    return f"{int(size)} B" if i == 0 else f"{size:.1f} {units[i]}"
-
-
-def format_age(seconds: float) -> str:
-    """A coarse age: the panel re-renders only when this text changes, and every change is
-    kernel activity that would keep an idle-culling server from culling the kernel."""
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return "just now"
-    if seconds < 3600:
-        return f"{int(seconds // 60)} min ago"
-    if seconds < 48 * 3600:
-        return f"{int(seconds // 3600)} h ago"
-    return f"{int(seconds // 86400)} days ago"

@@ -32,22 +32,22 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .client import (
-    ClientError,
-    KernelIdentity,
-    RestoredWhileWaiting,
-    ServerLink,
-    SnapshotClient,
+from .client import ClientError, RestoredWhileWaiting, ServerLink, SnapshotClient
+from .kernel_identity import KernelIdentity
+from .presentation import (
     format_age,
     format_bytes,
-    snapshot_estimate,
+    job_progress_text,
+    local_time,
+    saved_line,
+    status_lines,
+    table,
 )
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class GPUSnapshotMagics(Magics):
             return
         summary = dict(job.get("result") or {})
         self.last_outcome = SaveOutcome(summary.get("id"), False, summary)
-        print(_saved_line(summary, job))
+        print(saved_line(summary, job))
 
     def _report_restored(self, client: SnapshotClient, restored: RestoredWhileWaiting) -> None:
         try:
@@ -205,12 +205,12 @@ class GPUSnapshotMagics(Magics):
             rows.append((
                 str(s.get("name", "")),
                 str(s.get("id", "")),
-                f"{_local_time(created)} ({format_age(now - created)})",
+                f"{local_time(created)} ({format_age(now - created)})",
                 format_bytes(int(s.get("size_bytes", 0))),
                 str(s.get("notebook_path") or "-"),
             ))
         print(f"{len(snapshots)} snapshot(s) {scope}:")
-        print(_table(rows))
+        print(table(rows))
 
     def _status(self, client: SnapshotClient, args: Any) -> None:
         print("\n".join(status_lines(client.status(), client.identity)))
@@ -305,99 +305,6 @@ class _ProgressLine:
     def close(self) -> None:
         if self.handle is not None:
             self.handle.update({"text/plain": ""}, raw=True)
-
-
-def job_progress_text(job: dict[str, Any]) -> str:
-    phase = str(job.get("phase", ""))
-    done, total = int(job.get("done") or 0), int(job.get("total") or 0)
-    if total:
-        return f"{phase} {format_bytes(done)} of {format_bytes(total)}"
-    return phase
-
-
-def _saved_line(summary: dict[str, Any], job: dict[str, Any]) -> str:
-    timings = summary.get("timings") or {}
-    total = timings.get("total")
-    if total is None and job.get("finished") and job.get("started"):
-        total = float(job["finished"]) - float(job["started"])
-    took = f" in {float(total):.1f} s" if total is not None else ""
-    paused = timings.get("pause")
-    pause = f" (kernel paused {float(paused):.2f} s)" if paused is not None else ""
-    created = _local_time(float(summary.get("created", time.time())))
-    return (
-        f"Saved snapshot {summary.get('id')} ({summary.get('name')}) at {created}: "
-        f"{format_bytes(int(summary.get('size_bytes', 0)))}{took}{pause}."
-    )
-
-
-def status_lines(status: dict[str, Any], identity: KernelIdentity | None = None) -> list[str]:
-    """``kernels/{id}/status`` as the lines ``%gpu_snapshot status`` prints."""
-    kid = status.get("kernel_id", "?")
-    lines = []
-    if status.get("ready"):
-        lines.append(f"Kernel {kid}: ready to snapshot.")
-    else:
-        reasons = "; ".join(status.get("reasons") or []) or "no reason given"
-        lines.append(f"Kernel {kid}: not snapshot-ready: {reasons}.")
-    if identity is not None and identity.restored_from_kernel:
-        lines.append(f"This process was restored from a snapshot of kernel "
-                     f"{identity.restored_from_kernel}.")
-    lines.append(cuda_text(status.get("cuda")))
-    estimate = estimate_text(status)
-    if estimate:
-        lines.append(estimate + ".")
-    last = status.get("last_snapshot")
-    if last:
-        lines.append(f"Last snapshot: {last_snapshot_text(last)}.")
-    else:
-        lines.append("No snapshot of this notebook yet.")
-    job = status.get("job")
-    if job and job.get("status") == "running":
-        lines.append(f"Running: {job.get('kind')} job {job.get('id')}, {job_progress_text(job)}.")
-    return lines
-
-
-def cuda_text(cuda: dict[str, Any] | None) -> str:
-    if cuda is None:  # the kernel loaded the CUDA driver, and no GPU layer can say more
-        return "CUDA: state unknown (the server cannot inspect it)."
-    if cuda.get("state") in (None, "none"):
-        return "CUDA: not in use by this kernel."
-    text = f"CUDA: {cuda.get('state')}"
-    memory = cuda.get("memory_bytes")
-    if memory is not None:
-        text += f", {format_bytes(int(memory))} of GPU memory in use"
-    return text + "."
-
-
-def last_snapshot_text(summary: dict[str, Any]) -> str:
-    created = float(summary.get("created", 0))
-    return (
-        f"{summary.get('name')} ({summary.get('id')}), {format_age(time.time() - created)}, "
-        f"{format_bytes(int(summary.get('size_bytes', 0)))}"
-    )
-
-
-def estimate_text(status: dict[str, Any]) -> str | None:
-    estimate = snapshot_estimate(status)
-    if estimate is None:
-        return None
-    host, gpu = estimate
-    text = f"A snapshot now would hold about {format_bytes(host + gpu)}"
-    if gpu:
-        text += f" ({format_bytes(host)} host memory, {format_bytes(gpu)} GPU memory)"
-    return text
-
-
-def _local_time(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
 
 
 def load(shell: InteractiveShell) -> None:

@@ -33,8 +33,15 @@ from typing import Any
 
 import ipywidgets as w  # type: ignore[import-untyped]
 
-from .client import ClientError, SnapshotClient, format_age, format_bytes
-from .magics import cuda_text, estimate_text, job_progress_text, last_snapshot_text
+from .client import ClientError, SnapshotClient
+from .presentation import (
+    cuda_text,
+    estimate_text,
+    format_age,
+    format_bytes,
+    job_progress_text,
+    last_snapshot_text,
+)
 
 Json = dict[str, Any]
 

@@ -1,0 +1,138 @@
+"""How snapshots, jobs and kernel statuses read, in the magic's output and in the panel."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from .kernel_identity import KernelIdentity, namespace_rss_bytes
+
+
+def format_bytes(n: float) -> str:
+    size = float(n)
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while size >= 1024 and i < len(units) - 1:
+        size /= 1024
+        i += 1
+    return f"{int(size)} B" if i == 0 else f"{size:.1f} {units[i]}"
+
+
+def format_age(seconds: float) -> str:
+    """A coarse age: the panel re-renders only when this text changes, and every change is
+    kernel activity that would keep an idle-culling server from culling the kernel."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if seconds < 48 * 3600:
+        return f"{int(seconds // 3600)} h ago"
+    return f"{int(seconds // 86400)} days ago"
+
+
+def job_progress_text(job: dict[str, Any]) -> str:
+    phase = str(job.get("phase", ""))
+    done, total = int(job.get("done") or 0), int(job.get("total") or 0)
+    if total:
+        return f"{phase} {format_bytes(done)} of {format_bytes(total)}"
+    return phase
+
+
+def saved_line(summary: dict[str, Any], job: dict[str, Any]) -> str:
+    timings = summary.get("timings") or {}
+    total = timings.get("total")
+    if total is None and job.get("finished") and job.get("started"):
+        total = float(job["finished"]) - float(job["started"])
+    took = f" in {float(total):.1f} s" if total is not None else ""
+    paused = timings.get("pause")
+    pause = f" (kernel paused {float(paused):.2f} s)" if paused is not None else ""
+    created = local_time(float(summary.get("created", time.time())))
+    return (
+        f"Saved snapshot {summary.get('id')} ({summary.get('name')}) at {created}: "
+        f"{format_bytes(int(summary.get('size_bytes', 0)))}{took}{pause}."
+    )
+
+
+def status_lines(status: dict[str, Any], identity: KernelIdentity | None = None) -> list[str]:
+    """``kernels/{id}/status`` as the lines ``%gpu_snapshot status`` prints."""
+    kid = status.get("kernel_id", "?")
+    lines = []
+    if status.get("ready"):
+        lines.append(f"Kernel {kid}: ready to snapshot.")
+    else:
+        reasons = "; ".join(status.get("reasons") or []) or "no reason given"
+        lines.append(f"Kernel {kid}: not snapshot-ready: {reasons}.")
+    if identity is not None and identity.restored_from_kernel:
+        lines.append(f"This process was restored from a snapshot of kernel "
+                     f"{identity.restored_from_kernel}.")
+    lines.append(cuda_text(status.get("cuda")))
+    estimate = estimate_text(status)
+    if estimate:
+        lines.append(estimate + ".")
+    last = status.get("last_snapshot")
+    if last:
+        lines.append(f"Last snapshot: {last_snapshot_text(last)}.")
+    else:
+        lines.append("No snapshot of this notebook yet.")
+    job = status.get("job")
+    if job and job.get("status") == "running":
+        lines.append(f"Running: {job.get('kind')} job {job.get('id')}, {job_progress_text(job)}.")
+    return lines
+
+
+def cuda_text(cuda: dict[str, Any] | None) -> str:
+    if cuda is None:  # the kernel loaded the CUDA driver, and no GPU layer can say more
+        return "CUDA: state unknown (the server cannot inspect it)."
+    if cuda.get("state") in (None, "none"):
+        return "CUDA: not in use by this kernel."
+    text = f"CUDA: {cuda.get('state')}"
+    memory = cuda.get("memory_bytes")
+    if memory is not None:
+        text += f", {format_bytes(int(memory))} of GPU memory in use"
+    return text + "."
+
+
+def last_snapshot_text(summary: dict[str, Any]) -> str:
+    created = float(summary.get("created", 0))
+    return (
+        f"{summary.get('name')} ({summary.get('id')}), {format_age(time.time() - created)}, "
+        f"{format_bytes(int(summary.get('size_bytes', 0)))}"
+    )
+
+
+def estimate_text(status: dict[str, Any]) -> str | None:
+    estimate = snapshot_estimate(status)
+    if estimate is None:
+        return None
+    host, gpu = estimate
+    text = f"A snapshot now would hold about {format_bytes(host + gpu)}"
+    if gpu:
+        text += f" ({format_bytes(host)} host memory, {format_bytes(gpu)} GPU memory)"
+    return text
+
+
+def snapshot_estimate(status: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(host bytes, GPU bytes) a snapshot taken now would hold, from here and the status.
+
+    The GPU layer stages the device memory in host memory before the dump, so both count.
+    """
+    host = namespace_rss_bytes()
+    if host is None:
+        return None
+    cuda = status.get("cuda") or {}
+    return host, int(cuda.get("memory_bytes") or 0)
+
+
+def local_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
