@@ -235,3 +235,14 @@ class TestAuthorizer:
         code, _ = await api.call("DELETE", *SNAPSHOTS, "anything")
         assert code == 403
         assert await api.snapshots() == []
+
+
+async def test_accepted_jobs_say_where_they_are(api: Api, jp_fetch: Any, jp_base_url: str):
+    kernel_id = await api.start_kernel()
+    response = await jp_fetch(
+        "gpu-snapshot", "kernels", kernel_id, "snapshots", method="POST", body="{}"
+    )
+    assert response.code == 202
+    job = json.loads(response.body)
+    assert response.headers["Location"] == f"{jp_base_url}gpu-snapshot/jobs/{job['id']}"
+    await api.succeeded(job)

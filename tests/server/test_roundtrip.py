@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
 from typing import Any
 
 from jupyter_gpu_snapshot.server.app import JOB_EVENT_ID
@@ -21,8 +23,16 @@ def bump():
 CHECK = "print(bump(), '-'.join(words), random.random())"
 
 
+def _private(store_dir: Path) -> bool:
+    dirs = [store_dir, *(p for p in store_dir.rglob("*") if p.is_dir())]
+    files = [p for p in store_dir.rglob("*") if p.is_file()]
+    return bool(files) and all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in dirs) and all(
+        stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files
+    )
+
+
 async def test_save_shutdown_restore_keeps_state(
-    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, store_dir: Path
 ) -> None:
     events: list[dict[str, Any]] = []
 
@@ -50,6 +60,8 @@ async def test_save_shutdown_restore_keeps_state(
     assert summary["name"] == "with-state" and summary["id"] == job["snapshot_id"]
     assert "key" not in summary["kernel"]["connection_info"]
     assert [s["id"] for s in await api.snapshots()] == [summary["id"]]
+    # Snapshots hold all of the kernel's memory: nobody else may read them.
+    assert _private(store_dir)
 
     # Progress went out as events, phase by phase, ending in success.
     mine = [e for e in events if e["id"] == job["id"]]
