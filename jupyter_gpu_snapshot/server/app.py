@@ -62,6 +62,7 @@ class GPUSnapshotApp(ExtensionApp):
     gpu_settings: GPUSnapshot | None = None
     last_shutdown: ShutdownReport | None = None
     _stopping: asyncio.Future[None] | None = None
+    _user_provisioner_config: dict[str, str] | None = None
 
     def initialize_settings(self) -> None:
         """Called by ``ExtensionApp.initialize()`` when the server loads the extension."""
@@ -107,20 +108,21 @@ class GPUSnapshotApp(ExtensionApp):
 
         Kernel managers and their provisioners take their config from the server's kernel
         manager when a kernel starts, so kernels started from now on see these values.
+        Values the user configured (c.SnapshotReadyProvisioner.server_url/server_token) win.
         """
         assert self.serverapp is not None
         serverapp = self.serverapp
-        token = getattr(serverapp.identity_provider, "token", "") or ""
-        serverapp.kernel_manager.update_config(
-            Config(
-                {
-                    "SnapshotReadyProvisioner": {
-                        "server_url": kernel_facing_url(serverapp),
-                        "server_token": token,
-                    }
-                }
-            )
-        )
+        if self._user_provisioner_config is None:
+            configured = serverapp.config.get("SnapshotReadyProvisioner", {})
+            self._user_provisioner_config = {
+                k: v for k, v in configured.items() if k in ("server_url", "server_token")
+            }
+        values = {
+            "server_url": kernel_facing_url(serverapp),
+            "server_token": getattr(serverapp.identity_provider, "token", "") or "",
+            **self._user_provisioner_config,
+        }
+        serverapp.kernel_manager.update_config(Config({"SnapshotReadyProvisioner": values}))
 
     def _emit_job(self, job: Job) -> None:
         assert self.serverapp is not None and self.serverapp.event_logger is not None

@@ -176,3 +176,22 @@ class TestConfigFile:
         app = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
         assert app.gpu_settings.keep_last == 7
         assert app.gpu_settings.shutdown_budget == 12.5
+
+
+class TestKernelFacingSettings:
+    @pytest.fixture
+    def server_config(self) -> dict[str, Any]:
+        return {"SnapshotReadyProvisioner": {"server_url": "http://proxy.local:9999/jupyter/"}}
+
+    async def test_a_configured_url_wins_over_the_computed_one(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        kernel_id = await api.start_kernel()
+        ws = await kernel_socket(kernel_id)
+        env = await ws.execute(
+            "import os; print(os.environ['JUPYTER_GPU_SNAPSHOT_URL'], "
+            "os.environ['JUPYTER_GPU_SNAPSHOT_TOKEN'])"
+        )
+        assert env.split() == [
+            "http://proxy.local:9999/jupyter/", jp_serverapp.identity_provider.token
+        ]
