@@ -69,31 +69,39 @@ export function jobFraction(job: IJob): number | undefined {
   return undefined;
 }
 
-/** The GPU column: "NVIDIA H100 80GB, 1.1 GiB" or "CPU only". */
+/**
+ * The GPU column: the GPUs the kernel had memory on and how much was saved, from the
+ * manifest's "gpu" section (core/gpu_hook.py), e.g. "NVIDIA H100 80GB HBM3, 1.1 GiB".
+ */
 export function describeGpu(snapshot: ISnapshotSummary): string {
-  const gpu = snapshot.gpu;
+  const gpu = snapshot.gpu as IGpuSection | null;
   if (!gpu) {
     return 'CPU only';
   }
-  const parts: string[] = [];
-  const name = gpu['name'] ?? gpu['device_name'] ?? gpu['model'];
-  if (typeof name === 'string') {
-    parts.push(name);
-  } else if (Array.isArray(gpu['devices']) && gpu['devices'].length) {
-    const first = gpu['devices'][0] as { [key: string]: unknown };
-    if (typeof first?.['name'] === 'string') {
-      parts.push(
-        gpu['devices'].length > 1
-          ? `${gpu['devices'].length}× ${first['name']}`
-          : (first['name'] as string)
-      );
+  const used = new Set<string>();
+  for (const proc of gpu.processes ?? []) {
+    for (const [uuid, bytes] of Object.entries(proc.devices ?? {})) {
+      if (bytes > 0) {
+        used.add(uuid);
+      }
     }
   }
-  const memory = gpu['memory_bytes'] ?? gpu['device_memory_bytes'];
-  if (typeof memory === 'number' && memory > 0) {
-    parts.push(formatBytes(memory));
+  const names = (gpu.devices ?? []).filter(d => used.has(d.uuid)).map(d => d.name);
+  const moved = typeof gpu.moved_bytes === 'number' ? gpu.moved_bytes : 0;
+  if (!names.length && moved === 0) {
+    return 'no GPU memory';
   }
-  return parts.length ? parts.join(', ') : 'GPU';
+  const label =
+    names.length > 1 && names.every(n => n === names[0])
+      ? `${names.length}× ${names[0]}`
+      : names.join(' + ') || 'GPU';
+  return moved > 0 ? `${label}, ${formatBytes(moved)}` : label;
+}
+
+interface IGpuSection {
+  devices?: { uuid: string; name: string }[];
+  processes?: { devices?: { [uuid: string]: number } }[];
+  moved_bytes?: number;
 }
 
 /** "saved 'before-training' (12.3 MiB) in 0.84 s". */

@@ -11,27 +11,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from .servers import BIN, START_TIMEOUT, JupyterProcess, start_jupyter
+
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 ARTIFACTS = REPO / "test-artifacts" / "ui"
-BIN = Path(sys.executable).parent
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-SERVER_START_TIMEOUT = 60
 SCENARIO_TIMEOUT = 240
 
 # The cells every scenario notebook holds: one sets state (RNG included), one reads it.
@@ -44,7 +37,7 @@ SET_STATE = (
 READ_STATE = "print('state now:', secret, 'next random:', round(random.random(), 6))"
 CHANGE_STATE = "secret = 'changed'\nprint('state changed')"
 
-pytestmark = pytest.mark.timeout(SCENARIO_TIMEOUT + SERVER_START_TIMEOUT + 60)
+pytestmark = pytest.mark.timeout(SCENARIO_TIMEOUT + START_TIMEOUT + 60)
 
 
 def expected_state() -> tuple[list[float], float]:
@@ -74,31 +67,6 @@ def write_notebook(path: Path, kernel_name: str, display_name: str) -> None:
     path.write_text(json.dumps(notebook, indent=1))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class LabServer:
-    url: str
-    token: str
-    root: Path
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def get(self, endpoint: str) -> Any:
-        request = urllib.request.Request(
-            self.url + endpoint, headers={"Authorization": f"token {self.token}"}
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.load(response)
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
 @pytest.fixture(scope="session")
 def ui_tools() -> dict[str, str]:
     """Node, chromium, the UI test's npm packages and the built extension, or a clear failure."""
@@ -125,85 +93,32 @@ def ui_tools() -> dict[str, str]:
 
 
 @pytest.fixture
-def start_lab(tmp_path: Path) -> Iterator[Callable[..., LabServer]]:
-    """Starts ``jupyter lab`` on a free port, isolated from the user's Jupyter dirs."""
-    started: list[LabServer] = []
+def start_lab(tmp_path: Path) -> Iterator[Callable[..., JupyterProcess]]:
+    """Starts ``jupyter lab`` with the given notebooks; a second call is a restart."""
+    started: list[JupyterProcess] = []
 
-    def start(name: str, notebooks: dict[str, str], config: str = "") -> LabServer:
-        # A second start in the same test is a restart: same notebooks, store and config.
+    def start(name: str, notebooks: dict[str, str], config: str = "") -> JupyterProcess:
         root = tmp_path / "notebooks"
         root.mkdir(exist_ok=True)
         for filename, kernel in notebooks.items():
             if not (root / filename).exists():
                 display = "Python 3 (snapshots)" if kernel == "python3-snapshot" else "Python 3"
                 write_notebook(root / filename, kernel, display)
-        config_dir = tmp_path / "config"
-        config_dir.mkdir(exist_ok=True)
-        (config_dir / "jupyter_server_config.py").write_text(config)
-        settings = tmp_path / "lab-settings"
-        # No news or update toasts over the screenshots.
-        (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True, exist_ok=True)
-        (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings")\
-            .write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-        token = secrets.token_hex(16)
-        port = free_port()
-        env = dict(
-            os.environ,
-            JUPYTER_CONFIG_DIR=str(config_dir),
-            JUPYTER_DATA_DIR=str(tmp_path / "data"),
-            JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-            JUPYTER_GPU_SNAPSHOT_DIR=str(tmp_path / "store"),
-            IPYTHONDIR=str(tmp_path / "ipython"),
-            PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        )
-        log_path = ARTIFACTS / f"{name}-server.log"
-        log = open(log_path, "wb")  # noqa: SIM115 - closed with the server
-        process = subprocess.Popen(
-            [
-                str(BIN / "jupyter"), "lab", "--no-browser", "--ip=127.0.0.1",
-                f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}",
-                f"--ServerApp.root_dir={root}", "--allow-root",
-                f"--LabApp.user_settings_dir={settings}",
-                f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
-            ],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        log.close()
-        server = LabServer(f"http://127.0.0.1:{port}/", token, root, process, log_path)
+        try:
+            server = start_jupyter(tmp_path, ARTIFACTS / f"{name}-server.log", config=config)
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
         started.append(server)
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"jupyter lab exited with {process.returncode}:\n{server.log_tail()}")
-            try:
-                server.get("api/status")
-                server.get("gpu-snapshot/snapshots")
-                return server
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"jupyter lab did not answer in time:\n{server.log_tail()}")
-                time.sleep(0.3)
+        return server
 
     yield start
 
     for server in started:
-        stop_lab(server)
-
-
-def stop_lab(server: LabServer) -> int:
-    """Stops the server as a node shutdown would (SIGTERM); returns its exit status."""
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
-            server.process.wait(10)
-    return server.process.returncode
+        server.stop()
 
 
 def run_scenario(
-    tools: dict[str, str], server: LabServer, scenario: str, notebook: str
+    tools: dict[str, str], server: JupyterProcess, scenario: str, notebook: str
 ) -> dict[str, Any]:
     env = dict(
         os.environ,
@@ -247,7 +162,7 @@ def test_labextension_is_enabled_and_ok(ui_tools: dict[str, str]) -> None:
 
 
 def test_snapshot_then_restore_through_the_dialog(
-    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     server = start_lab("round-trip", {"state.ipynb": "python3-snapshot"})
     seen = run_scenario(ui_tools, server, "round-trip", "state.ipynb")
@@ -286,7 +201,7 @@ def test_snapshot_then_restore_through_the_dialog(
 
 
 def test_button_disabled_on_a_kernel_that_is_not_snapshot_ready(
-    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     server = start_lab("not-snapshot-ready", {"plain.ipynb": "python3"})
     seen = run_scenario(ui_tools, server, "not-snapshot-ready", "plain.ipynb")
@@ -303,7 +218,7 @@ def test_button_disabled_on_a_kernel_that_is_not_snapshot_ready(
 
 
 def test_going_back_to_a_snapshot_of_the_running_kernel_offers_to_replace_it(
-    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     server = start_lab("restore-over-running-kernel", {"state.ipynb": "python3-snapshot"})
     seen = run_scenario(ui_tools, server, "restore-over-running-kernel", "state.ipynb")
@@ -333,7 +248,7 @@ exec {criu} "$@"
 
 
 def test_failed_snapshot_shows_the_error_and_the_kernel_lives_on(
-    ui_tools: dict[str, str], start_lab: Callable[..., LabServer], tmp_path: Path
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess], tmp_path: Path
 ) -> None:
     real_criu = shutil.which("criu") or "/usr/local/sbin/criu"
     fake = tmp_path / "criu-that-fails"
@@ -356,7 +271,7 @@ def test_failed_snapshot_shows_the_error_and_the_kernel_lives_on(
 
 
 def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
-    ui_tools: dict[str, str], start_lab: Callable[..., LabServer]
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     config = "c.GPUSnapshot.snapshot_on_shutdown = True\n"
     server = start_lab("before-shutdown", {"state.ipynb": "python3-snapshot"}, config)
@@ -364,7 +279,7 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     secret, next_random = expected_state()
     assert before["state_output"] == f"state set: {secret}"
 
-    assert stop_lab(server) == 0
+    assert server.stop() == 0
     assert "gpu-snapshot" in server.log_tail(200)
 
     server = start_lab("after-restart", {"state.ipynb": "python3-snapshot"}, config)
@@ -385,3 +300,14 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     # after it started cancels that probe, which JupyterLab logs. Nothing else may show.
     probe = "Could not restore the debugger state: Canceled future for debug_request"
     assert [e for e in seen["console_errors"] if not e.startswith(probe)] == []
+
+
+def test_wording_of_sizes_ages_progress_and_gpus(ui_tools: dict[str, str]) -> None:
+    compiled = REPO / "labextension" / "lib" / "format.js"
+    assert compiled.exists(), f"{compiled} is missing: build the extension (pip install -e .)"
+    result = subprocess.run(
+        [ui_tools["node"], "--test", str(HERE / "format.test.mjs")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "# fail 0" in result.stdout

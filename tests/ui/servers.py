@@ -1,0 +1,160 @@
+"""A real ``jupyter lab`` or ``jupyter server`` process for the browser and notebook tests.
+
+Each server gets its own config, data, runtime and snapshot directories under a test's
+tmp_path, a token, and a free port on 127.0.0.1. Starting again in the same directory is
+a restart: same notebooks, same store, same config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+START_TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class JupyterProcess:
+    url: str
+    token: str
+    base: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def root(self) -> Path:
+        return self.base / "notebooks"
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self.base / "runtime"
+
+    def request(self, method: str, endpoint: str, body: Any = None) -> Any:
+        """One REST call with the token; the decoded JSON answer (None when empty)."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + endpoint, data=data, method=method,
+            headers={"Authorization": f"token {self.token}",
+                     "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            raw = response.read()
+        return json.loads(raw) if raw else None
+
+    def get(self, endpoint: str) -> Any:
+        return self.request("GET", endpoint)
+
+    def wait_job(self, job: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while job["status"] == "running":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job['id']} still runs after {timeout} s: {job}")
+            time.sleep(0.2)
+            job = self.get(f"gpu-snapshot/jobs/{job['id']}")
+        return job
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> int:
+        """Stops the server as a node shutdown would (SIGTERM); returns its exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        return int(self.process.returncode)
+
+
+def start_jupyter(
+    base: Path, log_path: Path, *, app: str = "lab", config: str = "",
+    extra_env: dict[str, str] | None = None,
+) -> JupyterProcess:
+    """Starts ``jupyter <app>`` with its directories under ``base``; waits until it answers.
+
+    Raises RuntimeError with the server's log when it exits or does not answer in time.
+    """
+    root = base / "notebooks"
+    root.mkdir(parents=True, exist_ok=True)
+    config_dir = base / "config"
+    config_dir.mkdir(exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(config)
+    token = secrets.token_hex(16)
+    port = free_port()
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(config_dir),
+        JUPYTER_DATA_DIR=str(base / "data"),
+        JUPYTER_RUNTIME_DIR=str(base / "runtime"),
+        JUPYTER_GPU_SNAPSHOT_DIR=str(base / "store"),
+        IPYTHONDIR=str(base / "ipython"),
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        **(extra_env or {}),
+    )
+    argv = [
+        str(BIN / "jupyter"), app, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        "--port-retries=0", f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}", "--allow-root",
+    ]
+    if app == "lab":
+        settings = base / "lab-settings"
+        # No news or update toasts over the screenshots.
+        notification = settings / "@jupyterlab" / "apputils-extension"
+        notification.mkdir(parents=True, exist_ok=True)
+        (notification / "notification.jupyterlab-settings").write_text(
+            json.dumps({"fetchNews": "false", "checkForUpdates": False})
+        )
+        argv += [
+            f"--LabApp.user_settings_dir={settings}",
+            f"--LabApp.workspaces_dir={base / 'workspaces'}",
+        ]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = JupyterProcess(f"http://127.0.0.1:{port}/", token, base, process, log_path)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"jupyter {app} exited with {process.returncode}:\n{server.log_tail()}"
+            )
+        try:
+            server.get("api/status")
+            server.get("gpu-snapshot/snapshots")
+            return server
+        except urllib.error.HTTPError as exc:
+            server.stop()
+            raise RuntimeError(
+                f"jupyter {app} answered {exc.code} for {exc.url}: is the jupyter_gpu_snapshot "
+                f"server extension enabled?\n{server.log_tail()}"
+            ) from None
+        except OSError:
+            if time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(
+                    f"jupyter {app} did not answer in {START_TIMEOUT} s:\n{server.log_tail()}"
+                ) from None
+            time.sleep(0.3)
