@@ -20,6 +20,9 @@ dumps this very process while the cell sits in that loop, so:
   once and prints ``restored from snapshot <id>``, asking the server which snapshot the
   save job produced (or, if the job is gone, the first snapshot of that kernel since).
 - ``save --stop`` ends this kernel when the dump completes, so only a restored copy prints.
+- The server tells a restored copy its new kernel id once that cell has ended; until then
+  a further command in the same cell says so (``kernel_identity``) instead of addressing
+  the kernel the snapshot was taken from.
 
 Failures are one line naming the step and the cause, shown as the cell's error without a
 traceback; the kernel keeps running.

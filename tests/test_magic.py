@@ -183,6 +183,12 @@ from IPython.utils.capture import capture_output
 with capture_output() as cap:
     get_ipython().run_line_magic("gpu_snapshot", "save {args}")
 woke = time.time()
+# In a restored copy the server finishes adopting the kernel once this cell has ended.
+try:
+    get_ipython().run_line_magic("gpu_snapshot", "status")
+    then = "answered"
+except Exception as exc:
+    then = str(exc)
 cell_finished = True
 print(cap.stdout, end="")
 """
@@ -218,7 +224,7 @@ def test_save_from_a_running_cell_and_its_restored_copy(
         assert saved, cell.stdout
         assert "restored" not in cell.stdout
         snapshot_id = saved["id"]
-        assert notebook.ok("print(cell_finished, state)") == "True [1, 2, 3]\n"
+        assert notebook.ok("print(cell_finished, state, then)") == "True [1, 2, 3] answered\n"
         # The copy needs the ports the original holds.
         jupyter_server.shutdown_kernel(notebook.kernel_id)
 
@@ -228,9 +234,15 @@ def test_save_from_a_running_cell_and_its_restored_copy(
     copy = jupyter_server.connect(new_kernel)
     # Runs after the restored cell has finished: it was frozen inside the magic's wait.
     seen = json.loads(ok(copy, "import json; print(json.dumps([cell_finished, state, "
-                               "cap.stdout.splitlines(), woke]))"))
+                               "cap.stdout.splitlines(), woke, then]))"))
     assert seen[:2] == [True, [1, 2, 3]]
-    printed, woke = seen[2], float(seen[3])
+    printed, woke, status_then = seen[2], float(seen[3]), seen[4]
+    # Until then the magic says so instead of addressing the kernel it was saved from.
+    assert status_then == (
+        "%gpu_snapshot status: find this kernel failed: this kernel was restored from a "
+        "snapshot, and the server has not yet told it which kernel it is now. The server "
+        "does so as soon as the running cell ends; try again then"
+    ), status_then
     assert printed[-1] == (
         f"This kernel was restored from snapshot {snapshot_id} ({name}), "
         "taken while this cell waited for it."
