@@ -50,7 +50,7 @@ class GPUSnapshotApp(ExtensionApp):
     """Snapshots of the server's kernels, as a service of the server."""
 
     name = "jupyter_gpu_snapshot"
-    # Loaded beside JupyterLab and others, never as the only app.
+    # Should it be launched as the main app, the other enabled extensions load too.
     load_other_extensions = True
     classes = [*ExtensionApp.classes, GPUSnapshot, SnapshotReadyProvisioner]
 

@@ -7,9 +7,7 @@ statuses in one place.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import inspect
 import logging
 import posixpath
 import queue
@@ -21,13 +19,13 @@ from jupyter_core.utils import ensure_async
 from tornado import web
 
 from ..config import GPUSnapshot
-from ..core import process
 from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.store import Snapshot, validate_name
 from ..kernelspec import KERNEL_NAME
 from ..provisioner import PROVISIONER_NAME, RESTORE_KWARGS
 from .jobs import Job, JobRunner
+from .status import kernel_status as describe_kernel
 
 # How long a save waits for a kernel that is still starting to answer.
 KERNEL_ANSWER_SECONDS = 30.0
@@ -83,7 +81,8 @@ class SnapshotService:
         self.engine.delete(snapshot.id)
 
     # -- kernels ---------------------------------------------------------------------------
-    def _kernel(self, kernel_id: str) -> Any:
+    def kernel(self, kernel_id: str) -> Any:
+        """The kernel manager of one of the server's kernels; NotFound if there is none."""
         if kernel_id not in self.kernel_manager:
             raise NotFound(
                 "lookup",
@@ -113,59 +112,11 @@ class SnapshotService:
         return str(mine[0]["path"]) if mine else None
 
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
-        km = self._kernel(kernel_id)
-        root = self.root_pid(km)
-        reasons: list[str] = []
-        if root is None:
-            reasons.append("the kernel has no running process")
-        else:
-            try:
-                found = await asyncio.to_thread(process.inspect_kernel, root)
-                reasons.extend(found.problems)
-            except SnapshotError as exc:
-                reasons.append(exc.cause)
-        try:
-            await asyncio.to_thread(self.engine.criu.require_version)
-        except SnapshotError as exc:
-            reasons.append(exc.cause)
-        notebook = await self.notebook_path(kernel_id)
-        mine = [
-            s for s in self.engine.list()
-            if (s.manifest.get("kernel") or {}).get("kernel_id") == kernel_id
-            or (notebook is not None and s.notebook_path == notebook)
-        ]
-        job = self.jobs.busy_with(kernel_key(kernel_id))
-        return {
-            "kernel_id": kernel_id,
-            "ready": not reasons,
-            "reasons": reasons,
-            "kernel_name": km.kernel_name,
-            "notebook_path": notebook,
-            "cuda": await self._cuda_status(root),
-            "last_snapshot": mine[-1].summary() if mine else None,
-            "job": job.to_dict() if job else None,
-        }
+        """Readiness, CUDA state, last snapshot and running job of a kernel."""
+        return await describe_kernel(self, kernel_id)
 
-    async def _cuda_status(self, root: int | None) -> dict[str, Any] | None:
-        """What the GPU layer says about the kernel's CUDA state; null when nobody can tell.
-
-        A hook may offer ``kernel_status(root_pid) -> dict | None`` (sync or async). Without
-        one, a kernel that has not loaded libcuda is known to have no CUDA state.
-        """
-        if root is None:
-            return None
-        for hook in self.engine.hooks:
-            probe = getattr(hook, "kernel_status", None)
-            if probe is None:
-                continue
-            answer = probe(root)
-            if inspect.isawaitable(answer):
-                answer = await answer
-            if answer is not None:
-                return dict(answer)
-        if not await asyncio.to_thread(_tree_maps_libcuda, root):
-            return {"state": "none", "memory_bytes": 0}
-        return None
+    def running_job(self, kernel_id: str) -> Job | None:
+        return self.jobs.busy_with(kernel_key(kernel_id))
 
     # -- save ------------------------------------------------------------------------------
     async def start_save(
@@ -176,7 +127,7 @@ class SnapshotService:
         reason: str = "user",
     ) -> Job:
         """Validate the request and start a save job; raises at once for a bad request."""
-        self._kernel(kernel_id)
+        self.kernel(kernel_id)
         if name is not None:
             validate_name(name)
             if self.engine.store.find_name(name) is not None:
@@ -193,7 +144,7 @@ class SnapshotService:
     async def _save(
         self, job: Job, kernel_id: str, name: str | None, stop: bool, reason: str
     ) -> dict[str, Any]:
-        km = self._kernel(kernel_id)
+        km = self.kernel(kernel_id)
         root = self.root_pid(km)
         if root is None:
             raise NotFound("preflight", f"kernel {kernel_id} has no running process")
@@ -428,15 +379,3 @@ class SnapshotService:
             return
         await self._shutdown_quietly(old_kernel_id)
 
-
-def _tree_maps_libcuda(root: int) -> bool:
-    """Whether any process of the tree has libcuda mapped (it used the CUDA driver)."""
-    try:
-        procs = process.tree(root)
-    except Exception:  # a vanished tree maps nothing
-        return False
-    for proc in procs:
-        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as f:
-            if any("libcuda.so" in line for line in f):
-                return True
-    return False
