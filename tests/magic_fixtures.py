@@ -8,6 +8,7 @@ over ZMQ with the connection file the server wrote (as ``jupyter console --exist
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -17,8 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=30)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(self.path)
 
 
 @dataclass
@@ -117,8 +128,10 @@ class NotebookKernel:
 class JupyterServer:
     """``jupyter server`` as a subprocess with a private root, runtime dir and store."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, unix_socket: bool = False) -> None:
         self.base = base
+        # Listening on a Unix socket instead of a TCP port (as behind some proxies).
+        self.sock = base / "server.sock" if unix_socket else None
         self.root = base / "notebooks"
         self.runtime = base / "runtime"
         self.store = base / "store"
@@ -142,9 +155,12 @@ class JupyterServer:
         return env
 
     def start(self) -> None:
+        where = (
+            [f"--ServerApp.sock={self.sock}"] if self.sock else
+            ["--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}"]
+        )
         argv = [
-            sys.executable, "-m", "jupyter_server",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+            sys.executable, "-m", "jupyter_server", *where,
             "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
             f"--ServerApp.root_dir={self.root}", "--ServerApp.open_browser=False",
             "--allow-root",
@@ -195,16 +211,19 @@ class JupyterServer:
     # -- HTTP ------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Authorization", f"token {self.token}")
+        headers = {"Authorization": f"token {self.token}"}
         if data is not None:
-            req.add_header("Content-Type", "application/json")
+            headers["Content-Type"] = "application/json"
+        if self.sock is not None:
+            conn: http.client.HTTPConnection = _UnixConnection(str(self.sock))
+        else:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                raw = resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as exc:
-            raw, status = exc.read(), exc.code
+            conn.request(method, "/" + path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw, status = resp.read(), resp.status
+        finally:
+            conn.close()
         try:
             return status, json.loads(raw) if raw else None
         except ValueError:
@@ -216,7 +235,7 @@ class JupyterServer:
         return body
 
     def snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
-        query = f"?notebook_path={urllib.request.quote(notebook_path)}" if notebook_path else ""
+        query = f"?notebook_path={urllib.parse.quote(notebook_path)}" if notebook_path else ""
         return list(self.get(f"gpu-snapshot/snapshots{query}")["snapshots"])
 
     def wait_job(self, job_id: str, timeout: float = 120) -> dict[str, Any]:

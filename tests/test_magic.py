@@ -367,3 +367,19 @@ def test_interrupting_a_save_only_stops_waiting(
     assert job["status"] == "succeeded", job
     assert [s["name"] for s in jupyter_server.snapshots(notebook.path)] == ["interrupted"]
     assert notebook.ok("print(len(blob) >> 20)") == "300\n"
+
+
+def test_a_server_on_a_unix_socket(tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = JupyterServer(tmp_path_factory.mktemp("sock"), unix_socket=True)
+    server.start()
+    try:
+        nb = server.open_notebook("socket.ipynb")
+        url = nb.ok("import os; print(os.environ['JUPYTER_GPU_SNAPSHOT_URL'])").strip()
+        assert url.startswith("http+unix://"), url
+        saved = SAVED.search(nb.ok("%gpu_snapshot save over-a-socket"))
+        assert saved
+        assert [s["id"] for s in server.snapshots("socket.ipynb")] == [saved["id"]]
+        assert nb.ok("%gpu_snapshot rm over-a-socket").startswith("Deleted snapshot")
+        assert server.snapshots() == []
+    finally:
+        server.stop()
