@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cuda import (
+    CUDA_ERROR_NOT_READY,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_ERROR_TIMEOUT,
@@ -35,8 +36,12 @@ class CudaProcess:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+# What a lock that timed out returns: NOT_READY on driver 580 (measured), TIMEOUT elsewhere.
+LOCK_TIMED_OUT = (CUDA_ERROR_NOT_READY, CUDA_ERROR_TIMEOUT)
+
+
 def _error_hint(exc: DriverCallError) -> str:
-    if exc.code == CUDA_ERROR_TIMEOUT:
+    if exc.code in LOCK_TIMED_OUT:
         return ("the GPU was still busy when the lock timed out; wait for the running cell to "
                 "finish or raise c.GPUSnapshot.cuda_lock_timeout")
     if exc.code == CUDA_ERROR_NOT_SUPPORTED:
@@ -93,7 +98,11 @@ class CudaCheckpoint:
                 proc.state = ProcessState.CHECKPOINTED
         except DriverCallError as exc:
             undo = self.resume_all(done)
-            cause = f"CUDA {step} of pid {exc.pid} failed: {exc}"
+            if step == "lock" and exc.code in LOCK_TIMED_OUT:
+                cause = (f"CUDA lock of pid {exc.pid} timed out after {lock_timeout:g} s: the "
+                         f"GPU stayed busy ({exc})")
+            else:
+                cause = f"CUDA {step} of pid {exc.pid} failed: {exc}"
             if undo:
                 cause += "; rolling back also failed: " + "; ".join(undo)
             else:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from jupyter_gpu_snapshot.core.cuda import (
     CUDA_ERROR_ILLEGAL_STATE,
+    CUDA_ERROR_NOT_READY,
     CUDA_ERROR_TIMEOUT,
     DriverCallError,
     DriverInfo,
@@ -131,7 +132,8 @@ class FakeCudaDriver:
 
     def lock(self, pid: int, timeout_ms: int) -> None:
         failure = self._failures.get("lock")
-        if failure and failure.times > 0 and failure.code == CUDA_ERROR_TIMEOUT:
+        if failure and failure.times > 0 and failure.code in (CUDA_ERROR_NOT_READY,
+                                                              CUDA_ERROR_TIMEOUT):
             time.sleep(timeout_ms / 1000)  # a real timeout takes its time
         self._step("lock", pid, ProcessState.RUNNING, ProcessState.LOCKED)
 
