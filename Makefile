@@ -15,13 +15,19 @@ install: system criu venv kernelspec
 
 system:
 	@bash scripts/install-system-deps.sh
+	@bash scripts/install-ui-deps.sh
 
 criu: system
 	@bash scripts/install-criu.sh
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The editable install also builds the JupyterLab extension (node, jlpm): redo it when
+# the extension's sources change.
+LABEXT_SOURCES := $(shell find labextension/src labextension/schema labextension/style \
+	-type f 2>/dev/null) labextension/package.json labextension/yarn.lock
+
+$(VENV)/.installed: pyproject.toml $(LABEXT_SOURCES)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
