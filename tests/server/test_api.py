@@ -246,3 +246,24 @@ async def test_accepted_jobs_say_where_they_are(api: Api, jp_fetch: Any, jp_base
     job = json.loads(response.body)
     assert response.headers["Location"] == f"{jp_base_url}gpu-snapshot/jobs/{job['id']}"
     await api.succeeded(job)
+
+
+async def test_job_events_reach_event_stream_subscribers(api: Api, jp_ws_fetch: Any):
+    # What JupyterLab's event manager listens to.
+    stream = await jp_ws_fetch("api", "events", "subscribe")
+    kernel_id = await api.start_kernel()
+    job = await api.save(kernel_id)
+    phases: list[str] = []
+    while True:
+        raw = await asyncio.wait_for(stream.read_message(), 60)
+        assert raw is not None
+        event = json.loads(raw)
+        if event.get("id") != job["id"]:
+            continue
+        assert event["schema_id"] == "https://events.jupyter.org/jupyter_gpu_snapshot/job/v1"
+        phases.append(event["phase"])
+        if event["status"] != "running":
+            break
+    stream.close()
+    assert event["status"] == "succeeded" and event["result"]["id"] == event["snapshot_id"]
+    assert phases[-1] == "done" and "dump" in phases
