@@ -169,3 +169,16 @@ def test_failing_hook_rolls_back(store, busy_kernel):
     # The hook that had run was told to resume; the one that failed was not.
     assert calls == ["before", "after:SnapshotError"]
     _assert_contract(busy_kernel, store, [])
+
+
+def test_criu_dying_without_a_log(store, busy_kernel, tmp_path):
+    silent = _wrapper(
+        tmp_path,
+        'case "$1" in --version) echo "Version: 4.2.1";; dump) exit 3;; esac\n',
+    )
+    engine = SnapshotEngine(store, CriuRunner(silent))
+    with pytest.raises(SnapshotError) as err:
+        run(engine.save(_target(busy_kernel)))
+    assert err.value.step == "dump" and "criu exited with status 3" in err.value.message
+    assert err.value.log_path is None
+    _assert_contract(busy_kernel, store, [])

@@ -183,5 +183,5 @@ class CriuRunner:
         return out.returncode == 0, text
 
     @staticmethod
-    def failure(step: str, run: CriuRun, kept_log: Path) -> SnapshotError:
+    def failure(step: str, run: CriuRun, kept_log: Path | None) -> SnapshotError:
         return SnapshotError(step, explain_log(run.log_path, run.returncode), log_path=kept_log)

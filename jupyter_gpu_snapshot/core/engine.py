@@ -161,9 +161,11 @@ class SnapshotEngine:
         path.mkdir(mode=0o700, exist_ok=True)
         return path
 
-    def _keep_log(self, log: Path, label: str) -> Path:
+    def _keep_log(self, log: Path, label: str) -> Path | None:
         """Copy a failed run's criu log into the store's logs/; where that fails (a full
-        disk), keep the private temporary copy, so the error always points at a log."""
+        disk), keep a private temporary copy, so the error points at a log if there is one."""
+        if not log.is_file():
+            return None  # criu died before writing anything
         try:
             kept = self.logs_dir() / f"{time.strftime('%Y%m%dT%H%M%S')}-{label}.log"
             shutil.copyfile(log, kept)
