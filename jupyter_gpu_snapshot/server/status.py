@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
@@ -51,10 +52,11 @@ async def kernel_status(service: SnapshotService, kernel_id: str) -> dict[str, A
 
 
 async def cuda_status(service: SnapshotService, root: int | None) -> dict[str, Any] | None:
-    """What the GPU layer says about the kernel's CUDA state; None when nobody can tell.
+    """The kernel's CUDA state; None when nobody can tell.
 
     An engine hook may offer ``kernel_status(root_pid) -> dict | None`` (sync or async).
-    Without one, a kernel that has not loaded libcuda is known to have no CUDA state.
+    Otherwise: a kernel that has not loaded libcuda has no CUDA state, and for one that
+    has, the driver's checkpoint API and NVML are asked.
     """
     if root is None:
         return None
@@ -69,7 +71,49 @@ async def cuda_status(service: SnapshotService, root: int | None) -> dict[str, A
             return dict(answer)
     if not await asyncio.to_thread(_tree_maps_libcuda, root):
         return {"state": "none", "memory_bytes": 0}
-    return None
+    try:
+        return await asyncio.to_thread(_ask_the_driver, root)
+    except Exception as exc:  # a status query must not fail on a driver problem
+        service.log.info("gpu-snapshot: cannot read the CUDA state of %s: %s", root, exc)
+        return None
+
+
+# The worst state of the kernel's processes is the kernel's.
+_SEVERITY = ("none", "running", "locked", "checkpointed", "failed")
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> Any:
+    from ..core.cuda import load_driver
+
+    return load_driver().driver
+
+
+def _ask_the_driver(root: int) -> dict[str, Any] | None:
+    from ..core.gpu_info import read_inventory
+
+    driver = _driver()
+    if driver is None:
+        return None
+    states: dict[int, str] = {}
+    for proc in process.tree(root):
+        state = driver.state(proc.pid)
+        if state is not None:
+            states[proc.pid] = state.value
+    if not states:
+        return {"state": "none", "memory_bytes": 0}
+    inventory = read_inventory()
+    memory = {
+        pid: inventory.bytes_of(pid) if inventory is not None else 0 for pid in states
+    }
+    return {
+        "state": max(states.values(), key=_SEVERITY.index),
+        "memory_bytes": sum(memory.values()),
+        "processes": [
+            {"pid": pid, "state": state, "memory_bytes": memory[pid]}
+            for pid, state in sorted(states.items())
+        ],
+    }
 
 
 def _tree_maps_libcuda(root: int) -> bool:
