@@ -31,8 +31,17 @@ T = TypeVar("T")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one engine coroutine to completion from a synchronous test."""
-    return asyncio.run(coro)
+    """Run one engine coroutine to completion from a synchronous test.
+
+    A private loop, leaving the thread's current loop alone: asyncio.run() would unset it
+    and break the pytest-jupyter server tests that run in the same session.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -38,6 +38,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
 
 from .conftest import KernelHandle, RestoredTrees, execute, run, stop_kernel
+from .criu_wrappers import kill_while_writing_pages
 from .gpu.fake_driver import GIB, FakeCudaDriver, FakeGpus, fake_cuda_env
 
 TWO_GIB = 2 * GIB
@@ -267,12 +268,7 @@ def test_criu_error_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
 
 def test_criu_killed_mid_dump_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
     gpu_kernel.execute("big = np.ones(40_000_000)")  # a dump that lasts long enough to kill
-    real = shutil.which("criu")
-    killer = criu_wrapper(
-        tmp_path,
-        f'case "$1" in dump) "{real}" "$@" & pid=$!; sleep 0.15; kill -9 $pid; wait $pid; '
-        f'exit $?;; *) exec "{real}" "$@";; esac\n',
-    )
+    killer = criu_wrapper(tmp_path, kill_while_writing_pages())
     with pytest.raises(SnapshotError) as err:
         run(make_engine(store, fake, gpus, killer).save(target(gpu_kernel), stop=True))
     assert err.value.step == "dump"

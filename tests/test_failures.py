@@ -3,7 +3,6 @@ the kernel alive and answering, nothing partial listed, earlier snapshots untouc
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, run, start_kernel, stop_kernel
+from .criu_wrappers import kill_while_writing_pages
 
 
 def _target(kernel: KernelHandle) -> SaveTarget:
@@ -63,13 +63,7 @@ def test_criu_too_old(store, busy_kernel, tmp_path):
 def test_criu_killed_mid_dump(store, busy_kernel, tmp_path):
     good = SnapshotEngine(store)
     earlier = run(good.save(_target(busy_kernel), name="earlier"))
-    real = shutil.which("criu")
-    # Runs the real criu and SIGKILLs it while it is dumping.
-    killer = _wrapper(
-        tmp_path,
-        f'case "$1" in dump) "{real}" "$@" & pid=$!; sleep 0.15; kill -9 $pid; wait $pid; '
-        f'exit $?;; *) exec "{real}" "$@";; esac\n',
-    )
+    killer = _wrapper(tmp_path, kill_while_writing_pages())
     engine = SnapshotEngine(store, CriuRunner(killer))
     with pytest.raises(SnapshotError) as err:
         run(engine.save(_target(busy_kernel), name="doomed"))

@@ -162,6 +162,9 @@ class CriuRunner:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
+            # Its own session: a Ctrl-C meant for the CLI must not reach criu while it has
+            # its parasite code inside the kernel, where a killed criu can take it down.
+            start_new_session=True,
         )
         wait = asyncio.ensure_future(proc.communicate())
         while True:

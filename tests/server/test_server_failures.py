@@ -37,7 +37,11 @@ fi
 "$real" "$@" &
 criu=$!
 i=0
-while [ $i -lt 500 ] && ! ls "$images" | grep -q 'img$'; do sleep 0.01; i=$((i + 1)); done
+# Once criu writes memory pages; a kill while it patches its parasite into the kernel
+# can end the kernel too, which no rollback undoes (README, limits).
+while [ $i -lt 1000 ] && [ -z "$(find "$images" -name 'pages-*.img' -size +1M)" ]; do
+    sleep 0.005; i=$((i + 1))
+done
 kill -9 $criu
 kill -9 $$
 """

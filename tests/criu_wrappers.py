@@ -1,0 +1,28 @@
+"""criu stand-ins for failure tests: the real criu, killed at a chosen point."""
+
+from __future__ import annotations
+
+import shutil
+
+# SIGKILLs the real criu once it is writing the kernel's memory pages. Not earlier: a criu
+# killed in the instant it patches its parasite code into the kernel can take the kernel
+# with it, which no rollback can undo (see the README's limits).
+_KILL_WHILE_WRITING_PAGES = """case "$1" in dump)
+  images=""; prev=""
+  for arg in "$@"; do [ "$prev" = "-D" ] && images="$arg"; prev="$arg"; done
+  "{real}" "$@" & pid=$!
+  for i in $(seq 2000); do
+    [ -n "$(find "$images" -name 'pages-*.img' -size +1M 2>/dev/null)" ] && break
+    sleep 0.005
+  done
+  kill -9 $pid; wait $pid; exit $?;;
+*) exec "{real}" "$@";;
+esac
+"""
+
+
+def kill_while_writing_pages() -> str:
+    """Body of a criu wrapper script (after its #! line)."""
+    real = shutil.which("criu")
+    assert real, "criu is not installed"
+    return _KILL_WHILE_WRITING_PAGES.format(real=real)
