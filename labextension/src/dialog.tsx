@@ -16,7 +16,8 @@ export class SnapshotPicker
 {
   constructor(
     private readonly _api: SnapshotAPI,
-    private readonly _notebookPath: string
+    private readonly _notebookPath: string,
+    private readonly _onDeleted: () => void = () => undefined
   ) {
     super();
     this.addClass('jp-gpu-snapshot-picker');
@@ -164,6 +165,7 @@ export class SnapshotPicker
       this.update();
       return;
     }
+    this._onDeleted();
     await this.reload();
   }
 
@@ -177,11 +179,12 @@ export class SnapshotPicker
 /** Shows the picker; resolves with the snapshot to restore, or null. */
 export async function pickSnapshot(
   api: SnapshotAPI,
-  notebookPath: string
+  notebookPath: string,
+  onDeleted?: () => void
 ): Promise<ISnapshotSummary | null> {
   const result = await showDialog({
     title: 'Restore kernel from snapshot',
-    body: new SnapshotPicker(api, notebookPath),
+    body: new SnapshotPicker(api, notebookPath, onDeleted),
     buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Restore' })]
   });
   return result.button.accept ? result.value : null;

@@ -76,7 +76,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
         if (!panel) {
           return;
         }
-        const snapshot = await pickSnapshot(controller.api, panel.context.path);
+        // A deleted snapshot may have been the one the status bar and the button report.
+        const snapshot = await pickSnapshot(controller.api, panel.context.path, () => {
+          const kernelId = controller.kernelId(panel);
+          if (kernelId) {
+            void controller.refresh(kernelId);
+          }
+        });
         if (snapshot && !panel.isDisposed) {
           await controller.restore(panel, snapshot);
         }

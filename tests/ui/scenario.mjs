@@ -228,6 +228,10 @@ const scenarios = {
       .waitFor({ timeout: STEP_TIMEOUT });
     await screenshot('snapshot-deleted');
     await dialog.locator('.jp-mod-reject').click();
+    await page
+      .locator('.jp-gpu-snapshot-status', { hasText: 'No snapshot yet' })
+      .waitFor({ timeout: STEP_TIMEOUT });
+    seen.status_after_delete = await page.locator('.jp-gpu-snapshot-status').innerText();
     seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
   },
 
@@ -339,6 +343,10 @@ scenarios['after-restart'] = async () => {
   });
   // The notebook started a fresh kernel meanwhile; the restore replaces it.
   await buttonState('ready');
+  await page
+    .locator('.jp-StatusBar-Widget', { hasText: /Python 3 \(snapshots\) \| Idle/ })
+    .first()
+    .waitFor({ timeout: STEP_TIMEOUT });
   seen.fresh_kernel = await notebookKernelId();
   await screenshot('restore-offered');
   await offer.getByRole('button', { name: 'Restore' }).click();
