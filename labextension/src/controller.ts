@@ -406,6 +406,17 @@ export class SnapshotController {
   }
 
   private _onForeignJob(job: IJob): void {
+    if (
+      job.kind === 'restore' &&
+      job.status === 'succeeded' &&
+      (job.result as IRestoreResult | null)?.session_id &&
+      !this._followed.has(job.id)
+    ) {
+      // Restored elsewhere (%gpu_snapshot restore, a script) into a session that may be a
+      // notebook open here: pick up its new kernel now, not at the next session poll.
+      void this._services.sessions.refreshRunning();
+      return;
+    }
     const kernelId = job.kernel_id;
     if (!kernelId || !this._entries.has(kernelId) || this._followed.has(job.id)) {
       return;
