@@ -113,8 +113,13 @@ def start_jupyter(
         **(extra_env or {}),
     )
     argv = [
-        str(BIN / "jupyter"), app, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        # `python -m jupyter` finds the subcommand also where the environment's scripts
+        # are not beside the interpreter (a --target install on the GPU machine).
+        sys.executable, "-m", "jupyter", app, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
         "--port-retries=0", f"--IdentityProvider.token={token}",
+        # Enabled by the installed jupyter-config file too; named here so that the tests
+        # also run from a source tree that is only on PYTHONPATH.
+        '--ServerApp.jpserver_extensions={"jupyter_gpu_snapshot": True}',
         f"--ServerApp.root_dir={root}", "--allow-root",
     ]
     if app == "lab":
