@@ -9,32 +9,23 @@ only where there is no NVIDIA driver.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from .gpu_check import no_gpu_reason
 from .magic_fixtures import JupyterServer, NotebookKernel, jupyter_server, ok
 from .test_magic import SAVE_IN_A_CELL, SAVED, _restore_alone, notebook
 
 __all__ = ["jupyter_server", "notebook"]  # fixtures, imported for pytest
 
 
-def _no_gpu_reason() -> str | None:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"
-    if not Path("/dev/nvidiactl").exists():
-        return "the NVIDIA driver library is here but no GPU device (/dev/nvidiactl)"
-    return None
 
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_no_gpu_reason() is not None, reason=f"GPU test: {_no_gpu_reason()}"),
+    pytest.mark.skipif(no_gpu_reason() is not None, reason=f"GPU test: {no_gpu_reason()}"),
 ]
 
 CUDA_STATE = """

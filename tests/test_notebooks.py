@@ -12,7 +12,6 @@ test-artifacts/notebooks/.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import shutil
 from pathlib import Path
@@ -24,6 +23,8 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from nbclient import NotebookClient
 
 from tests.ui.servers import JupyterProcess, start_jupyter
+
+from .gpu_check import no_gpu_reason
 
 REPO = Path(__file__).parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -185,14 +186,6 @@ def test_api_and_cli_notebook_runs(jupyter_server: Any) -> None:
     assert server.get("gpu-snapshot/snapshots") == {"snapshots": []}
 
 
-def no_gpu_reason() -> str | None:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"
-    if not Path("/dev/nvidiactl").exists():
-        return "the NVIDIA driver library is here but no GPU device (/dev/nvidiactl)"
-    return None
 
 
 GPU_REASON = no_gpu_reason()

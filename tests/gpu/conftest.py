@@ -7,7 +7,6 @@ On a machine with a driver they run; anything missing there is a failure, not a 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import platform
@@ -19,17 +18,11 @@ from typing import Any
 
 import pytest
 
+from ..gpu_check import no_gpu_reason
+
 RESULTS: dict[str, Any] = {"tests": {}, "figures": {}}
 
 
-def no_gpu_reason() -> str | None:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"
-    if not Path("/dev/nvidiactl").exists():
-        return "the NVIDIA driver library is here but no GPU device (/dev/nvidiactl)"
-    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,29 +4,16 @@ notebook's session still has its tensors on the GPU."""
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import pytest
 
 from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
 
+from ..gpu_check import no_gpu_reason
 from .conftest import Api, KernelConnector
-
-
-def _no_gpu() -> str | None:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded)"
-    if not Path("/dev/nvidiactl").exists():
-        return "the NVIDIA driver library is here but no GPU device (/dev/nvidiactl)"
-    return None
-
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_no_gpu() is not None, reason=f"GPU test: {_no_gpu()}"),
+    pytest.mark.skipif(no_gpu_reason() is not None, reason=f"GPU test: {no_gpu_reason()}"),
 ]
 
 TENSORS = """
