@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from common import settle
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
@@ -72,16 +73,6 @@ def connect_and_run(info: dict[str, Any]) -> float:
     return time.monotonic() - started
 
 
-def settle(cold: bool = False) -> None:
-    """Write back dirty pages (so no run pays for the previous run's image), and for
-    restores drop the page cache (as after a reboot), outside the timed region."""
-    os.sync()
-    if cold:
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3")
-        except OSError:
-            pass  # not root: caches stay warm for both sides alike
 
 
 def raw_dump(criu: CriuRunner, root: int, images: Path) -> float:

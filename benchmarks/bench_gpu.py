@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from common import settle
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
@@ -73,15 +74,6 @@ print(json.dumps({"h2d_bytes_per_s": rate(lambda: dev.copy_(host, non_blocking=T
 """
 
 
-def settle(cold: bool = False) -> None:
-    """Write back dirty pages; before restores also drop the page cache (as after a reboot)."""
-    os.sync()
-    if cold:
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3")
-        except OSError:
-            pass
 
 
 def machine_info(criu: CriuRunner, driver: LibcudaDriver) -> dict[str, Any]:
