@@ -222,6 +222,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if kernel.ready else 1
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Bring back a kernel that a killed save left stopped or with its CUDA locked."""
+    from .core.cuda import load_driver
+    from .core.cuda_checkpoint import CudaCheckpoint
+
+    kernel = process.inspect_kernel(args.pid)
+    pids = [p.pid for p in process.tree(kernel.root_pid)]
+    process.continue_tree(kernel.root_pid)
+    status = load_driver()
+    if status.driver is None:
+        out.print(f"woke pids {pids}; no CUDA to resume ({status.problem})")
+        return 0
+    cuda = CudaCheckpoint(status.driver)
+    holders = cuda.holders(pids)
+    problems = cuda.resume_all(holders)
+    for problem in problems:
+        err.print(f"[red]error:[/] {problem}", highlight=False)
+    resumed = ", ".join(str(p.pid) for p in holders) or "none"
+    out.print(f"woke pids {pids}; CUDA running again in: {resumed}")
+    return 2 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jupyter gpu-snapshot",
@@ -267,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rm", help="delete a snapshot")
     p.add_argument("snapshot", help="snapshot name or id")
     p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser(
+        "resume",
+        help="wake a kernel that an interrupted save left stopped or with CUDA locked",
+    )
+    p.add_argument("--pid", type=int, required=True, help="process id of the kernel")
+    p.set_defaults(func=cmd_resume)
 
     p = sub.add_parser("status", help="say whether a kernel process is snapshot-ready")
     p.add_argument("--pid", type=int, required=True)

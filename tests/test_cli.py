@@ -100,3 +100,19 @@ def test_kernelspec_install(tmp_path: Path):
 
     ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "prefix/share/jupyter/kernels")])
     assert ksm.get_kernel_spec("python3-snapshot").display_name == "Python 3 (snapshots)"
+
+
+def test_resume_wakes_a_kernel_left_stopped(tmp_path: Path, kernel: KernelHandle):
+    import signal
+    import time
+
+    kernel.execute("n = 41")
+    for proc in process.tree(kernel.root_pid):
+        proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 5  # a signal is delivered asynchronously
+    while not all(p.status() == "stopped" for p in process.tree(kernel.root_pid)):
+        assert time.monotonic() < deadline, "the kernel did not stop"
+        time.sleep(0.02)
+    out = cli(tmp_path / "store", "resume", "--pid", str(kernel.kernel_pid))
+    assert "woke pids" in out.stdout
+    assert "42" in kernel.execute("n += 1; print(n)")

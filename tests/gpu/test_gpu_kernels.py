@@ -273,3 +273,20 @@ def test_restore_is_refused_when_gpu_memory_is_short(store, training_kernel, res
     client = restored.connect(Path(back["connection_file"]), back["pid"])
     assert execute(client, "print(int(x[-1]), x.shape[0] == 8 * 2**30)").split() == ["7", "True"]
 
+
+
+def test_cli_resume_brings_back_a_kernel_left_checkpointed(kernel):
+    """What a save killed between its CUDA steps leaves behind, and the way back."""
+    kernel.execute("import torch; x = torch.arange(1_000_000, device='cuda')", timeout=300)
+    driver = LibcudaDriver()
+    pid = kernel.kernel_pid
+    driver.lock(pid, 10_000)
+    driver.checkpoint(pid)
+    assert cuda_state(pid) == ProcessState.CHECKPOINTED
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "resume", "--pid", str(pid)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert f"CUDA running again in: {pid}" in out.stdout
+    assert cuda_state(pid) == ProcessState.RUNNING
+    assert kernel.execute("print(int(x.sum().item()))").strip() == str(sum(range(1_000_000)))
