@@ -35,6 +35,12 @@ out = Console()
 err = Console(stderr=True)
 
 
+def _print_json(data: Any) -> None:
+    # Plain JSON for programs: rich would colour it wherever FORCE_COLOR is set (ipykernel
+    # sets it, so `!jupyter gpu-snapshot list --json` in a cell got escape codes).
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
 def _engine(args: argparse.Namespace) -> SnapshotEngine:
     kwargs: dict[str, Any] = {}
     if args.store:
@@ -102,7 +108,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     engine = _engine(args)
     checks = run_checks(engine.criu, engine.store)
     if args.json:
-        out.print_json(data=[c.__dict__ for c in checks])
+        _print_json([c.__dict__ for c in checks])
     else:
         table = Table(show_header=False, box=None)
         for c in checks:
@@ -128,7 +134,7 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     snapshots = _engine(args).list(args.notebook)
     if args.json:
-        out.print_json(data=[s.summary() for s in snapshots])
+        _print_json([s.summary() for s in snapshots])
         return 0
     if not snapshots:
         out.print("no snapshots")
@@ -159,7 +165,7 @@ def cmd_save(args: argparse.Namespace) -> int:
     with _ProgressBar(not args.json and err.is_terminal) as bar:
         snapshot = asyncio.run(engine.save(target, name=args.name, stop=args.stop, progress=bar))
     if args.json:
-        out.print_json(data=snapshot.summary())
+        _print_json(snapshot.summary())
     else:
         out.print(_describe(snapshot))
     return 0
@@ -188,7 +194,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         "timings": restored.timings,
     }
     if args.json:
-        out.print_json(data=result)
+        _print_json(result)
     else:
         out.print(
             f"restored {restored.snapshot.name} as pid {restored.pid} "
@@ -214,7 +220,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "connection_file": str(kernel.connection_file) if kernel.connection_file else None,
     }
     if args.json:
-        out.print_json(data=data)
+        _print_json(data)
     else:
         why = "; ".join(kernel.problems)
         state = "snapshot-ready" if kernel.ready else f"not snapshot-ready: {why}"

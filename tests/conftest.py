@@ -7,7 +7,9 @@ python3-snapshot kernelspec (our provisioner), and every snapshot is made by rea
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import shutil
 import tempfile
 import textwrap
 from collections.abc import Coroutine, Iterator
@@ -20,7 +22,9 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 # Keep connection files and kernel logs of the tests out of the user's runtime dir.
-os.environ.setdefault("JUPYTER_RUNTIME_DIR", tempfile.mkdtemp(prefix="jgs-runtime-"))
+if "JUPYTER_RUNTIME_DIR" not in os.environ:
+    os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="jgs-runtime-")
+    atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], ignore_errors=True)
 
 from jupyter_gpu_snapshot.core import process
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine

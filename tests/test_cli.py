@@ -4,6 +4,7 @@ standalone into a kernel that `jupyter console --existing` can reach, rm, check.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -17,10 +18,12 @@ from jupyter_gpu_snapshot.core import process
 from .conftest import KernelHandle, RestoredTrees, start_kernel, stop_kernel
 
 
-def cli(store: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def cli(
+    store: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(
         [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "--store", str(store), *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
     )
     if check:
         assert out.returncode == 0, out.stderr
@@ -34,7 +37,7 @@ def test_save_list_restore_rm_by_pid(tmp_path: Path, kernel: KernelHandle, resto
                            "--stop", "--json").stdout)
     assert saved["name"] == "cli-1" and saved["size_bytes"] > 0
     assert "key" not in saved["kernel"]["connection_info"]
-    listing = json.loads(cli(store, "list", "--json").stdout)
+    listing = json.loads(cli(store, "list", "--json", env={"FORCE_COLOR": "1"}).stdout)
     assert [s["id"] for s in listing] == [saved["id"]]
     human = cli(store, "list").stdout
     assert "cli-1" in human
