@@ -247,6 +247,16 @@ class JupyterServer:
             time.sleep(0.1)
         raise AssertionError(f"job {job_id} still running after {timeout} s")
 
+    def wait_kernel_job(self, kernel_id: str, timeout: float = 60) -> dict[str, Any]:
+        """Wait for the first job on a kernel to appear (started elsewhere), then to end."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            jobs = self.get(f"gpu-snapshot/jobs?kernel_id={kernel_id}")["jobs"]
+            if jobs:
+                return self.wait_job(jobs[0]["id"])
+            time.sleep(0.05)
+        raise AssertionError(f"no job for kernel {kernel_id}")
+
     def start_save(self, kernel_id: str, name: str | None = None) -> dict[str, Any]:
         body = {"name": name} if name else {}
         status, job = self.request("POST", f"gpu-snapshot/kernels/{kernel_id}/snapshots", body)

@@ -213,7 +213,7 @@ def test_save_from_a_running_cell_and_its_restored_copy(
     if stop:
         # The dump ends this kernel, so its cell never answers; follow the job instead.
         notebook.client.execute(code)
-        job = _wait_for_kernel_job(jupyter_server, notebook.kernel_id)
+        job = jupyter_server.wait_kernel_job(notebook.kernel_id)
         assert job["status"] == "succeeded", job
         snapshot_id = str(job["result"]["id"])
         assert _gone(jupyter_server, notebook.kernel_id)
@@ -267,15 +267,6 @@ def test_save_from_a_running_cell_and_its_restored_copy(
     summary = jupyter_server.get(f"gpu-snapshot/snapshots/{again['id']}")
     assert summary["kernel"]["kernel_id"] == new_kernel
 
-
-def _wait_for_kernel_job(server: JupyterServer, kernel_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        jobs = server.get(f"gpu-snapshot/jobs?kernel_id={kernel_id}")["jobs"]
-        if jobs:
-            return server.wait_job(jobs[0]["id"])
-        time.sleep(0.05)
-    raise AssertionError(f"no job for kernel {kernel_id}")
 
 
 def _gone(server: JupyterServer, kernel_id: str, timeout: float = 20) -> bool:

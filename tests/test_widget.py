@@ -91,15 +91,6 @@ def click_through_comm(client: BlockingKernelClient, comm_id: str) -> None:
     client.shell_channel.send(client.session.msg("comm_msg", content))
 
 
-def wait_for_job(server: JupyterServer, kernel_id: str, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        jobs = server.get(f"gpu-snapshot/jobs?kernel_id={kernel_id}")["jobs"]
-        if jobs:
-            return server.wait_job(jobs[0]["id"])
-        time.sleep(0.05)
-    raise AssertionError(f"no job for kernel {kernel_id}")
-
 
 @pytest.fixture
 def notebook(jupyter_server: JupyterServer, request: pytest.FixtureRequest) -> NotebookKernel:
@@ -119,7 +110,7 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
 
     notebook.ok(f"{PANEL}; p.name_input.value = 'clicked'")
     click_through_comm(notebook.client, comm_ids(cell)[("ButtonModel", "Save")])
-    job = wait_for_job(jupyter_server, notebook.kernel_id)
+    job = jupyter_server.wait_kernel_job(notebook.kernel_id)
     assert job["status"] == "succeeded", job
     snapshot_id = job["result"]["id"]
     assert job["result"]["name"] == "clicked"
