@@ -149,6 +149,13 @@ class Api:
         data = await self.ok("POST", "api", "kernels", body={"name": name}, expect=201)
         return str(data["id"])
 
+    async def open_notebook(self, path: str, name: str | None = None) -> Json:
+        """A notebook session with a new python3-snapshot kernel, as JupyterLab makes one."""
+        body = {"path": path, "type": "notebook", "name": name or path,
+                "kernel": {"name": KERNEL_NAME}}
+        session: Json = await self.ok("POST", "api", "sessions", body=body, expect=201)
+        return session
+
     async def kernel_ids(self) -> list[str]:
         return [k["id"] for k in await self.ok("GET", "api", "kernels")]
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
-
 from ..gpu_check import no_gpu_reason
 from .conftest import Api, KernelConnector
 
@@ -27,12 +25,7 @@ total = float(x.sum())
 async def test_torch_kernel_round_trip_through_the_server(
     api: Api, kernel_socket: KernelConnector
 ) -> None:
-    session = await api.ok(
-        "POST", "api", "sessions",
-        body={"path": "gpu.ipynb", "type": "notebook", "name": "gpu.ipynb",
-              "kernel": {"name": KERNEL_NAME}},
-        expect=201,
-    )
+    session = await api.open_notebook("gpu.ipynb")
     kernel_id = session["kernel"]["id"]
     ws = await kernel_socket(kernel_id)
     await ws.execute(TENSORS, timeout=300)

@@ -10,7 +10,6 @@ import pytest
 
 from jupyter_gpu_snapshot.core import process
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
 
 from .conftest import Api, KernelConnector
 
@@ -53,12 +52,7 @@ class TestRetention:
     async def test_keeps_the_newest_per_notebook(self, api: Api) -> None:
         sessions = {}
         for path in ("a.ipynb", "b.ipynb"):
-            sessions[path] = await api.ok(
-                "POST", "api", "sessions",
-                body={"path": path, "type": "notebook", "name": path,
-                      "kernel": {"name": KERNEL_NAME}},
-                expect=201,
-            )
+            sessions[path] = await api.open_notebook(path)
         a, b = (sessions[p]["kernel"]["id"] for p in ("a.ipynb", "b.ipynb"))
         only_b = (await api.succeeded(await api.save(b)))["snapshot_id"]
         made = [(await api.succeeded(await api.save(a)))["snapshot_id"] for _ in range(3)]
@@ -101,12 +95,7 @@ class TestShutdownHook:
     async def test_stopping_the_server_saves_ready_kernels_only(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
     ) -> None:
-        ready = await api.ok(
-            "POST", "api", "sessions",
-            body={"path": "keep.ipynb", "type": "notebook", "name": "keep.ipynb",
-                  "kernel": {"name": KERNEL_NAME}},
-            expect=201,
-        )
+        ready = await api.open_notebook("keep.ipynb")
         ready_id = ready["kernel"]["id"]
         plain_id = await api.start_kernel("python3")
         ws = await kernel_socket(ready_id)

@@ -22,7 +22,6 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest, HTTPResponse
 from tornado.websocket import websocket_connect
 
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
 
 from .conftest import Api, KernelSocket
 
@@ -148,12 +147,7 @@ async def test_sigterm_saves_kernels_and_the_next_server_restores_them(
         first = ServerProcess(tmp_path, env, _free_port(), "before")
         servers.append(first)
         await first.ready()
-        session = await first.api.ok(
-            "POST", "api", "sessions",
-            body={"path": NOTEBOOK, "type": "notebook", "name": "reboot.ipynb",
-                  "kernel": {"name": KERNEL_NAME}},
-            expect=201,
-        )
+        session = await first.api.open_notebook(NOTEBOOK, "reboot.ipynb")
         kernel_id = session["kernel"]["id"]
         kernel_ids.append(kernel_id)
         ws = await first.kernel(kernel_id)
