@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from traitlets import Bool, Float, Int, Unicode, default
 from traitlets.config import Configurable
@@ -87,6 +86,3 @@ def default_hooks(settings: GPUSnapshot | None = None) -> list[SnapshotHook]:
         )
     ]
 
-
-def engine_from_settings(**kwargs: Any) -> SnapshotEngine:
-    return GPUSnapshot(**kwargs).make_engine()

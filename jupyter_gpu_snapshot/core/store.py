@@ -354,14 +354,6 @@ class SnapshotStore:
                 removed.append(entry)
         return removed
 
-    def prune(self, keep: int, notebook_path: str | None) -> builtins.list[Snapshot]:
-        """Delete all but the newest ``keep`` snapshots of one notebook."""
-        if keep <= 0:
-            return []
-        doomed = self.list(notebook_path)[:-keep]
-        for snapshot in doomed:
-            self.delete(snapshot.id)
-        return doomed
 
     def free_bytes(self) -> int:
         self.ensure()

@@ -220,8 +220,7 @@ class SnapshotService:
         # Snapshots of kernels without a notebook are never pruned: nothing groups them.
         if keep <= 0 or notebook is None:
             return
-        same = [s for s in self.engine.list(notebook) if s.notebook_path == notebook]
-        for old in same[:-keep]:
+        for old in self.engine.list(notebook)[:-keep]:
             if self.jobs.busy_with(snapshot_key(old.id)) is not None:
                 continue
             try:
