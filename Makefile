@@ -43,6 +43,7 @@ test: install lint pytest
 lint: venv
 	$(VENV)/bin/ruff check jupyter_gpu_snapshot tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 pytest: install
 	$(VENV)/bin/pytest

@@ -29,11 +29,11 @@ from common import settle
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, install
+from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 
 
 def machine_info(criu: CriuRunner) -> dict[str, Any]:
@@ -106,7 +106,7 @@ def bench_size(gib: float, repeats: int, work: Path, criu: CriuRunner) -> dict[s
     info = {
         k: (v.decode() if isinstance(v, bytes) else v) for k, v in km.get_connection_info().items()
     }
-    rss = process.tree_rss(root)
+    rss = procfs.tree_rss(root)
     engine = SnapshotEngine(SnapshotStore(work / "store"), criu)
 
     rows: dict[str, list[float]] = {k: [] for k in (
@@ -143,7 +143,7 @@ def bench_size(gib: float, repeats: int, work: Path, criu: CriuRunner) -> dict[s
                 rows["ours_restore_first_cell"].append(seconds)
                 rows["ours_verify"].append(back.timings["verify"])
                 pid = back.pid
-            process.kill_tree(pid)
+            procfs.kill_tree(pid)
         shutil.rmtree(raw_dir)
         engine.delete(snapshot.id)
     if km.has_kernel:

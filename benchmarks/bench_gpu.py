@@ -37,14 +37,14 @@ from common import settle
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.cuda import LibcudaDriver
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
-from jupyter_gpu_snapshot.core.gpu_hook import CudaCheckpointHook
-from jupyter_gpu_snapshot.core.gpu_info import read_inventory
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, install
+from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver
+from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
+from jupyter_gpu_snapshot.gpu.inventory import read_inventory
+from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 
 GIB = 1 << 30
 
@@ -143,13 +143,13 @@ class Kernel:
 
     @property
     def pid(self) -> int:
-        found = process.kernel_of(self.root)
+        found = procfs.kernel_of(self.root)
         assert found is not None
         return int(found.pid)
 
     def end(self) -> None:
-        if process.tree_alive(self.root):
-            process.kill_tree(self.root)
+        if procfs.tree_alive(self.root):
+            procfs.kill_tree(self.root)
         try:
             if self.km.has_kernel:
                 self.km.shutdown_kernel(now=True)
@@ -208,7 +208,7 @@ def ours(k: Kernel, work: Path, criu: CriuRunner) -> dict[str, Any]:
         "moved_bytes": dropped.manifest["gpu"]["moved_bytes"],
         "live_bytes": dropped.manifest["gpu"]["live_bytes"],
         "allocator_caches": dropped.manifest["gpu"]["allocator_caches"],
-        "host_rss_bytes": process.tree_rss(k.root),
+        "host_rss_bytes": procfs.tree_rss(k.root),
     }
     store.delete(dropped.id)
     return result

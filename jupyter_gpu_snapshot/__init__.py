@@ -14,7 +14,7 @@ def load_ipython_extension(ipython: Any) -> None:
     (the widget's ipywidgets come later, when asked for) and does no network call.
     """
     try:
-        from .magics import load
+        from .kernel.magics import load
     except Exception as exc:  # a kernel must start even if we cannot load
         print(f"jupyter_gpu_snapshot: %gpu_snapshot is unavailable: {exc}")
         return

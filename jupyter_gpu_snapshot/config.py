@@ -1,4 +1,7 @@
-"""User-facing configuration, ``c.GPUSnapshot.*``, shared by the server, provisioner and CLI."""
+"""User-facing configuration, ``c.GPUSnapshot.*``, shared by the server, provisioner and CLI.
+
+Traits only: ``engines.make_engine`` turns them into an engine.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,8 @@ import os
 from traitlets import Bool, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
-from .core.criu import CriuRunner
-from .core.engine import SnapshotEngine, SnapshotHook
-from .core.gpu_hook import CudaCheckpointHook
-from .core.store import SnapshotStore, default_store_dir
+from ._constants import ENV_CRIU
+from .core.store import default_store_dir
 
 
 class GPUSnapshot(Configurable):
@@ -33,7 +34,7 @@ class GPUSnapshot(Configurable):
 
     @default("criu_path")
     def _default_criu_path(self) -> str:
-        return os.environ.get("JUPYTER_GPU_SNAPSHOT_CRIU", "criu")
+        return os.environ.get(ENV_CRIU, "criu")
 
     cuda_lock_timeout = Float(
         10.0,
@@ -67,22 +68,3 @@ class GPUSnapshot(Configurable):
         help="""Seconds that snapshots on shutdown may take in all. Kernels not saved by then
         are shut down without a snapshot (and a warning is logged).""",
     ).tag(config=True)
-
-    def make_engine(self, hooks: list[SnapshotHook] | None = None) -> SnapshotEngine:
-        return SnapshotEngine(
-            SnapshotStore(self.store_dir),
-            CriuRunner(self.criu_path),
-            hooks if hooks is not None else default_hooks(self),
-        )
-
-
-def default_hooks(settings: GPUSnapshot | None = None) -> list[SnapshotHook]:
-    """The hooks every engine runs: the GPU layer (inert for kernels without CUDA state)."""
-    settings = settings or GPUSnapshot()
-    return [
-        CudaCheckpointHook(
-            lock_timeout=settings.cuda_lock_timeout,
-            drop_caches=settings.drop_allocator_caches,
-        )
-    ]
-

@@ -26,10 +26,10 @@ if "JUPYTER_RUNTIME_DIR" not in os.environ:
     os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="jgs-runtime-")
     atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], ignore_errors=True)
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, install
+from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 
 T = TypeVar("T")
 
@@ -68,7 +68,7 @@ class KernelHandle:
 
     @property
     def kernel_pid(self) -> int:
-        found = process.kernel_of(self.root_pid)
+        found = procfs.kernel_of(self.root_pid)
         assert found is not None
         return int(found.pid)
 
@@ -125,8 +125,8 @@ def stop_kernel(handle: KernelHandle) -> None:
     root = getattr(handle.km.provisioner, "root_pid", None)
     if handle.km.has_kernel:
         handle.km.shutdown_kernel(now=True)
-    if root and process.tree_alive(root):
-        process.kill_tree(root)
+    if root and procfs.tree_alive(root):
+        procfs.kill_tree(root)
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ class RestoredTrees:
         for client in self.clients:
             client.stop_channels()
         for root in self.roots:
-            process.kill_tree(root)
+            procfs.kill_tree(root)
 
 
 @pytest.fixture

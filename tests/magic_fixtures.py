@@ -28,7 +28,7 @@ import psutil
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 
 SERVER_START_SECONDS = 60.0
 
@@ -206,7 +206,7 @@ class JupyterServer:
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = proc.info.get("cmdline") or []
             if any(str(self.runtime) in arg for arg in cmdline):
-                process.kill_tree(proc.pid)
+                procfs.kill_tree(proc.pid)
 
     # -- HTTP ------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:

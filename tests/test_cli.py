@@ -13,7 +13,7 @@ from pathlib import Path
 from jupyter_client.manager import KernelManager
 from jupyter_core.paths import jupyter_runtime_dir
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 
 from .conftest import KernelHandle, RestoredTrees, start_kernel, stop_kernel
 
@@ -49,7 +49,7 @@ def test_save_list_restore_rm_by_pid(tmp_path: Path, kernel: KernelHandle, resto
     from .conftest import execute
 
     assert "{'epoch': 7}" in execute(client, "print(state)")
-    assert process.namespace_init(result["kernel_pid"]) == result["pid"]
+    assert procfs.namespace_init(result["kernel_pid"]) == result["pid"]
     # `jupyter console --existing FILE` only needs this file; it is a full connection file.
     info = json.loads(connection_file.read_text())
     assert {"shell_port", "iopub_port", "key", "transport", "ip"} <= set(info)
@@ -110,10 +110,10 @@ def test_resume_wakes_a_kernel_left_stopped(tmp_path: Path, kernel: KernelHandle
     import time
 
     kernel.execute("n = 41")
-    for proc in process.tree(kernel.root_pid):
+    for proc in procfs.tree(kernel.root_pid):
         proc.send_signal(signal.SIGSTOP)
     deadline = time.monotonic() + 5  # a signal is delivered asynchronously
-    while not all(p.status() == "stopped" for p in process.tree(kernel.root_pid)):
+    while not all(p.status() == "stopped" for p in procfs.tree(kernel.root_pid)):
         assert time.monotonic() < deadline, "the kernel did not stop"
         time.sleep(0.02)
     out = cli(tmp_path / "store", "resume", "--pid", str(kernel.kernel_pid))

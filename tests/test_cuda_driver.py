@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core import cuda
-from jupyter_gpu_snapshot.core.cuda import (
+from jupyter_gpu_snapshot.gpu import driver as driver_module
+from jupyter_gpu_snapshot.gpu.driver import (
     CUDA_ERROR_ILLEGAL_STATE,
     CUDA_ERROR_NOT_INITIALIZED,
     CUDA_ERROR_OPERATING_SYSTEM,
@@ -30,12 +30,12 @@ from jupyter_gpu_snapshot.core.cuda import (
 
 
 def test_argument_layouts_match_cuda_h():
-    assert ctypes.sizeof(cuda._LockArgs) == 64
-    assert ctypes.sizeof(cuda._ReservedArgs) == 64
-    assert ctypes.sizeof(cuda._RestoreArgs) == 64
-    assert ctypes.sizeof(cuda._GpuPair) == 32
-    assert cuda._RestoreArgs.gpuPairsCount.offset == 8
-    assert cuda._LockArgs.timeoutMs.offset == 0
+    assert ctypes.sizeof(driver_module._LockArgs) == 64
+    assert ctypes.sizeof(driver_module._ReservedArgs) == 64
+    assert ctypes.sizeof(driver_module._RestoreArgs) == 64
+    assert ctypes.sizeof(driver_module._GpuPair) == 32
+    assert driver_module._RestoreArgs.gpuPairsCount.offset == 8
+    assert driver_module._LockArgs.timeoutMs.offset == 0
 
 
 def test_uuid_bytes():

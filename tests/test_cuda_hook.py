@@ -22,7 +22,10 @@ import pytest
 
 from jupyter_gpu_snapshot.core import gpu_hook, process
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.cuda import (
+from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.gpu.driver import (
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_NOT_SUPPORTED,
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -31,11 +34,8 @@ from jupyter_gpu_snapshot.core.cuda import (
     DriverStatus,
     ProcessState,
 )
-from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
-from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
-from jupyter_gpu_snapshot.core.gpu_hook import CudaCheckpointHook
-from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
+from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
+from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
 from .conftest import KernelHandle, RestoredTrees, execute, run, stop_kernel
 from .criu_wrappers import kill_while_writing_pages
@@ -203,7 +203,7 @@ def test_cuda_step_failure(store, fake, gpus, gpu_kernel, step, code, times, say
         assert stuck == (ProcessState.CHECKPOINTED if step == "restore" else ProcessState.LOCKED)
         assert [s.id for s in store.list()] == [earlier.id]
         fake.fail(step, code, 0)  # the driver recovers; the kernel can be brought back
-        from jupyter_gpu_snapshot.core.cuda_checkpoint import CudaCheckpoint, CudaProcess
+        from jupyter_gpu_snapshot.gpu.checkpoint import CudaCheckpoint, CudaProcess
 
         CudaCheckpoint(fake).resume(CudaProcess(gpu_kernel.kernel_pid, stuck))
         assert_contract(gpu_kernel, fake, store, [earlier.id])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
@@ -125,7 +125,7 @@ def test_save_stop_restore_brings_back_all_state(engine, store, kernel, tmp_path
     root = kernel.root_pid
     _save(engine, kernel, name="stopped", stop=True)
     kernel.km.provisioner.process.wait(timeout=10)
-    assert not process.tree_alive(root)
+    assert not procfs.tree_alive(root)
 
     back = run(engine.restore("stopped"))
     client = restored.connect(back.connection_info, back.pid)
@@ -137,7 +137,7 @@ def test_save_stop_restore_brings_back_all_state(engine, store, kernel, tmp_path
     assert _ticks(run_code) > t1, "the background thread stopped counting"
     assert "43" in run_code("answer += 1; print(answer)")
     # Inside its namespace the kernel keeps its pid; outside it has a fresh one.
-    assert process.namespace_init(back.kernel_pid) == back.pid
+    assert procfs.namespace_init(back.kernel_pid) == back.pid
 
 
 def test_restore_twice_from_one_snapshot(engine, kernel, tmp_path, restored):
@@ -149,7 +149,7 @@ def test_restore_twice_from_one_snapshot(engine, kernel, tmp_path, restored):
         client = restored.connect(back.connection_info, back.pid)
         assert _probe(lambda code, c=client: execute(c, code)) == before
         client.stop_channels()
-        process.kill_tree(back.pid)
+        procfs.kill_tree(back.pid)
 
 
 def test_restore_while_original_runs_is_refused(engine, store, kernel, tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
@@ -23,7 +23,7 @@ def _target(kernel: KernelHandle) -> SaveTarget:
 
 
 def _assert_contract(kernel: KernelHandle, store: SnapshotStore, listed_before: list[str]) -> None:
-    assert process.tree_alive(kernel.root_pid)
+    assert procfs.tree_alive(kernel.root_pid)
     assert kernel.execute("counter += 1; print(counter)").strip().isdigit()
     assert [s.id for s in store.list()] == listed_before
     assert not any(p.name.startswith(".partial-") for p in store.root.iterdir())

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 
 from .conftest import KernelError, KernelHandle, start_kernel
 
@@ -25,11 +25,11 @@ def _nspid(pid: int) -> list[str]:
 def test_kernel_runs_under_its_own_namespace_init(kernel: KernelHandle):
     root, kpid = kernel.root_pid, kernel.kernel_pid
     assert _nspid(root)[-1] == "1" and _nspid(kpid)[-1] == "2"
-    assert process.pid_namespace(kpid) != process.pid_namespace(os.getpid())
+    assert procfs.pid_namespace(kpid) != procfs.pid_namespace(os.getpid())
     # The init leads its own session inside the namespace; the kernel lives in it.
     assert os.getsid(root) == root and os.getsid(kpid) == root
     assert "JPY_PARENT_PID" not in psutil.Process(kpid).environ()
-    inspected = process.inspect_kernel(kpid)
+    inspected = procfs.inspect_kernel(kpid)
     assert inspected.ready, inspected.problems
     assert inspected.root_pid == root
     log = kernel.km.provisioner.log_path
@@ -56,7 +56,7 @@ def test_restart_gives_a_fresh_kernel_and_ends_the_old_tree(kernel: KernelHandle
     kernel.km.restart_kernel(now=True)
     kernel.client.wait_for_ready(timeout=60)
     assert kernel.root_pid != old_root
-    assert not process.tree_alive(old_root)
+    assert not procfs.tree_alive(old_root)
     with pytest.raises(KernelError, match="NameError"):
         kernel.execute("print(marker)")
 
@@ -67,10 +67,10 @@ def test_shutdown_and_kill_leave_nothing_running(kernel: KernelHandle):
     kernel.client.stop_channels()
     kernel.km.shutdown_kernel()
     for pid in (root, kpid, launcher):
-        assert not process.tree_alive(pid), pid
+        assert not procfs.tree_alive(pid), pid
 
     other = start_kernel()
     root, launcher = other.root_pid, other.km.provisioner.process.pid
     other.client.stop_channels()
     other.km.shutdown_kernel(now=True)  # the kill path
-    assert not process.tree_alive(root) and not process.tree_alive(launcher)
+    assert not procfs.tree_alive(root) and not procfs.tree_alive(launcher)

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._constants import KERNEL_NAME, format_bytes
 from .._version import __version__
-from . import process
+from . import procfs
 from .criu import CriuRunner
 from .errors import Busy, InvalidRequest, SnapshotError
 from .store import Snapshot, SnapshotStore, new_snapshot_id, validate_name
@@ -68,7 +69,7 @@ class SaveContext:
     """Shared by the hooks during one save."""
 
     target: SaveTarget
-    kernel: process.KernelProcess
+    kernel: procfs.KernelProcess
     snapshot_id: str
     images_dir: Path
     stop: bool
@@ -103,7 +104,7 @@ class RestoredKernel:
 
     @property
     def kernel_pid(self) -> int:
-        found = process.kernel_of(self.pid)
+        found = procfs.kernel_of(self.pid)
         return found.pid if found else self.pid
 
 
@@ -202,8 +203,8 @@ class SnapshotEngine:
                     f"a snapshot named {name!r} exists already",
                     hint="pick another name, or delete the old one first",
                 )
-        kernel = process.inspect_kernel(target.pid)
-        process.require_ready(kernel)
+        kernel = procfs.inspect_kernel(target.pid)
+        procfs.require_ready(kernel)
         self._claim(kernel.root_pid, f"kernel pid {kernel.kernel_pid}")
         try:
             # Shielded: once we start, rollback must run even if our caller is cancelled.
@@ -216,7 +217,7 @@ class SnapshotEngine:
     async def _save(
         self,
         target: SaveTarget,
-        kernel: process.KernelProcess,
+        kernel: procfs.KernelProcess,
         name: str | None,
         stop: bool,
         report: ProgressCallback,
@@ -230,13 +231,13 @@ class SnapshotEngine:
         python_exe = _python_of(kernel.kernel_pid)
         for hook in self.hooks:
             await hook.preflight_save(ctx)
-        estimate = process.tree_rss(kernel.root_pid) + ctx.extra_bytes
+        estimate = procfs.tree_rss(kernel.root_pid) + ctx.extra_bytes
         free = self.store.free_bytes()
         if free < estimate + DISK_MARGIN_BYTES:
             raise SnapshotError(
                 "preflight",
-                f"not enough free disk for the snapshot: about {_gib(estimate)} needed, "
-                f"{_gib(free)} free in {self.store.root}",
+                f"not enough free disk for the snapshot: about {format_bytes(estimate)} needed, "
+                f"{format_bytes(free)} free in {self.store.root}",
                 hint="free some space or delete old snapshots",
             )
         partial = self.store.begin(snapshot_id)
@@ -279,7 +280,7 @@ class SnapshotEngine:
         if error is not None or resume_error is not None:
             self.store.abort(partial)
             if not stop or error is not None:
-                process.continue_tree(kernel.root_pid)
+                procfs.continue_tree(kernel.root_pid)
             failure = error or resume_error
             if isinstance(failure, SnapshotError):
                 raise failure
@@ -329,7 +330,7 @@ class SnapshotEngine:
     ) -> dict[str, Any]:
         target = ctx.target
         created = time.time()
-        kernel_name = target.kernel_name or "python3-snapshot"
+        kernel_name = target.kernel_name or KERNEL_NAME
         return {
             "id": ctx.snapshot_id,
             "name": name or f"{kernel_name}-{ctx.snapshot_id}",
@@ -381,7 +382,7 @@ class SnapshotEngine:
         report(Progress("preflight"))
         self.criu.require_version()
         info = snapshot.connection_info
-        busy = process.ports_in_use(info)
+        busy = procfs.ports_in_use(info)
         if busy:
             raise SnapshotError(
                 "preflight",
@@ -423,7 +424,7 @@ class SnapshotEngine:
                 await hook.after_restore(ctx)
         except BaseException as exc:
             # A half-restored kernel (CUDA not back) must not linger holding the ports.
-            process.kill_tree(ctx.root_pid)
+            procfs.kill_tree(ctx.root_pid)
             if isinstance(exc, SnapshotError):
                 raise
             raise SnapshotError("resume", f"{type(exc).__name__}: {exc}") from exc
@@ -456,9 +457,6 @@ def _jsonable(info: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in info.items()}
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
 
 def _dir_bytes(path: Path) -> int:
     total = 0
@@ -479,7 +477,7 @@ def _append_only_files(root: int) -> list[str]:
     on another machine is enough.
     """
     found: set[str] = set()
-    for proc in process.tree(root):
+    for proc in procfs.tree(root):
         try:
             for f in proc.open_files():
                 if f.mode == "a":

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from .._constants import ENV_STORE_DIR
 from .errors import InvalidRequest, NotFound, SnapshotError
 
 FORMAT_VERSION = 1
@@ -45,7 +46,7 @@ ProgressFn = Callable[[int, int], None]
 
 def default_store_dir() -> Path:
     """``$JUPYTER_GPU_SNAPSHOT_DIR``, else ``gpu_snapshots`` under the Jupyter data dir."""
-    env = os.environ.get("JUPYTER_GPU_SNAPSHOT_DIR")
+    env = os.environ.get(ENV_STORE_DIR)
     if env:
         return Path(env)
     from jupyter_core.paths import jupyter_data_dir

@@ -16,9 +16,11 @@ from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.serverapp import ServerApp
 from traitlets.config import Config
 
+from .._constants import API_PREFIX
 from ..config import GPUSnapshot
-from ..provisioner import SnapshotReadyProvisioner
-from .handlers import API_PREFIX, routes
+from ..engines import make_engine
+from ..launch.provisioner import SnapshotReadyProvisioner
+from .handlers import routes
 from .jobs import Job, JobRunner
 from .service import SnapshotService
 from .shutdown import ShutdownReport, snapshot_kernels_on_shutdown
@@ -69,7 +71,7 @@ class GPUSnapshotApp(ExtensionApp):
         assert self.serverapp is not None
         serverapp = self.serverapp
         self.gpu_settings = settings = GPUSnapshot(parent=self)
-        engine = settings.make_engine()
+        engine = make_engine(settings)
         removed = engine.store.clean_stale()
         for path in removed:
             self.log.info("gpu-snapshot: removed stale working directory %s", path)

@@ -19,11 +19,11 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
+from .._constants import API_PREFIX
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from .jobs import JOB_ID_PATTERN
 from .service import SnapshotService
 
-API_PREFIX = "gpu-snapshot"
 # The same pattern the server's own kernel handlers accept.
 KERNEL_ID = r"(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)"
 # Ids and names are validated by the store; anything without a slash reaches it.

@@ -18,12 +18,12 @@ from typing import Any
 from jupyter_core.utils import ensure_async
 from tornado import web
 
+from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
 from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.store import Snapshot, validate_name
-from ..kernelspec import KERNEL_NAME
-from ..provisioner import PROVISIONER_NAME, RESTORE_KWARGS
+from ..launch.provisioner import RESTORE_KWARGS
 from .jobs import Job, JobRunner
 from .status import kernel_status as describe_kernel
 

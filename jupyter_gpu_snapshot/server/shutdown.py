@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..core import process
+from ..core import procfs
 from ..core.errors import SnapshotError
 from .service import SnapshotService
 
@@ -92,7 +92,7 @@ async def _not_ready(service: SnapshotService, kernel_id: str) -> str | None:
     if root is None:
         return "it has no running process"
     try:
-        found = await asyncio.to_thread(process.inspect_kernel, root)
+        found = await asyncio.to_thread(procfs.inspect_kernel, root)
     except SnapshotError as exc:
         return exc.cause
     return "; ".join(found.problems) or None

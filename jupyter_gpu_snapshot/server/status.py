@@ -8,7 +8,7 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from ..core import process
+from ..core import procfs
 from ..core.errors import SnapshotError
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ async def kernel_status(service: SnapshotService, kernel_id: str) -> dict[str, A
         reasons.append("the kernel has no running process")
     else:
         try:
-            found = await asyncio.to_thread(process.inspect_kernel, root)
+            found = await asyncio.to_thread(procfs.inspect_kernel, root)
             reasons.extend(found.problems)
         except SnapshotError as exc:
             reasons.append(exc.cause)
@@ -84,19 +84,19 @@ _SEVERITY = ("none", "running", "locked", "checkpointed", "failed")
 
 @functools.lru_cache(maxsize=1)
 def _driver() -> Any:
-    from ..core.cuda import load_driver
+    from ..gpu.driver import load_driver
 
     return load_driver().driver
 
 
 def _ask_the_driver(root: int) -> dict[str, Any] | None:
-    from ..core.gpu_info import read_inventory
+    from ..gpu.inventory import read_inventory
 
     driver = _driver()
     if driver is None:
         return None
     states: dict[int, str] = {}
-    for proc in process.tree(root):
+    for proc in procfs.tree(root):
         state = driver.state(proc.pid)
         if state is not None:
             states[proc.pid] = state.value
@@ -119,7 +119,7 @@ def _ask_the_driver(root: int) -> dict[str, Any] | None:
 def _tree_maps_libcuda(root: int) -> bool:
     """Whether any process of the tree has libcuda mapped (it used the CUDA driver)."""
     try:
-        procs = process.tree(root)
+        procs = procfs.tree(root)
     except Exception:  # a vanished tree maps nothing
         return False
     for proc in procs:

@@ -51,8 +51,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get("JGS_GPU_RESULTS")
     if not path or not RESULTS["tests"]:
         return
-    from jupyter_gpu_snapshot.core.cuda import load_driver
-    from jupyter_gpu_snapshot.core.gpu_info import read_inventory
+    from jupyter_gpu_snapshot.gpu.driver import load_driver
+    from jupyter_gpu_snapshot.gpu.inventory import read_inventory
 
     inventory = read_inventory()
     status = load_driver()

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from jupyter_gpu_snapshot.core.cuda import (
+from jupyter_gpu_snapshot.gpu.driver import (
     CUDA_ERROR_ILLEGAL_STATE,
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_TIMEOUT,
@@ -26,7 +26,7 @@ from jupyter_gpu_snapshot.core.cuda import (
     DriverStatus,
     ProcessState,
 )
-from jupyter_gpu_snapshot.core.gpu_info import GpuDevice, GpuInventory
+from jupyter_gpu_snapshot.gpu.inventory import GpuDevice, GpuInventory
 
 FAKE_ENV = "JGS_FAKE_CUDA"
 GIB = 1 << 30

@@ -19,16 +19,17 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
-from jupyter_gpu_snapshot.core import process
-from jupyter_gpu_snapshot.core.cuda import (
+from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.engine import SaveTarget
+from jupyter_gpu_snapshot.core.errors import SnapshotError
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.engines import make_engine
+from jupyter_gpu_snapshot.gpu.driver import (
     CudaBindingsDriver,
     CudaError,
     LibcudaDriver,
     ProcessState,
 )
-from jupyter_gpu_snapshot.core.engine import SaveTarget
-from jupyter_gpu_snapshot.core.errors import SnapshotError
-from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from ..conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 
@@ -127,7 +128,7 @@ def test_training_continues_bitwise_after_save_and_after_restore(
 
     old_host_pid = k.kernel_pid
     stopped = cli(store, "save", "--pid", str(k.root_pid), "--name", "stopped", "--stop")
-    assert not process.tree_alive(k.root_pid)
+    assert not procfs.tree_alive(k.root_pid)
     k.client.stop_channels()
     started = time.monotonic()
     back = cli(store, "restore", "stopped")
@@ -165,7 +166,7 @@ print(checks)
 
 
 def test_kernel_in_its_own_pid_namespace_uses_cuda(kernel):
-    assert process.namespace_init(kernel.kernel_pid) is not None
+    assert procfs.namespace_init(kernel.kernel_pid) is not None
     out = kernel.execute(
         "import os, torch; print(os.getpid(), torch.ones(4, device='cuda').sum().item())",
         timeout=300)
@@ -202,7 +203,7 @@ def test_lock_timeout_against_a_busy_gpu_leaves_the_kernel_computing(
     before = losses(k, 3)
     msg_id = k.client.execute(BUSY.format(seconds=15))
     time.sleep(4)  # the queue of matrix products is full by now
-    engine = GPUSnapshot(store_dir=str(store.root), cuda_lock_timeout=1.0).make_engine()
+    engine = make_engine(GPUSnapshot(store_dir=str(store.root), cuda_lock_timeout=1.0))
     started = time.monotonic()
     with pytest.raises(CudaError) as err:
         run(engine.save(SaveTarget(pid=k.root_pid), name="busy"))
@@ -232,11 +233,11 @@ def test_criu_killed_mid_dump_leaves_the_kernel_computing(store, training_kernel
         f'case "$1" in dump) "{real}" "$@" & pid=$!; sleep 1; kill -9 $pid; wait $pid; '
         f'exit $?;; *) exec "{real}" "$@";; esac\n')
     killer.chmod(0o755)
-    engine = GPUSnapshot(store_dir=str(store.root), criu_path=str(killer)).make_engine()
+    engine = make_engine(GPUSnapshot(store_dir=str(store.root), criu_path=str(killer)))
     with pytest.raises(SnapshotError) as err:
         run(engine.save(SaveTarget(pid=k.root_pid), name="killed", stop=True))
     assert err.value.step == "dump"
-    assert process.tree_alive(k.root_pid)
+    assert procfs.tree_alive(k.root_pid)
     assert cuda_state(k.kernel_pid) == ProcessState.RUNNING
     out = k.execute(
         "print(float(big.sum()) == big_sum, float((big[0] @ big[0]).abs().sum()) > 0)")

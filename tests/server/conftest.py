@@ -23,7 +23,7 @@ from tornado.httpclient import HTTPResponse
 from tornado.websocket import WebSocketClientConnection
 from traitlets.config import Config
 
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME, kernel_json
+from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 
 Json = dict[str, Any]
 Fetch = Callable[..., Awaitable[HTTPResponse]]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core import process
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
 
 from .conftest import Api, KernelConnector
@@ -37,7 +37,7 @@ class TestStoppingSave:
         await asyncio.sleep(0.3)  # several restarter periods
         assert fired == []
         assert kernel_id not in await api.kernel_ids()
-        assert not process.tree_alive(root)
+        assert not procfs.tree_alive(root)
 
         restored = await api.succeeded(await api.restore(job["snapshot_id"]))
         ws = await kernel_socket(restored["result"]["kernel_id"])
@@ -108,7 +108,7 @@ class TestShutdownHook:
         report = next(iter(app)).last_shutdown
         assert list(report.saved) == [ready_id]
         assert plain_id in report.skipped and report.failed == {}
-        assert not process.tree_alive(root)
+        assert not procfs.tree_alive(root)
 
         listed = await api.snapshots(notebook_path="keep.ipynb")
         assert [s["id"] for s in listed] == [report.saved[ready_id]]

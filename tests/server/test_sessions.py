@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jupyter_gpu_snapshot.kernelspec import KERNEL_NAME
+from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
 from .conftest import Api, KernelConnector
 

@@ -22,17 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .kernel_identity import (
-    ENV_KERNEL_ID,
+from .._constants import API_PREFIX, ENV_KERNEL_ID, ENV_TOKEN, ENV_URL
+from .identity import (
     IdentityUnknown,
     KernelIdentity,
     holds_ports_of,
     incarnation,
 )
-
-ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
-ENV_TOKEN = "JUPYTER_GPU_SNAPSHOT_TOKEN"
-API_PREFIX = "gpu-snapshot/"
 
 # Requests never block a cell for long: a server that stopped answering is reported, not
 # waited for.
@@ -215,7 +211,7 @@ class SnapshotClient:
             ) from None
 
     def api(self, method: str, path: str, body: Json | None = None, **kw: Any) -> Any:
-        return self.request(method, API_PREFIX + path, body, **kw)
+        return self.request(method, f"{API_PREFIX}/{path}", body, **kw)
 
     # -- identity --------------------------------------------------------------------------
     @property

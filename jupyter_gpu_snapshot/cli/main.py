@@ -23,13 +23,15 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from .config import GPUSnapshot
-from .core import process
-from .core.checks import run_checks
-from .core.engine import Progress as EngineProgress
-from .core.engine import SaveTarget, SnapshotEngine
-from .core.errors import NotFound, SnapshotError
-from .core.store import Snapshot
+from .._constants import KERNEL_NAME, format_bytes
+from ..config import GPUSnapshot
+from ..core import procfs
+from ..core.engine import Progress as EngineProgress
+from ..core.engine import SaveTarget, SnapshotEngine
+from ..core.errors import NotFound, SnapshotError
+from ..core.store import Snapshot
+from ..engines import make_engine
+from .checks import run_checks
 
 out = Console()
 err = Console(stderr=True)
@@ -47,7 +49,7 @@ def _engine(args: argparse.Namespace) -> SnapshotEngine:
         kwargs["store_dir"] = args.store
     if args.criu:
         kwargs["criu_path"] = args.criu
-    return GPUSnapshot(**kwargs).make_engine()
+    return make_engine(GPUSnapshot(**kwargs))
 
 
 class _ProgressBar:
@@ -72,14 +74,6 @@ class _ProgressBar:
         assert self.task is not None
         self.bar.update(self.task, description=p.phase, completed=p.done, total=p.total or None)
 
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
-        size /= 1024
-    return f"{n} B"
 
 
 def _kernel_pid_from_id(kernel_id: str) -> tuple[int, Path]:
@@ -124,10 +118,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_kernelspec(args: argparse.Namespace) -> int:
-    from .kernelspec import install
+    from ..launch.kernelspec import install
 
     dest = install(user=args.user, prefix=args.prefix)
-    out.print(f"installed kernelspec python3-snapshot in {dest}")
+    out.print(f"installed kernelspec {KERNEL_NAME} in {dest}")
     return 0
 
 
@@ -142,7 +136,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     table = Table("name", "id", "created", "size", "notebook")
     for s in snapshots:
         created = datetime.fromtimestamp(s.created).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(s.name, s.id, created, _human(s.size_bytes), s.notebook_path or "")
+        table.add_row(s.name, s.id, created, format_bytes(s.size_bytes), s.notebook_path or "")
     out.print(table)
     return 0
 
@@ -150,7 +144,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _describe(snapshot: Snapshot) -> str:
     t = snapshot.manifest.get("timings", {})
     return (
-        f"saved {snapshot.name} ({snapshot.id}): {_human(snapshot.size_bytes)}, "
+        f"saved {snapshot.name} ({snapshot.id}): {format_bytes(snapshot.size_bytes)}, "
         f"kernel paused {t.get('pause', 0):.2f} s, total {t.get('total', 0):.2f} s"
     )
 
@@ -211,7 +205,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    kernel = process.inspect_kernel(args.pid)
+    kernel = procfs.inspect_kernel(args.pid)
     data = {
         "pid": kernel.kernel_pid,
         "root_pid": kernel.root_pid,
@@ -230,12 +224,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Bring back a kernel that a killed save left stopped or with its CUDA locked."""
-    from .core.cuda import load_driver
-    from .core.cuda_checkpoint import CudaCheckpoint
+    from ..gpu.checkpoint import CudaCheckpoint
+    from ..gpu.driver import load_driver
 
-    kernel = process.inspect_kernel(args.pid)
-    pids = [p.pid for p in process.tree(kernel.root_pid)]
-    process.continue_tree(kernel.root_pid)
+    kernel = procfs.inspect_kernel(args.pid)
+    pids = [p.pid for p in procfs.tree(kernel.root_pid)]
+    procfs.continue_tree(kernel.root_pid)
     status = load_driver()
     if status.driver is None:
         out.print(f"woke pids {pids}; no CUDA to resume ({status.problem})")
@@ -263,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("kernelspec", help="manage the python3-snapshot kernelspec")
+    p = sub.add_parser("kernelspec", help=f"manage the {KERNEL_NAME} kernelspec")
     ks = p.add_subparsers(dest="action", required=True)
     pi = ks.add_parser("install", help="install the 'Python 3 (snapshots)' kernelspec")
     where = pi.add_mutually_exclusive_group()
@@ -322,6 +316,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import SnapshotError
+from ..core.errors import SnapshotError
 
 # CUresult values the checkpoint calls return (cuda.h).
 CUDA_SUCCESS = 0

@@ -7,17 +7,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from .kernel_identity import KernelIdentity, namespace_rss_bytes
-
-
-def format_bytes(n: float) -> str:
-    size = float(n)
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    i = 0
-    while size >= 1024 and i < len(units) - 1:
-        size /= 1024
-        i += 1
-    return f"{int(size)} B" if i == 0 else f"{size:.1f} {units[i]}"
+from .._constants import format_bytes
+from .identity import KernelIdentity, namespace_rss_bytes
 
 
 def format_age(seconds: float) -> str:

@@ -23,13 +23,14 @@ from typing import Any, TypeVar
 
 import psutil
 
-from . import process
+from .._constants import format_bytes
+from ..core import procfs
+from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
+from ..core.errors import NotReady
 from .allocator_caches import CacheRelease, release_in_kernel
-from .cuda import CudaError, DriverStatus, ProcessState, load_driver
-from .cuda_checkpoint import CudaCheckpoint, CudaProcess
-from .engine import Progress, RestoreContext, SaveContext, SnapshotHook
-from .errors import NotReady
-from .gpu_info import GpuInventory, host_memory_available, read_inventory
+from .checkpoint import CudaCheckpoint, CudaProcess
+from .driver import CudaError, DriverStatus, ProcessState, load_driver
+from .inventory import GpuInventory, host_memory_available, read_inventory
 
 T = TypeVar("T")
 CacheReleaser = Callable[[SaveContext], Awaitable[CacheRelease]]
@@ -87,9 +88,6 @@ def gpu_device_users(pids: list[int]) -> list[int]:
     return users
 
 
-def _gib(n: float) -> str:
-    return f"{n / _GIB:.2f} GiB"
-
 
 @dataclass
 class _Save:
@@ -144,7 +142,7 @@ class CudaCheckpointHook(SnapshotHook):
     # -- save ------------------------------------------------------------------------------
     async def preflight_save(self, ctx: SaveContext) -> None:
         """Called by ``SnapshotEngine.save`` before anything is locked; raises to refuse."""
-        pids = [p.pid for p in process.tree(ctx.root_pid)]
+        pids = [p.pid for p in procfs.tree(ctx.root_pid)]
         status = await asyncio.to_thread(self.driver_status)
         if status.driver is None:
             users = gpu_device_users(pids)
@@ -181,7 +179,8 @@ class CudaCheckpointHook(SnapshotHook):
             raise NotReady(
                 "preflight",
                 f"not enough free host memory to stage the kernel's GPU memory: "
-                f"{_gib(save.moved_bytes)} to move plus a margin, {_gib(available)} available",
+                f"{format_bytes(save.moved_bytes)} to move plus a margin, "
+                f"{format_bytes(available)} available",
                 hint="free host memory, or free GPU memory in the kernel (del tensors, "
                 "torch.cuda.empty_cache()) and retry",
             )
@@ -230,7 +229,7 @@ class CudaCheckpointHook(SnapshotHook):
             return  # a stopping dump ended the tree; its CUDA state lives in the image
         if error is not None:
             # A dump that died may have left tasks stopped, the driver's restore thread too.
-            process.continue_tree(ctx.root_pid)
+            procfs.continue_tree(ctx.root_pid)
         ctx.report(Progress("resume", 0, save.moved_bytes, message="bringing GPU memory back"))
         problems = await uninterruptible(CudaCheckpoint(save.status.driver).resume_all, alive)
         save.section["timings"] = _timings(save.procs)
@@ -290,8 +289,8 @@ class CudaCheckpointHook(SnapshotHook):
             raise NotReady(
                 "preflight",
                 f"not enough free host memory to restore snapshot {sid}: "
-                f"{_gib(ctx.snapshot.size_bytes)} of images plus a margin, "
-                f"{_gib(available)} available",
+                f"{format_bytes(ctx.snapshot.size_bytes)} of images plus a margin, "
+                f"{format_bytes(available)} available",
             )
         self._gpu_pairs[sid] = pairs
 
@@ -303,7 +302,7 @@ class CudaCheckpointHook(SnapshotHook):
         pairs = self._gpu_pairs.pop(ctx.snapshot.id, [])
         driver = self.driver_status().driver
         assert driver is not None  # preflight_restore refused otherwise
-        by_ns_pid = {ns_pid(p.pid): p.pid for p in process.tree(ctx.root_pid)}
+        by_ns_pid = {ns_pid(p.pid): p.pid for p in procfs.tree(ctx.root_pid)}
         procs = []
         for saved in gpu["processes"]:
             host = by_ns_pid.get(int(saved["ns_pid"]))
@@ -404,8 +403,8 @@ def _require_gpu_memory(sid: str, gpu: dict[str, Any], inventory: GpuInventory,
         if device.memory_free < used + GPU_MARGIN_BYTES:
             raise NotReady(
                 "preflight",
-                f"GPU {device.index} ({device.name}) has {_gib(device.memory_free)} free; "
-                f"snapshot {sid} needs {_gib(used)} there",
+                f"GPU {device.index} ({device.name}) has {format_bytes(device.memory_free)} free; "
+                f"snapshot {sid} needs {format_bytes(used)} there",
                 hint="free GPU memory (shut down other kernels) and retry",
             )
 
@@ -419,5 +418,5 @@ def _timings(procs: list[CudaProcess]) -> dict[str, float]:
 
 
 def _moving_message(total: int, live: int | None) -> str:
-    text = f"moving {_gib(total)} of GPU memory to host memory"
-    return text + (f" ({_gib(live)} of it live tensors)" if live is not None else "")
+    text = f"moving {format_bytes(total)} of GPU memory to host memory"
+    return text + (f" ({format_bytes(live)} of it live tensors)" if live is not None else "")

@@ -33,12 +33,12 @@ from typing import Any
 
 import ipywidgets as w  # type: ignore[import-untyped]
 
+from .._constants import format_bytes
 from .client import ClientError, SnapshotClient
 from .presentation import (
     cuda_text,
     estimate_text,
     format_age,
-    format_bytes,
     job_progress_text,
     last_snapshot_text,
 )

@@ -10,10 +10,7 @@ from typing import Any
 
 from jupyter_client.kernelspec import KernelSpecManager
 
-from .provisioner import PROVISIONER_NAME
-
-KERNEL_NAME = "python3-snapshot"
-DISPLAY_NAME = "Python 3 (snapshots)"
+from .._constants import KERNEL_DISPLAY_NAME, KERNEL_NAME, PROVISIONER_NAME
 
 
 def kernel_json(python: str | None = None) -> dict[str, Any]:
@@ -31,7 +28,7 @@ def kernel_json(python: str | None = None) -> dict[str, Any]:
             # than replaces, the extensions a user configured.
             "--IPKernelApp.extra_extensions=jupyter_gpu_snapshot",
         ],
-        "display_name": DISPLAY_NAME,
+        "display_name": KERNEL_DISPLAY_NAME,
         "language": "python",
         "interrupt_mode": "signal",
         "metadata": {

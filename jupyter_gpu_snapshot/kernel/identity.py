@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-ENV_KERNEL_ID = "JUPYTER_GPU_SNAPSHOT_KERNEL_ID"
+from .._constants import ENV_KERNEL_ID
 
 
 class IdentityUnknown(Exception):

@@ -1,7 +1,7 @@
 """A kernel provisioner whose kernels can be snapshotted and restored.
 
 It launches ipykernel the way the measured facts in DESIGN.md require: in its own PID
-namespace under a small init (``core/nsinit.py``), in its own session, with no parent
+namespace under a small init (``launch/nsinit.py``), in its own session, with no parent
 polling and with stdio on /dev/null and a per-kernel log file. It can also adopt a kernel
 restored from a snapshot instead of launching one, so the server's kernel manager treats
 the restored process as a normal kernel.
@@ -27,18 +27,15 @@ from jupyter_core.paths import jupyter_runtime_dir
 from jupyter_core.utils import ensure_async
 from traitlets import Unicode
 
-from .config import GPUSnapshot
-from .core import process
-from .core.engine import ProgressCallback, RestoredKernel, SnapshotEngine
+from .._constants import ENV_KERNEL_ID, ENV_TOKEN, ENV_URL, KERNEL_ENV_NAMES
+from ..config import GPUSnapshot
+from ..core import procfs
+from ..core.engine import ProgressCallback, RestoredKernel, SnapshotEngine
+from ..engines import make_engine
 
-NSINIT = Path(__file__).parent / "core" / "nsinit.py"
-PROVISIONER_NAME = "gpu-snapshot-provisioner"
+NSINIT = Path(__file__).with_name("nsinit.py")
 # Kernel start must fail loudly, not hang, if the namespace init never shows up.
 _INIT_WAIT_SECONDS = 10.0
-# How a kernel finds the server that launched it (the %gpu_snapshot magic reads these).
-ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
-ENV_TOKEN = "JUPYTER_GPU_SNAPSHOT_TOKEN"
-ENV_KERNEL_ID = "JUPYTER_GPU_SNAPSHOT_KERNEL_ID"
 # Keyword arguments of ``KernelManager.start_kernel`` that ask for an adoption; they must
 # never reach Popen, and a restart finds them again in the manager's launch arguments.
 RESTORE_KWARGS = ("restore_snapshot", "restore_engine", "restore_progress")
@@ -123,7 +120,7 @@ class AdoptedProcess:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not process.tree_alive(self.pid):
+        if self.returncode is None and not procfs.tree_alive(self.pid):
             self.returncode = 0
         return self.returncode
 
@@ -204,7 +201,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         snapshot_ref, engine, progress = (kwargs.pop(key, None) for key in RESTORE_KWARGS)
         # A restart after a restore starts a fresh kernel, not the snapshot again.
         if snapshot_ref and not self._restore_used:
-            engine = engine or self._settings().make_engine()
+            engine = engine or make_engine(self._settings())
             snapshot = engine.get(snapshot_ref)
             km = self.parent
             if km is not None:
@@ -218,7 +215,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         env = dict(kwargs.get("env") or os.environ)
         env.pop("JPY_PARENT_PID", None)
         # Values inherited from a server that itself runs inside a kernel would be wrong.
-        for key in (ENV_URL, ENV_TOKEN, ENV_KERNEL_ID):
+        for key in KERNEL_ENV_NAMES:
             env.pop(key, None)
         env.update(self.server_env())
         kwargs["env"] = env
@@ -245,7 +242,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         return info
 
     async def _adopt(self, snapshot_id: str) -> KernelConnectionInfo:
-        engine = self._restore_engine or self._settings().make_engine()
+        engine = self._restore_engine or make_engine(self._settings())
         progress = self._restore_progress
         self._pending_restore = self._restore_engine = self._restore_progress = None
         self._restore_used = True
@@ -288,7 +285,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     async def kill(self, restart: bool = False) -> None:
         """Called by ``KernelManager._kill_kernel()``: killing the init ends the namespace."""
         if self.root_pid is not None:
-            await asyncio.to_thread(process.kill_tree, self.root_pid)
+            await asyncio.to_thread(procfs.kill_tree, self.root_pid)
         await super().kill(restart)
 
     async def terminate(self, restart: bool = False) -> None:
@@ -300,8 +297,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         if self._env_refresh is not None:
             self._env_refresh.cancel()
             self._env_refresh = None
-        if self.root_pid is not None and process.tree_alive(self.root_pid):
-            await asyncio.to_thread(process.kill_tree, self.root_pid)
+        if self.root_pid is not None and procfs.tree_alive(self.root_pid):
+            await asyncio.to_thread(procfs.kill_tree, self.root_pid)
         self.root_pid = None
         await super().cleanup(restart)
 

@@ -9,11 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .criu import MIN_VERSION, CriuRunner
-from .cuda import load_driver
-from .errors import SnapshotError
-from .gpu_info import read_inventory
-from .store import SnapshotStore
+from ..core.criu import MIN_VERSION, CriuRunner
+from ..core.errors import SnapshotError
+from ..core.store import SnapshotStore
+from ..gpu.driver import load_driver
+from ..gpu.inventory import read_inventory
 
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21

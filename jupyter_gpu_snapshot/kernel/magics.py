@@ -41,11 +41,11 @@ from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
+from .._constants import format_bytes
 from .client import ClientError, RestoredWhileWaiting, ServerLink, SnapshotClient
-from .kernel_identity import KernelIdentity
+from .identity import KernelIdentity
 from .presentation import (
     format_age,
-    format_bytes,
     job_progress_text,
     local_time,
     saved_line,

@@ -1,0 +1,38 @@
+"""Names shared by every side of the kernel boundary: environment variables, the kernel and
+provisioner names, the API prefix, and how a byte count reads.
+
+Only the standard library may be used here: snapshot-ready kernels import this module, and
+so does ``launch/nsinit.py``'s parent. The TypeScript side reads these names from the
+server (``GET gpu-snapshot/info``), never from a copy.
+"""
+
+from __future__ import annotations
+
+# What a snapshot-ready kernel learns from its environment about the server that owns it.
+ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
+ENV_TOKEN = "JUPYTER_GPU_SNAPSHOT_TOKEN"
+ENV_KERNEL_ID = "JUPYTER_GPU_SNAPSHOT_KERNEL_ID"
+KERNEL_ENV_NAMES = (ENV_URL, ENV_TOKEN, ENV_KERNEL_ID)
+
+# Fallbacks of the c.GPUSnapshot settings that operators set without a config file.
+ENV_STORE_DIR = "JUPYTER_GPU_SNAPSHOT_DIR"
+ENV_CRIU = "JUPYTER_GPU_SNAPSHOT_CRIU"
+
+KERNEL_NAME = "python3-snapshot"
+KERNEL_DISPLAY_NAME = "Python 3 (snapshots)"
+PROVISIONER_NAME = "gpu-snapshot-provisioner"
+
+# REST routes live under {base_url}gpu-snapshot/.
+API_PREFIX = "gpu-snapshot"
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``: binary units, one decimal, whole bytes below 1 KiB."""
+    size = float(n)
+    i = 0
+    while size >= 1024 and i < len(_UNITS) - 1:
+        size /= 1024
+        i += 1
+    return f"{int(size)} B" if i == 0 else f"{size:.1f} {_UNITS[i]}"
