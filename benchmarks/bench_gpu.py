@@ -53,9 +53,33 @@ import torch
 live = torch.randint(0, 256, ({live},), dtype=torch.uint8, device="cuda")
 scratch = torch.empty({cached}, dtype=torch.uint8, device="cuda"); del scratch
 torch.cuda.synchronize()
-checksum = int(live[::4096].sum())
-print(checksum, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+def state_digest():
+    return str(int(live[::4096].sum()))
+print(state_digest(), torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
 """
+
+# A Llama-3.1-8B-shaped model (random bf16 weights, no download): what people hold in a
+# notebook. Its state digest is the sha256 of the logits of a fixed prompt.
+LLAMA_8B = """
+import hashlib, torch, transformers
+torch.manual_seed(0)
+config = transformers.LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+    rope_theta=500000.0, tie_word_embeddings=False)
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("cuda"):
+    model = transformers.LlamaForCausalLM(config).eval()
+prompt = torch.arange(1, 65, device="cuda").unsqueeze(0)
+def state_digest():
+    with torch.no_grad():
+        logits = model(prompt).logits.float().cpu()
+    return hashlib.sha256(logits.numpy().tobytes()).hexdigest()
+params = sum(p.numel() for p in model.parameters())
+torch.cuda.synchronize()
+print(state_digest(), torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), params)
+"""
+STATE_CHECK = "print(state_digest())"
 
 PCIE = """
 import json, torch
@@ -121,9 +145,13 @@ def first_cell(info: dict[str, Any], check: str = "1 + 1") -> tuple[float, str]:
 
 
 class Kernel:
-    """A python3-snapshot kernel holding the benchmark's GPU state."""
+    """A python3-snapshot kernel holding the benchmark's GPU state.
 
-    def __init__(self, live: int, cached: int) -> None:
+    ``setup`` defines ``state_digest()`` and prints it, then allocated and reserved bytes,
+    then anything else (kept in ``extra``).
+    """
+
+    def __init__(self, setup: str) -> None:
         self.km = KernelManager(kernel_name=KERNEL_NAME)
         self.km.start_kernel()
         client = self.km.blocking_client()
@@ -131,12 +159,13 @@ class Kernel:
         client.wait_for_ready(timeout=120)
         out: list[str] = []
         reply = client.execute_interactive(
-            SETUP.format(live=live, cached=cached), timeout=600,
+            setup, timeout=600,
             output_hook=lambda m: out.append(m["content"].get("text", ""))
             if m["msg_type"] == "stream" else None)
         assert reply["content"]["status"] == "ok", reply["content"]
         client.stop_channels()
-        self.checksum, self.allocated, self.reserved = map(int, "".join(out).split())
+        digest, allocated, reserved, *self.extra = "".join(out).split()
+        self.checksum, self.allocated, self.reserved = digest, int(allocated), int(reserved)
         self.root = int(self.km.provisioner.root_pid)
         self.info = {k: v.decode() if isinstance(v, bytes) else v
                      for k, v in self.km.get_connection_info().items()}
@@ -186,8 +215,8 @@ def ours(k: Kernel, work: Path, criu: CriuRunner) -> dict[str, Any]:
     settle(cold=True)
     started = time.monotonic()
     back = asyncio.run(engine(False).restore(stopped.id))
-    cell_s, printed = first_cell(k.info, "print(int(live[::4096].sum()))")
-    assert int(printed) == k.checksum, "restored tensor differs"
+    cell_s, printed = first_cell(k.info, STATE_CHECK)
+    assert printed == k.checksum, "restored state differs"
     result["stop_restore_no_drop"] = {
         "save_total_s": stopped.manifest["timings"]["total"],
         "save_timings": stopped.manifest["timings"],
@@ -247,8 +276,8 @@ def raw(k: Kernel, work: Path, criu: CriuRunner, driver: LibcudaDriver) -> dict[
     driver.restore(k.pid)
     driver.unlock(k.pid)
     t_cuda = time.monotonic() - started - t_criu
-    cell_s, printed = first_cell(k.info, "print(int(live[::4096].sum()))")
-    assert int(printed) == k.checksum, "restored tensor differs (raw)"
+    cell_s, printed = first_cell(k.info, STATE_CHECK)
+    assert printed == k.checksum, "restored state differs (raw)"
     result["stop_restore"] = {"criu_restore_s": t_criu, "cuda_resume_s": t_cuda,
                               "restore_to_first_cell_s": time.monotonic() - started,
                               "first_cell_s": cell_s, "image_bytes": dir_bytes(images)}
@@ -262,14 +291,23 @@ def bench_size(gib: float, work: Path, criu: CriuRunner, driver: LibcudaDriver,
     live = int(gib * GIB)
     cached = max(GIB // 2, live // 4)
     case.update(live_gib=gib, cached_scratch_bytes=cached)
-    k = Kernel(live, cached)
+    bench_kernel(SETUP.format(live=live, cached=cached), live, work, criu, driver, rates, case,
+                 flush)
+
+
+def bench_kernel(setup: str, live: int, work: Path, criu: CriuRunner, driver: LibcudaDriver,
+                 rates: dict[str, float], case: dict[str, Any], flush: Any) -> None:
+    """Ours, then raw, each on a fresh kernel made by ``setup``; then the summary."""
+    k = Kernel(setup)
     try:
         case["allocated_bytes"], case["reserved_bytes"] = k.allocated, k.reserved
+        case["kernel_extra"] = k.extra
+        live = live or k.allocated  # a model: its allocated bytes are what it holds live
         case["ours"] = ours(k, work / "ours", criu)
     finally:
         k.end()
     flush()
-    k = Kernel(live, cached)
+    k = Kernel(setup)
     try:
         case["raw"] = raw(k, work / "raw", criu, driver)
     finally:
@@ -283,6 +321,8 @@ def bench_size(gib: float, work: Path, criu: CriuRunner, driver: LibcudaDriver,
         "pause_raw_s": r["keep_running"]["pause_s"],
         "pause_ratio": kept["pause_s"] / r["keep_running"]["pause_s"],
         "save_total_ours_s": kept["save_total_s"],
+        "save_total_drop_s": dropped["save_total_s"],
+        "commit_share_of_pause": kept["timings"]["commit"] / kept["pause_s"],
         "image_no_drop_bytes": kept["image_bytes"],
         "image_drop_bytes": dropped["image_bytes"],
         "image_raw_bytes": r["keep_running"]["image_bytes"],
@@ -290,7 +330,9 @@ def bench_size(gib: float, work: Path, criu: CriuRunner, driver: LibcudaDriver,
         / (live + dropped["host_rss_bytes"]),
         "restore_first_cell_ours_s": o["stop_restore_no_drop"]["restore_to_first_cell_s"],
         "restore_first_cell_raw_s": r["stop_restore"]["restore_to_first_cell_s"],
-        "restore_verify_s": o["stop_restore_no_drop"]["restore_timings"]["verify"],
+        "restore_verify_s": o["stop_restore_no_drop"]["restore_timings"].get("verify", 0.0),
+        "restore_over_raw_s": o["stop_restore_no_drop"]["restore_to_first_cell_s"]
+        - r["stop_restore"]["restore_to_first_cell_s"],
         "checkpoint_rate_bytes_per_s": kept["moved_bytes"] / checkpoint_s if checkpoint_s else 0,
         "restore_rate_bytes_per_s": kept["moved_bytes"] / restore_s if restore_s else 0,
     }
@@ -303,7 +345,9 @@ def bench_size(gib: float, work: Path, criu: CriuRunner, driver: LibcudaDriver,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 8, 24])
+    parser.add_argument("--sizes", type=float, nargs="*", default=[1, 8, 24])
+    parser.add_argument("--llama8b", action="store_true",
+                        help="also a kernel holding a Llama-3.1-8B-shaped model (random bf16)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     install()
@@ -343,6 +387,19 @@ def main() -> None:
                 f"{s['restore_rate_of_pinned_h2d']:.0%} of pinned H2D",
                 flush=True,
             )
+        if args.llama8b:
+            case = {"model": "Llama-3.1-8B-shaped LlamaForCausalLM, random bf16 weights",
+                    # The CRIUgpu paper's figures for this model on one H100, for comparison.
+                    "criugpu_paper": {"checkpoint_s": 77.4, "restore_s": 38.8, "image_gb": 55.9}}
+            result["cases"].append(case)
+            bench_kernel(LLAMA_8B, 0, Path(tmp) / "case-llama8b", criu, driver, rates, case,
+                         lambda: out.write_text(json.dumps(result, indent=2)))
+            s, dropped = case["summary"], case["ours"]["keep_running_drop"]
+            print(f"llama-8b ({case['kernel_extra'][0]} params): save to durable "
+                  f"{s['save_total_drop_s']:.1f}s (pause {dropped['pause_s']:.1f}s), "
+                  f"restore->cell {s['restore_first_cell_ours_s']:.1f}s, raw "
+                  f"{s['restore_first_cell_raw_s']:.1f}s; image "
+                  f"{s['image_drop_bytes'] / 1e9:.1f} GB", flush=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 
