@@ -108,7 +108,9 @@ class SeaweedServer:
                 last = e
                 time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"SeaweedFS S3 did not answer in {timeout:.0f} s ({last}): {self.tail()}")
+        raise RuntimeError(
+            f"SeaweedFS S3 did not answer in {timeout:.0f} s ({last}): {self.tail()}"
+        )
 
     def make_bucket(self, name: str) -> None:
         import s3fs

@@ -213,7 +213,7 @@ def test_blake3_manifest_is_checked_by_its_named_algorithm(remote_url, s3_option
     assert tree_bytes(remote.download(snap.id, tmp_path / "b")) == tree_bytes(snap.path)
 
     _damage_flipped(remote, snap.id)
-    with pytest.raises(RemoteStoreError, match="pages-1.img does not match its blake3 digest"):
+    with pytest.raises(RemoteStoreError, match=r"pages-1\.img does not match its blake3 digest"):
         remote.download(snap.id, tmp_path / "c")
 
 
@@ -253,7 +253,7 @@ def test_upload_failure_leaves_local_snapshot_and_names_the_cause(s3_options, tm
     before = tree_bytes(snap.path)
     remote = _store("s3://no-such-bucket-here/prefix", s3_options, attempts=2, retry_delay=0.01)
     started = time.monotonic()
-    with pytest.raises(SnapshotError, match="upload failed: .*no-such-bucket-here") as caught:
+    with pytest.raises(SnapshotError, match=r"upload failed: .*no-such-bucket-here") as caught:
         remote.upload(snap.path)
     assert "local snapshot is intact" in str(caught.value)
     assert time.monotonic() - started < 30
