@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,8 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
 @pytest.fixture
 def remote_url(seaweed: SeaweedServer, request: pytest.FixtureRequest) -> str:
     """A fresh prefix in the bucket for each test."""
-    return f"s3://{BUCKET}/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
+    test = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:40]
+    return f"s3://{BUCKET}/{test}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

@@ -9,13 +9,18 @@ from pathlib import Path
 from jupyter_gpu_snapshot.core.store import Snapshot, SnapshotStore, new_snapshot_id
 
 
-def make_snapshot(store: SnapshotStore, files: dict[str, int], name: str | None = None) -> Snapshot:
-    """A committed snapshot whose files hold ``size`` random bytes each."""
+def make_snapshot(
+    store: SnapshotStore, files: dict[str, int | bytes], name: str | None = None
+) -> Snapshot:
+    """A committed snapshot; each file holds the bytes given, or that many random bytes."""
     snapshot_id = new_snapshot_id()
     partial = store.begin(snapshot_id)
-    for file_name, size in files.items():
+    for file_name, content in files.items():
         with open(partial / file_name, "wb") as f:
-            remaining = size
+            if isinstance(content, bytes):
+                f.write(content)
+                continue
+            remaining = content
             while remaining:
                 n = min(remaining, 4 << 20)
                 f.write(os.urandom(n))

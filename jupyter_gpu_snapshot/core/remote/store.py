@@ -264,14 +264,12 @@ class RemoteStore:
         """Snapshots whose upload completed, oldest first."""
         self.fs.invalidate_cache()
         try:
-            found = self.retry(
-                "list", lambda: self.fs.glob(f"{self.root}/*/{REMOTE_MANIFEST}")
-            )
+            found = self.retry("list", lambda: self.fs.ls(self.root, detail=False))
         except FileNotFoundError:
             return []
         snapshots: builtins.list[RemoteSnapshot] = []
         for path in found:
-            snapshot_id = str(path).rstrip("/").split("/")[-2]
+            snapshot_id = str(path).rstrip("/").split("/")[-1]
             if not is_snapshot_id(snapshot_id):
                 continue
             snapshot = self.get(snapshot_id, missing_ok=True)
