@@ -281,3 +281,20 @@ def test_transient_errors_are_retried_permanent_ones_are_not(s3_options):
     with pytest.raises(FileNotFoundError):
         remote.retry("gone", gone)
     assert len(calls) == 1
+
+
+def test_download_after_a_killed_download_starts_afresh(remote_url, s3_options, tmp_path):
+    local = SnapshotStore(tmp_path / "a")
+    snap = make_snapshot(local, {"pages-1.img": 3 * MiB})
+    remote = _store(remote_url, s3_options)
+    remote.upload(snap.path)
+    # What a downloader killed mid-way leaves: its partial directory, owned by a dead pid.
+    with subprocess.Popen([sys.executable, "-c", "pass"]) as gone:
+        gone.wait()
+    partial = tmp_path / "b" / f".partial-{snap.id}"
+    partial.mkdir(parents=True)
+    (partial / ".owner").write_text(str(gone.pid))
+    (partial / "pages-1.img").write_bytes(b"half")
+    path = remote.download(snap.id, tmp_path / "b")
+    assert tree_bytes(path) == tree_bytes(snap.path)
+    _nothing_partial(tmp_path / "b")

@@ -15,10 +15,13 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from ..errors import NotFound, SnapshotError
 from ..store import MANIFEST, OWNER_FILE, PARTIAL_PREFIX, TREE_CHUNK
@@ -114,6 +117,7 @@ def download_snapshot(
 
     into_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     partial = into_dir / f"{PARTIAL_PREFIX}{snapshot_id}"
+    _remove_if_abandoned(partial)
     try:
         partial.mkdir(mode=0o700)
     except FileExistsError as e:
@@ -161,6 +165,25 @@ def _check_objects_present(
                 f"the object {name} has {sizes[name]} bytes, expected {entry['stored_size']} "
                 "(truncated or replaced)",
             )
+
+
+def _remove_if_abandoned(partial: Path) -> None:
+    """Remove the partial directory of a download whose process is gone (killed, crashed)."""
+    try:
+        owner = int((partial / OWNER_FILE).read_text())
+    except FileNotFoundError:
+        # Not claimed yet: a download starting right now, or one that died at once.
+        try:
+            if time.time() - partial.stat().st_mtime < 60:
+                return
+        except FileNotFoundError:
+            return
+        owner = 0
+    except (OSError, ValueError):
+        return
+    if owner > 0 and psutil.pid_exists(owner):
+        return
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -162,6 +162,7 @@ class _Upload:
             f for f in self.files if self.store.is_s3 and f.stored_size > self.part_bytes(f)
         ]
         try:
+            remote = self._remote_manifest()  # checks the manifest before anything goes up
             for f in multipart:
                 f.upload_id = self._s3("create_multipart_upload", f)["UploadId"]
             jobs: list[tuple[_File, Callable[[], None]]] = []
@@ -177,7 +178,7 @@ class _Upload:
                 parts = [{"PartNumber": n, "ETag": f.etags[n]} for n in sorted(f.etags)]
                 self._s3("complete_multipart_upload", f, MultipartUpload={"Parts": parts})
                 f.upload_id = None
-            self._put_remote_manifest()
+            self._put_remote_manifest(remote)
         except BaseException as e:
             self._undo(multipart)
             if isinstance(e, SnapshotError) or not isinstance(e, Exception):
@@ -243,7 +244,7 @@ class _Upload:
 
         return job
 
-    def _put_remote_manifest(self) -> None:
+    def _remote_manifest(self) -> dict[str, Any]:
         manifest_file = next(f for f in self.files if f.name == MANIFEST)
         manifest_bytes = _read_exactly(manifest_file.fd, 0, manifest_file.size, MANIFEST)
         manifest = json.loads(manifest_bytes)
@@ -264,10 +265,9 @@ class _Upload:
                     digest.update(_read_exactly(f.fd, offset, length, f.name))
                 entry["sha256"] = digest.hexdigest()
             objects[f.name] = entry
-        remote = {
+        return {
             "remote_format": REMOTE_FORMAT,
             "id": self.snapshot_id,
-            "uploaded": time.time(),
             "uploaded_by": platform.node(),
             "objects": objects,
             "encryption": (
@@ -276,6 +276,9 @@ class _Upload:
                 if self.sealer else None
             ),
         }
+
+    def _put_remote_manifest(self, remote: dict[str, Any]) -> None:
+        remote = dict(remote, uploaded=time.time())
         body = json.dumps(remote, indent=2, sort_keys=True).encode()
         path = self.store.path(self.snapshot_id, REMOTE_MANIFEST)
         self.store.retry("put remote manifest", lambda: self.store.fs.pipe_file(path, body))
