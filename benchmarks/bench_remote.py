@@ -73,7 +73,9 @@ def main() -> None:
     parser.add_argument("--part-mib", type=int, default=16)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--note", default="", help="what else ran on the machine, etc.")
     args = parser.parse_args()
+    load_before = os.getloadavg()
 
     work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     server = SeaweedServer(work / "seaweed")
@@ -139,6 +141,8 @@ def main() -> None:
             "script": "benchmarks/bench_remote.py",
             "machine": machine_info(),
             "server": "SeaweedFS (weed server -s3) on loopback, data on local disk",
+            "note": args.note,
+            "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
             "bytes": nbytes,
             "settings": settings,
             "samples_s": samples,
