@@ -175,9 +175,18 @@ class RemoteStore:
         return f"{self.url}/{snapshot_id}"
 
     @property
-    def is_s3(self) -> bool:
+    def protocols(self) -> set[str]:
         protocol = self.fs.protocol
-        return "s3" in (protocol if isinstance(protocol, tuple | list) else (protocol,))
+        return set(protocol) if isinstance(protocol, tuple | list) else {str(protocol)}
+
+    @property
+    def is_s3(self) -> bool:
+        return "s3" in self.protocols
+
+    @property
+    def is_local(self) -> bool:
+        """A path on a local or shared (mounted) filesystem."""
+        return bool({"file", "local"} & self.protocols)
 
     def retry(self, what: str, call: Callable[[], T]) -> T:
         """``call()``, tried again after transient errors (with backoff); ``what`` is for logs."""

@@ -163,6 +163,11 @@ class _Upload:
         ]
         try:
             remote = self._remote_manifest()  # checks the manifest before anything goes up
+            if not self.store.is_s3:  # a filesystem with real directories
+                directory = self.store.path(self.snapshot_id)
+                self.store.fs.makedirs(directory, exist_ok=True)
+                if self.store.is_local:  # snapshots are secrets: only the owner may enter
+                    os.chmod(directory, 0o700)
             for f in multipart:
                 f.upload_id = self._s3("create_multipart_upload", f)["UploadId"]
             jobs: list[tuple[_File, Callable[[], None]]] = []
