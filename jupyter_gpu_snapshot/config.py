@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 
-from traitlets import Bool, Float, Int, Unicode, default
+from traitlets import Bool, Dict, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
-from ._constants import ENV_CRIU
+from ._constants import ENV_CRIU, ENV_REMOTE_KEY_FILE, ENV_REMOTE_URL
 from .core.store import default_store_dir
 
 
@@ -67,4 +67,60 @@ class GPUSnapshot(Configurable):
         120.0,
         help="""Seconds that snapshots on shutdown may take in all. Kernels not saved by then
         are shut down without a snapshot (and a warning is logged).""",
+    ).tag(config=True)
+
+    remote_url = Unicode(
+        help="""Where snapshots are also kept, for other nodes: any fsspec URL, e.g.
+        s3://bucket/prefix (through s3fs), gs://bucket/prefix, or a shared-filesystem path.
+        Empty (the default) keeps snapshots on this node only. The local store_dir stays
+        where snapshots are saved and restored from, and caches downloaded ones.
+        Default: $JUPYTER_GPU_SNAPSHOT_REMOTE_URL, else empty.""",
+    ).tag(config=True)
+
+    @default("remote_url")
+    def _default_remote_url(self) -> str:
+        return os.environ.get(ENV_REMOTE_URL, "")
+
+    remote_endpoint_url = Unicode(
+        "",
+        help="""For S3-compatible servers (MinIO, SeaweedFS, Ceph...): the endpoint URL, e.g.
+        http://minio.internal:9000. Empty uses AWS, or $AWS_ENDPOINT_URL. Credentials come
+        from the usual AWS chain (environment, ~/.aws, instance or pod roles).""",
+    ).tag(config=True)
+
+    remote_options = Dict(
+        help="""Extra fsspec storage options for remote_url, passed to the filesystem as they
+        are (for s3fs e.g. {"profile": "snapshots"} or {"client_kwargs": {"region_name":
+        "eu-west-1"}}). Prefer the credential chain to putting secrets here.""",
+    ).tag(config=True)
+
+    remote_encryption_key_file = Unicode(
+        help="""A file holding a 256-bit key (32 raw bytes or 64 hex digits, mode 0600). When
+        set, snapshots are encrypted with AES-256-GCM before they leave this node, and nodes
+        need the same key to download them. Snapshots hold the whole memory of a kernel,
+        secrets included: set this for any store that others can read.
+        Default: $JUPYTER_GPU_SNAPSHOT_REMOTE_KEY_FILE, else none.""",
+    ).tag(config=True)
+
+    @default("remote_encryption_key_file")
+    def _default_remote_encryption_key_file(self) -> str:
+        return os.environ.get(ENV_REMOTE_KEY_FILE, "")
+
+    remote_cache_max_bytes = Int(
+        0,
+        help="""Cap on the bytes of snapshots kept in store_dir when a remote store is set
+        (0: no cap). Past it, the least recently used snapshots that also exist remotely are
+        removed locally; snapshots that exist only here, or are in use, are never removed.""",
+    ).tag(config=True)
+
+    remote_part_bytes = Int(
+        16 << 20,
+        help="""Size of each part of a multipart upload, in bytes (at least 5 MiB on S3).
+        Parts go up remote_workers at a time.""",
+    ).tag(config=True)
+
+    remote_workers = Int(
+        8,
+        help="""Parallel transfers per upload or download. Memory used is about
+        remote_workers x remote_part_bytes.""",
     ).tag(config=True)
