@@ -7,12 +7,14 @@ statuses in one place.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import posixpath
 import queue
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 from jupyter_core.utils import ensure_async
@@ -20,11 +22,13 @@ from tornado import web
 
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
-from ..core.engine import SaveTarget, SnapshotEngine
+from ..core import procfs
+from ..core.engine import RestoredKernel, SaveTarget, SnapshotEngine
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.store import Snapshot, validate_name
-from ..launch.provisioner import RESTORE_KWARGS
+from ..launch.provisioner import ADOPT_KWARG, Adoption
 from .jobs import Job, JobRunner
+from .kernel_env import refresh_kernel_env
 from .status import kernel_status as describe_kernel
 
 # How long a save waits for a kernel that is still starting to answer.
@@ -61,6 +65,7 @@ class SnapshotService:
         self.kernel_spec_manager = kernel_spec_manager
         self.log = log or logging.getLogger(__name__)
         self.jobs = jobs or JobRunner(log=self.log)
+        self._background: set[asyncio.Future[bool]] = set()
 
     # -- snapshots -------------------------------------------------------------------------
     def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
@@ -262,20 +267,24 @@ class SnapshotService:
                 return None
             raise
 
-    def restore_kernel_name(self, snapshot: Snapshot) -> str:
-        """The kernelspec a restored kernel runs under (it decides what a restart starts)."""
-        specs: dict[str, Any] = {}
-        if self.kernel_spec_manager is not None:
-            specs = self.kernel_spec_manager.get_all_specs()
+    async def _our_kernelspecs(self) -> dict[str, Any]:
+        """The installed kernelspecs that launch kernels through our provisioner."""
+        if self.kernel_spec_manager is None:
+            return {}
+        specs: dict[str, Any] = await asyncio.to_thread(self.kernel_spec_manager.get_all_specs)
 
-        def ours(name: str) -> bool:
-            meta = (specs.get(name) or {}).get("spec", {}).get("metadata", {})
+        def ours(spec: dict[str, Any]) -> bool:
+            meta = (spec or {}).get("spec", {}).get("metadata", {})
             provisioner = (meta.get("kernel_provisioner") or {}).get("provisioner_name")
             return bool(provisioner == PROVISIONER_NAME)
 
+        return {name: spec for name, spec in specs.items() if ours(spec)}
+
+    def restore_kernel_name(self, snapshot: Snapshot, ours: Collection[str]) -> str:
+        """The kernelspec a restored kernel runs under (it decides what a restart starts)."""
         saved = str((snapshot.manifest.get("kernel") or {}).get("name") or "")
         for name in (saved, KERNEL_NAME):
-            if name and ours(name):
+            if name and name in ours:
                 return name
         raise NotFound(
             "preflight",
@@ -287,30 +296,27 @@ class SnapshotService:
     async def _restore(
         self, job: Job, snapshot: Snapshot, session: dict[str, Any] | None, path: str | None
     ) -> dict[str, Any]:
+        """Restore with the engine, then let the kernel manager adopt the running tree."""
         kernel_id = job.kernel_id
         assert kernel_id is not None
-        kernel_name = self.restore_kernel_name(snapshot)
-        launch: dict[str, Any] = dict(
-            zip(RESTORE_KWARGS, (snapshot.id, self.engine, self.jobs.progress(job)), strict=True)
-        )
-        if path:
-            # Only a later restart uses these: it starts a fresh kernel beside the notebook.
-            launch["path"] = await self._kernel_dir(path)
-            if self.session_manager is not None:
-                launch["env"] = self.session_manager.get_kernel_env(path)
+        ours = await self._our_kernelspecs()
+        if not ours:  # refuse before a restore that no kernel slot could take
+            self.restore_kernel_name(snapshot, ours)
+        restored = await self.engine.restore(snapshot, self.jobs.progress(job))
         try:
-            await ensure_async(
-                self.kernel_manager.start_kernel(
-                    kernel_id=kernel_id, kernel_name=kernel_name, **launch
-                )
-            )
-            # With pending kernels, start_kernel returns before the restore has run.
-            await self.kernel_manager.get_kernel(kernel_id).ready
+            await self._adopt(kernel_id, restored, ours, path)
         except BaseException as exc:
+            # Nothing half-adopted may linger holding the snapshot's ports.
+            await asyncio.to_thread(procfs.kill_tree, restored.pid)
             self._forget_failed_start(kernel_id)
             if isinstance(exc, KeyError):
-                raise SnapshotError("restore", "the restored kernel vanished") from None
+                raise SnapshotError("adopt", "the restored kernel vanished") from None
+            if isinstance(exc, Exception) and not isinstance(exc, SnapshotError):
+                raise SnapshotError(
+                    "adopt", f"the kernel manager could not adopt the restored kernel: {exc}"
+                ) from exc
             raise
+        self._tell_new_slot(kernel_id)
         try:
             session_id = await self._attach(kernel_id, session, path)
         except Exception as exc:
@@ -320,6 +326,39 @@ class SnapshotService:
                 "attach", f"could not switch the session to the restored kernel: {exc}"
             ) from exc
         return {"kernel_id": kernel_id, "session_id": session_id}
+
+    async def _adopt(
+        self, kernel_id: str, restored: RestoredKernel, ours: Collection[str], path: str | None
+    ) -> None:
+        """Start the kernel slot ``kernel_id`` on the restored tree (plain data only)."""
+        kernel_name = self.restore_kernel_name(restored.snapshot, ours)
+        adoption = Adoption(restored.pid, restored.connection_info, restored.snapshot.id)
+        launch: dict[str, Any] = {ADOPT_KWARG: adoption}
+        if path:
+            # Only a later restart uses these: it starts a fresh kernel beside the notebook.
+            launch["path"] = await self._kernel_dir(path)
+            if self.session_manager is not None:
+                launch["env"] = self.session_manager.get_kernel_env(path)
+        await ensure_async(
+            self.kernel_manager.start_kernel(kernel_id=kernel_id, kernel_name=kernel_name, **launch)
+        )
+        # With pending kernels, start_kernel returns before the adoption has run.
+        await self.kernel_manager.get_kernel(kernel_id).ready
+
+    def _tell_new_slot(self, kernel_id: str) -> None:
+        """Give the restored kernel this slot's environment, without waiting for it.
+
+        Its ``os.environ`` still names the slot and server it was saved from, so
+        %gpu_snapshot inside it would address those. A kernel restored in the middle of a
+        cell answers only after that cell.
+        """
+        km = self.kernel_manager.get_kernel(kernel_id)
+        env = km.provisioner.server_env() if hasattr(km.provisioner, "server_env") else {}
+        if not env:
+            return
+        task = asyncio.ensure_future(refresh_kernel_env(km, env, self.log))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _forget_failed_start(self, kernel_id: str) -> None:
         """Drop what the kernel manager keeps of a kernel whose start failed.
