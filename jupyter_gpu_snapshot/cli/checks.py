@@ -12,7 +12,7 @@ from pathlib import Path
 from ..core.criu import MIN_VERSION, CriuRunner
 from ..core.errors import SnapshotError
 from ..core.store import SnapshotStore
-from ..gpu.driver import load_driver
+from ..gpu.driver import driver_status
 from ..gpu.inventory import read_inventory
 
 CAP_SYS_PTRACE = 19
@@ -113,7 +113,7 @@ def check_store(store: SnapshotStore) -> Check:
 def check_gpu() -> list[Check]:
     """The NVIDIA driver, its checkpoint API and the GPUs; optional, CPU kernels need none."""
     fix = "NVIDIA driver 570 or newer snapshots GPU kernels; CPU kernels need none"
-    status = load_driver()
+    status = driver_status()
     if status.driver is None:
         return [Check("gpu driver", False, status.problem, required=False, fix=fix)]
     info = status.driver.info

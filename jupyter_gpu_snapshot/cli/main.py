@@ -225,12 +225,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Bring back a kernel that a killed save left stopped or with its CUDA locked."""
     from ..gpu.checkpoint import CudaCheckpoint
-    from ..gpu.driver import load_driver
+    from ..gpu.driver import driver_status
 
     kernel = procfs.inspect_kernel(args.pid)
     pids = [p.pid for p in procfs.tree(kernel.root_pid)]
     procfs.continue_tree(kernel.root_pid)
-    status = load_driver()
+    status = driver_status()
     if status.driver is None:
         out.print(f"woke pids {pids}; no CUDA to resume ({status.problem})")
         return 0

@@ -29,7 +29,7 @@ from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.errors import NotReady
 from .allocator_caches import CacheRelease, release_in_kernel
 from .checkpoint import CudaCheckpoint, CudaProcess
-from .driver import CudaError, DriverStatus, ProcessState, load_driver
+from .driver import CudaError, DriverStatus, ProcessState, driver_status
 from .inventory import GpuInventory, host_memory_available, read_inventory
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ class CudaCheckpointHook(SnapshotHook):
         lock_timeout: float = 10.0,
         drop_caches: bool = True,
         *,
-        driver: Callable[[], DriverStatus] = load_driver,
+        driver: Callable[[], DriverStatus] = driver_status,
         inventory: Callable[[], GpuInventory | None] = read_inventory,
         release_caches: CacheReleaser | None = None,
         memory_available: Callable[[], int] = host_memory_available,
