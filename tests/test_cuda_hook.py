@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core import gpu_hook, process
+from jupyter_gpu_snapshot.core import procfs as process
+from jupyter_gpu_snapshot.gpu import hook as gpu_hook
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
@@ -304,7 +305,7 @@ def test_cancelled_suspend_waits_for_the_driver_then_rolls_back(fake, gpus, gpu_
 # -- preflight refusals ---------------------------------------------------------------------------
 def test_host_memory_short_is_refused(store, fake, gpus, gpu_kernel):
     engine = make_engine(store, fake, gpus, memory_available=lambda: 2 * GIB)
-    with pytest.raises(NotReady, match=r"not enough free host memory .* 2\.00 GiB to move"):
+    with pytest.raises(NotReady, match=r"not enough free host memory .* 2\.0 GiB to move"):
         run(engine.save(target(gpu_kernel)))
     assert fake.ops() == []
     assert_contract(gpu_kernel, fake, store, [])
@@ -359,7 +360,7 @@ def test_restore_refuses_other_gpus_drivers_and_short_memory(
                                                          "GPU-1", 80 * GIB))),
         ("here it is a NVIDIA Fake A100", lambda: gpus.devices.__setitem__(
             0, ("NVIDIA Fake A100", original[0][1], 80 * GIB))),
-        ("needs 2.00 GiB there", lambda: setattr(gpus, "free", GIB)),
+        ("needs 2.0 GiB there", lambda: setattr(gpus, "free", GIB)),
         ("driver 580.159.04; this machine has 590.1.2", lambda: setattr(fake, "version",
                                                                         "590.1.2")),
     ]
