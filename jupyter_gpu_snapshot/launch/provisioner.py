@@ -72,6 +72,15 @@ def wait_for_namespace_init(launcher_pid: int, timeout: float = _INIT_WAIT_SECON
     )
 
 
+def root_pid(km: Any) -> int | None:
+    """The pid CRIU dumps of a kernel manager's kernel: our namespace init, else the kernel."""
+    provisioner = getattr(km, "provisioner", None)
+    if provisioner is None or not provisioner.has_process:
+        return None
+    root = getattr(provisioner, "root_pid", None) or getattr(provisioner, "pid", None)
+    return int(root) if root else None
+
+
 @dataclass(frozen=True)
 class Adoption:
     """A kernel tree already restored by the engine, for the kernel manager to adopt."""

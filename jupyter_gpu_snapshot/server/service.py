@@ -26,9 +26,10 @@ from ..core import procfs
 from ..core.engine import RestoredKernel, SaveTarget, SnapshotEngine
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.store import Snapshot, validate_name
-from ..launch.provisioner import ADOPT_KWARG, Adoption
+from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
+from .status import TreeFacts
 from .status import kernel_status as describe_kernel
 
 # How long a save waits for a kernel that is still starting to answer.
@@ -66,16 +67,20 @@ class SnapshotService:
         self.log = log or logging.getLogger(__name__)
         self.jobs = jobs or JobRunner(log=self.log)
         self._background: set[asyncio.Future[bool]] = set()
+        self.tree_facts = TreeFacts(engine.criu)
 
     # -- snapshots -------------------------------------------------------------------------
-    def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
-        return [s.summary() for s in self.engine.list(notebook_path)]
+    # The engine reads and removes files: every call of it runs in a worker thread, so the
+    # event loop answers other requests meanwhile.
+    async def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        found = await asyncio.to_thread(self.engine.list, notebook_path)
+        return [s.summary() for s in found]
 
-    def get_snapshot(self, ref: str) -> dict[str, Any]:
-        return self.engine.get(ref).summary()
+    async def get_snapshot(self, ref: str) -> dict[str, Any]:
+        return (await asyncio.to_thread(self.engine.get, ref)).summary()
 
-    def delete_snapshot(self, ref: str) -> None:
-        snapshot = self.engine.get(ref)
+    async def delete_snapshot(self, ref: str) -> None:
+        snapshot = await asyncio.to_thread(self.engine.get, ref)
         holder = self.jobs.busy_with(snapshot_key(snapshot.id))
         if holder is not None:
             raise Busy(
@@ -83,7 +88,7 @@ class SnapshotService:
                 f"snapshot {snapshot.id} is being restored (job {holder.id})",
                 hint="wait for the restore to finish",
             )
-        self.engine.delete(snapshot.id)
+        await asyncio.to_thread(self.engine.delete, snapshot.id)
 
     # -- kernels ---------------------------------------------------------------------------
     def kernel(self, kernel_id: str) -> Any:
@@ -95,15 +100,6 @@ class SnapshotService:
                 hint="GET /api/kernels lists the running kernels",
             )
         return self.kernel_manager.get_kernel(kernel_id)
-
-    @staticmethod
-    def root_pid(km: Any) -> int | None:
-        """The pid CRIU dumps: our provisioner's namespace init, else the kernel's own."""
-        provisioner = getattr(km, "provisioner", None)
-        if provisioner is None or not provisioner.has_process:
-            return None
-        root = getattr(provisioner, "root_pid", None) or getattr(provisioner, "pid", None)
-        return int(root) if root else None
 
     async def _sessions(self) -> list[dict[str, Any]]:
         if self.session_manager is None:
@@ -118,7 +114,17 @@ class SnapshotService:
 
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
         """Readiness, CUDA state, last snapshot and running job of a kernel."""
-        return await describe_kernel(self, kernel_id)
+        km = self.kernel(kernel_id)
+        return await describe_kernel(
+            kernel_id,
+            km.kernel_name,
+            root_pid(km),
+            await self.notebook_path(kernel_id),
+            await asyncio.to_thread(self.engine.list),
+            self.running_job(kernel_id),
+            self.tree_facts,
+            self.log,
+        )
 
     def running_job(self, kernel_id: str) -> Job | None:
         return self.jobs.busy_with(kernel_key(kernel_id))
@@ -135,7 +141,7 @@ class SnapshotService:
         self.kernel(kernel_id)
         if name is not None:
             validate_name(name)
-            if self.engine.store.find_name(name) is not None:
+            if await asyncio.to_thread(self.engine.find_name, name) is not None:
                 raise InvalidRequest(
                     "preflight",
                     f"a snapshot named {name!r} exists already",
@@ -150,7 +156,7 @@ class SnapshotService:
         self, job: Job, kernel_id: str, name: str | None, stop: bool, reason: str
     ) -> dict[str, Any]:
         km = self.kernel(kernel_id)
-        root = self.root_pid(km)
+        root = root_pid(km)
         if root is None:
             raise NotFound("preflight", f"kernel {kernel_id} has no running process")
         spec = getattr(km, "kernel_spec", None)
@@ -179,7 +185,7 @@ class SnapshotService:
         job.snapshot_id = snapshot.id
         if stop:
             await self._shutdown_quietly(kernel_id)
-        self._apply_retention(snapshot)
+        await self._apply_retention(snapshot)
         return snapshot.summary()
 
     async def _until_answering(self, km: Any, kernel_id: str) -> None:
@@ -218,18 +224,18 @@ class SnapshotService:
         except Exception:  # the snapshot is safe; a slot that lingers is only untidy
             self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
 
-    def _apply_retention(self, snapshot: Snapshot) -> None:
+    async def _apply_retention(self, snapshot: Snapshot) -> None:
         """Keep the newest ``keep_last`` snapshots of the snapshot's notebook."""
         keep = int(self.settings.keep_last)
         notebook = snapshot.notebook_path
         # Snapshots of kernels without a notebook are never pruned: nothing groups them.
         if keep <= 0 or notebook is None:
             return
-        for old in self.engine.list(notebook)[:-keep]:
+        for old in (await asyncio.to_thread(self.engine.list, notebook))[:-keep]:
             if self.jobs.busy_with(snapshot_key(old.id)) is not None:
                 continue
             try:
-                self.engine.delete(old.id)
+                await asyncio.to_thread(self.engine.delete, old.id)
                 self.log.info("gpu-snapshot: retention removed snapshot %s of %s", old.id, notebook)
             except (SnapshotError, OSError) as exc:
                 self.log.warning("gpu-snapshot: retention could not remove %s: %s", old.id, exc)
@@ -239,7 +245,7 @@ class SnapshotService:
         self, ref: str, path: str | None = None, session_id: str | None = None
     ) -> Job:
         """Validate the request and start a restore job into a new kernel slot."""
-        snapshot = self.engine.get(ref)
+        snapshot = await asyncio.to_thread(self.engine.get, ref)
         session = None
         if session_id is not None:
             session = await self._session(session_id=session_id)
