@@ -8,7 +8,6 @@ over ZMQ with the connection file the server wrote (as ``jupyter console --exist
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import secrets
@@ -29,6 +28,7 @@ import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.kernel.client import ConnectionProblem, ServerLink, SnapshotClient
 
 SERVER_START_SECONDS = 60.0
 
@@ -37,17 +37,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=30)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(30)
-        self.sock.connect(self.path)
 
 
 @dataclass
@@ -141,6 +130,9 @@ class JupyterServer:
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = base / "server.log"
+        where = f"http+unix://{urllib.parse.quote(str(self.sock), safe='')}/" if self.sock else None
+        # The in-kernel REST client, as the magic uses it (no kernel id: tests name kernels).
+        self.http = SnapshotClient(ServerLink(where or self.url, self.token, kernel_id=""))
         self.proc: subprocess.Popen[bytes] | None = None
         self.clients: list[BlockingKernelClient] = []
 
@@ -180,7 +172,7 @@ class JupyterServer:
                 status, _ = self.request("GET", "api/status")
                 if status == 200:
                     return
-            except OSError:
+            except ConnectionProblem:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"jupyter server did not answer: {self.log_tail()}")
@@ -210,20 +202,8 @@ class JupyterServer:
 
     # -- HTTP ------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"token {self.token}"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        if self.sock is not None:
-            conn: http.client.HTTPConnection = _UnixConnection(str(self.sock))
-        else:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request(method, "/" + path, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw, status = resp.read(), resp.status
-        finally:
-            conn.close()
+        """(status, decoded body) of one request, sent the way the magic sends its own."""
+        status, _, raw = self.http.exchange(method, path, body)
         try:
             return status, json.loads(raw) if raw else None
         except ValueError:

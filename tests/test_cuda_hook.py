@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core import gpu_hook, process
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.gpu import hook as gpu_hook
 from jupyter_gpu_snapshot.gpu.driver import (
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_NOT_SUPPORTED,
@@ -92,7 +93,7 @@ def target(kernel: KernelHandle) -> SaveTarget:
 def assert_contract(kernel: KernelHandle, fake: FakeCudaDriver, store: SnapshotStore,
                     listed_before: list[str]) -> None:
     """The failure contract, as the real process and the (fake) driver see it."""
-    assert process.tree_alive(kernel.root_pid)
+    assert procfs.tree_alive(kernel.root_pid)
     assert kernel.execute("counter += 1; print(counter, int(data.sum()))").split()[1] == str(
         sum(range(5_000_000)))
     assert fake.states[kernel.kernel_pid] == ProcessState.RUNNING
@@ -136,7 +137,7 @@ def test_stop_save_then_restore_resumes_cuda_in_the_restored_process(
     old_pid = gpu_kernel.kernel_pid
     snapshot = run(engine.save(target(gpu_kernel), name="stopped", stop=True))
     assert fake.ops(old_pid) == ["lock", "checkpoint"]  # the image holds it checkpointed
-    assert not process.tree_alive(gpu_kernel.root_pid)
+    assert not procfs.tree_alive(gpu_kernel.root_pid)
     gpu_kernel.client.stop_channels()
 
     back = run(engine.restore(snapshot.id))
@@ -225,7 +226,7 @@ def test_failed_state_is_refused_before_anything_is_locked(store, fake, gpus, gp
         run(engine.save(target(gpu_kernel)))
     assert err.value.step == "preflight" and "failed" in err.value.message
     assert fake.ops() == []
-    assert process.tree_alive(gpu_kernel.root_pid)
+    assert procfs.tree_alive(gpu_kernel.root_pid)
     store.ensure()
     assert store.list() == []
 
@@ -244,7 +245,7 @@ def test_failure_that_leaves_the_driver_failed_is_loud(store, fake, gpus, gpu_ke
     with pytest.raises(CudaError) as err:
         run(engine.save(target(gpu_kernel)))
     assert "reports the CUDA state" in err.value.message and "failed" in err.value.message
-    assert process.tree_alive(gpu_kernel.root_pid)  # CPU side still answers
+    assert procfs.tree_alive(gpu_kernel.root_pid)  # CPU side still answers
     assert gpu_kernel.execute("print(counter)").strip() == "0"
 
 
@@ -280,7 +281,7 @@ def test_cancelled_suspend_waits_for_the_driver_then_rolls_back(fake, gpus, gpu_
     fake.delays["checkpoint"] = 1.0
     hook = CudaCheckpointHook(drop_caches=False, driver=fake.status, inventory=gpus,
                               memory_available=lambda: 64 * GIB)
-    kernel = process.inspect_kernel(gpu_kernel.root_pid)
+    kernel = procfs.inspect_kernel(gpu_kernel.root_pid)
     ctx = SaveContext(target(gpu_kernel), kernel, "20260101T000000Z-0000abcd", Path(),
                       False, lambda _: None)
 
@@ -304,7 +305,7 @@ def test_cancelled_suspend_waits_for_the_driver_then_rolls_back(fake, gpus, gpu_
 # -- preflight refusals ---------------------------------------------------------------------------
 def test_host_memory_short_is_refused(store, fake, gpus, gpu_kernel):
     engine = make_engine(store, fake, gpus, memory_available=lambda: 2 * GIB)
-    with pytest.raises(NotReady, match=r"not enough free host memory .* 2\.00 GiB to move"):
+    with pytest.raises(NotReady, match=r"not enough free host memory .* 2\.0 GiB to move"):
         run(engine.save(target(gpu_kernel)))
     assert fake.ops() == []
     assert_contract(gpu_kernel, fake, store, [])
@@ -359,7 +360,7 @@ def test_restore_refuses_other_gpus_drivers_and_short_memory(
                                                          "GPU-1", 80 * GIB))),
         ("here it is a NVIDIA Fake A100", lambda: gpus.devices.__setitem__(
             0, ("NVIDIA Fake A100", original[0][1], 80 * GIB))),
-        ("needs 2.00 GiB there", lambda: setattr(gpus, "free", GIB)),
+        ("needs 2.0 GiB there", lambda: setattr(gpus, "free", GIB)),
         ("driver 580.159.04; this machine has 590.1.2", lambda: setattr(fake, "version",
                                                                         "590.1.2")),
     ]
@@ -369,7 +370,7 @@ def test_restore_refuses_other_gpus_drivers_and_short_memory(
         change()
         with pytest.raises(NotReady, match=says):
             run(make_engine(store, fake, gpus).restore(snapshot.id))
-        assert process.ports_in_use(info) == []  # nothing was started
+        assert procfs.ports_in_use(info) == []  # nothing was started
     # Same model, other UUID: restored onto it, with the pair handed to the driver.
     gpus.devices[:] = [(original[0][0], "GPU-99999999-1111-2222-3333-444444444444", 80 * GIB)]
     gpus.free, fake.version = None, "580.159.04"

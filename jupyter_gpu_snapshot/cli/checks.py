@@ -9,10 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core import procfs
 from ..core.criu import MIN_VERSION, CriuRunner
 from ..core.errors import SnapshotError
 from ..core.store import SnapshotStore
-from ..gpu.driver import load_driver
+from ..gpu.driver import driver_status
 from ..gpu.inventory import read_inventory
 
 CAP_SYS_PTRACE = 19
@@ -27,14 +28,6 @@ class Check:
     detail: str
     required: bool = True
     fix: str = ""
-
-
-def _effective_caps() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return int(line.split()[1], 16)
-    return 0
 
 
 def check_criu(criu: CriuRunner) -> list[Check]:
@@ -57,7 +50,7 @@ def check_criu(criu: CriuRunner) -> list[Check]:
 def check_privileges() -> Check:
     if os.geteuid() == 0:
         return Check("privileges", True, "running as root")
-    caps = _effective_caps()
+    caps = procfs.effective_capabilities()
     needed = {
         "CAP_CHECKPOINT_RESTORE": CAP_CHECKPOINT_RESTORE,
         "CAP_SYS_ADMIN": CAP_SYS_ADMIN,
@@ -113,7 +106,7 @@ def check_store(store: SnapshotStore) -> Check:
 def check_gpu() -> list[Check]:
     """The NVIDIA driver, its checkpoint API and the GPUs; optional, CPU kernels need none."""
     fix = "NVIDIA driver 570 or newer snapshots GPU kernels; CPU kernels need none"
-    status = load_driver()
+    status = driver_status()
     if status.driver is None:
         return [Check("gpu driver", False, status.problem, required=False, fix=fix)]
     info = status.driver.info

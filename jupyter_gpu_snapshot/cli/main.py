@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jupyter_client import connect
 from jupyter_core.paths import jupyter_runtime_dir
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
@@ -166,12 +166,15 @@ def cmd_save(args: argparse.Namespace) -> int:
 
 
 def write_connection_file(info: dict[str, Any], directory: Path | None = None) -> Path:
+    """A connection file for ``jupyter console --existing``, written by jupyter_client (0600)."""
     directory = directory or Path(jupyter_runtime_dir())
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = directory / f"kernel-{uuid.uuid4()}.json"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f, indent=2)
+    fields = dict(info)
+    key = fields.pop("key", "")
+    connect.write_connection_file(
+        str(path), key=key.encode() if isinstance(key, str) else key, **fields
+    )
     return path
 
 
@@ -225,12 +228,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Bring back a kernel that a killed save left stopped or with its CUDA locked."""
     from ..gpu.checkpoint import CudaCheckpoint
-    from ..gpu.driver import load_driver
+    from ..gpu.driver import driver_status
 
     kernel = procfs.inspect_kernel(args.pid)
     pids = [p.pid for p in procfs.tree(kernel.root_pid)]
     procfs.continue_tree(kernel.root_pid)
-    status = load_driver()
+    status = driver_status()
     if status.driver is None:
         out.print(f"woke pids {pids}; no CUDA to resume ({status.problem})")
         return 0

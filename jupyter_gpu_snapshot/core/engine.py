@@ -30,8 +30,10 @@ from typing import Any
 from .._constants import KERNEL_NAME, format_bytes
 from .._version import __version__
 from . import procfs
+from .background import run_in_background
 from .criu import CriuRunner
 from .errors import Busy, InvalidRequest, SnapshotError
+from .index import SnapshotIndex
 from .store import Snapshot, SnapshotStore, new_snapshot_id, validate_name
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
@@ -145,17 +147,23 @@ class SnapshotEngine:
         self.store = store or SnapshotStore()
         self.criu = criu or CriuRunner()
         self.hooks = list(hooks)
+        self.index = SnapshotIndex(self.store)
         self._busy: set[int | str] = set()
 
     # -- queries ---------------------------------------------------------------------------
+    # These read the disk: callers on an event loop run them in a thread.
     def list(self, notebook_path: str | None = None) -> list[Snapshot]:
-        return self.store.list(notebook_path)
+        return self.index.list(notebook_path)
 
     def get(self, ref: str) -> Snapshot:
-        return self.store.get(ref)
+        return self.index.get(ref)
+
+    def find_name(self, name: str) -> Snapshot | None:
+        return self.index.find_name(name)
 
     def delete(self, ref: str) -> Snapshot:
-        return self.store.delete(ref)
+        """Remove a snapshot; slow for a big one (it removes gigabytes)."""
+        return self.store.delete(self.index.get(ref).id)
 
     def logs_dir(self) -> Path:
         path = self.store.ensure() / "logs"
@@ -197,13 +205,13 @@ class SnapshotEngine:
         report(Progress("preflight"))
         if name is not None:
             validate_name(name)
-            if self.store.find_name(name) is not None:
+            if await asyncio.to_thread(self.find_name, name) is not None:
                 raise InvalidRequest(
                     "preflight",
                     f"a snapshot named {name!r} exists already",
                     hint="pick another name, or delete the old one first",
                 )
-        kernel = procfs.inspect_kernel(target.pid)
+        kernel = await asyncio.to_thread(procfs.inspect_kernel, target.pid)
         procfs.require_ready(kernel)
         self._claim(kernel.root_pid, f"kernel pid {kernel.kernel_pid}")
         try:
@@ -223,16 +231,17 @@ class SnapshotEngine:
         report: ProgressCallback,
         started: float,
     ) -> Snapshot:
-        criu_version = self.criu.require_version()
+        criu_version = await asyncio.to_thread(self.criu.require_version)
         snapshot_id = new_snapshot_id()
         ctx = SaveContext(target, kernel, snapshot_id, Path(), stop, report)
-        # Read now: with stop=True the tree is gone once criu is done.
-        log_files = _append_only_files(kernel.root_pid)
-        python_exe = _python_of(kernel.kernel_pid)
+        # Read now: with stop=True the tree is gone once criu is done. They must exist at
+        # restore; CRIU does not check their size, so an empty one elsewhere is enough.
+        log_files = await asyncio.to_thread(procfs.append_only_files, kernel.root_pid)
+        python_exe = await asyncio.to_thread(_python_of, kernel.kernel_pid)
         for hook in self.hooks:
             await hook.preflight_save(ctx)
-        estimate = procfs.tree_rss(kernel.root_pid) + ctx.extra_bytes
-        free = self.store.free_bytes()
+        estimate = await asyncio.to_thread(procfs.tree_rss, kernel.root_pid) + ctx.extra_bytes
+        free = await asyncio.to_thread(self.store.free_bytes)
         if free < estimate + DISK_MARGIN_BYTES:
             raise SnapshotError(
                 "preflight",
@@ -240,7 +249,7 @@ class SnapshotEngine:
                 f"{format_bytes(free)} free in {self.store.root}",
                 hint="free some space or delete old snapshots",
             )
-        partial = self.store.begin(snapshot_id)
+        partial = await asyncio.to_thread(self.store.begin, snapshot_id)
         ctx.images_dir = partial
         work = Path(tempfile.mkdtemp(prefix="jupyter-gpu-snapshot-dump-"))
         timings: dict[str, float] = {"preflight": time.monotonic() - started}
@@ -266,7 +275,8 @@ class SnapshotEngine:
             run = await self.criu.run(argv, work / "dump.log", on_tick=dump_tick)
             timings["dump"] = time.monotonic() - t
             if run.returncode != 0:
-                error = self.criu.failure("dump", run, self._keep_log(run.log_path, "dump"))
+                kept = await asyncio.to_thread(self._keep_log, run.log_path, "dump")
+                error = self.criu.failure("dump", run, kept)
         except BaseException as exc:  # a hook failed: roll back what ran
             error = exc
         finally:
@@ -278,9 +288,9 @@ class SnapshotEngine:
         timings["resume"] = time.monotonic() - t
         timings["pause"] = time.monotonic() - pause_started
         if error is not None or resume_error is not None:
-            self.store.abort(partial)
+            await asyncio.to_thread(self.store.abort, partial)
             if not stop or error is not None:
-                procfs.continue_tree(kernel.root_pid)
+                await asyncio.to_thread(procfs.continue_tree, kernel.root_pid)
             failure = error or resume_error
             if isinstance(failure, SnapshotError):
                 raise failure
@@ -291,14 +301,14 @@ class SnapshotEngine:
         manifest = self._manifest(ctx, name, criu_version, log_files, python_exe)
         manifest["timings"] = timings
         try:
-            snapshot = await asyncio.to_thread(
+            snapshot = await run_in_background(
                 self.store.commit,
                 partial,
                 manifest,
                 lambda done, total: report(Progress("commit", done, total)),
             )
         except Exception as exc:
-            self.store.abort(partial)
+            await asyncio.to_thread(self.store.abort, partial)
             cause = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
             raise SnapshotError(
                 "commit", f"could not write the snapshot to {self.store.root}: {cause}"
@@ -362,7 +372,7 @@ class SnapshotEngine:
     ) -> RestoredKernel:
         """Bring a snapshot back as a running process tree in a new PID namespace."""
         report = _throttled(progress)
-        snapshot = ref if isinstance(ref, Snapshot) else self.store.get(ref)
+        snapshot = ref if isinstance(ref, Snapshot) else await asyncio.to_thread(self.get, ref)
         self._claim(snapshot.id, f"snapshot {snapshot.id}")
         try:
             return await asyncio.shield(self._restore(snapshot, report))
@@ -373,16 +383,16 @@ class SnapshotEngine:
         timings: dict[str, float] = {}
         started = time.monotonic()
         report(Progress("verify", 0, snapshot.size_bytes))
-        await asyncio.to_thread(
+        await run_in_background(
             self.store.verify, snapshot, lambda d, t: report(Progress("verify", d, t))
         )
         timings["verify"] = time.monotonic() - started
 
         t = time.monotonic()
         report(Progress("preflight"))
-        self.criu.require_version()
+        await asyncio.to_thread(self.criu.require_version)
         info = snapshot.connection_info
-        busy = procfs.ports_in_use(info)
+        busy = await asyncio.to_thread(procfs.ports_in_use, info)
         if busy:
             raise SnapshotError(
                 "preflight",
@@ -391,7 +401,7 @@ class SnapshotEngine:
                 "Shut it down first",
             )
         for path in snapshot.manifest["kernel"].get("log_files", []):
-            _ensure_append_file(Path(path))
+            await asyncio.to_thread(_ensure_append_file, Path(path))
         ctx = RestoreContext(snapshot, report)
         for hook in self.hooks:
             await hook.preflight_restore(ctx)
@@ -407,7 +417,8 @@ class SnapshotEngine:
             )
             timings["restore"] = time.monotonic() - t
             if run.returncode != 0:
-                raise self.criu.failure("restore", run, self._keep_log(run.log_path, "restore"))
+                kept = await asyncio.to_thread(self._keep_log, run.log_path, "restore")
+                raise self.criu.failure("restore", run, kept)
             try:
                 ctx.root_pid = int(pidfile.read_text().strip())
             except (OSError, ValueError) as exc:
@@ -424,7 +435,7 @@ class SnapshotEngine:
                 await hook.after_restore(ctx)
         except BaseException as exc:
             # A half-restored kernel (CUDA not back) must not linger holding the ports.
-            procfs.kill_tree(ctx.root_pid)
+            await asyncio.to_thread(procfs.kill_tree, ctx.root_pid)
             if isinstance(exc, SnapshotError):
                 raise
             raise SnapshotError("resume", f"{type(exc).__name__}: {exc}") from exc
@@ -470,23 +481,6 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def _append_only_files(root: int) -> list[str]:
-    """Files the tree has open write-only for appending (kernel logs).
-
-    They must exist at restore; CRIU does not check their size, so recreating an empty one
-    on another machine is enough.
-    """
-    found: set[str] = set()
-    for proc in procfs.tree(root):
-        try:
-            for f in proc.open_files():
-                if f.mode == "a":
-                    found.add(f.path)
-        except Exception:
-            continue
-    return sorted(found)
-
-
 def _ensure_append_file(path: Path) -> None:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -496,8 +490,7 @@ def _ensure_append_file(path: Path) -> None:
 
 def _python_of(pid: int) -> str:
     """The kernel's interpreter, e.g. ``python3.11 (/path/bin/python3.11)``."""
-    try:
-        exe = os.readlink(f"/proc/{pid}/exe")
-    except OSError:
+    exe = procfs.executable(pid)
+    if exe is None:
         return sys.version.split()[0]
     return f"{Path(exe).name} ({exe})"

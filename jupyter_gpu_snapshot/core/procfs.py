@@ -1,4 +1,6 @@
-"""Facts about a kernel's process tree, read from /proc.
+"""Facts about a kernel's process tree, read from /proc: the one place that reads it
+outside the kernel itself. psutil answers wherever it can; /proc is read directly only
+for what psutil does not offer (namespaces, NSpid, capabilities, device fds, maps).
 
 A snapshot-ready kernel runs as the child of a small init that is PID 1 of its own PID
 namespace (see ``nsinit``). CRIU dumps that init with everything below it.
@@ -22,12 +24,61 @@ import psutil
 from .errors import NotFound, NotReady
 
 
-def _status_field(pid: int, key: str) -> list[str]:
+def _status_field(pid: int | str, key: str) -> list[str]:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return line.split(":", 1)[1].split()
     return []
+
+
+def ns_pid(pid: int) -> int:
+    """The pid of ``pid`` inside its innermost PID namespace (itself if it has no other)."""
+    with contextlib.suppress(OSError, ValueError):
+        nspids = _status_field(pid, "NSpid")
+        if nspids:
+            return int(nspids[-1])
+    return pid
+
+
+def effective_capabilities(pid: int | str = "self") -> int:
+    """The CapEff bit mask of a process (ours by default)."""
+    caps = _status_field(pid, "CapEff")
+    return int(caps[0], 16) if caps else 0
+
+
+def pids_with_open(pids: list[int], path_prefix: str) -> list[int]:
+    """The pids that hold a descriptor on a path starting with ``path_prefix``.
+
+    psutil's ``open_files`` lists regular files only; device files (``/dev/nvidia*``) need
+    the fd links.
+    """
+    holders = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(path_prefix):
+                        holders.append(pid)
+                        break
+    return holders
+
+
+def append_only_files(root: int) -> list[str]:
+    """Files the tree has open write-only for appending (kernel logs)."""
+    found: set[str] = set()
+    for proc in tree(root):
+        with contextlib.suppress(psutil.Error):
+            found.update(f.path for f in proc.open_files() if f.mode == "a")
+    return sorted(found)
+
+
+def executable(pid: int) -> str | None:
+    """The path of the program a process runs, or None when it cannot be read."""
+    try:
+        return str(psutil.Process(pid).exe()) or None
+    except psutil.Error:
+        return None
 
 
 def pid_namespace(pid: int) -> str:
@@ -87,6 +138,30 @@ def kill_tree(root: int) -> None:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         psutil.wait_procs(procs, timeout=5)
+
+
+def tree_maps_library(root: int, library: str) -> bool:
+    """Whether any process of the tree has a library mapped, e.g. ``libcuda.so``.
+
+    psutil's ``memory_maps`` reads smaps, which costs a walk of every page table; the
+    plain maps file is enough to see a name.
+    """
+    try:
+        procs = tree(root)
+    except psutil.Error:  # a vanished tree maps nothing
+        return False
+    for proc in procs:
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as f:
+            if any(library in line for line in f):
+                return True
+    return False
+
+
+def _ppid(proc: psutil.Process) -> int:
+    try:
+        return int(proc.ppid())
+    except psutil.Error:
+        return -1
 
 
 def kernel_of(root: int) -> psutil.Process | None:
@@ -200,16 +275,21 @@ def inspect_kernel(pid: int) -> KernelProcess:
         )
     else:
         root = init
-        found = psutil.Process(pid) if pid != init else kernel_of(init)
-        if found is None:
-            raise NotFound("preflight", f"process {pid} has exited")
-        kernel = found
+        kernel = psutil.Process(pid)
+    # One walk of the host's process table (psutil reads every /proc/N/stat for it).
+    try:
+        procs = tree(root)
+    except psutil.NoSuchProcess:
+        raise NotFound("preflight", f"process {pid} has exited") from None
+    if init is not None and pid == init:
+        # The kernel is the init's first child, as ``kernel_of`` says.
+        children = sorted((p for p in procs[1:] if _ppid(p) == init), key=lambda p: p.pid)
+        kernel = children[0] if children else procs[0]
     with contextlib.suppress(psutil.Error):
         if "JPY_PARENT_PID" in kernel.environ():
             problems.append(
                 "it polls its parent process (JPY_PARENT_PID is set) and would exit after restore"
             )
-    procs = tree(root)
     internal = _descriptors_shared_within(procs)
     for proc in procs:
         for fd, label in ((0, "stdin"), (1, "stdout"), (2, "stderr")):

@@ -6,8 +6,6 @@ into the process's host memory, GPU released) and back: checkpointed -> locked (
 
 Backends, first usable wins:
 - ``LibcudaDriver``: ``libcuda.so.1`` through ctypes, in-process (about 1 ms for a lock).
-- ``CudaBindingsDriver``: the same calls through ``cuda.bindings.driver`` when installed
-  (chosen only by name: it adds nothing ctypes cannot do, but some sites pin it).
 - ``CudaCheckpointCli``: the ``cuda-checkpoint`` binary, only when the driver lacks the API
   but the binary is on PATH (driver 550 ships ``--toggle`` only). Each call costs seconds.
 """
@@ -17,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
-import importlib
+import functools
 import os
 import shutil
 import subprocess
@@ -130,10 +128,6 @@ class DriverInfo:
     def gpu_remap(self) -> bool:
         """Restore onto GPUs with other UUIDs (``gpuPairs``) from driver 570."""
         return self.major >= 570
-
-    def features(self) -> dict[str, bool]:
-        return {"checkpoint_api": self.has_api, "lock_timeout": self.lock_timeout,
-                "gpu_remap": self.gpu_remap}
 
 
 class CheckpointDriver(Protocol):
@@ -264,59 +258,6 @@ class LibcudaDriver:
         return tid.value if result == CUDA_SUCCESS and tid.value > 0 else None
 
 
-# -- cuda.bindings.driver ---------------------------------------------------------------------
-class CudaBindingsDriver:
-    """The same calls through NVIDIA's cuda-bindings package."""
-
-    def __init__(self) -> None:
-        driver: Any = importlib.import_module("cuda.bindings.driver")
-        self._d = driver
-        (_, version) = driver.cuDriverGetVersion()
-        has_api = all(hasattr(driver, name) for name in API_SYMBOLS)
-        self.info = DriverInfo(driver_version_string(), int(version), "cuda-bindings", has_api)
-        (self._init_err,) = driver.cuInit(0)
-
-    def _check(self, call: str, pid: int, err: Any) -> None:
-        if int(err) != CUDA_SUCCESS:
-            raise DriverCallError(call, pid, int(err))
-
-    def state(self, pid: int) -> ProcessState | None:
-        if int(self._init_err) == CUDA_ERROR_NO_DEVICE:
-            return None
-        err, value = self._d.cuCheckpointProcessGetState(pid)
-        if int(err) == CUDA_ERROR_NOT_INITIALIZED or (
-            int(err) in (CUDA_ERROR_OPERATING_SYSTEM, CUDA_ERROR_NOT_FOUND) and _process_gone(pid)
-        ):
-            return None
-        self._check("cuCheckpointProcessGetState", pid, err)
-        return _STATES[int(value)]
-
-    def lock(self, pid: int, timeout_ms: int) -> None:
-        args = self._d.CUcheckpointLockArgs()
-        args.timeoutMs = timeout_ms
-        (err,) = self._d.cuCheckpointProcessLock(pid, args)
-        self._check("cuCheckpointProcessLock", pid, err)
-
-    def checkpoint(self, pid: int) -> None:
-        (err,) = self._d.cuCheckpointProcessCheckpoint(pid, None)
-        self._check("cuCheckpointProcessCheckpoint", pid, err)
-
-    def restore(self, pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
-        if gpu_pairs:
-            raise DriverCallError("cuCheckpointProcessRestore", pid, CUDA_ERROR_NOT_SUPPORTED,
-                                  "restoring onto other GPUs needs the libcuda backend")
-        (err,) = self._d.cuCheckpointProcessRestore(pid, None)
-        self._check("cuCheckpointProcessRestore", pid, err)
-
-    def unlock(self, pid: int) -> None:
-        (err,) = self._d.cuCheckpointProcessUnlock(pid, None)
-        self._check("cuCheckpointProcessUnlock", pid, err)
-
-    def restore_thread_id(self, pid: int) -> int | None:
-        err, tid = self._d.cuCheckpointProcessGetRestoreThreadId(pid)
-        return int(tid) if int(err) == CUDA_SUCCESS and int(tid) > 0 else None
-
-
 # -- the cuda-checkpoint binary ---------------------------------------------------------------
 class CudaCheckpointCli:
     """``cuda-checkpoint`` as a fallback; with only ``--toggle`` (driver 550), lock and
@@ -386,7 +327,7 @@ class DriverStatus:
 
 
 def load_driver(backend: str = "auto") -> DriverStatus:
-    """The first usable backend (``auto``), or the one named: libcuda, cuda-bindings, cli."""
+    """The first usable backend (``auto``), or the one named: libcuda or cli."""
     info: DriverInfo | None = None
     problem = ""
     if backend in ("auto", "libcuda"):
@@ -400,12 +341,6 @@ def load_driver(backend: str = "auto") -> DriverStatus:
                 return DriverStatus(lib, info=info)
             problem = (f"driver {lib.info.version or lib.info.cuda_version} has no CUDA "
                        "checkpoint API (driver 550 or newer is needed, 570+ recommended)")
-    if backend == "cuda-bindings":
-        try:
-            bindings = CudaBindingsDriver()
-        except Exception as exc:  # any import or driver problem means "not usable here"
-            return DriverStatus(None, f"cuda-bindings unusable: {exc}")
-        return DriverStatus(bindings, info=bindings.info)
     if backend in ("auto", "cli"):
         exe = shutil.which("cuda-checkpoint")
         if exe:
@@ -414,3 +349,9 @@ def load_driver(backend: str = "auto") -> DriverStatus:
         if backend == "cli":
             problem = "cuda-checkpoint is not on PATH"
     return DriverStatus(None, problem, info)
+
+
+@functools.cache
+def driver_status() -> DriverStatus:
+    """``load_driver()``, once per process: the server, the CLI and the GPU hook share it."""
+    return load_driver()

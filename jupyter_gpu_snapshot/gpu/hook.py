@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -29,7 +28,7 @@ from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.errors import NotReady
 from .allocator_caches import CacheRelease, release_in_kernel
 from .checkpoint import CudaCheckpoint, CudaProcess
-from .driver import CudaError, DriverStatus, ProcessState, load_driver
+from .driver import CudaError, DriverStatus, ProcessState, driver_status
 from .inventory import GpuInventory, host_memory_available, read_inventory
 
 T = TypeVar("T")
@@ -63,30 +62,12 @@ async def uninterruptible(fn: Callable[..., T], *args: Any) -> T:
     return result
 
 
-def ns_pid(pid: int) -> int:
-    """The pid of ``pid`` inside its innermost PID namespace."""
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    return pid
-
-
 GPU_DEVICE_PREFIX = "/dev/nvidia"
 
 
 def gpu_device_users(pids: list[int]) -> list[int]:
     """Pids that have an NVIDIA device file open (to spot GPU use without a driver API)."""
-    users = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(GPU_DEVICE_PREFIX):
-                        users.append(pid)
-                        break
-    return users
-
+    return procfs.pids_with_open(pids, GPU_DEVICE_PREFIX)
 
 
 @dataclass
@@ -119,7 +100,7 @@ class CudaCheckpointHook(SnapshotHook):
         lock_timeout: float = 10.0,
         drop_caches: bool = True,
         *,
-        driver: Callable[[], DriverStatus] = load_driver,
+        driver: Callable[[], DriverStatus] = driver_status,
         inventory: Callable[[], GpuInventory | None] = read_inventory,
         release_caches: CacheReleaser | None = None,
         memory_available: Callable[[], int] = host_memory_available,
@@ -246,7 +227,7 @@ class CudaCheckpointHook(SnapshotHook):
             "backend": info.backend,
             "devices": [d.to_dict() for d in inventory.devices] if inventory else [],
             "processes": [
-                {"pid": p.pid, "ns_pid": ns_pid(p.pid),
+                {"pid": p.pid, "ns_pid": procfs.ns_pid(p.pid),
                  "gpu_bytes": sum(save.moved[p.pid].values()), "devices": save.moved[p.pid]}
                 for p in save.procs
             ],
@@ -302,7 +283,7 @@ class CudaCheckpointHook(SnapshotHook):
         pairs = self._gpu_pairs.pop(ctx.snapshot.id, [])
         driver = self.driver_status().driver
         assert driver is not None  # preflight_restore refused otherwise
-        by_ns_pid = {ns_pid(p.pid): p.pid for p in procfs.tree(ctx.root_pid)}
+        by_ns_pid = {procfs.ns_pid(p.pid): p.pid for p in procfs.tree(ctx.root_pid)}
         procs = []
         for saved in gpu["processes"]:
             host = by_ns_pid.get(int(saved["ns_pid"]))

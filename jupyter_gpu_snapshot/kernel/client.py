@@ -166,16 +166,13 @@ class SnapshotClient:
         return self._link if self._link is not None else ServerLink.from_env()
 
     # -- plumbing --------------------------------------------------------------------------
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Json | None = None,
-        *,
-        step: str = "request",
-        timeout: float | None = None,
-    ) -> Any:
-        """One request to ``{url}{path}``; the decoded JSON answer, or None for 204."""
+    def exchange(
+        self, method: str, path: str, body: Json | None = None, *, timeout: float | None = None
+    ) -> tuple[int, str, bytes]:
+        """Send one request to ``{url}{path}``; the status, reason and raw body, unchecked.
+
+        Raises ConnectionProblem when the server cannot be reached.
+        """
         data = json.dumps(body).encode() if body is not None else None
         link = self.link
         headers = {"Accept": "application/json"}
@@ -189,7 +186,7 @@ class SnapshotClient:
             try:
                 conn.request(method, target.path + path, body=data, headers=headers)
                 resp = conn.getresponse()
-                raw = resp.read()
+                return resp.status, resp.reason, resp.read()
             finally:
                 conn.close()
         except (http.client.HTTPException, OSError) as exc:
@@ -198,15 +195,28 @@ class SnapshotClient:
                 f"cannot reach the Jupyter server at {link.url} ({_describe(exc)})",
                 hint="Is the server still running?",
             ) from None
-        if resp.status >= 400:
-            raise _api_error(resp.status, resp.reason, raw, step, link.url + path)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Json | None = None,
+        *,
+        step: str = "request",
+        timeout: float | None = None,
+    ) -> Any:
+        """One request to ``{url}{path}``; the decoded JSON answer, or None for 204."""
+        link = self.link
+        status, reason, raw = self.exchange(method, path, body, timeout=timeout)
+        if status >= 400:
+            raise _api_error(status, reason, raw, step, link.url + path)
         if not raw:
             return None
         try:
             return json.loads(raw)
         except ValueError:
             raise ApiError(
-                resp.status, step, f"the server at {link.url} answered {path} with "
+                status, step, f"the server at {link.url} answered {path} with "
                 "something other than JSON", hint=_NO_EXTENSION_HINT,
             ) from None
 

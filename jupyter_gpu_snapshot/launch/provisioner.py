@@ -1,10 +1,11 @@
 """A kernel provisioner whose kernels can be snapshotted and restored.
 
-It launches ipykernel the way the measured facts in DESIGN.md require: in its own PID
-namespace under a small init (``launch/nsinit.py``), in its own session, with no parent
-polling and with stdio on /dev/null and a per-kernel log file. It can also adopt a kernel
-restored from a snapshot instead of launching one, so the server's kernel manager treats
-the restored process as a normal kernel.
+It launches ipykernel the way a restore needs it (docs/architecture.md, "Launching
+kernels"): in its own PID namespace under a small init (``launch/nsinit.py``), in its own
+session, with no parent polling and with stdio on /dev/null and a per-kernel log file. It
+can also adopt a kernel tree that the engine has already restored, so the server's kernel
+manager treats the restored process as a normal kernel. It receives plain data for that
+(an ``Adoption``), never the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,24 +26,17 @@ import psutil
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from jupyter_core.paths import jupyter_runtime_dir
-from jupyter_core.utils import ensure_async
 from traitlets import Unicode
 
 from .._constants import ENV_KERNEL_ID, ENV_TOKEN, ENV_URL, KERNEL_ENV_NAMES
-from ..config import GPUSnapshot
 from ..core import procfs
-from ..core.engine import ProgressCallback, RestoredKernel, SnapshotEngine
-from ..engines import make_engine
 
 NSINIT = Path(__file__).with_name("nsinit.py")
 # Kernel start must fail loudly, not hang, if the namespace init never shows up.
 _INIT_WAIT_SECONDS = 10.0
-# Keyword arguments of ``KernelManager.start_kernel`` that ask for an adoption; they must
-# never reach Popen, and a restart finds them again in the manager's launch arguments.
-RESTORE_KWARGS = ("restore_snapshot", "restore_engine", "restore_progress")
-# How long the message telling a restored kernel its new slot waits for a reply; the
-# kernel runs it after a running cell even when nobody waits any more.
-_ENV_REFRESH_SECONDS = 10.0
+# The keyword argument of ``KernelManager.start_kernel`` that asks for an adoption; it must
+# never reach Popen, and a restart finds it again in the manager's launch arguments.
+ADOPT_KWARG = "adopt"
 
 
 def kernel_log_dir() -> Path:
@@ -77,36 +72,22 @@ def wait_for_namespace_init(launcher_pid: int, timeout: float = _INIT_WAIT_SECON
     )
 
 
-async def refresh_kernel_env(km: Any, env: dict[str, str], log: Any) -> bool:
-    """Update ``os.environ`` inside a running kernel with a silent execute request.
+def root_pid(km: Any) -> int | None:
+    """The pid CRIU dumps of a kernel manager's kernel: our namespace init, else the kernel."""
+    provisioner = getattr(km, "provisioner", None)
+    if provisioner is None or not provisioner.has_process:
+        return None
+    root = getattr(provisioner, "root_pid", None) or getattr(provisioner, "pid", None)
+    return int(root) if root else None
 
-    Silent requests leave no history, no output and no execution count. A kernel busy with
-    a cell runs it after the cell; we stop waiting for the reply after a few seconds.
-    Returns whether the kernel confirmed; failures are logged, never raised.
-    """
-    try:
-        client = km.client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-    except Exception as exc:
-        log.warning("could not tell the restored kernel its new environment: %s", exc)
-        return False
-    try:
-        code = f"__import__('os').environ.update({env!r})"
-        msg_id = client.execute(code, silent=True, store_history=False)
-        deadline = time.monotonic() + _ENV_REFRESH_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                reply = await ensure_async(
-                    client.get_shell_msg(timeout=max(0.0, deadline - time.monotonic()))
-                )
-            except Exception:  # queue.Empty on timeout: the kernel is busy with a cell
-                break
-            if reply.get("parent_header", {}).get("msg_id") == msg_id:
-                return bool(reply["content"].get("status") == "ok")
-        log.info("the restored kernel has not yet taken its new environment (it is busy)")
-        return False
-    finally:
-        client.stop_channels()
+
+@dataclass(frozen=True)
+class Adoption:
+    """A kernel tree already restored by the engine, for the kernel manager to adopt."""
+
+    pid: int  # host pid of the tree's root (the namespace init)
+    connection_info: dict[str, Any]  # ports and HMAC key the restored kernel listens with
+    snapshot_id: str
 
 
 class AdoptedProcess:
@@ -145,12 +126,11 @@ class AdoptedProcess:
 class SnapshotReadyProvisioner(LocalProvisioner):
     """Launches snapshot-ready kernels; adopts restored ones.
 
-    ``KernelManager.start_kernel(restore_snapshot=ID)`` makes the next launch an adoption:
-    the manager takes the snapshot's connection info (ports and HMAC key, which the restored
-    process still listens with) and ``launch_kernel`` runs the engine's restore instead of
-    starting a process. ``restore_engine`` (a ``SnapshotEngine``) and ``restore_progress``
-    (a progress callback) may come with it; the server extension passes its own. A later
-    restart of that kernel launches a fresh kernel in the same slot.
+    ``KernelManager.start_kernel(adopt=Adoption(...))`` makes the next launch an adoption:
+    the manager takes the restored kernel's connection info (ports and HMAC key, which the
+    restored process still listens with) and ``launch_kernel`` takes the running tree as its
+    process instead of starting one. The caller has restored (and verified) the snapshot
+    before. A later restart of that kernel launches a fresh kernel in the same slot.
     """
 
     log_dir = Unicode(
@@ -176,15 +156,9 @@ class SnapshotReadyProvisioner(LocalProvisioner):
 
     root_pid: int | None = None
     log_path: Path | None = None
-    restored: RestoredKernel | None = None
-    _pending_restore: str | None = None
-    _restore_engine: SnapshotEngine | None = None
-    _restore_progress: ProgressCallback | None = None
-    _restore_used = False
-    _env_refresh: asyncio.Future[bool] | None = None
-
-    def _settings(self) -> GPUSnapshot:
-        return GPUSnapshot(parent=self)
+    adopted_snapshot: str | None = None
+    _pending_adoption: Adoption | None = None
+    _adoption_used = False
 
     def server_env(self) -> dict[str, str]:
         """The variables that tell a kernel which server and kernel slot it belongs to."""
@@ -198,19 +172,15 @@ class SnapshotReadyProvisioner(LocalProvisioner):
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         """Called by ``KernelManager.pre_start_kernel()`` before every (re)start."""
-        snapshot_ref, engine, progress = (kwargs.pop(key, None) for key in RESTORE_KWARGS)
-        # A restart after a restore starts a fresh kernel, not the snapshot again.
-        if snapshot_ref and not self._restore_used:
-            engine = engine or make_engine(self._settings())
-            snapshot = engine.get(snapshot_ref)
+        adoption = kwargs.pop(ADOPT_KWARG, None)
+        # A restart after an adoption starts a fresh kernel, not the old tree again.
+        if isinstance(adoption, Adoption) and not self._adoption_used:
             km = self.parent
             if km is not None:
                 # The restored kernel listens on its original ports with its original key.
-                km.load_connection_info(snapshot.connection_info)
+                km.load_connection_info(adoption.connection_info)
                 km.cache_ports = False
-            self._pending_restore = snapshot.id
-            self._restore_engine = engine
-            self._restore_progress = progress
+            self._pending_adoption = adoption
         kwargs = await super().pre_launch(**kwargs)
         env = dict(kwargs.get("env") or os.environ)
         env.pop("JPY_PARENT_PID", None)
@@ -228,8 +198,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         """Called by ``KernelManager._launch_kernel()`` with the command from ``pre_launch``."""
-        if self._pending_restore is not None:
-            return await self._adopt(self._pending_restore)
+        if self._pending_adoption is not None:
+            return self._adopt(self._pending_adoption)
         assert self.log_path is not None
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -241,39 +211,16 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         self.root_pid = await asyncio.to_thread(wait_for_namespace_init, self.process.pid)
         return info
 
-    async def _adopt(self, snapshot_id: str) -> KernelConnectionInfo:
-        engine = self._restore_engine or make_engine(self._settings())
-        progress = self._restore_progress
-        self._pending_restore = self._restore_engine = self._restore_progress = None
-        self._restore_used = True
-        try:
-            self.restored = await engine.restore(snapshot_id, progress)
-        except BaseException:
-            # The slot never comes to life: its connection file (with the key) must go.
-            km = self.parent
-            if km is not None:
-                with contextlib.suppress(OSError):
-                    km.cleanup_connection_file()
-            raise
-        self.root_pid = self.restored.pid
+    def _adopt(self, adoption: Adoption) -> KernelConnectionInfo:
+        self._pending_adoption = None
+        self._adoption_used = True
+        self.adopted_snapshot = adoption.snapshot_id
+        self.root_pid = adoption.pid
         # LocalProvisioner only polls, waits for and signals its process: duck typing works.
-        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(self.restored.pid))
-        self.pid = self.restored.pid
+        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(adoption.pid))
+        self.pid = adoption.pid
         self.pgid = None
         return self.connection_info
-
-    async def post_launch(self, **kwargs: Any) -> None:
-        """Called by ``KernelManager.post_start_kernel()`` once the kernel runs.
-
-        A restored kernel's environment still names the slot and server it was saved
-        from; tell it the new ones, so %gpu_snapshot inside it addresses this slot. It is
-        not awaited: a kernel restored in the middle of a cell answers after that cell.
-        """
-        await super().post_launch(**kwargs)
-        if self.restored is not None and self.server_url and self.parent is not None:
-            self._env_refresh = asyncio.ensure_future(
-                refresh_kernel_env(self.parent, self.server_env(), self.log)
-            )
 
     async def send_signal(self, signum: int) -> None:
         """Called by ``KernelManager.signal_kernel()``; nsinit forwards it to the kernel."""
@@ -294,9 +241,6 @@ class SnapshotReadyProvisioner(LocalProvisioner):
 
     async def cleanup(self, restart: bool = False) -> None:
         """Called by ``KernelManager.cleanup_resources()``; nothing may outlive the kernel."""
-        if self._env_refresh is not None:
-            self._env_refresh.cancel()
-            self._env_refresh = None
         if self.root_pid is not None and procfs.tree_alive(self.root_pid):
             await asyncio.to_thread(procfs.kill_tree, self.root_pid)
         self.root_pid = None

@@ -154,7 +154,14 @@ class GPUSnapshotApp(ExtensionApp):
             return
         budget = float(self.gpu_settings.shutdown_budget)
         if self.gpu_settings.snapshot_on_shutdown:
-            self.last_shutdown = await snapshot_kernels_on_shutdown(self.service, budget, self.log)
+            service = self.service
+            self.last_shutdown = await snapshot_kernels_on_shutdown(
+                service.kernel_manager,
+                service.jobs,
+                lambda kernel_id: service.start_save(kernel_id, stop=True, reason="shutdown"),
+                budget,
+                self.log,
+            )
         else:
             for job in await self.service.jobs.drain(budget):
                 self.log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)

@@ -109,7 +109,7 @@ class SnapshotsHandler(SnapshotAPIHandler):
     @authorized
     async def get(self) -> None:
         notebook_path = self.get_query_argument("notebook_path", None)
-        self.write_json({"snapshots": self.service.list_snapshots(notebook_path)})
+        self.write_json({"snapshots": await self.service.list_snapshots(notebook_path)})
 
 
 class SnapshotHandler(SnapshotAPIHandler):
@@ -118,12 +118,12 @@ class SnapshotHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def get(self, ref: str) -> None:
-        self.write_json(self.service.get_snapshot(ref))
+        self.write_json(await self.service.get_snapshot(ref))
 
     @web.authenticated
     @authorized
     async def delete(self, ref: str) -> None:
-        self.service.delete_snapshot(ref)
+        await self.service.delete_snapshot(ref)
         self.set_status(204)
         self.finish()
 

@@ -175,10 +175,6 @@ class JobRunner:
 
         return report
 
-    def set_phase(self, job: Job, phase: str) -> None:
-        job.phase, job.done, job.total = phase, 0, 0
-        self._emit(job)
-
     def _emit(self, job: Job) -> None:
         try:
             self._on_change(job)

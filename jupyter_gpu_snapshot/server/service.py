@@ -7,12 +7,14 @@ statuses in one place.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import posixpath
 import queue
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 from jupyter_core.utils import ensure_async
@@ -20,11 +22,14 @@ from tornado import web
 
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
-from ..core.engine import SaveTarget, SnapshotEngine
+from ..core import procfs
+from ..core.engine import RestoredKernel, SaveTarget, SnapshotEngine
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.store import Snapshot, validate_name
-from ..launch.provisioner import RESTORE_KWARGS
+from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from .jobs import Job, JobRunner
+from .kernel_env import refresh_kernel_env
+from .status import TreeFacts
 from .status import kernel_status as describe_kernel
 
 # How long a save waits for a kernel that is still starting to answer.
@@ -61,16 +66,21 @@ class SnapshotService:
         self.kernel_spec_manager = kernel_spec_manager
         self.log = log or logging.getLogger(__name__)
         self.jobs = jobs or JobRunner(log=self.log)
+        self._background: set[asyncio.Future[bool]] = set()
+        self.tree_facts = TreeFacts(engine.criu)
 
     # -- snapshots -------------------------------------------------------------------------
-    def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
-        return [s.summary() for s in self.engine.list(notebook_path)]
+    # The engine reads and removes files: every call of it runs in a worker thread, so the
+    # event loop answers other requests meanwhile.
+    async def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        found = await asyncio.to_thread(self.engine.list, notebook_path)
+        return [s.summary() for s in found]
 
-    def get_snapshot(self, ref: str) -> dict[str, Any]:
-        return self.engine.get(ref).summary()
+    async def get_snapshot(self, ref: str) -> dict[str, Any]:
+        return (await asyncio.to_thread(self.engine.get, ref)).summary()
 
-    def delete_snapshot(self, ref: str) -> None:
-        snapshot = self.engine.get(ref)
+    async def delete_snapshot(self, ref: str) -> None:
+        snapshot = await asyncio.to_thread(self.engine.get, ref)
         holder = self.jobs.busy_with(snapshot_key(snapshot.id))
         if holder is not None:
             raise Busy(
@@ -78,7 +88,7 @@ class SnapshotService:
                 f"snapshot {snapshot.id} is being restored (job {holder.id})",
                 hint="wait for the restore to finish",
             )
-        self.engine.delete(snapshot.id)
+        await asyncio.to_thread(self.engine.delete, snapshot.id)
 
     # -- kernels ---------------------------------------------------------------------------
     def kernel(self, kernel_id: str) -> Any:
@@ -90,15 +100,6 @@ class SnapshotService:
                 hint="GET /api/kernels lists the running kernels",
             )
         return self.kernel_manager.get_kernel(kernel_id)
-
-    @staticmethod
-    def root_pid(km: Any) -> int | None:
-        """The pid CRIU dumps: our provisioner's namespace init, else the kernel's own."""
-        provisioner = getattr(km, "provisioner", None)
-        if provisioner is None or not provisioner.has_process:
-            return None
-        root = getattr(provisioner, "root_pid", None) or getattr(provisioner, "pid", None)
-        return int(root) if root else None
 
     async def _sessions(self) -> list[dict[str, Any]]:
         if self.session_manager is None:
@@ -113,7 +114,17 @@ class SnapshotService:
 
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
         """Readiness, CUDA state, last snapshot and running job of a kernel."""
-        return await describe_kernel(self, kernel_id)
+        km = self.kernel(kernel_id)
+        return await describe_kernel(
+            kernel_id,
+            km.kernel_name,
+            root_pid(km),
+            await self.notebook_path(kernel_id),
+            await asyncio.to_thread(self.engine.list),
+            self.running_job(kernel_id),
+            self.tree_facts,
+            self.log,
+        )
 
     def running_job(self, kernel_id: str) -> Job | None:
         return self.jobs.busy_with(kernel_key(kernel_id))
@@ -130,7 +141,7 @@ class SnapshotService:
         self.kernel(kernel_id)
         if name is not None:
             validate_name(name)
-            if self.engine.store.find_name(name) is not None:
+            if await asyncio.to_thread(self.engine.find_name, name) is not None:
                 raise InvalidRequest(
                     "preflight",
                     f"a snapshot named {name!r} exists already",
@@ -145,7 +156,7 @@ class SnapshotService:
         self, job: Job, kernel_id: str, name: str | None, stop: bool, reason: str
     ) -> dict[str, Any]:
         km = self.kernel(kernel_id)
-        root = self.root_pid(km)
+        root = root_pid(km)
         if root is None:
             raise NotFound("preflight", f"kernel {kernel_id} has no running process")
         spec = getattr(km, "kernel_spec", None)
@@ -174,7 +185,7 @@ class SnapshotService:
         job.snapshot_id = snapshot.id
         if stop:
             await self._shutdown_quietly(kernel_id)
-        self._apply_retention(snapshot)
+        await self._apply_retention(snapshot)
         return snapshot.summary()
 
     async def _until_answering(self, km: Any, kernel_id: str) -> None:
@@ -213,18 +224,18 @@ class SnapshotService:
         except Exception:  # the snapshot is safe; a slot that lingers is only untidy
             self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
 
-    def _apply_retention(self, snapshot: Snapshot) -> None:
+    async def _apply_retention(self, snapshot: Snapshot) -> None:
         """Keep the newest ``keep_last`` snapshots of the snapshot's notebook."""
         keep = int(self.settings.keep_last)
         notebook = snapshot.notebook_path
         # Snapshots of kernels without a notebook are never pruned: nothing groups them.
         if keep <= 0 or notebook is None:
             return
-        for old in self.engine.list(notebook)[:-keep]:
+        for old in (await asyncio.to_thread(self.engine.list, notebook))[:-keep]:
             if self.jobs.busy_with(snapshot_key(old.id)) is not None:
                 continue
             try:
-                self.engine.delete(old.id)
+                await asyncio.to_thread(self.engine.delete, old.id)
                 self.log.info("gpu-snapshot: retention removed snapshot %s of %s", old.id, notebook)
             except (SnapshotError, OSError) as exc:
                 self.log.warning("gpu-snapshot: retention could not remove %s: %s", old.id, exc)
@@ -234,7 +245,7 @@ class SnapshotService:
         self, ref: str, path: str | None = None, session_id: str | None = None
     ) -> Job:
         """Validate the request and start a restore job into a new kernel slot."""
-        snapshot = self.engine.get(ref)
+        snapshot = await asyncio.to_thread(self.engine.get, ref)
         session = None
         if session_id is not None:
             session = await self._session(session_id=session_id)
@@ -262,20 +273,24 @@ class SnapshotService:
                 return None
             raise
 
-    def restore_kernel_name(self, snapshot: Snapshot) -> str:
-        """The kernelspec a restored kernel runs under (it decides what a restart starts)."""
-        specs: dict[str, Any] = {}
-        if self.kernel_spec_manager is not None:
-            specs = self.kernel_spec_manager.get_all_specs()
+    async def _our_kernelspecs(self) -> dict[str, Any]:
+        """The installed kernelspecs that launch kernels through our provisioner."""
+        if self.kernel_spec_manager is None:
+            return {}
+        specs: dict[str, Any] = await asyncio.to_thread(self.kernel_spec_manager.get_all_specs)
 
-        def ours(name: str) -> bool:
-            meta = (specs.get(name) or {}).get("spec", {}).get("metadata", {})
+        def ours(spec: dict[str, Any]) -> bool:
+            meta = (spec or {}).get("spec", {}).get("metadata", {})
             provisioner = (meta.get("kernel_provisioner") or {}).get("provisioner_name")
             return bool(provisioner == PROVISIONER_NAME)
 
+        return {name: spec for name, spec in specs.items() if ours(spec)}
+
+    def restore_kernel_name(self, snapshot: Snapshot, ours: Collection[str]) -> str:
+        """The kernelspec a restored kernel runs under (it decides what a restart starts)."""
         saved = str((snapshot.manifest.get("kernel") or {}).get("name") or "")
         for name in (saved, KERNEL_NAME):
-            if name and ours(name):
+            if name and name in ours:
                 return name
         raise NotFound(
             "preflight",
@@ -287,30 +302,27 @@ class SnapshotService:
     async def _restore(
         self, job: Job, snapshot: Snapshot, session: dict[str, Any] | None, path: str | None
     ) -> dict[str, Any]:
+        """Restore with the engine, then let the kernel manager adopt the running tree."""
         kernel_id = job.kernel_id
         assert kernel_id is not None
-        kernel_name = self.restore_kernel_name(snapshot)
-        launch: dict[str, Any] = dict(
-            zip(RESTORE_KWARGS, (snapshot.id, self.engine, self.jobs.progress(job)), strict=True)
-        )
-        if path:
-            # Only a later restart uses these: it starts a fresh kernel beside the notebook.
-            launch["path"] = await self._kernel_dir(path)
-            if self.session_manager is not None:
-                launch["env"] = self.session_manager.get_kernel_env(path)
+        ours = await self._our_kernelspecs()
+        if not ours:  # refuse before a restore that no kernel slot could take
+            self.restore_kernel_name(snapshot, ours)
+        restored = await self.engine.restore(snapshot, self.jobs.progress(job))
         try:
-            await ensure_async(
-                self.kernel_manager.start_kernel(
-                    kernel_id=kernel_id, kernel_name=kernel_name, **launch
-                )
-            )
-            # With pending kernels, start_kernel returns before the restore has run.
-            await self.kernel_manager.get_kernel(kernel_id).ready
+            await self._adopt(kernel_id, restored, ours, path)
         except BaseException as exc:
+            # Nothing half-adopted may linger holding the snapshot's ports.
+            await asyncio.to_thread(procfs.kill_tree, restored.pid)
             self._forget_failed_start(kernel_id)
             if isinstance(exc, KeyError):
-                raise SnapshotError("restore", "the restored kernel vanished") from None
+                raise SnapshotError("adopt", "the restored kernel vanished") from None
+            if isinstance(exc, Exception) and not isinstance(exc, SnapshotError):
+                raise SnapshotError(
+                    "adopt", f"the kernel manager could not adopt the restored kernel: {exc}"
+                ) from exc
             raise
+        self._tell_new_slot(kernel_id)
         try:
             session_id = await self._attach(kernel_id, session, path)
         except Exception as exc:
@@ -320,6 +332,39 @@ class SnapshotService:
                 "attach", f"could not switch the session to the restored kernel: {exc}"
             ) from exc
         return {"kernel_id": kernel_id, "session_id": session_id}
+
+    async def _adopt(
+        self, kernel_id: str, restored: RestoredKernel, ours: Collection[str], path: str | None
+    ) -> None:
+        """Start the kernel slot ``kernel_id`` on the restored tree (plain data only)."""
+        kernel_name = self.restore_kernel_name(restored.snapshot, ours)
+        adoption = Adoption(restored.pid, restored.connection_info, restored.snapshot.id)
+        launch: dict[str, Any] = {ADOPT_KWARG: adoption}
+        if path:
+            # Only a later restart uses these: it starts a fresh kernel beside the notebook.
+            launch["path"] = await self._kernel_dir(path)
+            if self.session_manager is not None:
+                launch["env"] = self.session_manager.get_kernel_env(path)
+        await ensure_async(
+            self.kernel_manager.start_kernel(kernel_id=kernel_id, kernel_name=kernel_name, **launch)
+        )
+        # With pending kernels, start_kernel returns before the adoption has run.
+        await self.kernel_manager.get_kernel(kernel_id).ready
+
+    def _tell_new_slot(self, kernel_id: str) -> None:
+        """Give the restored kernel this slot's environment, without waiting for it.
+
+        Its ``os.environ`` still names the slot and server it was saved from, so
+        %gpu_snapshot inside it would address those. A kernel restored in the middle of a
+        cell answers only after that cell.
+        """
+        km = self.kernel_manager.get_kernel(kernel_id)
+        env = km.provisioner.server_env() if hasattr(km.provisioner, "server_env") else {}
+        if not env:
+            return
+        task = asyncio.ensure_future(refresh_kernel_env(km, env, self.log))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _forget_failed_start(self, kernel_id: str) -> None:
         """Drop what the kernel manager keeps of a kernel whose start failed.

@@ -10,11 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core import procfs
 from ..core.errors import SnapshotError
-from .service import SnapshotService
+from ..launch.provisioner import root_pid
+from .jobs import Job, JobRunner
+
+# Starts a stopping save of one kernel (``SnapshotService.start_save`` with stop=True).
+StartSave = Callable[[str], Awaitable[Job]]
 
 
 @dataclass
@@ -26,14 +32,18 @@ class ShutdownReport:
     skipped: dict[str, str] = field(default_factory=dict)  # kernel id -> why
 
 
-def _last_activity(service: SnapshotService, kernel_id: str) -> float:
-    km = service.kernel_manager.get_kernel(kernel_id)
+def _last_activity(kernel_manager: Any, kernel_id: str) -> float:
+    km = kernel_manager.get_kernel(kernel_id)
     stamp = getattr(km, "last_activity", None)
     return stamp.timestamp() if stamp is not None else 0.0
 
 
 async def snapshot_kernels_on_shutdown(
-    service: SnapshotService, budget: float, log: logging.Logger
+    kernel_manager: Any,
+    jobs: JobRunner,
+    start_save: StartSave,
+    budget: float,
+    log: logging.Logger,
 ) -> ShutdownReport:
     """Save every snapshot-ready kernel (stopping it), one at a time, within ``budget`` s.
 
@@ -44,18 +54,18 @@ async def snapshot_kernels_on_shutdown(
     report = ShutdownReport()
     deadline = time.monotonic() + budget
     # Jobs the users started finish first; they hold their kernels.
-    still = await service.jobs.drain(budget)
+    still = await jobs.drain(budget)
     for job in still:
         log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)
     kernel_ids = sorted(
-        service.kernel_manager.list_kernel_ids(),
-        key=lambda k: _last_activity(service, k),
+        kernel_manager.list_kernel_ids(),
+        key=lambda k: _last_activity(kernel_manager, k),
         reverse=True,
     )
     for kernel_id in kernel_ids:
-        if kernel_id not in service.kernel_manager:
+        if kernel_id not in kernel_manager:
             continue
-        why = await _not_ready(service, kernel_id)
+        why = await _not_ready(kernel_manager.get_kernel(kernel_id))
         if why:
             report.skipped[kernel_id] = why
             log.info("gpu-snapshot: not saving kernel %s on shutdown: %s", kernel_id, why)
@@ -70,11 +80,11 @@ async def snapshot_kernels_on_shutdown(
             )
             continue
         try:
-            job = await service.start_save(kernel_id, stop=True, reason="shutdown")
+            job = await start_save(kernel_id)
         except SnapshotError as exc:
             report.failed[kernel_id] = exc.message
             continue
-        if not await service.jobs.wait(job, remaining):
+        if not await jobs.wait(job, remaining):
             report.failed[kernel_id] = "still saving when the shutdown budget ended"
             log.warning("gpu-snapshot: saving kernel %s outlasted the shutdown budget", kernel_id)
         elif job.status == "succeeded" and job.snapshot_id:
@@ -86,9 +96,9 @@ async def snapshot_kernels_on_shutdown(
     return report
 
 
-async def _not_ready(service: SnapshotService, kernel_id: str) -> str | None:
+async def _not_ready(km: Any) -> str | None:
     """Why the kernel cannot be saved (quietly skipped), or None."""
-    root = service.root_pid(service.kernel_manager.get_kernel(kernel_id))
+    root = root_pid(km)
     if root is None:
         return "it has no running process"
     try:

@@ -1,80 +1,120 @@
-"""``GET kernels/{kernel_id}/status``: can the kernel be saved, and what is its state."""
+"""``GET kernels/{kernel_id}/status``: can the kernel be saved, and what is its state.
+
+``SnapshotService.kernel_status`` gathers the facts (the kernel's root pid, its notebook,
+its snapshots, its running job) and hands them in; nothing here knows the service.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import inspect
-from typing import TYPE_CHECKING, Any
+import logging
+import threading
+import time
+from typing import Any
 
 from ..core import procfs
+from ..core.criu import CriuRunner
 from ..core.errors import SnapshotError
+from ..core.store import Snapshot
+from .jobs import Job
 
-if TYPE_CHECKING:
-    from .service import SnapshotService
 
+class TreeFacts:
+    """Why a kernel tree cannot be saved, and whether it uses CUDA, as of a moment ago.
 
-async def kernel_status(service: SnapshotService, kernel_id: str) -> dict[str, Any]:
-    """The status object of the API (openapi.yaml, KernelStatus)."""
-    km = service.kernel(kernel_id)
-    root = service.root_pid(km)
-    reasons: list[str] = []
-    if root is None:
-        reasons.append("the kernel has no running process")
-    else:
+    Finding a tree walks the host's whole process table (tens of ms on a busy host), and
+    clients poll the status of the same kernel from several tabs. These are facts of how
+    the kernel was launched, so an answer ``ttl`` seconds old is good enough here; a save
+    never uses it (the engine inspects the tree afresh).
+    """
+
+    def __init__(self, criu: CriuRunner, ttl: float = 1.0) -> None:
+        self.criu = criu
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        self._recent: dict[int | None, tuple[float, list[str], bool]] = {}
+
+    def get(self, root: int | None) -> tuple[list[str], bool]:
+        """(reasons it is not snapshot-ready, whether it maps libcuda); blocks: use a thread."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, v in self._recent.items() if now - v[0] > self.ttl]:
+                del self._recent[key]
+            if root in self._recent:
+                _, reasons, cuda = self._recent[root]
+                return list(reasons), cuda
+        reasons, cuda = self._read(root)
+        with self._lock:
+            self._recent[root] = (now, reasons, cuda)
+        return list(reasons), cuda
+
+    def _read(self, root: int | None) -> tuple[list[str], bool]:
+        reasons: list[str] = []
+        cuda = False
+        if root is None:
+            reasons.append("the kernel has no running process")
+        else:
+            try:
+                reasons.extend(procfs.inspect_kernel(root).problems)
+            except SnapshotError as exc:
+                reasons.append(exc.cause)
+            cuda = procfs.tree_maps_library(root, "libcuda.so")
         try:
-            found = await asyncio.to_thread(procfs.inspect_kernel, root)
-            reasons.extend(found.problems)
+            self.criu.require_version()
         except SnapshotError as exc:
             reasons.append(exc.cause)
-    try:
-        await asyncio.to_thread(service.engine.criu.require_version)
-    except SnapshotError as exc:
-        reasons.append(exc.cause)
-    notebook = await service.notebook_path(kernel_id)
+        return reasons, cuda
+
+
+async def kernel_status(
+    kernel_id: str,
+    kernel_name: str,
+    root: int | None,
+    notebook: str | None,
+    snapshots: list[Snapshot],
+    job: Job | None,
+    facts: TreeFacts,
+    log: logging.Logger,
+) -> dict[str, Any]:
+    """The status object of the API (openapi.yaml, KernelStatus).
+
+    ``snapshots`` are the store's, oldest first; the newest of this kernel's or its
+    notebook's is the last snapshot.
+    """
+    reasons, uses_cuda = await asyncio.to_thread(facts.get, root)
     mine = [
-        s for s in service.engine.list()
+        s for s in snapshots
         if (s.manifest.get("kernel") or {}).get("kernel_id") == kernel_id
         or (notebook is not None and s.notebook_path == notebook)
     ]
-    job = service.running_job(kernel_id)
     return {
         "kernel_id": kernel_id,
         "ready": not reasons,
         "reasons": reasons,
-        "kernel_name": km.kernel_name,
+        "kernel_name": kernel_name,
         "notebook_path": notebook,
-        "cuda": await cuda_status(service, root),
+        "cuda": await cuda_status(root, uses_cuda, log),
         "last_snapshot": mine[-1].summary() if mine else None,
         "job": job.to_dict() if job else None,
     }
 
 
-async def cuda_status(service: SnapshotService, root: int | None) -> dict[str, Any] | None:
+async def cuda_status(
+    root: int | None, uses_cuda: bool, log: logging.Logger
+) -> dict[str, Any] | None:
     """The kernel's CUDA state; None when nobody can tell.
 
-    An engine hook may offer ``kernel_status(root_pid) -> dict | None`` (sync or async).
-    Otherwise: a kernel that has not loaded libcuda has no CUDA state, and for one that
-    has, the driver's checkpoint API and NVML are asked.
+    A kernel that has not loaded libcuda has no CUDA state; for one that has, the driver's
+    checkpoint API and NVML are asked.
     """
     if root is None:
         return None
-    for hook in service.engine.hooks:
-        probe = getattr(hook, "kernel_status", None)
-        if probe is None:
-            continue
-        answer = probe(root)
-        if inspect.isawaitable(answer):
-            answer = await answer
-        if answer is not None:
-            return dict(answer)
-    if not await asyncio.to_thread(_tree_maps_libcuda, root):
+    if not uses_cuda:
         return {"state": "none", "memory_bytes": 0}
     try:
         return await asyncio.to_thread(_ask_the_driver, root)
     except Exception as exc:  # a status query must not fail on a driver problem
-        service.log.info("gpu-snapshot: cannot read the CUDA state of %s: %s", root, exc)
+        log.info("gpu-snapshot: cannot read the CUDA state of %s: %s", root, exc)
         return None
 
 
@@ -82,17 +122,11 @@ async def cuda_status(service: SnapshotService, root: int | None) -> dict[str, A
 _SEVERITY = ("none", "running", "locked", "checkpointed", "failed")
 
 
-@functools.lru_cache(maxsize=1)
-def _driver() -> Any:
-    from ..gpu.driver import load_driver
-
-    return load_driver().driver
-
-
 def _ask_the_driver(root: int) -> dict[str, Any] | None:
+    from ..gpu.driver import driver_status
     from ..gpu.inventory import read_inventory
 
-    driver = _driver()
+    driver = driver_status().driver
     if driver is None:
         return None
     states: dict[int, str] = {}
@@ -114,16 +148,3 @@ def _ask_the_driver(root: int) -> dict[str, Any] | None:
             for pid, state in sorted(states.items())
         ],
     }
-
-
-def _tree_maps_libcuda(root: int) -> bool:
-    """Whether any process of the tree has libcuda mapped (it used the CUDA driver)."""
-    try:
-        procs = procfs.tree(root)
-    except Exception:  # a vanished tree maps nothing
-        return False
-    for proc in procs:
-        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as f:
-            if any("libcuda.so" in line for line in f):
-                return True
-    return False

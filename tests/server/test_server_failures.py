@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.engine import RestoredKernel
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.launch.provisioner import SnapshotReadyProvisioner
 
 from .conftest import Api, KernelConnector, KernelSocket
 
@@ -183,6 +186,46 @@ async def test_failed_restore_leaves_no_kernel_and_keeps_the_snapshot(
     # Nothing of the failed slot is left for the server's shutdown to trip over.
     await jp_serverapp.kernel_manager.shutdown_all()
     assert jp_serverapp.kernel_manager.list_kernel_ids() == []
+
+
+async def test_a_failed_adoption_kills_the_restored_tree(
+    api: Api,
+    kernel_socket: KernelConnector,
+    store_dir: Path,
+    jp_serverapp: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernel_id, _ = await _kernel(api, kernel_socket)
+    saved = await api.succeeded(await api.save(kernel_id, stop=True))
+    app = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
+    engine = app.service.engine
+    restored: list[RestoredKernel] = []
+    real_restore = engine.restore
+
+    async def restore_and_record(*args: Any, **kwargs: Any) -> RestoredKernel:
+        result = await real_restore(*args, **kwargs)
+        restored.append(result)
+        return result
+
+    async def refuse(self: Any, cmd: list[str], **kwargs: Any) -> Any:
+        raise RuntimeError("no slot for it")
+
+    monkeypatch.setattr(engine, "restore", restore_and_record)
+    monkeypatch.setattr(SnapshotReadyProvisioner, "launch_kernel", refuse)
+    job = await api.wait(await api.restore(saved["snapshot_id"], path="adopt.ipynb"))
+    assert job["status"] == "failed" and job["error"]["step"] == "adopt", job["error"]
+    assert "no slot for it" in job["error"]["cause"]
+    # criu did bring the tree back; nothing of it may outlive the failed adoption.
+    assert len(restored) == 1
+    assert not procfs.tree_alive(restored[0].pid)
+    assert procfs.ports_in_use(restored[0].connection_info) == []
+    assert await api.kernel_ids() == [] and await api.ok("GET", "api", "sessions") == []
+    assert [s["id"] for s in await api.snapshots()] == [saved["snapshot_id"]]
+    monkeypatch.undo()
+    # The snapshot still restores once the kernel manager can take it.
+    done = await api.succeeded(await api.restore(saved["snapshot_id"]))
+    again = await kernel_socket(done["result"]["kernel_id"])
+    assert (await again.execute("print(counter)")).strip() == "0"
 
 
 async def test_damaged_snapshot_is_refused_before_criu_runs(

@@ -15,11 +15,16 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from jupyter_gpu_snapshot.kernel.client import (
+    ApiError,
+    ConnectionProblem,
+    ServerLink,
+    SnapshotClient,
+)
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 60
@@ -48,16 +53,10 @@ class JupyterProcess:
         return self.base / "runtime"
 
     def request(self, method: str, endpoint: str, body: Any = None) -> Any:
-        """One REST call with the token; the decoded JSON answer (None when empty)."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + endpoint, data=data, method=method,
-            headers={"Authorization": f"token {self.token}",
-                     "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            raw = response.read()
-        return json.loads(raw) if raw else None
+        """One REST call with the token, sent by the in-kernel client; the decoded JSON
+        answer (None when empty); ApiError for an error status."""
+        client = SnapshotClient(ServerLink(self.url, self.token, kernel_id=""), timeout=30)
+        return client.request(method, endpoint, body)
 
     def get(self, endpoint: str) -> Any:
         return self.request("GET", endpoint)
@@ -150,13 +149,13 @@ def start_jupyter(
             server.get("api/status")
             server.get("gpu-snapshot/snapshots")
             return server
-        except urllib.error.HTTPError as exc:
+        except ApiError as exc:
             server.stop()
             raise RuntimeError(
-                f"jupyter {app} answered {exc.code} for {exc.url}: is the jupyter_gpu_snapshot "
-                f"server extension enabled?\n{server.log_tail()}"
+                f"jupyter {app} answered {exc.status} ({exc.message}): is the "
+                f"jupyter_gpu_snapshot server extension enabled?\n{server.log_tail()}"
             ) from None
-        except OSError:
+        except ConnectionProblem:
             if time.monotonic() > deadline:
                 server.stop()
                 raise RuntimeError(

@@ -1,0 +1,42 @@
+"""Telling a restored kernel which server and kernel slot it now belongs to."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from jupyter_core.utils import ensure_async
+
+# How long the message telling a restored kernel its new slot waits for a reply; the
+# kernel runs it after a running cell even when nobody waits any more.
+ENV_REFRESH_SECONDS = 10.0
+
+
+async def refresh_kernel_env(km: Any, env: dict[str, str], log: logging.Logger) -> bool:
+    """Update ``os.environ`` inside a running kernel with a silent execute request.
+
+    Called by ``SnapshotService`` once the kernel manager has adopted a restored kernel:
+    its environment still names the slot and server it was saved from. Silent requests
+    leave no history, no output and no execution count. A kernel busy with a cell runs it
+    after the cell; we stop waiting for the reply after ``ENV_REFRESH_SECONDS``.
+    Returns whether the kernel confirmed; failures are logged, never raised.
+    """
+    try:
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    except Exception as exc:
+        log.warning("gpu-snapshot: could not tell the restored kernel its new environment: %s", exc)
+        return False
+    try:
+        code = f"__import__('os').environ.update({env!r})"
+        reply = await ensure_async(
+            client.execute(
+                code, silent=True, store_history=False, reply=True, timeout=ENV_REFRESH_SECONDS
+            )
+        )
+        return bool(reply["content"].get("status") == "ok")
+    except TimeoutError:
+        log.info("gpu-snapshot: the restored kernel has not yet taken its new environment (busy)")
+        return False
+    finally:
+        client.stop_channels()

@@ -1,0 +1,96 @@
+"""The snapshot index: every manifest read once, and in step with what any process commits
+or deletes in the store."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_gpu_snapshot.core.errors import NotFound
+from jupyter_gpu_snapshot.core.index import SnapshotIndex
+from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
+
+
+def commit_tiny(store: SnapshotStore, name: str, notebook: str | None = None) -> str:
+    """A small but complete snapshot, as a save commits it."""
+    snapshot_id = new_snapshot_id()
+    partial = store.begin(snapshot_id)
+    (partial / "pages-1.img").write_bytes(b"p" * 4096)
+    manifest = {
+        "id": snapshot_id,
+        "name": name,
+        "created": time.time(),
+        "kernel": {"name": "python3-snapshot", "notebook_path": notebook,
+                   "connection_info": {"ip": "127.0.0.1", "shell_port": 1, "key": "k"}},
+    }
+    store.commit(partial, manifest)
+    return snapshot_id
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SnapshotStore:
+    return SnapshotStore(tmp_path / "store")
+
+
+def counting_reads(monkeypatch: pytest.MonkeyPatch, store: SnapshotStore) -> list[str]:
+    reads: list[str] = []
+    real_get = store.get
+
+    def get(ref: str) -> Any:
+        reads.append(ref)
+        return real_get(ref)
+
+    monkeypatch.setattr(store, "get", get)
+    return reads
+
+
+def test_follows_commits_and_deletes_of_another_process(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = SnapshotIndex(store)
+    assert index.list() == []  # no store directory yet
+    other = SnapshotStore(store.root)  # as the CLI would see it
+    first = commit_tiny(other, "first", "a.ipynb")
+    second = commit_tiny(other, "second", "b.ipynb")
+    reads = counting_reads(monkeypatch, store)
+    assert [s.id for s in index.list()] == [first, second]
+    assert [s.id for s in index.list("b.ipynb")] == [second]
+    assert index.get("first").id == first and index.find_name("second") is not None
+    assert sorted(reads) == sorted([first, second])  # each manifest read once
+
+    other.delete(first)
+    assert [s.id for s in index.list()] == [second]
+    with pytest.raises(NotFound, match="no snapshot 'first'"):
+        index.get("first")
+    third = commit_tiny(other, "third")
+    assert [s.id for s in index.list()] == [second, third]
+    assert reads.count(third) == 1 and reads.count(second) == 1
+
+
+def test_a_directory_without_a_readable_manifest_is_no_snapshot(store: SnapshotStore) -> None:
+    index = SnapshotIndex(store)
+    kept = commit_tiny(store, "kept")
+    broken = store.root / new_snapshot_id()
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json")
+    assert [s.id for s in index.list()] == [kept]
+    with pytest.raises(NotFound):
+        index.get(broken.name)
+
+
+def test_listing_200_snapshots_takes_under_50_ms(store: SnapshotStore) -> None:
+    for i in range(200):
+        commit_tiny(store, f"snap-{i}", f"nb-{i % 7}.ipynb")
+    index = SnapshotIndex(store)
+    assert len(index.list()) == 200  # the first listing reads the manifests
+    times = []
+    for _ in range(20):
+        started = time.perf_counter()
+        listed = [s.summary() for s in index.list()]
+        times.append(time.perf_counter() - started)
+        assert len(listed) == 200
+    times.sort()
+    assert times[len(times) // 2] <= 0.050, times
