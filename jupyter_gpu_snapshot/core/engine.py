@@ -31,7 +31,7 @@ from .._constants import KERNEL_NAME, format_bytes
 from .._version import __version__
 from . import procfs
 from .criu import CriuRunner
-from .errors import Busy, InvalidRequest, SnapshotError
+from .errors import Busy, InvalidRequest, PortsInUse, SnapshotError
 from .store import Snapshot, SnapshotStore, new_snapshot_id, validate_name
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
@@ -372,24 +372,27 @@ class SnapshotEngine:
     async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
         timings: dict[str, float] = {}
         started = time.monotonic()
-        report(Progress("verify", 0, snapshot.size_bytes))
-        await asyncio.to_thread(
-            self.store.verify, snapshot, lambda d, t: report(Progress("verify", d, t))
-        )
-        timings["verify"] = time.monotonic() - started
-
-        t = time.monotonic()
+        # Taken ports refuse the restore anyway: say so before a whole checksum pass.
         report(Progress("preflight"))
-        self.criu.require_version()
         info = snapshot.connection_info
-        busy = procfs.ports_in_use(info)
+        busy = await asyncio.to_thread(procfs.ports_in_use, info)
         if busy:
-            raise SnapshotError(
+            raise PortsInUse(
                 "preflight",
                 f"{', '.join(busy)} of {info.get('ip', '127.0.0.1')} in use",
                 hint="is the original kernel, or another restore of it, still running? "
                 "Shut it down first",
+                details={"ports": busy},
             )
+        t = time.monotonic()
+        report(Progress("verify", 0, snapshot.size_bytes))
+        await asyncio.to_thread(
+            self.store.verify, snapshot, lambda d, t: report(Progress("verify", d, t))
+        )
+        timings["verify"] = time.monotonic() - t
+
+        t = time.monotonic()
+        self.criu.require_version()
         for path in snapshot.manifest["kernel"].get("log_files", []):
             _ensure_append_file(Path(path))
         ctx = RestoreContext(snapshot, report)

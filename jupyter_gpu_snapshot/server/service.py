@@ -21,7 +21,14 @@ from tornado import web
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
 from ..core.engine import SaveTarget, SnapshotEngine
-from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
+from ..core.errors import (
+    Busy,
+    InvalidRequest,
+    NotFound,
+    NotReady,
+    PortsInUse,
+    SnapshotError,
+)
 from ..core.store import Snapshot, validate_name
 from ..launch.provisioner import RESTORE_KWARGS
 from .jobs import Job, JobRunner
@@ -308,6 +315,8 @@ class SnapshotService:
             await self.kernel_manager.get_kernel(kernel_id).ready
         except BaseException as exc:
             self._forget_failed_start(kernel_id)
+            if isinstance(exc, PortsInUse):
+                exc.details.update(await self._port_holder(snapshot, kernel_id))
             if isinstance(exc, KeyError):
                 raise SnapshotError("restore", "the restored kernel vanished") from None
             raise
@@ -320,6 +329,25 @@ class SnapshotService:
                 "attach", f"could not switch the session to the restored kernel: {exc}"
             ) from exc
         return {"kernel_id": kernel_id, "session_id": session_id}
+
+    async def _port_holder(self, snapshot: Snapshot, restoring_id: str) -> dict[str, Any]:
+        """Which of the server's kernels listens on the snapshot's ports, and its notebook.
+
+        Called when a restore is refused for taken ports, so that a client can offer to shut
+        down that kernel (usually the one the snapshot was taken of) and no other.
+        """
+        wanted = {v for k, v in snapshot.connection_info.items() if k.endswith("_port") and v}
+        for kernel_id in self.kernel_manager.list_kernel_ids():
+            if kernel_id == restoring_id:
+                continue
+            with contextlib.suppress(Exception):
+                info = self.kernel_manager.get_kernel(kernel_id).get_connection_info()
+                if wanted & {v for k, v in info.items() if k.endswith("_port")}:
+                    return {
+                        "holder_kernel_id": kernel_id,
+                        "holder_notebook_path": await self.notebook_path(kernel_id),
+                    }
+        return {"holder_kernel_id": None, "holder_notebook_path": None}
 
     def _forget_failed_start(self, kernel_id: str) -> None:
         """Drop what the kernel manager keeps of a kernel whose start failed.
