@@ -63,6 +63,22 @@ def test_outside_a_server_the_magic_says_so() -> None:
         stop_kernel(handle)
 
 
+def test_in_a_plain_python3_notebook_status_says_it_is_not_snapshot_ready(
+    jupyter_server: JupyterServer,
+) -> None:
+    # Started by the server for a notebook, only on the plain kernel, with %load_ext.
+    notebook = jupyter_server.open_notebook("plain-python3.ipynb", kernel_name="python3")
+    client = notebook.client
+    ok(client, "%load_ext jupyter_gpu_snapshot")
+    line = one_line_error(run_cell(client, "%gpu_snapshot status"))
+    assert line.startswith(
+        "%gpu_snapshot status: this kernel is not snapshot-ready: it runs a kernel other "
+        "than 'Python 3 (snapshots)'"
+    ), line
+    assert "Change Kernel" in line and "no Jupyter server" not in line, line
+    jupyter_server.shutdown_kernel(notebook.kernel_id)
+
+
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
