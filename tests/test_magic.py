@@ -159,12 +159,15 @@ def test_failures_are_one_line_and_leave_the_kernel_running(
     jupyter_server: JupyterServer, notebook: NotebookKernel
 ) -> None:
     line = one_line_error(notebook.run("%gpu_snapshot save ../escape"))
-    assert line.startswith("%gpu_snapshot save: preflight failed: invalid snapshot name"), line
+    # A refused request, not a failed step.
+    assert line.startswith("%gpu_snapshot save: invalid snapshot name"), line
 
-    notebook.ok("%gpu_snapshot save taken")
+    notebook.ok('%gpu_snapshot save "taken"')  # quoted, as people write names
     line = one_line_error(notebook.run("%gpu_snapshot save taken"))
     assert "a snapshot named 'taken' exists already" in line
-    assert len(jupyter_server.snapshots(notebook.path)) == 1
+    assert [s["name"] for s in jupyter_server.snapshots(notebook.path)] == ["taken"]
+    line = one_line_error(notebook.run('%gpu_snapshot save "my snapshot"'))
+    assert "invalid snapshot name 'my snapshot'" in line, line
 
     line = one_line_error(notebook.run("%gpu_snapshot restore no-such-snapshot"))
     assert line.startswith("%gpu_snapshot restore: lookup failed: no snapshot"), line

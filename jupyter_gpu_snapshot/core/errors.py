@@ -64,6 +64,14 @@ class InvalidRequest(SnapshotError):
 
     code = "invalid_request"
 
+    @property
+    def message(self) -> str:
+        # No step failed: the request was refused before any ran.
+        text = self.cause
+        if self.hint:
+            text += f". {self.hint[:1].upper()}{self.hint[1:]}"
+        return text
+
 
 class NotFound(SnapshotError):
     """The snapshot or kernel named does not exist."""
