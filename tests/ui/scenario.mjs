@@ -140,14 +140,14 @@ async function api(endpoint, init = {}) {
   return { status: response.status, body: text ? JSON.parse(text) : null };
 }
 
-async function notebookKernelId() {
+async function notebookKernelId(notebook = NOTEBOOK) {
   const { body } = await api('api/sessions');
-  const session = body.find(s => s.path === NOTEBOOK);
+  const session = body.find(s => s.path === notebook);
   return session ? session.kernel.id : null;
 }
 
-async function openNotebook() {
-  const url = new URL(`lab/tree/${NOTEBOOK}`, LAB_URL);
+async function openNotebook(notebook = NOTEBOOK) {
+  const url = new URL(`lab/tree/${notebook}`, LAB_URL);
   url.searchParams.set('token', LAB_TOKEN);
   url.searchParams.set('reset', '');
   await page.goto(url.href);
@@ -177,6 +177,15 @@ const scenarios = {
     seen.saved_toast = await toast(/Snapshot saved/);
     seen.save_toasts = await recordedToasts();
     await screenshot('snapshot-saved');
+    // A success notification closes by itself (it used to stay when the last progress
+    // update, a full bar, came a few milliseconds before it).
+    const savedAt = Date.now();
+    seen.saved_toast_closed = await page
+      .locator('.Toastify__toast', { hasText: 'Snapshot saved' })
+      .waitFor({ state: 'detached', timeout: 20_000 })
+      .then(() => (Date.now() - savedAt) / 1000)
+      .catch(() => null);
+    await screenshot('saved-toast-closed');
     await page.locator('.jp-gpu-snapshot-status', { hasText: /Snapshot .* ago/ }).waitFor({
       timeout: STEP_TIMEOUT
     });
@@ -187,6 +196,11 @@ const scenarios = {
     await buttonState('disabled');
     seen.after_shutdown_tooltip = await buttonTooltip();
     seen.kernel_after_shutdown = await notebookKernelId();
+    // The status item stays after the kernel is gone: the quickstart clicks it now.
+    await page
+      .locator('.jp-gpu-snapshot-status', { hasText: 'Snapshots' })
+      .waitFor({ timeout: STEP_TIMEOUT });
+    seen.status_after_shutdown = await page.locator('.jp-gpu-snapshot-status').innerText();
     await showTooltip();
     await screenshot('kernel-shut-down');
     await hideTooltip();
@@ -205,6 +219,9 @@ const scenarios = {
       .locator('tr[data-snapshot-id]')
       .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-name')));
     seen.dialog_text = await dialog.locator('.jp-gpu-snapshot-picker').innerText();
+    seen.dialog_selected = await dialog
+      .locator('tr.jp-mod-selected')
+      .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-name')));
     await screenshot('restore-dialog');
     await dialog.locator('.jp-mod-accept').click();
     seen.restored_toast = await toast(/Kernel restored/);
@@ -227,7 +244,15 @@ const scenarios = {
       .locator('.jp-gpu-snapshot-empty', { hasText: 'No snapshot of this notebook yet' })
       .waitFor({ timeout: STEP_TIMEOUT });
     await screenshot('snapshot-deleted');
-    await dialog.locator('.jp-mod-reject').click();
+    // Escape still closes the dialog after a delete took its button away.
+    await page.keyboard.press('Escape');
+    seen.escape_closed_dialog = await dialog
+      .waitFor({ state: 'detached', timeout: 5000 })
+      .then(() => true)
+      .catch(() => false);
+    if (!seen.escape_closed_dialog) {
+      await dialog.locator('.jp-mod-reject').click();
+    }
     await page
       .locator('.jp-gpu-snapshot-status', { hasText: 'No snapshot yet' })
       .waitFor({ timeout: STEP_TIMEOUT });
@@ -262,6 +287,20 @@ const scenarios = {
       .first()
       .evaluate(node => node.classList.contains('lm-mod-disabled'));
     await screenshot('palette-entry-disabled');
+    await page.keyboard.press('Escape');
+    // Clicking the greyed-out button explains and offers to switch the kernel.
+    await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+    seen.explanation = await toast(/Snapshots need/);
+    await screenshot('button-click-explains');
+    await page
+      .locator('.Toastify__toast', { hasText: 'Snapshots need' })
+      .getByRole('button', { name: 'Change kernel…' })
+      .click();
+    const picker = page.locator('.jp-Dialog');
+    await picker.waitFor({ timeout: STEP_TIMEOUT });
+    seen.change_kernel_dialog = (await picker.locator('.jp-Dialog-header').innerText()).trim();
+    await screenshot('change-kernel-dialog');
+    await picker.locator('.jp-mod-reject').first().click();
   },
 
   // criu fails while dumping: an error notification names the step and the cause, and
@@ -303,19 +342,78 @@ scenarios['restore-over-running-kernel'] = async () => {
 
   await (await kernelMenu('gpu-snapshot:restore')).click();
   const dialog = page.locator('.jp-Dialog');
-  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  const row = dialog.locator('tr[data-snapshot-id]').first();
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  // The snapshot of the running kernel is marked and not pre-selected.
+  seen.row_text = (await row.innerText()).trim();
+  seen.preselected = await dialog.locator('tr.jp-mod-selected').count();
+  await screenshot('dialog-marks-this-kernel');
+  await row.click();
   await dialog.locator('.jp-mod-accept').click();
   seen.refused_toast = await toast(/Restore of .* failed/);
   await screenshot('restore-refused');
-  await page
-    .locator('.Toastify__toast', { hasText: 'failed' })
-    .getByRole('button', { name: 'Shut down kernel, restore' })
-    .click();
+  const refused = page.locator('.Toastify__toast', { hasText: 'failed' });
+  // Details leaves the notification, and its remedy, in place; the dialog offers it too.
+  await refused.getByRole('button', { name: 'Details' }).click();
+  const details = page.locator('.jp-Dialog');
+  await details.waitFor({ timeout: STEP_TIMEOUT });
+  seen.details_text = (await details.locator('.jp-Dialog-body').innerText()).trim();
+  seen.details_buttons = await details
+    .locator('.jp-Dialog-footer button')
+    .evaluateAll(buttons => buttons.map(b => b.innerText.trim()));
+  await screenshot('refused-details');
+  await details.getByRole('button', { name: 'Close' }).click();
+  await details.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  seen.toast_after_details = await refused.count();
+  await refused.getByRole('button', { name: 'Shut down this kernel and restore' }).click();
   seen.restored_toast = await toast(/Kernel restored/);
   await buttonState('ready');
   seen.kernel_after_restore = await notebookKernelId();
   seen.after_restore_output = await runCell(1);
   await screenshot('state-after-restore');
+  seen.kernels = (await api('api/kernels')).body.map(k => k.id);
+};
+
+// Notebook A's snapshot restored from notebook B while A's kernel still runs: the refusal
+// names A's kernel, offers to shut down that one, and B's kernel is not touched before the
+// restore replaces it.
+scenarios['restore-from-other-notebook'] = async () => {
+  const other = process.env.OTHER_NOTEBOOK;
+  await openNotebook(other);
+  await buttonState('ready');
+  seen.other_state = await runCell(0);
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+  await toast(/Snapshot saved/);
+  seen.other_kernel = await notebookKernelId(other);
+  const saved = (await api('gpu-snapshot/snapshots')).body.snapshots;
+  seen.snapshot_name = saved[0].name;
+
+  await openNotebook();
+  await buttonState('ready');
+  seen.kernel_before = await notebookKernelId();
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  const row = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  await row.click();
+  await screenshot('dialog-other-notebook-snapshot');
+  await dialog.locator('.jp-mod-accept').click();
+  seen.refused_toast = await toast(/Restore of .* failed/);
+  await screenshot('refused-names-other-notebook');
+  const refused = page.locator('.Toastify__toast', { hasText: 'failed' });
+  seen.refused_buttons = await refused
+    .getByRole('button')
+    .evaluateAll(buttons => buttons.map(b => b.innerText.trim()).filter(Boolean));
+  seen.kernels_after_refusal = (await api('api/kernels')).body.map(k => k.id).sort();
+  seen.kernel_after_refusal = await notebookKernelId();
+
+  await refused.getByRole('button', { name: /^Shut down .* kernel and restore$/ }).click();
+  seen.restored_toast = await toast(/Kernel restored/);
+  await buttonState('ready');
+  seen.kernel_after_restore = await notebookKernelId();
+  seen.other_kernel_after_restore = await notebookKernelId(other);
+  seen.after_restore_output = await runCell(1);
+  await screenshot('restored-into-this-notebook');
   seen.kernels = (await api('api/kernels')).body.map(k => k.id);
 };
 
