@@ -35,10 +35,12 @@ async function screenshot(name) {
 
 // --- JupyterLab helpers -------------------------------------------------------------
 
-const snapshotButton = () => page.locator('.jp-gpu-snapshot-button');
+// The notebook on show: with several open, the others stay in the page, hidden.
+const CURRENT = '.jp-NotebookPanel:not(.lm-mod-hidden)';
+const snapshotButton = () => page.locator(`${CURRENT} .jp-gpu-snapshot-button`);
 
 async function buttonState(state) {
-  await page.waitForSelector(`.jp-gpu-snapshot-button[data-state="${state}"]`, {
+  await page.waitForSelector(`${CURRENT} .jp-gpu-snapshot-button[data-state="${state}"]`, {
     timeout: STEP_TIMEOUT
   });
 }
@@ -51,7 +53,9 @@ async function buttonTooltip() {
 // test's own for the screenshot, then take it away.
 async function showTooltip() {
   await page.evaluate(() => {
-    const button = document.querySelector('.jp-gpu-snapshot-button [title]');
+    const button = document.querySelector(
+      '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-gpu-snapshot-button [title]'
+    );
     const box = button.getBoundingClientRect();
     const tip = document.createElement('div');
     tip.id = 'ui-test-tooltip';
@@ -116,12 +120,47 @@ async function recordedToasts() {
 }
 
 async function runCell(index) {
-  const cell = page.locator('.jp-Notebook .jp-Cell').nth(index);
+  const cell = page.locator(`${CURRENT} .jp-Notebook .jp-Cell`).nth(index);
   await cell.locator('.jp-InputArea-prompt').click();
   await page.keyboard.press('Shift+Enter');
   const output = cell.locator('.jp-OutputArea-output');
   await output.first().waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
   return (await output.allInnerTexts()).join('\n').trim();
+}
+
+async function openFromFileBrowser(notebook) {
+  await page
+    .locator('.jp-DirListing-item', { hasText: notebook })
+    .first()
+    .dblclick();
+  await page
+    .locator('.lm-TabBar-tab.lm-mod-current', { hasText: notebook })
+    .waitFor({ timeout: STEP_TIMEOUT });
+}
+
+async function useTheme(name) {
+  await page.keyboard.press('Control+Shift+C');
+  await page.locator('.lm-CommandPalette-input').fill(`Use Theme: ${name}`);
+  await page.locator('.lm-CommandPalette-item', { hasText: `Use Theme: ${name}` }).first().click();
+  await page.waitForFunction(
+    theme => document.body.dataset.jpThemeName === theme,
+    name,
+    { timeout: STEP_TIMEOUT }
+  );
+}
+
+// WCAG contrast ratio of an element's text colour on its background.
+async function contrast(locator) {
+  return locator.evaluate(node => {
+    const rgb = value => value.match(/[\d.]+/g).slice(0, 3).map(Number);
+    const luminance = ([r, g, b]) => {
+      const lin = c => ((c /= 255) <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4);
+      return 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b);
+    };
+    const style = getComputedStyle(node);
+    const [a, b] = [luminance(rgb(style.color)), luminance(rgb(style.backgroundColor))];
+    return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+  });
 }
 
 async function kernelMenu(command) {
@@ -233,9 +272,14 @@ const scenarios = {
     seen.after_restore_output = await runCell(1);
     await screenshot('state-after-restore');
 
+    // The rest in the dark theme: the selected row and the badges must stay readable.
+    await useTheme('JupyterLab Dark');
     await (await kernelMenu('gpu-snapshot:restore')).click();
     const row = dialog.locator('tr[data-snapshot-id]').first();
     await row.waitFor({ timeout: STEP_TIMEOUT });
+    await row.click();
+    seen.dark_selected_contrast = await contrast(row.locator('td').nth(1));
+    await screenshot('restore-dialog-dark');
     await row.locator('.jp-gpu-snapshot-delete').click();
     await row.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).waitFor();
     await screenshot('delete-confirm');
@@ -431,14 +475,18 @@ scenarios['before-shutdown'] = async () => {
     timeout: STEP_TIMEOUT
   });
   await screenshot('state-set');
+  // A second notebook with a kernel of its own: saved at shutdown too.
+  await openFromFileBrowser(process.env.OTHER_NOTEBOOK);
+  await page
+    .locator(`${CURRENT} .jp-gpu-snapshot-button[data-state="ready"]`)
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.other_kernel = await notebookKernelId(process.env.OTHER_NOTEBOOK);
+  await screenshot('second-notebook-open');
 };
 
 scenarios['after-restart'] = async () => {
   await openNotebook();
-  seen.offer = await toast(/Restore the kernel from before shutdown\?/);
-  const offer = page.locator('.Toastify__toast', {
-    hasText: 'Restore the kernel from before shutdown?'
-  });
+  seen.offer = await toast(/Restore the kernel of .* from before shutdown\?/);
   // The notebook started a fresh kernel meanwhile; the restore replaces it.
   await buttonState('ready');
   await page
@@ -447,15 +495,31 @@ scenarios['after-restart'] = async () => {
     .waitFor({ timeout: STEP_TIMEOUT });
   seen.fresh_kernel = await notebookKernelId();
   await screenshot('restore-offered');
-  await offer.getByRole('button', { name: 'Restore' }).click();
-  seen.restored_toast = await toast(/Kernel restored/);
+  // A second notebook opens: one offer names both, not two identical ones.
+  await openFromFileBrowser(process.env.OTHER_NOTEBOOK);
+  seen.merged_offer = await toast(/Restore the kernels of 2 notebooks/);
+  seen.offer_count = await page
+    .locator('.Toastify__toast', { hasText: /from before shutdown/ })
+    .count();
+  await screenshot('restart-offer-names-both');
+  const offer = page.locator('.Toastify__toast', { hasText: /from before shutdown/ });
+  await offer.getByRole('button', { name: 'Restore all' }).click();
+  await page
+    .locator('.Toastify__toast', { hasText: /Kernel restored/ })
+    .nth(1)
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.restored_toasts = await page
+    .locator('.Toastify__toast', { hasText: /Kernel restored/ })
+    .allInnerTexts();
+  seen.restored_toast = seen.restored_toasts[0];
+  await page.locator('.lm-TabBar-tab', { hasText: NOTEBOOK }).click();
   await buttonState('ready');
   seen.kernel_after_restore = await notebookKernelId();
   await screenshot('kernel-restored');
   seen.after_restore_output = await runCell(1);
   await screenshot('state-after-restore');
-  seen.sessions = (await api('api/sessions')).body.map(s => [s.path, s.kernel.id]);
-  seen.kernels = (await api('api/kernels')).body.map(k => k.id);
+  seen.sessions = (await api('api/sessions')).body.map(s => [s.path, s.kernel.id]).sort();
+  seen.kernels = (await api('api/kernels')).body.map(k => k.id).sort();
 };
 
 // --- main ---------------------------------------------------------------------------

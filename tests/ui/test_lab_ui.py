@@ -202,6 +202,8 @@ def test_snapshot_then_restore_through_the_dialog(
     assert seen["snapshots_left"] == 0
     assert seen["status_after_delete"] == "No snapshot yet"
     assert seen["escape_closed_dialog"] is True
+    # The selected row is readable in the dark theme (WCAG AA: 4.5).
+    assert seen["dark_selected_contrast"] >= 4.5, seen["dark_selected_contrast"]
     assert server.get("gpu-snapshot/snapshots") == {"snapshots": []}
     sessions = server.get("api/sessions")
     assert [s["kernel"]["id"] for s in sessions if s["path"] == "state.ipynb"] == [
@@ -325,28 +327,43 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     config = "c.GPUSnapshot.snapshot_on_shutdown = True\n"
-    server = start_lab("before-shutdown", {"state.ipynb": "python3-snapshot"}, config)
-    before = run_scenario(ui_tools, server, "before-shutdown", "state.ipynb")
+    notebooks = {"state.ipynb": "python3-snapshot", "other.ipynb": "python3-snapshot"}
+    server = start_lab("before-shutdown", notebooks, config)
+    before = run_scenario(
+        ui_tools, server, "before-shutdown", "state.ipynb", other_notebook="other.ipynb"
+    )
     secret, next_random = expected_state()
     assert before["state_output"] == f"state set: {secret}"
 
     assert server.stop() == 0
     assert "gpu-snapshot" in server.log_tail(200)
 
-    server = start_lab("after-restart", {"state.ipynb": "python3-snapshot"}, config)
+    server = start_lab("after-restart", notebooks, config)
     snapshots = server.get("gpu-snapshot/snapshots")["snapshots"]
-    assert [(s["reason"], s["notebook_path"]) for s in snapshots] == [
-        ("shutdown", "state.ipynb")
+    assert sorted((s["reason"], s["notebook_path"]) for s in snapshots) == [
+        ("shutdown", "other.ipynb"), ("shutdown", "state.ipynb")
     ]
-    seen = run_scenario(ui_tools, server, "after-restart", "state.ipynb")
+    seen = run_scenario(
+        ui_tools, server, "after-restart", "state.ipynb", other_notebook="other.ipynb"
+    )
 
-    assert seen["offer"].startswith("Restore the kernel from before shutdown?"), seen["offer"]
+    # The offer names its notebook; with two notebooks reopened, one offer names both.
+    assert seen["offer"].startswith(
+        "Restore the kernel of state.ipynb from before shutdown?"
+    ), seen["offer"]
+    assert seen["merged_offer"].startswith(
+        "Restore the kernels of 2 notebooks from before shutdown?"
+    ), seen["merged_offer"]
+    assert "state.ipynb" in seen["merged_offer"] and "other.ipynb" in seen["merged_offer"]
+    assert seen["offer_count"] == 1
+    assert len(seen["restored_toasts"]) == 2
     assert seen["restored_toast"].startswith("Kernel restored from")
     assert seen["kernel_after_restore"] not in (None, seen["fresh_kernel"])
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
-    # The fresh kernel the notebook had started was retired; one session, one kernel.
-    assert seen["sessions"] == [["state.ipynb", seen["kernel_after_restore"]]]
-    assert seen["kernels"] == [seen["kernel_after_restore"]]
+    # The fresh kernels the notebooks had started were retired; a session and a kernel each.
+    assert [path for path, _ in seen["sessions"]] == ["other.ipynb", "state.ipynb"]
+    assert ["state.ipynb", seen["kernel_after_restore"]] in seen["sessions"]
+    assert seen["kernels"] == sorted(kernel for _, kernel in seen["sessions"])
     # JupyterLab sends each new kernel a few requests of its own (the debugger's state, comm
     # subshells); retiring the fresh kernel cancels any still unanswered, which JupyterLab
     # logs as "Canceled future for ... before replies were done". Nothing else may show.
