@@ -110,7 +110,10 @@ class SnapshotsHandler(SnapshotAPIHandler):
     @authorized
     async def get(self) -> None:
         notebook_path = self.get_query_argument("notebook_path", None)
-        self.write_json({"snapshots": self.service.list_snapshots(notebook_path)})
+        self.write_json({
+            "snapshots": self.service.list_snapshots(notebook_path),
+            "store": await self.service.store_usage(),
+        })
 
 
 class SnapshotHandler(SnapshotAPIHandler):

@@ -7,10 +7,12 @@ statuses in one place.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import posixpath
 import queue
+import shutil
 import time
 import uuid
 from typing import Any
@@ -72,6 +74,15 @@ class SnapshotService:
     # -- snapshots -------------------------------------------------------------------------
     def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
         return [s.summary() for s in self.engine.list(notebook_path)]
+
+    async def store_usage(self) -> dict[str, Any]:
+        """The store's directory and the free space of its file system, for the sidebar."""
+        root = self.engine.store.root
+        try:
+            usage = await asyncio.to_thread(shutil.disk_usage, root)
+        except OSError:
+            return {"path": str(root), "free_bytes": None}
+        return {"path": str(root), "free_bytes": usage.free}
 
     def get_snapshot(self, ref: str) -> dict[str, Any]:
         return self.engine.get(ref).summary()

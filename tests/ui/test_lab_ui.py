@@ -204,7 +204,7 @@ def test_snapshot_then_restore_through_the_dialog(
     assert seen["escape_closed_dialog"] is True
     # The selected row is readable in the dark theme (WCAG AA: 4.5).
     assert seen["dark_selected_contrast"] >= 4.5, seen["dark_selected_contrast"]
-    assert server.get("gpu-snapshot/snapshots") == {"snapshots": []}
+    assert server.get("gpu-snapshot/snapshots")["snapshots"] == []
     sessions = server.get("api/sessions")
     assert [s["kernel"]["id"] for s in sessions if s["path"] == "state.ipynb"] == [
         seen["kernel_after_restore"]
