@@ -150,6 +150,28 @@ def test_kernelspec_install(tmp_path: Path):
 
     ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "prefix/share/jupyter/kernels")])
     assert ksm.get_kernel_spec("python3-snapshot").display_name == "Python 3 (snapshots)"
+    resource_dir = Path(ksm.get_all_specs()["python3-snapshot"]["resource_dir"])
+    assert (resource_dir / "logo-svg.svg").is_file()  # JupyterLab's launcher shows it
+
+
+def test_the_wheel_ships_the_kernelspec_as_data():
+    # pyproject's shared-data puts kernelspec_files/ where jupyter_client looks for kernels
+    # (as ipykernel ships python3), so pip install alone gives the kernel.
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from jupyter_gpu_snapshot.launch.kernelspec import SHIPPED_SPEC, kernel_json
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    source = SHIPPED_SPEC.relative_to(Path(__file__).parents[1]).as_posix()
+    assert f'"{source}" = "share/jupyter/kernels/python3-snapshot"' in pyproject
+    # The shipped file is what install writes, with jupyter_client's stand-in for the
+    # server's own interpreter; it cannot drift from kernel_json().
+    assert json.loads((SHIPPED_SPEC / "kernel.json").read_text()) == kernel_json("python")
+    ksm = KernelSpecManager(kernel_dirs=[str(SHIPPED_SPEC.parent)])
+    spec = ksm.get_kernel_spec(SHIPPED_SPEC.name)
+    assert spec.display_name == "Python 3 (snapshots)" and spec.argv[0] == "python"
+    km = KernelManager(kernel_name=SHIPPED_SPEC.name, kernel_spec_manager=ksm)
+    assert km.format_kernel_cmd()[0] == sys.executable
 
 
 def test_resume_wakes_a_kernel_left_stopped(tmp_path: Path, kernel: KernelHandle):
