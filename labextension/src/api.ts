@@ -20,7 +20,8 @@ export interface ISnapshotSummary {
   host: string | null;
   notebook_path: string | null;
   kernel: { name?: string; kernel_id?: string; [key: string]: unknown };
-  reason: 'user' | 'shutdown';
+  /** Why it was taken; servers may add kinds (autosave). */
+  reason: 'user' | 'shutdown' | 'autosave' | string;
   timings: { [key: string]: number };
   gpu: { [key: string]: unknown } | null;
 }
@@ -28,6 +29,11 @@ export interface ISnapshotSummary {
 /** The server's error kinds (server/openapi.yaml, Error.code): branch on these, not on text. */
 export type ErrorCode =
   'failed' | 'invalid_request' | 'not_found' | 'busy' | 'not_ready' | 'ports_in_use';
+
+export interface ISnapshotListing {
+  snapshots: ISnapshotSummary[];
+  store?: { path: string; free_bytes: number | null };
+}
 
 export interface IJobError {
   code?: ErrorCode;
@@ -91,13 +97,15 @@ export class SnapshotAPI {
   ) {}
 
   async listSnapshots(notebookPath?: string): Promise<ISnapshotSummary[]> {
+    return (await this.listing(notebookPath)).snapshots;
+  }
+
+  /** The snapshots and, from servers that tell, the store's free disk space. */
+  listing(notebookPath?: string): Promise<ISnapshotListing> {
     const query = notebookPath
       ? URLExt.objectToQueryString({ notebook_path: notebookPath })
       : '';
-    const data = await this._request<{ snapshots: ISnapshotSummary[] }>(
-      'snapshots' + query
-    );
-    return data.snapshots;
+    return this._request<ISnapshotListing>('snapshots' + query);
   }
 
   async deleteSnapshot(id: string): Promise<void> {

@@ -22,6 +22,7 @@ import { SnapshotController } from './controller';
 import { pickSnapshot } from './dialog';
 import { restoreIcon, snapshotIcon } from './icons';
 import { ShutdownOffer } from './reboot';
+import { SnapshotsSidebar } from './sidebar';
 import { SnapshotStatusItem } from './statusbar';
 
 const PLUGIN_ID = 'jupyter-gpu-snapshot:plugin';
@@ -179,6 +180,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       });
     }
 
+    const sidebar = new SnapshotsSidebar(controller, tracker, 15);
+    app.shell.add(sidebar, 'left', { rank: 850 });
+
     const offer = new ShutdownOffer(controller, stateDB);
     let offerAfterShutdown = true;
     tracker.widgetAdded.connect((_, panel) => {
@@ -195,9 +199,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
               .composite as boolean;
             controller.followInterval = settings.get('followJobMilliseconds')
               .composite as number;
-            statusItem?.setRefreshSeconds(
-              settings.get('statusRefreshSeconds').composite as number
-            );
+            const seconds = settings.get('statusRefreshSeconds').composite as number;
+            statusItem?.setRefreshSeconds(seconds);
+            sidebar.setRefreshSeconds(seconds);
           };
           read();
           settings.changed.connect(read);

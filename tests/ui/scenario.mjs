@@ -225,7 +225,7 @@ const scenarios = {
       .then(() => (Date.now() - savedAt) / 1000)
       .catch(() => null);
     await screenshot('saved-toast-closed');
-    await page.locator('.jp-gpu-snapshot-status', { hasText: /Snapshot .* ago/ }).waitFor({
+    await page.locator('.jp-gpu-snapshot-status', { hasText: /Snapshot (just now|.* ago)/ }).waitFor({
       timeout: STEP_TIMEOUT
     });
     seen.status_item = await page.locator('.jp-gpu-snapshot-status').innerText();
@@ -459,6 +459,58 @@ scenarios['restore-from-other-notebook'] = async () => {
   seen.after_restore_output = await runCell(1);
   await screenshot('restored-into-this-notebook');
   seen.kernels = (await api('api/kernels')).body.map(k => k.id);
+};
+
+// The Snapshots sidebar: a snapshot named at save time (shift-click) shows there with its
+// facts; search and sort; restore and delete from it; light and dark themes.
+scenarios['sidebar'] = async () => {
+  await openNotebook();
+  await buttonState('ready');
+  seen.state_output = await runCell(0);
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click({ modifiers: ['Shift'] });
+  const ask = page.locator('.jp-Dialog');
+  await ask.locator('input').fill('sidebar-one');
+  await screenshot('name-at-save');
+  await ask.locator('.jp-mod-accept').click();
+  seen.saved_toast = await toast(/Snapshot saved: 'sidebar-one'/);
+  await buttonState('ready');
+
+  await page.locator('.lm-TabBar-tab[data-id="jp-gpu-snapshot-sidebar"]').click();
+  const sidebar = page.locator('#jp-gpu-snapshot-sidebar');
+  const item = sidebar.locator('[data-section="own"] [data-snapshot-name="sidebar-one"]');
+  await item.waitFor({ timeout: STEP_TIMEOUT });
+  await sidebar.locator('.jp-gpu-snapshot-store', { hasText: 'free' }).waitFor();
+  seen.store_text = (await sidebar.locator('.jp-gpu-snapshot-store').innerText()).trim();
+  seen.item_text = (await item.innerText()).trim();
+  await screenshot('sidebar-light');
+
+  await sidebar.locator('.jp-gpu-snapshot-search').fill('no-such-thing');
+  seen.search_empty = await sidebar.locator('.jp-gpu-snapshot-empty').allInnerTexts();
+  await sidebar.locator('.jp-gpu-snapshot-search').fill('sidebar');
+  seen.search_hits = await sidebar
+    .locator('[data-snapshot-name]')
+    .evaluateAll(items => items.map(i => i.getAttribute('data-snapshot-name')));
+  await sidebar.locator('.jp-gpu-snapshot-search').fill('');
+  await sidebar.locator('.jp-gpu-snapshot-sort').selectOption('size');
+
+  await useTheme('JupyterLab Dark');
+  await item.waitFor();
+  seen.dark_name_contrast = await contrast(item.locator('.jp-gpu-snapshot-name'));
+  await screenshot('sidebar-dark');
+
+  await (await kernelMenu('kernelmenu:shutdown')).click();
+  await buttonState('disabled');
+  await item.locator('.jp-gpu-snapshot-restore').click();
+  seen.restored_toast = await toast(/Kernel restored from 'sidebar-one'/);
+  await buttonState('ready');
+  seen.after_restore_output = await runCell(1);
+  await screenshot('restored-from-sidebar');
+
+  await item.locator('.jp-gpu-snapshot-delete').click();
+  await item.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).click();
+  await item.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
+  await screenshot('deleted-from-sidebar');
 };
 
 // --- after a server restart (two runs of this script, the server stopped between) ---

@@ -185,8 +185,9 @@ def test_snapshot_then_restore_through_the_dialog(
     assert seen["kernel_after_shutdown"] is None
     assert seen["after_shutdown_tooltip"] == "No kernel is running in this notebook"
     assert seen["status_after_shutdown"] == "Snapshots"  # still there to click
+    # Title Case like JupyterLab's own entries; the keyboard shortcut shows beside its entry.
     assert seen["kernel_menu"] == [
-        "Snapshot Kernel", "Snapshot Kernel As…", "Restore Kernel from Snapshot…"
+        "Snapshot Kernel\tCtrl+Alt+S", "Snapshot Kernel As…", "Restore Kernel from Snapshot…"
     ]
     assert len(seen["dialog_rows"]) == 1
     assert seen["dialog_selected"] == seen["dialog_rows"]
@@ -285,6 +286,28 @@ def test_restoring_another_notebooks_snapshot_names_and_shuts_down_that_kernel(
     assert seen["kernel_after_restore"] not in (None, seen["kernel_before"], seen["other_kernel"])
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
     assert seen["kernels"] == [seen["kernel_after_restore"]]
+    assert seen["console_errors"] == []
+
+
+def test_snapshots_sidebar_lists_searches_restores_and_deletes(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab("sidebar", {"state.ipynb": "python3-snapshot"})
+    seen = run_scenario(ui_tools, server, "sidebar", "state.ipynb")
+    secret, next_random = expected_state()
+
+    # Named at save time (shift-click on the button).
+    assert seen["saved_toast"].startswith("Snapshot saved: 'sidebar-one'"), seen["saved_toast"]
+    assert re.fullmatch(r"1 in the store, [\d.]+ (KiB|MiB|GiB), [\d.]+ (GiB|TiB|MiB) free",
+                        seen["store_text"]), seen["store_text"]
+    for fact in ("sidebar-one", "saved by hand", "just now", "MiB", "CPU only", "state.ipynb"):
+        assert fact in seen["item_text"], (fact, seen["item_text"])
+    assert "None matches the search." in seen["search_empty"]
+    assert seen["search_hits"] == ["sidebar-one"]
+    assert seen["dark_name_contrast"] >= 4.5, seen["dark_name_contrast"]
+    assert seen["restored_toast"].startswith("Kernel restored from 'sidebar-one'")
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["snapshots_left"] == 0
     assert seen["console_errors"] == []
 
 
