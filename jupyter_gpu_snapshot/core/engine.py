@@ -369,11 +369,12 @@ class SnapshotEngine:
         finally:
             self._busy.discard(snapshot.id)
 
-    async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
-        timings: dict[str, float] = {}
-        started = time.monotonic()
-        # Taken ports refuse the restore anyway: say so before a whole checksum pass.
-        report(Progress("preflight"))
+    async def check_ports(self, snapshot: Snapshot) -> None:
+        """Raise PortsInUse when a port the restored kernel would listen on is taken.
+
+        Called at the start of every restore, and by the server before it starts a kernel
+        slot for one (a slot that fails to start logs tracebacks of its own).
+        """
         info = snapshot.connection_info
         busy = await asyncio.to_thread(procfs.ports_in_use, info)
         if busy:
@@ -384,6 +385,14 @@ class SnapshotEngine:
                 "Shut it down first",
                 details={"ports": busy},
             )
+
+    async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        # Taken ports refuse the restore anyway: say so before a whole checksum pass.
+        report(Progress("preflight"))
+        await self.check_ports(snapshot)
+        info = snapshot.connection_info
         t = time.monotonic()
         report(Progress("verify", 0, snapshot.size_bytes))
         await asyncio.to_thread(

@@ -308,6 +308,12 @@ class SnapshotService:
         kernel_id = job.kernel_id
         assert kernel_id is not None
         kernel_name = self.restore_kernel_name(snapshot)
+        try:
+            # Before a kernel slot exists: a slot that fails to start logs two tracebacks.
+            await self.engine.check_ports(snapshot)
+        except PortsInUse as exc:
+            exc.details.update(await self._port_holder(snapshot, kernel_id))
+            raise
         launch: dict[str, Any] = dict(
             zip(RESTORE_KWARGS, (snapshot.id, self.engine, self.jobs.progress(job)), strict=True)
         )
@@ -326,7 +332,7 @@ class SnapshotService:
             await self.kernel_manager.get_kernel(kernel_id).ready
         except BaseException as exc:
             self._forget_failed_start(kernel_id)
-            if isinstance(exc, PortsInUse):
+            if isinstance(exc, PortsInUse):  # taken between the check and the restore
                 exc.details.update(await self._port_holder(snapshot, kernel_id))
             if isinstance(exc, KeyError):
                 raise SnapshotError("restore", "the restored kernel vanished") from None

@@ -293,6 +293,7 @@ def test_snapshots_sidebar_lists_searches_restores_and_deletes(
     ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     server = start_lab("sidebar", {"state.ipynb": "python3-snapshot"})
+    assert "snapshot on shutdown off" in server.log_path.read_text()
     seen = run_scenario(ui_tools, server, "sidebar", "state.ipynb")
     secret, next_random = expected_state()
 
@@ -358,6 +359,8 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     secret, next_random = expected_state()
     assert before["state_output"] == f"state set: {secret}"
 
+    # The startup log says whether kernels are saved when the server stops.
+    assert "snapshot on shutdown on" in server.log_path.read_text()
     assert server.stop() == 0
     assert "gpu-snapshot" in server.log_tail(200)
 
