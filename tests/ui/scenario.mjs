@@ -392,7 +392,13 @@ scenarios['restore-over-running-kernel'] = async () => {
   seen.row_text = (await row.innerText()).trim();
   seen.preselected = await dialog.locator('tr.jp-mod-selected').count();
   await screenshot('dialog-marks-this-kernel');
-  await row.click();
+  // The arrow keys move the selection.
+  await dialog.locator('.jp-gpu-snapshot-picker').focus();
+  await page.keyboard.press('ArrowDown');
+  seen.selected_by_arrow = await dialog
+    .locator('tr.jp-mod-selected')
+    .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-id')));
+  seen.first_row = await row.getAttribute('data-snapshot-id');
   await dialog.locator('.jp-mod-accept').click();
   seen.refused_toast = await toast(/Restore of .* failed/);
   await screenshot('restore-refused');

@@ -247,6 +247,7 @@ def test_going_back_to_a_snapshot_of_the_running_kernel_offers_to_replace_it(
     assert seen["changed_output"] == "state changed"
     # The dialog marks the snapshot of the running kernel and does not pre-select it.
     assert "of this kernel" in seen["row_text"] and seen["preselected"] == 0
+    assert seen["selected_by_arrow"] == [seen["first_row"]]
     assert seen["refused_toast"].startswith("Restore of "), seen["refused_toast"]
     assert "its ports are taken by this notebook's own kernel" in seen["refused_toast"]
     assert "Shut down this kernel and restore" in seen["refused_toast"]  # the action
