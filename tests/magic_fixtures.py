@@ -254,13 +254,13 @@ class JupyterServer:
         self.clients.append(client)
         return client
 
-    def open_notebook(self, path: str) -> NotebookKernel:
+    def open_notebook(self, path: str, kernel_name: str = "python3-snapshot") -> NotebookKernel:
         """What opening a notebook in JupyterLab does: a session with a new kernel."""
         status, session = self.request(
             "POST",
             "api/sessions",
             {"path": path, "name": path, "type": "notebook",
-             "kernel": {"name": "python3-snapshot"}},
+             "kernel": {"name": kernel_name}},
         )
         assert status == 201, f"session: {status} {session}"
         kernel_id = session["kernel"]["id"]

@@ -53,9 +53,56 @@ def test_save_list_restore_rm_by_pid(tmp_path: Path, kernel: KernelHandle, resto
     # `jupyter console --existing FILE` only needs this file; it is a full connection file.
     info = json.loads(connection_file.read_text())
     assert {"shell_port", "iopub_port", "key", "transport", "ip"} <= set(info)
+    # The README's recipe, as written (plus a plain prompt, as stdin is no terminal here).
+    console = subprocess.run(
+        [str(Path(sys.executable).parent / "jupyter"), "console", "--existing",
+         str(connection_file), "--simple-prompt",
+         "--ZMQTerminalInteractiveShell.confirm_exit=False"],
+        input="print('console sees', state)\n", capture_output=True, text=True, timeout=60,
+    )
+    assert "console sees {'epoch': 7}" in console.stdout, console.stdout + console.stderr
 
     assert "deleted cli-1" in cli(store, "rm", "cli-1").stdout
     assert json.loads(cli(store, "list", "--json").stdout) == []
+
+
+def test_human_output_never_cuts_or_wraps_ids_and_paths(
+    tmp_path: Path, kernel: KernelHandle, restored: RestoredTrees
+):
+    store = tmp_path / "a-store-directory-with-a-rather-long-name" / "snapshots"
+    name = "a-snapshot-name-long-enough-to-be-cut-by-a-narrow-table-01"
+    # A narrow terminal's width: nothing may be folded or shortened to fit it.
+    narrow = {"COLUMNS": "60", "TERM": "xterm"}
+    saved = cli(store, "save", "--pid", str(kernel.kernel_pid), "--name", name, "--stop",
+                env=narrow).stdout
+    [saved_line] = saved.splitlines()
+    snapshot_id = json.loads(cli(store, "list", "--json").stdout)[0]["id"]
+    assert f"saved {name} ({snapshot_id})" in saved_line
+    listing = cli(store, "list", env=narrow).stdout.splitlines()
+    assert "…" not in "".join(listing)
+    assert listing[0].split() == ["NAME", "ID", "CREATED", "SIZE", "NOTEBOOK"]
+    assert listing[1].split()[:2] == [name, snapshot_id]
+    out = cli(store, "restore", name, env=narrow).stdout
+    connect = [line for line in out.splitlines() if line.startswith("connect with:")]
+    assert len(connect) == 1, out
+    connection_file = Path(connect[0].split("--existing ", 1)[1])
+    assert connection_file.is_file(), out  # the whole path, on one line
+    pid = int(out.split(" as pid ", 1)[1].split()[0])
+    restored.connect(connection_file, pid)
+
+
+def test_every_json_flag_has_help():
+    from jupyter_gpu_snapshot.cli.main import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    flagged = 0
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if "--json" in action.option_strings:
+                flagged += 1
+                assert action.help, f"{name} --json has no help text"
+    assert flagged >= 5
 
 
 def test_save_by_kernel_id(tmp_path: Path):
@@ -103,6 +150,28 @@ def test_kernelspec_install(tmp_path: Path):
 
     ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "prefix/share/jupyter/kernels")])
     assert ksm.get_kernel_spec("python3-snapshot").display_name == "Python 3 (snapshots)"
+    resource_dir = Path(ksm.get_all_specs()["python3-snapshot"]["resource_dir"])
+    assert (resource_dir / "logo-svg.svg").is_file()  # JupyterLab's launcher shows it
+
+
+def test_the_wheel_ships_the_kernelspec_as_data():
+    # pyproject's shared-data puts kernelspec_files/ where jupyter_client looks for kernels
+    # (as ipykernel ships python3), so pip install alone gives the kernel.
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from jupyter_gpu_snapshot.launch.kernelspec import SHIPPED_SPEC, kernel_json
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    source = SHIPPED_SPEC.relative_to(Path(__file__).parents[1]).as_posix()
+    assert f'"{source}" = "share/jupyter/kernels/python3-snapshot"' in pyproject
+    # The shipped file is what install writes, with jupyter_client's stand-in for the
+    # server's own interpreter; it cannot drift from kernel_json().
+    assert json.loads((SHIPPED_SPEC / "kernel.json").read_text()) == kernel_json("python")
+    ksm = KernelSpecManager(kernel_dirs=[str(SHIPPED_SPEC.parent)])
+    spec = ksm.get_kernel_spec(SHIPPED_SPEC.name)
+    assert spec.display_name == "Python 3 (snapshots)" and spec.argv[0] == "python"
+    km = KernelManager(kernel_name=SHIPPED_SPEC.name, kernel_spec_manager=ksm)
+    assert km.format_kernel_cmd()[0] == sys.executable
 
 
 def test_resume_wakes_a_kernel_left_stopped(tmp_path: Path, kernel: KernelHandle):

@@ -155,10 +155,14 @@ def test_restore_twice_from_one_snapshot(engine, kernel, tmp_path, restored):
 def test_restore_while_original_runs_is_refused(engine, store, kernel, tmp_path):
     before = _set_state(kernel, tmp_path)
     snap = _save(engine, kernel)
+    phases: list[str] = []
     with pytest.raises(SnapshotError) as err:
-        run(engine.restore(snap.id))
-    assert err.value.step == "preflight"
-    assert "in use" in err.value.message and "still running" in err.value.message
+        run(engine.restore(snap.id, lambda p: phases.append(p.phase)))
+    assert err.value.step == "preflight" and err.value.code == "ports_in_use"
+    assert "in use. Is the original kernel" in err.value.message
+    assert err.value.details["ports"]
+    # Refused before the checksum pass, which is wasted on a restore that cannot run.
+    assert "verify" not in phases
     assert _probe(kernel.execute) == before
     assert _listed(store) == [snap.id]
 

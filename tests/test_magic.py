@@ -63,6 +63,22 @@ def test_outside_a_server_the_magic_says_so() -> None:
         stop_kernel(handle)
 
 
+def test_in_a_plain_python3_notebook_status_says_it_is_not_snapshot_ready(
+    jupyter_server: JupyterServer,
+) -> None:
+    # Started by the server for a notebook, only on the plain kernel, with %load_ext.
+    notebook = jupyter_server.open_notebook("plain-python3.ipynb", kernel_name="python3")
+    client = notebook.client
+    ok(client, "%load_ext jupyter_gpu_snapshot")
+    line = one_line_error(run_cell(client, "%gpu_snapshot status"))
+    assert line.startswith(
+        "%gpu_snapshot status: this kernel is not snapshot-ready: it runs a kernel other "
+        "than 'Python 3 (snapshots)'"
+    ), line
+    assert "Change Kernel" in line and "no Jupyter server" not in line, line
+    jupyter_server.shutdown_kernel(notebook.kernel_id)
+
+
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
@@ -143,12 +159,15 @@ def test_failures_are_one_line_and_leave_the_kernel_running(
     jupyter_server: JupyterServer, notebook: NotebookKernel
 ) -> None:
     line = one_line_error(notebook.run("%gpu_snapshot save ../escape"))
-    assert line.startswith("%gpu_snapshot save: preflight failed: invalid snapshot name"), line
+    # A refused request, not a failed step.
+    assert line.startswith("%gpu_snapshot save: invalid snapshot name"), line
 
-    notebook.ok("%gpu_snapshot save taken")
+    notebook.ok('%gpu_snapshot save "taken"')  # quoted, as people write names
     line = one_line_error(notebook.run("%gpu_snapshot save taken"))
     assert "a snapshot named 'taken' exists already" in line
-    assert len(jupyter_server.snapshots(notebook.path)) == 1
+    assert [s["name"] for s in jupyter_server.snapshots(notebook.path)] == ["taken"]
+    line = one_line_error(notebook.run('%gpu_snapshot save "my snapshot"'))
+    assert "invalid snapshot name 'my snapshot'" in line, line
 
     line = one_line_error(notebook.run("%gpu_snapshot restore no-such-snapshot"))
     assert line.startswith("%gpu_snapshot restore: lookup failed: no snapshot"), line

@@ -183,7 +183,7 @@ def test_api_and_cli_notebook_runs(jupyter_server: Any) -> None:
     out = run.outputs()
     assert "phases seen: preflight" in out
     assert "DELETE: 204" in out
-    assert server.get("gpu-snapshot/snapshots") == {"snapshots": []}
+    assert server.get("gpu-snapshot/snapshots")["snapshots"] == []
 
 
 

@@ -37,6 +37,20 @@ out = Console()
 err = Console(stderr=True)
 
 
+def _say(text: str) -> None:
+    """A message on stdout as plain lines: never wrapped, so ids and paths copy whole."""
+    sys.stdout.write(text + "\n")
+
+
+def _columns(rows: list[list[str]]) -> str:
+    """Rows as aligned columns, no cell ever cut or wrapped (the terminal may fold a long line)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
 def _print_json(data: Any) -> None:
     # Plain JSON for programs: rich would colour it wherever FORCE_COLOR is set (ipykernel
     # sets it, so `!jupyter gpu-snapshot list --json` in a cell got escape codes).
@@ -103,6 +117,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     checks = run_checks(engine.criu, engine.store)
     if args.json:
         _print_json([c.__dict__ for c in checks])
+    elif not out.is_terminal:
+        for c in checks:
+            mark = "ok" if c.ok else "MISSING" if c.required else "--"
+            _say(f"{mark}\t{c.name}\t{c.detail}" + (f" ({c.fix})" if c.fix else ""))
     else:
         table = Table(show_header=False, box=None)
         for c in checks:
@@ -113,7 +131,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     failed = [c for c in checks if c.required and not c.ok]
     if failed and not args.json:
         names = ", ".join(c.name for c in failed)
-        err.print(f"[red]{len(failed)} requirement(s) missing:[/] {names}")
+        err.print(f"[red]{len(failed)} requirement(s) missing:[/] {names}", soft_wrap=True)
     return 1 if failed else 0
 
 
@@ -121,7 +139,7 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
     from ..launch.kernelspec import install
 
     dest = install(user=args.user, prefix=args.prefix)
-    out.print(f"installed kernelspec {KERNEL_NAME} in {dest}")
+    _say(f"installed kernelspec {KERNEL_NAME} in {dest}")
     return 0
 
 
@@ -131,13 +149,15 @@ def cmd_list(args: argparse.Namespace) -> int:
         _print_json([s.summary() for s in snapshots])
         return 0
     if not snapshots:
-        out.print("no snapshots")
+        _say("no snapshots")
         return 0
-    table = Table("name", "id", "created", "size", "notebook")
+    rows = [["NAME", "ID", "CREATED", "SIZE", "NOTEBOOK"]]
     for s in snapshots:
         created = datetime.fromtimestamp(s.created).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(s.name, s.id, created, format_bytes(s.size_bytes), s.notebook_path or "")
-    out.print(table)
+        rows.append(
+            [s.name, s.id, created, format_bytes(s.size_bytes), s.notebook_path or "-"]
+        )
+    _say(_columns(rows))
     return 0
 
 
@@ -161,7 +181,7 @@ def cmd_save(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(snapshot.summary())
     else:
-        out.print(_describe(snapshot))
+        _say(_describe(snapshot))
     return 0
 
 
@@ -193,7 +213,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result)
     else:
-        out.print(
+        _say(
             f"restored {restored.snapshot.name} as pid {restored.pid} "
             f"(kernel pid {restored.kernel_pid}) in {restored.timings['total']:.2f} s\n"
             f"connect with: jupyter console --existing {connection_file}"
@@ -203,7 +223,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     snapshot = _engine(args).delete(args.snapshot)
-    out.print(f"deleted {snapshot.name} ({snapshot.id})")
+    _say(f"deleted {snapshot.name} ({snapshot.id})")
     return 0
 
 
@@ -221,7 +241,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         why = "; ".join(kernel.problems)
         state = "snapshot-ready" if kernel.ready else f"not snapshot-ready: {why}"
-        out.print(f"kernel pid {kernel.kernel_pid}: {state}")
+        _say(f"kernel pid {kernel.kernel_pid}: {state}")
     return 0 if kernel.ready else 1
 
 
@@ -235,15 +255,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
     procfs.continue_tree(kernel.root_pid)
     status = driver_status()
     if status.driver is None:
-        out.print(f"woke pids {pids}; no CUDA to resume ({status.problem})")
+        _say(f"woke pids {pids}; no CUDA to resume ({status.problem})")
         return 0
     cuda = CudaCheckpoint(status.driver)
     holders = cuda.holders(pids)
     problems = cuda.resume_all(holders)
     for problem in problems:
-        err.print(f"[red]error:[/] {problem}", highlight=False)
+        err.print(f"[red]error:[/] {problem}", highlight=False, soft_wrap=True)
     resumed = ", ".join(str(p.pid) for p in holders) or "none"
-    out.print(f"woke pids {pids}; CUDA running again in: {resumed}")
+    _say(f"woke pids {pids}; CUDA running again in: {resumed}")
     return 2 if problems else 0
 
 
@@ -257,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="check criu, privileges, kernel features and the GPU driver")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print the checks as a JSON list instead of lines")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("kernelspec", help=f"manage the {KERNEL_NAME} kernelspec")
@@ -272,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list snapshots")
     p.add_argument("--notebook", help="only the snapshots of this notebook path")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print the snapshots' summaries as a JSON list")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("save", help="snapshot a running kernel")
@@ -281,12 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--kernel-id", help="Jupyter kernel id (from the server's /api/kernels)")
     p.add_argument("--name", help="snapshot name (letters, digits, '.', '_', '-')")
     p.add_argument("--stop", action="store_true", help="end the kernel after the snapshot")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print the new snapshot's summary as JSON (no progress bar)")
     p.set_defaults(func=cmd_save)
 
     p = sub.add_parser("restore", help="restore a snapshot as a standalone kernel")
     p.add_argument("snapshot", help="snapshot name or id")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print pid, kernel pid, connection file and timings as JSON")
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("rm", help="delete a snapshot")
@@ -301,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_resume)
 
     p = sub.add_parser("status", help="say whether a kernel process is snapshot-ready")
-    p.add_argument("--pid", type=int, required=True)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--pid", type=int, required=True, help="process id of the kernel")
+    p.add_argument("--json", action="store_true",
+                   help="print readiness, problems and connection file as JSON")
     p.set_defaults(func=cmd_status)
     return parser
 
@@ -312,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except SnapshotError as exc:
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        err.print(f"[red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         err.print("interrupted")

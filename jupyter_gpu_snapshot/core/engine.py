@@ -32,7 +32,7 @@ from .._version import __version__
 from . import procfs
 from .background import run_in_background
 from .criu import CriuRunner
-from .errors import Busy, InvalidRequest, SnapshotError
+from .errors import Busy, InvalidRequest, PortsInUse, SnapshotError
 from .index import SnapshotIndex
 from .store import Snapshot, SnapshotStore, new_snapshot_id, validate_name
 
@@ -379,27 +379,38 @@ class SnapshotEngine:
         finally:
             self._busy.discard(snapshot.id)
 
-    async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
-        timings: dict[str, float] = {}
-        started = time.monotonic()
-        report(Progress("verify", 0, snapshot.size_bytes))
-        await run_in_background(
-            self.store.verify, snapshot, lambda d, t: report(Progress("verify", d, t))
-        )
-        timings["verify"] = time.monotonic() - started
+    async def check_ports(self, snapshot: Snapshot) -> None:
+        """Raise PortsInUse when a port the restored kernel would listen on is taken.
 
-        t = time.monotonic()
-        report(Progress("preflight"))
-        await asyncio.to_thread(self.criu.require_version)
+        Called by ``restore`` first: taken ports refuse it anyway, so before any checksum.
+        """
         info = snapshot.connection_info
         busy = await asyncio.to_thread(procfs.ports_in_use, info)
         if busy:
-            raise SnapshotError(
+            raise PortsInUse(
                 "preflight",
                 f"{', '.join(busy)} of {info.get('ip', '127.0.0.1')} in use",
                 hint="is the original kernel, or another restore of it, still running? "
                 "Shut it down first",
+                details={"ports": busy},
             )
+
+    async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        # Taken ports refuse the restore anyway: say so before a whole checksum pass.
+        report(Progress("preflight"))
+        await self.check_ports(snapshot)
+        info = snapshot.connection_info
+        t = time.monotonic()
+        report(Progress("verify", 0, snapshot.size_bytes))
+        await run_in_background(
+            self.store.verify, snapshot, lambda d, t: report(Progress("verify", d, t))
+        )
+        timings["verify"] = time.monotonic() - t
+
+        t = time.monotonic()
+        await asyncio.to_thread(self.criu.require_version)
         for path in snapshot.manifest["kernel"].get("log_files", []):
             await asyncio.to_thread(_ensure_append_file, Path(path))
         ctx = RestoreContext(snapshot, report)

@@ -30,6 +30,9 @@ from .identity import (
     incarnation,
 )
 
+# Set by jupyter_server in the environment of every kernel it starts for a notebook.
+ENV_SERVER_SESSION = "JPY_SESSION_NAME"
+
 # Requests never block a cell for long: a server that stopped answering is reported, not
 # waited for.
 REQUEST_TIMEOUT = 10.0
@@ -131,6 +134,18 @@ class ServerLink:
         kernel_id = env.get(ENV_KERNEL_ID, "").strip()
         if not url or not kernel_id:
             missing = ENV_URL if not url else ENV_KERNEL_ID
+            if env.get(ENV_SERVER_SESSION):
+                # A notebook's kernel of a Jupyter server, only not on our kernelspec.
+                cause = (
+                    "this kernel is not snapshot-ready: it runs a kernel other than "
+                    "'Python 3 (snapshots)', which alone starts kernels so that they can be "
+                    f"saved ({missing} is not set)"
+                )
+                hint = (
+                    "Switch the notebook to 'Python 3 (snapshots)' with Kernel > Change "
+                    "Kernel..., then run this again"
+                )
+                raise NoServer("connect", cause, hint=hint, message=f"{cause}. {hint}")
             cause = (
                 "this kernel was not started by a Jupyter server with jupyter_gpu_snapshot "
                 f"({missing} is not set)"

@@ -65,6 +65,13 @@ argument = cast("Callable[..., _Decorator]", _ma.argument)
 parse_argstring = cast("Callable[[Any, str], Any]", _ma.parse_argstring)
 
 
+def _unquoted(name: str | None) -> str | None:
+    """``"my-run"`` as ``my-run``: IPython's argument splitting keeps the quotes."""
+    if name and len(name) >= 2 and name[0] == name[-1] and name[0] in "'\"":
+        return name[1:-1]
+    return name
+
+
 def _display(*objs: Any, **kwargs: Any) -> Any:
     from IPython.display import display
 
@@ -143,6 +150,7 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot widget
         """
         args = parse_argstring(self.gpu_snapshot, line)
+        args.name = _unquoted(args.name)
         command: str = args.command
         _check_usage(command, args.name, args.stop, args.all_notebooks)
         try:

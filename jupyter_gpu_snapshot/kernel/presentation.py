@@ -24,12 +24,26 @@ def format_age(seconds: float) -> str:
     return f"{int(seconds // 86400)} days ago"
 
 
+# What each phase reads as; the JupyterLab extension's format.ts says the same words.
+PHASE_LABELS = {
+    "preflight": "checking",
+    "suspend": "pausing the kernel",
+    "dump": "writing memory",
+    "resume": "resuming the kernel",
+    "commit": "committing",
+    "verify": "verifying",
+    "restore": "restoring",
+    "done": "finishing",
+}
+
+
 def job_progress_text(job: dict[str, Any]) -> str:
     phase = str(job.get("phase", ""))
+    label = PHASE_LABELS.get(phase, phase)
     done, total = int(job.get("done") or 0), int(job.get("total") or 0)
     if total:
-        return f"{phase} {format_bytes(done)} of {format_bytes(total)}"
-    return phase
+        return f"{label}: {format_bytes(done)} of {format_bytes(total)}"
+    return label
 
 
 def saved_line(summary: dict[str, Any], job: dict[str, Any]) -> str:

@@ -1,4 +1,9 @@
-"""The ``python3-snapshot`` kernelspec: ipykernel launched through our provisioner."""
+"""The ``python3-snapshot`` kernelspec: ipykernel launched through our provisioner.
+
+The wheel ships it as data, ``share/jupyter/kernels/python3-snapshot/`` from
+``kernelspec_files/`` (as ipykernel ships ``python3``), so ``pip install`` alone gives the
+kernel; ``install`` writes it elsewhere (``--user``, another prefix) with this interpreter.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpecManager
 
 from .._constants import KERNEL_DISPLAY_NAME, KERNEL_NAME, PROVISIONER_NAME
+
+# kernel.json (argv[0] "python": jupyter_client runs the server's own interpreter) and logo.
+SHIPPED_SPEC = Path(__file__).parent / "kernelspec_files"
+LOGO = "logo-svg.svg"
 
 
 def kernel_json(python: str | None = None) -> dict[str, Any]:
@@ -44,6 +53,7 @@ def install(user: bool = False, prefix: str | None = None) -> str:
         spec_dir = Path(tmp) / KERNEL_NAME
         spec_dir.mkdir()
         (spec_dir / "kernel.json").write_text(json.dumps(kernel_json(), indent=2))
+        (spec_dir / LOGO).write_bytes((SHIPPED_SPEC / LOGO).read_bytes())
         if prefix is None and not user:
             prefix = sys.prefix
         dest: str = KernelSpecManager().install_kernel_spec(

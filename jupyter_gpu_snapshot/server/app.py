@@ -90,10 +90,11 @@ class GPUSnapshotApp(ExtensionApp):
         )
         self._tell_kernels_where_we_are()
         self.log.info(
-            "gpu-snapshot: API at %s%s/, snapshots in %s",
+            "gpu-snapshot: API at %s%s/, snapshots in %s, snapshot on shutdown %s",
             serverapp.base_url,
             API_PREFIX,
             engine.store.root,
+            "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
         )
 
     def initialize_handlers(self) -> None:

@@ -20,7 +20,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from .._constants import API_PREFIX
-from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
+from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, PortsInUse, SnapshotError
 from .jobs import JOB_ID_PATTERN
 from .service import SnapshotService
 
@@ -36,6 +36,7 @@ STATUS_OF: tuple[tuple[type[SnapshotError], int], ...] = (
     (NotFound, 404),
     (Busy, 409),
     (NotReady, 409),
+    (PortsInUse, 409),
     (SnapshotError, 500),
 )
 
@@ -84,7 +85,7 @@ class SnapshotAPIHandler(APIHandler):
         return body
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
-        """Errors of the core become ``{message, step, cause, hint, log}`` with their status."""
+        """Errors of the core become ``{code, message, step, cause, hint, log, details}``."""
         exc_info = kwargs.get("exc_info")
         error = exc_info[1] if exc_info else None
         if not isinstance(error, SnapshotError):
@@ -109,7 +110,10 @@ class SnapshotsHandler(SnapshotAPIHandler):
     @authorized
     async def get(self) -> None:
         notebook_path = self.get_query_argument("notebook_path", None)
-        self.write_json({"snapshots": await self.service.list_snapshots(notebook_path)})
+        self.write_json({
+            "snapshots": await self.service.list_snapshots(notebook_path),
+            "store": await self.service.store_usage(),
+        })
 
 
 class SnapshotHandler(SnapshotAPIHandler):

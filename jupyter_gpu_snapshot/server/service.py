@@ -12,6 +12,7 @@ import contextlib
 import logging
 import posixpath
 import queue
+import shutil
 import time
 import uuid
 from collections.abc import Collection
@@ -24,7 +25,14 @@ from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.engine import RestoredKernel, SaveTarget, SnapshotEngine
-from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
+from ..core.errors import (
+    Busy,
+    InvalidRequest,
+    NotFound,
+    NotReady,
+    PortsInUse,
+    SnapshotError,
+)
 from ..core.store import Snapshot, validate_name
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from .jobs import Job, JobRunner
@@ -75,6 +83,15 @@ class SnapshotService:
     async def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
         found = await asyncio.to_thread(self.engine.list, notebook_path)
         return [s.summary() for s in found]
+
+    async def store_usage(self) -> dict[str, Any]:
+        """The store's directory and the free space of its file system, for the sidebar."""
+        root = self.engine.store.root
+        try:
+            usage = await asyncio.to_thread(shutil.disk_usage, root)
+        except OSError:
+            return {"path": str(root), "free_bytes": None}
+        return {"path": str(root), "free_bytes": usage.free}
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:
         return (await asyncio.to_thread(self.engine.get, ref)).summary()
@@ -308,7 +325,12 @@ class SnapshotService:
         ours = await self._our_kernelspecs()
         if not ours:  # refuse before a restore that no kernel slot could take
             self.restore_kernel_name(snapshot, ours)
-        restored = await self.engine.restore(snapshot, self.jobs.progress(job))
+        try:
+            restored = await self.engine.restore(snapshot, self.jobs.progress(job))
+        except PortsInUse as exc:
+            # Name the kernel that holds the ports, so a client offers to shut down that one.
+            exc.details.update(await self._port_holder(snapshot, kernel_id))
+            raise
         try:
             await self._adopt(kernel_id, restored, ours, path)
         except BaseException as exc:
@@ -365,6 +387,24 @@ class SnapshotService:
         task = asyncio.ensure_future(refresh_kernel_env(km, env, self.log))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+    async def _port_holder(self, snapshot: Snapshot, restoring_id: str) -> dict[str, Any]:
+        """Which of the server's kernels listens on the snapshot's ports, and its notebook.
+
+        Called when a restore is refused for taken ports, so that a client can offer to shut
+        down that kernel (usually the one the snapshot was taken of) and no other.
+        """
+        wanted = {v for k, v in snapshot.connection_info.items() if k.endswith("_port") and v}
+        for kernel_id in self.kernel_manager.list_kernel_ids():
+            if kernel_id == restoring_id:
+                continue
+            with contextlib.suppress(Exception):
+                info = self.kernel_manager.get_kernel(kernel_id).get_connection_info()
+                if wanted & {v for k, v in info.items() if k.endswith("_port")}:
+                    return {
+                        "holder_kernel_id": kernel_id,
+                        "holder_notebook_path": await self.notebook_path(kernel_id),
+                    }
+        return {"holder_kernel_id": None, "holder_notebook_path": None}
 
     def _forget_failed_start(self, kernel_id: str) -> None:
         """Drop what the kernel manager keeps of a kernel whose start failed.

@@ -8,14 +8,7 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 export type Phase =
-  | 'preflight'
-  | 'suspend'
-  | 'dump'
-  | 'resume'
-  | 'commit'
-  | 'verify'
-  | 'restore'
-  | 'done';
+  'preflight' | 'suspend' | 'dump' | 'resume' | 'commit' | 'verify' | 'restore' | 'done';
 
 export interface ISnapshotSummary {
   id: string;
@@ -27,12 +20,29 @@ export interface ISnapshotSummary {
   host: string | null;
   notebook_path: string | null;
   kernel: { name?: string; kernel_id?: string; [key: string]: unknown };
-  reason: 'user' | 'shutdown';
+  /** Why it was taken; servers may add kinds (autosave). */
+  reason: 'user' | 'shutdown' | 'autosave' | string;
   timings: { [key: string]: number };
   gpu: { [key: string]: unknown } | null;
 }
 
+/** The server's error kinds (server/openapi.yaml, Error.code): branch on these, not on text. */
+export type ErrorCode =
+  'failed' | 'invalid_request' | 'not_found' | 'busy' | 'not_ready' | 'ports_in_use';
+
+export interface ISnapshotListing {
+  snapshots: ISnapshotSummary[];
+  store?: { path: string; free_bytes: number | null };
+}
+
 export interface IJobError {
+  code?: ErrorCode;
+  details?: {
+    ports?: string[];
+    holder_kernel_id?: string | null;
+    holder_notebook_path?: string | null;
+    [key: string]: unknown;
+  };
   step: string;
   cause: string;
   hint?: string | null;
@@ -70,12 +80,12 @@ export interface IKernelStatus {
   job: IJob | null;
 }
 
-/** An error answer of the API, carrying the server's own message. */
+/** An error answer of the API, carrying the server's own message and error object. */
 export class SnapshotAPIError extends Error {
   constructor(
     message: string,
     readonly status: number,
-    readonly step?: string
+    readonly error: IJobError | null = null
   ) {
     super(message);
   }
@@ -87,13 +97,15 @@ export class SnapshotAPI {
   ) {}
 
   async listSnapshots(notebookPath?: string): Promise<ISnapshotSummary[]> {
+    return (await this.listing(notebookPath)).snapshots;
+  }
+
+  /** The snapshots and, from servers that tell, the store's free disk space. */
+  listing(notebookPath?: string): Promise<ISnapshotListing> {
     const query = notebookPath
       ? URLExt.objectToQueryString({ notebook_path: notebookPath })
       : '';
-    const data = await this._request<{ snapshots: ISnapshotSummary[] }>(
-      'snapshots' + query
-    );
-    return data.snapshots;
+    return this._request<ISnapshotListing>('snapshots' + query);
   }
 
   async deleteSnapshot(id: string): Promise<void> {
@@ -106,20 +118,20 @@ export class SnapshotAPI {
     kernelId: string,
     options: { name?: string; stop?: boolean } = {}
   ): Promise<IJob> {
-    return this._request<IJob>(
-      `kernels/${encodeURIComponent(kernelId)}/snapshots`,
-      { method: 'POST', body: JSON.stringify(options) }
-    );
+    return this._request<IJob>(`kernels/${encodeURIComponent(kernelId)}/snapshots`, {
+      method: 'POST',
+      body: JSON.stringify(options)
+    });
   }
 
   startRestore(
     snapshotId: string,
     options: { path?: string; session_id?: string }
   ): Promise<IJob> {
-    return this._request<IJob>(
-      `snapshots/${encodeURIComponent(snapshotId)}/restore`,
-      { method: 'POST', body: JSON.stringify(options) }
-    );
+    return this._request<IJob>(`snapshots/${encodeURIComponent(snapshotId)}/restore`, {
+      method: 'POST',
+      body: JSON.stringify(options)
+    });
   }
 
   getJob(jobId: string): Promise<IJob> {
@@ -127,9 +139,7 @@ export class SnapshotAPI {
   }
 
   kernelStatus(kernelId: string): Promise<IKernelStatus> {
-    return this._request<IKernelStatus>(
-      `kernels/${encodeURIComponent(kernelId)}/status`
-    );
+    return this._request<IKernelStatus>(`kernels/${encodeURIComponent(kernelId)}/status`);
   }
 
   private async _request<T>(endpoint: string, init: RequestInit = {}): Promise<T> {
@@ -158,7 +168,8 @@ export class SnapshotAPI {
         (response.status === 404 && !data
           ? 'the gpu-snapshot server extension is not enabled on this server'
           : `${response.status} ${response.statusText}`);
-      throw new SnapshotAPIError(message, response.status, data?.step);
+      const error = data && typeof data.step === 'string' ? (data as IJobError) : null;
+      throw new SnapshotAPIError(message, response.status, error);
     }
     return data as T;
   }

@@ -1,6 +1,6 @@
 /**
- * The notebook toolbar's "Snapshot kernel" button: one per notebook panel, created by
- * the toolbar registry for the item that schema/plugin.json declares.
+ * The notebook toolbar's "Snapshot" button: one per notebook panel, created by the toolbar
+ * registry for the item that schema/plugin.json declares. Shift-click asks for a name.
  */
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import { ReactWidget, ToolbarButtonComponent } from '@jupyterlab/ui-components';
@@ -12,7 +12,8 @@ import { KernelWatch } from './watch';
 export class SnapshotButton extends ReactWidget {
   constructor(
     private readonly _panel: NotebookPanel,
-    private readonly _controller: SnapshotController
+    private readonly _controller: SnapshotController,
+    private readonly _saveNamed: () => void
   ) {
     super();
     this.addClass('jp-gpu-snapshot-button');
@@ -23,15 +24,25 @@ export class SnapshotButton extends ReactWidget {
     const { enabled, reason } = this._controller.saveAvailability(this._panel);
     const running = this._controller.activeJob(this._panel) !== null;
     this.node.dataset.state = running ? 'running' : enabled ? 'ready' : 'disabled';
+    // A greyed-out button that still answers a click: it explains why it cannot save
+    // (a disabled <button> gets no clicks at all).
     return (
       <ToolbarButtonComponent
         icon={snapshotIcon}
         label="Snapshot"
-        tooltip={reason}
-        disabledTooltip={reason}
-        enabled={enabled}
+        className={enabled ? '' : 'jp-gpu-snapshot-unavailable'}
+        tooltip={enabled ? `${reason} (Shift-click to name it)` : reason}
+        enabled={!running}
         pressed={running}
-        onClick={() => void this._controller.save(this._panel)}
+        onClick={event => {
+          if (!enabled) {
+            this._controller.explainUnavailable(this._panel);
+          } else if ((event as React.MouseEvent | undefined)?.shiftKey) {
+            this._saveNamed();
+          } else {
+            void this._controller.save(this._panel);
+          }
+        }}
       />
     );
   }

@@ -4,7 +4,7 @@
  * The toolbar button, the status bar item and the commands all read the same state from
  * here, so a snapshot started from one of them shows in all.
  */
-import { Notification, showErrorMessage } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
@@ -14,30 +14,57 @@ import {
   IKernelStatus,
   IRestoreResult,
   ISnapshotSummary,
-  SnapshotAPI
+  SnapshotAPI,
+  SnapshotAPIError
 } from './api';
 import {
   describeProgress,
   describeSaved,
+  estimateSecondsLeft,
   formatBytes,
   formatSeconds,
-  jobFraction
+  jobFraction,
+  toastProgress
 } from './format';
 import { JobFollower } from './jobs';
+import { portsHolder } from './remedy';
+
+/** How long a success notification stays up. */
+export const SUCCESS_CLOSE_MS = 6000;
 
 /** The step and the cause (toasts cut long text; the log path is in the details). */
-function shortError(error: IJobError | null): string {
+export function shortError(error: IJobError | null): string {
   if (!error) {
     return 'the job ended without a result';
   }
   if (!error.step || !error.cause) {
     return error.message;
   }
-  return `${error.step} failed: ${error.cause}` + (error.hint ? `. ${error.hint}` : '');
+  const hint = error.hint ? `. ${error.hint[0].toUpperCase()}${error.hint.slice(1)}` : '';
+  // A refused request (a bad name) is no failed step: say what was wrong.
+  if (error.code === 'invalid_request' || error.code === 'busy') {
+    return error.cause + hint;
+  }
+  return `${error.step} failed: ${error.cause}${hint}`;
 }
 
-/** A "Details" button showing the whole message, the hint and the kept log. */
-function detailsAction(title: string, error: IJobError | null): Notification.IAction[] {
+/** What a failed restore offers to do about it, e.g. shut down the kernel holding its ports. */
+export interface IRemedy {
+  label: string;
+  caption: string;
+  run: () => void;
+}
+
+/**
+ * A "Details" button showing the whole message, the hint and the kept log. It leaves the
+ * notification open, and the dialog offers the remedy too, so neither gets lost.
+ */
+function detailsAction(
+  title: string,
+  error: IJobError | null,
+  remedy: IRemedy | null,
+  dismiss: () => void
+): Notification.IAction[] {
   if (!error) {
     return [];
   }
@@ -49,7 +76,24 @@ function detailsAction(title: string, error: IJobError | null): Notification.IAc
     {
       label: 'Details',
       caption: 'Show the whole error and where its log is',
-      callback: () => void showErrorMessage(title, lines.join('\n'))
+      callback: event => {
+        event.preventDefault();
+        void showDialog({
+          title,
+          body: lines.join('\n'),
+          buttons: [
+            Dialog.cancelButton({ label: 'Close' }),
+            ...(remedy
+              ? [Dialog.warnButton({ label: remedy.label, caption: remedy.caption })]
+              : [])
+          ]
+        }).then(result => {
+          if (remedy && result.button.accept) {
+            dismiss();
+            remedy.run();
+          }
+        });
+      }
     }
   ];
 }
@@ -67,7 +111,12 @@ export interface IAvailability {
   enabled: boolean;
   /** Why the action is (not) available, for tooltips. */
   reason: string;
+  /** Whether switching the notebook's kernel makes it available. */
+  changeKernel?: boolean;
 }
+
+/** Where a user reads which kernels can be saved and how to switch. */
+export const HELP_URL = 'https://jupyterlab.readthedocs.io/en/stable/user/notebook.html';
 
 export class SnapshotController {
   constructor(
@@ -77,6 +126,11 @@ export class SnapshotController {
     this._follower = new JobFollower(api, _services.events ?? null);
     // A job started elsewhere (the magic, the widget, another browser) still shows here.
     this._follower.jobEvent = job => this._onForeignJob(job);
+  }
+
+  /** Milliseconds between polls of a running job when the event stream is silent. */
+  set followInterval(ms: number) {
+    this._follower.interval = ms;
   }
 
   /** Emitted with the kernel id whose state changed. */
@@ -169,13 +223,14 @@ export class SnapshotController {
     if (!entry.status.ready) {
       const details = entry.status.reasons.join('; ');
       if (entry.status.kernel_name !== SNAPSHOT_KERNEL_NAME) {
-        // The usual case: say what to do first, the server's findings after.
+        // The usual case, in a user's words; the server's findings are in the docs' terms.
         return {
           enabled: false,
           reason:
-            `Snapshots unavailable: kernel not started with the '${SNAPSHOT_KERNEL_DISPLAY_NAME}' ` +
-            'kernel; switch with Kernel › Change Kernel…' +
-            (details ? `\n(${details})` : '')
+            `Snapshots unavailable: this notebook runs a kernel that cannot be saved. ` +
+            `Switch to the '${SNAPSHOT_KERNEL_DISPLAY_NAME}' kernel with ` +
+            'Kernel › Change Kernel… (click for help)',
+          changeKernel: true
         };
       }
       return {
@@ -190,8 +245,40 @@ export class SnapshotController {
     };
   }
 
+  /** Called when the greyed-out button is clicked: say why, and offer the way out. */
+  explainUnavailable(panel: NotebookPanel): void {
+    const availability = this.saveAvailability(panel);
+    if (availability.enabled) {
+      return;
+    }
+    const actions: Notification.IAction[] = [];
+    if (availability.changeKernel && this.changeKernel) {
+      const change = this.changeKernel;
+      actions.push({
+        label: 'Change kernel…',
+        caption: `Pick '${SNAPSHOT_KERNEL_DISPLAY_NAME}' in the dialog`,
+        displayType: 'accent',
+        callback: () => change(panel)
+      });
+      actions.push({
+        label: 'Why?',
+        caption: 'How snapshots work, and which kernels they need',
+        callback: () => window.open(HELP_URL, '_blank', 'noopener')
+      });
+    }
+    const text = availability.changeKernel
+      ? `Snapshots need the '${SNAPSHOT_KERNEL_DISPLAY_NAME}' kernel, which runs the ` +
+        "notebook's code so that it can be saved and restored. Switch this notebook to it " +
+        '(its variables start afresh).'
+      : availability.reason;
+    Notification.info(text, { autoClose: 10000, actions });
+  }
+
+  /** Set by the plugin: opens JupyterLab's kernel picker for a notebook. */
+  changeKernel: ((panel: NotebookPanel) => void) | null = null;
+
   /** Snapshot the notebook's kernel, with a notification that follows the job. */
-  async save(panel: NotebookPanel): Promise<ISnapshotSummary | null> {
+  async save(panel: NotebookPanel, name?: string): Promise<ISnapshotSummary | null> {
     const kernelId = this.kernelId(panel);
     const availability = this.saveAvailability(panel);
     if (!kernelId || !availability.enabled) {
@@ -204,12 +291,13 @@ export class SnapshotController {
     });
     let job: IJob;
     try {
-      job = await this.api.startSave(kernelId);
+      job = await this.api.startSave(kernelId, name ? { name } : {});
     } catch (error) {
+      const apiError = error instanceof SnapshotAPIError ? error.error : null;
       Notification.update({
         id,
         type: 'error',
-        message: `Snapshot failed: ${(error as Error).message}`,
+        message: `Snapshot failed: ${apiError ? shortError(apiError) : (error as Error).message}`,
         autoClose: false
       });
       void this.refresh(kernelId);
@@ -219,32 +307,102 @@ export class SnapshotController {
       Notification.update({
         id,
         type: 'in-progress',
-        message: `Snapshot of ${notebook}: ${describeProgress(current)}`,
-        progress: jobFraction(current),
+        message: `Snapshot of ${notebook}: ${this.describeJob(current)}`,
+        progress: toastProgress(current),
         autoClose: false
       })
     );
-    void this.refresh(kernelId);
     if (final.status === 'succeeded' && final.result) {
       const summary = final.result as ISnapshotSummary;
+      // Shown at once: waiting for the status would flash "no snapshot yet" meanwhile.
+      const status = this.entry(kernelId)?.status;
+      if (status) {
+        status.last_snapshot = summary;
+        this._changed.emit(kernelId);
+      }
+      void this.refresh(kernelId);
       Notification.update({
         id,
         type: 'success',
         message: describeSaved(summary),
         progress: undefined,
-        autoClose: 8000
+        autoClose: SUCCESS_CLOSE_MS
       });
       return summary;
     }
+    void this.refresh(kernelId);
     Notification.update({
       id,
       type: 'error',
       message: `Snapshot failed: ${shortError(final.error)}`,
       progress: undefined,
       autoClose: false,
-      actions: detailsAction('Snapshot failed', final.error)
+      actions: detailsAction('Snapshot failed', final.error, null, () =>
+        Notification.dismiss(id)
+      )
     });
     return null;
+  }
+
+  /** A running job's phase, bytes and, once the rate is known, the time left. */
+  describeJob(job: IJob): string {
+    let clock = this._phaseClocks.get(job.id);
+    if (!clock || clock.phase !== job.phase) {
+      clock = { phase: job.phase, since: Date.now() };
+      this._phaseClocks.set(job.id, clock);
+    }
+    const eta = estimateSecondsLeft(jobFraction(job), (Date.now() - clock.since) / 1000);
+    return describeProgress(job, eta);
+  }
+
+  /** The snapshot each kernel restored here came from (kernel id to snapshot id). */
+  originOf(kernelId: string | null): string | null {
+    return kernelId ? (this._origins.get(kernelId) ?? null) : null;
+  }
+
+  /**
+   * What to offer when a restore is refused because its ports are taken: shut down the
+   * kernel that holds them (the server names it), whichever notebook it belongs to.
+   */
+  portsRemedy(
+    panel: NotebookPanel,
+    snapshot: ISnapshotSummary,
+    error: IJobError | null
+  ): { message: string; remedy: IRemedy | null } | null {
+    const holder = portsHolder(error, this.kernelId(panel));
+    if (holder === null) {
+      return null;
+    }
+    if (holder.kind === 'outside') {
+      return {
+        message:
+          'its ports are taken by a process this server does not run (another restore ' +
+          'of it from the command line?); stop that process first',
+        remedy: null
+      };
+    }
+    if (holder.kind === 'this-kernel') {
+      return {
+        message: "its ports are taken by this notebook's own kernel",
+        remedy: {
+          label: 'Shut down this kernel and restore',
+          caption:
+            "Shut down this notebook's kernel (its current state is lost), then restore",
+          run: () => void this._restoreReplacing(panel, snapshot, null)
+        }
+      };
+    }
+    const { owner, kernelId } = holder;
+    return {
+      message: `its ports are taken by the kernel of ${owner}`,
+      remedy: {
+        label: `Shut down ${owner}'s kernel and restore`,
+        caption:
+          `Shut down the kernel of ${holder.path ?? kernelId} (its current state is lost), ` +
+          'then restore here; this notebook keeps its kernel until the restore replaces it',
+        run: () => void this._restoreReplacing(panel, snapshot, kernelId)
+      }
+    };
   }
 
   /**
@@ -257,26 +415,25 @@ export class SnapshotController {
       autoClose: false
     });
     const fail = (message: string, error: IJobError | null = null): boolean => {
-      const actions = detailsAction(`Restore of '${snapshot.name}' failed`, error);
-      // A restored kernel listens on the ports of the kernel that was saved: going back
-      // to an earlier snapshot of the kernel still running here needs that one gone.
-      if (
-        error?.step === 'preflight' &&
-        / in use$/.test(error.cause) &&
-        sessionContext.session?.kernel
-      ) {
-        message = "its ports are taken, most likely by this notebook's kernel";
-        actions.unshift({
-          label: 'Shut down kernel, restore',
-          caption: "Shut down the notebook's kernel (its current state is lost), then restore",
+      const ports = this.portsRemedy(panel, snapshot, error);
+      const remedy = ports?.remedy ?? null;
+      const dismiss = () => Notification.dismiss(id);
+      const actions: Notification.IAction[] = [];
+      if (remedy) {
+        actions.push({
+          label: remedy.label,
+          caption: remedy.caption,
           displayType: 'accent',
-          callback: () => void this._restoreReplacing(panel, snapshot)
+          callback: remedy.run
         });
       }
+      actions.push(
+        ...detailsAction(`Restore of '${snapshot.name}' failed`, error, remedy, dismiss)
+      );
       Notification.update({
         id,
         type: 'error',
-        message: `Restore of '${snapshot.name}' failed: ${message}`,
+        message: `Restore of '${snapshot.name}' failed: ${ports?.message ?? message}`,
         progress: undefined,
         autoClose: false,
         actions
@@ -295,7 +452,8 @@ export class SnapshotController {
         sessionId ? { path: sessionContext.path, session_id: sessionId } : {}
       );
     } catch (error) {
-      return fail((error as Error).message);
+      const apiError = error instanceof SnapshotAPIError ? error.error : null;
+      return fail(apiError ? shortError(apiError) : (error as Error).message, apiError);
     }
     const path = panel.context.path;
     const final = await this._follow(null, job, current => {
@@ -304,8 +462,8 @@ export class SnapshotController {
       Notification.update({
         id,
         type: 'in-progress',
-        message: `Restoring '${snapshot.name}': ${describeProgress(current)}`,
-        progress: jobFraction(current),
+        message: `Restoring '${snapshot.name}': ${this.describeJob(current)}`,
+        progress: toastProgress(current),
         autoClose: false
       });
     });
@@ -315,6 +473,7 @@ export class SnapshotController {
       return fail(shortError(final.error), final.error);
     }
     const result = final.result as IRestoreResult;
+    this._origins.set(result.kernel_id, snapshot.id);
     try {
       await this._attach(panel, result);
     } catch (error) {
@@ -332,18 +491,40 @@ export class SnapshotController {
         `Kernel restored from '${snapshot.name}' (${formatBytes(snapshot.size_bytes)}) ` +
         `in ${formatSeconds(seconds)}`,
       progress: undefined,
-      autoClose: 8000
+      autoClose: SUCCESS_CLOSE_MS
     });
     return true;
   }
 
+  /**
+   * Shut down the kernel holding the snapshot's ports (``holder``, or this notebook's own
+   * when null), then restore. Called from the refused restore's remedy button.
+   */
   private async _restoreReplacing(
     panel: NotebookPanel,
-    snapshot: ISnapshotSummary
+    snapshot: ISnapshotSummary,
+    holder: string | null
   ): Promise<void> {
-    if (!panel.isDisposed) {
+    if (panel.isDisposed) {
+      return;
+    }
+    if (holder === null) {
       await panel.sessionContext.shutdown();
-      await this.restore(panel, snapshot);
+    } else {
+      await this._shutdownKernel(holder);
+    }
+    await this.restore(panel, snapshot);
+  }
+
+  /** Shut down another notebook's kernel as its Kernel menu would: its session ends too. */
+  private async _shutdownKernel(kernelId: string): Promise<void> {
+    const sessions = this._services.sessions;
+    await sessions.refreshRunning();
+    const session = Array.from(sessions.running()).find(s => s.kernel?.id === kernelId);
+    if (session) {
+      await sessions.shutdown(session.id);
+    } else {
+      await this._services.kernels.shutdown(kernelId);
     }
   }
 
@@ -393,6 +574,7 @@ export class SnapshotController {
       };
     }
     this._followed.delete(job.id);
+    this._phaseClocks.delete(job.id);
     if (kernelId) {
       this._entry(kernelId).job = null;
       this._changed.emit(kernelId);
@@ -440,6 +622,8 @@ export class SnapshotController {
   }
 
   private _entries = new Map<string, IKernelEntry>();
+  private _origins = new Map<string, string>();
+  private _phaseClocks = new Map<string, { phase: string; since: number }>();
   private _restores = new Map<string, IJob>();
   private _followed = new Set<string>();
   private _refreshing = new Map<string, Promise<void>>();

@@ -1,5 +1,5 @@
 /**
- * "Restore kernel from snapshot…": pick a snapshot (this notebook's first, then all),
+ * "Restore Kernel from Snapshot…": pick a snapshot (this notebook's first, then all),
  * or delete some.
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
@@ -10,6 +10,13 @@ import { describeGpu, formatAge, formatBytes, formatTime } from './format';
 
 const CONFIRM_MS = 4000;
 
+/** The notebook's running kernel, whose own snapshots cannot be restored while it runs. */
+export interface IRunningKernel {
+  kernelId: string | null;
+  /** The snapshot the running kernel was restored from, when known. */
+  originId: string | null;
+}
+
 export class SnapshotPicker
   extends ReactWidget
   implements Dialog.IBodyWidget<ISnapshotSummary | null>
@@ -17,15 +24,25 @@ export class SnapshotPicker
   constructor(
     private readonly _api: SnapshotAPI,
     private readonly _notebookPath: string,
-    private readonly _onDeleted: () => void = () => undefined
+    private readonly _onDeleted: () => void = () => undefined,
+    private readonly _running: IRunningKernel = { kernelId: null, originId: null }
   ) {
     super();
     this.addClass('jp-gpu-snapshot-picker');
+    // Focusable, so that Escape and Enter reach the dialog after a row's button is gone.
+    this.node.tabIndex = -1;
+    this.node.addEventListener('keydown', this._onKeyDown);
     void this.reload();
   }
 
   getValue(): ISnapshotSummary | null {
     return this._snapshots.find(s => s.id === this._selected) ?? null;
+  }
+
+  /** Whether the running kernel holds this snapshot's ports: taken of it, or restored from it. */
+  heldByRunningKernel(s: ISnapshotSummary): boolean {
+    const { kernelId, originId } = this._running;
+    return (kernelId !== null && s.kernel?.kernel_id === kernelId) || s.id === originId;
   }
 
   async reload(): Promise<void> {
@@ -35,8 +52,9 @@ export class SnapshotPicker
       this._snapshots = [...all].sort((a, b) => b.created - a.created);
       this._error = null;
       if (!this._snapshots.some(s => s.id === this._selected)) {
-        const own = this._snapshots.filter(s => s.notebook_path === this._notebookPath);
-        this._selected = (own[0] ?? this._snapshots[0])?.id ?? null;
+        // Never pre-select what the running kernel holds: that restore would be refused.
+        const free = this._ordered().filter(s => !this.heldByRunningKernel(s));
+        this._selected = free[0]?.id ?? null;
       }
     } catch (error) {
       this._error = (error as Error).message;
@@ -51,56 +69,68 @@ export class SnapshotPicker
     }
     const own = this._snapshots.filter(s => s.notebook_path === this._notebookPath);
     const others = this._snapshots.filter(s => s.notebook_path !== this._notebookPath);
+    // One table, two sections: the columns of both line up.
     return (
       <div>
         {this._error && <p className="jp-gpu-snapshot-error">{this._error}</p>}
-        <h3>Snapshots of {this._notebookPath || 'this notebook'}</h3>
-        {this._table(own, false, 'No snapshot of this notebook yet.')}
-        <h3>All other snapshots</h3>
-        {this._table(others, true, 'No other snapshots.')}
+        <table className="jp-gpu-snapshot-table">
+          <thead>
+            <tr>
+              <th />
+              <th>Name</th>
+              <th>Taken</th>
+              <th>Size</th>
+              <th>GPU</th>
+              <th>Notebook</th>
+              <th />
+            </tr>
+          </thead>
+          {this._section(
+            `Snapshots of ${this._notebookPath || 'this notebook'}`,
+            own,
+            'No snapshot of this notebook yet.'
+          )}
+          {this._section('All other snapshots', others, 'No other snapshots.')}
+        </table>
       </div>
     );
   }
 
-  private _table(
+  private _section(
+    title: string,
     snapshots: ISnapshotSummary[],
-    showNotebook: boolean,
     empty: string
   ): JSX.Element {
-    if (!snapshots.length) {
-      return <p className="jp-gpu-snapshot-empty">{empty}</p>;
-    }
     return (
-      <table className="jp-gpu-snapshot-table">
-        <thead>
+      <tbody>
+        <tr className="jp-gpu-snapshot-section">
+          <th colSpan={7}>{title}</th>
+        </tr>
+        {snapshots.length ? (
+          snapshots.map(s => this._row(s))
+        ) : (
           <tr>
-            <th />
-            <th>Name</th>
-            <th>Taken</th>
-            <th>Size</th>
-            <th>GPU</th>
-            {showNotebook && <th>Notebook</th>}
-            <th />
+            <td colSpan={7} className="jp-gpu-snapshot-empty">
+              {empty}
+            </td>
           </tr>
-        </thead>
-        <tbody>{snapshots.map(s => this._row(s, showNotebook))}</tbody>
-      </table>
+        )}
+      </tbody>
     );
   }
 
-  private _row(s: ISnapshotSummary, showNotebook: boolean): JSX.Element {
+  private _row(s: ISnapshotSummary): JSX.Element {
     const selected = s.id === this._selected;
     const confirming = this._confirming === s.id;
+    const held = this.heldByRunningKernel(s);
+    const origin = s.id === this._running.originId;
     return (
       <tr
         key={s.id}
         className={selected ? 'jp-mod-selected' : ''}
         data-snapshot-id={s.id}
         data-snapshot-name={s.name}
-        onClick={() => {
-          this._selected = s.id;
-          this.update();
-        }}
+        onClick={() => this._select(s.id)}
       >
         <td>
           <input
@@ -108,24 +138,32 @@ export class SnapshotPicker
             name="jp-gpu-snapshot-choice"
             aria-label={`Restore ${s.name}`}
             checked={selected}
-            onChange={() => {
-              this._selected = s.id;
-              this.update();
-            }}
+            onChange={() => this._select(s.id)}
           />
         </td>
         <td className="jp-gpu-snapshot-name">
           {s.name}
           {s.reason === 'shutdown' && (
-            <span className="jp-gpu-snapshot-badge" title="Saved when the server shut down">
+            <span
+              className="jp-gpu-snapshot-badge"
+              title="Saved when the server shut down"
+            >
               before shutdown
+            </span>
+          )}
+          {held && (
+            <span
+              className="jp-gpu-snapshot-badge jp-gpu-snapshot-origin"
+              title="The notebook's running kernel holds this snapshot's ports: restoring it shuts that kernel down first"
+            >
+              {origin ? "this kernel's origin" : 'of this kernel'}
             </span>
           )}
         </td>
         <td title={formatTime(s.created)}>{formatAge(s.created)}</td>
         <td>{formatBytes(s.size_bytes)}</td>
         <td>{describeGpu(s)}</td>
-        {showNotebook && <td>{s.notebook_path ?? '—'}</td>}
+        <td className="jp-gpu-snapshot-path">{s.notebook_path ?? '—'}</td>
         <td>
           <button
             className={
@@ -144,6 +182,36 @@ export class SnapshotPicker
       </tr>
     );
   }
+
+  /** The rows in the order they show: this notebook's, then the others. */
+  private _ordered(): ISnapshotSummary[] {
+    const own = this._snapshots.filter(s => s.notebook_path === this._notebookPath);
+    const others = this._snapshots.filter(s => s.notebook_path !== this._notebookPath);
+    return [...own, ...others];
+  }
+
+  private _select(id: string): void {
+    this._selected = id;
+    this.update();
+  }
+
+  private _onKeyDown = (event: KeyboardEvent): void => {
+    if (event.key !== 'ArrowDown' && event.key !== 'ArrowUp') {
+      return;
+    }
+    const rows = this._ordered();
+    if (!rows.length) {
+      return;
+    }
+    event.preventDefault();
+    const at = rows.findIndex(s => s.id === this._selected);
+    const step = event.key === 'ArrowDown' ? 1 : -1;
+    const next = at < 0 ? 0 : Math.min(rows.length - 1, Math.max(0, at + step));
+    this._select(rows[next].id);
+    this.node
+      .querySelector(`tr[data-snapshot-id="${CSS.escape(rows[next].id)}"]`)
+      ?.scrollIntoView({ block: 'nearest' });
+  };
 
   private async _delete(s: ISnapshotSummary): Promise<void> {
     if (this._confirming !== s.id) {
@@ -167,6 +235,8 @@ export class SnapshotPicker
     }
     this._onDeleted();
     await this.reload();
+    // The clicked button is gone with its row: keep the keyboard in the dialog.
+    this.node.focus();
   }
 
   private _snapshots: ISnapshotSummary[] = [];
@@ -180,11 +250,12 @@ export class SnapshotPicker
 export async function pickSnapshot(
   api: SnapshotAPI,
   notebookPath: string,
-  onDeleted?: () => void
+  onDeleted?: () => void,
+  running?: IRunningKernel
 ): Promise<ISnapshotSummary | null> {
   const result = await showDialog({
     title: 'Restore kernel from snapshot',
-    body: new SnapshotPicker(api, notebookPath, onDeleted),
+    body: new SnapshotPicker(api, notebookPath, onDeleted, running),
     buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Restore' })]
   });
   return result.button.accept ? result.value : null;

@@ -14,20 +14,22 @@ export function formatBytes(n: number): string {
   return unit === 0 ? `${n} B` : `${size.toFixed(1)} ${units[unit]}`;
 }
 
-/** "12 s ago", "5 min ago", "3 h ago", "2 days ago". */
+/**
+ * "just now", "5 min ago", "3 h ago", "2 days ago": the same words as the magic and the
+ * widget (kernel/presentation.py's format_age).
+ */
 export function formatAge(epochSeconds: number, now = Date.now() / 1000): string {
   const age = Math.max(0, now - epochSeconds);
   if (age < 60) {
-    return `${Math.round(age)} s ago`;
+    return 'just now';
   }
   if (age < 3600) {
-    return `${Math.round(age / 60)} min ago`;
+    return `${Math.floor(age / 60)} min ago`;
   }
-  if (age < 86400) {
-    return `${Math.round(age / 3600)} h ago`;
+  if (age < 48 * 3600) {
+    return `${Math.floor(age / 3600)} h ago`;
   }
-  const days = Math.round(age / 86400);
-  return `${days} day${days === 1 ? '' : 's'} ago`;
+  return `${Math.floor(age / 86400)} days ago`;
 }
 
 export function formatTime(epochSeconds: number): string {
@@ -38,7 +40,8 @@ export function formatSeconds(seconds: number): string {
   return seconds < 10 ? `${seconds.toFixed(2)} s` : `${seconds.toFixed(1)} s`;
 }
 
-const PHASE_LABELS: { [phase: string]: string } = {
+/** What each phase of a job reads as; kernel/presentation.py's PHASE_LABELS says the same. */
+export const PHASE_LABELS: { [phase: string]: string } = {
   preflight: 'checking',
   suspend: 'pausing the kernel',
   dump: 'writing memory',
@@ -46,19 +49,52 @@ const PHASE_LABELS: { [phase: string]: string } = {
   commit: 'committing',
   verify: 'verifying',
   restore: 'restoring',
-  done: 'done'
+  done: 'finishing'
 };
 
-/** One line on a running job: its phase and, when known, the bytes moved. */
-export function describeProgress(job: IJob): string {
+/** One line on a running job: its phase, the bytes moved when known, and an ETA. */
+export function describeProgress(job: IJob, etaSeconds?: number): string {
   const phase = PHASE_LABELS[job.phase] ?? job.phase;
+  const eta = etaSeconds === undefined ? '' : `, ${formatEta(etaSeconds)}`;
   if (job.total > 0) {
-    return `${phase}: ${formatBytes(job.done)} of ${formatBytes(job.total)}`;
+    return `${phase}: ${formatBytes(job.done)} of ${formatBytes(job.total)}${eta}`;
   }
   if (job.done > 0) {
-    return `${phase}: ${formatBytes(job.done)}`;
+    return `${phase}: ${formatBytes(job.done)}${eta}`;
   }
   return `${phase}…`;
+}
+
+/** "about 12 s left", "about 3 min left". */
+export function formatEta(seconds: number): string {
+  if (seconds < 60) {
+    return `about ${Math.max(1, Math.ceil(seconds))} s left`;
+  }
+  return `about ${Math.ceil(seconds / 60)} min left`;
+}
+
+/**
+ * Seconds left in a phase at its rate so far; undefined while too early to tell (under a
+ * second in, or under 2 % done), or once done.
+ */
+export function estimateSecondsLeft(
+  fraction: number | undefined,
+  elapsedSeconds: number
+): number | undefined {
+  if (fraction === undefined || fraction < 0.02 || fraction >= 1 || elapsedSeconds < 1) {
+    return undefined;
+  }
+  return (elapsedSeconds * (1 - fraction)) / fraction;
+}
+
+/**
+ * The progress bar of a running job's notification. A bar at 1 followed within a few
+ * milliseconds by the success update leaves that notification open for good (the toast
+ * library treats a full bar as its own close timer): a running job's bar stops short.
+ */
+export function toastProgress(job: IJob): number | undefined {
+  const fraction = jobFraction(job);
+  return fraction === undefined ? undefined : Math.min(fraction, 0.99);
 }
 
 /** Fraction done in [0, 1], or undefined while unknown. */

@@ -4,13 +4,16 @@
  * The toolbar button and the Kernel menu entries are declared in schema/plugin.json;
  * this file supplies the commands and widgets they name.
  */
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import {
-  JupyterFrontEnd,
-  JupyterFrontEndPlugin
-} from '@jupyterlab/application';
-import { ICommandPalette, IToolbarWidgetRegistry } from '@jupyterlab/apputils';
+  ICommandPalette,
+  IToolbarWidgetRegistry,
+  InputDialog,
+  Notification
+} from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStateDB } from '@jupyterlab/statedb';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Signal } from '@lumino/signaling';
 import { SnapshotAPI } from './api';
@@ -19,14 +22,19 @@ import { SnapshotController } from './controller';
 import { pickSnapshot } from './dialog';
 import { restoreIcon, snapshotIcon } from './icons';
 import { ShutdownOffer } from './reboot';
+import { SnapshotsSidebar } from './sidebar';
 import { SnapshotStatusItem } from './statusbar';
 
 const PLUGIN_ID = 'jupyter-gpu-snapshot:plugin';
 
 export namespace CommandIDs {
   export const save = 'gpu-snapshot:save';
+  export const saveNamed = 'gpu-snapshot:save-named';
   export const restore = 'gpu-snapshot:restore';
 }
+
+/** The store's rule for names (core/store.py, NAME_PATTERN), checked before asking. */
+const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
 /** The toolbar item name used in schema/plugin.json. */
 const TOOLBAR_ITEM = 'gpu-snapshot';
@@ -37,20 +45,21 @@ const plugin: JupyterFrontEndPlugin<void> = {
     'Snapshot a notebook kernel (CUDA state included) and restore it into the notebook.',
   autoStart: true,
   requires: [INotebookTracker, IToolbarWidgetRegistry],
-  optional: [ICommandPalette, IStatusBar, ISettingRegistry],
+  optional: [ICommandPalette, IStatusBar, ISettingRegistry, IStateDB],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
     toolbarRegistry: IToolbarWidgetRegistry,
     palette: ICommandPalette | null,
     statusBar: IStatusBar | null,
-    settingRegistry: ISettingRegistry | null
+    settingRegistry: ISettingRegistry | null,
+    stateDB: IStateDB | null
   ) => {
     const controller = new SnapshotController(new SnapshotAPI(), app.serviceManager);
     const current = (): NotebookPanel | null => tracker.currentWidget;
 
     app.commands.addCommand(CommandIDs.save, {
-      label: 'Snapshot kernel',
+      label: 'Snapshot Kernel',
       caption: () => controller.saveAvailability(current()).reason,
       icon: snapshotIcon,
       isEnabled: () => controller.saveAvailability(current()).enabled,
@@ -62,8 +71,39 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
+    app.commands.addCommand(CommandIDs.saveNamed, {
+      label: 'Snapshot Kernel As…',
+      caption: 'Snapshot the kernel under a name of your choice',
+      isEnabled: () => controller.saveAvailability(current()).enabled,
+      execute: async () => {
+        const panel = current();
+        if (!panel) {
+          return;
+        }
+        const answer = await InputDialog.getText({
+          title: 'Snapshot kernel as',
+          label: "Name (letters, digits, '.', '_' or '-')",
+          placeholder: 'before-training',
+          okLabel: 'Snapshot'
+        });
+        const name = answer.value?.trim();
+        if (!answer.button.accept || !name) {
+          return;
+        }
+        if (!NAME_PATTERN.test(name)) {
+          Notification.warning(
+            `'${name}' cannot be a snapshot name: use 1-64 letters, digits, '.', '_' or '-', ` +
+              'starting with a letter or digit',
+            { autoClose: 8000 }
+          );
+          return;
+        }
+        await controller.save(panel, name);
+      }
+    });
+
     app.commands.addCommand(CommandIDs.restore, {
-      label: 'Restore kernel from snapshot…',
+      label: 'Restore Kernel from Snapshot…',
       caption:
         "Pick a snapshot and restore it as this notebook's kernel; snapshots can be deleted there too",
       icon: restoreIcon,
@@ -76,21 +116,33 @@ const plugin: JupyterFrontEndPlugin<void> = {
         if (!panel) {
           return;
         }
+        const kernelId = controller.kernelId(panel);
         // A deleted snapshot may have been the one the status bar and the button report.
-        const snapshot = await pickSnapshot(controller.api, panel.context.path, () => {
-          const kernelId = controller.kernelId(panel);
-          if (kernelId) {
-            void controller.refresh(kernelId);
-          }
-        });
+        const snapshot = await pickSnapshot(
+          controller.api,
+          panel.context.path,
+          () => {
+            if (kernelId) {
+              void controller.refresh(kernelId);
+            }
+          },
+          { kernelId, originId: controller.originOf(kernelId) }
+        );
         if (snapshot && !panel.isDisposed) {
           await controller.restore(panel, snapshot);
         }
       }
     });
 
+    controller.changeKernel = panel => {
+      void panel.sessionContext.ready.then(() =>
+        app.commands.execute('notebook:change-kernel')
+      );
+    };
+
     const notify = () => {
       app.commands.notifyCommandChanged(CommandIDs.save);
+      app.commands.notifyCommandChanged(CommandIDs.saveNamed);
       app.commands.notifyCommandChanged(CommandIDs.restore);
     };
     controller.changed.connect(notify);
@@ -98,21 +150,27 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     if (palette) {
       palette.addItem({ command: CommandIDs.save, category: 'Kernel' });
+      palette.addItem({ command: CommandIDs.saveNamed, category: 'Kernel' });
       palette.addItem({ command: CommandIDs.restore, category: 'Kernel' });
     }
 
     toolbarRegistry.addFactory<NotebookPanel>(
       'Notebook',
       TOOLBAR_ITEM,
-      panel => new SnapshotButton(panel, controller)
+      panel =>
+        new SnapshotButton(panel, controller, () => {
+          void app.commands.execute(CommandIDs.saveNamed);
+        })
     );
 
+    let statusItem: SnapshotStatusItem | null = null;
     if (statusBar) {
       const item = new SnapshotStatusItem(tracker, controller, () => {
         void app.commands.execute(CommandIDs.restore);
       });
       const activeStateChanged = new Signal<SnapshotStatusItem, void>(item);
       item.changed = () => activeStateChanged.emit();
+      statusItem = item;
       statusBar.registerStatusItem(PLUGIN_ID, {
         item,
         align: 'left',
@@ -122,7 +180,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
       });
     }
 
-    const offer = new ShutdownOffer(controller);
+    const sidebar = new SnapshotsSidebar(controller, tracker, 15);
+    app.shell.add(sidebar, 'left', { rank: 850 });
+
+    const offer = new ShutdownOffer(controller, stateDB);
     let offerAfterShutdown = true;
     tracker.widgetAdded.connect((_, panel) => {
       if (offerAfterShutdown) {
@@ -136,6 +197,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
           const read = () => {
             offerAfterShutdown = settings.get('offerRestoreAfterShutdown')
               .composite as boolean;
+            controller.followInterval = settings.get('followJobMilliseconds')
+              .composite as number;
+            const seconds = settings.get('statusRefreshSeconds').composite as number;
+            statusItem?.setRefreshSeconds(seconds);
+            sidebar.setRefreshSeconds(seconds);
           };
           read();
           settings.changed.connect(read);

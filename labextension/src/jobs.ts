@@ -26,7 +26,8 @@ export class JobFollower {
   constructor(
     private readonly _api: SnapshotAPI,
     private readonly _events: Event.IManager | null,
-    private readonly _interval = 400
+    /** Milliseconds between polls of a job (settings: followJobMilliseconds). */
+    public interval = 400
   ) {
     this._events?.stream.connect(this._onEvent, this);
   }
@@ -69,7 +70,7 @@ export class JobFollower {
       const timer = setTimeout(() => {
         this._waiters.delete(jobId);
         resolve(null);
-      }, this._interval);
+      }, this.interval);
       this._waiters.set(jobId, job => {
         clearTimeout(timer);
         this._waiters.delete(jobId);

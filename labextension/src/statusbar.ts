@@ -3,12 +3,14 @@
  * age of the kernel's last snapshot.
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 import type { SnapshotController } from './controller';
-import { describeProgress, formatAge, jobFraction } from './format';
+import { formatAge, jobFraction } from './format';
 import { KernelWatch } from './watch';
 
-const AGE_REFRESH_MS = 15000;
+/** How often the current kernel's status is asked again (settings: statusRefreshSeconds). */
+export const DEFAULT_REFRESH_SECONDS = 15;
 
 export class SnapshotStatusItem extends Widget {
   constructor(
@@ -21,7 +23,20 @@ export class SnapshotStatusItem extends Widget {
     this.node.addEventListener('click', onClick);
     _tracker.currentChanged.connect(this._onCurrentChanged, this);
     this._onCurrentChanged();
-    this._timer = window.setInterval(() => this.refresh(), AGE_REFRESH_MS);
+    // Ages move on, and a server that stopped must not go on reading "ready".
+    this._poll = new Poll({
+      auto: true,
+      factory: () => this._recheck(),
+      frequency: { interval: DEFAULT_REFRESH_SECONDS * 1000, backoff: false },
+      name: 'jupyter-gpu-snapshot:status',
+      standby: 'when-hidden'
+    });
+  }
+
+  /** Called by the plugin when the setting changes. */
+  setRefreshSeconds(seconds: number): void {
+    const interval = seconds * 1000;
+    this._poll.frequency = { interval, backoff: false, max: interval };
   }
 
   /** Whether the status bar should show the item at all. */
@@ -43,21 +58,50 @@ export class SnapshotStatusItem extends Widget {
   changed: (() => void) | null = null;
 
   dispose(): void {
-    window.clearInterval(this._timer);
+    this._poll.dispose();
     this._watch?.dispose();
     this._tracker.currentChanged.disconnect(this._onCurrentChanged, this);
     super.dispose();
   }
 
+  private async _recheck(): Promise<void> {
+    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    if (kernelId) {
+      await this._controller.refresh(kernelId);
+    }
+    this.refresh();
+  }
+
   private _describe(panel: NotebookPanel | null): { text: string; title: string } {
+    if (!panel) {
+      return { text: '', title: '' };
+    }
     const job = this._controller.activeJob(panel);
     if (job) {
       const fraction = jobFraction(job);
       const percent = fraction === undefined ? '' : ` ${Math.round(fraction * 100)}%`;
       const what = job.kind === 'save' ? 'Snapshot' : 'Restore';
-      return { text: `${what}${percent}`, title: `${what}: ${describeProgress(job)}` };
+      return {
+        text: `${what}${percent}`,
+        title: `${what}: ${this._controller.describeJob(job)}`
+      };
     }
-    const status = this._controller.entry(this._controller.kernelId(panel))?.status;
+    const kernelId = this._controller.kernelId(panel);
+    const entry = this._controller.entry(kernelId);
+    const status = entry?.status;
+    // Without a kernel (shut down) the item stays: it is the way back to a snapshot.
+    if (!kernelId) {
+      return {
+        text: 'Snapshots',
+        title: 'No kernel is running. Click to restore one from a snapshot.'
+      };
+    }
+    if (entry?.error) {
+      return {
+        text: 'Snapshots unavailable',
+        title: `The server did not answer: ${entry.error}`
+      };
+    }
     if (!status) {
       return { text: '', title: '' };
     }
@@ -71,7 +115,8 @@ export class SnapshotStatusItem extends Widget {
     if (status.ready) {
       return {
         text: 'No snapshot yet',
-        title: 'This kernel can be snapshotted; it has no snapshot yet.'
+        title:
+          'This kernel can be snapshotted; it has no snapshot yet. Click to restore one.'
       };
     }
     return { text: '', title: '' };
@@ -87,6 +132,6 @@ export class SnapshotStatusItem extends Widget {
   }
 
   private _text = '';
-  private _timer: number;
+  private _poll: Poll;
   private _watch: KernelWatch | null = null;
 }

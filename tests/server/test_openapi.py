@@ -60,6 +60,12 @@ async def test_answers_carry_the_documented_fields(api: Api) -> None:
     assert _required("Summary") <= set(summary) <= _properties("Summary")
     status = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "status")
     assert _required("KernelStatus") <= set(status) == _properties("KernelStatus")
+    listing = await api.ok("GET", "gpu-snapshot", "snapshots")
+    store = SPEC["paths"]["/snapshots"]["get"]["responses"]["200"]["content"][
+        "application/json"]["schema"]["properties"]["store"]
+    assert set(listing) == {"snapshots", "store"}
+    assert set(listing["store"]) == set(store["properties"])
+    assert listing["store"]["free_bytes"] > 0
     code, error = await api.call("GET", "gpu-snapshot", "snapshots", "no-such")
     assert code == 404
     assert _required("Error") <= set(error) == _properties("Error")

@@ -167,6 +167,7 @@ async def test_disk_too_small_is_refused_before_freezing(
 
 
 async def test_failed_restore_leaves_no_kernel_and_keeps_the_snapshot(
+    caplog: pytest.LogCaptureFixture,
     api: Api,
     kernel_socket: KernelConnector,
     store_dir: Path,
@@ -180,6 +181,11 @@ async def test_failed_restore_leaves_no_kernel_and_keeps_the_snapshot(
     job = await api.wait(await api.restore(saved["snapshot_id"]))
     assert job["status"] == "failed" and job["error"]["step"] == "preflight"
     assert "in use" in job["error"]["cause"]
+    # It names the kernel holding the ports, so that a client offers to shut down that one.
+    assert job["error"]["code"] == "ports_in_use"
+    assert job["error"]["details"]["holder_kernel_id"] == kernel_id
+    # Refused before a kernel slot was started: no traceback in the server's log.
+    assert not [r for r in caplog.records if r.exc_info and "in use" in r.getMessage()]
     assert await api.kernel_ids() == [kernel_id]
     assert _connection_files(jp_runtime_dir) == connection_files
     await assert_contract(api, ws, kernel_id, store_dir, [saved["snapshot_id"]])

@@ -16,13 +16,40 @@ test('sizes', () => {
   assert.equal(format.formatBytes(1.1 * GiB), '1.1 GiB');
 });
 
-test('ages', () => {
+test('ages, in the words of the magic and the panel', () => {
   const now = 1_000_000;
-  assert.equal(format.formatAge(now - 12, now), '12 s ago');
+  assert.equal(format.formatAge(now - 12, now), 'just now');
   assert.equal(format.formatAge(now - 300, now), '5 min ago');
   assert.equal(format.formatAge(now - 3 * 3600, now), '3 h ago');
-  assert.equal(format.formatAge(now - 86400, now), '1 day ago');
-  assert.equal(format.formatAge(now + 5, now), '0 s ago'); // clocks a little apart
+  assert.equal(format.formatAge(now - 30 * 3600, now), '30 h ago');
+  assert.equal(format.formatAge(now - 3 * 86400, now), '3 days ago');
+  assert.equal(format.formatAge(now + 5, now), 'just now'); // clocks a little apart
+});
+
+test('time left: once the rate is known, never at the very start or end', () => {
+  assert.equal(format.estimateSecondsLeft(undefined, 5), undefined);
+  assert.equal(format.estimateSecondsLeft(0.01, 5), undefined);
+  assert.equal(format.estimateSecondsLeft(0.5, 0.5), undefined);
+  assert.equal(format.estimateSecondsLeft(1, 5), undefined);
+  assert.equal(format.estimateSecondsLeft(0.25, 3), 9);
+  assert.equal(format.formatEta(9), 'about 9 s left');
+  assert.equal(format.formatEta(0.2), 'about 1 s left');
+  assert.equal(format.formatEta(130), 'about 3 min left');
+  const job = { phase: 'dump', done: 256 * MiB, total: 1024 * MiB };
+  assert.equal(
+    format.describeProgress(job, 9),
+    'writing memory: 256.0 MiB of 1.0 GiB, about 9 s left'
+  );
+});
+
+test('a running job never fills the notification bar (that kept success toasts open)', () => {
+  assert.equal(format.toastProgress({ phase: 'commit', done: 5, total: 5 }), 0.99);
+  assert.equal(format.toastProgress({ phase: 'dump', done: 1, total: 4 }), 0.25);
+  assert.equal(format.toastProgress({ phase: 'suspend', done: 0, total: 0 }), undefined);
+});
+
+test('a finished restore does not read "done…"', () => {
+  assert.equal(format.describeProgress({ phase: 'done', done: 0, total: 0 }), 'finishing…');
 });
 
 test('job progress names the phase and the bytes', () => {

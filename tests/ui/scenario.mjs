@@ -35,10 +35,12 @@ async function screenshot(name) {
 
 // --- JupyterLab helpers -------------------------------------------------------------
 
-const snapshotButton = () => page.locator('.jp-gpu-snapshot-button');
+// The notebook on show: with several open, the others stay in the page, hidden.
+const CURRENT = '.jp-NotebookPanel:not(.lm-mod-hidden)';
+const snapshotButton = () => page.locator(`${CURRENT} .jp-gpu-snapshot-button`);
 
 async function buttonState(state) {
-  await page.waitForSelector(`.jp-gpu-snapshot-button[data-state="${state}"]`, {
+  await page.waitForSelector(`${CURRENT} .jp-gpu-snapshot-button[data-state="${state}"]`, {
     timeout: STEP_TIMEOUT
   });
 }
@@ -51,7 +53,9 @@ async function buttonTooltip() {
 // test's own for the screenshot, then take it away.
 async function showTooltip() {
   await page.evaluate(() => {
-    const button = document.querySelector('.jp-gpu-snapshot-button [title]');
+    const button = document.querySelector(
+      '.jp-NotebookPanel:not(.lm-mod-hidden) .jp-gpu-snapshot-button [title]'
+    );
     const box = button.getBoundingClientRect();
     const tip = document.createElement('div');
     tip.id = 'ui-test-tooltip';
@@ -116,12 +120,47 @@ async function recordedToasts() {
 }
 
 async function runCell(index) {
-  const cell = page.locator('.jp-Notebook .jp-Cell').nth(index);
+  const cell = page.locator(`${CURRENT} .jp-Notebook .jp-Cell`).nth(index);
   await cell.locator('.jp-InputArea-prompt').click();
   await page.keyboard.press('Shift+Enter');
   const output = cell.locator('.jp-OutputArea-output');
   await output.first().waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
   return (await output.allInnerTexts()).join('\n').trim();
+}
+
+async function openFromFileBrowser(notebook) {
+  await page
+    .locator('.jp-DirListing-item', { hasText: notebook })
+    .first()
+    .dblclick();
+  await page
+    .locator('.lm-TabBar-tab.lm-mod-current', { hasText: notebook })
+    .waitFor({ timeout: STEP_TIMEOUT });
+}
+
+async function useTheme(name) {
+  await page.keyboard.press('Control+Shift+C');
+  await page.locator('.lm-CommandPalette-input').fill(`Use Theme: ${name}`);
+  await page.locator('.lm-CommandPalette-item', { hasText: `Use Theme: ${name}` }).first().click();
+  await page.waitForFunction(
+    theme => document.body.dataset.jpThemeName === theme,
+    name,
+    { timeout: STEP_TIMEOUT }
+  );
+}
+
+// WCAG contrast ratio of an element's text colour on its background.
+async function contrast(locator) {
+  return locator.evaluate(node => {
+    const rgb = value => value.match(/[\d.]+/g).slice(0, 3).map(Number);
+    const luminance = ([r, g, b]) => {
+      const lin = c => ((c /= 255) <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4);
+      return 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b);
+    };
+    const style = getComputedStyle(node);
+    const [a, b] = [luminance(rgb(style.color)), luminance(rgb(style.backgroundColor))];
+    return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+  });
 }
 
 async function kernelMenu(command) {
@@ -140,14 +179,14 @@ async function api(endpoint, init = {}) {
   return { status: response.status, body: text ? JSON.parse(text) : null };
 }
 
-async function notebookKernelId() {
+async function notebookKernelId(notebook = NOTEBOOK) {
   const { body } = await api('api/sessions');
-  const session = body.find(s => s.path === NOTEBOOK);
+  const session = body.find(s => s.path === notebook);
   return session ? session.kernel.id : null;
 }
 
-async function openNotebook() {
-  const url = new URL(`lab/tree/${NOTEBOOK}`, LAB_URL);
+async function openNotebook(notebook = NOTEBOOK) {
+  const url = new URL(`lab/tree/${notebook}`, LAB_URL);
   url.searchParams.set('token', LAB_TOKEN);
   url.searchParams.set('reset', '');
   await page.goto(url.href);
@@ -177,7 +216,16 @@ const scenarios = {
     seen.saved_toast = await toast(/Snapshot saved/);
     seen.save_toasts = await recordedToasts();
     await screenshot('snapshot-saved');
-    await page.locator('.jp-gpu-snapshot-status', { hasText: /Snapshot .* ago/ }).waitFor({
+    // A success notification closes by itself (it used to stay when the last progress
+    // update, a full bar, came a few milliseconds before it).
+    const savedAt = Date.now();
+    seen.saved_toast_closed = await page
+      .locator('.Toastify__toast', { hasText: 'Snapshot saved' })
+      .waitFor({ state: 'detached', timeout: 20_000 })
+      .then(() => (Date.now() - savedAt) / 1000)
+      .catch(() => null);
+    await screenshot('saved-toast-closed');
+    await page.locator('.jp-gpu-snapshot-status', { hasText: /Snapshot (just now|.* ago)/ }).waitFor({
       timeout: STEP_TIMEOUT
     });
     seen.status_item = await page.locator('.jp-gpu-snapshot-status').innerText();
@@ -187,6 +235,11 @@ const scenarios = {
     await buttonState('disabled');
     seen.after_shutdown_tooltip = await buttonTooltip();
     seen.kernel_after_shutdown = await notebookKernelId();
+    // The status item stays after the kernel is gone: the quickstart clicks it now.
+    await page
+      .locator('.jp-gpu-snapshot-status', { hasText: 'Snapshots' })
+      .waitFor({ timeout: STEP_TIMEOUT });
+    seen.status_after_shutdown = await page.locator('.jp-gpu-snapshot-status').innerText();
     await showTooltip();
     await screenshot('kernel-shut-down');
     await hideTooltip();
@@ -205,6 +258,9 @@ const scenarios = {
       .locator('tr[data-snapshot-id]')
       .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-name')));
     seen.dialog_text = await dialog.locator('.jp-gpu-snapshot-picker').innerText();
+    seen.dialog_selected = await dialog
+      .locator('tr.jp-mod-selected')
+      .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-name')));
     await screenshot('restore-dialog');
     await dialog.locator('.jp-mod-accept').click();
     seen.restored_toast = await toast(/Kernel restored/);
@@ -216,9 +272,14 @@ const scenarios = {
     seen.after_restore_output = await runCell(1);
     await screenshot('state-after-restore');
 
+    // The rest in the dark theme: the selected row and the badges must stay readable.
+    await useTheme('JupyterLab Dark');
     await (await kernelMenu('gpu-snapshot:restore')).click();
     const row = dialog.locator('tr[data-snapshot-id]').first();
     await row.waitFor({ timeout: STEP_TIMEOUT });
+    await row.click();
+    seen.dark_selected_contrast = await contrast(row.locator('td').nth(1));
+    await screenshot('restore-dialog-dark');
     await row.locator('.jp-gpu-snapshot-delete').click();
     await row.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).waitFor();
     await screenshot('delete-confirm');
@@ -227,7 +288,15 @@ const scenarios = {
       .locator('.jp-gpu-snapshot-empty', { hasText: 'No snapshot of this notebook yet' })
       .waitFor({ timeout: STEP_TIMEOUT });
     await screenshot('snapshot-deleted');
-    await dialog.locator('.jp-mod-reject').click();
+    // Escape still closes the dialog after a delete took its button away.
+    await page.keyboard.press('Escape');
+    seen.escape_closed_dialog = await dialog
+      .waitFor({ state: 'detached', timeout: 5000 })
+      .then(() => true)
+      .catch(() => false);
+    if (!seen.escape_closed_dialog) {
+      await dialog.locator('.jp-mod-reject').click();
+    }
     await page
       .locator('.jp-gpu-snapshot-status', { hasText: 'No snapshot yet' })
       .waitFor({ timeout: STEP_TIMEOUT });
@@ -262,6 +331,20 @@ const scenarios = {
       .first()
       .evaluate(node => node.classList.contains('lm-mod-disabled'));
     await screenshot('palette-entry-disabled');
+    await page.keyboard.press('Escape');
+    // Clicking the greyed-out button explains and offers to switch the kernel.
+    await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+    seen.explanation = await toast(/Snapshots need/);
+    await screenshot('button-click-explains');
+    await page
+      .locator('.Toastify__toast', { hasText: 'Snapshots need' })
+      .getByRole('button', { name: 'Change kernel…' })
+      .click();
+    const picker = page.locator('.jp-Dialog');
+    await picker.waitFor({ timeout: STEP_TIMEOUT });
+    seen.change_kernel_dialog = (await picker.locator('.jp-Dialog-header').innerText()).trim();
+    await screenshot('change-kernel-dialog');
+    await picker.locator('.jp-mod-reject').first().click();
   },
 
   // criu fails while dumping: an error notification names the step and the cause, and
@@ -303,20 +386,137 @@ scenarios['restore-over-running-kernel'] = async () => {
 
   await (await kernelMenu('gpu-snapshot:restore')).click();
   const dialog = page.locator('.jp-Dialog');
-  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  const row = dialog.locator('tr[data-snapshot-id]').first();
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  // The snapshot of the running kernel is marked and not pre-selected.
+  seen.row_text = (await row.innerText()).trim();
+  seen.preselected = await dialog.locator('tr.jp-mod-selected').count();
+  await screenshot('dialog-marks-this-kernel');
+  // The arrow keys move the selection.
+  await dialog.locator('.jp-gpu-snapshot-picker').focus();
+  await page.keyboard.press('ArrowDown');
+  seen.selected_by_arrow = await dialog
+    .locator('tr.jp-mod-selected')
+    .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-id')));
+  seen.first_row = await row.getAttribute('data-snapshot-id');
   await dialog.locator('.jp-mod-accept').click();
   seen.refused_toast = await toast(/Restore of .* failed/);
   await screenshot('restore-refused');
-  await page
-    .locator('.Toastify__toast', { hasText: 'failed' })
-    .getByRole('button', { name: 'Shut down kernel, restore' })
-    .click();
+  const refused = page.locator('.Toastify__toast', { hasText: 'failed' });
+  // Details leaves the notification, and its remedy, in place; the dialog offers it too.
+  await refused.getByRole('button', { name: 'Details' }).click();
+  const details = page.locator('.jp-Dialog');
+  await details.waitFor({ timeout: STEP_TIMEOUT });
+  seen.details_text = (await details.locator('.jp-Dialog-body').innerText()).trim();
+  seen.details_buttons = await details
+    .locator('.jp-Dialog-footer button')
+    .evaluateAll(buttons => buttons.map(b => b.innerText.trim()));
+  await screenshot('refused-details');
+  await details.getByRole('button', { name: 'Close' }).click();
+  await details.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  seen.toast_after_details = await refused.count();
+  await refused.getByRole('button', { name: 'Shut down this kernel and restore' }).click();
   seen.restored_toast = await toast(/Kernel restored/);
   await buttonState('ready');
   seen.kernel_after_restore = await notebookKernelId();
   seen.after_restore_output = await runCell(1);
   await screenshot('state-after-restore');
   seen.kernels = (await api('api/kernels')).body.map(k => k.id);
+};
+
+// Notebook A's snapshot restored from notebook B while A's kernel still runs: the refusal
+// names A's kernel, offers to shut down that one, and B's kernel is not touched before the
+// restore replaces it.
+scenarios['restore-from-other-notebook'] = async () => {
+  const other = process.env.OTHER_NOTEBOOK;
+  await openNotebook(other);
+  await buttonState('ready');
+  seen.other_state = await runCell(0);
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+  await toast(/Snapshot saved/);
+  seen.other_kernel = await notebookKernelId(other);
+  const saved = (await api('gpu-snapshot/snapshots')).body.snapshots;
+  seen.snapshot_name = saved[0].name;
+
+  await openNotebook();
+  await buttonState('ready');
+  seen.kernel_before = await notebookKernelId();
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  const row = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  await row.click();
+  await screenshot('dialog-other-notebook-snapshot');
+  await dialog.locator('.jp-mod-accept').click();
+  seen.refused_toast = await toast(/Restore of .* failed/);
+  await screenshot('refused-names-other-notebook');
+  const refused = page.locator('.Toastify__toast', { hasText: 'failed' });
+  seen.refused_buttons = await refused
+    .getByRole('button')
+    .evaluateAll(buttons => buttons.map(b => b.innerText.trim()).filter(Boolean));
+  seen.kernels_after_refusal = (await api('api/kernels')).body.map(k => k.id).sort();
+  seen.kernel_after_refusal = await notebookKernelId();
+
+  await refused.getByRole('button', { name: /^Shut down .* kernel and restore$/ }).click();
+  seen.restored_toast = await toast(/Kernel restored/);
+  await buttonState('ready');
+  seen.kernel_after_restore = await notebookKernelId();
+  seen.other_kernel_after_restore = await notebookKernelId(other);
+  seen.after_restore_output = await runCell(1);
+  await screenshot('restored-into-this-notebook');
+  seen.kernels = (await api('api/kernels')).body.map(k => k.id);
+};
+
+// The Snapshots sidebar: a snapshot named at save time (shift-click) shows there with its
+// facts; search and sort; restore and delete from it; light and dark themes.
+scenarios['sidebar'] = async () => {
+  await openNotebook();
+  await buttonState('ready');
+  seen.state_output = await runCell(0);
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click({ modifiers: ['Shift'] });
+  const ask = page.locator('.jp-Dialog');
+  await ask.locator('input').fill('sidebar-one');
+  await screenshot('name-at-save');
+  await ask.locator('.jp-mod-accept').click();
+  seen.saved_toast = await toast(/Snapshot saved: 'sidebar-one'/);
+  await buttonState('ready');
+
+  await page.locator('.lm-TabBar-tab[data-id="jp-gpu-snapshot-sidebar"]').click();
+  const sidebar = page.locator('#jp-gpu-snapshot-sidebar');
+  const item = sidebar.locator('[data-section="own"] [data-snapshot-name="sidebar-one"]');
+  await item.waitFor({ timeout: STEP_TIMEOUT });
+  await sidebar.locator('.jp-gpu-snapshot-store', { hasText: 'free' }).waitFor();
+  seen.store_text = (await sidebar.locator('.jp-gpu-snapshot-store').innerText()).trim();
+  seen.item_text = (await item.innerText()).trim();
+  await screenshot('sidebar-light');
+
+  await sidebar.locator('.jp-gpu-snapshot-search').fill('no-such-thing');
+  seen.search_empty = await sidebar.locator('.jp-gpu-snapshot-empty').allInnerTexts();
+  await sidebar.locator('.jp-gpu-snapshot-search').fill('sidebar');
+  seen.search_hits = await sidebar
+    .locator('[data-snapshot-name]')
+    .evaluateAll(items => items.map(i => i.getAttribute('data-snapshot-name')));
+  await sidebar.locator('.jp-gpu-snapshot-search').fill('');
+  await sidebar.locator('.jp-gpu-snapshot-sort').selectOption('size');
+
+  await useTheme('JupyterLab Dark');
+  await item.waitFor();
+  seen.dark_name_contrast = await contrast(item.locator('.jp-gpu-snapshot-name'));
+  await screenshot('sidebar-dark');
+
+  await (await kernelMenu('kernelmenu:shutdown')).click();
+  await buttonState('disabled');
+  await item.locator('.jp-gpu-snapshot-restore').click();
+  seen.restored_toast = await toast(/Kernel restored from 'sidebar-one'/);
+  await buttonState('ready');
+  seen.after_restore_output = await runCell(1);
+  await screenshot('restored-from-sidebar');
+
+  await item.locator('.jp-gpu-snapshot-delete').click();
+  await item.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).click();
+  await item.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
+  await screenshot('deleted-from-sidebar');
 };
 
 // --- after a server restart (two runs of this script, the server stopped between) ---
@@ -333,14 +533,18 @@ scenarios['before-shutdown'] = async () => {
     timeout: STEP_TIMEOUT
   });
   await screenshot('state-set');
+  // A second notebook with a kernel of its own: saved at shutdown too.
+  await openFromFileBrowser(process.env.OTHER_NOTEBOOK);
+  await page
+    .locator(`${CURRENT} .jp-gpu-snapshot-button[data-state="ready"]`)
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.other_kernel = await notebookKernelId(process.env.OTHER_NOTEBOOK);
+  await screenshot('second-notebook-open');
 };
 
 scenarios['after-restart'] = async () => {
   await openNotebook();
-  seen.offer = await toast(/Restore the kernel from before shutdown\?/);
-  const offer = page.locator('.Toastify__toast', {
-    hasText: 'Restore the kernel from before shutdown?'
-  });
+  seen.offer = await toast(/Restore the kernel of .* from before shutdown\?/);
   // The notebook started a fresh kernel meanwhile; the restore replaces it.
   await buttonState('ready');
   await page
@@ -349,15 +553,31 @@ scenarios['after-restart'] = async () => {
     .waitFor({ timeout: STEP_TIMEOUT });
   seen.fresh_kernel = await notebookKernelId();
   await screenshot('restore-offered');
-  await offer.getByRole('button', { name: 'Restore' }).click();
-  seen.restored_toast = await toast(/Kernel restored/);
+  // A second notebook opens: one offer names both, not two identical ones.
+  await openFromFileBrowser(process.env.OTHER_NOTEBOOK);
+  seen.merged_offer = await toast(/Restore the kernels of 2 notebooks/);
+  seen.offer_count = await page
+    .locator('.Toastify__toast', { hasText: /from before shutdown/ })
+    .count();
+  await screenshot('restart-offer-names-both');
+  const offer = page.locator('.Toastify__toast', { hasText: /from before shutdown/ });
+  await offer.getByRole('button', { name: 'Restore all' }).click();
+  await page
+    .locator('.Toastify__toast', { hasText: /Kernel restored/ })
+    .nth(1)
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.restored_toasts = await page
+    .locator('.Toastify__toast', { hasText: /Kernel restored/ })
+    .allInnerTexts();
+  seen.restored_toast = seen.restored_toasts[0];
+  await page.locator('.lm-TabBar-tab', { hasText: NOTEBOOK }).click();
   await buttonState('ready');
   seen.kernel_after_restore = await notebookKernelId();
   await screenshot('kernel-restored');
   seen.after_restore_output = await runCell(1);
   await screenshot('state-after-restore');
-  seen.sessions = (await api('api/sessions')).body.map(s => [s.path, s.kernel.id]);
-  seen.kernels = (await api('api/kernels')).body.map(k => k.id);
+  seen.sessions = (await api('api/sessions')).body.map(s => [s.path, s.kernel.id]).sort();
+  seen.kernels = (await api('api/kernels')).body.map(k => k.id).sort();
 };
 
 // --- main ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,9 @@ from jupyter_gpu_snapshot.kernel.client import (
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 60
+# The extension built in this source tree (jlpm build:prod in labextension/), if any.
+SOURCE_LABEXTENSION = Path(__file__).parents[2] / "jupyter_gpu_snapshot" / "labextension"
+LABEXTENSION_NAME = "jupyter-gpu-snapshot"
 
 
 def free_port() -> int:
@@ -122,6 +126,11 @@ def start_jupyter(
         f"--ServerApp.root_dir={root}", "--allow-root",
     ]
     if app == "lab":
+        if (SOURCE_LABEXTENSION / "package.json").exists():
+            # The tree under test wins over an installed copy: extra paths come first.
+            extra = base / "labextensions"
+            shutil.copytree(SOURCE_LABEXTENSION, extra / LABEXTENSION_NAME, dirs_exist_ok=True)
+            argv.append(f"--LabApp.extra_labextensions_path={extra}")
         settings = base / "lab-settings"
         # No news or update toasts over the screenshots.
         notification = settings / "@jupyterlab" / "apputils-extension"

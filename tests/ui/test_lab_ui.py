@@ -118,13 +118,15 @@ def start_lab(tmp_path: Path) -> Iterator[Callable[..., JupyterProcess]]:
 
 
 def run_scenario(
-    tools: dict[str, str], server: JupyterProcess, scenario: str, notebook: str
+    tools: dict[str, str], server: JupyterProcess, scenario: str, notebook: str,
+    other_notebook: str = "",
 ) -> dict[str, Any]:
     env = dict(
         os.environ,
         LAB_URL=server.url,
         LAB_TOKEN=server.token,
         NOTEBOOK=notebook,
+        OTHER_NOTEBOOK=other_notebook,
         ARTIFACTS=str(ARTIFACTS),
         CHROMIUM=CHROMIUM,
     )
@@ -176,12 +178,19 @@ def test_snapshot_then_restore_through_the_dialog(
     assert re.fullmatch(
         r"Snapshot saved: '[\w.-]+', [\d.]+ (B|KiB|MiB|GiB) in [\d.]+ s", seen["saved_toast"]
     ), seen["saved_toast"]
-    assert seen["status_item"].startswith("Snapshot") and "ago" in seen["status_item"]
+    assert re.fullmatch(r"Snapshot (just now|\d+ min ago)", seen["status_item"]), seen
+    # The success notification closed by itself, after its few seconds.
+    assert seen["saved_toast_closed"] is not None, "the success notification stayed"
     # Shutting the kernel down ended the session; the button says there is no kernel.
     assert seen["kernel_after_shutdown"] is None
     assert seen["after_shutdown_tooltip"] == "No kernel is running in this notebook"
-    assert seen["kernel_menu"] == ["Snapshot kernel", "Restore kernel from snapshot…"]
+    assert seen["status_after_shutdown"] == "Snapshots"  # still there to click
+    # Title Case like JupyterLab's own entries; the keyboard shortcut shows beside its entry.
+    assert seen["kernel_menu"] == [
+        "Snapshot Kernel\tCtrl+Alt+S", "Snapshot Kernel As…", "Restore Kernel from Snapshot…"
+    ]
     assert len(seen["dialog_rows"]) == 1
+    assert seen["dialog_selected"] == seen["dialog_rows"]
     assert "Snapshots of state.ipynb" in seen["dialog_text"]
     assert any(
         re.match(r"Restoring '[\w.-]+': (checking|verifying|restoring)", text)
@@ -193,7 +202,10 @@ def test_snapshot_then_restore_through_the_dialog(
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
     assert seen["snapshots_left"] == 0
     assert seen["status_after_delete"] == "No snapshot yet"
-    assert server.get("gpu-snapshot/snapshots") == {"snapshots": []}
+    assert seen["escape_closed_dialog"] is True
+    # The selected row is readable in the dark theme (WCAG AA: 4.5).
+    assert seen["dark_selected_contrast"] >= 4.5, seen["dark_selected_contrast"]
+    assert server.get("gpu-snapshot/snapshots")["snapshots"] == []
     sessions = server.get("api/sessions")
     assert [s["kernel"]["id"] for s in sessions if s["path"] == "state.ipynb"] == [
         seen["kernel_after_restore"]
@@ -209,10 +221,17 @@ def test_button_disabled_on_a_kernel_that_is_not_snapshot_ready(
 
     assert seen["kernel"] is not None
     assert seen["disabled_tooltip"].startswith(
-        "Snapshots unavailable: kernel not started with the 'Python 3 (snapshots)' kernel"
+        "Snapshots unavailable: this notebook runs a kernel that cannot be saved. "
+        "Switch to the 'Python 3 (snapshots)' kernel"
     ), seen["disabled_tooltip"]
-    assert "PID namespace" in seen["disabled_tooltip"]  # the server's own findings follow
+    # In a user's words: none of the server's jargon.
+    assert "PID namespace" not in seen["disabled_tooltip"]
+    assert "JPY_PARENT_PID" not in seen["disabled_tooltip"]
     assert seen["palette_disabled"] is True
+    # A click on the greyed-out button explains, and its action opens the kernel picker.
+    assert seen["explanation"].startswith("Snapshots need the 'Python 3 (snapshots)' kernel")
+    assert "Change kernel…" in seen["explanation"]
+    assert "Kernel" in seen["change_kernel_dialog"], seen["change_kernel_dialog"]
     status = server.get(f"gpu-snapshot/kernels/{seen['kernel']}/status")
     assert status["ready"] is False
     assert seen["console_errors"] == []
@@ -226,13 +245,71 @@ def test_going_back_to_a_snapshot_of_the_running_kernel_offers_to_replace_it(
     secret, next_random = expected_state()
 
     assert seen["changed_output"] == "state changed"
+    # The dialog marks the snapshot of the running kernel and does not pre-select it.
+    assert "of this kernel" in seen["row_text"] and seen["preselected"] == 0
+    assert seen["selected_by_arrow"] == [seen["first_row"]]
     assert seen["refused_toast"].startswith("Restore of "), seen["refused_toast"]
-    assert "its ports are taken, most likely by this notebook's kernel" in seen["refused_toast"]
-    assert "Shut down kernel, restore" in seen["refused_toast"]  # the action
+    assert "its ports are taken by this notebook's own kernel" in seen["refused_toast"]
+    assert "Shut down this kernel and restore" in seen["refused_toast"]  # the action
+    # Details shows the whole message, offers the remedy too, and leaves the notification.
+    assert "in use. Is the original kernel" in seen["details_text"], seen["details_text"]
+    assert seen["details_buttons"] == ["Close", "Shut down this kernel and restore"]
+    assert seen["toast_after_details"] == 1
     assert seen["restored_toast"].startswith("Kernel restored from")
     assert seen["kernel_after_restore"] not in (None, seen["kernel_before"])
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
     assert seen["kernels"] == [seen["kernel_after_restore"]]
+    assert seen["console_errors"] == []
+
+
+def test_restoring_another_notebooks_snapshot_names_and_shuts_down_that_kernel(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab(
+        "restore-from-other-notebook",
+        {"a.ipynb": "python3-snapshot", "b.ipynb": "python3-snapshot"},
+    )
+    seen = run_scenario(
+        ui_tools, server, "restore-from-other-notebook", "b.ipynb", other_notebook="a.ipynb"
+    )
+    secret, next_random = expected_state()
+
+    # The refusal names a.ipynb's kernel, which holds the ports, and offers to shut it down.
+    assert "its ports are taken by the kernel of a.ipynb" in seen["refused_toast"], seen
+    assert "Shut down a.ipynb's kernel and restore" in seen["refused_buttons"], seen
+    assert not any("this kernel" in b for b in seen["refused_buttons"]), seen
+    # Nothing touched b.ipynb's kernel meanwhile.
+    assert seen["kernel_after_refusal"] == seen["kernel_before"]
+    assert seen["kernels_after_refusal"] == sorted([seen["kernel_before"], seen["other_kernel"]])
+    # The remedy shut down a.ipynb's kernel; b.ipynb now runs a's restored state.
+    assert seen["restored_toast"].startswith("Kernel restored from")
+    assert seen["other_kernel_after_restore"] is None
+    assert seen["kernel_after_restore"] not in (None, seen["kernel_before"], seen["other_kernel"])
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["kernels"] == [seen["kernel_after_restore"]]
+    assert seen["console_errors"] == []
+
+
+def test_snapshots_sidebar_lists_searches_restores_and_deletes(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab("sidebar", {"state.ipynb": "python3-snapshot"})
+    assert "snapshot on shutdown off" in server.log_path.read_text()
+    seen = run_scenario(ui_tools, server, "sidebar", "state.ipynb")
+    secret, next_random = expected_state()
+
+    # Named at save time (shift-click on the button).
+    assert seen["saved_toast"].startswith("Snapshot saved: 'sidebar-one'"), seen["saved_toast"]
+    assert re.fullmatch(r"1 in the store, [\d.]+ (KiB|MiB|GiB), [\d.]+ (GiB|TiB|MiB) free",
+                        seen["store_text"]), seen["store_text"]
+    for fact in ("sidebar-one", "saved by hand", "just now", "MiB", "CPU only", "state.ipynb"):
+        assert fact in seen["item_text"], (fact, seen["item_text"])
+    assert "None matches the search." in seen["search_empty"]
+    assert seen["search_hits"] == ["sidebar-one"]
+    assert seen["dark_name_contrast"] >= 4.5, seen["dark_name_contrast"]
+    assert seen["restored_toast"].startswith("Kernel restored from 'sidebar-one'")
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["snapshots_left"] == 0
     assert seen["console_errors"] == []
 
 
@@ -275,28 +352,45 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     config = "c.GPUSnapshot.snapshot_on_shutdown = True\n"
-    server = start_lab("before-shutdown", {"state.ipynb": "python3-snapshot"}, config)
-    before = run_scenario(ui_tools, server, "before-shutdown", "state.ipynb")
+    notebooks = {"state.ipynb": "python3-snapshot", "other.ipynb": "python3-snapshot"}
+    server = start_lab("before-shutdown", notebooks, config)
+    before = run_scenario(
+        ui_tools, server, "before-shutdown", "state.ipynb", other_notebook="other.ipynb"
+    )
     secret, next_random = expected_state()
     assert before["state_output"] == f"state set: {secret}"
 
+    # The startup log says whether kernels are saved when the server stops.
+    assert "snapshot on shutdown on" in server.log_path.read_text()
     assert server.stop() == 0
     assert "gpu-snapshot" in server.log_tail(200)
 
-    server = start_lab("after-restart", {"state.ipynb": "python3-snapshot"}, config)
+    server = start_lab("after-restart", notebooks, config)
     snapshots = server.get("gpu-snapshot/snapshots")["snapshots"]
-    assert [(s["reason"], s["notebook_path"]) for s in snapshots] == [
-        ("shutdown", "state.ipynb")
+    assert sorted((s["reason"], s["notebook_path"]) for s in snapshots) == [
+        ("shutdown", "other.ipynb"), ("shutdown", "state.ipynb")
     ]
-    seen = run_scenario(ui_tools, server, "after-restart", "state.ipynb")
+    seen = run_scenario(
+        ui_tools, server, "after-restart", "state.ipynb", other_notebook="other.ipynb"
+    )
 
-    assert seen["offer"].startswith("Restore the kernel from before shutdown?"), seen["offer"]
+    # The offer names its notebook; with two notebooks reopened, one offer names both.
+    assert seen["offer"].startswith(
+        "Restore the kernel of state.ipynb from before shutdown?"
+    ), seen["offer"]
+    assert seen["merged_offer"].startswith(
+        "Restore the kernels of 2 notebooks from before shutdown?"
+    ), seen["merged_offer"]
+    assert "state.ipynb" in seen["merged_offer"] and "other.ipynb" in seen["merged_offer"]
+    assert seen["offer_count"] == 1
+    assert len(seen["restored_toasts"]) == 2
     assert seen["restored_toast"].startswith("Kernel restored from")
     assert seen["kernel_after_restore"] not in (None, seen["fresh_kernel"])
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
-    # The fresh kernel the notebook had started was retired; one session, one kernel.
-    assert seen["sessions"] == [["state.ipynb", seen["kernel_after_restore"]]]
-    assert seen["kernels"] == [seen["kernel_after_restore"]]
+    # The fresh kernels the notebooks had started were retired; a session and a kernel each.
+    assert [path for path, _ in seen["sessions"]] == ["other.ipynb", "state.ipynb"]
+    assert ["state.ipynb", seen["kernel_after_restore"]] in seen["sessions"]
+    assert seen["kernels"] == sorted(kernel for _, kernel in seen["sessions"])
     # JupyterLab sends each new kernel a few requests of its own (the debugger's state, comm
     # subshells); retiring the fresh kernel cancels any still unanswered, which JupyterLab
     # logs as "Canceled future for ... before replies were done". Nothing else may show.
@@ -304,12 +398,21 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     assert [e for e in seen["console_errors"] if not canceled.search(e)] == []
 
 
-def test_wording_of_sizes_ages_progress_and_gpus(ui_tools: dict[str, str]) -> None:
+def test_wording_and_logic_without_a_browser(ui_tools: dict[str, str]) -> None:
     compiled = REPO / "labextension" / "lib" / "format.js"
     assert compiled.exists(), f"{compiled} is missing: build the extension (pip install -e .)"
     result = subprocess.run(
-        [ui_tools["node"], "--test", str(HERE / "format.test.mjs")],
+        [ui_tools["node"], "--test", str(HERE / "format.test.mjs"), str(HERE / "logic.test.mjs")],
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "# fail 0" in result.stdout
+
+
+def test_the_panel_and_the_extension_name_phases_alike() -> None:
+    from jupyter_gpu_snapshot.kernel.presentation import PHASE_LABELS
+
+    source = (REPO / "labextension" / "src" / "format.ts").read_text()
+    block = source.split("PHASE_LABELS", 1)[1].split("};", 1)[0]
+    labels = dict(re.findall(r"(\w+): '([^']*)'", block))
+    assert labels == PHASE_LABELS

@@ -1,0 +1,274 @@
+/**
+ * The Snapshots sidebar in JupyterLab's left area: this notebook's snapshots and all the
+ * others, searchable and sortable, with restore and delete, and the store's size and free
+ * disk. Added to the shell by the plugin; it refreshes while it is shown.
+ */
+import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { ReactWidget } from '@jupyterlab/ui-components';
+import { Poll } from '@lumino/polling';
+import * as React from 'react';
+import type { ISnapshotSummary } from './api';
+import type { SnapshotController } from './controller';
+import { describeGpu, formatAge, formatBytes, formatTime } from './format';
+import { snapshotIcon } from './icons';
+
+const CONFIRM_MS = 4000;
+
+type SortKey = 'newest' | 'oldest' | 'name' | 'size';
+
+const SORTS: { [key in SortKey]: (a: ISnapshotSummary, b: ISnapshotSummary) => number } =
+  {
+    newest: (a, b) => b.created - a.created,
+    oldest: (a, b) => a.created - b.created,
+    name: (a, b) => a.name.localeCompare(b.name),
+    size: (a, b) => b.size_bytes - a.size_bytes
+  };
+
+const REASONS: { [reason: string]: string } = {
+  user: 'saved by hand',
+  autosave: 'autosave',
+  shutdown: 'before shutdown'
+};
+
+/** Whether a snapshot matches the search text (name, id, notebook, host, reason). */
+export function matches(s: ISnapshotSummary, search: string): boolean {
+  const needle = search.trim().toLowerCase();
+  if (!needle) {
+    return true;
+  }
+  return [s.name, s.id, s.notebook_path ?? '', s.host ?? '', s.reason]
+    .join(' ')
+    .toLowerCase()
+    .includes(needle);
+}
+
+export class SnapshotsSidebar extends ReactWidget {
+  constructor(
+    private readonly _controller: SnapshotController,
+    private readonly _tracker: INotebookTracker,
+    refreshSeconds: number
+  ) {
+    super();
+    this.id = 'jp-gpu-snapshot-sidebar';
+    this.addClass('jp-gpu-snapshot-sidebar');
+    this.title.icon = snapshotIcon;
+    this.title.caption = 'Snapshots';
+    _tracker.currentChanged.connect(() => this.update());
+    _controller.changed.connect(() => this._poll.refresh());
+    this._poll = new Poll({
+      auto: true,
+      factory: () => this.reload(),
+      frequency: { interval: refreshSeconds * 1000, backoff: true, max: 300_000 },
+      name: 'jupyter-gpu-snapshot:sidebar',
+      standby: () => !this.isVisible || 'when-hidden'
+    });
+  }
+
+  /** Called by the plugin when the setting changes. */
+  setRefreshSeconds(seconds: number): void {
+    const interval = seconds * 1000;
+    this._poll.frequency = { interval, backoff: true, max: 300_000 };
+  }
+
+  async reload(): Promise<void> {
+    try {
+      const listing = await this._controller.api.listing();
+      this._snapshots = listing.snapshots;
+      this._freeBytes = listing.store?.free_bytes ?? null;
+      this._error = null;
+    } catch (error) {
+      this._error = (error as Error).message;
+    }
+    this._loaded = true;
+    this.update();
+  }
+
+  dispose(): void {
+    this._poll.dispose();
+    super.dispose();
+  }
+
+  protected onAfterShow(): void {
+    void this._poll.refresh();
+  }
+
+  render(): JSX.Element {
+    const panel = this._tracker.currentWidget;
+    const path = panel?.context.path ?? null;
+    const shown = this._snapshots
+      .filter(s => matches(s, this._search))
+      .sort(SORTS[this._sort]);
+    const own = path ? shown.filter(s => s.notebook_path === path) : [];
+    const others = shown.filter(s => !path || s.notebook_path !== path);
+    const total = this._snapshots.reduce((sum, s) => sum + s.size_bytes, 0);
+    return (
+      <div className="jp-gpu-snapshot-sidebar-body">
+        <header className="jp-gpu-snapshot-sidebar-header">
+          <h2>Snapshots</h2>
+          <div className="jp-gpu-snapshot-store" title="The snapshot store on the server">
+            {this._snapshots.length} in the store, {formatBytes(total)}
+            {this._freeBytes !== null && `, ${formatBytes(this._freeBytes)} free`}
+          </div>
+          <div className="jp-gpu-snapshot-controls">
+            <input
+              type="search"
+              className="jp-gpu-snapshot-search"
+              placeholder="Search name, notebook, host…"
+              aria-label="Search snapshots"
+              value={this._search}
+              onChange={event => {
+                this._search = event.target.value;
+                this.update();
+              }}
+            />
+            <select
+              className="jp-gpu-snapshot-sort"
+              aria-label="Sort snapshots"
+              value={this._sort}
+              onChange={event => {
+                this._sort = event.target.value as SortKey;
+                this.update();
+              }}
+            >
+              <option value="newest">Newest first</option>
+              <option value="oldest">Oldest first</option>
+              <option value="name">By name</option>
+              <option value="size">Largest first</option>
+            </select>
+          </div>
+        </header>
+        {this._error && <p className="jp-gpu-snapshot-error">{this._error}</p>}
+        {!this._loaded ? (
+          <p className="jp-gpu-snapshot-empty">Loading snapshots…</p>
+        ) : (
+          <>
+            {path && this._section(`This notebook: ${path}`, own, panel, 'own')}
+            {this._section(
+              path ? 'All others' : 'All snapshots',
+              others,
+              panel,
+              'others'
+            )}
+          </>
+        )}
+      </div>
+    );
+  }
+
+  private _section(
+    title: string,
+    snapshots: ISnapshotSummary[],
+    panel: NotebookPanel | null,
+    key: string
+  ): JSX.Element {
+    return (
+      <section className="jp-gpu-snapshot-sidebar-section" data-section={key}>
+        <h3>{title}</h3>
+        {snapshots.length ? (
+          <ul>{snapshots.map(s => this._item(s, panel))}</ul>
+        ) : (
+          <p className="jp-gpu-snapshot-empty">
+            {this._search ? 'None matches the search.' : 'None.'}
+          </p>
+        )}
+      </section>
+    );
+  }
+
+  private _item(s: ISnapshotSummary, panel: NotebookPanel | null): JSX.Element {
+    const confirming = this._confirming === s.id;
+    const busy = panel !== null && this._controller.activeJob(panel) !== null;
+    const target = panel?.context.localPath ?? null;
+    const location = [s.host, s.notebook_path].filter(Boolean).join(': ');
+    return (
+      <li
+        key={s.id}
+        className="jp-gpu-snapshot-item"
+        data-snapshot-id={s.id}
+        data-snapshot-name={s.name}
+      >
+        <div className="jp-gpu-snapshot-item-title">
+          <span className="jp-gpu-snapshot-name" title={s.id}>
+            {s.name}
+          </span>
+          <span className="jp-gpu-snapshot-badge" data-reason={s.reason}>
+            {REASONS[s.reason] ?? s.reason}
+          </span>
+        </div>
+        <div className="jp-gpu-snapshot-item-facts">
+          <span title={formatTime(s.created)}>{formatAge(s.created)}</span>
+          <span>{formatBytes(s.size_bytes)}</span>
+          <span>{describeGpu(s)}</span>
+        </div>
+        <div className="jp-gpu-snapshot-item-location" title={location}>
+          {location || 'location unknown'}
+        </div>
+        <div className="jp-gpu-snapshot-item-actions">
+          <button
+            className="jp-Button jp-mod-styled jp-mod-accept jp-gpu-snapshot-restore"
+            disabled={!panel || busy}
+            title={
+              target
+                ? `Restore '${s.name}' as the kernel of ${target}`
+                : 'Open a notebook to restore into'
+            }
+            onClick={() => {
+              if (panel) {
+                void this._controller.restore(panel, s).then(() => this._poll.refresh());
+              }
+            }}
+          >
+            Restore
+          </button>
+          <button
+            className={
+              'jp-Button jp-mod-styled jp-gpu-snapshot-delete ' +
+              (confirming ? 'jp-mod-warn' : 'jp-mod-reject')
+            }
+            title={confirming ? 'Click again to delete for good' : `Delete ${s.name}`}
+            onClick={() => void this._delete(s)}
+          >
+            {confirming ? 'Confirm delete' : 'Delete'}
+          </button>
+        </div>
+      </li>
+    );
+  }
+
+  private async _delete(s: ISnapshotSummary): Promise<void> {
+    if (this._confirming !== s.id) {
+      this._confirming = s.id;
+      this.update();
+      window.setTimeout(() => {
+        if (this._confirming === s.id) {
+          this._confirming = null;
+          this.update();
+        }
+      }, CONFIRM_MS);
+      return;
+    }
+    this._confirming = null;
+    try {
+      await this._controller.api.deleteSnapshot(s.id);
+    } catch (error) {
+      this._error = `Could not delete '${s.name}': ${(error as Error).message}`;
+      this.update();
+      return;
+    }
+    // The status bar and the button may have reported the snapshot just deleted.
+    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    if (kernelId) {
+      void this._controller.refresh(kernelId);
+    }
+    await this.reload();
+  }
+
+  private _snapshots: ISnapshotSummary[] = [];
+  private _freeBytes: number | null = null;
+  private _search = '';
+  private _sort: SortKey = 'newest';
+  private _confirming: string | null = null;
+  private _error: string | null = null;
+  private _loaded = false;
+  private _poll: Poll;
+}
