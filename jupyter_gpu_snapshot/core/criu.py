@@ -122,7 +122,15 @@ class CriuRunner:
             )
         return text
 
-    def dump_argv(self, pid: int, images: Path, work: Path, *, leave_running: bool) -> list[str]:
+    def dump_argv(
+        self,
+        pid: int,
+        images: Path,
+        work: Path,
+        *,
+        leave_running: bool,
+        action_script: Path | None = None,
+    ) -> list[str]:
         argv = [
             self.executable(), "dump", "-t", str(pid), "-D", str(images), "-W", str(work),
             "-o", "dump.log", "-v4",
@@ -136,6 +144,8 @@ class CriuRunner:
         ]
         if leave_running:
             argv.append("--leave-running")
+        if action_script is not None:
+            argv += ["--action-script", str(action_script)]
         return argv
 
     def restore_argv(self, images: Path, work: Path, pidfile: Path) -> list[str]:
@@ -154,6 +164,7 @@ class CriuRunner:
         *,
         on_tick: Callable[[], None] | None = None,
         tick_seconds: float = 0.2,
+        pass_fds: tuple[int, ...] = (),
     ) -> CriuRun:
         """Run criu to completion, calling ``on_tick`` while it runs (for progress)."""
         started = time.monotonic()
@@ -165,6 +176,7 @@ class CriuRunner:
             # Its own session: a Ctrl-C meant for the CLI must not reach criu while it has
             # its parasite code inside the kernel, where a killed criu can take it down.
             start_new_session=True,
+            pass_fds=pass_fds,
         )
         wait = asyncio.ensure_future(proc.communicate())
         while True:

@@ -63,3 +63,14 @@ class Busy(SnapshotError):
 
 class NotReady(SnapshotError):
     """The process cannot be snapshotted as launched (wrong kernel, missing privileges...)."""
+
+
+class Interrupted(SnapshotError):
+    """The caller asked the operation to stop (Ctrl-C, a server stopping); it rolled back."""
+
+    def __init__(self, step: str) -> None:
+        super().__init__(
+            step,
+            "interrupted; the save was rolled back and the kernel keeps running",
+            hint="nothing was saved",
+        )
