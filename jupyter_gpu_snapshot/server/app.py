@@ -18,6 +18,8 @@ from traitlets.config import Config
 
 from .._constants import API_PREFIX
 from ..config import GPUSnapshot
+from ..core.recovery import clean_work_dirs, recover_store
+from ..core.store import SnapshotStore
 from ..engines import make_engine
 from ..launch.provisioner import SnapshotReadyProvisioner
 from .handlers import routes
@@ -72,9 +74,7 @@ class GPUSnapshotApp(ExtensionApp):
         serverapp = self.serverapp
         self.gpu_settings = settings = GPUSnapshot(parent=self)
         engine = make_engine(settings)
-        removed = engine.store.clean_stale()
-        for path in removed:
-            self.log.info("gpu-snapshot: removed stale working directory %s", path)
+        self._recover(engine.store)
         assert serverapp.event_logger is not None
         serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
         jobs = JobRunner(on_change=self._emit_job, log=self.log)
@@ -95,6 +95,24 @@ class GPUSnapshotApp(ExtensionApp):
             API_PREFIX,
             engine.store.root,
         )
+
+    def _recover(self, store: SnapshotStore) -> None:
+        """Finish what saves killed with an earlier server left (see ``core.recovery``).
+
+        Runs before the server serves anything, so it may block.
+        """
+        report = recover_store(store)
+        for snapshot in report.committed:
+            self.log.warning(
+                "gpu-snapshot: committed snapshot %s (%s), whose save was killed after its "
+                "dump completed", snapshot.name, snapshot.id,
+            )
+        for path, why in report.kept:
+            self.log.error("gpu-snapshot: kept %s aside: %s; delete it by hand", path, why)
+        for pid in report.woken:
+            self.log.info("gpu-snapshot: woke kernel tree %s after an interrupted save", pid)
+        for path in [*report.removed, *clean_work_dirs()]:
+            self.log.info("gpu-snapshot: removed stale working directory %s", path)
 
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
