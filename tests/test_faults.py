@@ -87,7 +87,8 @@ def kill_saver_at(
         wrapper.write_text("#!/bin/sh\n" + kill_saver_while_writing_pages())
         wrapper.chmod(0o755)
         argv += ["--criu", str(wrapper)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -124,7 +125,8 @@ def test_saver_killed(fault: Fault, store: SnapshotStore, tmp_path: Path, restor
         assert_nothing_partial(store)
         assert tree_digest(earlier.path) == before
         later = [s for s in store.list() if s.id != earlier.id]
-        assert [s.manifest.get("recovered") for s in later] == ([True] if fault.snapshot_kept else [])
+        recovered = [s.manifest.get("recovered") for s in later]
+        assert recovered == ([True] if fault.snapshot_kept else [])
         assert procfs.tree_alive(kernel.root_pid) == fault.kernel_lives
         if fault.kernel_lives:
             assert kernel.execute("counter += 1; print(counter)").strip() == "43"
