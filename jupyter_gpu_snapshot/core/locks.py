@@ -28,18 +28,19 @@ def _holder_of(path: Path) -> str:
     try:
         text = path.read_text()[:200].strip()
         pid, _, what = text.partition(" ")
-        command = " ".join(psutil.Process(int(pid)).cmdline()[:4])
+        command = " ".join(Path(arg).name for arg in psutil.Process(int(pid)).cmdline()[:3])
     except (OSError, ValueError, psutil.Error):
         return "another process"
-    return f"pid {pid} ({what}; {command})" if what else f"pid {pid} ({command})"
+    return f"pid {pid} ({what}: {command})" if what else f"pid {pid} ({command})"
 
 
 class HeldLock:
     """An acquired lock; ``fd`` may be handed to a child (criu) so it outlives us."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, tidy_directory: bool = False) -> None:
         self.path = path
         self.fd = fd
+        self.tidy_directory = tidy_directory
 
     def release(self) -> None:
         if self.fd < 0:
@@ -49,6 +50,9 @@ class HeldLock:
             os.unlink(self.path)
         os.close(self.fd)
         self.fd = -1
+        if self.tidy_directory:  # the last lock out leaves no empty directory behind
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path.parent)
 
 
 def try_lock(path: Path, note: str) -> HeldLock | None:
@@ -100,11 +104,22 @@ class StoreLocks:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.lock"
 
+    def try_acquire(self, key: str, note: str) -> HeldLock | None:
+        """Take the lock ``key``, or None when another operation holds it."""
+        while True:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                held = try_lock(self.path(key), note)
+            except FileNotFoundError:
+                continue  # the last holder removed the empty directory meanwhile
+            if held is not None:
+                held.tidy_directory = True
+            return held
+
     def acquire(self, key: str, what: str, step: str, note: str = "") -> HeldLock:
         """Take the lock ``key`` or raise ``Busy`` naming ``what`` and who holds it."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self.path(key)
-        held = try_lock(path, note or what)
+        held = self.try_acquire(key, note or what)
         if held is None:
             raise Busy(
                 step,

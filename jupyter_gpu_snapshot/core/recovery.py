@@ -29,7 +29,7 @@ import psutil
 
 from . import procfs
 from .errors import InvalidRequest
-from .locks import is_locked, snapshot_key, try_lock
+from .locks import is_locked, snapshot_key
 from .store import (
     DELETING_PREFIX,
     DRAFT_FILE,
@@ -95,8 +95,7 @@ def _recover_partial(store: SnapshotStore, partial: Path, report: RecoveryReport
     snapshot_id = partial.name[len(PARTIAL_PREFIX):]
     if procfs.criu_working_on(partial):
         return  # its saver died, but criu still writes: look again at the next start
-    store.locks.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    held = try_lock(store.locks.path(snapshot_key(snapshot_id)), "recovery")
+    held = store.locks.try_acquire(snapshot_key(snapshot_id), "recovery")
     if held is None:
         return  # a save in progress, in this process or another
     try:
