@@ -78,7 +78,7 @@ def test_two_saves_under_one_name(store: SnapshotStore, kernel: KernelHandle, tm
         _until_held(store, name_key("mine"), first)
         with pytest.raises(Busy, match="the snapshot name 'mine' is busy"):
             run(SnapshotEngine(store).save(SaveTarget(pid=other.root_pid), name="mine"))
-        out, stderr = first.communicate(timeout=120)
+        _, stderr = first.communicate(timeout=120)
         assert first.returncode == 0, stderr
         # Once committed, the name is taken for good.
         with pytest.raises(SnapshotError, match="'mine' exists already"):
@@ -97,9 +97,11 @@ def test_cli_rm_during_a_restore(
     engine = SnapshotEngine(store, CriuRunner(_slow_criu(tmp_path, "restore", 2.0)))
 
     async def restore_while_deleting() -> subprocess.CompletedProcess[str]:
-        restoring = asyncio.ensure_future(engine.restore(snapshot.id))
-        while not store.locks.is_held(snapshot_key(snapshot.id)):
-            await asyncio.sleep(0.01)
+        verifying = asyncio.Event()  # reported with the snapshot's lock held
+        restoring = asyncio.ensure_future(
+            engine.restore(snapshot.id, lambda p: verifying.set())
+        )
+        await verifying.wait()
         rm = await asyncio.to_thread(cli, store.root, "rm", snapshot.id, check=False)
         back = await restoring
         restored.connect(back.connection_info, back.pid)
