@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -144,3 +145,33 @@ def test_kept_criu_logs_have_unique_names(store: SnapshotStore, tmp_path: Path):
     kept = {engine._keep_log(log, "dump") for _ in range(3)}
     assert len(kept) == 3 and all(p is not None and p.stat().st_mode & 0o777 == 0o600
                                   for p in kept)
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["keep-running", "stop"])
+def test_ctrl_c_during_a_cli_save(
+    store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, stop: bool
+):
+    """Ctrl-C waits for criu, then rolls back; a stopping dump that completed is kept."""
+    kernel.execute("counter = 0; blob = b'x' * (20 << 20)")
+    saving = _cli_in_background(
+        store, "--criu", _slow_criu(tmp_path, "dump", 2.0), "save",
+        "--pid", str(kernel.kernel_pid), "--name", "interrupted", *(["--stop"] if stop else []),
+    )
+    _until_held(store, name_key("interrupted"), saving)
+    time.sleep(0.5)  # into the dump: criu's wrapper is sleeping
+    saving.send_signal(signal.SIGINT)
+    out, stderr = saving.communicate(timeout=120)
+    assert "Traceback" not in stderr
+    if stop:
+        assert saving.returncode == 0, stderr
+        assert out.startswith("saved interrupted")
+        assert [s.name for s in store.list()] == ["interrupted"]
+        store.verify(store.get("interrupted"))
+    else:
+        assert saving.returncode == 130
+        assert " ".join(stderr.split()) == (
+            "interrupted: stopped at a safe point and rolled back; the kernel keeps running"
+        )
+        assert store.list() == []
+        assert kernel.execute("counter += 1; print(counter)").strip() == "1"
+    assert [p.name for p in store.root.iterdir() if p.name.startswith(".")] == []
