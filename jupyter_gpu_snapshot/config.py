@@ -68,3 +68,11 @@ class GPUSnapshot(Configurable):
         help="""Seconds that snapshots on shutdown may take in all. Kernels not saved by then
         are shut down without a snapshot (and a warning is logged).""",
     ).tag(config=True)
+
+    adopt_orphaned_kernels = Bool(
+        True,
+        help="""At start, take back the snapshot-ready kernels that a server killed earlier
+        (SIGKILL, a crash) left running on this runtime dir: the same kernel ids and the same
+        notebook sessions, no snapshot involved. The server keeps a record of its kernels for
+        this in the runtime dir (gpu_snapshot/servers, mode 0600).""",
+    ).tag(config=True)

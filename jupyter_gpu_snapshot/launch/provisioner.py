@@ -39,6 +39,9 @@ _INIT_WAIT_SECONDS = 10.0
 # Keyword arguments of ``KernelManager.start_kernel`` that ask for an adoption; they must
 # never reach Popen, and a restart finds them again in the manager's launch arguments.
 RESTORE_KWARGS = ("restore_snapshot", "restore_engine", "restore_progress")
+# Keyword arguments that ask to adopt a live kernel tree (its root pid and the connection
+# info it listens with), which a server killed earlier left running.
+ADOPT_KWARGS = ("adopt_pid", "adopt_connection_info")
 # How long the message telling a restored kernel its new slot waits for a reply; the
 # kernel runs it after a running cell even when nobody waits any more.
 _ENV_REFRESH_SECONDS = 10.0
@@ -181,6 +184,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     _restore_engine: SnapshotEngine | None = None
     _restore_progress: ProgressCallback | None = None
     _restore_used = False
+    _pending_adopt: int | None = None
+    adopted = False
     _env_refresh: asyncio.Future[bool] | None = None
 
     def _settings(self) -> GPUSnapshot:
@@ -199,6 +204,12 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         """Called by ``KernelManager.pre_start_kernel()`` before every (re)start."""
         snapshot_ref, engine, progress = (kwargs.pop(key, None) for key in RESTORE_KWARGS)
+        adopt_pid, adopt_info = (kwargs.pop(key, None) for key in ADOPT_KWARGS)
+        if adopt_pid and not self.adopted and self.parent is not None:
+            # It listens on its own ports with its own key: the manager must use those.
+            self.parent.load_connection_info(adopt_info)
+            self.parent.cache_ports = False
+            self._pending_adopt = int(adopt_pid)
         # A restart after a restore starts a fresh kernel, not the snapshot again.
         if snapshot_ref and not self._restore_used:
             engine = engine or make_engine(self._settings())
@@ -230,6 +241,11 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         """Called by ``KernelManager._launch_kernel()`` with the command from ``pre_launch``."""
         if self._pending_restore is not None:
             return await self._adopt(self._pending_restore)
+        if self._pending_adopt is not None:
+            root, self._pending_adopt = self._pending_adopt, None
+            self.adopted = True
+            self._take_over(root)
+            return self.connection_info
         assert self.log_path is not None
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -255,22 +271,27 @@ class SnapshotReadyProvisioner(LocalProvisioner):
                 with contextlib.suppress(OSError):
                     km.cleanup_connection_file()
             raise
-        self.root_pid = self.restored.pid
-        # LocalProvisioner only polls, waits for and signals its process: duck typing works.
-        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(self.restored.pid))
-        self.pid = self.restored.pid
-        self.pgid = None
+        self._take_over(self.restored.pid)
         return self.connection_info
+
+    def _take_over(self, root_pid: int) -> None:
+        """Make a running tree that is not our child this provisioner's kernel."""
+        self.root_pid = root_pid
+        # LocalProvisioner only polls, waits for and signals its process: duck typing works.
+        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(root_pid))
+        self.pid = root_pid
+        self.pgid = None
 
     async def post_launch(self, **kwargs: Any) -> None:
         """Called by ``KernelManager.post_start_kernel()`` once the kernel runs.
 
-        A restored kernel's environment still names the slot and server it was saved
-        from; tell it the new ones, so %gpu_snapshot inside it addresses this slot. It is
+        A restored or adopted kernel's environment still names the slot and server it was
+        started by; tell it the new ones, so %gpu_snapshot inside it addresses this slot. It is
         not awaited: a kernel restored in the middle of a cell answers after that cell.
         """
         await super().post_launch(**kwargs)
-        if self.restored is not None and self.server_url and self.parent is not None:
+        moved = self.restored is not None or self.adopted
+        if moved and self.server_url and self.parent is not None:
             self._env_refresh = asyncio.ensure_future(
                 refresh_kernel_env(self.parent, self.server_env(), self.log)
             )

@@ -22,6 +22,7 @@ from ..core.recovery import clean_work_dirs, recover_store
 from ..core.store import SnapshotStore
 from ..engines import make_engine
 from ..launch.provisioner import SnapshotReadyProvisioner
+from .adoption import KernelRecord, adopt_orphans
 from .handlers import routes
 from .jobs import Job, JobRunner
 from .service import SnapshotService
@@ -67,6 +68,7 @@ class GPUSnapshotApp(ExtensionApp):
     last_shutdown: ShutdownReport | None = None
     _stopping: asyncio.Future[None] | None = None
     _user_provisioner_config: dict[str, str] | None = None
+    kernel_record: KernelRecord | None = None
 
     def initialize_settings(self) -> None:
         """Called by ``ExtensionApp.initialize()`` when the server loads the extension."""
@@ -120,8 +122,28 @@ class GPUSnapshotApp(ExtensionApp):
         self.handlers.extend(routes(self.service))
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
-        """Called once the server listens: the port is final only now (port retries)."""
+        """Called once the server listens: the port is final only now (port retries).
+
+        Kernels that a killed server left running come back first, under their ids, so
+        that the notebooks' sessions find them; then this server's record starts.
+        """
         self._tell_kernels_where_we_are()
+        assert self.gpu_settings is not None
+        if not self.gpu_settings.adopt_orphaned_kernels:
+            return
+        report = await adopt_orphans(serverapp.kernel_manager, serverapp.session_manager, self.log)
+        for kernel_id in report.adopted:
+            self.log.info("gpu-snapshot: adopted kernel %s, left running by a killed server",
+                          kernel_id)
+        for kernel_id in report.dead:
+            self.log.info("gpu-snapshot: removed the connection file of dead kernel %s",
+                          kernel_id)
+        for kernel_id, why in report.failed.items():
+            self.log.warning("gpu-snapshot: could not adopt kernel %s: %s", kernel_id, why)
+        self.kernel_record = KernelRecord(
+            serverapp.kernel_manager, serverapp.session_manager, self.log
+        )
+        self.kernel_record.start()
 
     def _tell_kernels_where_we_are(self) -> None:
         """Hand the URL and token to the provisioner through the kernel manager's config.
@@ -166,6 +188,9 @@ class GPUSnapshotApp(ExtensionApp):
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._save_before_stop())
         await asyncio.shield(self._stopping)
+        if self.kernel_record is not None:
+            # The kernels stop with this server: nothing is left to adopt.
+            self.kernel_record.stop()
 
     async def _save_before_stop(self) -> None:
         if self.service is None or self.gpu_settings is None:
