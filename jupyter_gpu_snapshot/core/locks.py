@@ -136,6 +136,14 @@ class StoreLocks:
         finally:
             held.release()
 
+    def tidy(self) -> None:
+        """Remove lock files nobody holds (criu, which inherits locks, leaves them behind)."""
+        with contextlib.suppress(OSError):
+            for path in self.directory.glob("*.lock"):
+                held = self.try_acquire(path.name.removesuffix(".lock"), "tidy")
+                if held is not None:
+                    held.release()
+
     def is_held(self, key: str) -> bool:
         return is_locked(self.path(key))
 

@@ -88,6 +88,7 @@ def recover_store(store: SnapshotStore) -> RecoveryReport:
             report.removed.append(entry)
         elif entry.name.startswith(PARTIAL_PREFIX):
             _recover_partial(store, entry, report)
+    store.locks.tidy()
     return report
 
 

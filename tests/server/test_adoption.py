@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +40,7 @@ def _free_port() -> int:
 class Server:
     """A real ``jupyter server`` process with the extension."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *options: str) -> None:
         self.tmp_path = tmp_path
         self.port = _free_port()
         self.runtime = tmp_path / "runtime"
@@ -54,7 +55,7 @@ class Server:
              f"--IdentityProvider.token={TOKEN}",
              f"--ServerApp.root_dir={tmp_path / 'notebooks'}",
              "--ServerApp.jpserver_extensions=jupyter_gpu_snapshot=True",
-             f"--GPUSnapshot.store_dir={tmp_path / 'store'}"],
+             f"--GPUSnapshot.store_dir={tmp_path / 'store'}", *options],
             env=env, stdout=subprocess.DEVNULL, stderr=self.log,
         )
         deadline = time.monotonic() + 60
@@ -91,8 +92,11 @@ class Server:
             data=json.dumps(body).encode() if body is not None else None,
             headers={"Authorization": f"token {TOKEN}"},
         )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            data = response.read()
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                data = response.read()
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{method} {path}: {exc.code} {exc.read()!r}") from None
         return json.loads(data) if data else None
 
     async def socket(self, kernel_id: str) -> KernelSocket:
@@ -191,3 +195,67 @@ def test_a_killed_servers_kernels_are_adopted(
                 f"server-{first.proc.pid}.json").exists()
     # No snapshot was involved.
     assert not (tmp_path / "store").exists() or list((tmp_path / "store").iterdir()) == []
+
+
+def _open_notebooks(server: Server, notebooks: list[str]) -> dict[str, str]:
+    """Notebook path -> kernel id, each kernel holding some state and 60 MB."""
+    kernels = {}
+    for i, nb in enumerate(notebooks):
+        session = server.call("POST", "api/sessions", {"path": nb, "type": "notebook",
+                                                       "name": nb,
+                                                       "kernel": {"name": KERNEL_NAME}})
+        kernels[nb] = session["kernel"]["id"]
+        code = f"state = {{'notebook': {nb!r}, 'step': {i}}}; blob = b'x' * (60 << 20)"
+        run(_execute(server, kernels[nb], code))
+    return kernels
+
+
+def test_server_killed_during_shutdown_saves(
+    tmp_path: Path, trees: list[int], servers: list[Server]
+):
+    """SIGTERM starts the shutdown saves, SIGKILL hits while criu writes the first one:
+    each kernel comes back, adopted alive or restored from its recovered snapshot."""
+    first = Server(tmp_path, "--GPUSnapshot.snapshot_on_shutdown=True")
+    servers.append(first)
+    kernels = _open_notebooks(first, ["a.ipynb", "b.ipynb"])
+    deadline = time.monotonic() + 30
+    while len(_record(first.runtime, first.proc.pid).get("kernels", {})) < 2:
+        assert time.monotonic() < deadline, "the server never recorded its kernels"
+        time.sleep(0.2)
+    trees.extend(k["root_pid"] for k in _record(first.runtime, first.proc.pid)["kernels"]
+                 .values())
+    store = tmp_path / "store"
+
+    first.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith("pages-") and p.stat().st_size > 1 << 20
+                  for d in store.glob(".partial-*") for p in d.iterdir()):
+        assert time.monotonic() < deadline, "no shutdown save began"
+        time.sleep(0.005)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    while any(procfs.criu_working_on(d) for d in store.glob(".partial-*")):
+        time.sleep(0.05)
+
+    second = Server(tmp_path)
+    servers.append(second)
+    snapshots = second.call("GET", "gpu-snapshot/snapshots")["snapshots"]
+    saved = {s["kernel"]["kernel_id"]: s["id"] for s in snapshots}
+    adopted = {k["id"] for k in second.until(
+        "api/kernels", lambda ks: len(ks) + len(saved) >= 2, timeout=60)}
+    assert saved and all(s["reason"] == "shutdown" for s in snapshots)
+    assert sorted([*saved, *adopted]) == sorted(kernels.values())
+    assert sorted(p.name for p in store.iterdir() if p.name.startswith(".")) == []
+    for i, (nb, kernel_id) in enumerate(kernels.items()):
+        if kernel_id in saved:
+            job = second.call("POST", f"gpu-snapshot/snapshots/{saved[kernel_id]}/restore",
+                              {"path": nb})
+            deadline = time.monotonic() + 90
+            while job["status"] == "running":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+                job = second.call("GET", f"gpu-snapshot/jobs/{job['id']}")
+            assert job["status"] == "succeeded", job
+            kernel_id = job["result"]["kernel_id"]
+        printed = run(_execute(second, kernel_id, "print(state, len(blob) >> 20)"))
+        assert printed == f"{{'notebook': {nb!r}, 'step': {i}}} 60\n"
