@@ -6,7 +6,10 @@ nothing of settings or of the GPU layer.
 
 from __future__ import annotations
 
+import logging
+
 from .config import GPUSnapshot
+from .core import procfs
 from .core.criu import CriuRunner
 from .core.engine import SnapshotEngine, SnapshotHook
 from .core.store import SnapshotStore
@@ -32,3 +35,25 @@ def make_engine(
         CriuRunner(settings.criu_path),
         hooks if hooks is not None else default_hooks(settings),
     )
+
+
+def wake_kernel(root_pid: int) -> list[str]:
+    """Bring back a kernel tree that a killed save left stopped or with its CUDA suspended.
+
+    Called by recovery (server start, ``jupyter gpu-snapshot recover``) and by
+    ``jupyter gpu-snapshot resume``; returns one line per process whose CUDA stays suspended.
+    """
+    from .gpu.checkpoint import CudaCheckpoint
+    from .gpu.driver import load_driver
+
+    procfs.continue_tree(root_pid)
+    status = load_driver()
+    if status.driver is None:
+        return []
+    cuda = CudaCheckpoint(status.driver)
+    try:
+        holders = cuda.holders([p.pid for p in procfs.tree(root_pid)])
+    except Exception as exc:  # a tree that ended meanwhile has nothing to resume
+        logging.getLogger(__name__).info("no CUDA state to resume in %s: %s", root_pid, exc)
+        return []
+    return cuda.resume_all(holders)

@@ -32,7 +32,7 @@ from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import NotFound, NotReady, SnapshotError
 from ..core.recovery import clean_work_dirs, recover_store
 from ..core.store import Snapshot
-from ..engines import make_engine
+from ..engines import make_engine, wake_kernel
 from .checks import run_checks
 
 out = Console()
@@ -237,7 +237,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def cmd_recover(args: argparse.Namespace) -> int:
     """What a server start does: commit complete images of killed saves, clean the rest."""
-    report = recover_store(_engine(args).store)
+    report = recover_store(_engine(args).store, wake=wake_kernel)
     for snapshot in report.committed:
         out.print(f"committed {snapshot.name} ({snapshot.id}), left by a save that was killed")
     for path, why in report.kept:

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def recover_store(store: SnapshotStore) -> RecoveryReport:
+Wake = Callable[[int], object]
+
+
+def recover_store(store: SnapshotStore, wake: Wake = procfs.continue_tree) -> RecoveryReport:
+    """Recover every leftover in ``store``; ``wake`` brings back a kernel tree a killed save
+    left stopped (the server and the CLI pass ``engines.wake_kernel``, which resumes CUDA)."""
     report = RecoveryReport()
     if not store.root.is_dir():
         return report
@@ -87,12 +93,14 @@ def recover_store(store: SnapshotStore) -> RecoveryReport:
             shutil.rmtree(entry, ignore_errors=True)
             report.removed.append(entry)
         elif entry.name.startswith(PARTIAL_PREFIX):
-            _recover_partial(store, entry, report)
+            _recover_partial(store, entry, report, wake)
     store.locks.tidy()
     return report
 
 
-def _recover_partial(store: SnapshotStore, partial: Path, report: RecoveryReport) -> None:
+def _recover_partial(
+    store: SnapshotStore, partial: Path, report: RecoveryReport, wake: Wake
+) -> None:
     snapshot_id = partial.name[len(PARTIAL_PREFIX):]
     if procfs.criu_working_on(partial):
         return  # its saver died, but criu still writes: look again at the next start
@@ -110,7 +118,7 @@ def _recover_partial(store: SnapshotStore, partial: Path, report: RecoveryReport
         elif draft is None or alive:
             # No dump began, or the kernel outlived it: the kernel holds the state.
             if alive:
-                procfs.continue_tree(root_pid)  # a killed criu may have left it stopped
+                wake(root_pid)  # a killed criu or saver may have left it stopped or suspended
                 report.woken.append(root_pid)
             shutil.rmtree(partial, ignore_errors=True)
             report.removed.append(partial)

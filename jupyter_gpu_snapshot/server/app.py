@@ -20,7 +20,7 @@ from .._constants import API_PREFIX
 from ..config import GPUSnapshot
 from ..core.recovery import clean_work_dirs, recover_store
 from ..core.store import SnapshotStore
-from ..engines import make_engine
+from ..engines import make_engine, wake_kernel
 from ..launch.provisioner import SnapshotReadyProvisioner
 from .adoption import KernelRecord, adopt_orphans
 from .handlers import routes
@@ -103,7 +103,7 @@ class GPUSnapshotApp(ExtensionApp):
 
         Runs before the server serves anything, so it may block.
         """
-        report = recover_store(store)
+        report = recover_store(store, wake=wake_kernel)
         for snapshot in report.committed:
             self.log.warning(
                 "gpu-snapshot: committed snapshot %s (%s), whose save was killed after its "
