@@ -12,17 +12,20 @@ from .config import GPUSnapshot
 from .core import procfs
 from .core.criu import CriuRunner
 from .core.engine import SnapshotEngine, SnapshotHook
+from .core.open_files import OpenFilesHook
 from .core.store import SnapshotStore
 from .gpu.hook import CudaCheckpointHook
 
 
 def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
-    """The hooks every engine runs: the GPU layer (inert for kernels without CUDA state)."""
+    """The hooks every engine runs: the open-files check, and the GPU layer (inert for kernels
+    without CUDA state)."""
     return [
+        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files),
         CudaCheckpointHook(
             lock_timeout=settings.cuda_lock_timeout,
             drop_caches=settings.drop_allocator_caches,
-        )
+        ),
     ]
 
 
@@ -32,7 +35,7 @@ def make_engine(
     settings = settings or GPUSnapshot()
     return SnapshotEngine(
         SnapshotStore(settings.store_dir),
-        CriuRunner(settings.criu_path),
+        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
         hooks if hooks is not None else default_hooks(settings),
     )
 

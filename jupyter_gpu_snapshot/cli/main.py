@@ -193,6 +193,8 @@ def cmd_save(args: argparse.Namespace) -> int:
         _print_json(snapshot.summary())
     else:
         out.print(_describe(snapshot))
+        for warning in snapshot.manifest.get("warnings", []):
+            err.print(f"[yellow]warning:[/] {warning}", highlight=False)
     return 0
 
 

@@ -86,8 +86,9 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 class CriuRunner:
     """Builds criu command lines and runs them without blocking the event loop."""
 
-    def __init__(self, criu_path: str = "criu") -> None:
+    def __init__(self, criu_path: str = "criu", ghost_limit: int | None = None) -> None:
         self.criu_path = criu_path
+        self.ghost_limit = ghost_limit
         self._version: tuple[int, ...] | None = None
 
     def executable(self) -> str:
@@ -146,6 +147,8 @@ class CriuRunner:
             argv.append("--leave-running")
         if action_script is not None:
             argv += ["--action-script", str(action_script)]
+        if self.ghost_limit is not None:
+            argv += ["--ghost-limit", str(self.ghost_limit)]
         return argv
 
     def restore_argv(self, images: Path, work: Path, pidfile: Path) -> list[str]:

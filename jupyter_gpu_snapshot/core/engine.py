@@ -559,16 +559,19 @@ def _mark_complete_script(work: Path, images: Path) -> Path:
 
 
 def _throttled(progress: ProgressCallback | None, interval: float = 0.1) -> ProgressCallback:
-    """At most one report per ``interval`` within a phase; phase changes always pass."""
+    """At most one report per ``interval`` within a phase; phase changes and new messages
+    (warnings among them) always pass."""
     if progress is None:
         return lambda _p: None
-    last: list[Any] = ["", 0.0]
+    last: list[Any] = ["", 0.0, ""]
     sink = progress
 
     def report(p: Progress) -> None:
         now = time.monotonic()
-        if p.phase != last[0] or now - last[1] >= interval or (p.total and p.done >= p.total):
-            last[0], last[1] = p.phase, now
+        news = bool(p.message) and p.message != last[2]
+        if (p.phase != last[0] or news or now - last[1] >= interval
+                or (p.total and p.done >= p.total)):
+            last[0], last[1], last[2] = p.phase, now, p.message
             sink(p)
 
     return report

@@ -188,6 +188,7 @@ class Snapshot:
             "timings": self.manifest.get("timings", {}),
             "gpu": self.manifest.get("gpu"),
             "versions": self.manifest.get("versions", {}),
+            "warnings": self.manifest.get("warnings", []),
         }
 
 
