@@ -294,9 +294,15 @@ class SnapshotEngine:
         ctx.images_dir = partial
         manifest = self._manifest(ctx, name, criu_version, log_files, python_exe)
         manifest["kernel"]["root_started"] = root_started
-        # Before anything touches the kernel: a recovery can tell whose partial this is.
-        self.store.write_draft(partial, manifest)
-        work, work_lock = self._work_dir("dump")
+        try:
+            # Before anything touches the kernel: a recovery can tell whose partial this is.
+            self.store.write_draft(partial, manifest)
+            work, work_lock = self._work_dir("dump")
+        except OSError as exc:
+            self.store.abort(partial)
+            raise SnapshotError(
+                "preflight", f"could not write to {self.store.root}: {exc.strerror or exc}"
+            ) from exc
         timings: dict[str, float] = {"preflight": time.monotonic() - started}
         suspended: builtins.list[SnapshotHook] = []
         pause_started = time.monotonic()

@@ -189,6 +189,7 @@ class Snapshot:
             "gpu": self.manifest.get("gpu"),
             "versions": self.manifest.get("versions", {}),
             "warnings": self.manifest.get("warnings", []),
+            "recovered": bool(self.manifest.get("recovered", False)),
         }
 
 
