@@ -84,6 +84,7 @@ class KernelRecord:
         self.path = (directory or records_dir()) / f"server-{me.pid}.json"
         self._server = {"pid": me.pid, "started": me.create_time()}
         self._last: dict[str, Any] | None = None
+        self._started: dict[int, float | None] = {}  # root pid -> start time, read once
         self._task: asyncio.Task[None] | None = None
 
     async def snapshot(self) -> dict[str, Any]:
@@ -105,13 +106,18 @@ class KernelRecord:
                 "connection_file": km.connection_file,
                 "connection_info": info,
                 "root_pid": root,
-                "root_started": procfs.start_time(root),
+                "root_started": await self._start_time(root),
                 "sessions": [
                     {k: s.get(k) for k in ("id", "path", "name", "type")}
                     for s in sessions if (s.get("kernel") or {}).get("id") == kernel_id
                 ],
             }
         return {"server": self._server, "kernels": kernels}
+
+    async def _start_time(self, root: int) -> float | None:
+        if root not in self._started:
+            self._started[root] = await asyncio.to_thread(procfs.start_time, root)
+        return self._started[root]
 
     async def update(self) -> None:
         data = await self.snapshot()
