@@ -23,10 +23,11 @@ import pytest
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from .conftest import RestoredTrees, run, start_kernel, stop_kernel
+from .conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 from .criu_wrappers import kill_saver_while_writing_pages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +136,35 @@ def test_saver_killed(fault: Fault, store: SnapshotStore, tmp_path: Path, restor
         store.verify(later[0])
         back = run(engine.restore(later[0]))
         client = restored.connect(back.connection_info, back.pid)
-        from .conftest import execute
 
         assert execute(client, "print(counter, int(data[-1]))").split() == ["42", "3999999"]
+
+
+def test_a_failed_commit_of_a_stopping_save_keeps_the_image(
+    store: SnapshotStore, kernel: KernelHandle, monkeypatch: pytest.MonkeyPatch,
+    restored: RestoredTrees,
+):
+    """The kernel is gone once a stopping dump is done: its image must outlive the error."""
+    import errno
+
+    kernel.execute("counter = 42")
+    engine = SnapshotEngine(store)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "commit", disk_full)
+        with pytest.raises(SnapshotError) as err:
+            run(engine.save(SaveTarget(pid=kernel.root_pid), stop=True))
+    assert err.value.step == "commit" and "recover" in err.value.message
+    assert not procfs.tree_alive(kernel.root_pid)
+    assert store.list() == []
+
+    report = recover_store(store)
+    (snapshot,) = report.committed
+    assert_nothing_partial(store)
+    back = run(engine.restore(snapshot))
+
+    client = restored.connect(back.connection_info, back.pid)
+    assert execute(client, "print(counter)").strip() == "42"
