@@ -148,3 +148,14 @@ def test_deleted_open_file_and_the_ghost_limit(
     back = run(engine.restore(snapshot))
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, "f.seek(0); print(len(f.read()))").strip() == str(3 << 20)
+
+
+def test_the_magic_prints_the_warnings_of_a_save():
+    from jupyter_gpu_snapshot.kernel.presentation import saved_line
+
+    summary = {"id": "20260101T000000Z-00000000", "name": "n", "created": 0, "size_bytes": 1,
+               "warnings": ["/dev/shm/psm_1 is shared memory (/dev/shm, ...)"]}
+    lines = saved_line(summary, {}).splitlines()
+    assert lines[0].startswith("Saved snapshot") and lines[1] == (
+        "Warning: /dev/shm/psm_1 is shared memory (/dev/shm, ...)"
+    )
