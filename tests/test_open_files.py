@@ -159,3 +159,16 @@ def test_the_magic_prints_the_warnings_of_a_save():
     assert lines[0].startswith("Saved snapshot") and lines[1] == (
         "Warning: /dev/shm/psm_1 is shared memory (/dev/shm, ...)"
     )
+
+
+def test_anonymous_memory_files_are_no_ghosts(
+    store: SnapshotStore, kernel: KernelHandle, restored: RestoredTrees
+):
+    """memfd files (the CUDA driver uses them) show as deleted, but criu dumps them whole."""
+    kernel.execute("import os; fd = os.memfd_create('big'); os.write(fd, b'm' * (3 << 20))")
+    engine = SnapshotEngine(store, CriuRunner(ghost_limit=1 << 20), [OpenFilesHook(1 << 20)])
+    snapshot = run(engine.save(SaveTarget(pid=kernel.root_pid), stop=True))
+    assert snapshot.manifest["open_files"] == [] and snapshot.manifest["warnings"] == []
+    back = run(engine.restore(snapshot))
+    client = restored.connect(back.connection_info, back.pid)
+    assert execute(client, "print(os.fstat(fd).st_size)").strip() == str(3 << 20)

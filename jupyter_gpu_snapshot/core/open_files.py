@@ -35,6 +35,12 @@ from .errors import NotReady
 # Files up to this size also get a digest: a same-size, same-mtime change is then caught.
 DIGEST_LIMIT = 1 << 20
 DELETED = " (deleted)"
+# Not files a user changes: device and kernel interfaces, and anonymous memory (memfd, which
+# the CUDA driver uses and criu dumps whole).
+SYSTEM_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/SYSV")
+# The system's own files (glibc maps gconv-modules.cache shared): an upgrade must not make
+# every snapshot unrestorable; criu checks what it maps from there itself.
+OS_PREFIXES = ("/usr/", "/lib/", "/lib64/", "/etc/", "/var/cache/")
 
 
 @dataclass
@@ -81,7 +87,9 @@ def inspect_files(root_pid: int) -> KernelFiles:
                 path = parts[5].rstrip("\n")
                 if path.startswith("/dev/shm/"):
                     found.shared_memory.add(path.removesuffix(DELETED))
-                elif not path.endswith(DELETED) and not path.startswith(("/dev/", "/SYSV")):
+                elif not path.endswith(DELETED) and not path.startswith(
+                    (*SYSTEM_PREFIXES, *OS_PREFIXES)
+                ):
                     found.recorded.add(path)
                     if "w" in parts[1]:
                         found.shared_writable.add(path)
@@ -96,9 +104,11 @@ def inspect_files(root_pid: int) -> KernelFiles:
                         continue
                     if target.startswith("/dev/shm/"):
                         found.shared_memory.add(target.removesuffix(DELETED))
+                    elif target.startswith(SYSTEM_PREFIXES):
+                        continue
                     elif target.endswith(DELETED):
                         found.deleted[target.removesuffix(DELETED)] = info.st_size
-                    elif _read_only(pid, fd):
+                    elif _read_only(pid, fd) and not target.startswith(OS_PREFIXES):
                         found.recorded.add(target)
     return found
 
