@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from traitlets import Bool, Dict, Float, Int, Unicode, default
+from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
 from ._constants import ENV_CRIU, ENV_REMOTE_KEY_FILE, ENV_REMOTE_URL
@@ -123,4 +123,28 @@ class GPUSnapshot(Configurable):
         8,
         help="""Parallel transfers per upload or download. Memory used is about
         remote_workers x remote_part_bytes.""",
+    ).tag(config=True)
+
+    adopt_orphaned_kernels = Bool(
+        True,
+        help="""At start, take back the snapshot-ready kernels that a server killed earlier
+        (SIGKILL, a crash) left running on this runtime dir: the same kernel ids and the same
+        notebook sessions, no snapshot involved. The server keeps a record of its kernels for
+        this in the runtime dir (gpu_snapshot/servers, mode 0600).""",
+    ).tag(config=True)
+
+    ghost_limit = Int(
+        1 << 20,
+        help="""Bytes up to which criu carries the content of a file the kernel holds open but
+        that was deleted (criu's --ghost-limit). A save of a kernel holding a larger one is
+        refused before the kernel is touched, naming the file.""",
+    ).tag(config=True)
+
+    changed_files = Enum(
+        ["refuse", "warn"],
+        "refuse",
+        help="""What a restore does when a file the kernel had open read-only or mapped
+        (recorded at the save: size, mtime, and sha256 of small files) changed since: 'refuse'
+        (the default) names the files and restores nothing; 'warn' restores with a warning,
+        and the kernel reads the new content.""",
     ).tag(config=True)

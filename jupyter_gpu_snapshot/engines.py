@@ -6,20 +6,26 @@ nothing of settings or of the GPU layer.
 
 from __future__ import annotations
 
+import logging
+
 from .config import GPUSnapshot
+from .core import procfs
 from .core.criu import CriuRunner
 from .core.engine import SnapshotEngine, SnapshotHook
+from .core.open_files import OpenFilesHook
 from .core.store import SnapshotStore
 from .gpu.hook import CudaCheckpointHook
 
 
 def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
-    """The hooks every engine runs: the GPU layer (inert for kernels without CUDA state)."""
+    """The hooks every engine runs: the open-files check, and the GPU layer (inert for kernels
+    without CUDA state)."""
     return [
+        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files),
         CudaCheckpointHook(
             lock_timeout=settings.cuda_lock_timeout,
             drop_caches=settings.drop_allocator_caches,
-        )
+        ),
     ]
 
 
@@ -29,6 +35,28 @@ def make_engine(
     settings = settings or GPUSnapshot()
     return SnapshotEngine(
         SnapshotStore(settings.store_dir),
-        CriuRunner(settings.criu_path),
+        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
         hooks if hooks is not None else default_hooks(settings),
     )
+
+
+def wake_kernel(root_pid: int) -> list[str]:
+    """Bring back a kernel tree that a killed save left stopped or with its CUDA suspended.
+
+    Called by recovery (server start, ``jupyter gpu-snapshot recover``) and by
+    ``jupyter gpu-snapshot resume``; returns one line per process whose CUDA stays suspended.
+    """
+    from .gpu.checkpoint import CudaCheckpoint
+    from .gpu.driver import load_driver
+
+    procfs.continue_tree(root_pid)
+    status = load_driver()
+    if status.driver is None:
+        return []
+    cuda = CudaCheckpoint(status.driver)
+    try:
+        holders = cuda.holders([p.pid for p in procfs.tree(root_pid)])
+    except Exception as exc:  # a tree that ended meanwhile has nothing to resume
+        logging.getLogger(__name__).info("no CUDA state to resume in %s: %s", root_pid, exc)
+        return []
+    return cuda.resume_all(holders)

@@ -26,3 +26,42 @@ def kill_while_writing_pages() -> str:
     real = shutil.which("criu")
     assert real, "criu is not installed"
     return _KILL_WHILE_WRITING_PAGES.format(real=real)
+
+
+# SIGKILLs the process that runs criu (the saver, criu's parent) once criu is writing pages,
+# then lets criu finish: a server or CLI killed in the middle of a dump.
+_KILL_SAVER_WHILE_WRITING_PAGES = """case "$1" in dump)
+  images=""; prev=""
+  for arg in "$@"; do [ "$prev" = "-D" ] && images="$arg"; prev="$arg"; done
+  saver=$PPID
+  "{real}" "$@" & pid=$!
+  for i in $(seq 2000); do
+    [ -n "$(find "$images" -name 'pages-*.img' -size +1M 2>/dev/null)" ] && break
+    sleep 0.005
+  done
+  kill -9 $saver; wait $pid; exit $?;;
+*) exec "{real}" "$@";;
+esac
+"""
+
+# Waits before running the real criu for the given action, so that a second operation
+# surely overlaps this one.
+_SLOW = """[ "$1" = "{action}" ] && sleep {seconds}
+exec "{real}" "$@"
+"""
+
+
+def _real() -> str:
+    real = shutil.which("criu")
+    assert real, "criu is not installed"
+    return real
+
+
+def kill_saver_while_writing_pages() -> str:
+    """Body of a criu wrapper script (after its #! line)."""
+    return _KILL_SAVER_WHILE_WRITING_PAGES.format(real=_real())
+
+
+def slow(action: str, seconds: float) -> str:
+    """Body of a criu wrapper that sleeps before ``criu ACTION`` (dump or restore)."""
+    return _SLOW.format(real=_real(), action=action, seconds=seconds)

@@ -188,3 +188,21 @@ def test_resume_wakes_a_kernel_left_stopped(tmp_path: Path, kernel: KernelHandle
     out = cli(tmp_path / "store", "resume", "--pid", str(kernel.kernel_pid))
     assert "woke pids" in out.stdout
     assert "42" in kernel.execute("n += 1; print(n)")
+
+
+def test_resume_refuses_a_process_that_is_no_kernel_of_ours(tmp_path: Path):
+    import signal
+
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        other_proc = procfs.tree(other.pid)[0]
+        other_proc.send_signal(signal.SIGSTOP)
+        refused = cli(tmp_path / "store", "resume", "--pid", str(other.pid), check=False)
+        assert refused.returncode == 2
+        message = " ".join(refused.stderr.split())
+        assert "not in a snapshot-ready kernel's process tree" in message and "--force" in message
+        forced = cli(tmp_path / "store", "resume", "--pid", str(other.pid), "--force")
+        assert f"woke pids [{other.pid}]" in forced.stdout
+    finally:
+        other.kill()
+        other.wait()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
+from jupyter_gpu_snapshot.core.locks import snapshot_key
 from jupyter_gpu_snapshot.core.store import (
     TREE_CHUNK,
     SnapshotStore,
@@ -37,13 +37,13 @@ def test_partial_directories_are_never_listed(tmp_path):
 
 def test_stale_partials_of_dead_processes_are_cleaned(tmp_path):
     store = SnapshotStore(tmp_path / "s")
-    mine = store.begin(new_snapshot_id())
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = store.begin(new_snapshot_id())
-    (stale / ".owner").write_text(str(dead.pid))
-    removed = store.clean_stale()
-    assert removed == [stale] and mine.exists()
+    mine_id = new_snapshot_id()
+    with store.locks.hold(snapshot_key(mine_id), "mine", "test"):
+        mine = store.begin(mine_id)
+        # A save whose process died before its dump began (no draft): nothing to keep.
+        stale = store.begin(new_snapshot_id())
+        removed = store.clean_stale()
+        assert removed == [stale] and mine.exists()
 
 
 def test_lookup_by_name_and_id_and_delete(tmp_path):

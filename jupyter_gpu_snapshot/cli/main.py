@@ -10,12 +10,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jupyter_client import connect
 from jupyter_core.paths import jupyter_runtime_dir
@@ -28,13 +29,41 @@ from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.engine import Progress as EngineProgress
 from ..core.engine import SaveTarget, SnapshotEngine
-from ..core.errors import NotFound, SnapshotError
+from ..core.errors import NotFound, NotReady, SnapshotError
+from ..core.recovery import clean_work_dirs, recover_store
 from ..core.store import Snapshot
-from ..engines import make_engine
+from ..engines import make_engine, wake_kernel
 from .checks import run_checks
 
 out = Console()
 err = Console(stderr=True)
+T = TypeVar("T")
+
+
+class _Interrupted(Exception):
+    """Ctrl-C reached a save or restore, which stopped at a safe point and rolled back."""
+
+
+def _run_interruptibly(work: Coroutine[Any, Any, T]) -> T:
+    """Run an engine coroutine; the first Ctrl-C asks it to stop safely, later ones wait.
+
+    criu runs in its own session and does not see the Ctrl-C; the engine waits for it,
+    then rolls back in order. A raw KeyboardInterrupt would tear the event loop down in
+    the middle of that rollback.
+    """
+
+    async def supervise() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(work)
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            raise _Interrupted() from None
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+
+    return asyncio.run(supervise())
 
 
 def _say(text: str) -> None:
@@ -177,11 +206,15 @@ def cmd_save(args: argparse.Namespace) -> int:
     else:
         target = SaveTarget(pid=args.pid)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
-        snapshot = asyncio.run(engine.save(target, name=args.name, stop=args.stop, progress=bar))
+        snapshot = _run_interruptibly(
+            engine.save(target, name=args.name, stop=args.stop, progress=bar)
+        )
     if args.json:
         _print_json(snapshot.summary())
     else:
         _say(_describe(snapshot))
+        for warning in snapshot.manifest.get("warnings", []):
+            err.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     return 0
 
 
@@ -201,7 +234,7 @@ def write_connection_file(info: dict[str, Any], directory: Path | None = None) -
 def cmd_restore(args: argparse.Namespace) -> int:
     engine = _engine(args)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
-        restored = asyncio.run(engine.restore(args.snapshot, progress=bar))
+        restored = _run_interruptibly(engine.restore(args.snapshot, progress=bar))
     connection_file = write_connection_file(restored.connection_info)
     result = {
         "snapshot": restored.snapshot.id,
@@ -225,6 +258,21 @@ def cmd_rm(args: argparse.Namespace) -> int:
     snapshot = _engine(args).delete(args.snapshot)
     _say(f"deleted {snapshot.name} ({snapshot.id})")
     return 0
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    """What a server start does: commit complete images of killed saves, clean the rest."""
+    report = recover_store(_engine(args).store, wake=wake_kernel)
+    for snapshot in report.committed:
+        _say(f"committed {snapshot.name} ({snapshot.id}), left by a save that was killed")
+    for path, why in report.kept:
+        err.print(
+            f"kept {path}: {why}; look at it, then delete it by hand",
+            highlight=False, soft_wrap=True,
+        )
+    removed = [*report.removed, *clean_work_dirs()]
+    _say(f"removed {len(removed)} stale working director{'y' if len(removed) == 1 else 'ies'}")
+    return 1 if report.kept else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -251,6 +299,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from ..gpu.driver import driver_status
 
     kernel = procfs.inspect_kernel(args.pid)
+    if not args.force and not procfs.is_snapshot_ready_kernel(kernel):
+        raise NotReady(
+            "resume",
+            f"pid {args.pid} is not in a snapshot-ready kernel's process tree",
+            hint="pass --force to wake its process tree anyway",
+        )
     pids = [p.pid for p in procfs.tree(kernel.root_pid)]
     procfs.continue_tree(kernel.root_pid)
     status = driver_status()
@@ -322,7 +376,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="wake a kernel that an interrupted save left stopped or with CUDA locked",
     )
     p.add_argument("--pid", type=int, required=True, help="process id of the kernel")
+    p.add_argument("--force", action="store_true",
+                   help="wake the process tree even if it is not a snapshot-ready kernel")
     p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser(
+        "recover",
+        help="commit complete images that killed saves left, and remove stale work (as a "
+        "server start does)",
+    )
+    p.set_defaults(func=cmd_recover)
 
     p = sub.add_parser("status", help="say whether a kernel process is snapshot-ready")
     p.add_argument("--pid", type=int, required=True, help="process id of the kernel")
@@ -339,8 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SnapshotError as exc:
         err.print(f"[red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         return 2
-    except KeyboardInterrupt:
-        err.print("interrupted")
+    except (KeyboardInterrupt, _Interrupted):
+        err.print(
+            "interrupted: stopped at a safe point and rolled back; the kernel keeps running",
+            highlight=False,
+        )
         return 130
     return code
 

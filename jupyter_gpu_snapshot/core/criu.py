@@ -86,8 +86,9 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 class CriuRunner:
     """Builds criu command lines and runs them without blocking the event loop."""
 
-    def __init__(self, criu_path: str = "criu") -> None:
+    def __init__(self, criu_path: str = "criu", ghost_limit: int | None = None) -> None:
         self.criu_path = criu_path
+        self.ghost_limit = ghost_limit
         self._version: tuple[int, ...] | None = None
 
     def executable(self) -> str:
@@ -122,7 +123,15 @@ class CriuRunner:
             )
         return text
 
-    def dump_argv(self, pid: int, images: Path, work: Path, *, leave_running: bool) -> list[str]:
+    def dump_argv(
+        self,
+        pid: int,
+        images: Path,
+        work: Path,
+        *,
+        leave_running: bool,
+        action_script: Path | None = None,
+    ) -> list[str]:
         argv = [
             self.executable(), "dump", "-t", str(pid), "-D", str(images), "-W", str(work),
             "-o", "dump.log", "-v4",
@@ -136,6 +145,10 @@ class CriuRunner:
         ]
         if leave_running:
             argv.append("--leave-running")
+        if action_script is not None:
+            argv += ["--action-script", str(action_script)]
+        if self.ghost_limit is not None:
+            argv += ["--ghost-limit", str(self.ghost_limit)]
         return argv
 
     def restore_argv(self, images: Path, work: Path, pidfile: Path) -> list[str]:
@@ -154,6 +167,7 @@ class CriuRunner:
         *,
         on_tick: Callable[[], None] | None = None,
         tick_seconds: float = 0.2,
+        pass_fds: tuple[int, ...] = (),
     ) -> CriuRun:
         """Run criu to completion, calling ``on_tick`` while it runs (for progress)."""
         started = time.monotonic()
@@ -165,6 +179,7 @@ class CriuRunner:
             # Its own session: a Ctrl-C meant for the CLI must not reach criu while it has
             # its parasite code inside the kernel, where a killed criu can take it down.
             start_new_session=True,
+            pass_fds=pass_fds,
         )
         wait = asyncio.ensure_future(proc.communicate())
         while True:

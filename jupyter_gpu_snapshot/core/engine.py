@@ -17,6 +17,7 @@ import builtins
 import contextlib
 import os
 import platform
+import shlex
 import shutil
 import socket
 import sys
@@ -25,19 +26,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._constants import KERNEL_NAME, format_bytes
 from .._version import __version__
-from . import procfs
+from . import locks, procfs
 from .background import run_in_background
 from .criu import CriuRunner
-from .errors import Busy, InvalidRequest, PortsInUse, SnapshotError
+from .errors import Interrupted, InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .index import SnapshotIndex
-from .store import Snapshot, SnapshotStore, new_snapshot_id, validate_name
+from .locks import HeldLock
+from .recovery import WORK_LOCK
+from .store import DUMP_COMPLETE_FILE, Snapshot, SnapshotStore, new_snapshot_id, validate_name
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,6 @@ class SnapshotEngine:
         self.criu = criu or CriuRunner()
         self.hooks = list(hooks)
         self.index = SnapshotIndex(self.store)
-        self._busy: set[int | str] = set()
 
     # -- queries ---------------------------------------------------------------------------
     # These read the disk: callers on an event loop run them in a thread.
@@ -176,9 +179,14 @@ class SnapshotEngine:
         if not log.is_file():
             return None  # criu died before writing anything
         try:
-            kept = self.logs_dir() / f"{time.strftime('%Y%m%dT%H%M%S')}-{label}.log"
+            # A unique name: two runs failing in one second must not share a log.
+            fd, name = tempfile.mkstemp(
+                prefix=f"{time.strftime('%Y%m%dT%H%M%S')}-{label}-", suffix=".log",
+                dir=self.logs_dir(),
+            )
+            os.close(fd)
+            kept = Path(name)
             shutil.copyfile(log, kept)
-            os.chmod(kept, 0o600)
         except OSError:
             fd, spare = tempfile.mkstemp(prefix=f"jupyter-gpu-snapshot-{label}-", suffix=".log")
             os.close(fd)
@@ -186,10 +194,12 @@ class SnapshotEngine:
             return Path(spare)
         return kept
 
-    def _claim(self, key: int | str, what: str) -> None:
-        if key in self._busy:
-            raise Busy("preflight", f"another snapshot operation on {what} is under way")
-        self._busy.add(key)
+    def _work_dir(self, kind: str) -> tuple[Path, HeldLock]:
+        """A private temp directory for one criu run, locked while in use (see recovery)."""
+        work = Path(tempfile.mkdtemp(prefix=f"jupyter-gpu-snapshot-{kind}-"))
+        held = locks.try_lock(work / WORK_LOCK, kind)
+        assert held is not None  # nobody else knows the directory yet
+        return work, held
 
     # -- save ------------------------------------------------------------------------------
     async def save(
@@ -205,22 +215,31 @@ class SnapshotEngine:
         report(Progress("preflight"))
         if name is not None:
             validate_name(name)
-            if await asyncio.to_thread(self.find_name, name) is not None:
-                raise InvalidRequest(
-                    "preflight",
-                    f"a snapshot named {name!r} exists already",
-                    hint="pick another name, or delete the old one first",
-                )
         kernel = await asyncio.to_thread(procfs.inspect_kernel, target.pid)
         procfs.require_ready(kernel)
-        self._claim(kernel.root_pid, f"kernel pid {kernel.kernel_pid}")
-        try:
-            # Shielded: once we start, rollback must run even if our caller is cancelled.
-            return await asyncio.shield(
-                self._save(target, kernel, name, stop, report, started)
+        with contextlib.ExitStack() as held:
+            # Locks in the store: the CLI and the server never dump one kernel at once,
+            # nor commit two snapshots under one name.
+            claims = [held.enter_context(self.store.locks.hold(
+                locks.kernel_key(kernel.root_pid), f"kernel pid {kernel.kernel_pid}",
+                "preflight", note=f"save of kernel pid {kernel.kernel_pid}",
+            ))]
+            if name is not None:
+                claims.append(held.enter_context(self.store.locks.hold(
+                    locks.name_key(name), f"the snapshot name {name!r}", "preflight",
+                    note=f"save as {name}",
+                )))
+                if await asyncio.to_thread(self.store.find_name, name) is not None:
+                    raise InvalidRequest(
+                        "preflight",
+                        f"a snapshot named {name!r} exists already",
+                        hint="pick another name, or delete the old one first",
+                    )
+            interrupt = asyncio.Event()
+            work = asyncio.ensure_future(
+                self._save(target, kernel, name, stop, report, started, claims, interrupt)
             )
-        finally:
-            self._busy.discard(kernel.root_pid)
+            return await _finish_despite_cancel(work, interrupt)
 
     async def _save(
         self,
@@ -230,6 +249,8 @@ class SnapshotEngine:
         stop: bool,
         report: ProgressCallback,
         started: float,
+        claims: builtins.list[HeldLock],
+        interrupt: asyncio.Event,
     ) -> Snapshot:
         criu_version = await asyncio.to_thread(self.criu.require_version)
         snapshot_id = new_snapshot_id()
@@ -238,8 +259,11 @@ class SnapshotEngine:
         # restore; CRIU does not check their size, so an empty one elsewhere is enough.
         log_files = await asyncio.to_thread(procfs.append_only_files, kernel.root_pid)
         python_exe = await asyncio.to_thread(_python_of, kernel.kernel_pid)
+        root_started = await asyncio.to_thread(procfs.start_time, kernel.root_pid)
         for hook in self.hooks:
             await hook.preflight_save(ctx)
+        if interrupt.is_set():
+            raise Interrupted("preflight")
         estimate = await asyncio.to_thread(procfs.tree_rss, kernel.root_pid) + ctx.extra_bytes
         free = await asyncio.to_thread(self.store.free_bytes)
         if free < estimate + DISK_MARGIN_BYTES:
@@ -249,9 +273,45 @@ class SnapshotEngine:
                 f"{format_bytes(free)} free in {self.store.root}",
                 hint="free some space or delete old snapshots",
             )
-        partial = await asyncio.to_thread(self.store.begin, snapshot_id)
+        # Held until the rename or the abort: it marks the partial as owned (see recovery).
+        owner = self.store.locks.acquire(
+            locks.snapshot_key(snapshot_id), f"snapshot {snapshot_id}", "preflight", note="save"
+        )
+        try:
+            return await self._save_owned(
+                ctx, name, criu_version, log_files, python_exe, root_started, estimate,
+                [*claims, owner], interrupt, started,
+            )
+        finally:
+            owner.release()
+
+    async def _save_owned(
+        self,
+        ctx: SaveContext,
+        name: str | None,
+        criu_version: str,
+        log_files: builtins.list[str],
+        python_exe: str,
+        root_started: float | None,
+        estimate: int,
+        claims: builtins.list[HeldLock],
+        interrupt: asyncio.Event,
+        started: float,
+    ) -> Snapshot:
+        kernel, stop, report = ctx.kernel, ctx.stop, ctx.report
+        partial = await asyncio.to_thread(self.store.begin, ctx.snapshot_id)
         ctx.images_dir = partial
-        work = Path(tempfile.mkdtemp(prefix="jupyter-gpu-snapshot-dump-"))
+        manifest = self._manifest(ctx, name, criu_version, log_files, python_exe)
+        manifest["kernel"]["root_started"] = root_started
+        try:
+            # Before anything touches the kernel: a recovery can tell whose partial this is.
+            await asyncio.to_thread(self.store.write_draft, partial, manifest)
+            work, work_lock = self._work_dir("dump")
+        except OSError as exc:
+            await asyncio.to_thread(self.store.abort, partial)
+            raise SnapshotError(
+                "preflight", f"could not write to {self.store.root}: {exc.strerror or exc}"
+            ) from exc
         timings: dict[str, float] = {"preflight": time.monotonic() - started}
         suspended: builtins.list[SnapshotHook] = []
         pause_started = time.monotonic()
@@ -264,6 +324,11 @@ class SnapshotEngine:
                 await hook.before_dump(ctx)
                 suspended.append(hook)
             timings["suspend"] = time.monotonic() - t
+            if interrupt.is_set():
+                raise Interrupted("suspend")
+            # Again with what the hooks added (the GPU section): criu may outlive us.
+            manifest.update(ctx.manifest)
+            await asyncio.to_thread(self.store.write_draft, partial, manifest)
 
             t = time.monotonic()
 
@@ -271,17 +336,27 @@ class SnapshotEngine:
                 report(Progress("dump", _dir_bytes(partial), estimate))
 
             report(Progress("dump", 0, estimate))
-            argv = self.criu.dump_argv(kernel.root_pid, partial, work, leave_running=not stop)
-            run = await self.criu.run(argv, work / "dump.log", on_tick=dump_tick)
+            argv = self.criu.dump_argv(
+                kernel.root_pid, partial, work, leave_running=not stop,
+                action_script=_mark_complete_script(work, partial),
+            )
+            # criu inherits our locks: if we die, it finishes holding them (see recovery).
+            run = await self.criu.run(
+                argv, work / "dump.log", on_tick=dump_tick,
+                pass_fds=tuple(c.fd for c in [*claims, work_lock]),
+            )
             timings["dump"] = time.monotonic() - t
             if run.returncode != 0:
                 kept = await asyncio.to_thread(self._keep_log, run.log_path, "dump")
                 error = self.criu.failure("dump", run, kept)
+            elif interrupt.is_set() and not stop:
+                error = Interrupted("dump")
         except BaseException as exc:  # a hook failed: roll back what ran
             error = exc
         finally:
             # criu's log lives off the store's disk: on a full disk it would lose the cause.
             shutil.rmtree(work, ignore_errors=True)
+            work_lock.release()
         t = time.monotonic()
         report(Progress("resume"))
         resume_error = await self._resume(ctx, suspended, error)
@@ -298,7 +373,6 @@ class SnapshotEngine:
 
         report(Progress("commit"))
         t = time.monotonic()
-        manifest = self._manifest(ctx, name, criu_version, log_files, python_exe)
         manifest["timings"] = timings
         try:
             snapshot = await run_in_background(
@@ -308,7 +382,17 @@ class SnapshotEngine:
                 lambda done, total: report(Progress("commit", done, total)),
             )
         except Exception as exc:
+            if stop and not await asyncio.to_thread(procfs.tree_alive, kernel.root_pid):
+                # The image is all that is left of the kernel: the next start commits it.
+                raise SnapshotError(
+                    "commit",
+                    f"could not write the snapshot to {self.store.root}: {exc}",
+                    hint="the complete image stays in the store; the next server start "
+                    "(or 'jupyter gpu-snapshot recover') commits it",
+                ) from exc
             await asyncio.to_thread(self.store.abort, partial)
+            if isinstance(exc, SnapshotError):
+                raise
             cause = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
             raise SnapshotError(
                 "commit", f"could not write the snapshot to {self.store.root}: {cause}"
@@ -373,11 +457,15 @@ class SnapshotEngine:
         """Bring a snapshot back as a running process tree in a new PID namespace."""
         report = _throttled(progress)
         snapshot = ref if isinstance(ref, Snapshot) else await asyncio.to_thread(self.get, ref)
-        self._claim(snapshot.id, f"snapshot {snapshot.id}")
-        try:
-            return await asyncio.shield(self._restore(snapshot, report))
-        finally:
-            self._busy.discard(snapshot.id)
+        with self.store.locks.hold(
+            locks.snapshot_key(snapshot.id), f"snapshot {snapshot.name} ({snapshot.id})",
+            "preflight", note="restore",
+        ):
+            if not await asyncio.to_thread(snapshot.path.is_dir):
+                raise NotFound("preflight", f"snapshot {snapshot.id} was deleted meanwhile")
+            # Once criu runs, its kernel must be seen to the end, even by a cancelled caller.
+            work = asyncio.ensure_future(self._restore(snapshot, report))
+            return await _finish_despite_cancel(work, asyncio.Event())
 
     async def check_ports(self, snapshot: Snapshot) -> None:
         """Raise PortsInUse when a port the restored kernel would listen on is taken.
@@ -420,7 +508,7 @@ class SnapshotEngine:
 
         t = time.monotonic()
         report(Progress("restore", 0, snapshot.size_bytes))
-        work = Path(tempfile.mkdtemp(prefix="jupyter-gpu-snapshot-restore-"))
+        work, work_lock = self._work_dir("restore")
         pidfile = work / "restore.pid"
         try:
             run = await self.criu.run(
@@ -438,6 +526,7 @@ class SnapshotEngine:
                 ) from exc
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            work_lock.release()
 
         t = time.monotonic()
         report(Progress("resume"))
@@ -456,17 +545,61 @@ class SnapshotEngine:
         return RestoredKernel(ctx.root_pid, info, snapshot, timings)
 
 
+async def _finish_despite_cancel(work: asyncio.Future[T], interrupt: asyncio.Event) -> T:
+    """Await a save or restore; when cancelled (Ctrl-C, a server stopping), ask it to stop
+    at its next safe point and wait for its rollback: no kernel is left frozen or locked.
+
+    A stopping save whose dump already completed cannot roll back (the kernel is gone), so
+    it commits and its snapshot is returned despite the cancel; so is a finished restore.
+    """
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if work.done():
+                break
+            cancelled = True
+            interrupt.set()
+        except BaseException:
+            break
+    if cancelled:
+        task = asyncio.current_task()
+        if work.cancelled() or work.exception() is not None:
+            raise asyncio.CancelledError()
+        uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None:
+            uncancel()
+    return work.result()
+
+
+def _mark_complete_script(work: Path, images: Path) -> Path:
+    """criu's action script that marks the images complete, run by criu after the dump."""
+    script = work / "mark-complete.sh"
+    marker = shlex.quote(str(images / DUMP_COMPLETE_FILE))
+    script.write_text(
+        "#!/bin/sh\n"
+        f'[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"exec 3>{marker}\n"
+    )
+    script.chmod(0o700)
+    return script
+
+
 def _throttled(progress: ProgressCallback | None, interval: float = 0.1) -> ProgressCallback:
-    """At most one report per ``interval`` within a phase; phase changes always pass."""
+    """At most one report per ``interval`` within a phase; phase changes and new messages
+    (warnings among them) always pass."""
     if progress is None:
         return lambda _p: None
-    last: list[Any] = ["", 0.0]
+    last: list[Any] = ["", 0.0, ""]
     sink = progress
 
     def report(p: Progress) -> None:
         now = time.monotonic()
-        if p.phase != last[0] or now - last[1] >= interval or (p.total and p.done >= p.total):
-            last[0], last[1] = p.phase, now
+        news = bool(p.message) and p.message != last[2]
+        if (p.phase != last[0] or news or now - last[1] >= interval
+                or (p.total and p.done >= p.total)):
+            last[0], last[1], last[2] = p.phase, now, p.message
             sink(p)
 
     return report

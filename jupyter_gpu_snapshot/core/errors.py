@@ -99,3 +99,15 @@ class PortsInUse(SnapshotError):
     """
 
     code = "ports_in_use"
+
+class Interrupted(SnapshotError):
+    """The caller asked the operation to stop (Ctrl-C, a server stopping); it rolled back."""
+
+    code = "interrupted"
+
+    def __init__(self, step: str) -> None:
+        super().__init__(
+            step,
+            "interrupted; the save was rolled back and the kernel keeps running",
+            hint="nothing was saved",
+        )

@@ -313,3 +313,37 @@ def require_ready(kernel: KernelProcess) -> None:
             "preflight",
             f"kernel pid {kernel.kernel_pid} is not snapshot-ready: " + "; ".join(kernel.problems),
         )
+
+
+def criu_working_on(directory: Path) -> bool:
+    """Whether a criu process runs with ``directory`` as its images or work directory.
+
+    criu runs in its own session, so it outlives a saver killed under it; what it writes
+    must not be cleaned away meanwhile.
+    """
+    wanted = str(directory)
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if cmdline and "criu" in Path(cmdline[0]).name and wanted in cmdline:
+            return True
+    return False
+
+
+def start_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch): with the pid, it names one process."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def is_snapshot_ready_kernel(kernel: KernelProcess) -> bool:
+    """Whether the tree is one that our provisioner launched (or a restore brought back):
+    an ipykernel with a connection file, under ``nsinit`` in its own PID namespace."""
+    if kernel.root_pid == kernel.kernel_pid or kernel.connection_file is None:
+        return False
+    try:
+        cmdline = psutil.Process(kernel.root_pid).cmdline()
+    except psutil.Error:
+        return False
+    return any(Path(arg).name == "nsinit.py" for arg in cmdline)

@@ -8,7 +8,6 @@ the whole memory of a kernel (tokens, keys), so the store is 0700 and every file
 from __future__ import annotations
 
 import builtins
-import contextlib
 import hashlib
 import json
 import os
@@ -28,12 +27,20 @@ import psutil
 
 from .._constants import ENV_STORE_DIR
 from .errors import InvalidRequest, NotFound, SnapshotError
+from .locks import StoreLocks
+from .locks import snapshot_key as snapshot_lock_key
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PARTIAL_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
+# A partial that holds an image nobody could commit; kept for a person to look at.
+UNFINISHED_PREFIX = ".unfinished-"
 OWNER_FILE = ".owner"
+# The manifest without file digests, written before criu dumps: a recovery commits it.
+DRAFT_FILE = ".manifest-draft.json"
+# Written by criu's post-dump action, once every image file is complete.
+DUMP_COMPLETE_FILE = ".dump-complete"
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
@@ -115,6 +122,15 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
     return hashlib.sha256(TREE_TAG + b"".join(parts)).hexdigest()
 
 
+def _write_private(path: Path, text: str, fsync: bool = False) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -172,6 +188,8 @@ class Snapshot:
             "timings": self.manifest.get("timings", {}),
             "gpu": self.manifest.get("gpu"),
             "versions": self.manifest.get("versions", {}),
+            "warnings": self.manifest.get("warnings", []),
+            "recovered": bool(self.manifest.get("recovered", False)),
         }
 
 
@@ -180,6 +198,7 @@ class SnapshotStore:
 
     def __init__(self, root: Path | str | None = None) -> None:
         self.root = Path(root) if root is not None else default_store_dir()
+        self.locks = StoreLocks(self.root)
 
     def ensure(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -188,12 +207,27 @@ class SnapshotStore:
 
     # -- writing ---------------------------------------------------------------------------
     def begin(self, snapshot_id: str) -> Path:
-        """Create the private working directory a save dumps into."""
+        """Create the private working directory a save dumps into.
+
+        The caller holds ``locks.snapshot_key(snapshot_id)`` from now until the commit's
+        rename or the abort: that lock, not a file, is what marks the directory as owned.
+        ``.owner`` says who for people (pid and start time: a pid alone may be reused).
+        """
         self.ensure()
         partial = self.root / f"{PARTIAL_PREFIX}{snapshot_id}"
         partial.mkdir(mode=0o700)
-        (partial / OWNER_FILE).write_text(str(os.getpid()))
+        me = psutil.Process()
+        owner = {"pid": me.pid, "started": me.create_time(), "command": me.cmdline()[:4]}
+        _write_private(partial / OWNER_FILE, json.dumps(owner))
         return partial
+
+    def write_draft(self, partial: Path, manifest: dict[str, Any]) -> None:
+        """Keep the manifest (without digests) in ``partial`` before criu dumps into it."""
+        draft = dict(manifest, format=FORMAT_VERSION, verified=False)
+        staged = partial / f"{DRAFT_FILE}.new"
+        staged.unlink(missing_ok=True)
+        _write_private(staged, json.dumps(draft, sort_keys=True), fsync=True)
+        os.replace(staged, partial / DRAFT_FILE)
 
     def commit(
         self,
@@ -201,10 +235,16 @@ class SnapshotStore:
         manifest: dict[str, Any],
         progress: ProgressFn | None = None,
     ) -> Snapshot:
-        """Checksum, fsync and atomically publish ``partial`` as a snapshot."""
+        """Checksum, fsync and atomically publish ``partial`` as a snapshot.
+
+        The caller holds the snapshot's lock, and the name's lock when it chose the name;
+        the name is checked again here, right before the rename.
+        """
         snapshot_id = manifest["id"]
-        (partial / OWNER_FILE).unlink(missing_ok=True)
-        files = sorted(p for p in partial.iterdir() if p.is_file() and p.name != MANIFEST)
+        files = sorted(
+            p for p in partial.iterdir()
+            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+        )
         total = sum(p.stat().st_size for p in files)
         done = 0
 
@@ -220,6 +260,14 @@ class SnapshotStore:
             entries[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path, advance)}
             _fsync_path(path)
         manifest = dict(manifest, format=FORMAT_VERSION, files=entries)
+        manifest.pop("verified", None)
+        name = manifest.get("name")
+        if name and self.find_name(str(name)) is not None:
+            raise InvalidRequest(
+                "commit",
+                f"a snapshot named {name!r} was committed meanwhile",
+                hint="pick another name, or delete the old one first",
+            )
         manifest_path = partial / MANIFEST
         fd = os.open(manifest_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -227,6 +275,10 @@ class SnapshotStore:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(partial, 0o700)
+        # Bookkeeping of the save goes last: until the rename, the lock says who owns it.
+        for hidden in partial.iterdir():
+            if hidden.name.startswith("."):
+                hidden.unlink()
         _fsync_path(partial)
         final = self.root / snapshot_id
         os.rename(partial, final)
@@ -283,10 +335,18 @@ class SnapshotStore:
         return found
 
     def delete(self, ref: str) -> Snapshot:
+        """Remove a snapshot; ``Busy`` while another process restores it."""
         snapshot = self.get(ref)
-        # Renaming first takes it out of every listing at once, even if removal is slow.
-        doomed = self.root / f"{DELETING_PREFIX}{snapshot.id}"
-        os.rename(snapshot.path, doomed)
+        with self.locks.hold(
+            snapshot_lock_key(snapshot.id), f"snapshot {snapshot.name} ({snapshot.id})", "delete",
+            note="delete",
+        ):
+            # Renaming first takes it out of every listing at once, even if removal is slow.
+            doomed = self.root / f"{DELETING_PREFIX}{snapshot.id}"
+            try:
+                os.rename(snapshot.path, doomed)
+            except FileNotFoundError:
+                raise NotFound("delete", f"snapshot {snapshot.id} was deleted meanwhile") from None
         shutil.rmtree(doomed, ignore_errors=True)
         return snapshot
 
@@ -337,23 +397,10 @@ class SnapshotStore:
 
     # -- housekeeping ----------------------------------------------------------------------
     def clean_stale(self) -> builtins.list[Path]:
-        """Remove working directories left by saves whose process is gone."""
-        removed: builtins.list[Path] = []
-        if not self.root.is_dir():
-            return removed
-        for entry in self.root.iterdir():
-            if entry.name.startswith(DELETING_PREFIX):
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
-            elif entry.name.startswith(PARTIAL_PREFIX):
-                owner = -1
-                with contextlib.suppress(OSError, ValueError):
-                    owner = int((entry / OWNER_FILE).read_text())
-                if owner > 0 and psutil.pid_exists(owner):
-                    continue  # a save in progress, ours or another process's
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
-        return removed
+        """Finish or remove what saves whose process died left behind; see ``recovery``."""
+        from .recovery import recover_store
+
+        return recover_store(self).removed
 
 
     def free_bytes(self) -> int:

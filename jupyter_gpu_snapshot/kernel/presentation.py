@@ -55,10 +55,12 @@ def saved_line(summary: dict[str, Any], job: dict[str, Any]) -> str:
     paused = timings.get("pause")
     pause = f" (kernel paused {float(paused):.2f} s)" if paused is not None else ""
     created = local_time(float(summary.get("created", time.time())))
-    return (
+    line = (
         f"Saved snapshot {summary.get('id')} ({summary.get('name')}) at {created}: "
         f"{format_bytes(int(summary.get('size_bytes', 0)))}{took}{pause}."
     )
+    # State the image does not hold: a restore would get it wrong, so say so with the save.
+    return "\n".join([line, *(f"Warning: {w}" for w in summary.get("warnings") or [])])
 
 
 def status_lines(status: dict[str, Any], identity: KernelIdentity | None = None) -> list[str]:

@@ -83,11 +83,12 @@ def root_pid(km: Any) -> int | None:
 
 @dataclass(frozen=True)
 class Adoption:
-    """A kernel tree already restored by the engine, for the kernel manager to adopt."""
+    """A running kernel tree for the kernel manager to adopt: one the engine just restored,
+    or one a server killed earlier left running (then ``snapshot_id`` is None)."""
 
     pid: int  # host pid of the tree's root (the namespace init)
-    connection_info: dict[str, Any]  # ports and HMAC key the restored kernel listens with
-    snapshot_id: str
+    connection_info: dict[str, Any]  # ports and HMAC key the kernel listens with
+    snapshot_id: str | None
 
 
 class AdoptedProcess:

@@ -18,8 +18,11 @@ from traitlets.config import Config
 
 from .._constants import API_PREFIX
 from ..config import GPUSnapshot
-from ..engines import make_engine
+from ..core.recovery import clean_work_dirs, recover_store
+from ..core.store import SnapshotStore
+from ..engines import make_engine, wake_kernel
 from ..launch.provisioner import SnapshotReadyProvisioner
+from .adoption import KernelRecord, adopt_orphans
 from .handlers import routes
 from .jobs import Job, JobRunner
 from .service import SnapshotService
@@ -65,6 +68,7 @@ class GPUSnapshotApp(ExtensionApp):
     last_shutdown: ShutdownReport | None = None
     _stopping: asyncio.Future[None] | None = None
     _user_provisioner_config: dict[str, str] | None = None
+    kernel_record: KernelRecord | None = None
 
     def initialize_settings(self) -> None:
         """Called by ``ExtensionApp.initialize()`` when the server loads the extension."""
@@ -72,9 +76,7 @@ class GPUSnapshotApp(ExtensionApp):
         serverapp = self.serverapp
         self.gpu_settings = settings = GPUSnapshot(parent=self)
         engine = make_engine(settings)
-        removed = engine.store.clean_stale()
-        for path in removed:
-            self.log.info("gpu-snapshot: removed stale working directory %s", path)
+        self._recover(engine.store)
         assert serverapp.event_logger is not None
         serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
         jobs = JobRunner(on_change=self._emit_job, log=self.log)
@@ -97,14 +99,52 @@ class GPUSnapshotApp(ExtensionApp):
             "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
         )
 
+    def _recover(self, store: SnapshotStore) -> None:
+        """Finish what saves killed with an earlier server left (see ``core.recovery``).
+
+        Runs before the server serves anything, so it may block.
+        """
+        report = recover_store(store, wake=wake_kernel)
+        for snapshot in report.committed:
+            self.log.warning(
+                "gpu-snapshot: committed snapshot %s (%s), whose save was killed after its "
+                "dump completed", snapshot.name, snapshot.id,
+            )
+        for path, why in report.kept:
+            self.log.error("gpu-snapshot: kept %s aside: %s; delete it by hand", path, why)
+        for pid in report.woken:
+            self.log.info("gpu-snapshot: woke kernel tree %s after an interrupted save", pid)
+        for path in [*report.removed, *clean_work_dirs()]:
+            self.log.info("gpu-snapshot: removed stale working directory %s", path)
+
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
         assert self.service is not None
         self.handlers.extend(routes(self.service))
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
-        """Called once the server listens: the port is final only now (port retries)."""
+        """Called once the server listens: the port is final only now (port retries).
+
+        Kernels that a killed server left running come back first, under their ids, so
+        that the notebooks' sessions find them; then this server's record starts.
+        """
         self._tell_kernels_where_we_are()
+        assert self.gpu_settings is not None
+        if not self.gpu_settings.adopt_orphaned_kernels:
+            return
+        report = await adopt_orphans(serverapp.kernel_manager, serverapp.session_manager, self.log)
+        for kernel_id in report.adopted:
+            self.log.info("gpu-snapshot: adopted kernel %s, left running by a killed server",
+                          kernel_id)
+        for kernel_id in report.dead:
+            self.log.info("gpu-snapshot: removed the connection file of dead kernel %s",
+                          kernel_id)
+        for kernel_id, why in report.failed.items():
+            self.log.warning("gpu-snapshot: could not adopt kernel %s: %s", kernel_id, why)
+        self.kernel_record = KernelRecord(
+            serverapp.kernel_manager, serverapp.session_manager, self.log
+        )
+        self.kernel_record.start()
 
     def _tell_kernels_where_we_are(self) -> None:
         """Hand the URL and token to the provisioner through the kernel manager's config.
@@ -149,6 +189,9 @@ class GPUSnapshotApp(ExtensionApp):
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._save_before_stop())
         await asyncio.shield(self._stopping)
+        if self.kernel_record is not None:
+            # The kernels stop with this server: nothing is left to adopt.
+            self.kernel_record.stop()
 
     async def _save_before_stop(self) -> None:
         if self.service is None or self.gpu_settings is None:

@@ -71,6 +71,8 @@ class SnapshotAPIHandler(APIHandler):
             body = json.loads(self.request.body)
         except ValueError as exc:
             raise InvalidRequest("request", f"the body is not JSON: {exc}") from None
+        except RecursionError:  # e.g. 200 KB of '[': nested deeper than the parser goes
+            raise InvalidRequest("request", "the body is JSON nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidRequest("request", "the body must be a JSON object")
         for key, value in body.items():

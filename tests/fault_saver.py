@@ -1,0 +1,43 @@
+"""A saving process that SIGKILLs itself at a chosen phase of a save: the fault suite's victim.
+
+Run as ``python -m tests.fault_saver STORE PID PHASE [--stop] [--after-bytes N]``. It saves
+like ``jupyter gpu-snapshot save`` (``make_engine`` with the settings' hooks, the GPU hook
+included) and dies, with no chance to roll back, when the engine first reports PHASE with at
+least N bytes done: the way a server dies under ``kill -9`` or a stop timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+from jupyter_gpu_snapshot.config import GPUSnapshot
+from jupyter_gpu_snapshot.core.engine import Progress, SaveTarget
+from jupyter_gpu_snapshot.engines import make_engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("store")
+    parser.add_argument("pid", type=int)
+    parser.add_argument("phase")
+    parser.add_argument("--stop", action="store_true")
+    parser.add_argument("--after-bytes", type=int, default=0)
+    parser.add_argument("--name")
+    parser.add_argument("--criu", default="criu")
+    args = parser.parse_args()
+    engine = make_engine(GPUSnapshot(store_dir=args.store, criu_path=args.criu))
+
+    def progress(p: Progress) -> None:
+        if p.phase == args.phase and p.done >= args.after_bytes:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(engine.save(SaveTarget(pid=args.pid), name=args.name, stop=args.stop,
+                            progress=progress))
+    raise SystemExit(f"the save finished without reaching phase {args.phase!r}")
+
+
+if __name__ == "__main__":
+    main()

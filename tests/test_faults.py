@@ -1,0 +1,170 @@
+"""The fault suite, in the manner of CRIU's zdtm: scenarios as data, every run checked.
+
+The saving process is SIGKILLed at each phase of a save (``tests/fault_saver.py``, which
+saves as the CLI does), for keep-running and stopping saves. Then the store is recovered as
+a server start does, and every run asserts the same contract:
+- the kernel is alive and answers, or a complete listed snapshot holds its state (restored
+  and checked here), or both, as the row says;
+- nothing partial is listed or left behind;
+- the earlier snapshot is byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.errors import SnapshotError
+from jupyter_gpu_snapshot.core.recovery import recover_store
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+
+from .conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
+from .criu_wrappers import kill_saver_while_writing_pages
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One row: where the saver dies, and what must be true afterwards."""
+
+    phase: str  # the engine phase whose first report kills the saver
+    stop: bool
+    kernel_lives: bool
+    snapshot_kept: bool
+    after_bytes: int = 0  # with the phase: only once this many bytes are reported done
+    criu_kills_saver: bool = False  # criu's wrapper kills the saver while criu writes pages
+
+    @property
+    def id(self) -> str:
+        where = "dump-mid" if self.criu_kills_saver else self.phase
+        return f"{where}-{'stop' if self.stop else 'keep'}"
+
+
+FAULTS = [
+    Fault("preflight", stop=False, kernel_lives=True, snapshot_kept=False),
+    Fault("preflight", stop=True, kernel_lives=True, snapshot_kept=False),
+    Fault("suspend", stop=False, kernel_lives=True, snapshot_kept=False),
+    Fault("suspend", stop=True, kernel_lives=True, snapshot_kept=False),
+    # Reported right before criu starts.
+    Fault("dump", stop=False, kernel_lives=True, snapshot_kept=False),
+    Fault("dump", stop=True, kernel_lives=True, snapshot_kept=False),
+    # criu goes on without its saver and completes the image.
+    Fault("none", stop=False, kernel_lives=True, snapshot_kept=True, criu_kills_saver=True),
+    Fault("none", stop=True, kernel_lives=False, snapshot_kept=True, criu_kills_saver=True),
+    Fault("resume", stop=False, kernel_lives=True, snapshot_kept=True),
+    Fault("resume", stop=True, kernel_lives=False, snapshot_kept=True),
+    Fault("commit", stop=False, kernel_lives=True, snapshot_kept=True, after_bytes=1),
+    Fault("commit", stop=True, kernel_lives=False, snapshot_kept=True, after_bytes=1),
+]
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())
+    }
+
+
+def kill_saver_at(
+    store: SnapshotStore, pid: int, fault: Fault, tmp_path: Path, name: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "tests.fault_saver", str(store.root), str(pid), fault.phase,
+            "--after-bytes", str(fault.after_bytes)]
+    if fault.stop:
+        argv.append("--stop")
+    if name:
+        argv += ["--name", name]
+    if fault.criu_kills_saver:
+        wrapper = tmp_path / "criu-wrapper"
+        wrapper.write_text("#!/bin/sh\n" + kill_saver_while_writing_pages())
+        wrapper.chmod(0o755)
+        argv += ["--criu", str(wrapper)]
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def wait_for_criu_to_finish(store: SnapshotStore, timeout: float = 60) -> None:
+    """criu runs on after its saver died; a server starting meanwhile leaves it be."""
+    deadline = time.monotonic() + timeout
+    while any(procfs.criu_working_on(p) for p in store.root.iterdir()):
+        assert time.monotonic() < deadline, "criu still runs"
+        time.sleep(0.05)
+
+
+def assert_nothing_partial(store: SnapshotStore) -> None:
+    leftovers = [p.name for p in store.root.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.id for f in FAULTS])
+def test_saver_killed(fault: Fault, store: SnapshotStore, tmp_path: Path, restored: RestoredTrees):
+    kernel = start_kernel()
+    try:
+        kernel.execute("import numpy as np; counter = 41; data = np.arange(4_000_000)")
+        engine = SnapshotEngine(store)
+        earlier = run(engine.save(SaveTarget(pid=kernel.root_pid), name="earlier"))
+        before = tree_digest(earlier.path)
+        kernel.execute("counter = 42")
+
+        died = kill_saver_at(store, kernel.kernel_pid, fault, tmp_path)
+        assert died.returncode == -9, died.stderr
+        wait_for_criu_to_finish(store)
+        report = recover_store(store)
+
+        assert report.kept == []
+        assert_nothing_partial(store)
+        assert tree_digest(earlier.path) == before
+        later = [s for s in store.list() if s.id != earlier.id]
+        recovered = [s.manifest.get("recovered") for s in later]
+        assert recovered == ([True] if fault.snapshot_kept else [])
+        assert procfs.tree_alive(kernel.root_pid) == fault.kernel_lives
+        if fault.kernel_lives:
+            assert kernel.execute("counter += 1; print(counter)").strip() == "43"
+    finally:
+        stop_kernel(kernel)
+    if fault.snapshot_kept:
+        store.verify(later[0])
+        back = run(engine.restore(later[0]))
+        client = restored.connect(back.connection_info, back.pid)
+
+        assert execute(client, "print(counter, int(data[-1]))").split() == ["42", "3999999"]
+
+
+def test_a_failed_commit_of_a_stopping_save_keeps_the_image(
+    store: SnapshotStore, kernel: KernelHandle, monkeypatch: pytest.MonkeyPatch,
+    restored: RestoredTrees,
+):
+    """The kernel is gone once a stopping dump is done: its image must outlive the error."""
+    import errno
+
+    kernel.execute("counter = 42")
+    engine = SnapshotEngine(store)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "commit", disk_full)
+        with pytest.raises(SnapshotError) as err:
+            run(engine.save(SaveTarget(pid=kernel.root_pid), stop=True))
+    assert err.value.step == "commit" and "recover" in err.value.message
+    assert not procfs.tree_alive(kernel.root_pid)
+    assert store.list() == []
+
+    report = recover_store(store)
+    (snapshot,) = report.committed
+    assert_nothing_partial(store)
+    back = run(engine.restore(snapshot))
+
+    client = restored.connect(back.connection_info, back.pid)
+    assert execute(client, "print(counter)").strip() == "42"
