@@ -17,6 +17,7 @@ KERNEL_ENV_NAMES = (ENV_URL, ENV_TOKEN, ENV_KERNEL_ID)
 # Fallbacks of the c.GPUSnapshot settings that operators set without a config file.
 ENV_STORE_DIR = "JUPYTER_GPU_SNAPSHOT_DIR"
 ENV_CRIU = "JUPYTER_GPU_SNAPSHOT_CRIU"
+ENV_SIGNING_KEY = "JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE"
 
 KERNEL_NAME = "python3-snapshot"
 KERNEL_DISPLAY_NAME = "Python 3 (snapshots)"
