@@ -461,9 +461,11 @@ class SnapshotEngine:
             elif root_pid <= 0:
                 failure = SnapshotError("restore", "criu reported success but wrote no pid file")
             if failure is not None:
-                cancel.set()
-                with contextlib.suppress(BaseException):
+                # A damaged image is the likelier cause of a failed restore: say so if it is.
+                try:
                     await verifying
+                except SnapshotError as damaged:
+                    raise damaged from failure
                 raise failure
             t_wait = time.monotonic()
             timings["verify"] = await verifying

@@ -45,10 +45,9 @@ def chain_problems(path: Path) -> list[str]:
         if info.st_uid not in (me, 0):
             problems.append(f"{parent} is owned by uid {info.st_uid}, neither root nor us")
         if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-            problems.append(
-                f"{parent} is writable by {'group' if info.st_mode & 0o020 else 'others'} "
-                f"(mode {info.st_mode & 0o7777:o})"
-            )
+            who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002))
+                               if info.st_mode & bit)
+            problems.append(f"{parent} is writable by {who} (mode {info.st_mode & 0o7777:o})")
     return problems
 
 

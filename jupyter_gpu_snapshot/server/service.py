@@ -64,7 +64,8 @@ class SnapshotService:
 
     # -- snapshots -------------------------------------------------------------------------
     def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
-        return [s.summary() for s in self.engine.list(notebook_path)]
+        # Unsigned and damaged snapshots are shown too, with their status and problem.
+        return [s.summary() for s in self.engine.catalog(notebook_path)]
 
     def get_snapshot(self, ref: str) -> dict[str, Any]:
         return self.engine.get(ref).summary()
