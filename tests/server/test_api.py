@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -267,3 +268,26 @@ async def test_job_events_reach_event_stream_subscribers(api: Api, jp_ws_fetch: 
     stream.close()
     assert event["status"] == "succeeded" and event["result"]["id"] == event["snapshot_id"]
     assert phases[-1] == "done" and "dump" in phases
+
+
+async def test_damaged_and_linked_snapshots_never_break_the_listing(
+    api: Api, store_dir: Path, tmp_path: Path
+):
+    kernel_id = await api.start_kernel()
+    good = (await api.succeeded(await api.save(kernel_id, name="good")))["snapshot_id"]
+    bad = (await api.succeeded(await api.save(kernel_id, name="bad")))["snapshot_id"]
+    manifest = store_dir / bad / "manifest.json"
+    edited = json.loads(manifest.read_text())
+    edited["kernel"]["connection_info"]["transport"] = "ipc"
+    manifest.write_text(json.dumps(edited))
+    (store_dir / "20250101T000000Z-0000abcd").symlink_to(tmp_path)
+    listed = {s["id"]: s for s in await api.snapshots()}
+    assert set(listed) == {good, bad}
+    assert listed[good]["status"] == "ok" and listed[good]["problem"] is None
+    assert listed[bad]["status"] == "damaged" and "altered" in listed[bad]["problem"]
+    job = await api.wait(await api.restore(bad, path="bad.ipynb"))
+    assert job["status"] == "failed" and "damaged" in job["error"]["cause"]
+    code, _ = await api.call("DELETE", *SNAPSHOTS, "20250101T000000Z-0000abcd")
+    assert code == 404 and (store_dir / "20250101T000000Z-0000abcd").is_symlink()
+    await api.ok("DELETE", *SNAPSHOTS, bad, expect=204)
+    assert [s["id"] for s in await api.snapshots()] == [good]
