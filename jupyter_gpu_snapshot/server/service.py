@@ -236,6 +236,8 @@ class SnapshotService:
     ) -> Job:
         """Validate the request and start a restore job into a new kernel slot."""
         snapshot = self.engine.get(ref)
+        if path is not None:
+            path = await self._contents_path(path)
         session = None
         if session_id is not None:
             session = await self._session(session_id=session_id)
@@ -252,6 +254,24 @@ class SnapshotService:
             keys.append(kernel_key(session["kernel"]["id"]))
         job = Job("restore", new_kernel_id, snapshot.id)
         return self.jobs.start(job, keys, lambda j: self._restore(j, snapshot, session, path))
+
+    async def _contents_path(self, path: str) -> str:
+        """``path`` as an API path inside the contents root; what /api/sessions accepts."""
+        api_path = path.strip("/")
+        refused = ".." in api_path.split("/") or "\0" in api_path
+        cause = "it leaves the contents root"
+        if not refused and self.contents_manager is not None:
+            try:
+                await ensure_async(self.contents_manager.get_kernel_path(path=api_path))
+            except web.HTTPError as exc:
+                refused, cause = True, str(exc.log_message or exc)
+        if refused:
+            raise InvalidRequest(
+                "preflight",
+                f"notebook path {path!r} is refused: {cause}",
+                hint="give a path relative to the server's root, as /api/sessions takes it",
+            )
+        return api_path
 
     async def _session(self, **query: str) -> dict[str, Any] | None:
         if self.session_manager is None:

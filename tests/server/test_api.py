@@ -130,6 +130,20 @@ async def test_traversal_and_bad_names_are_refused(api: Api, http_server_client:
     assert await api.kernel_ids() == [kernel_id]
 
 
+@pytest.mark.parametrize(
+    "path", ["../../../etc/passwd.ipynb", "/../etc/x.ipynb", "a/../../b.ipynb"]
+)
+async def test_restore_paths_outside_the_root_are_400(api: Api, path: str):
+    kernel_id = await api.start_kernel()
+    saved = await api.succeeded(await api.save(kernel_id, name="here"))
+    code, body = await api.call(
+        "POST", *SNAPSHOTS, saved["snapshot_id"], "restore", body={"path": path}
+    )
+    assert code == 400 and "is refused" in body["message"], body
+    assert await api.ok("GET", "api", "sessions") == []
+    assert await api.kernel_ids() == [kernel_id]
+
+
 async def test_unknown_ids_are_404(api: Api):
     kernel_id = await api.start_kernel()
     missing_kernel = "01234567-89ab-cdef-0123-456789abcdef"
