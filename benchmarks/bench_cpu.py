@@ -111,7 +111,8 @@ def bench_size(gib: float, repeats: int, work: Path, criu: CriuRunner) -> dict[s
 
     rows: dict[str, list[float]] = {k: [] for k in (
         "raw_pause", "ours_pause", "ours_save_total", "raw_restore_first_cell",
-        "ours_restore_first_cell", "ours_verify", "ours_verify_wait")}
+        "ours_restore_first_cell", "ours_verify", "ours_verify_wait", "ours_restore_criu",
+        "ours_restore_preflight")}
     image_bytes = 0
     images: list[tuple[Path, Any]] = []
     for i in range(repeats):
@@ -143,6 +144,8 @@ def bench_size(gib: float, repeats: int, work: Path, criu: CriuRunner) -> dict[s
                 rows["ours_restore_first_cell"].append(seconds)
                 rows["ours_verify"].append(back.timings["verify"])
                 rows["ours_verify_wait"].append(back.timings["verify_wait"])
+                rows["ours_restore_criu"].append(back.timings["restore"])
+                rows["ours_restore_preflight"].append(back.timings["preflight"])
                 pid = back.pid
             procfs.kill_tree(pid)
         shutil.rmtree(raw_dir)

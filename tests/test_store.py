@@ -345,3 +345,13 @@ def test_symlinked_snapshot_directory_is_neither_listed_restored_nor_deleted(tmp
     assert (outside / "manifest.json").exists()
     assert sorted(os.listdir(store.root)) == [real]  # no .deleting- link left behind
     assert any("symbolic link" in p for p in store.audit())
+
+
+def test_configured_store_path_may_be_a_link_to_a_private_store(tmp_path):
+    store = _store(tmp_path)
+    first = _commit(store, "first")
+    linked = SnapshotStore(tmp_path / "link", store.key_file, store.policy)
+    (tmp_path / "link").symlink_to(store.root)
+    assert [s.id for s in linked.list()] == [first]
+    linked.verify(linked.get("first"))
+    assert linked.audit() == []

@@ -8,7 +8,6 @@ digests. The manifest names the algorithm, so either can check what the other wr
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ ALGORITHMS = (BLAKE3, SHA256_TREE)
 TREE_CHUNK = 64 << 20
 TREE_TAG = b"jupyter-gpu-snapshot sha256 tree, 64 MiB chunks\n"
 # BLAKE3 reads this much per call: large enough for all cores, small enough for progress.
-_BLAKE3_STEP = 256 << 20
+_BLAKE3_STEP = 64 << 20
 
 Advance = Callable[[int], None]
 
@@ -49,19 +48,19 @@ def _workers() -> int:
 def _blake3_fd(fd: int, size: int, advance: Advance, cancel: threading.Event | None) -> str:
     assert _blake3 is not None
     hasher = _blake3.blake3(max_threads=_blake3.blake3.AUTO)
-    if size:
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
-            mv = memoryview(view)
-            try:
-                for offset in range(0, size, _BLAKE3_STEP):
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled
-                    part = mv[offset : offset + _BLAKE3_STEP]
-                    hasher.update(part)  # multi-threaded, without the GIL
-                    advance(len(part))
-                    part.release()
-            finally:
-                mv.release()
+    # pread into one buffer, not mmap: a file that shrank under a mapping would be SIGBUS.
+    buffer = bytearray(min(_BLAKE3_STEP, max(size, 1)))
+    view = memoryview(buffer)
+    offset = 0
+    while offset < size:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled
+        n = os.preadv(fd, [view[: min(len(buffer), size - offset)]], offset)
+        if n <= 0:
+            raise OSError("the file shrank while it was read")
+        hasher.update(view[:n])  # multi-threaded, without the GIL
+        offset += n
+        advance(n)
     return str(hasher.hexdigest())
 
 

@@ -237,7 +237,8 @@ class SnapshotStore:
             yield None
             return
         self.ensure()
-        with safe_fs.opened_dir(self.root) as fd:
+        # The configured path may be a link (the whole chain was checked); inside, never.
+        with safe_fs.opened_dir(os.path.realpath(self.root)) as fd:
             yield fd
 
     # -- writing ---------------------------------------------------------------------------
@@ -481,7 +482,13 @@ class SnapshotStore:
                 progress(done, total)
 
         algorithm = snapshot.manifest["digest"]
-        actual = digest.digest_files(images, algorithm, advance, cancel)
+        try:
+            actual = digest.digest_files(images, algorithm, advance, cancel)
+        except OSError as exc:
+            raise SnapshotError(
+                "verify", f"cannot read the images of {snapshot.id}: {exc}",
+                hint="the snapshot is damaged; delete it",
+            ) from exc
         for name, want, got in zip(names, expected, actual, strict=True):
             if want != got:
                 raise SnapshotError(
@@ -575,7 +582,7 @@ class SnapshotStore:
         problems = safe_fs.chain_problems(self.root)
         if problems:
             return problems
-        with safe_fs.opened_dir(self.root) as root_fd:
+        with safe_fs.opened_dir(os.path.realpath(self.root)) as root_fd:
             for name in sorted(os.listdir(root_fd)):
                 if safe_fs.entry_kind(name, root_fd) == "symlink":
                     problems.append(f"{self.root / name} is a symbolic link (never followed)")
