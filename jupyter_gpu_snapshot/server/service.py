@@ -273,6 +273,15 @@ class SnapshotService:
             )
         return api_path
 
+    async def session_kernel_id(self, session_id: str) -> str | None:
+        """The id of the kernel session ``session_id`` uses, or None."""
+        session = await self._session(session_id=session_id)
+        return str(session["kernel"]["id"]) if session and session.get("kernel") else None
+
+    async def session_of_kernel(self, kernel_id: str) -> dict[str, Any] | None:
+        """The session that uses kernel ``kernel_id``, or None."""
+        return await self._session(kernel_id=kernel_id)
+
     async def _session(self, **query: str) -> dict[str, Any] | None:
         if self.session_manager is None:
             return None
