@@ -41,7 +41,11 @@ def chain_problems(path: Path) -> list[str]:
     if info.st_mode & 0o077:
         problems.append(f"{resolved} has mode {info.st_mode & 0o777:o}, needs 700")
     for parent in resolved.parents:
-        info = os.lstat(parent)
+        try:
+            info = os.lstat(parent)
+        except OSError as exc:
+            problems.append(f"{parent}: {exc.strerror}")
+            continue
         if info.st_uid not in (me, 0):
             problems.append(f"{parent} is owned by uid {info.st_uid}, neither root nor us")
         if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
