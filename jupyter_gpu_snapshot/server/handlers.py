@@ -189,10 +189,13 @@ class RestoreHandler(JobCreatingHandler):
     async def post(self, ref: str) -> None:
         body = self.json_body({"path": str, "session_id": str})
         if self.kernel_scope is not None:
-            # A kernel may only have its own notebook switched to a restored kernel.
-            session_id = body.get("session_id")
-            owner = await self.service.session_kernel_id(session_id) if session_id else None
-            self.require_kernel(owner)
+            # A kernel may switch its own notebook to a restored kernel, never another's.
+            session_id, path = body.get("session_id"), body.get("path")
+            if session_id:
+                self.require_kernel(await self.service.session_kernel_id(session_id))
+            elif path:
+                owner = await self.service.session_kernel_id_at(path)
+                self.require_kernel(owner or self.kernel_scope)
         job = await self.service.start_restore(
             ref, path=body.get("path") or None, session_id=body.get("session_id") or None
         )

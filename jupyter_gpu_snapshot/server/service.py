@@ -278,6 +278,11 @@ class SnapshotService:
         session = await self._session(session_id=session_id)
         return str(session["kernel"]["id"]) if session and session.get("kernel") else None
 
+    async def session_kernel_id_at(self, path: str) -> str | None:
+        """The id of the kernel the session of notebook ``path`` uses, or None."""
+        session = await self._session(path=path.strip("/"))
+        return str(session["kernel"]["id"]) if session and session.get("kernel") else None
+
     async def session_of_kernel(self, kernel_id: str) -> dict[str, Any] | None:
         """The session that uses kernel ``kernel_id``, or None."""
         return await self._session(kernel_id=kernel_id)

@@ -75,5 +75,11 @@ async def test_kernels_hold_only_their_own_scoped_credential(
     code, _ = await KernelApi(api.fetch, f"token {forged}").call(
         "GET", "gpu-snapshot", "kernels", other, "status")
     assert code == 403
+    # Nor may it switch another kernel's notebook to a restored kernel.
+    theirs = await api.open_notebook("theirs.ipynb")
+    for body in ({"session_id": theirs["id"]}, {"path": "theirs.ipynb"}):
+        code, _ = await as_kernel.call(
+            "POST", *SNAPSHOTS, job["snapshot_id"], "restore", body=body)
+        assert code == 403, body
     ws = await kernel_socket(mine)
     assert (await ws.execute("print(1 + 1)")).strip() == "2"
