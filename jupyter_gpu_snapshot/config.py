@@ -11,7 +11,7 @@ from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
 from ._constants import ENV_CRIU, ENV_REMOTE_KEY_FILE, ENV_REMOTE_URL
-from .core.store import default_store_dir
+from .core.store import default_key_file, default_store_dir
 
 
 class GPUSnapshot(Configurable):
@@ -26,6 +26,18 @@ class GPUSnapshot(Configurable):
     @default("store_dir")
     def _default_store_dir(self) -> str:
         return str(default_store_dir())
+
+    signing_key_file = Unicode(
+        help="""File holding the key that signs every snapshot's manifest (HMAC-SHA256). Only
+        snapshots signed with it are listed as ok and restored, so keep it outside the store,
+        private (mode 0600), and give every node that shares a store the same file. Created
+        on first use. Default: $JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE, else
+        gpu_snapshot_signing.key in the Jupyter data dir.""",
+    ).tag(config=True)
+
+    @default("signing_key_file")
+    def _default_signing_key_file(self) -> str:
+        return str(default_key_file())
 
     criu_path = Unicode(
         help="""The criu executable (name on PATH or absolute path); version 4.2 or newer.

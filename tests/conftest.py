@@ -25,6 +25,11 @@ from jupyter_client.manager import KernelManager
 if "JUPYTER_RUNTIME_DIR" not in os.environ:
     os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="jgs-runtime-")
     atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], ignore_errors=True)
+# ...and the key that signs the tests' snapshots out of the user's data dir.
+if "JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE" not in os.environ:
+    _keys = tempfile.mkdtemp(prefix="jgs-keys-")
+    os.environ["JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE"] = os.path.join(_keys, "signing.key")
+    atexit.register(shutil.rmtree, _keys, ignore_errors=True)
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine

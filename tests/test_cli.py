@@ -3,6 +3,7 @@ standalone into a kernel that `jupyter console --existing` can reach, rm, check.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from jupyter_client.manager import KernelManager
 from jupyter_core.paths import jupyter_runtime_dir
 
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, RestoredTrees, start_kernel, stop_kernel
 
@@ -206,3 +208,55 @@ def test_resume_refuses_a_process_that_is_no_kernel_of_ours(tmp_path: Path):
     finally:
         other.kill()
         other.wait()
+def _flat(text: str) -> str:
+    """Rich wraps long lines to the terminal's width."""
+    return " ".join(text.split())
+
+
+def test_unsigned_and_damaged_snapshots_are_listed_and_trust_is_explicit(tmp_path: Path):
+    from .test_store import _commit, _manifest, _rewrite, _store
+
+    store = _store(tmp_path)
+    store.policy = SnapshotStore(store.root).policy  # the CLI's: this runtime dir's logs
+    key = {"JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE": str(store.key_file)}
+    old, forged = _commit(store, "old"), _commit(store, "forged")
+    legacy = {k: v for k, v in _manifest(store, old).items()
+              if k not in ("signature", "digest", "files")}
+    payload = (store.root / old / "pages-1.img").read_bytes()
+    legacy.update(format=1, files={"pages-1.img": {
+        "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}})
+    _rewrite(store, old, legacy)
+    tampered = _manifest(store, forged)
+    tampered["kernel"]["log_files"] = ["/etc/evil-cli/kernel-x.log"]
+    _rewrite(store, forged, tampered)
+
+    listing = {s["id"]: s for s in json.loads(cli(store.root, "list", "--json", env=key).stdout)}
+    assert listing[old]["status"] == "unsigned" and listing[forged]["status"] == "damaged"
+    assert "altered" in listing[forged]["problem"]
+    assert "damaged" in cli(store.root, "list", env=key).stdout
+    refused = cli(store.root, "restore", old, env=key, check=False)
+    assert refused.returncode == 2 and f"gpu-snapshot trust {old}" in _flat(refused.stderr)
+    refused = cli(store.root, "restore", forged, env=key, check=False)
+    assert refused.returncode == 2 and "damaged" in refused.stderr
+    assert not Path("/etc/evil-cli").exists()
+
+    asked = cli(store.root, "trust", old, env=key, check=False)
+    assert asked.returncode == 1 and "runs whatever code" in _flat(asked.stderr)
+    assert "trusted old" in cli(store.root, "trust", old, "--yes", env=key).stdout
+    listing = {s["id"]: s for s in json.loads(cli(store.root, "list", "--json", env=key).stdout)}
+    assert listing[old]["status"] == "ok"
+    assert f"deleted {forged}" in cli(store.root, "rm", forged, env=key).stdout
+
+
+def test_check_reports_an_unsafe_store(tmp_path: Path):
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    (store / "20250101T000000Z-0000abcd").symlink_to(tmp_path)
+    checks = {c["name"]: c for c in json.loads(
+        cli(store, "check", "--json", check=False).stdout)}
+    assert not checks["store"]["ok"] and "symbolic link" in checks["store"]["detail"]
+    os.unlink(store / "20250101T000000Z-0000abcd")
+    os.chown(store, 65534, 65534)
+    out = cli(store, "check", "--json", check=False)
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert out.returncode == 1 and "owned by uid 65534" in checks["store"]["detail"]

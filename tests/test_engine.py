@@ -6,14 +6,17 @@ closure, an open file, a live thread), snapshots, restores and checks it all cam
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core import digest, procfs
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
@@ -106,12 +109,16 @@ def test_save_keep_running_then_kernel_continues(engine, store, kernel, tmp_path
     assert "43" in kernel.execute("print(answer)")
 
     manifest = snap.manifest
-    assert manifest["format"] == 1
+    assert manifest["format"] == 2 and manifest["signature"]["value"]
     assert manifest["name"] == "keep-running"
     assert manifest["kernel"]["connection_info"]["key"]
     assert manifest["versions"]["criu"].startswith("4.")
     assert {"suspend", "dump", "resume", "commit", "total", "pause"} <= set(manifest["timings"])
-    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert all(len(f["digest"]) == 64 for f in manifest["files"].values())
+    # Only the kernel's own log may be recreated at restore, and only in the log directory.
+    assert [Path(p).parent for p in manifest["kernel"]["log_files"]] == [
+        store.policy.kernel_log_dir()
+    ]
     # Snapshots are secrets: the store and everything in it are private.
     assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
     assert stat.S_IMODE(snap.path.stat().st_mode) == 0o700
@@ -201,26 +208,102 @@ def test_restore_after_original_pids_are_taken(engine, kernel, tmp_path, restore
             proc.wait()  # type: ignore[attr-defined]
 
 
-def test_corrupted_image_is_refused_before_criu_runs(engine, store, kernel, tmp_path):
-    _set_state(kernel, tmp_path)
-    snap = _save(engine, kernel, stop=True)
-    pages = max(snap.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    with open(pages, "r+b") as f:
-        f.seek(pages.stat().st_size // 2)
+CANARY_WATCH = """
+import os, threading, time
+def _watch():
+    while not os.path.exists(TRIGGER):
+        time.sleep(0.02)
+    with open(CANARY, "w") as f:
+        f.write("the image ran")
+threading.Thread(target=_watch, daemon=True).start()
+"""
+
+
+class CriuCalls:
+    """The real criu runner, recording each restore's argv and the pid it restored."""
+
+    def __init__(self, engine: SnapshotEngine) -> None:
+        self.argvs: list[list[str]] = []
+        self.pids: list[int] = []
+        real = engine.criu.run
+
+        async def recorded(argv: list[str], log_path: Path, **kw: object) -> object:
+            result = await real(argv, log_path, **kw)  # type: ignore[arg-type]
+            self.argvs.append(argv)
+            pidfile = argv[argv.index("--pidfile") + 1]
+            with contextlib.suppress(FileNotFoundError):
+                self.pids.append(int(await asyncio.to_thread(Path(pidfile).read_text)))
+            return result
+
+        engine.criu.run = recorded  # type: ignore[method-assign,assignment]
+
+
+def _flip_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    logs_before = set((store.root / "logs").glob("*")) if (store.root / "logs").exists() else set()
+
+
+def test_altered_image_is_caught_while_criu_restores_and_never_runs(
+    engine, store, kernel, tmp_path, restored
+):
+    trigger, canary = tmp_path / "trigger", tmp_path / "canary"
+    kernel.execute(f"TRIGGER, CANARY = {str(trigger)!r}, {str(canary)!r}\n" + CANARY_WATCH)
+    snap = _save(engine, kernel, stop=True)
+    kernel.km.provisioner.process.wait(timeout=10)
+    trigger.touch()  # from now on, any run of the image's code writes the canary
+    pages = max(snap.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    _flip_byte(pages)  # same size: only the digest, checked while criu runs, can tell
+    calls = CriuCalls(engine)
     with pytest.raises(SnapshotError) as err:
         run(engine.restore(snap.id))
     assert err.value.step == "verify"
-    assert pages.name in err.value.message and "sha256" in err.value.message
-    logs_after = set((store.root / "logs").glob("*")) if (store.root / "logs").exists() else set()
-    assert logs_after == logs_before, "criu ran although the image was corrupt"
+    assert f"image file {pages.name}" in err.value.message and "digest" in err.value.message
+    assert len(calls.argvs) == 1 and "--leave-stopped" in calls.argvs[0]
+    assert len(calls.pids) == 1, "criu did not restore the tree"
+    time.sleep(1.0)
+    assert not procfs.tree_alive(calls.pids[0]), "the stopped tree was not killed"
+    assert not canary.exists(), "code of the altered image ran"
+    assert procfs.ports_in_use(snap.connection_info) == []
+
+    # The same scenario without the alteration does run the image: the canary can appear.
+    _flip_byte(pages)
+    back = run(engine.restore(snap.id))
+    restored.roots.append(back.pid)
+    deadline = time.monotonic() + 10
+    while not canary.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert canary.read_text() == "the image ran"
+    assert back.timings["verify"] > 0 and back.timings["restore"] > 0
 
     pages.unlink()
+    procfs.kill_tree(back.pid)
     with pytest.raises(SnapshotError, match="missing"):
         run(engine.restore(snap.id))
+
+
+def test_image_edited_with_its_digest_recomputed_is_refused(engine, store, kernel, tmp_path):
+    kernel.execute("secret = 41")
+    snap = _save(engine, kernel, stop=True)
+    kernel.km.provisioner.process.wait(timeout=10)
+    pages = max(snap.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    _flip_byte(pages)
+    manifest = json.loads((snap.path / "manifest.json").read_text())
+    fd = os.open(pages, os.O_RDONLY)
+    try:
+        manifest["files"][pages.name]["digest"] = digest.digest_files(
+            [(fd, pages.stat().st_size)], manifest["digest"])[0]
+    finally:
+        os.close(fd)
+    (snap.path / "manifest.json").write_text(json.dumps(manifest))
+    calls = CriuCalls(engine)
+    with pytest.raises(SnapshotError) as err:
+        run(engine.restore(snap.id))
+    assert err.value.step == "verify" and "altered" in err.value.message
+    assert calls.argvs == [], "criu ran on a forged snapshot"
+    assert store.get(snap.id).status == "damaged"
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "x" * 65, "name with space", ".."])

@@ -218,7 +218,7 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     wait_panel(second, "'restore:' in p.error.value")
     error = panel_state(second)["error"]
     assert f"restore: verify failed: image file {image.name} of {by_name['damaged']} does " \
-        "not match its sha256" in error, error
+        "not match its" in error, error
     # A snapshot of this very kernel: refused before any job, since this kernel holds the
     # ports the restored one would listen on.
     assert second.ok("%gpu_snapshot save mine").startswith("Saved snapshot")

@@ -89,18 +89,30 @@ def check_kernel_features() -> Check:
     return Check("kernel", True, f"Linux {os.uname().release} with CONFIG_CHECKPOINT_RESTORE")
 
 
-def check_store(store: SnapshotStore) -> Check:
+def check_store(store: SnapshotStore) -> list[Check]:
+    """The store is private all the way up, holds no links, and the signing key is usable."""
+    fix = "snapshots are code that runs as this user: chown/chmod it, or set " \
+        "c.GPUSnapshot.store_dir"
     try:
+        problems = store.audit()
+        if problems:
+            return [Check("store", False, "; ".join(problems), fix=fix)]
         store.ensure()
         free = store.free_bytes()
+    except SnapshotError as exc:
+        return [Check("store", False, exc.cause, fix=fix)]
     except OSError as exc:
-        return Check(
+        return [Check(
             "store", False, f"{store.root}: {exc.strerror}", fix="set c.GPUSnapshot.store_dir"
-        )
-    mode = store.root.stat().st_mode & 0o777
-    if mode != 0o700:
-        return Check("store", False, f"{store.root} has mode {mode:o}, needs 700")
-    return Check("store", True, f"{store.root} (0700), {free / (1 << 30):.1f} GiB free")
+        )]
+    checks = [Check("store", True, f"{store.root} (0700, private up to /), "
+                    f"{free / (1 << 30):.1f} GiB free")]
+    try:
+        key = store.key
+        checks.append(Check("signing key", True, f"{key.path} (0600, key id {key.key_id})"))
+    except SnapshotError as exc:
+        checks.append(Check("signing key", False, exc.cause, fix=exc.hint or ""))
+    return checks
 
 
 def check_gpu() -> list[Check]:
@@ -141,7 +153,7 @@ def run_checks(
         check_privileges(),
         check_pid_namespaces(),
         check_kernel_features(),
-        check_store(store),
+        *check_store(store),
         *check_gpu(),
     ]
     for more in extra or []:

@@ -173,20 +173,48 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    snapshots = _engine(args).list(args.notebook)
+    snapshots = _engine(args).catalog(args.notebook)
     if args.json:
         _print_json([s.summary() for s in snapshots])
         return 0
     if not snapshots:
         _say("no snapshots")
         return 0
-    rows = [["NAME", "ID", "CREATED", "SIZE", "NOTEBOOK"]]
+    rows = [["NAME", "ID", "CREATED", "SIZE", "NOTEBOOK", "STATUS"]]
     for s in snapshots:
         created = datetime.fromtimestamp(s.created).strftime("%Y-%m-%d %H:%M:%S")
+        status = "ok" if s.trusted else f"{s.status}: {s.problem}"
         rows.append(
-            [s.name, s.id, created, format_bytes(s.size_bytes), s.notebook_path or "-"]
+            [s.name, s.id, created, format_bytes(s.size_bytes), s.notebook_path or "-", status]
         )
     _say(_columns(rows))
+    return 0
+
+
+TRUST_WARNING = """Snapshot {id} is unsigned: this node did not write it, or wrote it before
+snapshots were signed. Restoring a snapshot runs its memory and registers as the user that
+restores it (root, for criu), so an altered snapshot runs whatever code was put into it.
+Trust it only if you know where it came from and that nobody else could change it."""
+
+
+def cmd_trust(args: argparse.Namespace) -> int:
+    """Sign an unsigned snapshot with this node's key, after a warning."""
+    engine = _engine(args)
+    snapshot = engine.get(args.snapshot)
+    if snapshot.status != "unsigned":
+        snapshot.require_trusted("trust")
+        out.print(f"{snapshot.name} ({snapshot.id}) is signed by this node already")
+        return 0
+    err.print(TRUST_WARNING.format(id=snapshot.id), highlight=False)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            err.print("[red]not trusted:[/] confirm with --yes when not on a terminal")
+            return 1
+        if input("Trust and sign it? [y/N] ").strip().lower() not in ("y", "yes"):
+            err.print("not trusted")
+            return 1
+    trusted = engine.store.trust(snapshot.id)
+    out.print(f"trusted {trusted.name} ({trusted.id}): signed with {engine.store.key_file}")
     return 0
 
 
@@ -367,7 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print pid, kernel pid, connection file and timings as JSON")
     p.set_defaults(func=cmd_restore)
 
-    p = sub.add_parser("rm", help="delete a snapshot")
+    p = sub.add_parser(
+        "trust", help="sign an unsigned snapshot with this node's key (after a warning)"
+    )
+    p.add_argument("snapshot", help="snapshot id")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(func=cmd_trust)
+
+    p = sub.add_parser("rm", help="delete a snapshot (by id also when unsigned or damaged)")
     p.add_argument("snapshot", help="snapshot name or id")
     p.set_defaults(func=cmd_rm)
 

@@ -151,14 +151,21 @@ class CriuRunner:
             argv += ["--ghost-limit", str(self.ghost_limit)]
         return argv
 
-    def restore_argv(self, images: Path, work: Path, pidfile: Path) -> list[str]:
-        return [
+    def restore_argv(
+        self, images: Path, work: Path, pidfile: Path, *, leave_stopped: bool = False
+    ) -> list[str]:
+        argv = [
             self.executable(), "restore", "-D", str(images), "-W", str(work),
             "-o", "restore.log", "-v4", "--tcp-close", "--file-locks",
             "--restore-detached", "--pidfile", str(pidfile),
             # The counterpart of --external mnt[] at dump: bind the host's mounts back.
             "--ext-mount-map", "auto", "--root", "/",
         ]
+        if leave_stopped:
+            # The tasks stay stopped: no code of the image runs until the caller continues
+            # them, so the images can be checked while criu reads them.
+            argv.append("--leave-stopped")
+        return argv
 
     async def run(
         self,

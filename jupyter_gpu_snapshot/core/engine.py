@@ -1,7 +1,8 @@
 """Save and restore orchestration.
 
 save:    preflight -> suspend (hooks) -> dump (criu) -> resume (hooks) -> commit (store)
-restore: verify (checksums) -> preflight -> restore (criu) -> resume (hooks)
+restore: preflight (signature, schema, file list) -> restore (criu --leave-stopped, while
+         every digest is checked on all cores) -> continue the tree -> resume (hooks)
 
 Hooks are where the GPU layer locks and checkpoints CUDA before the dump and brings it back
 afterwards. Whatever fails, the engine rolls back what it did: hooks that ran are told to
@@ -22,6 +23,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -133,7 +135,7 @@ class SnapshotHook:
         """
 
     async def preflight_restore(self, ctx: RestoreContext) -> None:
-        """Called by ``restore`` after the checksums, before criu runs; raise to refuse."""
+        """Called by ``restore`` once the signature matched, before criu runs; raise to refuse."""
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         """Called by ``restore`` once criu has recreated the tree (``ctx.root_pid``)."""
@@ -156,7 +158,12 @@ class SnapshotEngine:
     # -- queries ---------------------------------------------------------------------------
     # These read the disk: callers on an event loop run them in a thread.
     def list(self, notebook_path: str | None = None) -> list[Snapshot]:
+        """Trusted snapshots only: what retention, status and restores may act on."""
         return self.index.list(notebook_path)
+
+    def catalog(self, notebook_path: str | None = None) -> builtins.list[Snapshot]:
+        """Every snapshot with its status (ok, unsigned, damaged), for listings people read."""
+        return self.index.catalog(notebook_path)
 
     def get(self, ref: str) -> Snapshot:
         return self.index.get(ref)
@@ -168,31 +175,18 @@ class SnapshotEngine:
         """Remove a snapshot; slow for a big one (it removes gigabytes)."""
         return self.store.delete(self.index.get(ref).id)
 
-    def logs_dir(self) -> Path:
-        path = self.store.ensure() / "logs"
-        path.mkdir(mode=0o700, exist_ok=True)
-        return path
-
     def _keep_log(self, log: Path, label: str) -> Path | None:
         """Copy a failed run's criu log into the store's logs/; where that fails (a full
-        disk), keep a private temporary copy, so the error points at a log if there is one."""
+        disk, a planted link), keep a private temporary copy, so the error points at a log."""
         if not log.is_file():
             return None  # criu died before writing anything
         try:
-            # A unique name: two runs failing in one second must not share a log.
-            fd, name = tempfile.mkstemp(
-                prefix=f"{time.strftime('%Y%m%dT%H%M%S')}-{label}-", suffix=".log",
-                dir=self.logs_dir(),
-            )
-            os.close(fd)
-            kept = Path(name)
-            shutil.copyfile(log, kept)
-        except OSError:
+            return self.store.keep_log(log, label)
+        except (OSError, SnapshotError):
             fd, spare = tempfile.mkstemp(prefix=f"jupyter-gpu-snapshot-{label}-", suffix=".log")
             os.close(fd)
             shutil.copyfile(log, spare)
             return Path(spare)
-        return kept
 
     def _work_dir(self, kind: str) -> tuple[Path, HeldLock]:
         """A private temp directory for one criu run, locked while in use (see recovery)."""
@@ -439,7 +433,7 @@ class SnapshotEngine:
                 "notebook_path": target.notebook_path,
                 "pid": ctx.kernel.kernel_pid,
                 "root_pid": ctx.kernel.root_pid,
-                "log_files": log_files,
+                "log_files": self._kernel_logs(log_files),
             },
             "versions": {
                 "criu": criu_version,
@@ -449,6 +443,15 @@ class SnapshotEngine:
             },
             **ctx.manifest,
         }
+
+    def _kernel_logs(self, paths: builtins.list[str]) -> builtins.list[str]:
+        """The append-only files a restore may recreate: the kernel's own logs. Other files
+        the kernel appends to must exist at restore, as any other open file must."""
+        log_dir = self.store.policy.kernel_log_dir
+        if log_dir is None:
+            return paths
+        where = str(log_dir())
+        return [p for p in paths if os.path.dirname(p) == where]
 
     # -- restore ---------------------------------------------------------------------------
     async def restore(
@@ -470,7 +473,8 @@ class SnapshotEngine:
     async def check_ports(self, snapshot: Snapshot) -> None:
         """Raise PortsInUse when a port the restored kernel would listen on is taken.
 
-        Called by ``restore`` first: taken ports refuse it anyway, so before any checksum.
+        Called by ``restore`` once the manifest is authenticated: taken ports refuse the
+        restore anyway, so before criu and the digests run.
         """
         info = snapshot.connection_info
         busy = await asyncio.to_thread(procfs.ports_in_use, info)
@@ -486,49 +490,23 @@ class SnapshotEngine:
     async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
         timings: dict[str, float] = {}
         started = time.monotonic()
-        # Taken ports refuse the restore anyway: say so before a whole checksum pass.
         report(Progress("preflight"))
+        # Read again from disk: nothing of a snapshot is used before its signature matched.
+        snapshot = await asyncio.to_thread(self.store.reload, snapshot)
         await self.check_ports(snapshot)
         info = snapshot.connection_info
-        t = time.monotonic()
-        report(Progress("verify", 0, snapshot.size_bytes))
-        await run_in_background(
-            self.store.verify, snapshot, lambda d, t: report(Progress("verify", d, t))
-        )
-        timings["verify"] = time.monotonic() - t
-
-        t = time.monotonic()
         await asyncio.to_thread(self.criu.require_version)
-        for path in snapshot.manifest["kernel"].get("log_files", []):
-            await asyncio.to_thread(_ensure_append_file, Path(path))
         ctx = RestoreContext(snapshot, report)
         for hook in self.hooks:
             await hook.preflight_restore(ctx)
-        timings["preflight"] = time.monotonic() - t
+        with self.store.opened_images(snapshot) as images:
+            await asyncio.to_thread(self.store.prepare_log_files, snapshot)
+            timings["preflight"] = time.monotonic() - started
+            ctx.root_pid = await self._restore_stopped(snapshot, images, report, timings)
 
+        # Every digest and the signature matched: only now may code of the image run.
         t = time.monotonic()
-        report(Progress("restore", 0, snapshot.size_bytes))
-        work, work_lock = self._work_dir("restore")
-        pidfile = work / "restore.pid"
-        try:
-            run = await self.criu.run(
-                self.criu.restore_argv(snapshot.path, work, pidfile), work / "restore.log"
-            )
-            timings["restore"] = time.monotonic() - t
-            if run.returncode != 0:
-                kept = await asyncio.to_thread(self._keep_log, run.log_path, "restore")
-                raise self.criu.failure("restore", run, kept)
-            try:
-                ctx.root_pid = int(pidfile.read_text().strip())
-            except (OSError, ValueError) as exc:
-                raise SnapshotError(
-                    "restore", "criu reported success but wrote no pid file"
-                ) from exc
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            work_lock.release()
-
-        t = time.monotonic()
+        await asyncio.to_thread(procfs.continue_tree, ctx.root_pid)
         report(Progress("resume"))
         try:
             for hook in self.hooks:
@@ -543,6 +521,72 @@ class SnapshotEngine:
         timings["total"] = time.monotonic() - started
         report(Progress("done"))
         return RestoredKernel(ctx.root_pid, info, snapshot, timings)
+
+    async def _restore_stopped(
+        self,
+        snapshot: Snapshot,
+        images: builtins.list[tuple[int, int]],
+        report: ProgressCallback,
+        timings: dict[str, float],
+    ) -> int:
+        """Run ``criu restore --leave-stopped`` while the digests are checked on all cores.
+
+        Returns the root pid of the restored tree, still stopped, once both succeeded. If
+        either fails, the tree is killed before any of its code ran.
+        """
+        total = snapshot.size_bytes
+        report(Progress("restore", 0, total))
+        cancel = threading.Event()
+        t = time.monotonic()
+
+        def check() -> float:
+            self.store.check_digests(
+                snapshot, images, lambda d, n: report(Progress("restore", d, n)), cancel
+            )
+            return time.monotonic() - t
+
+        # At a lower priority than the event loop; criu and the digests share the rest.
+        verifying = asyncio.ensure_future(run_in_background(check))
+        work, work_lock = self._work_dir("restore")
+        pidfile = work / "restore.pid"
+        root_pid = 0
+        try:
+            run = await self.criu.run(
+                self.criu.restore_argv(snapshot.path, work, pidfile, leave_stopped=True),
+                work / "restore.log",
+            )
+            timings["restore"] = time.monotonic() - t
+            if run.returncode == 0:
+                with contextlib.suppress(OSError, ValueError):
+                    root_pid = int(pidfile.read_text().strip())
+            failure: SnapshotError | None = None
+            if run.returncode != 0:
+                kept = await asyncio.to_thread(self._keep_log, run.log_path, "restore")
+                failure = self.criu.failure("restore", run, kept)
+            elif root_pid <= 0:
+                failure = SnapshotError("restore", "criu reported success but wrote no pid file")
+            if failure is not None:
+                # A damaged image is the likelier cause of a failed restore: say so if it is.
+                try:
+                    await verifying
+                except SnapshotError as damaged:
+                    raise damaged from failure
+                raise failure
+            t_wait = time.monotonic()
+            timings["verify"] = await verifying
+            timings["verify_wait"] = time.monotonic() - t_wait
+        except BaseException:
+            cancel.set()
+            if root_pid > 0:
+                await asyncio.to_thread(procfs.kill_tree, root_pid)
+            if not verifying.done():
+                with contextlib.suppress(BaseException):
+                    await verifying
+            raise
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            work_lock.release()
+        return root_pid
 
 
 async def _finish_despite_cancel(work: asyncio.Future[T], interrupt: asyncio.Event) -> T:
@@ -625,11 +669,6 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def _ensure_append_file(path: Path) -> None:
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.close(fd)
 
 
 def _python_of(pid: int) -> str:

@@ -1,23 +1,28 @@
-"""The snapshot store: one directory per snapshot, CRIU images plus ``manifest.json``.
+"""The snapshot store: one directory per snapshot, CRIU images plus a signed ``manifest.json``.
 
 A snapshot appears in the store only by an atomic rename of a fully written and fsynced
 directory, so a crash or a failed save never leaves a half snapshot listed. Snapshots hold
-the whole memory of a kernel (tokens, keys), so the store is 0700 and every file 0600.
+the whole memory of a kernel and are code that root runs at restore, so:
+
+- the store must be private (``safe_fs.require_private_dir``); files are 0600;
+- nothing inside it is reached through a symlink (dir-fd walks, ``O_NOFOLLOW``);
+- a manifest is used only once its HMAC matched this node's key and it passed the schema;
+  anything else is listed as ``unsigned`` or ``damaged`` with the reason, and never restored.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,28 +30,39 @@ from typing import Any
 
 import psutil
 
-from .._constants import ENV_STORE_DIR
+from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
+from . import digest, safe_fs
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .locks import StoreLocks
 from .locks import snapshot_key as snapshot_lock_key
+from .manifest import (
+    CONNECTION_KEYS,
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    ManifestPolicy,
+    kernel_problem,
+)
+from .manifest import problem as manifest_problem
+from .signing import SigningKey
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+LEGACY_FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
+OWNER_FILE = ".owner"
 # A partial that holds an image nobody could commit; kept for a person to look at.
 UNFINISHED_PREFIX = ".unfinished-"
-OWNER_FILE = ".owner"
 # The manifest without file digests, written before criu dumps: a recovery commits it.
 DRAFT_FILE = ".manifest-draft.json"
 # Written by criu's post-dump action, once every image file is complete.
 DUMP_COMPLETE_FILE = ".dump-complete"
+LOGS_DIR = "logs"
+KERNEL_LOG_SUBDIR = "gpu_snapshot"
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 ID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
-_HASH_CHUNK = 8 << 20
-TREE_CHUNK = 64 << 20
-TREE_TAG = b"jupyter-gpu-snapshot sha256 tree, 64 MiB chunks\n"
+
+OK, UNSIGNED, DAMAGED = "ok", "unsigned", "damaged"
 
 ProgressFn = Callable[[int, int], None]
 
@@ -59,6 +75,23 @@ def default_store_dir() -> Path:
     from jupyter_core.paths import jupyter_data_dir
 
     return Path(jupyter_data_dir()) / "gpu_snapshots"
+
+
+def default_key_file() -> Path:
+    """``$JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE``, else a file in the Jupyter data dir."""
+    env = os.environ.get(ENV_SIGNING_KEY)
+    if env:
+        return Path(env)
+    from jupyter_core.paths import jupyter_data_dir
+
+    return Path(jupyter_data_dir()) / "gpu_snapshot_signing.key"
+
+
+def default_kernel_log_dir() -> Path:
+    """Where snapshot-ready kernels of this user write their logs (the runtime dir's)."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(os.path.realpath(Path(jupyter_runtime_dir()) / KERNEL_LOG_SUBDIR))
 
 
 def validate_name(name: str) -> str:
@@ -80,130 +113,144 @@ def new_snapshot_id(now: float | None = None) -> str:
     return f"{stamp}-{secrets.token_hex(4)}"
 
 
-def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
-    """The sha256 of a file; large files are hashed in parallel chunks.
-
-    Files up to ``TREE_CHUNK`` bytes get their plain sha256. Larger ones (the memory pages)
-    get the sha256 of the concatenated sha256s of their ``TREE_CHUNK``-sized chunks, so that
-    every core hashes at once: checking a multi-GB image before each restore is otherwise
-    several seconds of one core at about 1.5 GB/s.
-    """
-    size = path.stat().st_size
-    if size <= TREE_CHUNK:
-        digest = hashlib.sha256()
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-                if progress:
-                    progress(len(chunk))
-        return digest.hexdigest()
-    lock = threading.Lock()
-    fd = os.open(path, os.O_RDONLY)
-
-    def chunk_digest(offset: int) -> bytes:
-        digest = hashlib.sha256()
-        end = min(offset + TREE_CHUNK, size)
-        while offset < end:
-            data = os.pread(fd, min(_HASH_CHUNK, end - offset), offset)
-            if not data:
-                raise OSError(f"{path} shrank while it was read")
-            digest.update(data)  # releases the GIL: chunks really hash in parallel
-            offset += len(data)
-            if progress:
-                with lock:
-                    progress(len(data))
-        return digest.digest()
-
-    try:
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            parts = list(pool.map(chunk_digest, range(0, size, TREE_CHUNK)))
-    finally:
-        os.close(fd)
-    return hashlib.sha256(TREE_TAG + b"".join(parts)).hexdigest()
-
-
-def _write_private(path: Path, text: str, fsync: bool = False) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class Snapshot:
-    """A committed snapshot: its directory and its manifest."""
+    """A committed snapshot: its directory, its manifest and whether it may be trusted.
+
+    ``status`` is ``ok`` (signed by this node's key and valid), ``unsigned`` (written before
+    manifests were signed; ``jupyter gpu-snapshot trust`` signs it) or ``damaged``
+    (``problem`` says why). Only ``ok`` snapshots are ever restored.
+    """
 
     id: str
     path: Path
     manifest: dict[str, Any]
+    status: str = OK
+    problem: str | None = None
+
+    @property
+    def trusted(self) -> bool:
+        return self.status == OK
+
+    def _field(self, *keys: str) -> Any:
+        value: Any = self.manifest
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
 
     @property
     def name(self) -> str:
-        return str(self.manifest.get("name") or self.id)
+        value = self._field("name")
+        return value if isinstance(value, str) and value else self.id
 
     @property
     def created(self) -> float:
-        return float(self.manifest.get("created", 0.0))
+        value = self._field("created")
+        return float(value) if isinstance(value, (int, float)) else 0.0
 
     @property
     def size_bytes(self) -> int:
-        return sum(int(f["size"]) for f in self.manifest.get("files", {}).values())
+        files = self._field("files")
+        if not isinstance(files, dict):
+            return 0
+        return sum(int(f["size"]) for f in files.values()
+                   if isinstance(f, dict) and isinstance(f.get("size"), int))
 
     @property
     def notebook_path(self) -> str | None:
-        kernel = self.manifest.get("kernel", {})
-        value = kernel.get("notebook_path")
-        return str(value) if value else None
+        value = self._field("kernel", "notebook_path")
+        return value if isinstance(value, str) and value else None
 
     @property
     def connection_info(self) -> dict[str, Any]:
+        self.require_trusted()
         return dict(self.manifest["kernel"]["connection_info"])
+
+    def require_trusted(self, step: str = "verify") -> None:
+        if self.status == UNSIGNED:
+            raise SnapshotError(
+                step,
+                f"snapshot {self.id} is unsigned: {self.problem}",
+                hint="it was written before snapshots were signed. If you know where it came "
+                f"from, sign it with 'jupyter gpu-snapshot trust {self.id}'",
+            )
+        if self.status != OK:
+            raise SnapshotError(
+                step,
+                f"snapshot {self.id} is damaged and is not used: {self.problem}",
+                hint="delete it",
+            )
 
     def summary(self) -> dict[str, Any]:
         """What may be shown to clients: everything but the kernel's HMAC key."""
-        kernel = dict(self.manifest.get("kernel", {}))
-        info = dict(kernel.get("connection_info", {}))
+        kernel = self._field("kernel")
+        kernel = dict(kernel) if isinstance(kernel, dict) and self.status != DAMAGED else {}
+        info = kernel.get("connection_info")
+        info = dict(info) if isinstance(info, dict) else {}
         info.pop("key", None)
         kernel["connection_info"] = info
+
+        def shown(key: str, default: Any) -> Any:
+            return default if self.status == DAMAGED else self.manifest.get(key, default)
+
         return {
             "id": self.id,
-            "name": self.name,
+            "name": self.name if self.status != DAMAGED else self.id,
+            "status": self.status,
+            "problem": self.problem,
             "created": self.created,
             "created_iso": datetime.fromtimestamp(self.created, tz=timezone.utc).isoformat(),
             "size_bytes": self.size_bytes,
-            "host": self.manifest.get("host"),
-            "notebook_path": self.notebook_path,
+            "host": shown("host", None),
+            "notebook_path": self.notebook_path if self.status != DAMAGED else None,
             "kernel": kernel,
-            "reason": self.manifest.get("reason", "user"),
-            "timings": self.manifest.get("timings", {}),
-            "gpu": self.manifest.get("gpu"),
-            "versions": self.manifest.get("versions", {}),
-            "warnings": self.manifest.get("warnings", []),
-            "recovered": bool(self.manifest.get("recovered", False)),
+            "reason": shown("reason", "user"),
+            "timings": shown("timings", {}),
+            "gpu": shown("gpu", None),
+            "versions": shown("versions", {}),
+            "warnings": shown("warnings", []),
+            "recovered": bool(shown("recovered", False)),
         }
 
 
 class SnapshotStore:
-    """Snapshots on local disk under ``root``."""
+    """Snapshots on local disk under ``root``, signed with the key in ``key_file``."""
 
-    def __init__(self, root: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        root: Path | str | None = None,
+        key_file: Path | str | None = None,
+        policy: ManifestPolicy | None = None,
+    ) -> None:
         self.root = Path(root) if root is not None else default_store_dir()
+        self.key_file = Path(key_file) if key_file else default_key_file()
+        self.policy = policy or ManifestPolicy(kernel_log_dir=default_kernel_log_dir)
+        self._key: SigningKey | None = None
+        self._key_lock = threading.Lock()
         self.locks = StoreLocks(self.root)
 
+    @property
+    def key(self) -> SigningKey:
+        with self._key_lock:
+            if self._key is None:
+                self._key = SigningKey.load(self.key_file)
+            return self._key
+
     def ensure(self) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
+        """Create the store (0700 with its missing parents) and refuse it unless private."""
+        safe_fs.make_private_dirs(self.root)
+        safe_fs.require_private_dir(self.root)
         return self.root
+
+    @contextlib.contextmanager
+    def _root_fd(self, create: bool = True) -> Iterator[int | None]:
+        if not create and not os.path.lexists(self.root):
+            yield None
+            return
+        self.ensure()
+        # The configured path may be a link (the whole chain was checked); inside, never.
+        with safe_fs.opened_dir(os.path.realpath(self.root)) as fd:
+            yield fd
 
     # -- writing ---------------------------------------------------------------------------
     def begin(self, snapshot_id: str) -> Path:
@@ -213,21 +260,26 @@ class SnapshotStore:
         rename or the abort: that lock, not a file, is what marks the directory as owned.
         ``.owner`` says who for people (pid and start time: a pid alone may be reused).
         """
-        self.ensure()
-        partial = self.root / f"{PARTIAL_PREFIX}{snapshot_id}"
-        partial.mkdir(mode=0o700)
+        name = f"{PARTIAL_PREFIX}{snapshot_id}"
         me = psutil.Process()
         owner = {"pid": me.pid, "started": me.create_time(), "command": me.cmdline()[:4]}
-        _write_private(partial / OWNER_FILE, json.dumps(owner))
-        return partial
+        with self._root_fd() as root_fd:
+            assert root_fd is not None
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+            with safe_fs.opened_dir(name, root_fd) as fd:
+                os.fchmod(fd, 0o700)
+                safe_fs.write_new(OWNER_FILE, fd, json.dumps(owner).encode())
+        return self.root / name
 
     def write_draft(self, partial: Path, manifest: dict[str, Any]) -> None:
         """Keep the manifest (without digests) in ``partial`` before criu dumps into it."""
         draft = dict(manifest, format=FORMAT_VERSION, verified=False)
-        staged = partial / f"{DRAFT_FILE}.new"
-        staged.unlink(missing_ok=True)
-        _write_private(staged, json.dumps(draft, sort_keys=True), fsync=True)
-        os.replace(staged, partial / DRAFT_FILE)
+        staged = f"{DRAFT_FILE}.new"
+        with self._root_fd() as root_fd, safe_fs.opened_dir(partial.name, root_fd) as dfd:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged, dir_fd=dfd)
+            safe_fs.write_new(staged, dfd, json.dumps(draft, sort_keys=True).encode())
+            os.replace(staged, DRAFT_FILE, src_dir_fd=dfd, dst_dir_fd=dfd)
 
     def commit(
         self,
@@ -235,97 +287,156 @@ class SnapshotStore:
         manifest: dict[str, Any],
         progress: ProgressFn | None = None,
     ) -> Snapshot:
-        """Checksum, fsync and atomically publish ``partial`` as a snapshot.
+        """Digest (on all cores), sign, fsync and atomically publish ``partial``.
 
         The caller holds the snapshot's lock, and the name's lock when it chose the name;
         the name is checked again here, right before the rename.
         """
         snapshot_id = manifest["id"]
-        files = sorted(
-            p for p in partial.iterdir()
-            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
-        )
-        total = sum(p.stat().st_size for p in files)
-        done = 0
+        with self._root_fd() as root_fd, safe_fs.opened_dir(partial.name, root_fd) as dfd:
+            assert root_fd is not None
+            # Dot files are the save's bookkeeping (owner, draft, dump marker), no image.
+            images = sorted(n for n in os.listdir(dfd) if not n.startswith(".") and n != MANIFEST)
+            opened = _open_files(dfd, images, "commit")
+            try:
+                for fd, _ in opened.values():
+                    os.fchmod(fd, 0o600)
+                algorithm = digest.preferred_algorithm()
+                digests = digest.digest_files(
+                    list(opened.values()), algorithm, _counter(progress, opened)
+                )
+                for fd, _ in opened.values():
+                    os.fsync(fd)
+            finally:
+                for fd, _ in opened.values():
+                    os.close(fd)
+            files = {
+                name: {"size": size, "digest": d}
+                for (name, (_, size)), d in zip(opened.items(), digests, strict=True)
+            }
+            manifest = dict(manifest, format=FORMAT_VERSION, digest=algorithm, files=files)
+            manifest.pop("verified", None)
+            name = manifest.get("name")
+            if name and self.find_name(str(name)) is not None:
+                raise InvalidRequest(
+                    "commit",
+                    f"a snapshot named {name!r} was committed meanwhile",
+                    hint="pick another name, or delete the old one first",
+                )
+            signed = self._sign(manifest, snapshot_id, "commit")
+            safe_fs.write_new(MANIFEST, dfd, _encode(signed))
+            # Bookkeeping of the save goes last: until the rename, the lock says who owns it.
+            for hidden in os.listdir(dfd):
+                if hidden.startswith("."):
+                    os.unlink(hidden, dir_fd=dfd)
+            os.fchmod(dfd, 0o700)
+            os.fsync(dfd)
+            os.rename(partial.name, snapshot_id, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+            os.fsync(root_fd)
+        return Snapshot(snapshot_id, self.root / snapshot_id, signed)
 
-        def advance(n: int) -> None:
-            nonlocal done
-            done += n
-            if progress:
-                progress(done, total)
-
-        entries: dict[str, dict[str, Any]] = {}
-        for path in files:
-            os.chmod(path, 0o600)
-            entries[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path, advance)}
-            _fsync_path(path)
-        manifest = dict(manifest, format=FORMAT_VERSION, files=entries)
-        manifest.pop("verified", None)
-        name = manifest.get("name")
-        if name and self.find_name(str(name)) is not None:
-            raise InvalidRequest(
-                "commit",
-                f"a snapshot named {name!r} was committed meanwhile",
-                hint="pick another name, or delete the old one first",
-            )
-        manifest_path = partial / MANIFEST
-        fd = os.open(manifest_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(partial, 0o700)
-        # Bookkeeping of the save goes last: until the rename, the lock says who owns it.
-        for hidden in partial.iterdir():
-            if hidden.name.startswith("."):
-                hidden.unlink()
-        _fsync_path(partial)
-        final = self.root / snapshot_id
-        os.rename(partial, final)
-        _fsync_path(self.root)
-        return Snapshot(snapshot_id, final, manifest)
+    def _sign(self, manifest: dict[str, Any], snapshot_id: str, step: str) -> dict[str, Any]:
+        kernel = dict(manifest.get("kernel") or {})
+        info = kernel.get("connection_info") or {}
+        kernel["connection_info"] = {k: v for k, v in info.items() if k in CONNECTION_KEYS}
+        manifest = dict(manifest, kernel=kernel)
+        manifest["signature"] = self.key.sign(manifest)
+        # Never write what this store would refuse to read back.
+        problem = manifest_problem(manifest, snapshot_id, self.policy)
+        if problem:
+            raise SnapshotError(step, f"the manifest of {snapshot_id} would be invalid: {problem}")
+        return manifest
 
     def abort(self, partial: Path) -> None:
-        shutil.rmtree(partial, ignore_errors=True)
+        with contextlib.suppress(OSError), self._root_fd(create=False) as root_fd:
+            if root_fd is not None:
+                safe_fs.remove_at(partial.name, root_fd)
+
+    def keep_log(self, source: Path, label: str) -> Path:
+        """Copy a failed run's criu log into the store's ``logs/`` (never through a link)."""
+        with self._root_fd() as root_fd:
+            assert root_fd is not None
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(LOGS_DIR, 0o700, dir_fd=root_fd)
+            with safe_fs.opened_dir(LOGS_DIR, root_fd) as logs_fd:
+                name = f"{time.strftime('%Y%m%dT%H%M%S')}-{label}-{secrets.token_hex(2)}.log"
+                safe_fs.write_new(name, logs_fd, source.read_bytes()[-(4 << 20):])
+        return self.root / LOGS_DIR / name
 
     # -- reading ---------------------------------------------------------------------------
-    def _load(self, path: Path) -> Snapshot | None:
+    def _load(self, root_fd: int, name: str) -> Snapshot | None:
+        """The snapshot in directory ``name``, with its status; None for what is no snapshot
+        (a symlink, a file, a directory gone meanwhile)."""
+        path = self.root / name
+        if safe_fs.entry_kind(name, root_fd) != "dir":
+            return None
         try:
-            with open(path / MANIFEST) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(manifest, dict) or manifest.get("id") != path.name:
-            return None
-        return Snapshot(path.name, path, manifest)
+            with safe_fs.opened_dir(name, root_fd) as fd:
+                raw = safe_fs.read_small(MANIFEST, fd, MAX_MANIFEST_BYTES)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT and not os.path.lexists(path):
+                return None  # deleted meanwhile
+            return Snapshot(name, path, {}, DAMAGED, f"manifest unreadable: {exc}")
+        try:
+            manifest = json.loads(raw)
+        except ValueError as exc:
+            return Snapshot(name, path, {}, DAMAGED, f"manifest is no JSON: {exc}")
+        if not isinstance(manifest, dict):
+            return Snapshot(name, path, {}, DAMAGED, "manifest is no JSON object")
+        if "signature" not in manifest and manifest.get("format") == LEGACY_FORMAT:
+            return Snapshot(name, path, manifest, UNSIGNED, "its manifest carries no signature")
+        signature_problem = self.key.problem(manifest)
+        if signature_problem:
+            return Snapshot(name, path, {}, DAMAGED, f"not written by this node: "
+                            f"{signature_problem}")
+        problem = manifest_problem(manifest, name, self.policy)
+        if problem:
+            return Snapshot(name, path, {}, DAMAGED, problem)
+        return Snapshot(name, path, manifest)
 
     def _iter(self) -> Iterator[Snapshot]:
-        if not self.root.is_dir():
-            return
-        for entry in self.root.iterdir():
-            if entry.name.startswith(".") or not is_snapshot_id(entry.name):
-                continue
-            snapshot = self._load(entry)
-            if snapshot is not None:
-                yield snapshot
+        with self._root_fd(create=False) as root_fd:
+            if root_fd is None:
+                return
+            for name in sorted(os.listdir(root_fd)):
+                if is_snapshot_id(name):
+                    snapshot = self._load(root_fd, name)
+                    if snapshot is not None:
+                        yield snapshot
 
-    def list(self, notebook_path: str | None = None) -> list[Snapshot]:
-        """Committed snapshots, oldest first; optionally only one notebook's."""
-        found = [
-            s for s in self._iter() if notebook_path is None or s.notebook_path == notebook_path
-        ]
+    def catalog(self, notebook_path: str | None = None) -> builtins.list[Snapshot]:
+        """Every snapshot, whatever its status, oldest first (for listings people read).
+
+        With ``notebook_path``, only that notebook's (damaged ones name no notebook).
+        """
+        found = [s for s in self._iter() if notebook_path is None
+                 or (s.status != DAMAGED and s.notebook_path == notebook_path)]
         return sorted(found, key=lambda s: (s.created, s.id))
 
+    def list(self, notebook_path: str | None = None) -> builtins.list[Snapshot]:
+        """Trusted snapshots, oldest first; optionally only one notebook's."""
+        return [s for s in self.catalog(notebook_path) if s.trusted]
+
     def find_name(self, name: str) -> Snapshot | None:
-        return next((s for s in self._iter() if s.manifest.get("name") == name), None)
+        return next((s for s in self._iter() if s.trusted and s.name == name), None)
 
     def get(self, ref: str) -> Snapshot:
-        """A snapshot by id or by name."""
+        """A snapshot by id (whatever its status) or by name (trusted ones only)."""
+        found: Snapshot | None = None
         if not is_snapshot_id(ref):
             validate_name(ref)
             found = self.find_name(ref)
         else:
-            found = self._load(self.root / ref)
+            with self._root_fd(create=False) as root_fd:
+                if root_fd is not None:
+                    if safe_fs.entry_kind(ref, root_fd) == "symlink":
+                        raise NotFound(
+                            "lookup",
+                            f"{self.root / ref} is a symbolic link, not a snapshot; it is "
+                            "never followed",
+                            hint="remove the link",
+                        )
+                    found = self._load(root_fd, ref)
         if found is None:
             raise NotFound(
                 "lookup",
@@ -335,50 +446,86 @@ class SnapshotStore:
         return found
 
     def delete(self, ref: str) -> Snapshot:
-        """Remove a snapshot; ``Busy`` while another process restores it."""
+        """Delete by name (trusted snapshots) or by id (any, damaged ones included).
+
+        ``Busy`` while another process restores it.
+        """
         snapshot = self.get(ref)
         with self.locks.hold(
             snapshot_lock_key(snapshot.id), f"snapshot {snapshot.name} ({snapshot.id})", "delete",
             note="delete",
-        ):
+        ), self._root_fd() as root_fd:
+            assert root_fd is not None
             # Renaming first takes it out of every listing at once, even if removal is slow.
-            doomed = self.root / f"{DELETING_PREFIX}{snapshot.id}"
+            doomed = f"{DELETING_PREFIX}{snapshot.id}"
             try:
-                os.rename(snapshot.path, doomed)
+                os.rename(snapshot.id, doomed, src_dir_fd=root_fd, dst_dir_fd=root_fd)
             except FileNotFoundError:
                 raise NotFound("delete", f"snapshot {snapshot.id} was deleted meanwhile") from None
-        shutil.rmtree(doomed, ignore_errors=True)
+            safe_fs.remove_at(doomed, root_fd)
         return snapshot
 
-    def verify(self, snapshot: Snapshot, progress: ProgressFn | None = None) -> None:
-        """Check every file's size and sha256 against the manifest before a restore."""
-        if snapshot.manifest.get("format") != FORMAT_VERSION:
+    def reload(self, snapshot: Snapshot) -> Snapshot:
+        """``snapshot`` read again from disk, refused unless trusted (a restore's first step)."""
+        fresh = self.get(snapshot.id)
+        fresh.require_trusted()
+        problem = kernel_problem(fresh.manifest, self.policy)
+        if problem:
             raise SnapshotError(
-                "verify",
-                f"snapshot {snapshot.id} has manifest format {snapshot.manifest.get('format')!r}, "
-                f"this version reads format {FORMAT_VERSION}",
+                "preflight",
+                f"snapshot {fresh.id} cannot be restored here: {problem}",
+                hint="install the snapshot-ready kernelspec "
+                "('jupyter gpu-snapshot kernelspec install')",
             )
-        files: dict[str, dict[str, Any]] = snapshot.manifest.get("files", {})
-        if not files:
-            raise SnapshotError("verify", f"snapshot {snapshot.id} lists no image files")
-        present = {p.name for p in snapshot.path.iterdir() if p.name != MANIFEST}
-        extra = present - set(files)
-        if extra:
-            raise SnapshotError(
-                "verify", f"snapshot {snapshot.id} has unexpected files: {', '.join(sorted(extra))}"
-            )
-        for name, entry in files.items():
-            path = snapshot.path / name
-            if not path.is_file():
-                raise SnapshotError("verify", f"image file {name} of {snapshot.id} is missing")
-            if path.stat().st_size != entry["size"]:
+        return fresh
+
+    @contextlib.contextmanager
+    def opened_images(self, snapshot: Snapshot) -> Iterator[builtins.list[tuple[int, int]]]:
+        """The image files as ``(fd, size)``, once the directory holds exactly the files the
+        manifest lists, each a regular file of the listed size."""
+        snapshot.require_trusted()
+        files: dict[str, dict[str, Any]] = snapshot.manifest["files"]
+        with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
+            present = set(os.listdir(dfd)) - {MANIFEST}
+            extra = present - set(files)
+            if extra:
                 raise SnapshotError(
                     "verify",
-                    f"image file {name} of {snapshot.id} has {path.stat().st_size} bytes, "
-                    f"the manifest says {entry['size']}",
+                    f"snapshot {snapshot.id} has unexpected files: {', '.join(sorted(extra))}",
+                    hint="the snapshot is damaged or was altered; delete it",
+                )
+            missing = set(files) - present
+            if missing:
+                raise SnapshotError(
+                    "verify", f"image file {sorted(missing)[0]} of {snapshot.id} is missing",
                     hint="the snapshot is damaged; delete it",
                 )
-        total = sum(int(e["size"]) for e in files.values())
+            opened = _open_files(dfd, sorted(files), "verify")
+            try:
+                for name, (_, size) in opened.items():
+                    if size != files[name]["size"]:
+                        raise SnapshotError(
+                            "verify",
+                            f"image file {name} of {snapshot.id} has {size} bytes, "
+                            f"the manifest says {files[name]['size']}",
+                            hint="the snapshot is damaged or was altered; delete it",
+                        )
+                yield list(opened.values())
+            finally:
+                for fd, _ in opened.values():
+                    os.close(fd)
+
+    def check_digests(
+        self,
+        snapshot: Snapshot,
+        images: builtins.list[tuple[int, int]],
+        progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        """Compare the digests of ``images`` (from ``opened_images``) with the manifest."""
+        names = sorted(snapshot.manifest["files"])
+        expected = [snapshot.manifest["files"][n]["digest"] for n in names]
+        total = sum(size for _, size in images)
         done = 0
 
         def advance(n: int) -> None:
@@ -387,22 +534,172 @@ class SnapshotStore:
             if progress:
                 progress(done, total)
 
-        for name, entry in files.items():
-            if sha256_file(snapshot.path / name, advance) != entry["sha256"]:
+        algorithm = snapshot.manifest["digest"]
+        try:
+            actual = digest.digest_files(images, algorithm, advance, cancel)
+        except OSError as exc:
+            raise SnapshotError(
+                "verify", f"cannot read the images of {snapshot.id}: {exc}",
+                hint="the snapshot is damaged; delete it",
+            ) from exc
+        for name, want, got in zip(names, expected, actual, strict=True):
+            if want != got:
                 raise SnapshotError(
                     "verify",
-                    f"image file {name} of {snapshot.id} does not match its sha256",
+                    f"image file {name} of {snapshot.id} does not match its {algorithm} digest",
                     hint="the snapshot is damaged or was altered; delete it",
                 )
 
+    def verify(self, snapshot: Snapshot, progress: ProgressFn | None = None) -> None:
+        """Check the signature, the file list, every size and every digest."""
+        snapshot = self.reload(snapshot)
+        with self.opened_images(snapshot) as images:
+            self.check_digests(snapshot, images, progress)
+
+    def prepare_log_files(self, snapshot: Snapshot) -> None:
+        """Create the kernel's log files that CRIU will reopen, in the kernel-log directory
+        only (the manifest's check put them there), never through a link."""
+        snapshot.require_trusted()
+        for path in snapshot.manifest["kernel"]["log_files"]:
+            parent, name = os.path.split(path)
+            safe_fs.make_private_dirs(Path(parent))
+            with safe_fs.opened_dir(parent) as dfd:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+                os.close(fd)
+
+    # -- trust -----------------------------------------------------------------------------
+    def trust(self, snapshot_id: str, progress: ProgressFn | None = None) -> Snapshot:
+        """Sign an unsigned snapshot with this node's key, once its old checksums match.
+
+        Called by ``jupyter gpu-snapshot trust`` after the user was warned: it is the one way
+        a snapshot this node did not write becomes restorable.
+        """
+        snapshot = self.get(snapshot_id)
+        if snapshot.status != UNSIGNED:
+            raise InvalidRequest(
+                "trust",
+                f"snapshot {snapshot.id} is {snapshot.status}"
+                + (f": {snapshot.problem}" if snapshot.problem else ""),
+                hint="only unsigned snapshots (written before signing) can be trusted",
+            )
+        legacy = snapshot.manifest
+        files = legacy.get("files")
+        if not isinstance(files, dict) or not files:
+            raise SnapshotError("trust", f"snapshot {snapshot.id} lists no files")
+        with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
+            assert root_fd is not None
+            present = set(os.listdir(dfd)) - {MANIFEST}
+            if present != set(files):
+                raise SnapshotError(
+                    "trust", f"snapshot {snapshot.id}'s files differ from its manifest's list"
+                )
+            opened = _open_files(dfd, sorted(files), "trust")
+            try:
+                for name, (fd, size) in opened.items():
+                    entry = files[name]
+                    if not isinstance(entry, dict) or entry.get("size") != size or (
+                        _legacy_sha256(fd, size) != entry.get("sha256")
+                    ):
+                        raise SnapshotError(
+                            "trust",
+                            f"image file {name} of {snapshot.id} does not match its sha256",
+                            hint="the snapshot is damaged or was altered; delete it",
+                        )
+                algorithm = digest.preferred_algorithm()
+                digests = digest.digest_files(
+                    list(opened.values()), algorithm, _counter(progress, opened)
+                )
+            finally:
+                for fd, _ in opened.values():
+                    os.close(fd)
+            manifest = {k: v for k, v in legacy.items() if k not in ("files", "sha256")}
+            manifest.update(
+                format=FORMAT_VERSION,
+                digest=algorithm,
+                files={n: {"size": s, "digest": d}
+                       for (n, (_, s)), d in zip(opened.items(), digests, strict=True)},
+            )
+            signed = self._sign(manifest, snapshot.id, "trust")
+            tmp = f".{MANIFEST}.{secrets.token_hex(4)}"
+            safe_fs.write_new(tmp, dfd, _encode(signed))
+            os.rename(tmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+        return Snapshot(snapshot.id, snapshot.path, signed)
+
     # -- housekeeping ----------------------------------------------------------------------
+    def audit(self) -> builtins.list[str]:
+        """Everything unsafe about the store, for ``jupyter gpu-snapshot check``."""
+        if not os.path.lexists(self.root):
+            return []
+        problems = safe_fs.chain_problems(self.root)
+        if problems:
+            return problems
+        with safe_fs.opened_dir(os.path.realpath(self.root)) as root_fd:
+            for name in sorted(os.listdir(root_fd)):
+                if safe_fs.entry_kind(name, root_fd) == "symlink":
+                    problems.append(f"{self.root / name} is a symbolic link (never followed)")
+        return problems
+
     def clean_stale(self) -> builtins.list[Path]:
         """Finish or remove what saves whose process died left behind; see ``recovery``."""
         from .recovery import recover_store
 
         return recover_store(self).removed
 
-
     def free_bytes(self) -> int:
         self.ensure()
-        return shutil.disk_usage(self.root).free
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+
+def _encode(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=2, sort_keys=True).encode()
+
+
+def _open_files(dfd: int, names: builtins.list[str], step: str) -> dict[str, tuple[int, int]]:
+    opened: dict[str, tuple[int, int]] = {}
+    try:
+        for name in names:
+            try:
+                opened[name] = safe_fs.open_regular(name, dfd)
+            except OSError as exc:
+                raise SnapshotError(
+                    step, f"{name} is not a regular file of the snapshot: {exc}",
+                    hint="the snapshot is damaged or was altered; delete it",
+                ) from exc
+    except BaseException:
+        for fd, _ in opened.values():
+            os.close(fd)
+        raise
+    return opened
+
+
+def _counter(
+    progress: ProgressFn | None, opened: dict[str, tuple[int, int]]
+) -> Callable[[int], None]:
+    total = sum(size for _, size in opened.values())
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress(done, total)
+
+    return advance
+
+
+def _legacy_sha256(fd: int, size: int) -> str:
+    """The checksum format-1 manifests carry: plain sha256, or a 64 MiB chunk tree above."""
+    if size > digest.TREE_CHUNK:
+        return digest.digest_files([(fd, size)], digest.SHA256_TREE)[0]
+    h = hashlib.sha256()
+    offset = 0
+    while offset < size:
+        data = os.pread(fd, 8 << 20, offset)
+        if not data:
+            break
+        h.update(data)
+        offset += len(data)
+    return h.hexdigest()

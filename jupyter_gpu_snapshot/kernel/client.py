@@ -314,12 +314,11 @@ class SnapshotClient:
 
     def session(self) -> Json | None:
         """This kernel's session (the notebook it serves), found by kernel id."""
+        # Through the extension: this kernel's credential does not open the server's API.
         kid = self.kernel_id
-        sessions = self.request("GET", "api/sessions", step="find this notebook") or []
-        for session in sessions:
-            if (session.get("kernel") or {}).get("id") == kid:
-                return dict(session)
-        return None
+        answer = self.api("GET", f"kernels/{_q(kid)}/session", step="find this notebook")
+        session = (answer or {}).get("session")
+        return dict(session) if session else None
 
     def wait(
         self,

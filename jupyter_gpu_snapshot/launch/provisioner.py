@@ -30,6 +30,7 @@ from traitlets import Unicode
 
 from .._constants import ENV_KERNEL_ID, ENV_TOKEN, ENV_URL, KERNEL_ENV_NAMES
 from ..core import procfs
+from .kernel_token import kernel_token
 
 NSINIT = Path(__file__).with_name("nsinit.py")
 # Kernel start must fail loudly, not hang, if the namespace init never shows up.
@@ -155,6 +156,14 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         Set by the server extension when it loads, like server_url.""",
     )
 
+    kernel_token_secret = Unicode(
+        "",
+        config=True,
+        help="""Secret (hex) from which each kernel's own credential is derived
+        (launch/kernel_token.py); it never enters a kernel. Set by the server extension when
+        it loads. When set, kernels get that credential instead of server_token.""",
+    )
+
     root_pid: int | None = None
     log_path: Path | None = None
     adopted_snapshot: str | None = None
@@ -165,9 +174,12 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         """The variables that tell a kernel which server and kernel slot it belongs to."""
         if not self.server_url:
             return {}
+        token = self.server_token
+        if self.kernel_token_secret:
+            token = kernel_token(self.kernel_token_secret, str(self.kernel_id))
         return {
             ENV_URL: self.server_url,
-            ENV_TOKEN: self.server_token,
+            ENV_TOKEN: token,
             ENV_KERNEL_ID: str(self.kernel_id),
         }
 

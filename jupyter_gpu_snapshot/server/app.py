@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import secrets
 import urllib.parse
 from pathlib import Path
 
@@ -69,12 +70,15 @@ class GPUSnapshotApp(ExtensionApp):
     _stopping: asyncio.Future[None] | None = None
     _user_provisioner_config: dict[str, str] | None = None
     kernel_record: KernelRecord | None = None
+    # Derives each kernel's credential; made per server start, kept in this process only.
+    kernel_token_secret: str = ""
 
     def initialize_settings(self) -> None:
         """Called by ``ExtensionApp.initialize()`` when the server loads the extension."""
         assert self.serverapp is not None
         serverapp = self.serverapp
         self.gpu_settings = settings = GPUSnapshot(parent=self)
+        self.kernel_token_secret = secrets.token_hex(32)
         engine = make_engine(settings)
         self._recover(engine.store)
         assert serverapp.event_logger is not None
@@ -120,7 +124,7 @@ class GPUSnapshotApp(ExtensionApp):
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
         assert self.service is not None
-        self.handlers.extend(routes(self.service))
+        self.handlers.extend(routes(self.service, self.kernel_token_secret))
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         """Called once the server listens: the port is final only now (port retries).
@@ -162,9 +166,13 @@ class GPUSnapshotApp(ExtensionApp):
             }
         values = {
             "server_url": kernel_facing_url(serverapp),
-            "server_token": getattr(serverapp.identity_provider, "token", "") or "",
+            # Kernels get a credential of their own (kernel_token), never the server's token.
+            "server_token": "",
+            "kernel_token_secret": self.kernel_token_secret,
             **self._user_provisioner_config,
         }
+        if "server_token" in self._user_provisioner_config:
+            values["kernel_token_secret"] = ""  # the operator chose what kernels get
         serverapp.kernel_manager.update_config(Config({"SnapshotReadyProvisioner": values}))
 
     def _emit_job(self, job: Job) -> None:

@@ -11,9 +11,12 @@ default check).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from jupyter_core.utils import ensure_async
+from jupyter_server.auth import User
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
@@ -21,6 +24,7 @@ from tornado import web
 
 from .._constants import API_PREFIX
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, PortsInUse, SnapshotError
+from ..launch.kernel_token import kernel_of_token
 from .jobs import JOB_ID_PATTERN
 from .service import SnapshotService
 
@@ -30,6 +34,7 @@ KERNEL_ID = r"(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)"
 SNAPSHOT_REF = r"(?P<ref>[^/]+)"
 
 AUTH_RESOURCE = "kernels"
+_TOKEN_HEADER = re.compile(r"(?:token|bearer)\s+(.+)", re.IGNORECASE)
 
 STATUS_OF: tuple[tuple[type[SnapshotError], int], ...] = (
     (InvalidRequest, 400),
@@ -50,14 +55,55 @@ def status_of(error: SnapshotError) -> int:
     return next(code for cls, code in STATUS_OF if isinstance(error, cls))
 
 
+class KernelScopedIdentity:
+    """The server's identity provider, plus the credentials of snapshot-ready kernels.
+
+    A kernel's credential (``launch/kernel_token.py``) is accepted here only, by the
+    extension's handlers; the handler then limits it to that kernel (``require_kernel``).
+    Everything else goes to the server's own provider.
+    """
+
+    def __init__(self, inner: Any, handler: SnapshotAPIHandler) -> None:
+        self._inner = inner
+        self._handler = handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def get_user(self, handler: Any) -> User | None:
+        kernel_id = self._handler.kernel_scope
+        if kernel_id is not None:
+            return User(username=f"kernel-{kernel_id}", name=f"kernel {kernel_id}")
+        return cast("User | None", await ensure_async(self._inner.get_user(handler)))
+
+    def is_token_authenticated(self, handler: Any) -> bool:
+        return self._handler.kernel_scope is not None or bool(
+            self._inner.is_token_authenticated(handler)
+        )
+
+
 class SnapshotAPIHandler(APIHandler):
     """Base of the handlers: the service, JSON bodies, and the error mapping."""
 
     auth_resource = AUTH_RESOURCE
     service: SnapshotService
+    # The kernel whose own credential authenticated this request, if one did.
+    kernel_scope: str | None = None
 
-    def initialize(self, service: SnapshotService) -> None:
+    def initialize(self, service: SnapshotService, kernel_secret: str = "") -> None:
         self.service = service
+        match = _TOKEN_HEADER.match(self.request.headers.get("Authorization", ""))
+        if match and kernel_secret:
+            self.kernel_scope = kernel_of_token(kernel_secret, match.group(1).strip())
+
+    @property
+    def identity_provider(self) -> Any:
+        return KernelScopedIdentity(super().identity_provider, self)
+
+    def require_kernel(self, kernel_id: str | None) -> None:
+        """Refuse a kernel's credential for anything but its own kernel's routes."""
+        if self.kernel_scope is not None and kernel_id != self.kernel_scope:
+            raise web.HTTPError(403, "a kernel's credential is valid for its own kernel only")
 
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -148,6 +194,14 @@ class RestoreHandler(JobCreatingHandler):
     @authorized_to_execute
     async def post(self, ref: str) -> None:
         body = self.json_body({"path": str, "session_id": str})
+        if self.kernel_scope is not None:
+            # A kernel may switch its own notebook to a restored kernel, never another's.
+            session_id, path = body.get("session_id"), body.get("path")
+            if session_id:
+                self.require_kernel(await self.service.session_kernel_id(session_id))
+            elif path:
+                owner = await self.service.session_kernel_id_at(path)
+                self.require_kernel(owner or self.kernel_scope)
         job = await self.service.start_restore(
             ref, path=body.get("path") or None, session_id=body.get("session_id") or None
         )
@@ -160,6 +214,7 @@ class KernelSnapshotsHandler(JobCreatingHandler):
     @web.authenticated
     @authorized_to_execute
     async def post(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
         body = self.json_body({"name": str, "stop": bool})
         job = await self.service.start_save(
             kernel_id, name=body.get("name") or None, stop=bool(body.get("stop"))
@@ -173,7 +228,21 @@ class KernelStatusHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
         self.write_json(await self.service.kernel_status(kernel_id))
+
+
+class KernelSessionHandler(SnapshotAPIHandler):
+    """``GET kernels/{kernel_id}/session``: the session (notebook) the kernel serves, or null.
+
+    What a kernel's own credential may know of the server's sessions.
+    """
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
+        self.write_json({"session": await self.service.session_of_kernel(kernel_id)})
 
 
 class JobsHandler(SnapshotAPIHandler):
@@ -183,6 +252,8 @@ class JobsHandler(SnapshotAPIHandler):
     @authorized
     async def get(self) -> None:
         kernel_id = self.get_query_argument("kernel_id", None)
+        if self.kernel_scope is not None:
+            self.require_kernel(kernel_id)
         self.write_json({"jobs": [j.to_dict() for j in self.service.jobs.recent(kernel_id)]})
 
 
@@ -195,15 +266,21 @@ class JobHandler(SnapshotAPIHandler):
         self.write_json(self.service.jobs.get(job_id).to_dict())
 
 
-def routes(service: SnapshotService) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
-    """URL patterns relative to the server's base_url (the extension app prepends it)."""
-    kwargs = {"service": service}
+def routes(
+    service: SnapshotService, kernel_secret: str = ""
+) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
+    """URL patterns relative to the server's base_url (the extension app prepends it).
+
+    ``kernel_secret`` derives the kernels' own credentials (``launch/kernel_token.py``).
+    """
+    kwargs = {"service": service, "kernel_secret": kernel_secret}
     table: list[tuple[str, type[SnapshotAPIHandler]]] = [
         (r"snapshots", SnapshotsHandler),
         (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler),
         (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler),
         (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler),
         (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler),
+        (rf"kernels/{KERNEL_ID}/session", KernelSessionHandler),
         (r"jobs", JobsHandler),
         (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler),
     ]

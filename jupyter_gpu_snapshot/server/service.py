@@ -79,9 +79,10 @@ class SnapshotService:
 
     # -- snapshots -------------------------------------------------------------------------
     # The engine reads and removes files: every call of it runs in a worker thread, so the
-    # event loop answers other requests meanwhile.
+    # event loop answers other requests meanwhile. Unsigned and damaged snapshots are shown
+    # too, with their status and problem.
     async def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
-        found = await asyncio.to_thread(self.engine.list, notebook_path)
+        found = await asyncio.to_thread(self.engine.catalog, notebook_path)
         return [s.summary() for s in found]
 
     async def store_usage(self) -> dict[str, Any]:
@@ -263,6 +264,8 @@ class SnapshotService:
     ) -> Job:
         """Validate the request and start a restore job into a new kernel slot."""
         snapshot = await asyncio.to_thread(self.engine.get, ref)
+        if path is not None:
+            path = await self._contents_path(path)
         session = None
         if session_id is not None:
             session = await self._session(session_id=session_id)
@@ -279,6 +282,38 @@ class SnapshotService:
             keys.append(kernel_key(session["kernel"]["id"]))
         job = Job("restore", new_kernel_id, snapshot.id)
         return self.jobs.start(job, keys, lambda j: self._restore(j, snapshot, session, path))
+
+    async def _contents_path(self, path: str) -> str:
+        """``path`` as an API path inside the contents root; what /api/sessions accepts."""
+        api_path = path.strip("/")
+        refused = ".." in api_path.split("/") or "\0" in api_path
+        cause = "it leaves the contents root"
+        if not refused and self.contents_manager is not None:
+            try:
+                await ensure_async(self.contents_manager.get_kernel_path(path=api_path))
+            except web.HTTPError as exc:
+                refused, cause = True, str(exc.log_message or exc)
+        if refused:
+            raise InvalidRequest(
+                "preflight",
+                f"notebook path {path!r} is refused: {cause}",
+                hint="give a path relative to the server's root, as /api/sessions takes it",
+            )
+        return api_path
+
+    async def session_kernel_id(self, session_id: str) -> str | None:
+        """The id of the kernel session ``session_id`` uses, or None."""
+        session = await self._session(session_id=session_id)
+        return str(session["kernel"]["id"]) if session and session.get("kernel") else None
+
+    async def session_kernel_id_at(self, path: str) -> str | None:
+        """The id of the kernel the session of notebook ``path`` uses, or None."""
+        session = await self._session(path=path.strip("/"))
+        return str(session["kernel"]["id"]) if session and session.get("kernel") else None
+
+    async def session_of_kernel(self, kernel_id: str) -> dict[str, Any] | None:
+        """The session that uses kernel ``kernel_id``, or None."""
+        return await self._session(kernel_id=kernel_id)
 
     async def _session(self, **query: str) -> dict[str, Any] | None:
         if self.session_manager is None:

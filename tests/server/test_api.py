@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,6 +127,20 @@ async def test_traversal_and_bad_names_are_refused(api: Api, http_server_client:
         if response.code == 400:
             assert "invalid snapshot name" in json.loads(response.body)["message"]
     assert [s["name"] for s in await api.snapshots()] == ["x"]
+    assert await api.kernel_ids() == [kernel_id]
+
+
+@pytest.mark.parametrize(
+    "path", ["../../../etc/passwd.ipynb", "/../etc/x.ipynb", "a/../../b.ipynb"]
+)
+async def test_restore_paths_outside_the_root_are_400(api: Api, path: str):
+    kernel_id = await api.start_kernel()
+    saved = await api.succeeded(await api.save(kernel_id, name="here"))
+    code, body = await api.call(
+        "POST", *SNAPSHOTS, saved["snapshot_id"], "restore", body={"path": path}
+    )
+    assert code == 400 and "is refused" in body["message"], body
+    assert await api.ok("GET", "api", "sessions") == []
     assert await api.kernel_ids() == [kernel_id]
 
 
@@ -267,3 +282,26 @@ async def test_job_events_reach_event_stream_subscribers(api: Api, jp_ws_fetch: 
     stream.close()
     assert event["status"] == "succeeded" and event["result"]["id"] == event["snapshot_id"]
     assert phases[-1] == "done" and "dump" in phases
+
+
+async def test_damaged_and_linked_snapshots_never_break_the_listing(
+    api: Api, store_dir: Path, tmp_path: Path
+):
+    kernel_id = await api.start_kernel()
+    good = (await api.succeeded(await api.save(kernel_id, name="good")))["snapshot_id"]
+    bad = (await api.succeeded(await api.save(kernel_id, name="bad")))["snapshot_id"]
+    manifest = store_dir / bad / "manifest.json"
+    edited = json.loads(manifest.read_text())
+    edited["kernel"]["connection_info"]["transport"] = "ipc"
+    manifest.write_text(json.dumps(edited))
+    (store_dir / "20250101T000000Z-0000abcd").symlink_to(tmp_path)
+    listed = {s["id"]: s for s in await api.snapshots()}
+    assert set(listed) == {good, bad}
+    assert listed[good]["status"] == "ok" and listed[good]["problem"] is None
+    assert listed[bad]["status"] == "damaged" and "altered" in listed[bad]["problem"]
+    job = await api.wait(await api.restore(bad, path="bad.ipynb"))
+    assert job["status"] == "failed" and "damaged" in job["error"]["cause"]
+    code, _ = await api.call("DELETE", *SNAPSHOTS, "20250101T000000Z-0000abcd")
+    assert code == 404 and (store_dir / "20250101T000000Z-0000abcd").is_symlink()
+    await api.ok("DELETE", *SNAPSHOTS, bad, expect=204)
+    assert [s["id"] for s in await api.snapshots()] == [good]

@@ -11,6 +11,7 @@ import pytest
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
 
+from ..test_store import CONNECTION
 from .conftest import Api, KernelConnector
 
 
@@ -123,7 +124,9 @@ class TestStartup:
         store = SnapshotStore(tmp_path / "snapshots")
         partial = store.begin(new_snapshot_id())
         (partial / "pages-1.img").write_bytes(b"a whole dump")
-        kept = store.commit(partial, {"id": partial.name.split("-", 1)[1], "name": "kept"})
+        kernel = {"name": "python3-snapshot", "connection_info": CONNECTION, "log_files": []}
+        kept = store.commit(partial, {"id": partial.name.split("-", 1)[1], "name": "kept",
+                                      "created": 1.0, "kernel": kernel})
         stale = store.root / ".partial-20260101T000000Z-0badc0de"
         stale.mkdir()
         (stale / ".owner").write_text("999999999")

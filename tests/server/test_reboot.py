@@ -21,6 +21,7 @@ from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest, HTTPResponse
 from tornado.websocket import websocket_connect
 
+from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import Api, KernelSocket
@@ -189,7 +190,12 @@ async def test_sigterm_saves_kernels_and_the_next_server_restores_them(
         assert stop.returncode == 0, stop.stderr
         await second.exited()
         assert _kernel_processes(new_id) == []
-        store = SnapshotStore(store_dir)
+        # The servers' key and kernel-log directory, not this process's.
+        store = SnapshotStore(
+            store_dir,
+            Path(env["JUPYTER_DATA_DIR"]) / "gpu_snapshot_signing.key",
+            ManifestPolicy(lambda: Path(env["JUPYTER_RUNTIME_DIR"]) / "gpu_snapshot"),
+        )
         saved = store.list(NOTEBOOK)
         assert [s.manifest["kernel"]["kernel_id"] for s in saved] == [kernel_id, new_id]
         for s in saved:

@@ -6,6 +6,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from jupyter_gpu_snapshot.launch.kernel_token import kernel_token
 from jupyter_gpu_snapshot.server.app import JOB_EVENT_ID
 
 from .conftest import Api, KernelConnector
@@ -48,7 +49,11 @@ async def test_save_shutdown_restore_keeps_state(
         "print(*(os.environ['JUPYTER_GPU_SNAPSHOT_' + k] for k in ('KERNEL_ID', 'URL', 'TOKEN')))"
     )
     url = f"http://localhost:{jp_serverapp.port}{jp_serverapp.base_url}"
-    assert env.split() == [kernel_id, url, jp_serverapp.identity_provider.token]
+    # The kernel's own credential, never the server's token.
+    ext = jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]
+    (app,) = tuple(ext)
+    assert env.split() == [kernel_id, url, kernel_token(app.kernel_token_secret, kernel_id)]
+    assert jp_serverapp.identity_provider.token not in env
     # What a cell after the snapshot prints, the restored kernel must print too.
     expected = await ws.execute("import copy; _rng = random.getstate(); " + CHECK)
     await ws.execute("counter -= 1; random.setstate(_rng)")
@@ -85,10 +90,11 @@ async def test_save_shutdown_restore_keeps_state(
 
     restored = await kernel_socket(new_id)
     assert await restored.execute(CHECK) == expected
-    # It knows its new slot (the %gpu_snapshot magic relies on it).
+    # It knows its new slot (the %gpu_snapshot magic relies on it), with a fresh credential.
     assert (await restored.execute(
-        "print(os.environ['JUPYTER_GPU_SNAPSHOT_KERNEL_ID'])"
-    )).strip() == new_id
+        "print(os.environ['JUPYTER_GPU_SNAPSHOT_KERNEL_ID'], "
+        "os.environ['JUPYTER_GPU_SNAPSHOT_TOKEN'])"
+    )).split() == [new_id, kernel_token(app.kernel_token_secret, new_id)]
     status = await api.ok("GET", "gpu-snapshot", "kernels", new_id, "status")
     assert status["ready"], status["reasons"]
     assert status["last_snapshot"] is None or status["last_snapshot"]["id"] == summary["id"]

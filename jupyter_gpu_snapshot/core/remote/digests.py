@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..digest import TREE_CHUNK, TREE_TAG
 from ..errors import SnapshotError
-from ..store import TREE_CHUNK, TREE_TAG
 
 
 class Hasher(Protocol):

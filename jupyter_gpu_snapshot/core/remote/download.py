@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from ..digest import TREE_CHUNK
 from ..errors import NotFound, SnapshotError
-from ..store import MANIFEST, OWNER_FILE, PARTIAL_PREFIX, TREE_CHUNK
+from ..manifest import MANIFEST
+from ..store import OWNER_FILE, PARTIAL_PREFIX
 from .digests import FileCheck, Hasher, file_check, sidecar_check
 from .sealing import RECORD_OVERHEAD, ChunkSealer
 from .store import RemoteStoreError, describe, safe_object_name

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 import fsspec
 
 from ..errors import NotFound, SnapshotError
-from ..store import MANIFEST, is_snapshot_id
+from ..manifest import MANIFEST
+from ..store import is_snapshot_id
 from .sealing import CIPHER, DEFAULT_CHUNK_BYTES, ChunkSealer
 
 REMOTE_MANIFEST = "remote-manifest.json"

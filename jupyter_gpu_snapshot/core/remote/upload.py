@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SnapshotError
-from ..store import MANIFEST, is_snapshot_id
+from ..manifest import MANIFEST
+from ..store import is_snapshot_id
 from .sealing import CIPHER
 from .store import (
     REMOTE_FORMAT,
