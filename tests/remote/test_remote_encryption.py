@@ -7,6 +7,7 @@ import os
 import pytest
 
 from jupyter_gpu_snapshot.core.errors import SnapshotError
+from jupyter_gpu_snapshot.core.manifest import MANIFEST
 from jupyter_gpu_snapshot.core.remote import (
     ChunkSealer,
     DecryptionError,
@@ -14,7 +15,7 @@ from jupyter_gpu_snapshot.core.remote import (
     RemoteStoreError,
     load_key,
 )
-from jupyter_gpu_snapshot.core.store import MANIFEST, SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .snapshots import make_snapshot, tree_bytes
 

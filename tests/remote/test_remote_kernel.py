@@ -8,9 +8,10 @@ uploaded. Node B: an empty cache, a second S3 client, its own engine; it lists, 
 from __future__ import annotations
 
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.digest import TREE_CHUNK
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.remote import RemoteStore
-from jupyter_gpu_snapshot.core.store import TREE_CHUNK, SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from ..conftest import execute, run
 
