@@ -39,10 +39,21 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 
 def _draft(store: SnapshotStore, partial: Path, root_pid: int, started: float | None) -> None:
     snapshot_id = partial.name.removeprefix(".partial-")
-    store.write_draft(partial, {
+    store.write_draft(partial, _manifest(snapshot_id, {"root_pid": root_pid, "root_started": started}))
+
+
+def _manifest(snapshot_id: str, kernel: dict[str, Any]) -> dict[str, Any]:
+    """A manifest as a save writes it (all a signed one needs but its digests)."""
+    connection = {
+        "transport": "tcp", "ip": "127.0.0.1", "key": "k" * 36,
+        "signature_scheme": "hmac-sha256", "shell_port": 50001, "iopub_port": 50002,
+        "stdin_port": 50003, "control_port": 50004, "hb_port": 50005,
+    }
+    return {
         "id": snapshot_id, "name": f"k-{snapshot_id}", "created": time.time(),
-        "kernel": {"root_pid": root_pid, "root_started": started},
-    })
+        "kernel": {"name": "python3-snapshot", "connection_info": connection,
+                   "log_files": [], **kernel},
+    }
 
 
 @dataclass(frozen=True)
@@ -143,8 +154,8 @@ def test_ownership_holds_until_the_rename(tmp_path: Path):
     with store.locks.hold(snapshot_key(snapshot_id), "a save", "test"):
         partial = store.begin(snapshot_id)
         (partial / "pages-1.img").write_bytes(b"x" * (3 << 20))
-        store.write_draft(partial, {"id": snapshot_id, "created": 1.0, "kernel": {}})
-        store.commit(partial, {"id": snapshot_id, "created": 1.0, "kernel": {}},
+        store.write_draft(partial, _manifest(snapshot_id, {}))
+        store.commit(partial, _manifest(snapshot_id, {}),
                      progress=clean_meanwhile)
     assert cleaned == [[]]
     assert [s.id for s in store.list()] == [snapshot_id]

@@ -74,6 +74,8 @@ SCHEMA: dict[str, Any] = {
                 },
                 "pid": {"type": "integer", "minimum": 1},
                 "root_pid": {"type": "integer", "minimum": 1},
+                # The root's start time: a recovery tells a live kernel from a reused pid.
+                "root_started": {"type": ["number", "null"]},
                 "log_files": {
                     "type": "array",
                     "maxItems": 16,
@@ -104,6 +106,30 @@ SCHEMA: dict[str, Any] = {
         "versions": {"type": "object", "additionalProperties": {"type": "string"}},
         "timings": {"type": "object", "additionalProperties": {"type": "number"}},
         "gpu": {"type": ["object", "null"]},
+        # What a restore would get wrong, said at the save (open_files.OpenFilesHook).
+        "warnings": {
+            "type": "array",
+            "maxItems": 256,
+            "items": {"type": "string", "maxLength": 4096},
+        },
+        # Files the kernel had open or mapped that its image does not hold, checked at restore.
+        "open_files": {
+            "type": "array",
+            "maxItems": 10000,
+            "items": {
+                "type": "object",
+                "required": ["path", "size", "mtime_ns"],
+                "additionalProperties": False,
+                "properties": {
+                    "path": {"type": "string", "pattern": "^/", "maxLength": 4096},
+                    "size": {"type": "integer", "minimum": 0},
+                    "mtime_ns": {"type": "integer"},
+                    "sha256": {"type": "string", "pattern": r"^[0-9a-f]{64}$"},
+                },
+            },
+        },
+        # Committed by a recovery, after the process that saved it died.
+        "recovered": {"type": "boolean"},
         "signature": {
             "type": "object",
             "required": ["algorithm", "key_id", "value"],

@@ -66,6 +66,17 @@ def require_private_dir(path: Path) -> None:
         )
 
 
+def tighten_own_dir(path: Path) -> None:
+    """Make a directory of ours that others may only read 0700 (a store made by ``mkdir``
+    under the usual umask). One that others could write stays as it is, to be refused:
+    what they may have put there is not ours."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        readable_only = info.st_mode & 0o077 and not info.st_mode & 0o022
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and readable_only:
+            os.chmod(path, 0o700, follow_symlinks=False)
+
+
 def make_private_dirs(path: Path) -> None:
     """Create ``path`` and its missing parents, each 0700 whatever the umask."""
     missing: list[Path] = []

@@ -239,6 +239,7 @@ class SnapshotStore:
     def ensure(self) -> Path:
         """Create the store (0700 with its missing parents) and refuse it unless private."""
         safe_fs.make_private_dirs(self.root)
+        safe_fs.tighten_own_dir(self.root)
         safe_fs.require_private_dir(self.root)
         return self.root
 
