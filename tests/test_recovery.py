@@ -39,7 +39,8 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 
 def _draft(store: SnapshotStore, partial: Path, root_pid: int, started: float | None) -> None:
     snapshot_id = partial.name.removeprefix(".partial-")
-    store.write_draft(partial, _manifest(snapshot_id, {"root_pid": root_pid, "root_started": started}))
+    kernel = {"root_pid": root_pid, "root_started": started}
+    store.write_draft(partial, _manifest(snapshot_id, kernel))
 
 
 def _manifest(snapshot_id: str, kernel: dict[str, Any]) -> dict[str, Any]:
