@@ -95,7 +95,8 @@ def test_cli_rm_during_a_restore(
 ):
     kernel.execute("state = 'kept'")
     snapshot = run(SnapshotEngine(store).save(SaveTarget(pid=kernel.root_pid), stop=True))
-    engine = SnapshotEngine(store, CriuRunner(_slow_criu(tmp_path, "restore", 2.0)))
+    # criu restores while the digests are checked: it must outlast the CLI's start-up.
+    engine = SnapshotEngine(store, CriuRunner(_slow_criu(tmp_path, "restore", 8.0)))
 
     async def restore_while_deleting() -> subprocess.CompletedProcess[str]:
         verifying = asyncio.Event()  # reported with the snapshot's lock held

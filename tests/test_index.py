@@ -13,6 +13,8 @@ from jupyter_gpu_snapshot.core.errors import NotFound
 from jupyter_gpu_snapshot.core.index import SnapshotIndex
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
 
+from .manifests import kernel_section
+
 
 def commit_tiny(store: SnapshotStore, name: str, notebook: str | None = None) -> str:
     """A small but complete snapshot, as a save commits it."""
@@ -23,8 +25,7 @@ def commit_tiny(store: SnapshotStore, name: str, notebook: str | None = None) ->
         "id": snapshot_id,
         "name": name,
         "created": time.time(),
-        "kernel": {"name": "python3-snapshot", "notebook_path": notebook,
-                   "connection_info": {"ip": "127.0.0.1", "shell_port": 1, "key": "k"}},
+        "kernel": kernel_section(notebook_path=notebook),
     }
     store.commit(partial, manifest)
     return snapshot_id
@@ -70,15 +71,17 @@ def test_follows_commits_and_deletes_of_another_process(
     assert reads.count(third) == 1 and reads.count(second) == 1
 
 
-def test_a_directory_without_a_readable_manifest_is_no_snapshot(store: SnapshotStore) -> None:
+def test_a_directory_without_a_readable_manifest_is_listed_damaged(store: SnapshotStore) -> None:
     index = SnapshotIndex(store)
     kept = commit_tiny(store, "kept")
     broken = store.root / new_snapshot_id()
     broken.mkdir()
     (broken / "manifest.json").write_text("{not json")
-    assert [s.id for s in index.list()] == [kept]
+    assert [s.id for s in index.list()] == [kept]  # what restores and retention act on
+    assert {s.id: s.status for s in index.catalog()} == {kept: "ok", broken.name: "damaged"}
+    assert index.get(broken.name).status == "damaged"
     with pytest.raises(NotFound):
-        index.get(broken.name)
+        index.get(new_snapshot_id())
 
 
 def test_listing_200_snapshots_takes_under_50_ms(store: SnapshotStore) -> None:

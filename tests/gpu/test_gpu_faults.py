@@ -29,7 +29,7 @@ from .test_gpu_kernels import TRAINING
 pytestmark = pytest.mark.gpu
 
 STOP_FAULTS = [f for f in FAULTS if f.stop]
-WEIGHTS = "print(repr(float(model[0].weight.double().sum())))"
+WEIGHTS = "print(repr(float(model[0].weight.detach().double().sum())))"
 
 
 @pytest.mark.parametrize("fault", STOP_FAULTS, ids=[f.id for f in STOP_FAULTS])

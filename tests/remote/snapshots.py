@@ -8,6 +8,8 @@ from pathlib import Path
 
 from jupyter_gpu_snapshot.core.store import Snapshot, SnapshotStore, new_snapshot_id
 
+from ..manifests import CONNECTION, kernel_section
+
 
 def make_snapshot(
     store: SnapshotStore, files: dict[str, int | bytes], name: str | None = None
@@ -30,7 +32,7 @@ def make_snapshot(
         "name": name or f"snap-{snapshot_id[-8:]}",
         "created": time.time(),
         "host": "node-a",
-        "kernel": {"connection_info": {"key": "secret-hmac-key", "shell_port": 1}},
+        "kernel": kernel_section(connection_info=dict(CONNECTION, key="secret-hmac-key")),
     }
     return store.commit(partial, manifest)
 

@@ -146,7 +146,7 @@ def _damage_flipped(remote: RemoteStore, sid: str) -> str:
     data = bytearray(remote.fs.cat_file(remote.path(sid, "pages-1.img")))
     data[len(data) // 3] ^= 0xFF
     remote.fs.pipe_file(remote.path(sid, "pages-1.img"), bytes(data))
-    return "pages-1.img does not match its sha256 digest"
+    return "pages-1.img does not match its (sha256|blake3) digest"
 
 
 def _damage_manifest(remote: RemoteStore, sid: str) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
 
+from ..manifests import kernel_section
 from .conftest import Api, KernelConnector
 
 POLL_SECONDS = 0.020
@@ -108,8 +109,7 @@ def _fill_store(store_dir: Path, count: int) -> None:
         (partial / "pages-1.img").write_bytes(b"p" * 4096)
         store.commit(partial, {
             "id": snapshot_id, "name": f"snap-{i}", "created": time.time(), "reason": "user",
-            "kernel": {"name": "python3-snapshot", "notebook_path": "many.ipynb",
-                       "connection_info": {"ip": "127.0.0.1", "shell_port": 1, "key": "k"}},
+            "kernel": kernel_section(notebook_path="many.ipynb"),
         })
 
 

@@ -184,6 +184,8 @@ class TestKernelFacingSettings:
             "import os; print(os.environ['JUPYTER_GPU_SNAPSHOT_URL'], "
             "os.environ['JUPYTER_GPU_SNAPSHOT_TOKEN'])"
         )
-        assert env.split() == [
-            "http://proxy.local:9999/jupyter/", jp_serverapp.identity_provider.token
-        ]
+        url, token = env.split()
+        assert url == "http://proxy.local:9999/jupyter/"
+        # The kernel's own credential, never the server's token.
+        assert token.startswith(f"gpusnap-kernel.{kernel_id}.")
+        assert jp_serverapp.identity_provider.token not in token

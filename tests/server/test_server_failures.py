@@ -216,9 +216,11 @@ async def test_a_failed_adoption_kills_the_restored_tree(
     async def refuse(self: Any, cmd: list[str], **kwargs: Any) -> Any:
         raise RuntimeError("no slot for it")
 
-    monkeypatch.setattr(engine, "restore", restore_and_record)
-    monkeypatch.setattr(SnapshotReadyProvisioner, "launch_kernel", refuse)
-    job = await api.wait(await api.restore(saved["snapshot_id"], path="adopt.ipynb"))
+    # Its own context: undoing the fixture's monkeypatch would undo the server's environment.
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "restore", restore_and_record)
+        patch.setattr(SnapshotReadyProvisioner, "launch_kernel", refuse)
+        job = await api.wait(await api.restore(saved["snapshot_id"], path="adopt.ipynb"))
     assert job["status"] == "failed" and job["error"]["step"] == "adopt", job["error"]
     assert "no slot for it" in job["error"]["cause"]
     # criu did bring the tree back; nothing of it may outlive the failed adoption.
@@ -227,7 +229,6 @@ async def test_a_failed_adoption_kills_the_restored_tree(
     assert procfs.ports_in_use(restored[0].connection_info) == []
     assert await api.kernel_ids() == [] and await api.ok("GET", "api", "sessions") == []
     assert [s["id"] for s in await api.snapshots()] == [saved["snapshot_id"]]
-    monkeypatch.undo()
     # The snapshot still restores once the kernel manager can take it.
     done = await api.succeeded(await api.restore(saved["snapshot_id"]))
     again = await kernel_socket(done["result"]["kernel_id"])

@@ -1,0 +1,21 @@
+"""What a save puts in a manifest's kernel section, for tests that commit snapshots by hand.
+
+The store refuses to commit (or list as trusted) a manifest that fails its schema, so a
+hand-made snapshot needs every field a real save writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONNECTION = {
+    "transport": "tcp", "ip": "127.0.0.1", "key": "k" * 36, "signature_scheme": "hmac-sha256",
+    "shell_port": 50001, "iopub_port": 50002, "stdin_port": 50003, "control_port": 50004,
+    "hb_port": 50005,
+}
+
+
+def kernel_section(**fields: Any) -> dict[str, Any]:
+    """A valid kernel section; ``fields`` add to it or replace its parts."""
+    return {"name": "python3-snapshot", "connection_info": dict(CONNECTION), "log_files": [],
+            **fields}
