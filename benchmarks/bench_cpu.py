@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common import settle
+from common import host_facts, settle
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
@@ -37,25 +36,7 @@ from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 
 
 def machine_info(criu: CriuRunner) -> dict[str, Any]:
-    cpu = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kb = int(f.readline().split()[1])
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem_kb / (1 << 20), 1),
-        "linux": platform.release(),
-        "criu": ".".join(map(str, criu.version())),
-        "python": platform.python_version(),
-        "driver": None,
-    }
+    return {**host_facts(), "criu": ".".join(map(str, criu.version())), "driver": None}
 
 
 def connect_and_run(info: dict[str, Any]) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common import settle
+from common import host_facts, settle
 
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
@@ -35,28 +34,10 @@ MiB = 1 << 20
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kb = int(f.readline().split()[1])
     import fsspec
     import s3fs
 
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem_kb / (1 << 20), 1),
-        "linux": platform.release(),
-        "python": platform.python_version(),
-        "fsspec": fsspec.__version__,
-        "s3fs": s3fs.__version__,
-    }
+    return {**host_facts(), "fsspec": fsspec.__version__, "s3fs": s3fs.__version__}
 
 
 def timed(action: Callable[[], object]) -> float:

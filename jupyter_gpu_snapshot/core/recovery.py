@@ -68,7 +68,8 @@ def same_process(pid: int, started: float | None) -> bool:
         return False
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path`` (never through a link); None if unreadable or no object."""
     try:
         with open(path, opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
             data = json.load(f)
@@ -108,7 +109,7 @@ def _recover_partial(
     if held is None:
         return  # a save in progress, in this process or another
     try:
-        draft = _read_json(partial / DRAFT_FILE)
+        draft = read_json_object(partial / DRAFT_FILE)
         complete = (partial / DUMP_COMPLETE_FILE).is_file()
         kernel = (draft or {}).get("kernel") or {}
         root_pid = int(kernel.get("root_pid") or 0)

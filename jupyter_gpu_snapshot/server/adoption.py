@@ -26,7 +26,7 @@ from jupyter_core.utils import ensure_async
 from tornado import web
 
 from ..core import procfs
-from ..core.recovery import same_process
+from ..core.recovery import read_json_object, same_process
 from ..launch.provisioner import ADOPT_KWARG, Adoption, SnapshotReadyProvisioner
 from .kernel_env import refresh_kernel_env
 
@@ -59,15 +59,6 @@ def _write_private(path: Path, data: dict[str, Any]) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     os.replace(staged, path)
-
-
-def _read_record(path: Path) -> dict[str, Any] | None:
-    try:
-        with open(path, opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 class KernelRecord:
@@ -158,7 +149,7 @@ async def adopt_orphans(
     paths = await asyncio.to_thread(lambda: sorted(base.glob("server-*.json")) if base.is_dir()
                                     else [])
     for path in paths:
-        record = await asyncio.to_thread(_read_record, path)
+        record = await asyncio.to_thread(read_json_object, path)
         server = (record or {}).get("server") or {}
         if server.get("pid") == os.getpid():
             continue
