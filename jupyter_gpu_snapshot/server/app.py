@@ -18,8 +18,10 @@ from traitlets.config import Config
 
 from .._constants import API_PREFIX
 from ..config import GPUSnapshot
+from ..core.estimate import SaveRates, learn_rates
 from ..engines import make_engine
 from ..launch.provisioner import SnapshotReadyProvisioner
+from .autosave import AutosaveScheduler
 from .handlers import routes
 from .jobs import Job, JobRunner
 from .service import SnapshotService
@@ -61,6 +63,7 @@ class GPUSnapshotApp(ExtensionApp):
         return "jupyter_gpu_snapshot_config"
 
     service: SnapshotService | None = None
+    autosave: AutosaveScheduler | None = None
     gpu_settings: GPUSnapshot | None = None
     last_shutdown: ShutdownReport | None = None
     _stopping: asyncio.Future[None] | None = None
@@ -88,6 +91,7 @@ class GPUSnapshotApp(ExtensionApp):
             jobs=jobs,
             log=self.log,
         )
+        self.autosave = AutosaveScheduler(self.service, settings, log=self.log)
         self._tell_kernels_where_we_are()
         self.log.info(
             "gpu-snapshot: API at %s%s/, snapshots in %s",
@@ -95,15 +99,49 @@ class GPUSnapshotApp(ExtensionApp):
             API_PREFIX,
             engine.store.root,
         )
+        self.log.info("gpu-snapshot: %s", self._recovery_settings())
+
+    def _recovery_settings(self) -> str:
+        """One line for the start-up log: what a node loss or a stop would cost."""
+        s = self.gpu_settings
+        assert s is not None
+        if s.autosave:
+            autosave = (
+                f"autosave every {s.autosave_interval_minutes:g} min of activity and after "
+                f"cells of {s.autosave_after_cell_minutes:g} min or more, keeping "
+                f"{s.autosave_keep} per notebook"
+                + (", also during cells" if s.autosave_during_cell else "")
+            )
+        else:
+            autosave = "autosave off"
+        shutdown = (
+            f"snapshots on shutdown within {s.shutdown_budget:g} s"
+            if s.snapshot_on_shutdown else "no snapshots on shutdown"
+        )
+        return f"{autosave}; {shutdown}"
+
+    def save_rates(self) -> SaveRates:
+        """The shutdown's save-time rates: configured, else learned from past saves."""
+        assert self.service is not None and self.gpu_settings is not None
+        s = self.gpu_settings
+        learned = learn_rates(self.service.list_snapshots())
+        return SaveRates(
+            gpu_rate=s.save_gpu_rate or learned.gpu_rate,
+            image_rate=s.save_image_rate or learned.image_rate,
+            fixed_seconds=s.save_fixed_seconds or learned.fixed_seconds,
+            learned_from=learned.learned_from,
+        )
 
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
         assert self.service is not None
-        self.handlers.extend(routes(self.service))
+        self.handlers.extend(routes(self.service, self.autosave))
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         """Called once the server listens: the port is final only now (port retries)."""
         self._tell_kernels_where_we_are()
+        if self.autosave is not None:
+            self.autosave.start()
 
     def _tell_kernels_where_we_are(self) -> None:
         """Hand the URL and token to the provisioner through the kernel manager's config.
@@ -152,9 +190,17 @@ class GPUSnapshotApp(ExtensionApp):
     async def _save_before_stop(self) -> None:
         if self.service is None or self.gpu_settings is None:
             return
+        if self.autosave is not None:
+            await self.autosave.stop()
         budget = float(self.gpu_settings.shutdown_budget)
         if self.gpu_settings.snapshot_on_shutdown:
-            self.last_shutdown = await snapshot_kernels_on_shutdown(self.service, budget, self.log)
+            rates = await asyncio.to_thread(self.save_rates)
+            self.log.info("gpu-snapshot: shutdown save rates %s", rates.to_dict())
+            self.last_shutdown = await snapshot_kernels_on_shutdown(
+                self.service, budget, self.log, rates,
+                work_at_risk=self.autosave.work_at_risk if self.autosave else None,
+                newest_snapshot=self.autosave.newest_snapshot if self.autosave else None,
+            )
         else:
             for job in await self.service.jobs.drain(budget):
                 self.log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)

@@ -10,6 +10,7 @@ default check).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -21,6 +22,7 @@ from tornado import web
 
 from .._constants import API_PREFIX
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
+from .autosave import POLICY_FIELDS, AutosaveScheduler
 from .jobs import JOB_ID_PATTERN
 from .service import SnapshotService
 
@@ -103,13 +105,20 @@ class SnapshotAPIHandler(APIHandler):
 
 
 class SnapshotsHandler(SnapshotAPIHandler):
-    """``GET snapshots[?notebook_path=P]``."""
+    """``GET snapshots[?notebook_path=P][&latest=true]``."""
 
     @web.authenticated
     @authorized
     async def get(self) -> None:
         notebook_path = self.get_query_argument("notebook_path", None)
-        self.write_json({"snapshots": self.service.list_snapshots(notebook_path)})
+        latest = self.get_query_argument("latest", "false").lower()
+        if latest not in ("true", "false", "1", "0"):
+            raise InvalidRequest("request", f"latest must be true or false, not {latest!r}")
+        if latest in ("true", "1"):
+            found = await asyncio.to_thread(self.service.latest_snapshots, notebook_path)
+        else:
+            found = self.service.list_snapshots(notebook_path)
+        self.write_json({"snapshots": found})
 
 
 class SnapshotHandler(SnapshotAPIHandler):
@@ -170,6 +179,29 @@ class KernelStatusHandler(SnapshotAPIHandler):
         self.write_json(await self.service.kernel_status(kernel_id))
 
 
+class KernelAutosaveHandler(SnapshotAPIHandler):
+    """``GET kernels/{kernel_id}/autosave``, ``PUT`` with a policy override."""
+
+    autosave: AutosaveScheduler
+
+    def initialize(  # type: ignore[override]
+        self, service: SnapshotService, autosave: AutosaveScheduler
+    ) -> None:
+        super().initialize(service)
+        self.autosave = autosave
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        self.write_json(await self.autosave.describe(kernel_id))
+
+    @web.authenticated
+    @authorized_to_execute
+    async def put(self, kernel_id: str) -> None:
+        body = self.json_body({k: (*kinds, type(None)) for k, kinds in POLICY_FIELDS.items()})
+        self.write_json(await self.autosave.set_override(kernel_id, body))
+
+
 class JobsHandler(SnapshotAPIHandler):
     """``GET jobs[?kernel_id=K]``."""
 
@@ -189,9 +221,11 @@ class JobHandler(SnapshotAPIHandler):
         self.write_json(self.service.jobs.get(job_id).to_dict())
 
 
-def routes(service: SnapshotService) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
+def routes(
+    service: SnapshotService, autosave: AutosaveScheduler | None = None
+) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
     """URL patterns relative to the server's base_url (the extension app prepends it)."""
-    kwargs = {"service": service}
+    kwargs: dict[str, Any] = {"service": service}
     table: list[tuple[str, type[SnapshotAPIHandler]]] = [
         (r"snapshots", SnapshotsHandler),
         (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler),
@@ -201,4 +235,12 @@ def routes(service: SnapshotService) -> list[tuple[str, type[SnapshotAPIHandler]
         (r"jobs", JobsHandler),
         (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler),
     ]
-    return [(f"/{API_PREFIX}/{pattern}", handler, kwargs) for pattern, handler in table]
+    found: list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]] = [
+        (f"/{API_PREFIX}/{pattern}", handler, kwargs) for pattern, handler in table
+    ]
+    if autosave is not None:
+        found.append((
+            f"/{API_PREFIX}/kernels/{KERNEL_ID}/autosave", KernelAutosaveHandler,
+            {**kwargs, "autosave": autosave},
+        ))
+    return found

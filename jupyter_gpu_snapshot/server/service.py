@@ -20,6 +20,7 @@ from tornado import web
 
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
+from ..core import retention
 from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.store import Snapshot, validate_name
@@ -214,20 +215,34 @@ class SnapshotService:
             self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
 
     def _apply_retention(self, snapshot: Snapshot) -> None:
-        """Keep the newest ``keep_last`` snapshots of the snapshot's notebook."""
-        keep = int(self.settings.keep_last)
-        notebook = snapshot.notebook_path
-        # Snapshots of kernels without a notebook are never pruned: nothing groups them.
-        if keep <= 0 or notebook is None:
-            return
-        for old in self.engine.list(notebook)[:-keep]:
-            if self.jobs.busy_with(snapshot_key(old.id)) is not None:
+        """Delete what ``core.retention`` says the new snapshot makes obsolete.
+
+        Called by ``_save`` once ``snapshot`` has committed, so nothing older goes first.
+        """
+        doomed = retention.to_delete(
+            [s.summary() for s in self.engine.list()],
+            snapshot.summary(),
+            keep_autosaves=int(self.settings.autosave_keep),
+            keep_last=int(self.settings.keep_last),
+        )
+        for snapshot_id in doomed:
+            if self.jobs.busy_with(snapshot_key(snapshot_id)) is not None:
                 continue
             try:
-                self.engine.delete(old.id)
-                self.log.info("gpu-snapshot: retention removed snapshot %s of %s", old.id, notebook)
+                self.engine.delete(snapshot_id)
+                self.log.info(
+                    "gpu-snapshot: retention removed snapshot %s (%s kept)", snapshot_id,
+                    snapshot.id,
+                )
             except (SnapshotError, OSError) as exc:
-                self.log.warning("gpu-snapshot: retention could not remove %s: %s", old.id, exc)
+                self.log.warning(
+                    "gpu-snapshot: retention could not remove %s: %s", snapshot_id, exc
+                )
+
+    def latest_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        """The newest snapshot of each notebook (or of one), whatever its reason."""
+        summaries = [s.summary() for s in self.engine.list(notebook_path)]
+        return [dict(s) for s in retention.newest_per_notebook(summaries)]
 
     # -- restore ---------------------------------------------------------------------------
     async def start_restore(

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core import procfs
 from ..core.errors import SnapshotError
+from ..core.estimate import KernelToSave, SaveRates, shutdown_order
 from .service import SnapshotService
+from .status import cuda_status
 
 
 @dataclass
@@ -26,47 +29,62 @@ class ShutdownReport:
     skipped: dict[str, str] = field(default_factory=dict)  # kernel id -> why
 
 
-def _last_activity(service: SnapshotService, kernel_id: str) -> float:
-    km = service.kernel_manager.get_kernel(kernel_id)
-    stamp = getattr(km, "last_activity", None)
-    return stamp.timestamp() if stamp is not None else 0.0
-
-
 async def snapshot_kernels_on_shutdown(
-    service: SnapshotService, budget: float, log: logging.Logger
+    service: SnapshotService,
+    budget: float,
+    log: logging.Logger,
+    rates: SaveRates | None = None,
+    work_at_risk: Callable[[str], float] | None = None,
+    newest_snapshot: Callable[[str], str | None] | None = None,
 ) -> ShutdownReport:
-    """Save every snapshot-ready kernel (stopping it), one at a time, within ``budget`` s.
+    """Save the snapshot-ready kernels (stopping them) that fit in ``budget`` seconds.
 
-    The most recently active kernels go first. A kernel whose save is still running when
-    the budget ends is left to it: the engine rolls back on its own, and a half-written
-    directory of a server that exits meanwhile is removed at the next start.
+    ``work_at_risk(kernel_id)`` (the autosave scheduler's) says how many seconds of work
+    since its newest snapshot a kernel would lose: kernels with none are not saved again,
+    and the others go in that order, most first. Each save's time is estimated from the
+    kernel's size with ``rates``; a kernel whose save does not fit in what is left of the
+    budget is passed over for the next one, and keeps its newest snapshot. A save still
+    running when the budget ends is left to it: the engine rolls back on its own, and a
+    half-written directory of a server that exits meanwhile is removed at the next start.
     """
     report = ShutdownReport()
+    rates = rates or SaveRates()
+    at_risk = work_at_risk or (lambda _k: float("inf"))
+    newest = newest_snapshot or (lambda _k: None)
     deadline = time.monotonic() + budget
-    # Jobs the users started finish first; they hold their kernels.
+    # Jobs the users started (and autosaves) finish first; they hold their kernels.
     still = await service.jobs.drain(budget)
     for job in still:
         log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)
-    kernel_ids = sorted(
-        service.kernel_manager.list_kernel_ids(),
-        key=lambda k: _last_activity(service, k),
-        reverse=True,
-    )
-    for kernel_id in kernel_ids:
+    candidates: list[KernelToSave] = []
+    for kernel_id in service.kernel_manager.list_kernel_ids():
         if kernel_id not in service.kernel_manager:
             continue
         why = await _not_ready(service, kernel_id)
+        if why is None and at_risk(kernel_id) <= 0:
+            last = newest(kernel_id)
+            why = f"nothing ran since its snapshot {last}" if last else "it has run nothing"
         if why:
             report.skipped[kernel_id] = why
             log.info("gpu-snapshot: not saving kernel %s on shutdown: %s", kernel_id, why)
             continue
+        candidates.append(await _size_of(service, kernel_id, at_risk(kernel_id), newest))
+    for kernel in shutdown_order(candidates):
+        kernel_id = kernel.kernel_id
+        if kernel_id not in service.kernel_manager:
+            continue
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            report.skipped[kernel_id] = "the shutdown budget was spent"
+        needed = kernel.seconds(rates)
+        if needed > remaining:
+            kept = kernel.newest_snapshot or "none: its work since start is lost"
+            report.skipped[kernel_id] = (
+                f"its save takes about {needed:.0f} s, {max(0.0, remaining):.0f} s of the "
+                f"budget were left; it keeps its newest snapshot ({kept})"
+            )
             log.warning(
-                "gpu-snapshot: no time left to save kernel %s (GPUSnapshot.shutdown_budget=%ss)",
-                kernel_id,
-                budget,
+                "gpu-snapshot: not saving kernel %s on shutdown: %s "
+                "(GPUSnapshot.shutdown_budget=%ss)",
+                kernel_id, report.skipped[kernel_id], budget,
             )
             continue
         try:
@@ -79,11 +97,26 @@ async def snapshot_kernels_on_shutdown(
             log.warning("gpu-snapshot: saving kernel %s outlasted the shutdown budget", kernel_id)
         elif job.status == "succeeded" and job.snapshot_id:
             report.saved[kernel_id] = job.snapshot_id
-            log.info("gpu-snapshot: saved kernel %s as %s", kernel_id, job.snapshot_id)
+            log.info("gpu-snapshot: saved kernel %s as %s (estimated %.1f s)",
+                     kernel_id, job.snapshot_id, needed)
         else:
             message = (job.error or {}).get("message", "unknown error")
             report.failed[kernel_id] = message
     return report
+
+
+async def _size_of(
+    service: SnapshotService,
+    kernel_id: str,
+    work: float,
+    newest: Callable[[str], str | None],
+) -> KernelToSave:
+    """The kernel's host memory and GPU memory, which its save has to move."""
+    root = service.root_pid(service.kernel_manager.get_kernel(kernel_id))
+    host = await asyncio.to_thread(procfs.tree_rss, root) if root else 0
+    cuda = await cuda_status(service, root)
+    gpu = int((cuda or {}).get("memory_bytes") or 0)
+    return KernelToSave(kernel_id, host, gpu, work, newest(kernel_id))
 
 
 async def _not_ready(service: SnapshotService, kernel_id: str) -> str | None:
