@@ -25,7 +25,7 @@ from rich.table import Table
 
 from .._constants import KERNEL_NAME, format_bytes
 from ..config import GPUSnapshot
-from ..core import procfs
+from ..core import procfs, retention
 from ..core.engine import Progress as EngineProgress
 from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import NotFound, SnapshotError
@@ -126,17 +126,23 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    snapshots = _engine(args).list(args.notebook)
+    summaries = [s.summary() for s in _engine(args).list(args.notebook)]
+    if args.latest:
+        # What a restart offers back: the newest snapshot of each notebook, newest first.
+        summaries = [dict(s) for s in retention.newest_per_notebook(summaries)]
     if args.json:
-        _print_json([s.summary() for s in snapshots])
+        _print_json(summaries)
         return 0
-    if not snapshots:
+    if not summaries:
         out.print("no snapshots")
         return 0
-    table = Table("name", "id", "created", "size", "notebook")
-    for s in snapshots:
-        created = datetime.fromtimestamp(s.created).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(s.name, s.id, created, format_bytes(s.size_bytes), s.notebook_path or "")
+    table = Table("name", "id", "created", "reason", "size", "notebook")
+    for s in summaries:
+        created = datetime.fromtimestamp(s["created"]).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(
+            s["name"], s["id"], created, s["reason"], format_bytes(s["size_bytes"]),
+            s["notebook_path"] or "",
+        )
     out.print(table)
     return 0
 
@@ -269,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list snapshots")
     p.add_argument("--notebook", help="only the snapshots of this notebook path")
+    p.add_argument(
+        "--latest", action="store_true",
+        help="only the newest snapshot of each notebook (autosave, shutdown or user)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_list)
 
