@@ -134,7 +134,7 @@ class GPUSnapshotApp(ExtensionApp):
 
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
-        assert self.service is not None
+        assert self.service is not None and self.autosave is not None
         self.handlers.extend(routes(self.service, self.autosave))
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:

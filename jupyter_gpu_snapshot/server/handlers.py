@@ -222,25 +222,19 @@ class JobHandler(SnapshotAPIHandler):
 
 
 def routes(
-    service: SnapshotService, autosave: AutosaveScheduler | None = None
+    service: SnapshotService, autosave: AutosaveScheduler
 ) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
     """URL patterns relative to the server's base_url (the extension app prepends it)."""
     kwargs: dict[str, Any] = {"service": service}
-    table: list[tuple[str, type[SnapshotAPIHandler]]] = [
-        (r"snapshots", SnapshotsHandler),
-        (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler),
-        (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler),
-        (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler),
-        (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler),
-        (r"jobs", JobsHandler),
-        (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler),
+    table: list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]] = [
+        (r"snapshots", SnapshotsHandler, kwargs),
+        (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler, kwargs),
+        (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/autosave", KernelAutosaveHandler,
+         {**kwargs, "autosave": autosave}),
+        (r"jobs", JobsHandler, kwargs),
+        (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler, kwargs),
     ]
-    found: list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]] = [
-        (f"/{API_PREFIX}/{pattern}", handler, kwargs) for pattern, handler in table
-    ]
-    if autosave is not None:
-        found.append((
-            f"/{API_PREFIX}/kernels/{KERNEL_ID}/autosave", KernelAutosaveHandler,
-            {**kwargs, "autosave": autosave},
-        ))
-    return found
+    return [(f"/{API_PREFIX}/{pattern}", handler, kw) for pattern, handler, kw in table]
