@@ -119,3 +119,28 @@ def test_resume_wakes_a_kernel_left_stopped(tmp_path: Path, kernel: KernelHandle
     out = cli(tmp_path / "store", "resume", "--pid", str(kernel.kernel_pid))
     assert "woke pids" in out.stdout
     assert "42" in kernel.execute("n += 1; print(n)")
+
+
+def test_list_latest_names_each_notebooks_newest_snapshot(tmp_path: Path, kernel: KernelHandle):
+    from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+    from jupyter_gpu_snapshot.core.store import SnapshotStore
+
+    from .conftest import run
+
+    store = tmp_path / "store"
+    engine = SnapshotEngine(SnapshotStore(store))
+    made = {}
+    for notebook, reason in [("a.ipynb", "autosave"), ("b.ipynb", "user"),
+                             ("a.ipynb", "shutdown"), (None, "user")]:
+        target = SaveTarget(kernel.root_pid, notebook_path=notebook, reason=reason)
+        made[(notebook, reason)] = run(engine.save(target)).id
+    latest = json.loads(cli(store, "list", "--latest", "--json").stdout)
+    # Newest first, one per notebook, whatever the reason; no notebook, no offer.
+    assert [(s["notebook_path"], s["reason"], s["id"]) for s in latest] == [
+        ("a.ipynb", "shutdown", made[("a.ipynb", "shutdown")]),
+        ("b.ipynb", "user", made[("b.ipynb", "user")]),
+    ]
+    only_a = json.loads(cli(store, "list", "--latest", "--notebook", "a.ipynb", "--json").stdout)
+    assert [s["id"] for s in only_a] == [made[("a.ipynb", "shutdown")]]
+    human = cli(store, "list", "--latest").stdout
+    assert "shutdown" in human and "autosave" not in human
