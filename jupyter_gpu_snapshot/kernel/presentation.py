@@ -172,3 +172,26 @@ def autosave_lines(state: dict[str, Any], now: float) -> list[str]:
     elif policy.get("enabled"):
         lines.append("Nothing ran since the last snapshot: no autosave is due.")
     return lines
+
+
+def autosave_text(state: dict[str, Any], now: float) -> str:
+    """One line for the panel: the notebook's policy, the last autosave, the next one."""
+    policy = state.get("policy") or {}
+    if not policy.get("enabled"):
+        return "Autosave: off for this notebook."
+    text = f"Autosave: every {_minutes(float(policy['interval_minutes']))}"
+    if state.get("autosaving"):
+        return f"{text}; autosaving now…"
+    last = state.get("last_autosave")
+    if last:
+        text += f"; last {format_age(now - float(last['created']))}"
+        if isinstance(last.get("pause"), float):
+            text += f" (paused {last['pause']:.1f} s)"
+    next_at = state.get("next_autosave")
+    if next_at is not None:
+        left = float(next_at) - now
+        text += f"; next in {format_age(left).removesuffix(' ago')}" if left >= 60 else (
+            "; next within a minute")
+    else:
+        text += "; nothing to save"
+    return text + "."
