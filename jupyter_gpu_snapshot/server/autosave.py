@@ -426,7 +426,14 @@ class AutosaveScheduler:
         where = notebook or "no notebook"
         refusal = await self._refusal(kernel_id, km, notebook)
         if refusal is not None:
+            repeated = watch.last_skip == f"skipped: {refusal}"
             watch.last_skip = f"skipped: {refusal}"
+            # A kernel of another kernelspec is never autosaved: say so once, quietly.
+            if "not snapshot-ready" in refusal:
+                if not repeated:
+                    self.log.info("gpu-snapshot: not autosaving kernel %s (%s): %s",
+                                  kernel_id, where, refusal)
+                return None
             self.log.warning(
                 "gpu-snapshot: skipped the autosave of kernel %s (%s): %s", kernel_id, where,
                 refusal,
@@ -458,9 +465,12 @@ class AutosaveScheduler:
         if root is None:
             return "the kernel has no running process"
         try:
+            found = await asyncio.to_thread(procfs.inspect_kernel, root)
             host = await asyncio.to_thread(procfs.tree_rss, root)
         except Exception as exc:  # the kernel exited meanwhile
-            return f"cannot read the kernel's memory: {exc}"
+            return f"cannot read the kernel's processes: {exc}"
+        if found.problems:
+            return "it is not snapshot-ready: " + "; ".join(found.problems)
         cuda = await cuda_status(self.service, root)
         gpu = int((cuda or {}).get("memory_bytes") or 0)
         store = self.service.engine.store

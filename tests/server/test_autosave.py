@@ -114,6 +114,27 @@ class TestSchedule:
         assert await _autosaves(api, "quiet.ipynb") == []
 
 
+    async def test_kernels_that_are_not_snapshot_ready_are_left_alone(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        await _start_scheduler(jp_serverapp)
+        kernel_id = await api.start_kernel("python3")
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("state = 1")
+        deadline = time.monotonic() + 30
+        while True:
+            state = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave")
+            if state["last_skip"]:
+                break
+            assert time.monotonic() < deadline, state
+            await asyncio.sleep(0.2)
+        assert "not snapshot-ready" in state["last_skip"]
+        await asyncio.sleep(2)
+        # No job was started for it, so no failure reached anyone.
+        assert (await api.ok("GET", "gpu-snapshot", "jobs"))["jobs"] == []
+        assert await api.snapshots() == []
+
+
 class TestLongCell:
     @pytest.fixture
     def snapshot_config(self) -> dict[str, Any]:
