@@ -114,6 +114,8 @@ class KernelWatch:
     last_snapshot_id: str | None = None
     last_snapshot_at: float | None = None
     feed: ExecutionFeed | None = None
+    # Activity from before the feed started, when it may have been a cell.
+    blind_work: float | None = None
     # An autosave that was refused or failed is not tried again before this time.
     not_before: float = 0.0
     policy_key: str = ""
@@ -301,8 +303,8 @@ class AutosaveScheduler:
         self._note_jobs(kernel_id, watch)
         if watch.feed.running_since is not None:
             return max(1e-3, time.time() - watch.clean_since)
-        last = watch.feed.last_work
-        if last is None or last <= watch.clean_since:
+        last = max(watch.feed.last_work or 0.0, watch.blind_work or 0.0)
+        if last <= watch.clean_since:
             return 0.0
         return last - watch.clean_since
 
@@ -332,9 +334,11 @@ class AutosaveScheduler:
     async def _first_look(self, kernel_id: str, km: Any, now: float) -> KernelWatch:
         """Where a kernel's unsaved work starts, the first time the scheduler sees it.
 
-        A kernel whose last activity came within its start-up has run nothing yet. One
-        that was active later (a kernel that ran cells before this server looked) counts
-        as unsaved since its start. A restored kernel's work starts after its restore.
+        The cell feed starts now; for the time before, only the server's ``last_activity``
+        tells, and it also moves on requests that are no work (a reconnecting client), so
+        it is read generously: a kernel restored by this server counts as unsaved if
+        anything happened since the restore; a kernel whose activity came within its
+        start-up has run nothing; any other counts as unsaved since its start.
         """
         activity = _timestamp(getattr(km, "last_activity", None)) or now
         started = now
@@ -342,10 +346,18 @@ class AutosaveScheduler:
         if root is not None:
             with contextlib.suppress(psutil.Error):
                 started = await asyncio.to_thread(lambda: psutil.Process(root).create_time())
-        clean = now if activity - started <= STARTUP_SETTLE_SECONDS else started
-        if any(j.kind == "restore" for j in self.service.jobs.recent(kernel_id)):
-            clean = now  # restored by this server: it is its snapshot
-        watch = KernelWatch(first_seen=now, clean_since=clean)
+        restored = [
+            j.finished for j in self.service.jobs.recent(kernel_id)
+            if j.kind == "restore" and j.finished is not None
+        ]
+        if restored:
+            clean = max(restored)  # the env update of the adoption came before this
+            blind = activity if activity > clean else None
+        elif activity - started <= STARTUP_SETTLE_SECONDS:
+            clean, blind = now, None
+        else:
+            clean, blind = started, activity
+        watch = KernelWatch(first_seen=now, clean_since=clean, blind_work=blind)
         try:
             watch.feed = ExecutionFeed(km)
         except Exception as exc:  # no IOPub to read: every look counts as unsaved work

@@ -114,6 +114,24 @@ class TestSchedule:
         assert await _autosaves(api, "quiet.ipynb") == []
 
 
+    async def test_a_restored_kernel_is_clean_until_it_runs_a_cell(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        app = await _start_scheduler(jp_serverapp)
+        await app.autosave.stop()  # only what the shutdown would ask
+        kernel_id = await api.start_kernel()
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("kept = 1")
+        job = await api.succeeded(await api.save(kernel_id, stop=True))
+        restored = (await api.succeeded(await api.restore(job["snapshot_id"])))["result"]
+        new_id = restored["kernel_id"]
+        await app.autosave.tick()
+        assert app.autosave.work_at_risk(new_id) == 0
+        ws = await kernel_socket(new_id)
+        await ws.execute("kept = 2")
+        await app.autosave.tick()
+        assert app.autosave.work_at_risk(new_id) > 0
+
     async def test_kernels_that_are_not_snapshot_ready_are_left_alone(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
     ) -> None:
