@@ -166,6 +166,8 @@ class GPUSnapshotApp(ExtensionApp):
 
     def _emit_job(self, job: Job) -> None:
         assert self.serverapp is not None and self.serverapp.event_logger is not None
+        if job.kind == "restore" and job.status == "succeeded" and self.autosave is not None:
+            self.autosave.note_restored(str(job.kernel_id))
         self.serverapp.event_logger.emit(schema_id=JOB_EVENT_ID, data=job.to_dict())
 
     def current_activity(self) -> list[str] | None:

@@ -291,6 +291,23 @@ class AutosaveScheduler:
             "last_skip": watch.last_skip if watch else None,
         }
 
+    def note_restored(self, kernel_id: str) -> None:
+        """Called by ``GPUSnapshotApp._emit_job`` as a restore job succeeds.
+
+        The kernel is its snapshot at this moment: its cells are followed from now, before
+        any client hears of it, so the first cell it runs counts.
+        """
+        if kernel_id not in self.service.kernel_manager:
+            return
+        self._forget(kernel_id)
+        now = time.time()
+        watch = self._watch[kernel_id] = KernelWatch(first_seen=now, clean_since=now)
+        try:
+            watch.feed = ExecutionFeed(self.service.kernel_manager.get_kernel(kernel_id))
+        except Exception as exc:
+            self.log.warning("gpu-snapshot: cannot follow the cells of kernel %s: %s",
+                             kernel_id, exc)
+
     def work_at_risk(self, kernel_id: str) -> float:
         """Seconds of work since the kernel's newest snapshot; called by the shutdown.
 
