@@ -104,7 +104,7 @@ def log_bytes(n):
 LOOP = """
 import time
 step, gaps = 0, []
-def run_for(seconds, stall=0.25):
+def run_for(seconds, stall=0.1):
     # Gaps between steps longer than `stall` are kept: an autosave's pause shows as one.
     global step
     deadline = last = time.time()

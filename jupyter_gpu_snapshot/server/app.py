@@ -206,3 +206,5 @@ class GPUSnapshotApp(ExtensionApp):
         else:
             for job in await self.service.jobs.drain(budget):
                 self.log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)
+        if self.autosave is not None:
+            self.autosave.close()

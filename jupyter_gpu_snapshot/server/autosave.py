@@ -199,6 +199,11 @@ class AutosaveScheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def close(self) -> None:
+        """Called by ``GPUSnapshotApp.stop_extension`` once the shutdown saves are done."""
+        for kernel_id in list(self._watch):
+            self._forget(kernel_id)
+
     async def _run(self) -> None:
         while True:
             try:
