@@ -226,9 +226,11 @@ class Server:
         with contextlib.suppress(psutil.NoSuchProcess):
             doomed |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
         doomed |= set(kernel_processes(kernel_id))
-        for pid in doomed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        # Stopped first, so that none of them sees another die and cleans up after it.
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in doomed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
         self.proc.wait()
 
     def stop(self) -> None:

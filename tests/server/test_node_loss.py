@@ -46,9 +46,11 @@ def _power_loss(server: ServerProcess, kernel_ids: list[str]) -> None:
         doomed |= {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
     for kernel_id in kernel_ids:
         doomed |= set(_kernel_processes(kernel_id))
-    for pid in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    # Stopped first, so that none of them sees another die and cleans up after it.
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
     server.proc.wait()
     for kernel_id in kernel_ids:
         deadline = time.monotonic() + 10
