@@ -20,8 +20,9 @@ server's ``last_activity`` would be cheaper but moves on any IOPub message (a re
 browser's kernel_info does it), and ``execution_state`` misses short cells between two
 looks. Silent executes (our own allocator release, the env update after a restore) publish
 no ``execute_input``, so a snapshot's ``created`` time is the line between saved and
-unsaved work. A kernel that ran cells before the scheduler first saw it (one that was
-running when the server started) counts as unsaved since its start.
+unsaved work. New kernels are noticed within 0.1 s and restored ones as their restore
+succeeds; for anything a kernel did before that, the server's ``last_activity`` is read
+generously (a kernel running when the server started counts as unsaved since its start).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from .status import cuda_status
 OVERRIDES_FILE = ".autosave-policies.json"
 # A fresh kernel's own start-up messages are not work anyone would miss.
 STARTUP_SETTLE_SECONDS = 10.0
+# How soon a new kernel's cells are followed.
+DISCOVER_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -205,14 +208,43 @@ class AutosaveScheduler:
             self._forget(kernel_id)
 
     async def _run(self) -> None:
+        next_tick = 0.0
         while True:
             try:
-                await self.tick()
+                if time.monotonic() >= next_tick:
+                    await self.tick()
+                    next_tick = time.monotonic() + float(self.settings.autosave_check_seconds)
+                else:
+                    await self._discover()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # one bad tick must not end autosaving for good
+            except Exception:  # one bad round must not end autosaving for good
                 self.log.exception("gpu-snapshot: the autosave scheduler failed a round")
-            await asyncio.sleep(max(0.05, float(self.settings.autosave_check_seconds)))
+            await asyncio.sleep(DISCOVER_SECONDS)
+
+    async def _discover(self) -> None:
+        """Start following the cells of kernels that appeared since the last look.
+
+        Often, and cheaply (a set difference): a cell run before the feed starts is seen
+        only through the server's coarse ``last_activity``.
+        """
+        for kernel_id in list(self.service.kernel_manager.list_kernel_ids()):
+            if kernel_id not in self._watch and kernel_id in self.service.kernel_manager:
+                await self._ensure_watch(kernel_id)
+
+    async def _ensure_watch(self, kernel_id: str) -> KernelWatch:
+        """The kernel's watch, made at the first look (by whichever caller comes first)."""
+        watch = self._watch.get(kernel_id)
+        if watch is not None:
+            return watch
+        km = self.service.kernel_manager.get_kernel(kernel_id)
+        watch = await self._first_look(kernel_id, km, time.time())
+        if kernel_id in self._watch:  # another caller looked meanwhile
+            if watch.feed is not None:
+                watch.feed.close()
+            return self._watch[kernel_id]
+        self._watch[kernel_id] = watch
+        return watch
 
     # -- policies --------------------------------------------------------------------------
     def _defaults(self) -> AutosavePolicy:
@@ -278,7 +310,7 @@ class AutosaveScheduler:
         self.service.kernel(kernel_id)
         notebook = await self.service.notebook_path(kernel_id)
         key = self.policy_key(kernel_id, notebook)
-        watch = self._watch.get(kernel_id)
+        watch = await self._ensure_watch(kernel_id)
         job = self.service.running_job(kernel_id)
         policy = self.policy(key)
         next_at = None
@@ -419,9 +451,7 @@ class AutosaveScheduler:
     async def _consider(self, kernel_id: str, notebook: str | None) -> None:
         now = time.time()
         km = self.service.kernel_manager.get_kernel(kernel_id)
-        watch = self._watch.get(kernel_id)
-        if watch is None:
-            watch = self._watch[kernel_id] = await self._first_look(kernel_id, km, now)
+        watch = await self._ensure_watch(kernel_id)
         watch.policy_key = self.policy_key(kernel_id, notebook)
         policy = self.policy(watch.policy_key)
         interval = policy.interval_minutes * 60
