@@ -48,6 +48,9 @@ async def snapshot_kernels_on_shutdown(
 ) -> ShutdownReport:
     """Save the snapshot-ready kernels (stopping them) that fit in ``budget`` seconds.
 
+    Called by ``GPUSnapshotApp._save_before_stop``, which passes the service's
+    ``start_save`` and ``kernel_size``.
+
     ``work_at_risk(kernel_id)`` (the autosave scheduler's) says how many seconds of work
     since its newest snapshot a kernel would lose: kernels with none are not saved again,
     and the others go in that order, most first. Each save's time is estimated from the
