@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import PARTIAL_PREFIX, SnapshotStore
 
 from .conftest import Json
@@ -194,7 +195,13 @@ async def test_a_kill_during_an_autosave_keeps_the_previous_one(
         assert [s["id"] for s in listed] == [previous["id"]], listed
         latest = await second.api.snapshots(notebook_path=NOTEBOOK, latest="true")
         assert [s["id"] for s in latest] == [previous["id"]]
-        SnapshotStore(store_dir).verify(SnapshotStore(store_dir).get(previous["id"]))
+        # The servers' key and kernel-log directory, not this process's.
+        store = SnapshotStore(
+            store_dir,
+            Path(env["JUPYTER_DATA_DIR"]) / "gpu_snapshot_signing.key",
+            ManifestPolicy(lambda: Path(env["JUPYTER_RUNTIME_DIR"]) / "gpu_snapshot"),
+        )
+        store.verify(store.get(previous["id"]))
 
         new_id = await _restore_into_notebook(second, previous["id"])
         kernel_ids.append(new_id)
