@@ -158,6 +158,8 @@ class JupyterServer:
             "--allow-root",
             '--ServerApp.jpserver_extensions={"jupyter_gpu_snapshot": True}',
             f"--GPUSnapshot.store_dir={self.store}",
+            # On by default; these scenarios do not want every stop to save their kernels.
+            "--GPUSnapshot.snapshot_on_shutdown=False",
         ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

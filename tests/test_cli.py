@@ -82,7 +82,7 @@ def test_human_output_never_cuts_or_wraps_ids_and_paths(
     assert f"saved {name} ({snapshot_id})" in saved_line
     listing = cli(store, "list", env=narrow).stdout.splitlines()
     assert "…" not in "".join(listing)
-    assert listing[0].split() == ["NAME", "ID", "CREATED", "SIZE", "NOTEBOOK", "STATUS"]
+    assert listing[0].split() == ["NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "STATUS"]
     assert listing[1].split()[:2] == [name, snapshot_id]
     out = cli(store, "restore", name, env=narrow).stdout
     connect = [line for line in out.splitlines() if line.startswith("connect with:")]
@@ -208,6 +208,8 @@ def test_resume_refuses_a_process_that_is_no_kernel_of_ours(tmp_path: Path):
     finally:
         other.kill()
         other.wait()
+
+
 def _flat(text: str) -> str:
     """Rich wraps long lines to the terminal's width."""
     return " ".join(text.split())
@@ -260,3 +262,28 @@ def test_check_reports_an_unsafe_store(tmp_path: Path):
     out = cli(store, "check", "--json", check=False)
     checks = {c["name"]: c for c in json.loads(out.stdout)}
     assert out.returncode == 1 and "owned by uid 65534" in checks["store"]["detail"]
+
+
+def test_list_latest_names_each_notebooks_newest_snapshot(tmp_path: Path, kernel: KernelHandle):
+    from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+    from jupyter_gpu_snapshot.core.store import SnapshotStore
+
+    from .conftest import run
+
+    store = tmp_path / "store"
+    engine = SnapshotEngine(SnapshotStore(store))
+    made = {}
+    for notebook, reason in [("a.ipynb", "autosave"), ("b.ipynb", "user"),
+                             ("a.ipynb", "shutdown"), (None, "user")]:
+        target = SaveTarget(kernel.root_pid, notebook_path=notebook, reason=reason)
+        made[(notebook, reason)] = run(engine.save(target)).id
+    latest = json.loads(cli(store, "list", "--latest", "--json").stdout)
+    # Newest first, one per notebook, whatever the reason; no notebook, no offer.
+    assert [(s["notebook_path"], s["reason"], s["id"]) for s in latest] == [
+        ("a.ipynb", "shutdown", made[("a.ipynb", "shutdown")]),
+        ("b.ipynb", "user", made[("b.ipynb", "user")]),
+    ]
+    only_a = json.loads(cli(store, "list", "--latest", "--notebook", "a.ipynb", "--json").stdout)
+    assert [s["id"] for s in only_a] == [made[("a.ipynb", "shutdown")]]
+    human = cli(store, "list", "--latest").stdout
+    assert "shutdown" in human and "autosave" not in human

@@ -355,3 +355,18 @@ def test_configured_store_path_may_be_a_link_to_a_private_store(tmp_path):
     assert [s.id for s in linked.list()] == [first]
     linked.verify(linked.get("first"))
     assert linked.audit() == []
+
+
+def test_the_autosave_policies_file_beside_the_snapshots_is_no_snapshot(tmp_path: Path):
+    from jupyter_gpu_snapshot.core.recovery import recover_store
+
+    store = _store(tmp_path)
+    kept = _commit(store, "kept")
+    (store.root / ".autosave-policies.json").write_text('{"n.ipynb": {"enabled": false}}')
+    engine = SnapshotEngine(store)
+    assert [s.id for s in engine.catalog()] == [kept]
+    assert [s.id for s in engine.list()] == [kept]
+    assert store.audit() == []
+    report = recover_store(store)
+    assert report.removed == [] and report.kept == []
+    assert (store.root / ".autosave-policies.json").is_file()

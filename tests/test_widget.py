@@ -50,7 +50,7 @@ def panel_state(notebook: NotebookKernel) -> dict[str, Any]:
         {PANEL}
         print(json.dumps({{
             "readiness": p.readiness.value, "cuda": p.cuda.value, "last": p.last.value,
-            "message": p.message.value, "error": p.error.value,
+            "autosave": p.autosave.value, "message": p.message.value, "error": p.error.value,
             "rows": list(p.rows), "labels": [r.label.value for r in p.rows.values()],
             "confirming": [r.confirming for r in p.rows.values()],
             "delete_labels": [r.delete_button.description for r in p.rows.values()],
@@ -106,6 +106,8 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
     assert "CUDA: not in use by this kernel." in state["cuda"]
     assert "A snapshot now would hold about" in state["cuda"]
     assert "No snapshot yet" in state["last"]
+    # Cells ran in this kernel: the server's policy, and an autosave planned.
+    assert "Autosave: every 15 min; next in 1" in state["autosave"], state["autosave"]
     assert state["rows"] == [] and state["error"] == ""
 
     notebook.ok(f"{PANEL}; p.name_input.value = 'clicked'")

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from .._constants import KERNEL_NAME, format_bytes
 from ..config import GPUSnapshot
-from ..core import procfs
+from ..core import procfs, retention
 from ..core.engine import Progress as EngineProgress
 from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import NotFound, NotReady, SnapshotError
@@ -173,20 +173,27 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    snapshots = _engine(args).catalog(args.notebook)
+    engine = _engine(args)
+    if args.latest:
+        # What a restart offers back: the newest trusted snapshot of each notebook, newest first.
+        trusted = [s.summary() for s in engine.list(args.notebook)]
+        summaries = [dict(s) for s in retention.newest_per_notebook(trusted)]
+    else:
+        summaries = [s.summary() for s in engine.catalog(args.notebook)]
     if args.json:
-        _print_json([s.summary() for s in snapshots])
+        _print_json(summaries)
         return 0
-    if not snapshots:
+    if not summaries:
         _say("no snapshots")
         return 0
-    rows = [["NAME", "ID", "CREATED", "SIZE", "NOTEBOOK", "STATUS"]]
-    for s in snapshots:
-        created = datetime.fromtimestamp(s.created).strftime("%Y-%m-%d %H:%M:%S")
-        status = "ok" if s.trusted else f"{s.status}: {s.problem}"
-        rows.append(
-            [s.name, s.id, created, format_bytes(s.size_bytes), s.notebook_path or "-", status]
-        )
+    rows = [["NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "STATUS"]]
+    for s in summaries:
+        created = datetime.fromtimestamp(s["created"]).strftime("%Y-%m-%d %H:%M:%S")
+        status = "ok" if s["status"] == "ok" else f"{s['status']}: {s['problem']}"
+        rows.append([
+            s["name"], s["id"], created, s["reason"], format_bytes(s["size_bytes"]),
+            s["notebook_path"] or "-", status,
+        ])
     _say(_columns(rows))
     return 0
 
@@ -375,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list snapshots")
     p.add_argument("--notebook", help="only the snapshots of this notebook path")
+    p.add_argument(
+        "--latest", action="store_true",
+        help="only the newest snapshot of each notebook (autosave, shutdown or user)",
+    )
     p.add_argument("--json", action="store_true",
                    help="print the snapshots' summaries as a JSON list")
     p.set_defaults(func=cmd_list)

@@ -256,10 +256,20 @@ class SnapshotClient:
         kid = self.kernel_id
         return dict(self.api("GET", f"kernels/{_q(kid)}/status", step="status"))
 
-    def snapshots(self, notebook_path: str | None = None) -> list[Json]:
-        query = f"?notebook_path={_q(notebook_path)}" if notebook_path else ""
+    def snapshots(self, notebook_path: str | None = None, latest: bool = False) -> list[Json]:
+        params = {"notebook_path": notebook_path} if notebook_path else {}
+        if latest:
+            params["latest"] = "true"
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
         answer = self.api("GET", f"snapshots{query}", step="list")
         return list(answer.get("snapshots", []))
+
+    def autosave(self, changes: Json | None = None) -> Json:
+        """This kernel's autosave state; with ``changes``, set its notebook's policy first."""
+        path = f"kernels/{_q(self.kernel_id)}/autosave"
+        if changes is None:
+            return dict(self.api("GET", path, step="autosave"))
+        return dict(self.api("PUT", path, changes, step="autosave"))
 
     def snapshot(self, ref: str) -> Json:
         return dict(self.api("GET", f"snapshots/{_q(ref)}", step="find snapshot"))

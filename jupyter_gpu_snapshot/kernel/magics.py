@@ -30,6 +30,7 @@ traceback; the kernel keeps running.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 import time
@@ -45,6 +46,7 @@ from .._constants import format_bytes
 from .client import ClientError, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
 from .presentation import (
+    autosave_lines,
     format_age,
     job_progress_text,
     local_time,
@@ -78,8 +80,12 @@ def _display(*objs: Any, **kwargs: Any) -> Any:
     return display(*objs, **kwargs)  # type: ignore[no-untyped-call]
 
 
-COMMANDS = ("save", "list", "status", "rm", "restore", "widget")
-_TAKES_NAME = {"save": "optional", "rm": "required", "restore": "required"}
+COMMANDS = ("save", "list", "status", "rm", "restore", "widget", "autosave")
+_TAKES_NAME = {
+    "save": "optional", "rm": "required", "restore": "required", "autosave": "optional",
+}
+AUTOSAVE_USAGE = "%gpu_snapshot autosave [on|off|every 10m|status]"
+_UNIT_MINUTES = {"s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0}
 
 
 class SnapshotMagicError(Exception):
@@ -121,9 +127,11 @@ class GPUSnapshotMagics(Magics):
         choices=COMMANDS,
         help="save: snapshot this kernel; list: this notebook's snapshots; status: readiness, "
         "CUDA state and the running job; rm: delete a snapshot; restore: restore a snapshot "
-        "into a new kernel and switch this notebook to it; widget: a live panel.",
+        "into a new kernel and switch this notebook to it; widget: a live panel; autosave: "
+        "this notebook's autosave policy (on, off, every 10m, status).",
     )
     @argument("name", nargs="?", help="snapshot name (save: optional; rm, restore: name or id)")
+    @argument("rest", nargs="*", help=argparse.SUPPRESS)
     @argument(
         "--stop",
         action="store_true",
@@ -134,6 +142,11 @@ class GPUSnapshotMagics(Magics):
         action="store_true",
         dest="all_notebooks",
         help="list only: every snapshot in the store, not just this notebook's",
+    )
+    @argument(
+        "--latest",
+        action="store_true",
+        help="list only: just the newest snapshot (of each notebook, with --all)",
     )
     @line_magic
     def gpu_snapshot(self, line: str) -> None:
@@ -148,14 +161,24 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot restore before-train
             %gpu_snapshot rm before-train
             %gpu_snapshot widget
+            %gpu_snapshot list --latest        # what a restart would offer back
+            %gpu_snapshot autosave every 10m   # also: on, off, status
         """
         args = parse_argstring(self.gpu_snapshot, line)
         args.name = _unquoted(args.name)
         command: str = args.command
         _check_usage(command, args.name, args.stop, args.all_notebooks)
+        if args.rest and command != "autosave":
+            raise UsageError(f"unrecognized arguments: {' '.join(args.rest)}")
+        if args.latest and command != "list":
+            raise UsageError("--latest only applies to %gpu_snapshot list")
+        changes = _autosave_changes(args.name, args.rest) if command == "autosave" else None
         try:
             client = self.client()
-            getattr(self, f"_{command}")(client, args)
+            if command == "autosave":
+                self._autosave(client, changes)
+            else:
+                getattr(self, f"_{command}")(client, args)
         except ClientError as exc:
             raise SnapshotMagicError(f"%gpu_snapshot {command}: {exc.message}") from None
 
@@ -204,23 +227,28 @@ class GPUSnapshotMagics(Magics):
         if not args.all_notebooks:
             session = client.session()
             path = session.get("path") if session else None
-        snapshots = client.snapshots(path)
+        snapshots = client.snapshots(path, latest=args.latest)
         scope = f"of {path}" if path else "in the store"
         if not snapshots:
             print(f"No snapshots {scope}.")
             return
         now = time.time()
-        rows: list[tuple[str, ...]] = [("NAME", "ID", "CREATED", "SIZE", "NOTEBOOK")]
-        for s in reversed(snapshots):  # newest first
+        rows: list[tuple[str, ...]] = [("NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK")]
+        # Newest first (the latest answer already is).
+        for s in snapshots if args.latest else reversed(snapshots):
             created = float(s.get("created", 0))
             rows.append((
                 str(s.get("name", "")),
                 str(s.get("id", "")),
                 f"{local_time(created)} ({format_age(now - created)})",
+                str(s.get("reason", "user")),
                 format_bytes(int(s.get("size_bytes", 0))),
                 str(s.get("notebook_path") or "-"),
             ))
-        print(f"{len(snapshots)} snapshot(s) {scope}:")
+        if args.latest:
+            print(f"Newest snapshot {scope}:" if path else "Newest snapshot of each notebook:")
+        else:
+            print(f"{len(snapshots)} snapshot(s) {scope}:")
         print(table(rows))
 
     def _status(self, client: SnapshotClient, args: Any) -> None:
@@ -265,6 +293,10 @@ class GPUSnapshotMagics(Magics):
             f"{result.get('kernel_id')}: {where}."
         )
 
+    def _autosave(self, client: SnapshotClient, changes: dict[str, Any] | None) -> None:
+        state = client.autosave(changes)
+        print("\n".join(autosave_lines(state, time.time())))
+
     def _widget(self, client: SnapshotClient, args: Any) -> None:
         from .widget import SnapshotPanel  # ipywidgets only when asked for
 
@@ -282,6 +314,38 @@ def _stopped_waiting(kind: str, job: dict[str, Any]) -> None:
         f"Stopped waiting; the {kind} goes on in the server (job {job['id']}). "
         "%gpu_snapshot status shows how it ends."
     )
+
+
+def _autosave_changes(word: str | None, rest: list[str]) -> dict[str, Any] | None:
+    """The policy change that ``%gpu_snapshot autosave WORD REST`` asks for; None: status."""
+    words = [w.lower() for w in ([word] if word else []) + rest]
+    if words in ([], ["status"]):
+        return None
+    if words == ["on"]:
+        return {"enabled": True}
+    if words == ["off"]:
+        return {"enabled": False}
+    if words == ["default"]:
+        return {k: None for k in ("enabled", "interval_minutes", "after_cell_minutes",
+                                  "during_cell")}
+    if len(words) == 2 and words[0] == "every":
+        return {"enabled": True, "interval_minutes": parse_minutes(words[1])}
+    raise UsageError(f"usage: {AUTOSAVE_USAGE}")
+
+
+def parse_minutes(text: str) -> float:
+    """``10m``, ``90s``, ``1h`` or ``10`` (minutes) as minutes."""
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):] or "m"
+    try:
+        value = float(number) * _UNIT_MINUTES[unit]
+    except (KeyError, ValueError):
+        raise UsageError(
+            f"cannot read {text!r} as an interval: write e.g. 10m, 90s or 1h"
+        ) from None
+    if not value > 0:
+        raise UsageError("the autosave interval must be more than 0; use 'autosave off'")
+    return value
 
 
 def _check_usage(command: str, name: str | None, stop: bool, all_notebooks: bool) -> None:

@@ -143,3 +143,71 @@ def table(rows: list[tuple[str, ...]]) -> str:
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
         for row in rows
     )
+
+
+def _minutes(value: float) -> str:
+    return f"{round(value, 1):g} min" if value >= 1 else f"{round(value * 60):g} s"
+
+
+def autosave_lines(state: dict[str, Any], now: float) -> list[str]:
+    """``%gpu_snapshot autosave``'s answer: the policy, the last autosave, the next one."""
+    policy = state.get("policy") or {}
+    where = state.get("notebook_path") or "this kernel"
+    if not policy.get("enabled"):
+        head = f"Autosave of {where}: off."
+    else:
+        after = float(policy.get("after_cell_minutes") or 0)
+        head = (
+            f"Autosave of {where}: every {_minutes(float(policy['interval_minutes']))} "
+            "when cells ran"
+            + (f", and after any cell of {_minutes(after)} or more" if after > 0 else "")
+            + (", also while a cell runs." if policy.get("during_cell") else ", between cells.")
+        )
+    if state.get("override"):
+        head += " (set for this notebook)"
+    lines = [head]
+    last = state.get("last_autosave")
+    if state.get("autosaving"):
+        lines.append("Autosaving now…")
+    elif last:
+        pause = last.get("pause")
+        paused = f", paused the kernel {pause:.1f} s" if isinstance(pause, float) else ""
+        lines.append(
+            f"Last autosave: {format_age(now - float(last['created']))} "
+            f"({last.get('snapshot_id')}{paused})."
+        )
+    if state.get("last_skip"):
+        lines.append(f"Last autosave not made: {state['last_skip']}")
+    next_at = state.get("next_autosave")
+    if next_at is not None and policy.get("enabled"):
+        left = float(next_at) - now
+        lines.append("Next autosave: " + (
+            f"in {_minutes(left / 60)}"
+            if left > 0 else "at the next look (once the running cell ends)"
+        ) + ".")
+    elif policy.get("enabled"):
+        lines.append("Nothing ran since the last snapshot: no autosave is due.")
+    return lines
+
+
+def autosave_text(state: dict[str, Any], now: float) -> str:
+    """One line for the panel: the notebook's policy, the last autosave, the next one."""
+    policy = state.get("policy") or {}
+    if not policy.get("enabled"):
+        return "Autosave: off for this notebook."
+    text = f"Autosave: every {_minutes(float(policy['interval_minutes']))}"
+    if state.get("autosaving"):
+        return f"{text}; autosaving now…"
+    last = state.get("last_autosave")
+    if last:
+        text += f"; last {format_age(now - float(last['created']))}"
+        if isinstance(last.get("pause"), float):
+            text += f" (paused {last['pause']:.1f} s)"
+    next_at = state.get("next_autosave")
+    if next_at is not None:
+        left = float(next_at) - now
+        text += f"; next in {format_age(left).removesuffix(' ago')}" if left >= 60 else (
+            "; next within a minute")
+    else:
+        text += "; nothing to save"
+    return text + "."

@@ -1,7 +1,8 @@
 """A live panel of this kernel's snapshot state, built from ipywidgets 8's own widgets.
 
 ``%gpu_snapshot widget`` shows it. It reads everything from the server extension's REST API
-(``kernels/{id}/status``, ``jobs?kernel_id=``, ``snapshots?notebook_path=``) and offers
+(``kernels/{id}/status``, ``kernels/{id}/autosave``, ``jobs?kernel_id=``,
+``snapshots?notebook_path=``) and offers
 Save, Restore and Delete, with errors shown inline.
 
 Why a background thread, and why it cannot deadlock the kernel
@@ -36,6 +37,7 @@ import ipywidgets as w  # type: ignore[import-untyped]
 from .._constants import format_bytes
 from .client import ClientError, SnapshotClient
 from .presentation import (
+    autosave_text,
     cuda_text,
     estimate_text,
     format_age,
@@ -138,6 +140,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.readiness = w.HTML()
         self.cuda = w.HTML()
         self.last = w.HTML()
+        self.autosave = w.HTML()
         self.phase = w.Label()
         self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, bar_style="info")
         self.progress_box = w.HBox([self.progress, self.phase])
@@ -154,7 +157,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.rows: dict[str, SnapshotRow] = {}
         super().__init__([
             w.HBox([self.title, self.close_button]), self.readiness, self.cuda, self.last,
-            self.progress_box,
+            self.autosave, self.progress_box,
             w.HBox([self.name_input, self.save_button]), self.message, self.error,
             w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
         ])
@@ -198,6 +201,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             ended = self._poll_jobs()
             if full or ended or now - self._last_status >= STATUS_EVERY_SECONDS:
                 self._show_status(self.client.status())
+                self._show_autosave(self.client.autosave())
                 self._last_status = now
             if full or ended or now - self._last_list >= LIST_EVERY_SECONDS:
                 self._show_snapshots(self.client.snapshots(self._notebook_path))
@@ -290,6 +294,12 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             self.last.value = _text(
                 f"Last snapshot: {last_snapshot_text(last)}" if last else "No snapshot yet"
             )
+
+    def _show_autosave(self, state: Json) -> None:
+        text = autosave_text(state, time.time())
+        with self._lock:
+            if self.autosave.value != _text(text):  # unchanged text sends nothing
+                self.autosave.value = _text(text)
 
     def _show_snapshots(self, snapshots: list[Json]) -> None:
         with self._lock:

@@ -19,11 +19,13 @@ from traitlets.config import Config
 
 from .._constants import API_PREFIX
 from ..config import GPUSnapshot
+from ..core.estimate import SaveRates, learn_rates
 from ..core.recovery import clean_work_dirs, recover_store
 from ..core.store import SnapshotStore
 from ..engines import make_engine, wake_kernel
 from ..launch.provisioner import SnapshotReadyProvisioner
 from .adoption import KernelRecord, adopt_orphans
+from .autosave import AutosaveScheduler
 from .handlers import routes
 from .jobs import Job, JobRunner
 from .service import SnapshotService
@@ -65,6 +67,7 @@ class GPUSnapshotApp(ExtensionApp):
         return "jupyter_gpu_snapshot_config"
 
     service: SnapshotService | None = None
+    autosave: AutosaveScheduler | None = None
     gpu_settings: GPUSnapshot | None = None
     last_shutdown: ShutdownReport | None = None
     _stopping: asyncio.Future[None] | None = None
@@ -94,6 +97,7 @@ class GPUSnapshotApp(ExtensionApp):
             jobs=jobs,
             log=self.log,
         )
+        self.autosave = AutosaveScheduler(self.service, settings, log=self.log)
         self._tell_kernels_where_we_are()
         self.log.info(
             "gpu-snapshot: API at %s%s/, snapshots in %s, snapshot on shutdown %s",
@@ -101,6 +105,38 @@ class GPUSnapshotApp(ExtensionApp):
             API_PREFIX,
             engine.store.root,
             "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
+        )
+        self.log.info("gpu-snapshot: %s", self._recovery_settings())
+
+    def _recovery_settings(self) -> str:
+        """One line for the start-up log: what a node loss or a stop would cost."""
+        s = self.gpu_settings
+        assert s is not None
+        if s.autosave:
+            autosave = (
+                f"autosave every {s.autosave_interval_minutes:g} min of activity and after "
+                f"cells of {s.autosave_after_cell_minutes:g} min or more, keeping "
+                f"{s.autosave_keep} per notebook"
+                + (", also during cells" if s.autosave_during_cell else "")
+            )
+        else:
+            autosave = "autosave off"
+        shutdown = (
+            f"snapshots on shutdown within {s.shutdown_budget:g} s"
+            if s.snapshot_on_shutdown else "no snapshots on shutdown"
+        )
+        return f"{autosave}; {shutdown}"
+
+    async def save_rates(self) -> SaveRates:
+        """The shutdown's save-time rates: configured, else learned from past saves."""
+        assert self.service is not None and self.gpu_settings is not None
+        s = self.gpu_settings
+        learned = learn_rates(await self.service.list_snapshots())
+        return SaveRates(
+            gpu_rate=s.save_gpu_rate or learned.gpu_rate,
+            image_rate=s.save_image_rate or learned.image_rate,
+            fixed_seconds=s.save_fixed_seconds or learned.fixed_seconds,
+            learned_from=learned.learned_from,
         )
 
     def _recover(self, store: SnapshotStore) -> None:
@@ -123,8 +159,8 @@ class GPUSnapshotApp(ExtensionApp):
 
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
-        assert self.service is not None
-        self.handlers.extend(routes(self.service, self.kernel_token_secret))
+        assert self.service is not None and self.autosave is not None
+        self.handlers.extend(routes(self.service, self.autosave, self.kernel_token_secret))
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         """Called once the server listens: the port is final only now (port retries).
@@ -134,8 +170,13 @@ class GPUSnapshotApp(ExtensionApp):
         """
         self._tell_kernels_where_we_are()
         assert self.gpu_settings is not None
-        if not self.gpu_settings.adopt_orphaned_kernels:
-            return
+        if self.gpu_settings.adopt_orphaned_kernels:
+            await self._adopt_orphans(serverapp)
+        if self.autosave is not None:
+            self.autosave.start()
+
+    async def _adopt_orphans(self, serverapp: ServerApp) -> None:
+        """Take back the kernels a killed server left running; then record this server's."""
         report = await adopt_orphans(serverapp.kernel_manager, serverapp.session_manager, self.log)
         for kernel_id in report.adopted:
             self.log.info("gpu-snapshot: adopted kernel %s, left running by a killed server",
@@ -177,6 +218,8 @@ class GPUSnapshotApp(ExtensionApp):
 
     def _emit_job(self, job: Job) -> None:
         assert self.serverapp is not None and self.serverapp.event_logger is not None
+        if job.kind == "restore" and job.status == "succeeded" and self.autosave is not None:
+            self.autosave.note_restored(str(job.kernel_id))
         self.serverapp.event_logger.emit(schema_id=JOB_EVENT_ID, data=job.to_dict())
 
     def current_activity(self) -> list[str] | None:
@@ -204,16 +247,26 @@ class GPUSnapshotApp(ExtensionApp):
     async def _save_before_stop(self) -> None:
         if self.service is None or self.gpu_settings is None:
             return
+        if self.autosave is not None:
+            await self.autosave.stop()
         budget = float(self.gpu_settings.shutdown_budget)
         if self.gpu_settings.snapshot_on_shutdown:
+            rates = await self.save_rates()
+            self.log.info("gpu-snapshot: shutdown save rates %s", rates.to_dict())
             service = self.service
             self.last_shutdown = await snapshot_kernels_on_shutdown(
                 service.kernel_manager,
                 service.jobs,
                 lambda kernel_id: service.start_save(kernel_id, stop=True, reason="shutdown"),
+                service.kernel_size,
                 budget,
                 self.log,
+                rates,
+                work_at_risk=self.autosave.work_at_risk if self.autosave else None,
+                newest_snapshot=self.autosave.newest_snapshot if self.autosave else None,
             )
         else:
             for job in await self.service.jobs.drain(budget):
                 self.log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)
+        if self.autosave is not None:
+            self.autosave.close()

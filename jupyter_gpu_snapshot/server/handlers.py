@@ -25,6 +25,7 @@ from tornado import web
 from .._constants import API_PREFIX
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, PortsInUse, SnapshotError
 from ..launch.kernel_token import kernel_of_token
+from .autosave import POLICY_FIELDS, AutosaveScheduler
 from .jobs import JOB_ID_PATTERN
 from .service import SnapshotService
 
@@ -152,16 +153,20 @@ class SnapshotAPIHandler(APIHandler):
 
 
 class SnapshotsHandler(SnapshotAPIHandler):
-    """``GET snapshots[?notebook_path=P]``."""
+    """``GET snapshots[?notebook_path=P][&latest=true]``."""
 
     @web.authenticated
     @authorized
     async def get(self) -> None:
         notebook_path = self.get_query_argument("notebook_path", None)
-        self.write_json({
-            "snapshots": await self.service.list_snapshots(notebook_path),
-            "store": await self.service.store_usage(),
-        })
+        latest = self.get_query_argument("latest", "false").lower()
+        if latest not in ("true", "false", "1", "0"):
+            raise InvalidRequest("request", f"latest must be true or false, not {latest!r}")
+        if latest in ("true", "1"):
+            found = await self.service.latest_snapshots(notebook_path)
+        else:
+            found = await self.service.list_snapshots(notebook_path)
+        self.write_json({"snapshots": found, "store": await self.service.store_usage()})
 
 
 class SnapshotHandler(SnapshotAPIHandler):
@@ -245,6 +250,31 @@ class KernelSessionHandler(SnapshotAPIHandler):
         self.write_json({"session": await self.service.session_of_kernel(kernel_id)})
 
 
+class KernelAutosaveHandler(SnapshotAPIHandler):
+    """``GET kernels/{kernel_id}/autosave``, ``PUT`` with a policy override."""
+
+    autosave: AutosaveScheduler
+
+    def initialize(  # type: ignore[override]
+        self, service: SnapshotService, autosave: AutosaveScheduler, kernel_secret: str = ""
+    ) -> None:
+        super().initialize(service, kernel_secret)
+        self.autosave = autosave
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
+        self.write_json(await self.autosave.describe(kernel_id))
+
+    @web.authenticated
+    @authorized_to_execute
+    async def put(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
+        body = self.json_body({k: (*kinds, type(None)) for k, kinds in POLICY_FIELDS.items()})
+        self.write_json(await self.autosave.set_override(kernel_id, body))
+
+
 class JobsHandler(SnapshotAPIHandler):
     """``GET jobs[?kernel_id=K]``."""
 
@@ -267,21 +297,23 @@ class JobHandler(SnapshotAPIHandler):
 
 
 def routes(
-    service: SnapshotService, kernel_secret: str = ""
+    service: SnapshotService, autosave: AutosaveScheduler, kernel_secret: str = ""
 ) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
     """URL patterns relative to the server's base_url (the extension app prepends it).
 
     ``kernel_secret`` derives the kernels' own credentials (``launch/kernel_token.py``).
     """
-    kwargs = {"service": service, "kernel_secret": kernel_secret}
-    table: list[tuple[str, type[SnapshotAPIHandler]]] = [
-        (r"snapshots", SnapshotsHandler),
-        (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler),
-        (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler),
-        (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler),
-        (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler),
-        (rf"kernels/{KERNEL_ID}/session", KernelSessionHandler),
-        (r"jobs", JobsHandler),
-        (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler),
+    kwargs: dict[str, Any] = {"service": service, "kernel_secret": kernel_secret}
+    table: list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]] = [
+        (r"snapshots", SnapshotsHandler, kwargs),
+        (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler, kwargs),
+        (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/session", KernelSessionHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/autosave", KernelAutosaveHandler,
+         {**kwargs, "autosave": autosave}),
+        (r"jobs", JobsHandler, kwargs),
+        (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler, kwargs),
     ]
-    return [(f"/{API_PREFIX}/{pattern}", handler, kwargs) for pattern, handler in table]
+    return [(f"/{API_PREFIX}/{pattern}", handler, kw) for pattern, handler, kw in table]

@@ -23,7 +23,7 @@ from tornado import web
 
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
-from ..core import procfs
+from ..core import procfs, retention
 from ..core.engine import RestoredKernel, SaveTarget, SnapshotEngine
 from ..core.errors import (
     Busy,
@@ -37,7 +37,7 @@ from ..core.store import Snapshot, validate_name
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
-from .status import TreeFacts
+from .status import TreeFacts, cuda_status
 from .status import kernel_status as describe_kernel
 
 # How long a save waits for a kernel that is still starting to answer.
@@ -144,6 +144,21 @@ class SnapshotService:
             self.log,
         )
 
+    async def cuda_state(self, root: int | None) -> dict[str, Any] | None:
+        """The CUDA state of the kernel tree at ``root``; None when nobody can tell."""
+        _, uses_cuda = await asyncio.to_thread(self.tree_facts.get, root)
+        return await cuda_status(root, uses_cuda, self.log)
+
+    async def kernel_size(self, kernel_id: str) -> tuple[int, int]:
+        """Host and GPU memory of the kernel's processes, which its save has to move.
+
+        Called by ``shutdown.snapshot_kernels_on_shutdown`` to estimate each save's time.
+        """
+        root = root_pid(self.kernel(kernel_id))
+        host = await asyncio.to_thread(procfs.tree_rss, root) if root else 0
+        cuda = await self.cuda_state(root)
+        return host, int((cuda or {}).get("memory_bytes") or 0)
+
     def running_job(self, kernel_id: str) -> Job | None:
         return self.jobs.busy_with(kernel_key(kernel_id))
 
@@ -243,20 +258,36 @@ class SnapshotService:
             self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
 
     async def _apply_retention(self, snapshot: Snapshot) -> None:
-        """Keep the newest ``keep_last`` snapshots of the snapshot's notebook."""
-        keep = int(self.settings.keep_last)
-        notebook = snapshot.notebook_path
-        # Snapshots of kernels without a notebook are never pruned: nothing groups them.
-        if keep <= 0 or notebook is None:
-            return
-        for old in (await asyncio.to_thread(self.engine.list, notebook))[:-keep]:
-            if self.jobs.busy_with(snapshot_key(old.id)) is not None:
+        """Delete what ``core.retention`` says the new snapshot makes obsolete.
+
+        Called by ``_save`` once ``snapshot`` has committed, so nothing older goes first.
+        """
+        trusted = await asyncio.to_thread(self.engine.list)
+        doomed = retention.to_delete(
+            [s.summary() for s in trusted],
+            snapshot.summary(),
+            keep_autosaves=int(self.settings.autosave_keep),
+            keep_last=int(self.settings.keep_last),
+        )
+        for snapshot_id in doomed:
+            if self.jobs.busy_with(snapshot_key(snapshot_id)) is not None:
                 continue
             try:
-                await asyncio.to_thread(self.engine.delete, old.id)
-                self.log.info("gpu-snapshot: retention removed snapshot %s of %s", old.id, notebook)
+                await asyncio.to_thread(self.engine.delete, snapshot_id)
+                self.log.info(
+                    "gpu-snapshot: retention removed snapshot %s (%s kept)", snapshot_id,
+                    snapshot.id,
+                )
             except (SnapshotError, OSError) as exc:
-                self.log.warning("gpu-snapshot: retention could not remove %s: %s", old.id, exc)
+                self.log.warning(
+                    "gpu-snapshot: retention could not remove %s: %s", snapshot_id, exc
+                )
+
+    async def latest_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        """The newest trusted snapshot of each notebook (or of one), whatever its reason."""
+        trusted = await asyncio.to_thread(self.engine.list, notebook_path)
+        summaries = [s.summary() for s in trusted]
+        return [dict(s) for s in retention.newest_per_notebook(summaries)]
 
     # -- restore ---------------------------------------------------------------------------
     async def start_restore(

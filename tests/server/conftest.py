@@ -64,7 +64,13 @@ def jp_server_config(
     config = Config(
         {
             "ServerApp": {"jpserver_extensions": {"jupyter_gpu_snapshot": True}},
-            "GPUSnapshot": {"store_dir": str(store_dir), "criu_path": criu_path, **snapshot_config},
+            "GPUSnapshot": {
+                "store_dir": str(store_dir),
+                "criu_path": criu_path,
+                # On by default; here only the tests about it want every teardown to save.
+                "snapshot_on_shutdown": False,
+                **snapshot_config,
+            },
         }
     )
     config.merge(Config(server_config))

@@ -28,7 +28,7 @@ def _documented_path(pattern: str) -> str:
 
 def test_every_route_and_method_is_documented_and_nothing_else() -> None:
     served: dict[str, set[str]] = {}
-    for pattern, handler, _ in routes(service=None):  # type: ignore[arg-type]
+    for pattern, handler, _ in routes(service=None, autosave=None):  # type: ignore[arg-type]
         own = {
             m for m in METHODS
             if getattr(handler, m) is not getattr(SnapshotAPIHandler, m)
@@ -69,3 +69,8 @@ async def test_answers_carry_the_documented_fields(api: Api) -> None:
     code, error = await api.call("GET", "gpu-snapshot", "snapshots", "no-such")
     assert code == 404
     assert _required("Error") <= set(error) == _properties("Error")
+    autosave = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave")
+    assert _required("AutosaveState") <= set(autosave) == _properties("AutosaveState")
+    assert set(autosave["policy"]) == _properties("AutosavePolicy")
+    # That snapshot's kernel served no notebook: nothing offers it back.
+    assert await api.snapshots(latest="true") == []

@@ -1,0 +1,301 @@
+"""Autosave scheduling, retention and the budgeted shutdown, with a real server, real
+python3-snapshot kernels and real CRIU. Intervals are seconds here (fractions of a minute)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from jupyter_gpu_snapshot.core import procfs
+
+from .conftest import Api, Json, KernelConnector
+
+SECOND = 1 / 60  # the settings are in minutes
+
+
+def _app(jp_serverapp: Any) -> Any:
+    return next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
+
+
+async def _start_scheduler(jp_serverapp: Any) -> Any:
+    """What the server does once it listens (pytest-jupyter's server never gets there)."""
+    app = _app(jp_serverapp)
+    app.autosave.start()
+    return app
+
+
+async def _autosaves(api: Api, notebook: str) -> list[Json]:
+    return [s for s in await api.snapshots(notebook_path=notebook) if s["reason"] == "autosave"]
+
+
+async def _until_autosaves(api: Api, notebook: str, count: int, timeout: float = 90) -> list[Json]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await _autosaves(api, notebook)
+        if len(found) >= count:
+            return found
+        assert time.monotonic() < deadline, f"{len(found)} autosaves of {notebook}, not {count}"
+        await asyncio.sleep(0.2)
+
+
+async def _until_idle(api: Api, kernel_id: str, timeout: float = 90) -> None:
+    """Until no job holds the kernel (an autosave may be under way)."""
+    deadline = time.monotonic() + timeout
+    while (await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave"))["autosaving"]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+
+
+class TestSchedule:
+    @pytest.fixture
+    def snapshot_config(self) -> dict[str, Any]:
+        return {
+            "autosave_interval_minutes": 2 * SECOND,
+            "autosave_after_cell_minutes": 60.0,
+            "autosave_check_seconds": 0.2,
+            "autosave_min_free_bytes": 0,
+        }
+
+    async def test_idle_kernels_are_not_saved_again(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        await _start_scheduler(jp_serverapp)
+        session = await api.open_notebook("idle.ipynb")
+        kernel_id = session["kernel"]["id"]
+        ws = await kernel_socket(kernel_id)
+        # A kernel that ran nothing has nothing to lose.
+        await asyncio.sleep(3)
+        assert await _autosaves(api, "idle.ipynb") == []
+
+        await ws.execute("state = 1")
+        first = await _until_autosaves(api, "idle.ipynb", 1)
+        assert first[0]["notebook_path"] == "idle.ipynb"
+        assert first[0]["kernel"]["kernel_id"] == kernel_id
+        # Several intervals of idleness: nothing new.
+        await asyncio.sleep(5)
+        assert [s["id"] for s in await _autosaves(api, "idle.ipynb")] == [first[0]["id"]]
+        state = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave")
+        assert state["unsaved_work"] is False and state["next_autosave"] is None
+        assert state["last_autosave"]["snapshot_id"] == first[0]["id"]
+        assert state["last_autosave"]["pause"] > 0
+
+        await ws.execute("state = 2")
+        second = await _until_autosaves(api, "idle.ipynb", 2)
+        assert second[0]["id"] == first[0]["id"] and second[1]["created"] > first[0]["created"]
+
+    async def test_a_notebook_can_turn_autosave_off_and_change_the_interval(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        app = await _start_scheduler(jp_serverapp)
+        session = await api.open_notebook("quiet.ipynb")
+        kernel_id = session["kernel"]["id"]
+        path = ("gpu-snapshot", "kernels", kernel_id, "autosave")
+        state = await api.ok("PUT", *path, body={"enabled": False})
+        assert state["policy"]["enabled"] is False and state["override"] == {"enabled": False}
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("state = 1")
+        await asyncio.sleep(3)
+        assert await _autosaves(api, "quiet.ipynb") == []
+
+        for bad in ({"interval_minutes": "10"}, {"interval_minutes": 0}, {"every": 3},
+                    {"enabled": 1}, {"after_cell_minutes": -1}):
+            code, error = await api.call("PUT", *path, body=bad)
+            assert code == 400, (bad, error)
+        state = await api.ok("PUT", *path, body={"enabled": None, "interval_minutes": 1.0})
+        assert state["override"] == {"interval_minutes": 1.0}
+        assert state["policy"]["enabled"] is True and state["next_autosave"] is not None
+        # The override is kept in the store for the next server.
+        assert "quiet.ipynb" in app.autosave._load_overrides()
+        # Not due for a minute, whatever the server's interval.
+        await asyncio.sleep(3)
+        assert await _autosaves(api, "quiet.ipynb") == []
+
+
+    async def test_a_restored_kernel_is_clean_until_it_runs_a_cell(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        app = await _start_scheduler(jp_serverapp)
+        await app.autosave.stop()  # only what the shutdown would ask
+        kernel_id = await api.start_kernel()
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("kept = 1")
+        job = await api.succeeded(await api.save(kernel_id, stop=True))
+        restored = (await api.succeeded(await api.restore(job["snapshot_id"])))["result"]
+        new_id = restored["kernel_id"]
+        await app.autosave.tick()
+        assert app.autosave.work_at_risk(new_id) == 0
+        ws = await kernel_socket(new_id)
+        await ws.execute("kept = 2")
+        await app.autosave.tick()
+        assert app.autosave.work_at_risk(new_id) > 0
+
+    async def test_kernels_that_are_not_snapshot_ready_are_left_alone(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        await _start_scheduler(jp_serverapp)
+        kernel_id = await api.start_kernel("python3")
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("state = 1")
+        deadline = time.monotonic() + 30
+        while True:
+            state = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave")
+            if state["last_skip"]:
+                break
+            assert time.monotonic() < deadline, state
+            await asyncio.sleep(0.2)
+        assert "not snapshot-ready" in state["last_skip"]
+        await asyncio.sleep(2)
+        # No job was started for it, so no failure reached anyone.
+        assert (await api.ok("GET", "gpu-snapshot", "jobs"))["jobs"] == []
+        assert await api.snapshots() == []
+
+
+class TestLongCell:
+    @pytest.fixture
+    def snapshot_config(self) -> dict[str, Any]:
+        return {
+            "autosave_interval_minutes": 60.0,
+            "autosave_after_cell_minutes": 2 * SECOND,
+            "autosave_check_seconds": 0.2,
+            "autosave_min_free_bytes": 0,
+        }
+
+    async def test_a_long_cell_is_saved_when_it_ends(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        await _start_scheduler(jp_serverapp)
+        session = await api.open_notebook("train.ipynb")
+        kernel_id = session["kernel"]["id"]
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("import time; short = 1")
+        await asyncio.sleep(2)
+        assert await _autosaves(api, "train.ipynb") == [], "a short cell triggered a save"
+
+        await ws.execute("time.sleep(4); trained = 'yes'")
+        ended = time.time()
+        saved = await _until_autosaves(api, "train.ipynb", 1, timeout=60)
+        # Taken after the cell, so it holds its result.
+        assert saved[0]["created"] >= ended - 0.5
+        await _until_idle(api, kernel_id)
+        # The restore listens on the original's ports: the original goes first.
+        await api.ok("DELETE", "api", "kernels", kernel_id, expect=204)
+        restored = await api.succeeded(await api.restore(saved[0]["id"]))
+        ws2 = await kernel_socket(restored["result"]["kernel_id"])
+        assert (await ws2.execute("print(trained)")).strip() == "yes"
+
+
+class TestRetention:
+    @pytest.fixture
+    def snapshot_config(self) -> dict[str, Any]:
+        return {
+            "autosave_interval_minutes": 1 * SECOND,
+            "autosave_after_cell_minutes": 60.0,
+            "autosave_check_seconds": 0.2,
+            "autosave_keep": 2,
+            "autosave_min_free_bytes": 0,
+        }
+
+    async def test_keeps_the_newest_autosaves_and_every_user_snapshot(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        await _start_scheduler(jp_serverapp)
+        session = await api.open_notebook("kept.ipynb")
+        kernel_id = session["kernel"]["id"]
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("n = 0")
+        await _until_autosaves(api, "kept.ipynb", 1)
+        await _until_idle(api, kernel_id)
+        named = (await api.succeeded(await api.save(kernel_id, name="mine")))["snapshot_id"]
+        seen: list[str] = []
+        for n in range(1, 4):
+            await ws.execute(f"n = {n}")
+            deadline = time.monotonic() + 90
+            while True:
+                ids = [s["id"] for s in await _autosaves(api, "kept.ipynb")]
+                if ids and ids[-1] not in seen:
+                    break
+                assert time.monotonic() < deadline, "no new autosave"
+                await asyncio.sleep(0.2)
+            seen.append(ids[-1])
+            assert len(ids) <= 2, ids
+        assert [s["id"] for s in await _autosaves(api, "kept.ipynb")] == seen[-2:]
+        listed = {s["id"]: s for s in await api.snapshots(notebook_path="kept.ipynb")}
+        assert named in listed and listed[named]["reason"] == "user"
+
+
+class TestDiskMargin:
+    @pytest.fixture
+    def snapshot_config(self) -> dict[str, Any]:
+        return {
+            "autosave_interval_minutes": 1 * SECOND,
+            "autosave_check_seconds": 0.2,
+            "autosave_min_free_bytes": 1 << 60,  # no disk has that much
+        }
+
+    async def test_an_autosave_that_would_fill_the_disk_is_skipped(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        await _start_scheduler(jp_serverapp)
+        session = await api.open_notebook("full.ipynb")
+        kernel_id = session["kernel"]["id"]
+        ws = await kernel_socket(kernel_id)
+        await ws.execute("state = 1")
+        deadline = time.monotonic() + 30
+        while True:
+            state = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave")
+            if state["last_skip"]:
+                break
+            assert time.monotonic() < deadline, state
+            await asyncio.sleep(0.2)
+        assert "autosave_min_free_bytes" in state["last_skip"]
+        assert await api.snapshots() == []
+        # No failed job either: the skip happened before anything started.
+        assert (await api.ok("GET", "gpu-snapshot", "jobs"))["jobs"] == []
+        assert (await ws.execute("print(state)")).strip() == "1"
+
+
+class TestBudgetedShutdown:
+    @pytest.fixture
+    def snapshot_config(self) -> dict[str, Any]:
+        # 20 MB/s makes a 400 MB kernel a 20 s save: more than the whole budget.
+        return {
+            "snapshot_on_shutdown": True,
+            "shutdown_budget": 12.0,
+            "save_image_rate": 20e6,
+            "save_fixed_seconds": 1.0,
+            "autosave_interval_minutes": 1 * SECOND,
+            "autosave_check_seconds": 0.2,
+            "autosave_min_free_bytes": 0,
+        }
+
+    async def test_kernels_that_fit_are_saved_and_the_big_one_keeps_its_autosave(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        app = await _start_scheduler(jp_serverapp)
+        big = (await api.open_notebook("big.ipynb"))["kernel"]["id"]
+        small = (await api.open_notebook("small.ipynb"))["kernel"]["id"]
+        idle = (await api.open_notebook("idle.ipynb"))["kernel"]["id"]
+        ws_big = await kernel_socket(big)
+        ws_small = await kernel_socket(small)
+        await ws_big.execute("import os; blob = os.urandom(400 << 20); step = 1")
+        autosave = (await _until_autosaves(api, "big.ipynb", 1))[-1]
+        await _until_idle(api, big)
+        await app.autosave.stop()
+        await ws_big.execute("step = 2")  # work the shutdown cannot save in time
+        await ws_small.execute("step = 'small'")
+        roots = {k: jp_serverapp.kernel_manager.get_kernel(k).provisioner.root_pid
+                 for k in (big, small)}
+
+        await jp_serverapp.extension_manager.stop_all_extensions()
+        report = app.last_shutdown
+        assert list(report.saved) == [small], report
+        assert "keeps its newest snapshot" in report.skipped[big], report
+        assert autosave["id"] in report.skipped[big]
+        assert report.skipped[idle] == "it has run nothing", report
+        assert not procfs.tree_alive(roots[small])
+        listed = {s["id"]: s for s in await api.snapshots()}
+        assert listed[report.saved[small]]["reason"] == "shutdown"
+        assert autosave["id"] in listed
