@@ -539,6 +539,8 @@ scenarios['before-shutdown'] = async () => {
     .locator(`${CURRENT} .jp-gpu-snapshot-button[data-state="ready"]`)
     .waitFor({ timeout: STEP_TIMEOUT });
   seen.other_kernel = await notebookKernelId(process.env.OTHER_NOTEBOOK);
+  // A kernel that has run nothing is not saved at shutdown: give this one some work.
+  seen.other_output = await runCell(0);
   await screenshot('second-notebook-open');
 };
 

@@ -294,7 +294,8 @@ def test_snapshots_sidebar_lists_searches_restores_and_deletes(
     ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
     server = start_lab("sidebar", {"state.ipynb": "python3-snapshot"})
-    assert "snapshot on shutdown off" in server.log_path.read_text()
+    # On by default: the startup log says so.
+    assert "snapshot on shutdown on" in server.log_path.read_text()
     seen = run_scenario(ui_tools, server, "sidebar", "state.ipynb")
     secret, next_random = expected_state()
 
