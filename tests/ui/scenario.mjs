@@ -607,7 +607,10 @@ async function main() {
   });
   page = context.pages()[0] ?? (await context.newPage());
   page.on('console', message => {
-    if (message.type() === 'error') {
+    // JupyterLab's debugger logs this when a kernel it is asking about is shut down, as
+    // the port-holder remedy does on purpose; any other error fails the scenario.
+    const debuggerRace = /^Could not restore the debugger state: Canceled future/;
+    if (message.type() === 'error' && !debuggerRace.test(message.text())) {
       seen.console_errors.push(message.text().slice(0, 500));
     }
   });
