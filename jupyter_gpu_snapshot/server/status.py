@@ -18,6 +18,9 @@ from ..core.errors import SnapshotError
 from ..core.store import Snapshot
 from .jobs import Job
 
+# Answers kept for kernels with a save or restore under way, which may take minutes.
+_FORGET_SECONDS = 3600.0
+
 
 class TreeFacts:
     """Why a kernel tree cannot be saved, and whether it uses CUDA, as of a moment ago.
@@ -34,15 +37,20 @@ class TreeFacts:
         self._lock = threading.Lock()
         self._recent: dict[int | None, tuple[float, list[str], bool]] = {}
 
-    def get(self, root: int | None) -> tuple[list[str], bool]:
-        """(reasons it is not snapshot-ready, whether it maps libcuda); blocks: use a thread."""
+    def get(self, root: int | None, busy: bool = False) -> tuple[list[str], bool]:
+        """(reasons it is not snapshot-ready, whether it maps libcuda); blocks: use a thread.
+
+        ``busy``: a save or restore of this kernel runs. Then the last answer, however old,
+        is used: reading the /proc of a tree that criu holds can wait for criu.
+        """
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, v in self._recent.items() if now - v[0] > self.ttl]:
+            for key in [k for k, v in self._recent.items() if now - v[0] > _FORGET_SECONDS]:
                 del self._recent[key]
             if root in self._recent:
-                _, reasons, cuda = self._recent[root]
-                return list(reasons), cuda
+                seen, reasons, cuda = self._recent[root]
+                if busy or now - seen <= self.ttl:
+                    return list(reasons), cuda
         reasons, cuda = self._read(root)
         with self._lock:
             self._recent[root] = (now, reasons, cuda)
@@ -81,7 +89,7 @@ async def kernel_status(
     ``snapshots`` are the store's, oldest first; the newest of this kernel's or its
     notebook's is the last snapshot.
     """
-    reasons, uses_cuda = await asyncio.to_thread(facts.get, root)
+    reasons, uses_cuda = await asyncio.to_thread(facts.get, root, job is not None)
     mine = [
         s for s in snapshots
         if (s.manifest.get("kernel") or {}).get("kernel_id") == kernel_id
