@@ -64,10 +64,10 @@ def wake_kernel(root_pid: int) -> list[str]:
     ``jupyter gpu-snapshot resume``; returns one line per process whose CUDA stays suspended.
     """
     from .gpu.checkpoint import CudaCheckpoint
-    from .gpu.driver import load_driver
+    from .gpu.driver import driver_status
 
     procfs.continue_tree(root_pid)
-    status = load_driver()
+    status = driver_status()
     if status.driver is None:
         return []
     cuda = CudaCheckpoint(status.driver)
