@@ -27,6 +27,7 @@ import {
   toastProgress
 } from './format';
 import { JobFollower } from './jobs';
+import { JobNotification } from './progress';
 import { portsHolder } from './remedy';
 
 /** How long a success notification stays up. */
@@ -286,31 +287,25 @@ export class SnapshotController {
       return null;
     }
     const notebook = panel.context.localPath;
-    const id = Notification.emit(`Snapshot of ${notebook}: starting…`, 'in-progress', {
-      autoClose: false
-    });
+    const toast = new JobNotification(`Snapshot of ${notebook}: starting…`);
     let job: IJob;
     try {
       job = await this.api.startSave(kernelId, name ? { name } : {});
     } catch (error) {
       const apiError = error instanceof SnapshotAPIError ? error.error : null;
-      Notification.update({
-        id,
-        type: 'error',
-        message: `Snapshot failed: ${apiError ? shortError(apiError) : (error as Error).message}`,
-        autoClose: false
-      });
+      toast.finish(
+        'error',
+        `Snapshot failed: ${apiError ? shortError(apiError) : (error as Error).message}`,
+        { autoClose: false }
+      );
       void this.refresh(kernelId);
       return null;
     }
     const final = await this._follow(kernelId, job, current =>
-      Notification.update({
-        id,
-        type: 'in-progress',
-        message: `Snapshot of ${notebook}: ${this.describeJob(current)}`,
-        progress: toastProgress(current),
-        autoClose: false
-      })
+      toast.progress(
+        `Snapshot of ${notebook}: ${this.describeJob(current)}`,
+        toastProgress(current)
+      )
     );
     if (final.status === 'succeeded' && final.result) {
       const summary = final.result as ISnapshotSummary;
@@ -321,25 +316,13 @@ export class SnapshotController {
         this._changed.emit(kernelId);
       }
       void this.refresh(kernelId);
-      Notification.update({
-        id,
-        type: 'success',
-        message: describeSaved(summary),
-        progress: undefined,
-        autoClose: SUCCESS_CLOSE_MS
-      });
+      toast.finish('success', describeSaved(summary), { autoClose: SUCCESS_CLOSE_MS });
       return summary;
     }
     void this.refresh(kernelId);
-    Notification.update({
-      id,
-      type: 'error',
-      message: `Snapshot failed: ${shortError(final.error)}`,
-      progress: undefined,
+    toast.finish('error', `Snapshot failed: ${shortError(final.error)}`, {
       autoClose: false,
-      actions: detailsAction('Snapshot failed', final.error, null, () =>
-        Notification.dismiss(id)
-      )
+      actions: dismiss => detailsAction('Snapshot failed', final.error, null, dismiss)
     });
     return null;
   }
@@ -411,33 +394,35 @@ export class SnapshotController {
    */
   async restore(panel: NotebookPanel, snapshot: ISnapshotSummary): Promise<boolean> {
     const sessionContext = panel.sessionContext;
-    const id = Notification.emit(`Restoring '${snapshot.name}'…`, 'in-progress', {
-      autoClose: false
-    });
+    const toast = new JobNotification(`Restoring '${snapshot.name}'…`);
     const fail = (message: string, error: IJobError | null = null): boolean => {
       const ports = this.portsRemedy(panel, snapshot, error);
       const remedy = ports?.remedy ?? null;
-      const dismiss = () => Notification.dismiss(id);
-      const actions: Notification.IAction[] = [];
-      if (remedy) {
-        actions.push({
-          label: remedy.label,
-          caption: remedy.caption,
-          displayType: 'accent',
-          callback: remedy.run
-        });
-      }
-      actions.push(
-        ...detailsAction(`Restore of '${snapshot.name}' failed`, error, remedy, dismiss)
+      toast.finish(
+        'error',
+        `Restore of '${snapshot.name}' failed: ${ports?.message ?? message}`,
+        {
+          autoClose: false,
+          actions: dismiss => [
+            ...(remedy
+              ? [
+                  {
+                    label: remedy.label,
+                    caption: remedy.caption,
+                    displayType: 'accent' as const,
+                    callback: remedy.run
+                  }
+                ]
+              : []),
+            ...detailsAction(
+              `Restore of '${snapshot.name}' failed`,
+              error,
+              remedy,
+              dismiss
+            )
+          ]
+        }
       );
-      Notification.update({
-        id,
-        type: 'error',
-        message: `Restore of '${snapshot.name}' failed: ${ports?.message ?? message}`,
-        progress: undefined,
-        autoClose: false,
-        actions
-      });
       return false;
     };
     const started = Date.now();
@@ -459,13 +444,10 @@ export class SnapshotController {
     const final = await this._follow(null, job, current => {
       this._restores.set(path, current);
       this._changed.emit('');
-      Notification.update({
-        id,
-        type: 'in-progress',
-        message: `Restoring '${snapshot.name}': ${this.describeJob(current)}`,
-        progress: toastProgress(current),
-        autoClose: false
-      });
+      toast.progress(
+        `Restoring '${snapshot.name}': ${this.describeJob(current)}`,
+        toastProgress(current)
+      );
     });
     this._restores.delete(path);
     this._changed.emit('');
@@ -484,15 +466,12 @@ export class SnapshotController {
     }
     void this.refresh(result.kernel_id);
     const seconds = (Date.now() - started) / 1000;
-    Notification.update({
-      id,
-      type: 'success',
-      message:
-        `Kernel restored from '${snapshot.name}' (${formatBytes(snapshot.size_bytes)}) ` +
+    toast.finish(
+      'success',
+      `Kernel restored from '${snapshot.name}' (${formatBytes(snapshot.size_bytes)}) ` +
         `in ${formatSeconds(seconds)}`,
-      progress: undefined,
-      autoClose: SUCCESS_CLOSE_MS
-    });
+      { autoClose: SUCCESS_CLOSE_MS }
+    );
     return true;
   }
 
