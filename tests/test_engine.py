@@ -213,8 +213,10 @@ import os, threading, time
 def _watch():
     while not os.path.exists(TRIGGER):
         time.sleep(0.02)
-    with open(CANARY, "w") as f:
+    # Written aside and renamed: the test never reads a canary half written.
+    with open(CANARY + ".tmp", "w") as f:
         f.write("the image ran")
+    os.rename(CANARY + ".tmp", CANARY)
 threading.Thread(target=_watch, daemon=True).start()
 """
 
