@@ -213,12 +213,11 @@ class Server:
             job = self.request("GET", f"gpu-snapshot/jobs/{job['id']}")
         return job
 
-    def connect(self, connection_file_id: str) -> BlockingKernelClient:
-        client = BlockingKernelClient()
-        client.load_connection_file(str(self.runtime / f"kernel-{connection_file_id}.json"))
-        client.start_channels(hb=False)
-        client.wait_for_ready(timeout=300)
-        return client
+    def connection_info(self, kernel_id: str) -> dict[str, Any]:
+        """The kernel's ports and key, as its server wrote them when it started the kernel."""
+        info: dict[str, Any] = json.loads(
+            (self.runtime / f"kernel-{kernel_id}.json").read_text())
+        return info
 
     def power_loss(self, kernel_id: str) -> None:
         """SIGKILL the server, its children and the kernel's processes, all at once."""
@@ -241,6 +240,14 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def connect(connection_info: dict[str, Any]) -> BlockingKernelClient:
+    client = BlockingKernelClient()
+    client.load_connection_info(connection_info)
+    client.start_channels(hb=False)
+    client.wait_for_ready(timeout=300)
+    return client
 
 
 def kernel_processes(kernel_id: str) -> list[int]:
@@ -269,12 +276,14 @@ def run_cell(client: BlockingKernelClient, code: str, timeout: float) -> str:
 
 
 def train_half(server: Server, notebook: str, seconds: float, code: str,
-               autosave: bool) -> tuple[str, BlockingKernelClient, dict[str, Any]]:
+               autosave: bool
+               ) -> tuple[str, BlockingKernelClient, dict[str, Any], dict[str, Any]]:
     """One half: a fresh kernel for ``notebook`` trains for ``seconds`` in one cell."""
     kernel_id = server.open_notebook(notebook)
     if not autosave:
         server.request("PUT", f"gpu-snapshot/kernels/{kernel_id}/autosave", {"enabled": False})
-    client = server.connect(kernel_id)
+    connection_info = server.connection_info(kernel_id)
+    client = connect(connection_info)
     run_cell(client, code, timeout=600)
     settle()
     started = time.time()
@@ -305,7 +314,7 @@ def train_half(server: Server, notebook: str, seconds: float, code: str,
         for j in sorted(jobs, key=lambda j: j["started"])
         if j["kind"] == "save" and j["reason"] == "autosave"
     ]
-    return kernel_id, client, result
+    return kernel_id, client, result, connection_info
 
 
 def machine_info() -> dict[str, Any]:
@@ -405,14 +414,15 @@ def main() -> None:
     try:
         first = Server(base, settings, "before")
         servers.append(first)
-        kid, client, without = train_half(first, "without.ipynb", seconds, code, autosave=False)
+        kid, client, without, _ = train_half(first, "without.ipynb", seconds, code, autosave=False)
         client.stop_channels()
         first.request("DELETE", f"api/kernels/{kid}")
         result["without_autosave"] = without
         print(f"without autosave: {without['steps']} steps "
               f"({without['steps_per_s']:.1f}/s)", flush=True)
 
-        kid, client, with_ = train_half(first, "with.ipynb", seconds, code, autosave=True)
+        kid, client, with_, with_connection = train_half(
+            first, "with.ipynb", seconds, code, autosave=True)
         kernel_ids.append(kid)
         result["with_autosave"] = with_
         print(f"with autosave every {interval:g} min: {with_['steps']} steps, pauses "
@@ -444,8 +454,9 @@ def main() -> None:
             raise RuntimeError(f"the restore failed: {job['error']}")
         kernel_ids.append(job["result"]["kernel_id"])
         kill["restore_s"] = (job["finished"] or time.time()) - job["started"]
-        # The restored process listens with the original's connection info.
-        client = second.connect(kid)
+        # The restored process listens with the original's connection info: the file the
+        # first server wrote for it went with that server's runtime directory.
+        client = connect(with_connection)
         restored_step = int(run_cell(client, "print(step)", timeout=300).strip())
         kill["steps_at_autosave"] = restored_step
         kill["lost_steps"] = steps_at_kill - restored_step
