@@ -23,7 +23,7 @@ from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import PARTIAL_PREFIX, SnapshotStore
 
 from .conftest import Json
-from .test_reboot import NOTEBOOK, ServerProcess, _environment, _free_port, _kernel_processes
+from .test_reboot import NOTEBOOK, ServerProcess, _environment, _kernel_processes
 
 AUTOSAVE = {
     "autosave_interval_minutes": 2 / 60,
@@ -105,13 +105,8 @@ async def test_after_a_hard_kill_the_newest_autosave_comes_back(
     servers: list[ServerProcess] = []
     kernel_ids: list[str] = []
     try:
-        first = ServerProcess(tmp_path, env, _free_port(), "before")
-        servers.append(first)
-        await first.ready()
-        session = await first.api.open_notebook(NOTEBOOK, "reboot.ipynb")
-        kernel_id = session["kernel"]["id"]
-        kernel_ids.append(kernel_id)
-        ws = await first.kernel(kernel_id)
+        first = await ServerProcess.start(tmp_path, env, "before", servers)
+        kernel_id, ws = await first.open_notebook_kernel(kernel_ids)
         await ws.execute("import random; random.seed(7); state = {'step': 1}")
         autosave = (await _until_autosaved(first, 1))[-1]
         await _until_no_job(first, kernel_id)
@@ -125,9 +120,7 @@ async def test_after_a_hard_kill_the_newest_autosave_comes_back(
 
         _power_loss(first, kernel_ids)
 
-        second = ServerProcess(tmp_path, env, _free_port(), "after")
-        servers.append(second)
-        await second.ready()
+        second = await ServerProcess.start(tmp_path, env, "after", servers)
         # The offer: the notebook's newest snapshot, an autosave, and nothing partial.
         latest = await second.api.snapshots(notebook_path=NOTEBOOK, latest="true")
         assert [s["id"] for s in latest] == [autosave["id"]], latest
@@ -161,13 +154,8 @@ async def test_a_kill_during_an_autosave_keeps_the_previous_one(
     servers: list[ServerProcess] = []
     kernel_ids: list[str] = []
     try:
-        first = ServerProcess(tmp_path, env, _free_port(), "before")
-        servers.append(first)
-        await first.ready()
-        session = await first.api.open_notebook(NOTEBOOK, "reboot.ipynb")
-        kernel_id = session["kernel"]["id"]
-        kernel_ids.append(kernel_id)
-        ws = await first.kernel(kernel_id)
+        first = await ServerProcess.start(tmp_path, env, "before", servers)
+        kernel_id, ws = await first.open_notebook_kernel(kernel_ids)
         # Big enough that the next dump takes a while to write.
         await ws.execute("import os; blob = os.urandom(300 << 20); state = 1")
         previous = (await _until_autosaved(first, 1))[-1]
@@ -187,9 +175,7 @@ async def test_a_kill_during_an_autosave_keeps_the_previous_one(
         _power_loss(first, kernel_ids)
         assert half.exists(), "the save committed before the kill"
 
-        second = ServerProcess(tmp_path, env, _free_port(), "after")
-        servers.append(second)
-        await second.ready()
+        second = await ServerProcess.start(tmp_path, env, "after", servers)
         assert not half.exists(), "the half-written autosave was not cleaned up"
         listed = await second.api.snapshots()
         assert [s["id"] for s in listed] == [previous["id"]], listed

@@ -78,6 +78,23 @@ class ServerProcess:
             await asyncio.sleep(0.2)
         raise AssertionError(f"the server did not start in {timeout}s:\n{self.log}")
 
+    @classmethod
+    async def start(
+        cls, home: Path, env: dict[str, str], label: str, started: list[ServerProcess]
+    ) -> ServerProcess:
+        """A server on a free port, listening; kept in ``started`` for the clean-up."""
+        server = cls(home, env, _free_port(), label)
+        started.append(server)
+        await server.ready()
+        return server
+
+    async def open_notebook_kernel(self, kernel_ids: list[str]) -> tuple[str, KernelSocket]:
+        """A session for the test notebook; its kernel id also goes to ``kernel_ids``."""
+        session = await self.api.open_notebook(NOTEBOOK, "reboot.ipynb")
+        kernel_id: str = session["kernel"]["id"]
+        kernel_ids.append(kernel_id)
+        return kernel_id, await self.kernel(kernel_id)
+
     async def kernel(self, kernel_id: str) -> KernelSocket:
         url = f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
         request = HTTPRequest(url, headers={"Authorization": f"token {TOKEN}"})
@@ -145,13 +162,8 @@ async def test_sigterm_saves_kernels_and_the_next_server_restores_them(
     servers: list[ServerProcess] = []
     kernel_ids: list[str] = []
     try:
-        first = ServerProcess(tmp_path, env, _free_port(), "before")
-        servers.append(first)
-        await first.ready()
-        session = await first.api.open_notebook(NOTEBOOK, "reboot.ipynb")
-        kernel_id = session["kernel"]["id"]
-        kernel_ids.append(kernel_id)
-        ws = await first.kernel(kernel_id)
+        first = await ServerProcess.start(tmp_path, env, "before", servers)
+        kernel_id, ws = await first.open_notebook_kernel(kernel_ids)
         await ws.execute("trained = {'epoch': 12, 'loss': 0.125}")
         ws.close()
 
@@ -162,9 +174,7 @@ async def test_sigterm_saves_kernels_and_the_next_server_restores_them(
         assert _kernel_processes(kernel_id) == []
 
         # The next boot: a new server process with the same configuration.
-        second = ServerProcess(tmp_path, env, _free_port(), "after")
-        servers.append(second)
-        await second.ready()
+        second = await ServerProcess.start(tmp_path, env, "after", servers)
         listed = await second.api.snapshots(notebook_path=NOTEBOOK)
         assert len(listed) == 1, listed
         snapshot = listed[0]
