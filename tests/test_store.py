@@ -237,7 +237,10 @@ ESCAPES = {
     "notebook outside the root": (
         lambda m: m["kernel"].__setitem__("notebook_path", "../../../etc/passwd.ipynb"),
         "notebook_path"),
-    "newer format": (lambda m: m.__setitem__("format", 3), "format"),
+    "newer format": (lambda m: m.__setitem__("format", 4), "format"),
+    "node file with a relative path": (
+        lambda m: m.__setitem__("node", {"mapped_files": {"algorithm": "blake3", "files": [
+            {"path": "lib/x.so", "size": 1, "digest": "0" * 64}]}}), "node"),
 }
 
 
