@@ -114,8 +114,8 @@ def main() -> None:
           f" cached {w['digest_thread_s']:.3f}s (waited {w['commit_waited_s']:.3f}s); "
           f"restore check cold {c['restore_check_cold_s']:.3f}s cached "
           f"{w['restore_check_cached_s']:.3f}s; pause {c['pause_s']:.2f}s / "
-          f"{w['pause_s']:.2f}s (without digests {b['pause_s']:.2f}s); save total {c['save_total_s']:.2f}s / {w['save_total_s']:.2f}s "
-          f"({b['save_total_s']:.2f}s)")
+          f"{w['pause_s']:.2f}s (without digests {b['pause_s']:.2f}s); save total "
+          f"{c['save_total_s']:.2f}s / {w['save_total_s']:.2f}s ({b['save_total_s']:.2f}s)")
     out = args.out or Path(__file__).parent / "results" / (
         f"compat-{datetime.now(timezone.utc).strftime('%Y%m%d')}.json")
     out.write_text(json.dumps(result, indent=2))
