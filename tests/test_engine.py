@@ -109,7 +109,7 @@ def test_save_keep_running_then_kernel_continues(engine, store, kernel, tmp_path
     assert "43" in kernel.execute("print(answer)")
 
     manifest = snap.manifest
-    assert manifest["format"] == 2 and manifest["signature"]["value"]
+    assert manifest["format"] == 3 and manifest["signature"]["value"]
     assert manifest["name"] == "keep-running"
     assert manifest["kernel"]["connection_info"]["key"]
     assert manifest["versions"]["criu"].startswith("4.")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import logging
 import os
 import platform
 import shlex
@@ -34,6 +35,7 @@ from .._constants import KERNEL_NAME, format_bytes
 from .._version import __version__
 from . import locks, procfs
 from .background import run_in_background
+from .compatibility import NodeCompatibility, node_facts, refusal
 from .criu import CriuRunner
 from .errors import Interrupted, InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .index import SnapshotIndex
@@ -44,6 +46,7 @@ from .store import DUMP_COMPLETE_FILE, Snapshot, SnapshotStore, new_snapshot_id,
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -149,10 +152,13 @@ class SnapshotEngine:
         store: SnapshotStore | None = None,
         criu: CriuRunner | None = None,
         hooks: Sequence[SnapshotHook] = (),
+        compatibility: NodeCompatibility | None = None,
     ) -> None:
         self.store = store or SnapshotStore()
         self.criu = criu or CriuRunner()
         self.hooks = list(hooks)
+        # Also caches the digests of mapped files across saves and restores.
+        self.compatibility = compatibility or NodeCompatibility()
         self.index = SnapshotIndex(self.store)
 
     # -- queries ---------------------------------------------------------------------------
@@ -254,6 +260,7 @@ class SnapshotEngine:
         log_files = await asyncio.to_thread(procfs.append_only_files, kernel.root_pid)
         python_exe = await asyncio.to_thread(_python_of, kernel.kernel_pid)
         root_started = await asyncio.to_thread(procfs.start_time, kernel.root_pid)
+        mapped = await asyncio.to_thread(procfs.mapped_files, kernel.root_pid)
         for hook in self.hooks:
             await hook.preflight_save(ctx)
         if interrupt.is_set():
@@ -274,7 +281,7 @@ class SnapshotEngine:
         try:
             return await self._save_owned(
                 ctx, name, criu_version, log_files, python_exe, root_started, estimate,
-                [*claims, owner], interrupt, started,
+                [*claims, owner], interrupt, started, mapped,
             )
         finally:
             owner.release()
@@ -291,6 +298,7 @@ class SnapshotEngine:
         claims: builtins.list[HeldLock],
         interrupt: asyncio.Event,
         started: float,
+        mapped: builtins.list[str],
     ) -> Snapshot:
         kernel, stop, report = ctx.kernel, ctx.stop, ctx.report
         partial = await asyncio.to_thread(self.store.begin, ctx.snapshot_id)
@@ -307,6 +315,11 @@ class SnapshotEngine:
                 "preflight", f"could not write to {self.store.root}: {exc.strerror or exc}"
             ) from exc
         timings: dict[str, float] = {"preflight": time.monotonic() - started}
+        # Digests of the mapped files, in a thread while the kernel is suspended and dumped.
+        stop_digests = threading.Event()
+        digesting = asyncio.ensure_future(
+            run_in_background(self.compatibility.record_files, mapped, stop_digests)
+        )
         suspended: builtins.list[SnapshotHook] = []
         pause_started = time.monotonic()
         error: BaseException | None = None
@@ -357,6 +370,9 @@ class SnapshotEngine:
         timings["resume"] = time.monotonic() - t
         timings["pause"] = time.monotonic() - pause_started
         if error is not None or resume_error is not None:
+            stop_digests.set()
+            with contextlib.suppress(BaseException):
+                await digesting
             await asyncio.to_thread(self.store.abort, partial)
             if not stop or error is not None:
                 await asyncio.to_thread(procfs.continue_tree, kernel.root_pid)
@@ -367,6 +383,7 @@ class SnapshotEngine:
 
         report(Progress("commit"))
         t = time.monotonic()
+        await self._add_mapped_files(manifest, digesting, timings)
         manifest["timings"] = timings
         try:
             snapshot = await run_in_background(
@@ -396,6 +413,26 @@ class SnapshotEngine:
         snapshot.manifest["timings"] = timings
         report(Progress("done", snapshot.size_bytes, snapshot.size_bytes))
         return snapshot
+
+    async def _add_mapped_files(
+        self, manifest: dict[str, Any], digesting: asyncio.Future[dict[str, Any]],
+        timings: dict[str, float],
+    ) -> None:
+        """Put the mapped files' digests into the manifest once their thread is done."""
+        t = time.monotonic()
+        try:
+            section = await digesting
+        except Exception as exc:  # the check at restore is then skipped, and says so
+            log.warning("could not digest the kernel's mapped files: %s", exc)
+            manifest["warnings"] = [
+                *manifest.get("warnings", []),
+                f"the kernel's mapped files could not be digested ({type(exc).__name__}: "
+                f"{exc}); a restore cannot check that its environment is the same",
+            ]
+            return
+        manifest["node"]["mapped_files"] = section
+        timings["environment"] = float(section["seconds"])
+        timings["environment_wait"] = time.monotonic() - t
 
     async def _resume(
         self, ctx: SaveContext, suspended: builtins.list[SnapshotHook], error: BaseException | None
@@ -441,6 +478,7 @@ class SnapshotEngine:
                 "python": python_exe,
                 "jupyter_gpu_snapshot": __version__,
             },
+            "node": node_facts(),
             **ctx.manifest,
         }
 
@@ -487,6 +525,36 @@ class SnapshotEngine:
                 details={"ports": busy},
             )
 
+    async def check_compatibility(
+        self,
+        snapshot: Snapshot,
+        report: ProgressCallback,
+        timings: dict[str, float],
+        gpu_targets: Sequence[str] | None = None,
+    ) -> None:
+        """Raise Incompatible when this node cannot run the snapshot (see compatibility).
+
+        Called by ``restore`` once the manifest is authenticated and before criu runs;
+        ``gpu_targets`` are the models of the GPUs chosen for the restore, by default this
+        node's GPUs.
+        """
+        t = time.monotonic()
+        report(Progress("preflight", message="checking that this node can run the snapshot"))
+        findings = await run_in_background(
+            self.compatibility.differences, snapshot.manifest, gpu_targets
+        )
+        timings["compatibility"] = time.monotonic() - t
+        for note in findings.skipped:
+            log.info("restore of %s: %s", snapshot.id, note)
+            report(Progress("preflight", message=f"note: {note}"))
+        for warning in findings.warnings:
+            log.warning("restore of %s: %s", snapshot.id, warning)
+            report(Progress("preflight", message=f"warning: {warning}"))
+        if findings.refusals:
+            node = snapshot.manifest.get("node") or {}
+            raise refusal(snapshot.id, str(node.get("hostname") or snapshot.manifest.get(
+                "host", "")), findings)
+
     async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
         timings: dict[str, float] = {}
         started = time.monotonic()
@@ -494,6 +562,7 @@ class SnapshotEngine:
         # Read again from disk: nothing of a snapshot is used before its signature matched.
         snapshot = await asyncio.to_thread(self.store.reload, snapshot)
         await self.check_ports(snapshot)
+        await self.check_compatibility(snapshot, report, timings)
         info = snapshot.connection_info
         await asyncio.to_thread(self.criu.require_version)
         ctx = RestoreContext(snapshot, report)

@@ -111,3 +111,13 @@ class Interrupted(SnapshotError):
             "interrupted; the save was rolled back and the kernel keeps running",
             hint="nothing was saved",
         )
+
+
+class Incompatible(SnapshotError):
+    """This node cannot run the snapshot (CPU flags, kernel series, mapped files, GPUs).
+
+    ``details["differences"]`` lists each difference as ``{kind, text}``, kind being one of
+    ``cpu``, ``kernel``, ``files``, ``gpu``.
+    """
+
+    code = "incompatible_node"

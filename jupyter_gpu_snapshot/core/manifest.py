@@ -19,7 +19,9 @@ import jsonschema
 
 from .digest import ALGORITHMS
 
-FORMAT_VERSION = 2
+# 3 added the "node" section (a reader of 2 refuses its unknown field); 2 is still read.
+FORMAT_VERSION = 3
+READABLE_FORMATS = (2, 3)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 4 << 20
 ID_PATTERN = r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$"
@@ -37,7 +39,7 @@ SCHEMA: dict[str, Any] = {
     "required": ["format", "id", "name", "created", "kernel", "digest", "files", "signature"],
     "additionalProperties": False,
     "properties": {
-        "format": {"const": FORMAT_VERSION},
+        "format": {"enum": list(READABLE_FORMATS)},
         "id": {"type": "string", "pattern": ID_PATTERN},
         "name": {"type": "string", "pattern": NAME_PATTERN},
         "created": {"type": "number", "minimum": 0},
@@ -106,6 +108,61 @@ SCHEMA: dict[str, Any] = {
         "versions": {"type": "object", "additionalProperties": {"type": "string"}},
         "timings": {"type": "object", "additionalProperties": {"type": "number"}},
         "gpu": {"type": ["object", "null"]},
+        # The node that saved it, compared at restore (core/compatibility.py).
+        "node": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "hostname": {"type": "string", "maxLength": 255},
+                "cpu": {
+                    "type": "object",
+                    "required": ["arch", "flags"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "arch": {"type": "string", "maxLength": 64},
+                        "model": {"type": "string", "maxLength": 256},
+                        "flags": {
+                            "type": "array",
+                            "maxItems": 2048,
+                            "items": {"type": "string", "maxLength": 64},
+                        },
+                    },
+                },
+                "kernel": {
+                    "type": "object",
+                    "required": ["release", "machine"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "release": {"type": "string", "maxLength": 256},
+                        "machine": {"type": "string", "maxLength": 64},
+                    },
+                },
+                "mapped_files": {
+                    "type": "object",
+                    "required": ["algorithm", "files"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "algorithm": {"enum": list(ALGORITHMS)},
+                        "seconds": {"type": "number", "minimum": 0},
+                        "files": {
+                            "type": "array",
+                            "maxItems": 20000,
+                            "items": {
+                                "type": "object",
+                                "required": ["path", "size", "digest"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "path": {"type": "string", "pattern": "^/",
+                                             "maxLength": 4096},
+                                    "size": {"type": "integer", "minimum": 0},
+                                    "digest": {"type": "string", "pattern": r"^[0-9a-f]{64}$"},
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
         # What a restore would get wrong, said at the save (open_files.OpenFilesHook).
         "warnings": {
             "type": "array",

@@ -347,3 +347,30 @@ def is_snapshot_ready_kernel(kernel: KernelProcess) -> bool:
     except psutil.Error:
         return False
     return any(Path(arg).name == "nsinit.py" for arg in cmdline)
+
+
+def mapped_files(root: int) -> list[str]:
+    """Regular files the tree has mapped privately: the interpreter, its shared libraries,
+    locale data. Shared mappings are data (``np.memmap``), which ``open_files`` looks after.
+
+    Deleted files, device files and anonymous memory (memfd, SysV) are left out: the image
+    holds them or they are no files at all.
+    """
+    found: set[str] = set()
+    try:
+        procs = tree(root)
+    except psutil.Error:
+        return []
+    for proc in procs:
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                # address perms offset dev inode path; inode 0 is no file.
+                if len(parts) < 6 or parts[1][3] != "p" or parts[4] == "0":
+                    continue
+                path = parts[5].rstrip("\n")
+                if path.startswith("/") and not path.endswith(" (deleted)") and not path.startswith(
+                    ("/dev/", "/proc/", "/sys/", "/memfd:", "/SYSV")
+                ):
+                    found.add(path)
+    return sorted(found)

@@ -23,7 +23,15 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from .._constants import API_PREFIX
-from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, PortsInUse, SnapshotError
+from ..core.errors import (
+    Busy,
+    Incompatible,
+    InvalidRequest,
+    NotFound,
+    NotReady,
+    PortsInUse,
+    SnapshotError,
+)
 from ..launch.kernel_token import kernel_of_token
 from .autosave import POLICY_FIELDS, AutosaveScheduler
 from .jobs import JOB_ID_PATTERN
@@ -43,6 +51,7 @@ STATUS_OF: tuple[tuple[type[SnapshotError], int], ...] = (
     (Busy, 409),
     (NotReady, 409),
     (PortsInUse, 409),
+    (Incompatible, 409),
     (SnapshotError, 500),
 )
 
