@@ -344,3 +344,23 @@ def test_the_digest_cache_sees_a_rewrite_at_the_same_size_and_mtime(tmp_path):
     assert first and second and first["digest"] != second["digest"] and cache.misses == 2
     assert cache.describe(str(tmp_path / "gone"), "blake3") is None
     assert cache.describe(str(path), "blake3") == second and cache.hits == 1
+
+
+def test_a_fresh_cache_trusts_a_recorded_identity_only_while_the_file_keeps_it(tmp_path):
+    """A server started after the save (an empty cache) digests only what changed since."""
+    path = tmp_path / "lib.so"
+    path.write_bytes(b"a" * 4096)
+    recorded = FileDigests().describe(str(path), "blake3")
+    assert recorded and len(recorded["identity"]) == 4
+    # Another digest with the same identity is taken as recorded: the file is not read.
+    claimed = {**recorded, "digest": "0" * 64}
+    fresh = FileDigests()
+    assert fresh.describe(str(path), "blake3", recorded=claimed)["digest"] == "0" * 64
+    assert fresh.misses == 0
+    # Rewritten at the same size and mtime: the ctime differs, so it is read again.
+    stat = path.stat()
+    time.sleep(0.05)
+    path.write_bytes(b"b" * 4096)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = FileDigests().describe(str(path), "blake3", recorded=recorded)
+    assert again and again["digest"] != recorded["digest"]

@@ -156,6 +156,13 @@ SCHEMA: dict[str, Any] = {
                                              "maxLength": 4096},
                                     "size": {"type": "integer", "minimum": 0},
                                     "digest": {"type": "string", "pattern": r"^[0-9a-f]{64}$"},
+                                    # device, inode, mtime and ctime (ns) at the save
+                                    "identity": {
+                                        "type": "array",
+                                        "items": {"type": "integer", "minimum": 0},
+                                        "minItems": 4,
+                                        "maxItems": 4,
+                                    },
                                 },
                             },
                         },
