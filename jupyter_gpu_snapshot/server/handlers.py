@@ -193,12 +193,12 @@ class JobCreatingHandler(SnapshotAPIHandler):
 
 
 class RestoreHandler(JobCreatingHandler):
-    """``POST snapshots/{id}/restore`` with ``{path?, session_id?}``."""
+    """``POST snapshots/{id}/restore`` with ``{path?, session_id?, gpus?}``."""
 
     @web.authenticated
     @authorized_to_execute
     async def post(self, ref: str) -> None:
-        body = self.json_body({"path": str, "session_id": str})
+        body = self.json_body({"path": str, "session_id": str, "gpus": list})
         if self.kernel_scope is not None:
             # A kernel may switch its own notebook to a restored kernel, never another's.
             session_id, path = body.get("session_id"), body.get("path")
@@ -208,7 +208,8 @@ class RestoreHandler(JobCreatingHandler):
                 owner = await self.service.session_kernel_id_at(path)
                 self.require_kernel(owner or self.kernel_scope)
         job = await self.service.start_restore(
-            ref, path=body.get("path") or None, session_id=body.get("session_id") or None
+            ref, path=body.get("path") or None, session_id=body.get("session_id") or None,
+            gpus=body.get("gpus"),
         )
         self.accepted(job.to_dict())
 
