@@ -1,6 +1,6 @@
 """``gpus`` in a restore request: its shape is checked at once (400, no job), and a snapshot
 without CUDA state refuses it in the job's preflight, leaving no kernel slot behind. Placing
-GPUs for real is tested on the GPU machine (tests/gpu/test_remap_gpu.py)."""
+GPUs is tested in test_gpu_remap_server.py (fake driver) and tests/gpu/test_remap_gpu.py."""
 
 from __future__ import annotations
 
