@@ -228,6 +228,7 @@ def test_the_notice_names_every_move_and_what_is_stale() -> None:
     gpu = section({U[0]: 10 * GIB}, U[:2])
     moved = plan(gpu, node((U[0], H200, 1), (U[1], H200, 100))).to_dict()
     text = remap_notice(moved)
+    assert moved["notice"] == text  # what clients (the magic, the restore dialog) show
     assert f"cuda:0 from GPU 0 ({U[0]}) to GPU 1 ({U[1]})" in text
     assert f"cuda:1 from GPU 1 ({U[1]}) to GPU 0 ({U[0]})" in text
     assert "NVML" in text and "PCI bus ids" in text and "unchanged" in text

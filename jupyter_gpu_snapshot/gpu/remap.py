@@ -78,8 +78,10 @@ class GpuPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """What a restore result and the restored kernel's notice say about the GPUs."""
-        return {"remapped": self.remapped, "chosen": self.chosen,
-                "devices": [p.to_dict() for p in self.placements]}
+        found: dict[str, Any] = {"remapped": self.remapped, "chosen": self.chosen,
+                                 "devices": [p.to_dict() for p in self.placements]}
+        found["notice"] = remap_notice(found)
+        return found
 
 
 def parse_gpu_choice(value: object) -> list[str]:

@@ -56,6 +56,7 @@ async def test_a_remapped_restore_reports_it_and_the_kernel_says_so_first(
     job = await api.succeeded(await api.restore(saved["snapshot_id"], path="remap.ipynb"))
     remap = job["result"]["gpu_remap"]
     assert remap["remapped"] and not remap["chosen"]
+    assert remap["notice"].startswith("This kernel was restored onto other GPUs: cuda:0 from")
     assert [(d["device"], d["to"]["uuid"]) for d in remap["devices"]] == [
         ("cuda:0", UUID1), ("cuda:1", UUID0)]
     assert fake_gpus.driver.restore_pairs[-1] == [(UUID0, UUID1), (UUID1, UUID0)]
