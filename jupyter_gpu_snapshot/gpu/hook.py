@@ -289,7 +289,7 @@ class CudaCheckpointHook(SnapshotHook):
         gpu = ctx.snapshot.manifest.get("gpu")
         if not gpu or not gpu.get("processes"):
             return
-        plan = self._plans.pop(ctx.snapshot.id)
+        plan = self._plans.pop(ctx.snapshot.id, None) or GpuPlan(())  # (): the same GPUs
         driver = self.driver_status().driver
         assert driver is not None  # preflight_restore refused otherwise
         by_ns_pid = {procfs.ns_pid(p.pid): p.pid for p in procfs.tree(ctx.root_pid)}
