@@ -15,6 +15,7 @@ from jupyter_gpu_snapshot.gpu.inventory import GpuDevice
 from jupyter_gpu_snapshot.gpu.remap import (
     GPU_MARGIN_BYTES,
     GpuPlan,
+    describe_choice,
     parse_gpu_choice,
     plan_targets,
     remap_notice,
@@ -234,3 +235,18 @@ def test_the_notice_names_every_move_and_what_is_stale() -> None:
     assert "NVML" in text and "PCI bus ids" in text and "unchanged" in text
     assert remap_notice(plan(gpu, node((U[0], H200, 100), (U[1], H200, 100))).to_dict()) == ""
     assert remap_notice(None) == ""
+
+
+def test_describe_choice_shows_the_plan_or_the_refusal_without_raising() -> None:
+    gpu = section({U[0]: 10 * GIB}, U[:2])
+    here = node((U[0], H200, 1), (U[1], H200, 100))
+    ahead = describe_choice("snap1", gpu, here, None, True)
+    assert [d["device"] for d in ahead["devices"]] == ["cuda:0", "cuda:1"]
+    assert ahead["plan"]["remapped"] and ahead["problem"] is None
+    refused = describe_choice("snap1", gpu, here, ["0", "1"], True)
+    assert refused["plan"] is None and refused["problem"]["code"] == "not_ready"
+    old_driver = describe_choice("snap1", gpu, here, None, False)
+    assert "cannot restore onto other GPUs" in old_driver["problem"]["cause"]
+    nothing = describe_choice("snap1", None, here, None, True)
+    assert nothing["devices"] == [] and nothing["plan"] is None and nothing["problem"] is None
+    assert len(nothing["node"]) == 2

@@ -26,11 +26,12 @@ from .._constants import format_bytes
 from ..core import procfs
 from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.errors import NotReady
+from ..core.store import Snapshot
 from .allocator_caches import CacheRelease, release_in_kernel
 from .checkpoint import CudaCheckpoint, CudaProcess
 from .driver import CudaError, DriverStatus, ProcessState, driver_status
 from .inventory import GpuInventory, host_memory_available, read_inventory
-from .remap import GpuPlan, plan_targets, saved_gpus, visible_uuids
+from .remap import GpuPlan, describe_choice, plan_targets, saved_gpus, visible_uuids
 
 T = TypeVar("T")
 CacheReleaser = Callable[[SaveContext], Awaitable[CacheRelease]]
@@ -283,6 +284,15 @@ class CudaCheckpointHook(SnapshotHook):
                 f"{format_bytes(available)} available",
             )
         self._plans[sid] = plan
+
+    async def gpu_choice(self, snapshot: Snapshot, chosen: list[str] | None) -> dict[str, Any]:
+        """Where a restore of ``snapshot`` would put its GPUs now (``describe_choice``), read
+        with the same driver and inventory as a restore. Called by ``SnapshotService``."""
+        status = await asyncio.to_thread(self.driver_status)
+        inventory = await asyncio.to_thread(self._read_inventory)
+        remap = bool(status.driver is not None and status.driver.info.gpu_remap)
+        return describe_choice(snapshot.id, snapshot.manifest.get("gpu"),
+                               inventory.devices if inventory else (), chosen, remap)
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         """Called by ``SnapshotEngine.restore`` once criu has recreated the tree."""

@@ -331,3 +331,29 @@ def remap_notice(remap: dict[str, Any] | None) -> str:
         "before the snapshot (pynvml, nvidia-smi output, cached device properties) still name "
         "the old GPUs: read them again."
     )
+
+
+def describe_choice(sid: str, gpu: dict[str, Any] | None, node: Sequence[GpuDevice],
+                    chosen: Sequence[str] | None, remap_supported: bool) -> dict[str, Any]:
+    """What a restore of the snapshot would do with its GPUs here, for a client to show
+    before it asks: the node's GPUs, the process's devices, and the plan or the refusal."""
+    saved = saved_gpus(gpu) if gpu and gpu.get("processes") else []
+    found: dict[str, Any] = {
+        "node": [d.to_dict() for d in sorted(node, key=lambda d: d.index)],
+        "devices": [{"device": f"cuda:{s.position}", "uuid": s.uuid, "name": s.name,
+                     "index": s.index, "bytes": s.need} for s in saved],
+        "remap_supported": remap_supported,
+        "plan": None,
+        "problem": None,
+    }
+    if not saved and chosen is not None:
+        found["problem"] = InvalidRequest(
+            "preflight", f"gpus was given, but snapshot {sid} holds no CUDA state to place",
+            hint="restore it without gpus").to_dict()
+    if saved:
+        try:
+            found["plan"] = plan_targets(sid, saved, node, chosen,
+                                         remap_supported=remap_supported).to_dict()
+        except (InvalidRequest, NotReady) as exc:
+            found["problem"] = exc.to_dict()
+    return found

@@ -185,6 +185,16 @@ class SnapshotHandler(SnapshotAPIHandler):
         self.finish()
 
 
+class SnapshotGpusHandler(SnapshotAPIHandler):
+    """``GET snapshots/{id}/gpus[?gpus=1,0]``: where a restore would put the GPUs here."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, ref: str) -> None:
+        gpus = self.get_query_argument("gpus", None)  # as the CLI takes it: 1,0
+        self.write_json(await self.service.gpu_choice(ref, gpus))
+
+
 class JobCreatingHandler(SnapshotAPIHandler):
     def accepted(self, job_dict: dict[str, Any]) -> None:
         base_url = self.settings.get("base_url", "/")
@@ -309,6 +319,7 @@ def routes(
         (r"snapshots", SnapshotsHandler, kwargs),
         (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler, kwargs),
         (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler, kwargs),
+        (rf"snapshots/{SNAPSHOT_REF}/gpus", SnapshotGpusHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/session", KernelSessionHandler, kwargs),

@@ -34,7 +34,8 @@ from ..core.errors import (
     SnapshotError,
 )
 from ..core.store import Snapshot, validate_name
-from ..gpu.remap import parse_gpu_choice, remap_notice
+from ..gpu.hook import CudaCheckpointHook
+from ..gpu.remap import describe_choice, parse_gpu_choice, remap_notice
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
@@ -97,6 +98,21 @@ class SnapshotService:
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:
         return (await asyncio.to_thread(self.engine.get, ref)).summary()
+
+    async def gpu_choice(self, ref: str, gpus: str | None = None) -> dict[str, Any]:
+        """Where a restore of ``ref`` would put its GPUs on this node, or why it would be
+        refused (``gpu.remap.describe_choice``); nothing is restored or reserved."""
+        chosen = parse_gpu_choice(gpus) if gpus is not None else None
+        snapshot = await asyncio.to_thread(self.engine.get, ref)
+        if not snapshot.trusted:
+            raise NotReady(
+                "preflight", f"snapshot {snapshot.id} is {snapshot.status}: {snapshot.problem}",
+                hint="only trusted snapshots are restored",
+            )
+        hook = next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
+        if hook is None:
+            return describe_choice(snapshot.id, None, (), chosen, False)
+        return await hook.gpu_choice(snapshot, chosen)
 
     async def delete_snapshot(self, ref: str) -> None:
         snapshot = await asyncio.to_thread(self.engine.get, ref)

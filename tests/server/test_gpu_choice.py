@@ -40,5 +40,10 @@ async def test_gpus_for_a_snapshot_without_cuda_fails_at_preflight(api: Api):
     assert job["status"] == "failed" and job["error"]["code"] == "invalid_request"
     assert "holds no CUDA state" in job["error"]["message"]
     assert await api.kernel_ids() == []
+    ahead = await api.ok("GET", *SNAPSHOTS, saved["snapshot_id"], "gpus")
+    assert ahead["devices"] == [] and ahead["plan"] is None and ahead["problem"] is None
+    checked = await api.ok("GET", *SNAPSHOTS, saved["snapshot_id"], "gpus",
+                           params={"gpus": "0"})
+    assert "holds no CUDA state" in checked["problem"]["message"]
     done = await api.succeeded(await api.restore(saved["snapshot_id"]))
     assert done["result"]["gpu_remap"] is None

@@ -19,6 +19,7 @@ from jupyter_gpu_snapshot.server import app as server_app
 from ..gpu.fake_driver import FAKE_ENV, GIB, UUID0, FakeCudaDriver, FakeGpus
 from .conftest import Api, KernelConnector
 
+SNAPSHOTS = ("gpu-snapshot", "snapshots")
 MODEL = "NVIDIA Fake H100 80GB HBM3"
 UUID1 = "GPU-11111111-1111-2222-3333-444444444444"
 
@@ -53,6 +54,19 @@ async def test_a_remapped_restore_reports_it_and_the_kernel_says_so_first(
     saved = await api.succeeded(await api.save(session["kernel"]["id"], stop=True))
     assert saved["result"]["gpu"]["visible"] == [UUID0, UUID1]
     fake_gpus.free_on[UUID0] = GIB  # another process filled GPU 0 meanwhile
+    # Asked beforehand, the server says what a restore would do, and checks a choice.
+    route = (*SNAPSHOTS, saved["snapshot_id"], "gpus")
+    ahead = await api.ok("GET", *route)
+    assert [d["uuid"] for d in ahead["node"]] == [UUID0, UUID1] and ahead["remap_supported"]
+    assert [(d["device"], d["bytes"]) for d in ahead["devices"]] == [
+        ("cuda:0", 2 * GIB), ("cuda:1", 0)]
+    assert [d["to"]["index"] for d in ahead["plan"]["devices"]] == [1, 0]
+    assert ahead["problem"] is None
+    checked = await api.ok("GET", *route, params={"gpus": "0,1"})
+    assert checked["plan"] is None and checked["problem"]["code"] == "not_ready"
+    assert "GPU 0 chosen for cuda:0 has 1.0 GiB free" in checked["problem"]["message"]
+    code, error = await api.call("GET", *route, params={"gpus": "cuda:1"})
+    assert code == 400 and "neither a GPU index" in error["message"]
     job = await api.succeeded(await api.restore(saved["snapshot_id"], path="remap.ipynb"))
     remap = job["result"]["gpu_remap"]
     assert remap["remapped"] and not remap["chosen"]
