@@ -34,6 +34,7 @@ from ..gpu_check import fewer_gpus_reason
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.timeout(900),  # torch's first import, a 138 GiB filler and gigabyte images
     pytest.mark.skipif(fewer_gpus_reason(2) is not None,
                        reason=f"GPU remap test: {fewer_gpus_reason(2)}"),
 ]
