@@ -11,14 +11,13 @@ import logging
 from ._constants import PROVISIONER_NAME
 from .config import GPUSnapshot
 from .core import procfs
-from .core.compatibility import NodeCompatibility, NodeGpus
+from .core.compatibility import NodeCompatibility
 from .core.criu import CriuRunner
 from .core.engine import SnapshotEngine, SnapshotHook
 from .core.manifest import ManifestPolicy
 from .core.open_files import OpenFilesHook
 from .core.store import SnapshotStore, default_kernel_log_dir
 from .gpu.hook import CudaCheckpointHook
-from .gpu.inventory import read_inventory
 
 
 def is_snapshot_ready_kernel(name: str) -> bool:
@@ -45,18 +44,6 @@ def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
     ]
 
 
-def node_gpus() -> NodeGpus | None:
-    """This node's GPUs for the compatibility check, from the GPU layer's inventory.
-
-    Called by ``NodeCompatibility`` at restore, only for snapshots that hold CUDA state.
-    """
-    inventory = read_inventory()
-    if inventory is None or not inventory.devices:
-        return None
-    devices = sorted(inventory.devices, key=lambda d: d.index)
-    return NodeGpus(inventory.driver_version, tuple(d.name for d in devices))
-
-
 def make_engine(
     settings: GPUSnapshot | None = None, hooks: list[SnapshotHook] | None = None
 ) -> SnapshotEngine:
@@ -64,11 +51,14 @@ def make_engine(
     policy = ManifestPolicy(
         kernel_log_dir=default_kernel_log_dir, kernel_allowed=is_snapshot_ready_kernel
     )
+    hooks = hooks if hooks is not None else default_hooks(settings)
+    # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.
+    cuda = next((h for h in hooks if isinstance(h, CudaCheckpointHook)), None)
     return SnapshotEngine(
         SnapshotStore(settings.store_dir, settings.signing_key_file, policy),
         CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
-        hooks if hooks is not None else default_hooks(settings),
-        NodeCompatibility(gpus=node_gpus),
+        hooks,
+        NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
     )
 
 

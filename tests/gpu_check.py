@@ -18,3 +18,17 @@ def no_gpu_reason() -> str | None:
     if not Path("/dev/nvidiactl").exists():
         return "the NVIDIA driver library is here but no GPU device (/dev/nvidiactl)"
     return None
+
+
+def fewer_gpus_reason(count: int) -> str | None:
+    """Why a test that needs ``count`` GPUs cannot run here, or None when it can."""
+    reason = no_gpu_reason()
+    if reason is not None:
+        return reason
+    from jupyter_gpu_snapshot.gpu.inventory import read_inventory
+
+    inventory = read_inventory()
+    found = len(inventory.devices) if inventory else 0
+    if found < count:
+        return f"needs {count} GPUs of one model; this machine has {found}"
+    return None

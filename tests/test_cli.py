@@ -287,3 +287,19 @@ def test_list_latest_names_each_notebooks_newest_snapshot(tmp_path: Path, kernel
     assert [s["id"] for s in only_a] == [made[("a.ipynb", "shutdown")]]
     human = cli(store, "list", "--latest").stdout
     assert "shutdown" in human and "autosave" not in human
+
+
+def test_restore_gpus_is_checked_before_anything_runs(tmp_path: Path, kernel: KernelHandle,
+                                                      restored: RestoredTrees):
+    store = tmp_path / "store"
+    cli(store, "save", "--pid", str(kernel.kernel_pid), "--name", "cpu", "--stop")
+    for gpus, says in [("cuda:1", "gpus entry 'cuda:1' is neither a GPU index nor a GPU UUID"),
+                       (",", "gpus entry '' is neither"),
+                       ("0", "gpus was given, but snapshot")]:
+        out = cli(store, "restore", "cpu", "--gpus", gpus, check=False)
+        assert out.returncode == 2 and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    # Nothing of the refused restores runs: the kernel's ports are free for this one.
+    result = json.loads(cli(store, "restore", "cpu", "--json").stdout)
+    restored.connect(Path(result["connection_file"]), result["pid"])
+    assert result["gpu_remap"] is None

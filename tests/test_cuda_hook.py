@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
-from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
+from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.gpu import hook as gpu_hook
 from jupyter_gpu_snapshot.gpu.driver import (
@@ -81,9 +82,8 @@ def make_engine(store: SnapshotStore, fake: FakeCudaDriver, gpus: FakeGpus,
                 criu: CriuRunner | None = None, **hook: Any) -> SnapshotEngine:
     settings: dict[str, Any] = {"lock_timeout": 0.5, "memory_available": lambda: 64 * GIB}
     settings.update(hook)
-    return SnapshotEngine(store, criu, [
-        CudaCheckpointHook(driver=fake.status, inventory=gpus, **settings)
-    ])
+    cuda = CudaCheckpointHook(driver=fake.status, inventory=gpus, **settings)
+    return SnapshotEngine(store, criu, [cuda], NodeCompatibility(gpus=cuda.node_gpus))
 
 
 def target(kernel: KernelHandle) -> SaveTarget:
@@ -123,7 +123,9 @@ def test_keep_running_save_suspends_then_resumes_cuda(store, fake, gpus, gpu_ker
     assert gpu["driver_version"] == "580.159.04"
     assert gpu["devices"][0]["name"] == "NVIDIA Fake H100 80GB HBM3"
     assert gpu["processes"] == [{"pid": pid, "ns_pid": 2, "gpu_bytes": TWO_GIB,
-                                 "devices": {gpus.devices[0][1]: TWO_GIB}}]
+                                 "devices": {gpus.devices[0][1]: TWO_GIB},
+                                 "visible": [gpus.devices[0][1]]}]
+    assert gpu["visible"] == [gpus.devices[0][1]]
     assert gpu["moved_bytes"] == TWO_GIB
     assert set(gpu["timings"]) == {"lock", "checkpoint", "restore", "unlock"}
     assert [s.id for s in store.list()] == [snapshot.id]
@@ -358,9 +360,10 @@ def test_restore_refuses_other_gpus_drivers_and_short_memory(
     refusals: list[tuple[str, Any]] = [
         ("this one has 2", lambda: gpus.devices.append(("NVIDIA Fake H100 80GB HBM3",
                                                          "GPU-1", 80 * GIB))),
-        ("here it is a NVIDIA Fake A100", lambda: gpus.devices.__setitem__(
+        ("could see 1 NVIDIA Fake H100 80GB HBM3 GPU\\(s\\); this node has 1 NVIDIA Fake A100",
+         lambda: gpus.devices.__setitem__(
             0, ("NVIDIA Fake A100", original[0][1], 80 * GIB))),
-        ("needs 2.0 GiB there", lambda: setattr(gpus, "free", GIB)),
+        ("its process needs cuda:0 2.0 GiB", lambda: setattr(gpus, "free", GIB)),
         ("driver 580.159.04; this machine has 590.1.2", lambda: setattr(fake, "version",
                                                                         "590.1.2")),
     ]
@@ -378,7 +381,95 @@ def test_restore_refuses_other_gpus_drivers_and_short_memory(
     restored.connect(back.connection_info, back.pid)
     assert fake.restore_pairs[-1] == [(original[0][1], gpus.devices[0][1])]
     assert fake.states[back.kernel_pid] == ProcessState.RUNNING
+    assert back.notes["gpu_remap"]["remapped"] is True
     assert [s.id for s in store.list()] == [snapshot.id]
+
+
+# -- restoring onto other GPUs -------------------------------------------------------------------
+H100 = "NVIDIA Fake H100 80GB HBM3"
+UUID1 = "GPU-11111111-1111-2222-3333-444444444444"
+
+
+@pytest.fixture
+def two_gpus(fake: FakeCudaDriver) -> FakeGpus:
+    return FakeGpus(fake, devices=[(H100, "GPU-00000000-1111-2222-3333-444444444444", 80 * GIB),
+                                   (H100, UUID1, 80 * GIB)])
+
+
+def saved_on_gpu0(store: SnapshotStore, fake: FakeCudaDriver, gpus: FakeGpus,
+                  kernel: KernelHandle) -> Any:
+    snapshot = run(make_engine(store, fake, gpus).save(target(kernel), name="gpu0", stop=True))
+    kernel.client.stop_channels()
+    uuid0 = gpus.devices[0][1]
+    assert snapshot.manifest["gpu"]["visible"] == [uuid0, UUID1]
+    assert snapshot.manifest["gpu"]["processes"][0]["devices"] == {uuid0: TWO_GIB}
+    return snapshot
+
+
+def test_a_full_gpu_sends_the_restore_onto_the_other_with_the_full_permutation(
+        store, fake, two_gpus, gpu_kernel, restored: RestoredTrees):
+    gpus = two_gpus
+    snapshot = saved_on_gpu0(store, fake, gpus, gpu_kernel)
+    uuid0 = gpus.devices[0][1]
+    gpus.free_on[uuid0] = GIB  # another process filled GPU 0
+    messages: list[str] = []
+    back = run(make_engine(store, fake, gpus).restore(
+        snapshot.id, lambda p: messages.append(p.message)))
+    client = restored.connect(back.connection_info, back.pid)
+    # The driver rejects anything short of a pair for every GPU the process sees.
+    assert fake.restore_pairs[-1] == [(uuid0, UUID1), (UUID1, uuid0)]
+    assert gpus().process_memory[back.kernel_pid] == {UUID1: TWO_GIB}
+    remap = back.notes["gpu_remap"]
+    assert remap["remapped"] and not remap["chosen"]
+    assert [(d["device"], d["from"]["index"], d["to"]["index"]) for d in remap["devices"]] == [
+        ("cuda:0", 0, 1), ("cuda:1", 1, 0)]
+    assert "bringing GPU memory back onto other GPUs: cuda:0 onto GPU 1, cuda:1 onto GPU 0" \
+        in messages
+    assert execute(client, "print(int(data.sum()))").strip() == str(sum(range(5_000_000)))
+
+
+def test_gpus_chosen_by_the_user_swap_the_gpus(store, fake, two_gpus, gpu_kernel,
+                                               restored: RestoredTrees):
+    snapshot = saved_on_gpu0(store, fake, two_gpus, gpu_kernel)
+    back = run(make_engine(store, fake, two_gpus).restore(snapshot.id, gpus=["1", "0"]))
+    restored.connect(back.connection_info, back.pid)
+    uuid0 = two_gpus.devices[0][1]
+    assert fake.restore_pairs[-1] == [(uuid0, UUID1), (UUID1, uuid0)]
+    assert back.notes["gpu_remap"]["chosen"] is True
+    assert two_gpus().process_memory[back.kernel_pid] == {UUID1: TWO_GIB}
+
+
+def test_same_gpus_chosen_or_found_restore_without_pairs(store, fake, two_gpus, gpu_kernel,
+                                                         restored: RestoredTrees):
+    snapshot = saved_on_gpu0(store, fake, two_gpus, gpu_kernel)
+    back = run(make_engine(store, fake, two_gpus).restore(snapshot.id, gpus=["0", "1"]))
+    restored.connect(back.connection_info, back.pid)
+    assert fake.restore_pairs[-1] == []
+    assert back.notes["gpu_remap"]["remapped"] is False
+
+
+@pytest.mark.parametrize("gpus,error,says", [
+    (["1"], InvalidRequest, "gpus names 1 GPU"),
+    (["1", "1"], InvalidRequest, "must be a permutation"),
+    (["0", "5"], InvalidRequest, "'5' for cuda:1, which is no GPU of this node"),
+    (["0", "1"], NotReady, "GPU 0 chosen for cuda:0 has 1.0 GiB free"),
+])
+def test_a_chosen_gpu_that_cannot_take_the_kernel_is_refused_before_criu(
+        store, fake, two_gpus, gpu_kernel, gpus, error, says):
+    snapshot = saved_on_gpu0(store, fake, two_gpus, gpu_kernel)
+    two_gpus.free_on[two_gpus.devices[0][1]] = GIB
+    calls = len(fake.calls)
+    with pytest.raises(error, match=says):
+        run(make_engine(store, fake, two_gpus).restore(snapshot.id, gpus=gpus))
+    assert procfs.ports_in_use(snapshot.connection_info) == []  # nothing was started
+    assert [op for op, _ in fake.calls[calls:] if op != "state"] == []
+
+
+def test_gpus_for_a_snapshot_without_cuda_state_is_refused(store, fake, gpus, kernel):
+    snapshot = run(make_engine(store, fake, gpus).save(target(kernel), name="cpu", stop=True))
+    kernel.client.stop_channels()
+    with pytest.raises(InvalidRequest, match="holds no CUDA state"):
+        run(make_engine(store, fake, gpus).restore(snapshot.id, gpus=["0"]))
 
 
 # -- allocator caches ----------------------------------------------------------------------------

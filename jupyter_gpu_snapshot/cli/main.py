@@ -33,6 +33,7 @@ from ..core.errors import NotFound, NotReady, SnapshotError
 from ..core.recovery import clean_work_dirs, recover_store
 from ..core.store import Snapshot
 from ..engines import make_engine, wake_kernel
+from ..gpu.remap import parse_gpu_choice, remap_notice
 from .checks import run_checks
 
 out = Console()
@@ -267,9 +268,10 @@ def write_connection_file(info: dict[str, Any], directory: Path | None = None) -
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    gpus = parse_gpu_choice(args.gpus) if args.gpus is not None else None
     engine = _engine(args)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
-        restored = _run_interruptibly(engine.restore(args.snapshot, progress=bar))
+        restored = _run_interruptibly(engine.restore(args.snapshot, progress=bar, gpus=gpus))
     connection_file = write_connection_file(restored.connection_info)
     result = {
         "snapshot": restored.snapshot.id,
@@ -277,14 +279,17 @@ def cmd_restore(args: argparse.Namespace) -> int:
         "kernel_pid": restored.kernel_pid,
         "connection_file": str(connection_file),
         "timings": restored.timings,
+        "gpu_remap": restored.notes.get("gpu_remap"),
     }
     if args.json:
         _print_json(result)
     else:
+        notice = remap_notice(restored.notes.get("gpu_remap"))
         _say(
             f"restored {restored.snapshot.name} as pid {restored.pid} "
             f"(kernel pid {restored.kernel_pid}) in {restored.timings['total']:.2f} s\n"
-            f"connect with: jupyter console --existing {connection_file}"
+            + (notice + "\n" if notice else "")
+            + f"connect with: jupyter console --existing {connection_file}"
         )
     return 0
 
@@ -402,8 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("restore", help="restore a snapshot as a standalone kernel")
     p.add_argument("snapshot", help="snapshot name or id")
+    p.add_argument("--gpus", metavar="LIST",
+                   help="GPUs of this node for the process's devices, cuda:0 first, by index "
+                   "or UUID (e.g. 1,0); default: the same GPUs if they have room, else GPUs "
+                   "of the same model with room")
     p.add_argument("--json", action="store_true",
-                   help="print pid, kernel pid, connection file and timings as JSON")
+                   help="print pid, kernel pid, connection file, timings and the GPU remap "
+                   "as JSON")
     p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser(

@@ -102,6 +102,13 @@ class RestoreContext:
     snapshot: Snapshot
     report: ProgressCallback
     root_pid: int = 0
+    # The user's choice of target GPUs (indices or UUIDs, in the order of the process's
+    # devices); a hook that honours it sets ``gpus_taken``.
+    gpus: builtins.list[str] | None = None
+    gpus_taken: bool = False
+    # What hooks say about this restore, handed back in ``RestoredKernel.notes``
+    # (the GPU layer adds "gpu_remap").
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class RestoredKernel:
     connection_info: dict[str, Any]
     snapshot: Snapshot
     timings: dict[str, float]
+    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kernel_pid(self) -> int:
@@ -493,9 +501,16 @@ class SnapshotEngine:
 
     # -- restore ---------------------------------------------------------------------------
     async def restore(
-        self, ref: str | Snapshot, progress: ProgressCallback | None = None
+        self,
+        ref: str | Snapshot,
+        progress: ProgressCallback | None = None,
+        gpus: Sequence[str] | None = None,
     ) -> RestoredKernel:
-        """Bring a snapshot back as a running process tree in a new PID namespace."""
+        """Bring a snapshot back as a running process tree in a new PID namespace.
+
+        ``gpus`` chooses the GPUs of this node that the process's devices go onto (index or
+        UUID, cuda:0 first); without it, the GPU layer chooses.
+        """
         report = _throttled(progress)
         snapshot = ref if isinstance(ref, Snapshot) else await asyncio.to_thread(self.get, ref)
         with self.store.locks.hold(
@@ -505,7 +520,8 @@ class SnapshotEngine:
             if not await asyncio.to_thread(snapshot.path.is_dir):
                 raise NotFound("preflight", f"snapshot {snapshot.id} was deleted meanwhile")
             # Once criu runs, its kernel must be seen to the end, even by a cancelled caller.
-            work = asyncio.ensure_future(self._restore(snapshot, report))
+            chosen = None if gpus is None else [str(g) for g in gpus]
+            work = asyncio.ensure_future(self._restore(snapshot, report, chosen))
             return await _finish_despite_cancel(work, asyncio.Event())
 
     async def check_ports(self, snapshot: Snapshot) -> None:
@@ -555,7 +571,9 @@ class SnapshotEngine:
             raise refusal(snapshot.id, str(node.get("hostname") or snapshot.manifest.get(
                 "host", "")), findings)
 
-    async def _restore(self, snapshot: Snapshot, report: ProgressCallback) -> RestoredKernel:
+    async def _restore(
+        self, snapshot: Snapshot, report: ProgressCallback, gpus: builtins.list[str] | None
+    ) -> RestoredKernel:
         timings: dict[str, float] = {}
         started = time.monotonic()
         report(Progress("preflight"))
@@ -565,9 +583,15 @@ class SnapshotEngine:
         await self.check_compatibility(snapshot, report, timings)
         info = snapshot.connection_info
         await asyncio.to_thread(self.criu.require_version)
-        ctx = RestoreContext(snapshot, report)
+        ctx = RestoreContext(snapshot, report, gpus=gpus)
         for hook in self.hooks:
             await hook.preflight_restore(ctx)
+        if gpus is not None and not ctx.gpus_taken:
+            raise InvalidRequest(
+                "preflight",
+                f"gpus was given, but snapshot {snapshot.id} holds no CUDA state to place",
+                hint="restore it without gpus",
+            )
         with self.store.opened_images(snapshot) as images:
             await asyncio.to_thread(self.store.prepare_log_files, snapshot)
             timings["preflight"] = time.monotonic() - started
@@ -589,7 +613,7 @@ class SnapshotEngine:
         timings["resume"] = time.monotonic() - t
         timings["total"] = time.monotonic() - started
         report(Progress("done"))
-        return RestoredKernel(ctx.root_pid, info, snapshot, timings)
+        return RestoredKernel(ctx.root_pid, info, snapshot, timings, ctx.notes)
 
     async def _restore_stopped(
         self,

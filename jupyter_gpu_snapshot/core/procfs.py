@@ -81,6 +81,14 @@ def executable(pid: int) -> str | None:
         return None
 
 
+def environment_variable(pid: int, name: str) -> str | None:
+    """One variable of a process's environment as it started, or None when unset/unreadable."""
+    try:
+        return psutil.Process(pid).environ().get(name)
+    except psutil.Error:
+        return None
+
+
 def pid_namespace(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/ns/pid")
 

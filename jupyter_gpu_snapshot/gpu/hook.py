@@ -3,8 +3,8 @@
 save:    preflight (refusals, release allocator caches, size the GPU bytes)
          -> lock + checkpoint every CUDA process of the tree (before_dump)
          -> criu dump -> restore + unlock whatever survived (after_dump)
-restore: preflight (same GPUs, same driver, enough free memory) -> criu restore
-         -> restore + unlock the restored processes (after_restore)
+restore: preflight (same driver; target GPUs chosen, see ``remap``) -> criu restore
+         -> restore (onto the chosen GPUs) + unlock the restored processes (after_restore)
 
 A tree without CUDA state passes through untouched. The driver calls run in worker threads
 and are awaited without being cancellable: a cancelled save waits for the call in flight,
@@ -24,12 +24,15 @@ import psutil
 
 from .._constants import format_bytes
 from ..core import procfs
+from ..core.compatibility import NodeGpus
 from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.errors import NotReady
+from ..core.store import Snapshot
 from .allocator_caches import CacheRelease, release_in_kernel
 from .checkpoint import CudaCheckpoint, CudaProcess
 from .driver import CudaError, DriverStatus, ProcessState, driver_status
 from .inventory import GpuInventory, host_memory_available, read_inventory
+from .remap import GpuPlan, describe_choice, plan_targets, saved_gpus, visible_uuids
 
 T = TypeVar("T")
 CacheReleaser = Callable[[SaveContext], Awaitable[CacheRelease]]
@@ -38,8 +41,7 @@ _GIB = 1 << 30
 # Host RAM kept free beyond the staged GPU bytes; a full host hung the GPU machine once.
 HOST_MARGIN_BYTES = 1 << 30
 HOST_MARGIN_FRACTION = 0.05
-# GPU memory kept free beyond what a restored process needs (contexts grow a little).
-GPU_MARGIN_BYTES = 256 << 20
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 _EXECUTOR = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cuda-checkpoint")
 
@@ -77,6 +79,7 @@ class _Save:
     inventory: GpuInventory | None
     moved: dict[int, dict[str, int]]
     release: CacheRelease | None
+    visible: dict[int, list[str]] = field(default_factory=dict)
     suspended: bool = False
     section: dict[str, Any] = field(default_factory=dict)
 
@@ -113,7 +116,19 @@ class CudaCheckpointHook(SnapshotHook):
         self._memory_available = memory_available
         self._status: DriverStatus | None = None
         self._saves: dict[str, _Save] = {}
-        self._gpu_pairs: dict[str, list[tuple[str, str]]] = {}
+        self._plans: dict[str, GpuPlan] = {}
+
+    def node_gpus(self) -> NodeGpus | None:
+        """This node's GPUs by index, from the inventory the hook plans restores with.
+
+        Called by ``core.compatibility.NodeCompatibility`` at restore, for snapshots that
+        hold CUDA state.
+        """
+        inventory = self._read_inventory()
+        if inventory is None or not inventory.devices:
+            return None
+        devices = sorted(inventory.devices, key=lambda d: d.index)
+        return NodeGpus(inventory.driver_version, tuple(d.name for d in devices))
 
     def driver_status(self) -> DriverStatus:
         if self._status is None:
@@ -153,7 +168,10 @@ class CudaCheckpointHook(SnapshotHook):
             release = CacheRelease(False, "turned off (c.GPUSnapshot.drop_allocator_caches)")
         moved = {p.pid: dict(inventory.process_memory.get(p.pid, {})) if inventory else {}
                  for p in procs}
-        save = _Save(procs, status, inventory, moved, release)
+        visible = {p.pid: visible_uuids(
+            procfs.environment_variable(p.pid, CUDA_VISIBLE_DEVICES),
+            inventory.devices if inventory else ()) for p in procs}
+        save = _Save(procs, status, inventory, moved, release, visible)
         need = int(save.moved_bytes * (1 + HOST_MARGIN_FRACTION)) + HOST_MARGIN_BYTES
         available = self._memory_available()
         if available < need:
@@ -226,9 +244,12 @@ class CudaCheckpointHook(SnapshotHook):
             "cuda_driver_version": info.cuda_version,
             "backend": info.backend,
             "devices": [d.to_dict() for d in inventory.devices] if inventory else [],
+            # The GPUs the kernel could see, in its device order (cuda:0 first).
+            "visible": save.visible.get(save.procs[0].pid, []) if save.procs else [],
             "processes": [
                 {"pid": p.pid, "ns_pid": procfs.ns_pid(p.pid),
-                 "gpu_bytes": sum(save.moved[p.pid].values()), "devices": save.moved[p.pid]}
+                 "gpu_bytes": sum(save.moved[p.pid].values()), "devices": save.moved[p.pid],
+                 "visible": save.visible.get(p.pid, [])}
                 for p in save.procs
             ],
             "moved_bytes": save.moved_bytes,
@@ -245,6 +266,7 @@ class CudaCheckpointHook(SnapshotHook):
         if not gpu or not gpu.get("processes"):
             return
         sid = ctx.snapshot.id
+        ctx.gpus_taken = True
         status = await asyncio.to_thread(self.driver_status)
         if status.driver is None:
             raise NotReady("preflight", f"snapshot {sid} holds CUDA state, but {status.problem}")
@@ -262,8 +284,9 @@ class CudaCheckpointHook(SnapshotHook):
         if inventory is None:
             raise NotReady("preflight", f"snapshot {sid} holds CUDA state, but no GPU can be "
                            "read here (NVML and nvidia-smi both failed)")
-        pairs = _match_devices(sid, gpu.get("devices", []), inventory, info.gpu_remap)
-        _require_gpu_memory(sid, gpu, inventory, pairs)
+        _require_gpu_count(sid, gpu, inventory)
+        plan = plan_targets(sid, saved_gpus(gpu), inventory.devices, ctx.gpus,
+                            remap_supported=info.gpu_remap)
         need = ctx.snapshot.size_bytes + HOST_MARGIN_BYTES
         available = self._memory_available()
         if available < need:
@@ -273,14 +296,23 @@ class CudaCheckpointHook(SnapshotHook):
                 f"{format_bytes(ctx.snapshot.size_bytes)} of images plus a margin, "
                 f"{format_bytes(available)} available",
             )
-        self._gpu_pairs[sid] = pairs
+        self._plans[sid] = plan
+
+    async def gpu_choice(self, snapshot: Snapshot, chosen: list[str] | None) -> dict[str, Any]:
+        """Where a restore of ``snapshot`` would put its GPUs now (``describe_choice``), read
+        with the same driver and inventory as a restore. Called by ``SnapshotService``."""
+        status = await asyncio.to_thread(self.driver_status)
+        inventory = await asyncio.to_thread(self._read_inventory)
+        remap = bool(status.driver is not None and status.driver.info.gpu_remap)
+        return describe_choice(snapshot.id, snapshot.manifest.get("gpu"),
+                               inventory.devices if inventory else (), chosen, remap)
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         """Called by ``SnapshotEngine.restore`` once criu has recreated the tree."""
         gpu = ctx.snapshot.manifest.get("gpu")
         if not gpu or not gpu.get("processes"):
             return
-        pairs = self._gpu_pairs.pop(ctx.snapshot.id, [])
+        plan = self._plans.pop(ctx.snapshot.id, None) or GpuPlan(())  # (): the same GPUs
         driver = self.driver_status().driver
         assert driver is not None  # preflight_restore refused otherwise
         by_ns_pid = {procfs.ns_pid(p.pid): p.pid for p in procfs.tree(ctx.root_pid)}
@@ -297,12 +329,16 @@ class CudaCheckpointHook(SnapshotHook):
                     f"restored pid {host} should hold checkpointed CUDA state, but the driver "
                     f"reports {state.value if state else 'none'}",
                 )
-            procs.append(CudaProcess(host, state))
+            procs.append((CudaProcess(host, state), plan.pairs(saved.get("visible") or None)))
         total = sum(int(p.get("gpu_bytes", 0)) for p in gpu["processes"])
-        ctx.report(Progress("resume", 0, total, message="bringing GPU memory back"))
-        problems = await uninterruptible(CudaCheckpoint(driver).resume_all, procs, pairs)
+        ctx.report(Progress("resume", 0, total, message=_resume_message(plan)))
+        cuda = CudaCheckpoint(driver)
+        problems = []
+        for proc, pairs in reversed(procs):
+            problems += await uninterruptible(cuda.resume_all, [proc], pairs)
         if problems:
             raise CudaError("resume", "; ".join(problems))
+        ctx.notes["gpu_remap"] = plan.to_dict()
         ctx.report(Progress("resume", total, total))
 
 
@@ -347,47 +383,23 @@ def _refuse_unsupported(inventory: GpuInventory | None, procs: list[CudaProcess]
                                "API does not support")
 
 
-def _match_devices(sid: str, saved: list[dict[str, Any]], inventory: GpuInventory,
-                   remap: bool) -> list[tuple[str, str]]:
-    """GPU pairs (old UUID, new UUID) where the UUIDs differ; raises on other differences."""
-    now = sorted(inventory.devices, key=lambda d: d.index)
-    before = sorted(saved, key=lambda d: int(d["index"]))
-    if len(now) != len(before):
+def _require_gpu_count(sid: str, gpu: dict[str, Any], inventory: GpuInventory) -> None:
+    """A process that saw every GPU of its node expects as many here: the driver wants a pair
+    for every GPU the process can see, and it would see all of this node's."""
+    before = gpu.get("devices", [])
+    saw = set(gpu.get("visible") or [d["uuid"] for d in before])
+    if saw == {str(d["uuid"]) for d in before} and len(before) != len(inventory.devices):
         raise NotReady("preflight", f"snapshot {sid} was taken on a machine with "
-                       f"{len(before)} GPU(s); this one has {len(now)}")
-    pairs = []
-    for old, new in zip(before, now, strict=True):
-        if old["name"] != new.name:
-            raise NotReady("preflight", f"GPU {new.index} of snapshot {sid} was a "
-                           f"{old['name']}; here it is a {new.name}",
-                           hint="restore it on a machine with the same GPU models")
-        if old["uuid"] != new.uuid:
-            pairs.append((str(old["uuid"]), new.uuid))
-    if pairs and not remap:
-        raise NotReady("preflight", f"snapshot {sid} was taken on other GPUs (other UUIDs); "
-                       "restoring onto other GPUs needs driver 570 or newer")
-    return pairs
+                       f"{len(before)} GPU(s); this one has {len(inventory.devices)}",
+                       hint=f"restore it on a node with {len(before)} GPU(s) of its model")
 
 
-def _require_gpu_memory(sid: str, gpu: dict[str, Any], inventory: GpuInventory,
-                        pairs: list[tuple[str, str]]) -> None:
-    moved_to = dict(pairs)
-    need: dict[str, int] = {}
-    for proc in gpu["processes"]:
-        for uuid, used in proc.get("devices", {}).items():
-            target = moved_to.get(uuid, uuid)
-            need[target] = need.get(target, 0) + int(used)
-    for uuid, used in need.items():
-        device = inventory.device(uuid)
-        if device is None:
-            raise NotReady("preflight", f"GPU {uuid} of snapshot {sid} is not on this machine")
-        if device.memory_free < used + GPU_MARGIN_BYTES:
-            raise NotReady(
-                "preflight",
-                f"GPU {device.index} ({device.name}) has {format_bytes(device.memory_free)} free; "
-                f"snapshot {sid} needs {format_bytes(used)} there",
-                hint="free GPU memory (shut down other kernels) and retry",
-            )
+def _resume_message(plan: GpuPlan) -> str:
+    moves = [p for p in plan.placements if p.moved]
+    if not moves:
+        return "bringing GPU memory back"
+    return "bringing GPU memory back onto other GPUs: " + ", ".join(
+        f"cuda:{p.saved.position} onto GPU {p.target.index}" for p in moves)
 
 
 def _timings(procs: list[CudaProcess]) -> dict[str, float]:

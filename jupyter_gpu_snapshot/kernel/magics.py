@@ -292,6 +292,9 @@ class GPUSnapshotMagics(Magics):
             f"Restored snapshot {summary['id']} ({summary.get('name')}) into kernel "
             f"{result.get('kernel_id')}: {where}."
         )
+        notice = (result.get("gpu_remap") or {}).get("notice")
+        if notice:
+            print(notice.replace("This kernel was", "It was", 1))
 
     def _autosave(self, client: SnapshotClient, changes: dict[str, Any] | None) -> None:
         state = client.autosave(changes)

@@ -194,6 +194,16 @@ class SnapshotHandler(SnapshotAPIHandler):
         self.finish()
 
 
+class SnapshotGpusHandler(SnapshotAPIHandler):
+    """``GET snapshots/{id}/gpus[?gpus=1,0]``: where a restore would put the GPUs here."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, ref: str) -> None:
+        gpus = self.get_query_argument("gpus", None)  # as the CLI takes it: 1,0
+        self.write_json(await self.service.gpu_choice(ref, gpus))
+
+
 class JobCreatingHandler(SnapshotAPIHandler):
     def accepted(self, job_dict: dict[str, Any]) -> None:
         base_url = self.settings.get("base_url", "/")
@@ -202,12 +212,12 @@ class JobCreatingHandler(SnapshotAPIHandler):
 
 
 class RestoreHandler(JobCreatingHandler):
-    """``POST snapshots/{id}/restore`` with ``{path?, session_id?}``."""
+    """``POST snapshots/{id}/restore`` with ``{path?, session_id?, gpus?}``."""
 
     @web.authenticated
     @authorized_to_execute
     async def post(self, ref: str) -> None:
-        body = self.json_body({"path": str, "session_id": str})
+        body = self.json_body({"path": str, "session_id": str, "gpus": list})
         if self.kernel_scope is not None:
             # A kernel may switch its own notebook to a restored kernel, never another's.
             session_id, path = body.get("session_id"), body.get("path")
@@ -217,7 +227,8 @@ class RestoreHandler(JobCreatingHandler):
                 owner = await self.service.session_kernel_id_at(path)
                 self.require_kernel(owner or self.kernel_scope)
         job = await self.service.start_restore(
-            ref, path=body.get("path") or None, session_id=body.get("session_id") or None
+            ref, path=body.get("path") or None, session_id=body.get("session_id") or None,
+            gpus=body.get("gpus"),
         )
         self.accepted(job.to_dict())
 
@@ -317,6 +328,7 @@ def routes(
         (r"snapshots", SnapshotsHandler, kwargs),
         (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler, kwargs),
         (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler, kwargs),
+        (rf"snapshots/{SNAPSHOT_REF}/gpus", SnapshotGpusHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/session", KernelSessionHandler, kwargs),

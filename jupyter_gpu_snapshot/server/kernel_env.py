@@ -7,18 +7,23 @@ from typing import Any
 
 from jupyter_core.utils import ensure_async
 
+NOTICES_MODULE = "jupyter_gpu_snapshot.kernel.notices"
 # How long the message telling a restored kernel its new slot waits for a reply; the
 # kernel runs it after a running cell even when nobody waits any more.
 ENV_REFRESH_SECONDS = 10.0
 
 
-async def refresh_kernel_env(km: Any, env: dict[str, str], log: logging.Logger) -> bool:
+async def refresh_kernel_env(
+    km: Any, env: dict[str, str], log: logging.Logger, notice: str = ""
+) -> bool:
     """Update ``os.environ`` inside a running kernel with a silent execute request.
 
     Called by ``SnapshotService`` once the kernel manager has adopted a restored kernel:
     its environment still names the slot and server it was saved from. Silent requests
     leave no history, no output and no execution count. A kernel busy with a cell runs it
     after the cell; we stop waiting for the reply after ``ENV_REFRESH_SECONDS``.
+    ``notice`` (e.g. that the kernel now runs on other GPUs) is printed by the kernel at
+    the start of its next cell (``kernel.notices``): the first thing its user reads there.
     Returns whether the kernel confirmed; failures are logged, never raised.
     """
     try:
@@ -29,6 +34,9 @@ async def refresh_kernel_env(km: Any, env: dict[str, str], log: logging.Logger) 
         return False
     try:
         code = f"__import__('os').environ.update({env!r})"
+        if notice:
+            notices = f"__import__({NOTICES_MODULE!r}, fromlist=['_'])"
+            code += f"\n{notices}.show_at_next_cell({notice!r})"
         reply = await ensure_async(
             client.execute(
                 code, silent=True, store_history=False, reply=True, timeout=ENV_REFRESH_SECONDS

@@ -34,6 +34,8 @@ from ..core.errors import (
     SnapshotError,
 )
 from ..core.store import Snapshot, validate_name
+from ..gpu.hook import CudaCheckpointHook
+from ..gpu.remap import describe_choice, parse_gpu_choice, remap_notice
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
@@ -96,6 +98,21 @@ class SnapshotService:
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:
         return (await asyncio.to_thread(self.engine.get, ref)).summary()
+
+    async def gpu_choice(self, ref: str, gpus: str | None = None) -> dict[str, Any]:
+        """Where a restore of ``ref`` would put its GPUs on this node, or why it would be
+        refused (``gpu.remap.describe_choice``); nothing is restored or reserved."""
+        chosen = parse_gpu_choice(gpus) if gpus is not None else None
+        snapshot = await asyncio.to_thread(self.engine.get, ref)
+        if not snapshot.trusted:
+            raise NotReady(
+                "preflight", f"snapshot {snapshot.id} is {snapshot.status}: {snapshot.problem}",
+                hint="only trusted snapshots are restored",
+            )
+        hook = next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
+        if hook is None:
+            return describe_choice(snapshot.id, None, (), chosen, False)
+        return await hook.gpu_choice(snapshot, chosen)
 
     async def delete_snapshot(self, ref: str) -> None:
         snapshot = await asyncio.to_thread(self.engine.get, ref)
@@ -291,9 +308,17 @@ class SnapshotService:
 
     # -- restore ---------------------------------------------------------------------------
     async def start_restore(
-        self, ref: str, path: str | None = None, session_id: str | None = None
+        self,
+        ref: str,
+        path: str | None = None,
+        session_id: str | None = None,
+        gpus: list[Any] | None = None,
     ) -> Job:
-        """Validate the request and start a restore job into a new kernel slot."""
+        """Validate the request and start a restore job into a new kernel slot.
+
+        ``gpus``: the GPUs of this node for the process's devices (see ``gpu.remap``).
+        """
+        chosen = parse_gpu_choice(gpus) if gpus is not None else None
         snapshot = await asyncio.to_thread(self.engine.get, ref)
         if path is not None:
             path = await self._contents_path(path)
@@ -312,7 +337,9 @@ class SnapshotService:
             # Its kernel is replaced at the end; no other operation may hold it meanwhile.
             keys.append(kernel_key(session["kernel"]["id"]))
         job = Job("restore", new_kernel_id, snapshot.id)
-        return self.jobs.start(job, keys, lambda j: self._restore(j, snapshot, session, path))
+        return self.jobs.start(
+            job, keys, lambda j: self._restore(j, snapshot, session, path, chosen)
+        )
 
     async def _contents_path(self, path: str) -> str:
         """``path`` as an API path inside the contents root; what /api/sessions accepts."""
@@ -383,7 +410,12 @@ class SnapshotService:
         )
 
     async def _restore(
-        self, job: Job, snapshot: Snapshot, session: dict[str, Any] | None, path: str | None
+        self,
+        job: Job,
+        snapshot: Snapshot,
+        session: dict[str, Any] | None,
+        path: str | None,
+        gpus: list[str] | None = None,
     ) -> dict[str, Any]:
         """Restore with the engine, then let the kernel manager adopt the running tree."""
         kernel_id = job.kernel_id
@@ -392,7 +424,7 @@ class SnapshotService:
         if not ours:  # refuse before a restore that no kernel slot could take
             self.restore_kernel_name(snapshot, ours)
         try:
-            restored = await self.engine.restore(snapshot, self.jobs.progress(job))
+            restored = await self.engine.restore(snapshot, self.jobs.progress(job), gpus=gpus)
         except PortsInUse as exc:
             # Name the kernel that holds the ports, so a client offers to shut down that one.
             exc.details.update(await self._port_holder(snapshot, kernel_id))
@@ -410,7 +442,8 @@ class SnapshotService:
                     "adopt", f"the kernel manager could not adopt the restored kernel: {exc}"
                 ) from exc
             raise
-        self._tell_new_slot(kernel_id)
+        remap = restored.notes.get("gpu_remap")
+        self._tell_new_slot(kernel_id, remap_notice(remap))
         try:
             session_id = await self._attach(kernel_id, session, path)
         except Exception as exc:
@@ -419,7 +452,7 @@ class SnapshotService:
             raise SnapshotError(
                 "attach", f"could not switch the session to the restored kernel: {exc}"
             ) from exc
-        return {"kernel_id": kernel_id, "session_id": session_id}
+        return {"kernel_id": kernel_id, "session_id": session_id, "gpu_remap": remap}
 
     async def _adopt(
         self, kernel_id: str, restored: RestoredKernel, ours: Collection[str], path: str | None
@@ -439,18 +472,19 @@ class SnapshotService:
         # With pending kernels, start_kernel returns before the adoption has run.
         await self.kernel_manager.get_kernel(kernel_id).ready
 
-    def _tell_new_slot(self, kernel_id: str) -> None:
+    def _tell_new_slot(self, kernel_id: str, notice: str = "") -> None:
         """Give the restored kernel this slot's environment, without waiting for it.
 
         Its ``os.environ`` still names the slot and server it was saved from, so
         %gpu_snapshot inside it would address those. A kernel restored in the middle of a
-        cell answers only after that cell.
+        cell answers only after that cell. ``notice`` (a GPU remap) is shown by the kernel
+        at the start of its next cell.
         """
         km = self.kernel_manager.get_kernel(kernel_id)
         env = km.provisioner.server_env() if hasattr(km.provisioner, "server_env") else {}
-        if not env:
+        if not env and not notice:
             return
-        task = asyncio.ensure_future(refresh_kernel_env(km, env, self.log))
+        task = asyncio.ensure_future(refresh_kernel_env(km, env, self.log, notice))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
     async def _port_holder(self, snapshot: Snapshot, restoring_id: str) -> dict[str, Any]:

@@ -7,6 +7,10 @@ driver's transitions (a wrong one answers CUDA_ERROR_ILLEGAL_STATE, as the real 
 does), records every call, and fails or delays any step on request. As with the real
 driver, a process restored from an image taken while it was checkpointed comes back
 checkpointed: the fake recognises it by its environment, which CRIU restores.
+
+Restoring onto other GPUs follows what driver 580 does: ``gpuPairs`` must map as many distinct
+GPUs as the process can see onto every GPU of the (fake) node, each once, else
+CUDA_ERROR_INVALID_VALUE; the process's memory then shows on its new GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 from jupyter_gpu_snapshot.gpu.driver import (
     CUDA_ERROR_ILLEGAL_STATE,
+    CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_TIMEOUT,
     DriverCallError,
@@ -75,6 +80,9 @@ class FakeCudaDriver:
     calls: list[tuple[str, int]] = field(default_factory=list)
     delays: dict[str, float] = field(default_factory=dict)
     restore_pairs: list[Sequence[tuple[str, str]]] = field(default_factory=list)
+    # The node's GPUs (set by FakeGpus) and the one each process's memory lives on.
+    gpu_uuids: list[str] = field(default_factory=list)
+    placed: dict[str, str] = field(default_factory=dict)  # fake token -> GPU UUID
     _failures: dict[str, Failure] = field(default_factory=dict)
     _imaged: set[str] = field(default_factory=set)  # tokens of processes checkpointed
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -142,7 +150,18 @@ class FakeCudaDriver:
 
     def restore(self, pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
         self.restore_pairs.append(list(gpu_pairs))
+        if gpu_pairs:
+            old = {o for o, _ in gpu_pairs}
+            new = sorted(n for _, n in gpu_pairs)
+            if len(old) != len(gpu_pairs) or new != sorted(self.gpu_uuids):
+                with self._lock:
+                    self.calls.append(("restore", pid))
+                raise DriverCallError("cuCheckpointProcessRestore", pid,
+                                      CUDA_ERROR_INVALID_VALUE)
         self._step("restore", pid, ProcessState.CHECKPOINTED, ProcessState.LOCKED)
+        token = fake_cuda_token(pid) or ""
+        where = self.placed.get(token, self.gpu_uuids[0] if self.gpu_uuids else "")
+        self.placed[token] = dict(gpu_pairs).get(where, where)
 
     def unlock(self, pid: int) -> None:
         self._step("unlock", pid, ProcessState.LOCKED, ProcessState.RUNNING)
@@ -158,20 +177,25 @@ class FakeGpus:
     driver: FakeCudaDriver
     devices: list[tuple[str, str, int]] = field(
         default_factory=lambda: [("NVIDIA Fake H100 80GB HBM3", UUID0, 80 * GIB)])
-    free: int | None = None
+    free: int | None = None  # every GPU's free bytes, unless ``free_on`` names it
+    free_on: dict[str, int] = field(default_factory=dict)
     mig: bool = False
     mps: bool = False
 
     def __call__(self) -> GpuInventory:
+        uuids = [uuid for _, uuid, _ in self.devices]
+        self.driver.gpu_uuids = uuids
         memory: dict[int, dict[str, int]] = {}
         for pid, state in list(self.driver.states.items()):
             held = fake_cuda_bytes(pid)
             if held and state in (ProcessState.RUNNING, ProcessState.LOCKED):
-                memory[pid] = {self.devices[0][1]: held}
-        used = sum(sum(m.values()) for m in memory.values())
+                token = fake_cuda_token(pid) or ""
+                memory[pid] = {self.driver.placed.get(token, uuids[0]): held}
+        used = {u: sum(m.get(u, 0) for m in memory.values()) for u in uuids}
         devices = tuple(
-            GpuDevice(i, uuid, name, total, used if i == 0 else 0,
-                      self.free if self.free is not None else total - (used if i == 0 else 0),
+            GpuDevice(i, uuid, name, total, used[uuid],
+                      self.free_on.get(uuid, self.free if self.free is not None
+                                       else total - used[uuid]),
                       self.mig)
             for i, (name, uuid, total) in enumerate(self.devices))
         return GpuInventory(self.driver.version, devices, memory, self.mps, "fake")

@@ -85,7 +85,7 @@ async def test_save_shutdown_restore_keeps_state(
     new_id = job["kernel_id"]
     assert new_id != kernel_id and job["kind"] == "restore"
     job = await api.succeeded(job)
-    assert job["result"] == {"kernel_id": new_id, "session_id": None}
+    assert job["result"] == {"kernel_id": new_id, "session_id": None, "gpu_remap": None}
     assert new_id in await api.kernel_ids()
 
     restored = await kernel_socket(new_id)
