@@ -24,7 +24,7 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
-from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotReady, SnapshotError
+from jupyter_gpu_snapshot.core.errors import Incompatible, InvalidRequest, NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.gpu import hook as gpu_hook
 from jupyter_gpu_snapshot.gpu.driver import (
@@ -357,21 +357,21 @@ def test_restore_refuses_other_gpus_drivers_and_short_memory(
     gpu_kernel.client.stop_channels()
     info = snapshot.connection_info
     original = list(gpus.devices)
-    refusals: list[tuple[str, Any]] = [
-        ("this one has 2", lambda: gpus.devices.append(("NVIDIA Fake H100 80GB HBM3",
-                                                         "GPU-1", 80 * GIB))),
-        ("could see 1 NVIDIA Fake H100 80GB HBM3 GPU\\(s\\); this node has 1 NVIDIA Fake A100",
-         lambda: gpus.devices.__setitem__(
-            0, ("NVIDIA Fake A100", original[0][1], 80 * GIB))),
-        ("its process needs cuda:0 2.0 GiB", lambda: setattr(gpus, "free", GIB)),
-        ("driver 580.159.04; this machine has 590.1.2", lambda: setattr(fake, "version",
-                                                                        "590.1.2")),
+    # Another count, model or driver branch is the node check's refusal; room, the hook's.
+    refusals: list[tuple[type[SnapshotError], str, Any]] = [
+        (Incompatible, "had 1 GPU\\(s\\) .*, the restore has 2",
+         lambda: gpus.devices.append(("NVIDIA Fake H100 80GB HBM3", "GPU-1", 80 * GIB))),
+        (Incompatible, "GPU 0 is a NVIDIA Fake A100, it was a NVIDIA Fake H100",
+         lambda: gpus.devices.__setitem__(0, ("NVIDIA Fake A100", original[0][1], 80 * GIB))),
+        (NotReady, "its process needs cuda:0 2.0 GiB", lambda: setattr(gpus, "free", GIB)),
+        (Incompatible, "the NVIDIA driver is 590.1.2 \\(branch 590\\)",
+         lambda: setattr(fake, "version", "590.1.2")),
     ]
-    for says, change in refusals:
+    for error, says, change in refusals:
         gpus.devices[:] = original
         gpus.free, fake.version = None, "580.159.04"
         change()
-        with pytest.raises(NotReady, match=says):
+        with pytest.raises(error, match=says):
             run(make_engine(store, fake, gpus).restore(snapshot.id))
         assert procfs.ports_in_use(info) == []  # nothing was started
     # Same model, other UUID: restored onto it, with the pair handed to the driver.
