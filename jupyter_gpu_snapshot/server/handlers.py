@@ -166,11 +166,15 @@ class SnapshotsHandler(SnapshotAPIHandler):
             found = await self.service.latest_snapshots(notebook_path)
         else:
             found = await self.service.list_snapshots(notebook_path)
-        self.write_json({"snapshots": found, "store": await self.service.store_usage()})
+        self.write_json({
+            "snapshots": found,
+            "store": await self.service.store_usage(),
+            "remote": await self.service.remote_state(),
+        })
 
 
 class SnapshotHandler(SnapshotAPIHandler):
-    """``GET snapshots/{id}``, ``DELETE snapshots/{id}``."""
+    """``GET snapshots/{id}``, ``DELETE snapshots/{id}[?where=local|remote|both]``."""
 
     @web.authenticated
     @authorized
@@ -180,7 +184,7 @@ class SnapshotHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def delete(self, ref: str) -> None:
-        await self.service.delete_snapshot(ref)
+        await self.service.delete_snapshot(ref, self.get_query_argument("where", "both"))
         self.set_status(204)
         self.finish()
 

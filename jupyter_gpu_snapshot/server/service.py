@@ -15,7 +15,7 @@ import queue
 import shutil
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from jupyter_core.utils import ensure_async
@@ -24,7 +24,7 @@ from tornado import web
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
 from ..core import procfs, retention
-from ..core.engine import RestoredKernel, SaveTarget, SnapshotEngine
+from ..core.engine import Progress, RestoredKernel, SaveTarget, SnapshotEngine
 from ..core.errors import (
     Busy,
     InvalidRequest,
@@ -33,10 +33,11 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
-from ..core.store import Snapshot, validate_name
+from ..core.store import DAMAGED, Snapshot, validate_name
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
+from .remote_sync import BOTH, LOCAL, REMOTE, RemoteListing, RemoteSync, merge_locations
 from .status import TreeFacts, cuda_status
 from .status import kernel_status as describe_kernel
 
@@ -65,6 +66,7 @@ class SnapshotService:
         kernel_spec_manager: Any = None,
         jobs: JobRunner | None = None,
         log: logging.Logger | None = None,
+        remote: RemoteSync | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -74,6 +76,8 @@ class SnapshotService:
         self.kernel_spec_manager = kernel_spec_manager
         self.log = log or logging.getLogger(__name__)
         self.jobs = jobs or JobRunner(log=self.log)
+        # With c.GPUSnapshot.remote_url: saves upload, restores download, listings merge.
+        self.remote = remote
         self._background: set[asyncio.Future[bool]] = set()
         self.tree_facts = TreeFacts(engine.criu)
 
@@ -82,8 +86,52 @@ class SnapshotService:
     # event loop answers other requests meanwhile. Unsigned and damaged snapshots are shown
     # too, with their status and problem.
     async def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        """Local snapshots and, with a remote store, remote-only ones; each with its
+        ``location``. The remote listing is cached briefly (``RemoteSync.listing``)."""
         found = await asyncio.to_thread(self.engine.catalog, notebook_path)
-        return [s.summary() for s in found]
+        return merge_locations(
+            [s.summary() for s in found], await self._remote_listing(notebook_path),
+            self.remote.url if self.remote else None,
+        )
+
+    async def _remote_listing(
+        self, notebook_path: str | None = None, fresh: bool = False, trusted: bool = False
+    ) -> RemoteListing:
+        if self.remote is None:
+            return RemoteListing()
+        listing = await self.remote.listing(fresh=fresh)
+        wanted = {
+            i: s for i, s in listing.snapshots.items()
+            if (notebook_path is None or (s.status != DAMAGED and s.notebook_path == notebook_path))
+            and (s.trusted or not trusted)
+        }
+        return RemoteListing(wanted, listing.listed_at, listing.error)
+
+    async def remote_state(self) -> dict[str, Any] | None:
+        """The remote store's URL and the error of its last listing, for listings."""
+        if self.remote is None:
+            return None
+        listing = await self.remote.listing()
+        return {"url": self.remote.url, "error": listing.error}
+
+    async def _find(self, ref: str) -> tuple[Snapshot, bool]:
+        """The snapshot ``ref`` names (an id, or a trusted one's name) and whether it is
+        local; a remote-only one when there is no local one. Raises NotFound."""
+        try:
+            return await asyncio.to_thread(self.engine.get, ref), True
+        except NotFound:
+            if self.remote is None:
+                raise
+        listing = await self._remote_listing(fresh=True)
+        for snapshot in listing.snapshots.values():
+            if ref == snapshot.id or (snapshot.trusted and ref == snapshot.name):
+                return snapshot, False
+        raise NotFound(
+            "lookup",
+            f"no snapshot {ref!r} in {self.engine.store.root} nor in {self.remote.url}"
+            + (f" ({listing.error})" if listing.error else ""),
+            hint="'jupyter gpu-snapshot list' shows the snapshots there are",
+        )
 
     async def store_usage(self) -> dict[str, Any]:
         """The store's directory and the free space of its file system, for the sidebar."""
@@ -95,18 +143,44 @@ class SnapshotService:
         return {"path": str(root), "free_bytes": usage.free}
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(self.engine.get, ref)).summary()
+        snapshot, local = await self._find(ref)
+        if self.remote is None:
+            return {**snapshot.summary(), "location": LOCAL, "remote_url": None}
+        remote = not local or await self.remote.exists(snapshot.id)
+        where = (BOTH if remote else LOCAL) if local else REMOTE
+        return {
+            **snapshot.summary(), "location": where,
+            "remote_url": self.remote.url if remote else None,
+        }
 
-    async def delete_snapshot(self, ref: str) -> None:
-        snapshot = await asyncio.to_thread(self.engine.get, ref)
+    async def delete_snapshot(self, ref: str, where: str = BOTH) -> None:
+        """Delete a snapshot's local copy, remote copy or both (``where``)."""
+        if where not in (LOCAL, REMOTE, BOTH):
+            raise InvalidRequest(
+                "request", f"where must be local, remote or both, not {where!r}"
+            )
+        if where == REMOTE and self.remote is None:
+            raise InvalidRequest(
+                "request", "there is no remote store", hint="set c.GPUSnapshot.remote_url"
+            )
+        snapshot, local = await self._find(ref)
+        if where == LOCAL and not local:
+            raise NotFound("delete", f"snapshot {snapshot.id} has no local copy",
+                           hint="where=remote deletes the remote one")
         holder = self.jobs.busy_with(snapshot_key(snapshot.id))
         if holder is not None:
             raise Busy(
                 "delete",
-                f"snapshot {snapshot.id} is being restored (job {holder.id})",
-                hint="wait for the restore to finish",
+                f"snapshot {snapshot.id} is in use by a {holder.kind} job ({holder.id})",
+                hint="wait for it to finish",
             )
-        await asyncio.to_thread(self.engine.delete, snapshot.id)
+        deleted_remote = False
+        if where != LOCAL and self.remote is not None:
+            deleted_remote = await self.remote.delete(snapshot.id)
+            if where == REMOTE and not deleted_remote:
+                raise NotFound("delete", f"snapshot {snapshot.id} is not in {self.remote.url}")
+        if where != REMOTE and local:
+            await asyncio.to_thread(self.engine.delete, snapshot.id)
 
     # -- kernels ---------------------------------------------------------------------------
     def kernel(self, kernel_id: str) -> Any:
@@ -218,8 +292,63 @@ class SnapshotService:
         job.snapshot_id = snapshot.id
         if stop:
             await self._shutdown_quietly(kernel_id)
-        await self._apply_retention(snapshot)
-        return snapshot.summary()
+        obsolete = await self._apply_retention(snapshot)
+        result = snapshot.summary()
+        # Shutdown saves upload once every kernel is saved (``upload_on_shutdown``).
+        if self.remote is not None and reason != "shutdown":
+            # The kernel is free for its next save while the snapshot goes up.
+            self.jobs.hand_over(job, [kernel_key(kernel_id)], [snapshot_key(snapshot.id)])
+            result["upload"] = await self._upload(snapshot, self.jobs.progress(job), obsolete)
+        return result
+
+    async def _upload(
+        self, snapshot: Snapshot, report: Callable[[Progress], None], obsolete: list[str]
+    ) -> dict[str, Any]:
+        """Upload a committed snapshot, then remove the remote copies of what retention
+        removed locally; a failed upload keeps those, so the remote never loses more."""
+        assert self.remote is not None
+        outcome = await self.remote.upload(snapshot, report, self.jobs.claimed("snapshot:"))
+        if outcome["status"] == "uploaded":
+            for snapshot_id in obsolete:
+                try:
+                    await self.remote.delete(snapshot_id)
+                except SnapshotError as exc:
+                    self.log.warning(
+                        "gpu-snapshot: retention could not remove %s from %s: %s",
+                        snapshot_id, self.remote.url, exc,
+                    )
+        return outcome
+
+    async def upload_on_shutdown(self, snapshot_ids: list[str], seconds: float) -> None:
+        """Upload the snapshots the shutdown saved, within what is left of its budget.
+
+        Called by ``GPUSnapshotApp.stop_extension`` after every kernel is saved locally;
+        an upload that outlasts the budget is given up (the snapshot stays local).
+        """
+        if self.remote is None:
+            return
+        deadline = time.monotonic() + seconds
+        for snapshot_id in snapshot_ids:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.log.warning(
+                    "gpu-snapshot: snapshot %s is saved locally, not uploaded: the shutdown "
+                    "budget is spent (GPUSnapshot.shutdown_budget)", snapshot_id,
+                )
+                continue
+            snapshot = await asyncio.to_thread(self.engine.get, snapshot_id)
+            upload = asyncio.ensure_future(
+                self.remote.upload(snapshot, lambda _p: None, {snapshot_id})
+            )
+            done, _ = await asyncio.wait({upload}, timeout=left)
+            if not done:
+                self.remote.stopping.set()
+            outcome = await upload
+            if outcome["status"] != "uploaded":
+                self.log.warning(
+                    "gpu-snapshot: snapshot %s is saved locally, not uploaded: %s",
+                    snapshot_id, outcome["error"]["message"],
+                )
 
     async def _until_answering(self, km: Any, kernel_id: str) -> None:
         """Wait until the kernel answers on its control channel.
@@ -257,8 +386,9 @@ class SnapshotService:
         except Exception:  # the snapshot is safe; a slot that lingers is only untidy
             self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
 
-    async def _apply_retention(self, snapshot: Snapshot) -> None:
-        """Delete what ``core.retention`` says the new snapshot makes obsolete.
+    async def _apply_retention(self, snapshot: Snapshot) -> list[str]:
+        """Delete what ``core.retention`` says the new snapshot makes obsolete; return the
+        ids deleted.
 
         Called by ``_save`` once ``snapshot`` has committed, so nothing older goes first.
         """
@@ -269,11 +399,13 @@ class SnapshotService:
             keep_autosaves=int(self.settings.autosave_keep),
             keep_last=int(self.settings.keep_last),
         )
+        deleted: list[str] = []
         for snapshot_id in doomed:
             if self.jobs.busy_with(snapshot_key(snapshot_id)) is not None:
                 continue
             try:
                 await asyncio.to_thread(self.engine.delete, snapshot_id)
+                deleted.append(snapshot_id)
                 self.log.info(
                     "gpu-snapshot: retention removed snapshot %s (%s kept)", snapshot_id,
                     snapshot.id,
@@ -282,19 +414,26 @@ class SnapshotService:
                 self.log.warning(
                     "gpu-snapshot: retention could not remove %s: %s", snapshot_id, exc
                 )
+        return deleted
 
     async def latest_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
         """The newest trusted snapshot of each notebook (or of one), whatever its reason."""
         trusted = await asyncio.to_thread(self.engine.list, notebook_path)
-        summaries = [s.summary() for s in trusted]
+        remote = await self._remote_listing(notebook_path, trusted=True)
+        summaries = merge_locations(
+            [s.summary() for s in trusted], remote, self.remote.url if self.remote else None
+        )
         return [dict(s) for s in retention.newest_per_notebook(summaries)]
 
     # -- restore ---------------------------------------------------------------------------
     async def start_restore(
         self, ref: str, path: str | None = None, session_id: str | None = None
     ) -> Job:
-        """Validate the request and start a restore job into a new kernel slot."""
-        snapshot = await asyncio.to_thread(self.engine.get, ref)
+        """Validate the request and start a restore job into a new kernel slot.
+
+        A snapshot that exists only remotely is downloaded by the job first.
+        """
+        snapshot, local = await self._find(ref)
         if path is not None:
             path = await self._contents_path(path)
         session = None
@@ -312,7 +451,9 @@ class SnapshotService:
             # Its kernel is replaced at the end; no other operation may hold it meanwhile.
             keys.append(kernel_key(session["kernel"]["id"]))
         job = Job("restore", new_kernel_id, snapshot.id)
-        return self.jobs.start(job, keys, lambda j: self._restore(j, snapshot, session, path))
+        return self.jobs.start(
+            job, keys, lambda j: self._restore(j, snapshot, session, path, local)
+        )
 
     async def _contents_path(self, path: str) -> str:
         """``path`` as an API path inside the contents root; what /api/sessions accepts."""
@@ -383,14 +524,28 @@ class SnapshotService:
         )
 
     async def _restore(
-        self, job: Job, snapshot: Snapshot, session: dict[str, Any] | None, path: str | None
+        self,
+        job: Job,
+        snapshot: Snapshot,
+        session: dict[str, Any] | None,
+        path: str | None,
+        local: bool = True,
     ) -> dict[str, Any]:
-        """Restore with the engine, then let the kernel manager adopt the running tree."""
+        """Restore with the engine, then let the kernel manager adopt the running tree.
+
+        A remote-only snapshot (``local`` False) is downloaded into the store first.
+        """
         kernel_id = job.kernel_id
         assert kernel_id is not None
         ours = await self._our_kernelspecs()
         if not ours:  # refuse before a restore that no kernel slot could take
             self.restore_kernel_name(snapshot, ours)
+        if not local:
+            assert self.remote is not None
+            await self.remote.download(
+                snapshot.id, self.jobs.progress(job), self.jobs.claimed("snapshot:")
+            )
+            snapshot = await asyncio.to_thread(self.engine.get, snapshot.id)
         try:
             restored = await self.engine.restore(snapshot, self.jobs.progress(job))
         except PortsInUse as exc:

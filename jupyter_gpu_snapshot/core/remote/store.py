@@ -270,18 +270,20 @@ class RemoteStore:
         return fetch_object(self, snapshot_id, remote, MANIFEST)
 
     # -- listing and deleting ---------------------------------------------------------------
-    def list(self) -> builtins.list[RemoteSnapshot]:
-        """Snapshots whose upload completed, oldest first."""
+    def ids(self) -> builtins.list[str]:
+        """The ids under the URL (one LIST), uploads not yet complete included."""
         self.fs.invalidate_cache()
         try:
             found = self.retry("list", lambda: self.fs.ls(self.root, detail=False))
         except FileNotFoundError:
             return []
+        names = (str(path).rstrip("/").split("/")[-1] for path in found)
+        return sorted(name for name in names if is_snapshot_id(name))
+
+    def list(self) -> builtins.list[RemoteSnapshot]:
+        """Snapshots whose upload completed, oldest first."""
         snapshots: builtins.list[RemoteSnapshot] = []
-        for path in found:
-            snapshot_id = str(path).rstrip("/").split("/")[-1]
-            if not is_snapshot_id(snapshot_id):
-                continue
+        for snapshot_id in self.ids():
             snapshot = self.get(snapshot_id, missing_ok=True)
             if snapshot is not None:
                 snapshots.append(snapshot)
