@@ -106,7 +106,7 @@ class RemoteSync:
         return self._listing
 
     def _read_listing(self) -> dict[str, Snapshot]:
-        """One LIST of the remote, plus the manifests of snapshots not seen before."""
+        """One listing of the remote, plus the manifests of snapshots not seen before."""
         ids = self.remote.ids()
         for gone in set(self._known) - set(ids):
             del self._known[gone]

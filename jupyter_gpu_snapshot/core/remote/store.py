@@ -271,14 +271,22 @@ class RemoteStore:
 
     # -- listing and deleting ---------------------------------------------------------------
     def ids(self) -> builtins.list[str]:
-        """The ids under the URL (one LIST), uploads not yet complete included."""
+        """The ids of snapshots whose upload completed (those with a remote manifest).
+
+        One recursive listing (on S3, a LIST without delimiter): an empty "directory"
+        that some servers keep after a delete is no snapshot.
+        """
         self.fs.invalidate_cache()
         try:
-            found = self.retry("list", lambda: self.fs.ls(self.root, detail=False))
+            found = self.retry("list", lambda: self.fs.find(self.root))
         except FileNotFoundError:
             return []
-        names = (str(path).rstrip("/").split("/")[-1] for path in found)
-        return sorted(name for name in names if is_snapshot_id(name))
+        ids = set()
+        for path in found:
+            parts = str(path).rstrip("/").split("/")
+            if len(parts) >= 2 and parts[-1] == REMOTE_MANIFEST and is_snapshot_id(parts[-2]):
+                ids.add(parts[-2])
+        return sorted(ids)
 
     def list(self) -> builtins.list[RemoteSnapshot]:
         """Snapshots whose upload completed, oldest first."""
