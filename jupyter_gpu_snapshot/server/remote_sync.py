@@ -9,7 +9,6 @@ one signed with another key, or unsigned, is listed as such and never downloaded
 from __future__ import annotations
 
 import asyncio
-import builtins
 import logging
 import threading
 import time
@@ -21,14 +20,13 @@ from ..core.engine import Progress
 from ..core.errors import NotFound, SnapshotError
 from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache
 from ..core.remote.store import describe
-from ..core.store import DAMAGED, Snapshot, SnapshotStore
+from ..core.store import Snapshot, SnapshotStore
+from ..remotes import judge_remote
 
 # How long a remote listing is reused; the UI polls every few seconds.
 LISTING_SECONDS = 15.0
 # Job progress from the transfer threads, at most this often.
 PROGRESS_SECONDS = 0.1
-
-LOCAL, REMOTE, BOTH = "local", "remote", "both"
 
 
 class UploadStopped(SnapshotError):
@@ -119,13 +117,7 @@ class RemoteSync:
 
     def judge(self, remote: RemoteSnapshot) -> Snapshot:
         """A remote snapshot as a ``Snapshot`` of this store, its status by this node's key."""
-        if remote.manifest is None:
-            cause = (
-                "it is encrypted with a key this node does not have"
-                if remote.encrypted else "its manifest cannot be read"
-            )
-            return Snapshot(remote.id, self.store.root / remote.id, {}, DAMAGED, cause)
-        return self.store.judge(remote.id, remote.manifest)
+        return judge_remote(self.store, remote)
 
     # -- upload ----------------------------------------------------------------------------
     async def upload(
@@ -239,20 +231,4 @@ def _progress(
         report(Progress(phase, done, total))
 
     return progress
-
-
-def merge_locations(
-    local: builtins.list[dict[str, Any]], remote: RemoteListing, url: str | None
-) -> builtins.list[dict[str, Any]]:
-    """Local summaries with their ``location``, plus the summaries of remote-only ones."""
-    merged = []
-    for summary in local:
-        where = BOTH if summary["id"] in remote.snapshots else LOCAL
-        merged.append({**summary, "location": where, "remote_url": url if where == BOTH else None})
-    local_ids = {s["id"] for s in local}
-    for snapshot_id, snapshot in remote.snapshots.items():
-        if snapshot_id not in local_ids:
-            merged.append({**snapshot.summary(), "location": REMOTE, "remote_url": url})
-    merged.sort(key=lambda s: (s.get("created") or 0.0, s["id"]))
-    return merged
 

@@ -35,9 +35,10 @@ from ..core.errors import (
 )
 from ..core.store import DAMAGED, Snapshot, validate_name
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
+from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
-from .remote_sync import BOTH, LOCAL, REMOTE, RemoteListing, RemoteSync, merge_locations
+from .remote_sync import RemoteListing, RemoteSync
 from .status import TreeFacts, cuda_status
 from .status import kernel_status as describe_kernel
 
@@ -90,7 +91,7 @@ class SnapshotService:
         ``location``. The remote listing is cached briefly (``RemoteSync.listing``)."""
         found = await asyncio.to_thread(self.engine.catalog, notebook_path)
         return merge_locations(
-            [s.summary() for s in found], await self._remote_listing(notebook_path),
+            [s.summary() for s in found], (await self._remote_listing(notebook_path)).snapshots,
             self.remote.url if self.remote else None,
         )
 
@@ -421,7 +422,8 @@ class SnapshotService:
         trusted = await asyncio.to_thread(self.engine.list, notebook_path)
         remote = await self._remote_listing(notebook_path, trusted=True)
         summaries = merge_locations(
-            [s.summary() for s in trusted], remote, self.remote.url if self.remote else None
+            [s.summary() for s in trusted], remote.snapshots,
+            self.remote.url if self.remote else None,
         )
         return [dict(s) for s in retention.newest_per_notebook(summaries)]
 
