@@ -165,13 +165,6 @@ def cluster(
                     psutil.Process(pid).kill()
 
 
-@pytest.fixture
-def criu_path() -> str:
-    found = shutil.which("criu")
-    assert found, "criu >= 4.2 must be installed (make criu)"
-    return found
-
-
 def _kill_kernels(kernel_ids: list[str]) -> None:
     for kernel_id in kernel_ids:
         for pid in _kernel_processes(kernel_id):
