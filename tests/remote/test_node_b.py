@@ -224,6 +224,11 @@ async def _saved_on_a_restored_on_b(cluster: Cluster) -> None:
         expected = repr(random.Random(3).random())
         assert (await ws.execute("print(random.random())")).strip() == expected
         assert (await ws.execute("print(socket.gethostname())")).strip() == "node-b"
+        # The magic in the restored kernel asks node B's server, and says where it lives.
+        listing = await ws.execute("%gpu_snapshot list")
+        rows = [line.split() for line in listing.splitlines()]
+        assert any("LOCATION" in row for row in rows), listing
+        assert any(snapshot_id in row and "both" in row for row in rows), listing
         ws.close()
         (found,) = await node_b.api.snapshots()
         assert found["location"] == "both", found
