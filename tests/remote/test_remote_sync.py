@@ -1,0 +1,77 @@
+"""The server's remote glue on a shared-path remote: the cached listing, judging by the key,
+cache eviction after an upload, and the refusal of a foreign snapshot before download."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpu_snapshot.core.engine import Progress
+from jupyter_gpu_snapshot.core.errors import SnapshotError
+from jupyter_gpu_snapshot.core.remote import RemoteStore, SnapshotCache
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.server.remote_sync import RemoteSync
+
+from .snapshots import make_snapshot
+
+
+def _sync(tmp_path: Path, node: str, cap: int = 0, seconds: float = 60.0) -> RemoteSync:
+    store = SnapshotStore(tmp_path / node, tmp_path / "shared.key")
+    remote = RemoteStore(str(tmp_path / "bucket"))
+    return RemoteSync(remote, store, SnapshotCache(store, cap), listing_seconds=seconds)
+
+
+def test_listing_is_reused_until_it_is_stale_or_forgotten(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        node_a, node_b = _sync(tmp_path, "a"), _sync(tmp_path, "b")
+        first = make_snapshot(node_a.store, {"pages-1.img": 1 << 16}, name="first")
+        await node_a.upload(first, lambda _p: None, ())
+        assert list((await node_b.listing()).snapshots) == [first.id]
+        second = make_snapshot(node_a.store, {"pages-1.img": 1 << 16}, name="second")
+        await node_a.upload(second, lambda _p: None, ())
+        # Within listing_seconds node B shows what it listed; a fresh listing sees both.
+        assert list((await node_b.listing()).snapshots) == [first.id]
+        assert list((await node_b.listing(fresh=True)).snapshots) == [first.id, second.id]
+        assert all(s.trusted for s in (await node_b.listing()).snapshots.values())
+        await node_a.delete(first.id)
+        node_b.forget()
+        assert list((await node_b.listing()).snapshots) == [second.id]
+
+    asyncio.run(scenario())
+
+
+def test_upload_reports_progress_and_evicts_the_least_recently_used_copy(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        # Room for one snapshot of 3 MiB: the older uploaded one goes, the new one stays.
+        sync = _sync(tmp_path, "a", cap=4 << 20)
+        older = make_snapshot(sync.store, {"pages-1.img": 3 << 20}, name="older")
+        assert (await sync.upload(older, lambda _p: None, ()))["status"] == "uploaded"
+        newer = make_snapshot(sync.store, {"pages-1.img": 3 << 20}, name="newer")
+        seen: list[Progress] = []
+        outcome = await sync.upload(newer, seen.append, {newer.id})
+        assert outcome["status"] == "uploaded", outcome
+        assert seen and seen[-1].phase == "uploading" and seen[-1].done == seen[-1].total > 0
+        assert [s.id for s in sync.store.list()] == [newer.id]
+        assert set((await sync.listing()).snapshots) == {older.id, newer.id}
+
+    asyncio.run(scenario())
+
+
+def test_a_foreign_snapshot_is_judged_damaged_and_never_downloaded(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        foreign_store = SnapshotStore(tmp_path / "foreign", tmp_path / "other.key")
+        planted = make_snapshot(foreign_store, {"pages-1.img": 1 << 16}, name="planted")
+        RemoteStore(str(tmp_path / "bucket")).upload(planted.path)
+        sync = _sync(tmp_path, "b")
+        judged = (await sync.listing()).snapshots[planted.id]
+        assert judged.status == "damaged" and "another key" in str(judged.problem)
+        with pytest.raises(SnapshotError) as refused:
+            await sync.download(planted.id, lambda _p: None, ())
+        assert refused.value.step == "verify" and "signing_key_file" in str(refused.value.hint)
+        assert not (sync.store.root / planted.id).exists()
+
+    asyncio.run(scenario())
