@@ -276,7 +276,12 @@ class GPUSnapshotApp(ExtensionApp):
             await self.autosave.stop()
         budget = float(self.gpu_settings.shutdown_budget)
         deadline = asyncio.get_running_loop().time() + budget
+        remote = self.service.remote
         if self.gpu_settings.snapshot_on_shutdown:
+            if remote is not None:
+                # Saving the kernels comes first: running uploads give up, and go again
+                # after the saves.
+                remote.stopping.set()
             rates = await self.save_rates()
             self.log.info("gpu-snapshot: shutdown save rates %s", rates.to_dict())
             service = self.service
@@ -292,14 +297,16 @@ class GPUSnapshotApp(ExtensionApp):
                 newest_snapshot=self.autosave.newest_snapshot if self.autosave else None,
             )
             # Every kernel is saved locally first; uploads get what is left of the budget.
-            await self.service.upload_on_shutdown(
-                list(self.last_shutdown.saved.values()),
-                deadline - asyncio.get_running_loop().time(),
-            )
+            if remote is not None:
+                remote.stopping.clear()
+                await service.upload_on_shutdown(
+                    [*self.last_shutdown.saved.values(), *service.stopped_uploads()],
+                    deadline - asyncio.get_running_loop().time(),
+                )
         else:
             for job in await self.service.jobs.drain(budget):
                 self.log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)
-        if self.service.remote is not None:
-            self.service.remote.stopping.set()  # uploads still running give up
+        if remote is not None:
+            remote.stopping.set()  # uploads still running give up
         if self.autosave is not None:
             self.autosave.close()

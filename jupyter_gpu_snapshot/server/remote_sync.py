@@ -32,6 +32,8 @@ PROGRESS_SECONDS = 0.1
 class UploadStopped(SnapshotError):
     """An upload given up because the server stops; the local snapshot is whole."""
 
+    code = "upload_stopped"
+
 
 @dataclass
 class RemoteListing:

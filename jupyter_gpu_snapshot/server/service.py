@@ -38,7 +38,7 @@ from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
-from .remote_sync import RemoteListing, RemoteSync
+from .remote_sync import RemoteListing, RemoteSync, UploadStopped
 from .status import TreeFacts, cuda_status
 from .status import kernel_status as describe_kernel
 
@@ -147,7 +147,7 @@ class SnapshotService:
         snapshot, local = await self._find(ref)
         if self.remote is None:
             return {**snapshot.summary(), "location": LOCAL, "remote_url": None}
-        remote = not local or await self.remote.exists(snapshot.id)
+        remote = not local or snapshot.id in (await self.remote.listing()).snapshots
         where = (BOTH if remote else LOCAL) if local else REMOTE
         return {
             **snapshot.summary(), "location": where,
@@ -320,6 +320,15 @@ class SnapshotService:
                     )
         return outcome
 
+    def stopped_uploads(self) -> list[str]:
+        """The snapshots of save jobs whose upload was given up for a shutdown's saves."""
+        return [
+            str(job.snapshot_id) for job in reversed(self.jobs.recent())
+            if job.kind == "save" and job.snapshot_id and job.result
+            and ((job.result.get("upload") or {}).get("error") or {}).get("code")
+            == UploadStopped.code
+        ]
+
     async def upload_on_shutdown(self, snapshot_ids: list[str], seconds: float) -> None:
         """Upload the snapshots the shutdown saved, within what is left of its budget.
 
@@ -337,7 +346,11 @@ class SnapshotService:
                     "budget is spent (GPUSnapshot.shutdown_budget)", snapshot_id,
                 )
                 continue
-            snapshot = await asyncio.to_thread(self.engine.get, snapshot_id)
+            try:
+                snapshot = await asyncio.to_thread(self.engine.get, snapshot_id)
+            except SnapshotError as exc:
+                self.log.warning("gpu-snapshot: not uploading %s: %s", snapshot_id, exc)
+                continue
             upload = asyncio.ensure_future(
                 self.remote.upload(snapshot, lambda _p: None, {snapshot_id})
             )

@@ -33,7 +33,7 @@ def test_listing_is_reused_until_it_is_stale_or_forgotten(tmp_path: Path) -> Non
         await node_a.upload(second, lambda _p: None, ())
         # Within listing_seconds node B shows what it listed; a fresh listing sees both.
         assert list((await node_b.listing()).snapshots) == [first.id]
-        assert list((await node_b.listing(fresh=True)).snapshots) == [first.id, second.id]
+        assert set((await node_b.listing(fresh=True)).snapshots) == {first.id, second.id}
         assert all(s.trusted for s in (await node_b.listing()).snapshots.values())
         await node_a.delete(first.id)
         node_b.forget()
@@ -73,5 +73,20 @@ def test_a_foreign_snapshot_is_judged_damaged_and_never_downloaded(tmp_path: Pat
             await sync.download(planted.id, lambda _p: None, ())
         assert refused.value.step == "verify" and "signing_key_file" in str(refused.value.hint)
         assert not (sync.store.root / planted.id).exists()
+
+    asyncio.run(scenario())
+
+
+def test_an_upload_given_up_for_a_shutdown_leaves_nothing_listed(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sync = _sync(tmp_path, "a")
+        snapshot = make_snapshot(sync.store, {"pages-1.img": 3 << 20}, name="kept")
+        sync.stopping.set()
+        outcome = await sync.upload(snapshot, lambda _p: None, ())
+        assert outcome["status"] == "failed" and outcome["error"]["code"] == "upload_stopped"
+        assert (await sync.listing(fresh=True)).snapshots == {}
+        sync.store.verify(sync.store.get(snapshot.id))  # the local snapshot is whole
+        sync.stopping.clear()
+        assert (await sync.upload(snapshot, lambda _p: None, ()))["status"] == "uploaded"
 
     asyncio.run(scenario())
