@@ -30,6 +30,7 @@ from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 
+from ..gpu_check import no_gpu_reason
 from ..server.test_reboot import ServerProcess, _environment, _free_port, _kernel_processes
 from .seaweed import SeaweedServer, weed_binary
 from .snapshots import make_snapshot
@@ -274,3 +275,45 @@ async def _foreign_snapshot_refused(cluster: Cluster) -> None:
     (found,) = await node_b.api.snapshots()
     assert found["location"] == "remote", found
     assert "nothing of it was run or kept" in error["message"]
+
+
+GPU_STATE = """
+import torch
+x = torch.arange(20_000_000, device="cuda", dtype=torch.float32)
+total = float(x.sum())
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(no_gpu_reason() is not None, reason=f"GPU test: {no_gpu_reason()}")
+def test_a_gpu_kernel_saved_on_node_a_comes_back_on_node_b(cluster: Cluster) -> None:
+    asyncio.run(_gpu_kernel_on_b(cluster))
+
+
+async def _gpu_kernel_on_b(cluster: Cluster) -> None:
+    kernel_ids: list[str] = []
+    try:
+        node_a = cluster.node_a()
+        await node_a.ready()
+        session = await node_a.api.open_notebook(NOTEBOOK, "train.ipynb")
+        kernel_ids.append(session["kernel"]["id"])
+        ws = await node_a.kernel(kernel_ids[0])
+        await ws.execute(GPU_STATE, timeout=300)
+        ws.close()
+        job = await node_a.api.succeeded(await node_a.api.save(kernel_ids[0], stop=True))
+        assert job["result"]["upload"]["status"] == "uploaded", job["result"]["upload"]
+        assert job["result"]["gpu"]["moved_bytes"] > 0, job["result"]["gpu"]
+        node_a.kill()
+
+        node_b = cluster.node_b()
+        await node_b.ready()
+        (found,) = await node_b.api.snapshots()
+        assert found["location"] == "remote", found
+        job = await node_b.api.succeeded(await node_b.api.restore(found["id"], path=NOTEBOOK))
+        kernel_ids.append(job["result"]["kernel_id"])
+        ws = await node_b.kernel(kernel_ids[-1])
+        out = await ws.execute("print(float(x.sum()) == total, x.device)", timeout=120)
+        assert out.split() == ["True", "cuda:0"], out
+        ws.close()
+    finally:
+        _kill_kernels(kernel_ids)
