@@ -90,3 +90,26 @@ def test_an_upload_given_up_for_a_shutdown_leaves_nothing_listed(tmp_path: Path)
         assert (await sync.upload(snapshot, lambda _p: None, ()))["status"] == "uploaded"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_truncated_remote_object_is_named_before_the_restore(
+    tmp_path: Path, damage: str
+) -> None:
+    async def scenario() -> None:
+        node_a, node_b = _sync(tmp_path, "a"), _sync(tmp_path, "b")
+        snapshot = make_snapshot(node_a.store, {"pages-1.img": 1 << 20}, name="cut")
+        await node_a.upload(snapshot, lambda _p: None, ())
+        image = tmp_path / "bucket" / snapshot.id / "pages-1.img"
+        if damage == "missing":
+            image.unlink()
+        else:
+            image.write_bytes(image.read_bytes()[: 1 << 19])
+        with pytest.raises(SnapshotError) as refused:
+            await node_b.download(snapshot.id, lambda _p: None, ())
+        expected = "is missing" if damage == "missing" else "(truncated or replaced)"
+        assert "the object pages-1.img" in refused.value.cause, refused.value.cause
+        assert expected in refused.value.cause, refused.value.cause
+        assert node_b.store.catalog() == []
+
+    asyncio.run(scenario())
