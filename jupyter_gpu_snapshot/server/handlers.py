@@ -165,7 +165,7 @@ class SnapshotsHandler(SnapshotAPIHandler):
         if latest in ("true", "1"):
             found = await self.service.latest_snapshots(notebook_path)
         else:
-            found = await self.service.list_snapshots(notebook_path)
+            found = await self.service.list_snapshots(notebook_path, with_remote=True)
         self.write_json({
             "snapshots": found,
             "store": await self.service.store_usage(),

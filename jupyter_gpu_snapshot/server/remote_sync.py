@@ -25,6 +25,8 @@ from ..remotes import judge_remote
 
 # How long a remote listing is reused; the UI polls every few seconds.
 LISTING_SECONDS = 15.0
+# How long a request waits for the first listing of an unresponsive remote.
+FIRST_LISTING_SECONDS = 5.0
 # Job progress from the transfer threads, at most this often.
 PROGRESS_SECONDS = 0.1
 
@@ -63,7 +65,10 @@ class RemoteSync:
         self._listing = RemoteListing()
         # Remote snapshots never change once their upload completed: each is read once.
         self._known: dict[str, RemoteSnapshot] = {}
+        self._reading = threading.Lock()
         self._refresh: asyncio.Task[RemoteListing] | None = None
+        self._forgotten = False
+        self._generation = 0
         # Set when the server stops: uploads still running give up at their next part.
         self.stopping = threading.Event()
 
@@ -79,20 +84,39 @@ class RemoteSync:
         slow or unreachable remote never holds up a request that has a listing to show;
         ``fresh`` waits for a new one (a restore or delete acts on what is there now).
         """
+        fresh = fresh or self._forgotten
         age = time.monotonic() - self._listing.listed_at
         if not fresh and age < self.listing_seconds:
             return self._listing
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.ensure_future(self._list())
-        if fresh or self._listing.listed_at == 0.0:
+        if fresh:
+            self._forgotten = False
             return await asyncio.shield(self._refresh)
+        if self._listing.listed_at == 0.0 and not self._listing.snapshots:
+            # Nothing to show yet: wait for the first listing, but not for a remote that
+            # does not answer (it goes on in the background).
+            done, _ = await asyncio.wait({self._refresh}, timeout=FIRST_LISTING_SECONDS)
+            if not done:
+                return RemoteListing(error=f"listing {self.url} is still under way")
+            return self._refresh.result()
+        return self._listing
+
+    def cached(self) -> RemoteListing:
+        """The last listing as it is, without asking the remote store."""
         return self._listing
 
     def forget(self) -> None:
-        """Make the next listing ask the remote store again (after an upload or delete)."""
+        """Make the next listing ask the remote store again and wait for its answer (after
+        an upload or a delete, so that nobody is shown what was there before)."""
         self._listing.listed_at = 0.0
+        self._forgotten = True
+        # One under way may have listed before the change: its answer is not kept.
+        self._generation += 1
+        self._refresh = None
 
     async def _list(self) -> RemoteListing:
+        generation = self._generation
         try:
             found = await asyncio.to_thread(self._read_listing)
         except Exception as exc:
@@ -100,22 +124,25 @@ class RemoteSync:
             if error != self._listing.error:
                 self.log.warning("gpu-snapshot: %s", error)
             # Keep showing what was there; retry at the next request.
-            self._listing = RemoteListing(self._listing.snapshots, 0.0, error)
-            return self._listing
-        self._listing = RemoteListing(found, time.monotonic(), None)
-        return self._listing
+            listing = RemoteListing(self._listing.snapshots, 0.0, error)
+        else:
+            listing = RemoteListing(found, time.monotonic(), None)
+        if generation == self._generation:  # not begun before a change this node made
+            self._listing = listing
+        return listing
 
     def _read_listing(self) -> dict[str, Snapshot]:
         """One listing of the remote, plus the manifests of snapshots not seen before."""
-        ids = self.remote.ids()
-        for gone in set(self._known) - set(ids):
-            del self._known[gone]
-        for snapshot_id in ids:
-            if snapshot_id not in self._known:
-                found = self.remote.get(snapshot_id, missing_ok=True)
-                if found is not None:  # None: an upload still under way
-                    self._known[snapshot_id] = found
-        return {i: self.judge(s) for i, s in sorted(self._known.items())}
+        with self._reading:  # a listing begun before a forget() may still run
+            ids = self.remote.ids()
+            for gone in set(self._known) - set(ids):
+                del self._known[gone]
+            for snapshot_id in ids:
+                if snapshot_id not in self._known:
+                    found = self.remote.get(snapshot_id, missing_ok=True)
+                    if found is not None:  # None: deleted meanwhile
+                        self._known[snapshot_id] = found
+            return {i: self.judge(s) for i, s in sorted(self._known.items())}
 
     def judge(self, remote: RemoteSnapshot) -> Snapshot:
         """A remote snapshot as a ``Snapshot`` of this store, its status by this node's key."""

@@ -86,13 +86,21 @@ class SnapshotService:
     # The engine reads and removes files: every call of it runs in a worker thread, so the
     # event loop answers other requests meanwhile. Unsigned and damaged snapshots are shown
     # too, with their status and problem.
-    async def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
-        """Local snapshots and, with a remote store, remote-only ones; each with its
-        ``location``. The remote listing is cached briefly (``RemoteSync.listing``)."""
+    async def list_snapshots(
+        self, notebook_path: str | None = None, with_remote: bool = False
+    ) -> list[dict[str, Any]]:
+        """The local snapshots, each with its ``location``; ``with_remote`` (the listing
+        clients see) adds the remote-only ones. Disk-room and rate estimates want the local
+        ones only. The remote listing is cached briefly (``RemoteSync.listing``)."""
         found = await asyncio.to_thread(self.engine.catalog, notebook_path)
+        if with_remote:
+            remote = (await self._remote_listing(notebook_path)).snapshots
+        else:  # whatever was listed last, without asking the remote
+            local_ids = {s.id for s in found}
+            last = self.remote.cached().snapshots if self.remote else {}
+            remote = {i: s for i, s in last.items() if i in local_ids}
         return merge_locations(
-            [s.summary() for s in found], (await self._remote_listing(notebook_path)).snapshots,
-            self.remote.url if self.remote else None,
+            [s.summary() for s in found], remote, self.remote.url if self.remote else None
         )
 
     async def _remote_listing(

@@ -4,6 +4,8 @@ cache eviction after an upload, and the refusal of a foreign snapshot before dow
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from jupyter_gpu_snapshot.core.engine import Progress
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.remote import RemoteStore, SnapshotCache
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.server import remote_sync
 from jupyter_gpu_snapshot.server.remote_sync import RemoteSync
 
 from .snapshots import make_snapshot
@@ -111,5 +114,37 @@ def test_a_missing_or_truncated_remote_object_is_named_before_the_restore(
         assert "the object pages-1.img" in refused.value.cause, refused.value.cause
         assert expected in refused.value.cause, refused.value.cause
         assert node_b.store.catalog() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_remote_that_does_not_answer_never_holds_up_a_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote_sync, "FIRST_LISTING_SECONDS", 0.5)
+
+    async def scenario() -> None:
+        with socket.socket() as silent:  # accepts connections, never answers
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            options = {
+                "key": "k" * 20, "secret": "s" * 40, "skip_instance_cache": True,
+                "endpoint_url": f"http://127.0.0.1:{silent.getsockname()[1]}",
+                "config_kwargs": {"read_timeout": 1, "connect_timeout": 1,
+                                  "retries": {"max_attempts": 1}},
+            }
+            store = SnapshotStore(tmp_path / "b", tmp_path / "shared.key")
+            sync = RemoteSync(
+                RemoteStore("s3://bucket/alice", options, attempts=1), store,
+                SnapshotCache(store, 0),
+            )
+            started = time.monotonic()
+            listing = await sync.listing()
+            assert time.monotonic() - started < 2.0
+            assert listing.snapshots == {} and "still under way" in str(listing.error)
+            failed = await sync.listing(fresh=True)  # waits for the answer: a timeout
+            assert failed.snapshots == {} and "listing s3://bucket/alice failed" in str(
+                failed.error
+            ), failed.error
 
     asyncio.run(scenario())
