@@ -1,4 +1,5 @@
-"""The remote store and the local cache, built from ``c.GPUSnapshot``.
+"""The remote store and the local cache, built from ``c.GPUSnapshot``, and what the server
+and the CLI both show of them.
 
 Callers that move snapshots between nodes call ``make_remote_store`` (None when no
 remote_url is set) and ``make_snapshot_cache``; core/remote itself knows nothing of settings.
@@ -9,8 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from .config import GPUSnapshot
-from .core.remote import RemoteStore, SnapshotCache, load_key
-from .core.store import SnapshotStore
+from .core.remote import RemoteSnapshot, RemoteStore, SnapshotCache, load_key
+from .core.store import DAMAGED, Snapshot, SnapshotStore
+
+# Where a snapshot lives, as listings say it.
+LOCAL, REMOTE, BOTH = "local", "remote", "both"
 
 
 def remote_storage_options(settings: GPUSnapshot) -> dict[str, Any]:
@@ -37,3 +41,32 @@ def make_remote_store(settings: GPUSnapshot | None = None) -> RemoteStore | None
 def make_snapshot_cache(settings: GPUSnapshot | None = None) -> SnapshotCache:
     settings = settings or GPUSnapshot()
     return SnapshotCache(SnapshotStore(settings.store_dir), settings.remote_cache_max_bytes)
+
+
+def judge_remote(store: SnapshotStore, remote: RemoteSnapshot) -> Snapshot:
+    """A remote snapshot as a ``Snapshot`` of ``store``, its status by that store's key:
+    one signed with another key, or unreadable here, is ``damaged`` and says why."""
+    if remote.manifest is None:
+        cause = (
+            "it is encrypted with a key this node does not have"
+            if remote.encrypted else "its manifest cannot be read"
+        )
+        return Snapshot(remote.id, store.root / remote.id, {}, DAMAGED, cause)
+    return store.judge(remote.id, remote.manifest)
+
+
+def merge_locations(
+    local: list[dict[str, Any]], remote: dict[str, Snapshot], url: str | None
+) -> list[dict[str, Any]]:
+    """Local summaries with their ``location`` and ``remote_url``, plus the summaries of
+    the snapshots that exist only remotely; oldest first."""
+    merged = []
+    for summary in local:
+        where = BOTH if summary["id"] in remote else LOCAL
+        merged.append({**summary, "location": where, "remote_url": url if where == BOTH else None})
+    local_ids = {s["id"] for s in local}
+    for snapshot_id, snapshot in remote.items():
+        if snapshot_id not in local_ids:
+            merged.append({**snapshot.summary(), "location": REMOTE, "remote_url": url})
+    merged.sort(key=lambda s: (s.get("created") or 0.0, s["id"]))
+    return merged

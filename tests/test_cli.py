@@ -82,7 +82,9 @@ def test_human_output_never_cuts_or_wraps_ids_and_paths(
     assert f"saved {name} ({snapshot_id})" in saved_line
     listing = cli(store, "list", env=narrow).stdout.splitlines()
     assert "…" not in "".join(listing)
-    assert listing[0].split() == ["NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "STATUS"]
+    assert listing[0].split() == [
+        "NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "LOCATION", "STATUS",
+    ]
     assert listing[1].split()[:2] == [name, snapshot_id]
     out = cli(store, "restore", name, env=narrow).stdout
     connect = [line for line in out.splitlines() if line.startswith("connect with:")]

@@ -34,6 +34,7 @@ from ..core.recovery import clean_work_dirs, recover_store
 from ..core.store import Snapshot
 from ..engines import make_engine, wake_kernel
 from ..gpu.remap import parse_gpu_choice, remap_notice
+from ..remotes import BOTH, LOCAL, REMOTE, judge_remote, make_remote_store, merge_locations
 from .checks import run_checks
 
 out = Console()
@@ -87,13 +88,28 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-def _engine(args: argparse.Namespace) -> SnapshotEngine:
+def _settings(args: argparse.Namespace) -> GPUSnapshot:
     kwargs: dict[str, Any] = {}
     if args.store:
         kwargs["store_dir"] = args.store
     if args.criu:
         kwargs["criu_path"] = args.criu
-    return make_engine(GPUSnapshot(**kwargs))
+    return GPUSnapshot(**kwargs)
+
+
+def _engine(args: argparse.Namespace) -> SnapshotEngine:
+    return make_engine(_settings(args))
+
+
+def _remote_snapshots(
+    args: argparse.Namespace, engine: SnapshotEngine
+) -> tuple[dict[str, Snapshot], str | None]:
+    """The remote store's snapshots judged by this node's key, and its URL; none without
+    c.GPUSnapshot.remote_url."""
+    remote = make_remote_store(_settings(args))
+    if remote is None:
+        return {}, None
+    return {s.id: judge_remote(engine.store, s) for s in remote.list()}, remote.url
 
 
 class _ProgressBar:
@@ -175,25 +191,31 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     engine = _engine(args)
+    remote, url = _remote_snapshots(args, engine)
+    if args.notebook is not None:
+        remote = {i: s for i, s in remote.items()
+                  if s.status != "damaged" and s.notebook_path == args.notebook}
     if args.latest:
         # What a restart offers back: the newest trusted snapshot of each notebook, newest first.
         trusted = [s.summary() for s in engine.list(args.notebook)]
-        summaries = [dict(s) for s in retention.newest_per_notebook(trusted)]
+        merged = merge_locations(trusted, {i: s for i, s in remote.items() if s.trusted}, url)
+        summaries = [dict(s) for s in retention.newest_per_notebook(merged)]
     else:
-        summaries = [s.summary() for s in engine.catalog(args.notebook)]
+        summaries = merge_locations([s.summary() for s in engine.catalog(args.notebook)], remote,
+                                    url)
     if args.json:
         _print_json(summaries)
         return 0
     if not summaries:
         _say("no snapshots")
         return 0
-    rows = [["NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "STATUS"]]
+    rows = [["NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "LOCATION", "STATUS"]]
     for s in summaries:
         created = datetime.fromtimestamp(s["created"]).strftime("%Y-%m-%d %H:%M:%S")
         status = "ok" if s["status"] == "ok" else f"{s['status']}: {s['problem']}"
         rows.append([
             s["name"], s["id"], created, s["reason"], format_bytes(s["size_bytes"]),
-            s["notebook_path"] or "-", status,
+            s["notebook_path"] or "-", s["location"], status,
         ])
     _say(_columns(rows))
     return 0
@@ -295,8 +317,45 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    snapshot = _engine(args).delete(args.snapshot)
-    _say(f"deleted {snapshot.name} ({snapshot.id})")
+    """Delete the local copy, the remote copy or both (--where)."""
+    engine = _engine(args)
+    remote = make_remote_store(_settings(args)) if args.where != LOCAL else None
+    if args.where == REMOTE and remote is None:
+        raise NotFound("delete", "there is no remote store", hint="set c.GPUSnapshot.remote_url")
+    try:
+        local: Snapshot | None = engine.get(args.snapshot)
+    except NotFound:
+        if remote is None:
+            raise
+        local = None
+    if remote is not None:
+        # A remote-only snapshot is named by its id.
+        snapshot_id = local.id if local is not None else args.snapshot
+        try:
+            remote.delete(snapshot_id)
+            _say(f"deleted {snapshot_id} from {remote.url}")
+        except NotFound:
+            if local is None or args.where == REMOTE:
+                raise
+    if local is not None and args.where != REMOTE:
+        engine.delete(local.id)
+        _say(f"deleted {local.name} ({local.id})")
+    return 0
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    """Upload a local snapshot to the remote store (what a save does by itself)."""
+    engine = _engine(args)
+    remote = make_remote_store(_settings(args))
+    if remote is None:
+        raise NotFound("upload", "there is no remote store", hint="set c.GPUSnapshot.remote_url")
+    snapshot = engine.get(args.snapshot)
+    snapshot.require_trusted("upload")
+    with _ProgressBar(err.is_terminal) as bar:
+        uploaded = remote.upload(
+            snapshot.path, lambda done, total: bar(EngineProgress("uploading", done, total))
+        )
+    _say(f"uploaded {snapshot.name} ({snapshot.id}) to {uploaded.url}")
     return 0
 
 
@@ -392,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="only the newest snapshot of each notebook (autosave, shutdown or user)",
     )
     p.add_argument("--json", action="store_true",
-                   help="print the snapshots' summaries as a JSON list")
+                   help="print the snapshots' summaries as a JSON list (with 'location': "
+                   "local, remote or both)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("save", help="snapshot a running kernel")
@@ -425,7 +485,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rm", help="delete a snapshot (by id also when unsigned or damaged)")
     p.add_argument("snapshot", help="snapshot name or id")
+    p.add_argument(
+        "--where", choices=(LOCAL, REMOTE, BOTH), default=BOTH,
+        help="which copies to delete when a remote store is set (default: both)",
+    )
     p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("upload", help="upload a local snapshot to the remote store")
+    p.add_argument("snapshot", help="snapshot name or id")
+    p.set_defaults(func=cmd_upload)
 
     p = sub.add_parser(
         "resume",

@@ -382,6 +382,13 @@ class SnapshotStore:
             manifest = json.loads(raw)
         except ValueError as exc:
             return Snapshot(name, path, {}, DAMAGED, f"manifest is no JSON: {exc}")
+        return self.judge(name, manifest)
+
+    def judge(self, name: str, manifest: Any) -> Snapshot:
+        """The snapshot ``name`` with ``manifest`` and its status: its signature and schema
+        checked against this node's key. Called by ``_load``, and by the server for the
+        manifests of snapshots that exist only in the remote store."""
+        path = self.root / name
         if not isinstance(manifest, dict):
             return Snapshot(name, path, {}, DAMAGED, "manifest is no JSON object")
         if "signature" not in manifest and manifest.get("format") == LEGACY_FORMAT:

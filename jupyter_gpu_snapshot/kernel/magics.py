@@ -233,18 +233,22 @@ class GPUSnapshotMagics(Magics):
             print(f"No snapshots {scope}.")
             return
         now = time.time()
-        rows: list[tuple[str, ...]] = [("NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK")]
+        # Where each lives matters only with a remote store (then some are not "local").
+        located = any(s.get("location", "local") != "local" for s in snapshots)
+        header = ("NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK")
+        rows: list[tuple[str, ...]] = [(*header, "LOCATION") if located else header]
         # Newest first (the latest answer already is).
         for s in snapshots if args.latest else reversed(snapshots):
             created = float(s.get("created", 0))
-            rows.append((
+            row = (
                 str(s.get("name", "")),
                 str(s.get("id", "")),
                 f"{local_time(created)} ({format_age(now - created)})",
                 str(s.get("reason", "user")),
                 format_bytes(int(s.get("size_bytes", 0))),
                 str(s.get("notebook_path") or "-"),
-            ))
+            )
+            rows.append((*row, str(s.get("location", "local"))) if located else row)
         if args.latest:
             print(f"Newest snapshot {scope}:" if path else "Newest snapshot of each notebook:")
         else:

@@ -19,15 +19,19 @@ from traitlets.config import Config
 
 from .._constants import API_PREFIX
 from ..config import GPUSnapshot
+from ..core.errors import SnapshotError
 from ..core.estimate import SaveRates, learn_rates
 from ..core.recovery import clean_work_dirs, recover_store
+from ..core.remote import SnapshotCache
 from ..core.store import SnapshotStore
 from ..engines import make_engine, wake_kernel
 from ..launch.provisioner import SnapshotReadyProvisioner
+from ..remotes import make_remote_store
 from .adoption import KernelRecord, adopt_orphans
 from .autosave import AutosaveScheduler
 from .handlers import routes
 from .jobs import Job, JobRunner
+from .remote_sync import RemoteSync
 from .service import SnapshotService
 from .shutdown import ShutdownReport, snapshot_kernels_on_shutdown
 
@@ -96,6 +100,7 @@ class GPUSnapshotApp(ExtensionApp):
             kernel_spec_manager=serverapp.kernel_spec_manager,
             jobs=jobs,
             log=self.log,
+            remote=self._remote_sync(engine.store),
         )
         self.autosave = AutosaveScheduler(self.service, settings, log=self.log)
         self._tell_kernels_where_we_are()
@@ -107,6 +112,26 @@ class GPUSnapshotApp(ExtensionApp):
             "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
         )
         self.log.info("gpu-snapshot: %s", self._recovery_settings())
+
+    def _remote_sync(self, store: SnapshotStore) -> RemoteSync | None:
+        """The remote store of ``c.GPUSnapshot.remote_url``, or None (none set, or unusable:
+        then the server runs with local snapshots only and says why)."""
+        settings = self.gpu_settings
+        assert settings is not None
+        try:
+            remote = make_remote_store(settings)
+        except (SnapshotError, ImportError, ValueError, OSError) as exc:
+            self.log.error(
+                "gpu-snapshot: the remote store %s cannot be used, snapshots stay on this "
+                "node: %s", settings.remote_url, exc,
+            )
+            return None
+        if remote is None:
+            return None
+        self.log.info("gpu-snapshot: snapshots are uploaded to %s%s", remote.url,
+                      ", encrypted" if remote.key else "")
+        cache = SnapshotCache(store, int(settings.remote_cache_max_bytes))
+        return RemoteSync(remote, store, cache, log=self.log)
 
     def _recovery_settings(self) -> str:
         """One line for the start-up log: what a node loss or a stop would cost."""
@@ -250,7 +275,13 @@ class GPUSnapshotApp(ExtensionApp):
         if self.autosave is not None:
             await self.autosave.stop()
         budget = float(self.gpu_settings.shutdown_budget)
+        deadline = asyncio.get_running_loop().time() + budget
+        remote = self.service.remote
         if self.gpu_settings.snapshot_on_shutdown:
+            if remote is not None:
+                # Saving the kernels comes first: running uploads give up, and go again
+                # after the saves.
+                remote.stopping.set()
             rates = await self.save_rates()
             self.log.info("gpu-snapshot: shutdown save rates %s", rates.to_dict())
             service = self.service
@@ -265,8 +296,17 @@ class GPUSnapshotApp(ExtensionApp):
                 work_at_risk=self.autosave.work_at_risk if self.autosave else None,
                 newest_snapshot=self.autosave.newest_snapshot if self.autosave else None,
             )
+            # Every kernel is saved locally first; uploads get what is left of the budget.
+            if remote is not None:
+                remote.stopping.clear()
+                await service.upload_on_shutdown(
+                    [*self.last_shutdown.saved.values(), *service.stopped_uploads()],
+                    deadline - asyncio.get_running_loop().time(),
+                )
         else:
             for job in await self.service.jobs.drain(budget):
                 self.log.warning("gpu-snapshot: job %s still runs as the server stops", job.id)
+        if remote is not None:
+            remote.stopping.set()  # uploads still running give up
         if self.autosave is not None:
             self.autosave.close()

@@ -174,12 +174,16 @@ class SnapshotsHandler(SnapshotAPIHandler):
         if latest in ("true", "1"):
             found = await self.service.latest_snapshots(notebook_path)
         else:
-            found = await self.service.list_snapshots(notebook_path)
-        self.write_json({"snapshots": found, "store": await self.service.store_usage()})
+            found = await self.service.list_snapshots(notebook_path, with_remote=True)
+        self.write_json({
+            "snapshots": found,
+            "store": await self.service.store_usage(),
+            "remote": await self.service.remote_state(),
+        })
 
 
 class SnapshotHandler(SnapshotAPIHandler):
-    """``GET snapshots/{id}``, ``DELETE snapshots/{id}``."""
+    """``GET snapshots/{id}``, ``DELETE snapshots/{id}[?where=local|remote|both]``."""
 
     @web.authenticated
     @authorized
@@ -189,7 +193,7 @@ class SnapshotHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def delete(self, ref: str) -> None:
-        await self.service.delete_snapshot(ref)
+        await self.service.delete_snapshot(ref, self.get_query_argument("where", "both"))
         self.set_status(204)
         self.finish()
 

@@ -103,11 +103,11 @@ class JobRunner:
         for key in keys:
             self._claims[key] = job
         self._jobs[job.id] = job
-        self._tasks[job.id] = asyncio.create_task(self._run(job, keys, body))
+        self._tasks[job.id] = asyncio.create_task(self._run(job, body))
         self._emit(job)
         return job
 
-    async def _run(self, job: Job, keys: list[str], body: JobBody) -> None:
+    async def _run(self, job: Job, body: JobBody) -> None:
         try:
             result = await body(job)
         except SnapshotError as exc:
@@ -123,11 +123,26 @@ class JobRunner:
         else:
             self._finish(job, result=result)
         finally:
-            for key in keys:
-                if self._claims.get(key) is job:
-                    del self._claims[key]
+            for key in [k for k, holder in self._claims.items() if holder is job]:
+                del self._claims[key]
             self._tasks.pop(job.id, None)
             self._forget_old()
+
+    def hand_over(self, job: Job, release: Iterable[str], claim: Iterable[str]) -> None:
+        """Let a running job give up some keys and hold others until it ends.
+
+        Called by a save job once its snapshot committed: its upload goes on holding the
+        snapshot, while the kernel is free for the next operation.
+        """
+        for key in claim:
+            self._claims.setdefault(key, job)
+        for key in release:
+            if self._claims.get(key) is job:
+                del self._claims[key]
+
+    def claimed(self, prefix: str) -> set[str]:
+        """What the running jobs hold under ``prefix`` (e.g. ``snapshot:``), prefix removed."""
+        return {k[len(prefix):] for k in self._claims if k.startswith(prefix)}
 
     def _finish(
         self,

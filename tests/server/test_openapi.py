@@ -63,7 +63,7 @@ async def test_answers_carry_the_documented_fields(api: Api) -> None:
     listing = await api.ok("GET", "gpu-snapshot", "snapshots")
     store = SPEC["paths"]["/snapshots"]["get"]["responses"]["200"]["content"][
         "application/json"]["schema"]["properties"]["store"]
-    assert set(listing) == {"snapshots", "store"}
+    assert set(listing) == {"snapshots", "store", "remote"}
     assert set(listing["store"]) == set(store["properties"])
     assert listing["store"]["free_bytes"] > 0
     code, error = await api.call("GET", "gpu-snapshot", "snapshots", "no-such")

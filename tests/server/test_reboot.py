@@ -37,15 +37,29 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """``jupyter server`` in its own process, as a user or systemd runs it."""
+    """``jupyter server`` in its own process, as a user or systemd runs it.
 
-    def __init__(self, home: Path, env: dict[str, str], port: int, label: str) -> None:
+    ``launcher`` runs it through another command (e.g. into other namespaces); ``host`` is
+    the address it listens on.
+    """
+
+    def __init__(
+        self,
+        home: Path,
+        env: dict[str, str],
+        port: int,
+        label: str,
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
+    ) -> None:
         self.port = port
+        self.host = host
         self.log_path = home / f"server-{label}.log"
         self.env = env
         log = open(self.log_path, "wb")  # noqa: SIM115 - the server process owns it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_server", "--no-browser", f"--port={port}"],
+            [*launcher, sys.executable, "-m", "jupyter_server", "--no-browser",
+             f"--port={port}", f"--ServerApp.ip={host}"],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -62,7 +76,7 @@ class ServerProcess:
         path = url_escape(url_path_join("/", *parts), plus=False)
         query = urllib.parse.urlencode(params or {})
         headers = {"Authorization": f"token {TOKEN}", **(kw.pop("headers", None) or {})}
-        url = f"http://127.0.0.1:{self.port}{path}?{query}"
+        url = f"http://{self.host}:{self.port}{path}?{query}"
         return AsyncHTTPClient().fetch(url, headers=headers, request_timeout=60, **kw)
 
     async def ready(self, timeout: float = 60.0) -> None:
@@ -96,7 +110,7 @@ class ServerProcess:
         return kernel_id, await self.kernel(kernel_id)
 
     async def kernel(self, kernel_id: str) -> KernelSocket:
-        url = f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
+        url = f"ws://{self.host}:{self.port}/api/kernels/{kernel_id}/channels"
         request = HTTPRequest(url, headers={"Authorization": f"token {TOKEN}"})
         return KernelSocket(await websocket_connect(request))
 

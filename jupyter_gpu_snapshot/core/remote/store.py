@@ -270,18 +270,28 @@ class RemoteStore:
         return fetch_object(self, snapshot_id, remote, MANIFEST)
 
     # -- listing and deleting ---------------------------------------------------------------
-    def list(self) -> builtins.list[RemoteSnapshot]:
-        """Snapshots whose upload completed, oldest first."""
+    def ids(self) -> builtins.list[str]:
+        """The ids of snapshots whose upload completed (those with a remote manifest).
+
+        One recursive listing (on S3, a LIST without delimiter): an empty "directory"
+        that some servers keep after a delete is no snapshot.
+        """
         self.fs.invalidate_cache()
         try:
-            found = self.retry("list", lambda: self.fs.ls(self.root, detail=False))
+            found = self.retry("list", lambda: self.fs.find(self.root))
         except FileNotFoundError:
             return []
-        snapshots: builtins.list[RemoteSnapshot] = []
+        ids = set()
         for path in found:
-            snapshot_id = str(path).rstrip("/").split("/")[-1]
-            if not is_snapshot_id(snapshot_id):
-                continue
+            parts = str(path).rstrip("/").split("/")
+            if len(parts) >= 2 and parts[-1] == REMOTE_MANIFEST and is_snapshot_id(parts[-2]):
+                ids.add(parts[-2])
+        return sorted(ids)
+
+    def list(self) -> builtins.list[RemoteSnapshot]:
+        """Snapshots whose upload completed, oldest first."""
+        snapshots: builtins.list[RemoteSnapshot] = []
+        for snapshot_id in self.ids():
             snapshot = self.get(snapshot_id, missing_ok=True)
             if snapshot is not None:
                 snapshots.append(snapshot)

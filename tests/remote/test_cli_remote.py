@@ -1,0 +1,65 @@
+"""The CLI with a remote store: upload, where each snapshot lives, and deletes on either side.
+
+Two stores stand for two nodes that share the signing key and the bucket; the CLI reaches
+the bucket through the environment, as a node configured by its operator does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from jupyter_gpu_snapshot._constants import ENV_REMOTE_URL, ENV_SIGNING_KEY
+from jupyter_gpu_snapshot.core.remote import RemoteStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+
+from .seaweed import SeaweedServer
+from .snapshots import make_snapshot
+
+
+def _cli(env: dict[str, str], store: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "--store", str(store), *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def _locations(env: dict[str, str], store: Path) -> dict[str, str]:
+    listing: list[dict[str, Any]] = json.loads(_cli(env, store, "list", "--json").stdout)
+    return {s["name"]: s["location"] for s in listing}
+
+
+def test_cli_uploads_lists_locations_and_deletes_each_side(
+    seaweed: SeaweedServer, remote_url: str, s3_options: dict[str, Any], tmp_path: Path
+) -> None:
+    key_file = tmp_path / "signing.key"
+    env = {
+        ENV_REMOTE_URL: remote_url,
+        ENV_SIGNING_KEY: str(key_file),
+        "AWS_ENDPOINT_URL": seaweed.endpoint_url,
+        "AWS_ACCESS_KEY_ID": str(s3_options["key"]),
+        "AWS_SECRET_ACCESS_KEY": str(s3_options["secret"]),
+    }
+    node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
+    store_a = SnapshotStore(node_a, key_file)
+    shared = make_snapshot(store_a, {"pages-1.img": 3 << 20}, name="shared")
+    make_snapshot(store_a, {"pages-1.img": 1 << 20}, name="only-here")
+
+    _cli(env, node_a, "upload", "shared")
+    assert _locations(env, node_a) == {"shared": "both", "only-here": "local"}
+    # Node B has an empty store: it sees the uploaded one only, as remote.
+    assert _locations(env, node_b) == {"shared": "remote"}
+    human = _cli(env, node_b, "list").stdout.splitlines()
+    assert "LOCATION" in human[0].split() and "remote" in human[1].split()
+
+    _cli(env, node_a, "rm", "--where", "local", "shared")
+    assert _locations(env, node_a) == {"shared": "remote", "only-here": "local"}
+    _cli(env, node_b, "rm", shared.id)  # both sides: here, only the remote one
+    assert _locations(env, node_a) == {"only-here": "local"}
+    assert RemoteStore(remote_url, s3_options).list() == []
