@@ -21,7 +21,7 @@ import {
   SnapshotController,
   shortError
 } from '../src/controller';
-import { MiB, makeJob, makeSnapshot, portsRefusal } from './fixtures';
+import { EventStream, MiB, makeJob, makeSnapshot, portsRefusal } from './fixtures';
 
 // JupyterLab's real notification manager; dialogs would wait for a click, so showDialog is
 // a mock that the tests answer.
@@ -56,9 +56,9 @@ interface IFakeSession {
 }
 
 /** The server's sessions and kernels, as JupyterLab's service manager lists them. */
-function fakeServices(sessions: IFakeSession[] = []) {
+function fakeServices(sessions: IFakeSession[] = [], events?: EventStream) {
   return {
-    events: undefined,
+    events: events?.manager,
     sessions: {
       refreshRunning: jest.fn(async () => undefined),
       running: jest.fn(() => sessions[Symbol.iterator]()),
@@ -98,9 +98,9 @@ function status(fields: Partial<IKernelStatus> = {}): IKernelStatus {
   };
 }
 
-function setUp(sessions: IFakeSession[] = []) {
+function setUp(sessions: IFakeSession[] = [], events?: EventStream) {
   const api = fakeApi();
-  const services = fakeServices(sessions);
+  const services = fakeServices(sessions, events);
   const controller = new SnapshotController(
     api as unknown as SnapshotAPI,
     services as unknown as ServiceManager.IManager
@@ -820,5 +820,92 @@ describe('restore', () => {
         actions: []
       })
     ]);
+  });
+});
+
+describe('jobs started elsewhere (the magic, the widget, another browser)', () => {
+  /** Resolves once the microtasks and the 1 ms polls queued so far have run. */
+  const settle = () => new Promise(resolve => setTimeout(resolve, 10));
+
+  it('show in the notebook whose kernel they save, until they end', async () => {
+    const events = new EventStream();
+    const { api, controller, notebook } = setUp([], events);
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    let finish: (job: IJob) => void = () => undefined;
+    api.getJob.mockReturnValue(new Promise(resolve => (finish = resolve)));
+
+    events.emitJob(
+      makeJob({ id: 'j-magic', kernel_id: 'k-b', phase: 'suspend', total: 0 })
+    );
+    await settle();
+    expect(controller.saveAvailability(notebook)).toEqual({
+      enabled: false,
+      reason: 'A snapshot of this kernel is running: pausing the kernel…'
+    });
+    expect(api.getJob).toHaveBeenCalledWith('j-magic');
+
+    finish(
+      makeJob({ id: 'j-magic', kernel_id: 'k-b', status: 'succeeded', phase: 'done' })
+    );
+    await settle();
+    expect(controller.saveAvailability(notebook).enabled).toBe(true);
+    // The new snapshot is fetched with the status once the job ended.
+    expect(api.kernelStatus).toHaveBeenCalledTimes(2);
+    // No notification for a job this browser did not start.
+    expect(shown()).toEqual([]);
+    controller.dispose();
+  });
+
+  it('are not followed for kernels no notebook here shows', async () => {
+    const events = new EventStream();
+    const { api, controller } = setUp([], events);
+    events.emitJob(makeJob({ id: 'j-other', kernel_id: 'k-elsewhere' }));
+    await settle();
+    expect(api.getJob).not.toHaveBeenCalled();
+    expect(controller.entry('k-elsewhere')).toBeNull();
+    controller.dispose();
+  });
+
+  it('are followed once when the status reports them too', async () => {
+    const events = new EventStream();
+    const { api, controller } = setUp([], events);
+    const running = makeJob({ id: 'j-magic', kernel_id: 'k-b' });
+    api.kernelStatus.mockResolvedValue(status({ job: running }));
+    api.getJob.mockReturnValue(new Promise(() => undefined));
+    await controller.refresh('k-b');
+    events.emitJob(running);
+    await controller.refresh('k-b');
+    await settle();
+    expect(api.getJob).toHaveBeenCalledTimes(1);
+    controller.dispose();
+  });
+
+  it('pick up the new kernel of a session restored elsewhere at once', async () => {
+    const events = new EventStream();
+    const { services, controller } = setUp([], events);
+    events.emitJob(
+      makeJob({
+        id: 'j-restore',
+        kind: 'restore',
+        kernel_id: null,
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: 's-b' }
+      })
+    );
+    expect(services.sessions.refreshRunning).toHaveBeenCalledTimes(1);
+    // A restore of this browser's own is attached by restore() itself.
+    events.emitJob(
+      makeJob({
+        id: 'j-restore-2',
+        kind: 'restore',
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: null }
+      })
+    );
+    expect(services.sessions.refreshRunning).toHaveBeenCalledTimes(1);
+    controller.dispose();
   });
 });

@@ -2,7 +2,10 @@
  * Jobs and snapshots as the server's API returns them (server/openapi.yaml), with only the
  * fields a test cares about given.
  */
+import type { Event } from '@jupyterlab/services';
+import { Signal } from '@lumino/signaling';
 import type { IJob, IJobError, ISnapshotSummary } from '../src/api';
+import { JOB_EVENT_PREFIX } from '../src/jobs';
 
 export const MiB = 2 ** 20;
 export const GiB = 2 ** 30;
@@ -51,4 +54,16 @@ export function portsRefusal(details: IJobError['details']): IJobError {
     message: 'preflight failed: shell port 5 of 127.0.0.1 in use',
     details
   };
+}
+
+export const JOB_SCHEMA = `${JOB_EVENT_PREFIX}v1`;
+
+/** The server's event stream: a real signal the test emits on. */
+export class EventStream {
+  readonly signal = new Signal<unknown, Event.Emission>(this);
+  readonly manager = { stream: this.signal } as unknown as Event.IManager;
+
+  emitJob(job: IJob, schema = JOB_SCHEMA): void {
+    this.signal.emit({ schema_id: schema, ...job } as unknown as Event.Emission);
+  }
 }

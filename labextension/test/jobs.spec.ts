@@ -3,26 +3,13 @@
  * wakes early on the server's job events, and gives up only on a server that stays silent.
  */
 import type { Event } from '@jupyterlab/services';
-import { Signal } from '@lumino/signaling';
 import type { IJob, SnapshotAPI } from '../src/api';
 import { JOB_EVENT_PREFIX, JobFollower, jobFromEvent } from '../src/jobs';
-import { makeJob } from './fixtures';
-
-const JOB_SCHEMA = `${JOB_EVENT_PREFIX}v1`;
+import { EventStream, JOB_SCHEMA, makeJob } from './fixtures';
 
 /** The API with its job endpoint answered by ``getJob``; nothing else is called. */
 function apiAnswering(getJob: (id: string) => Promise<IJob>): SnapshotAPI {
   return { getJob: jest.fn(getJob) } as unknown as SnapshotAPI;
-}
-
-/** The server's event stream: a real signal the test emits on. */
-class EventStream {
-  readonly signal = new Signal<unknown, Event.Emission>(this);
-  readonly manager = { stream: this.signal } as unknown as Event.IManager;
-
-  emitJob(job: IJob, schema = JOB_SCHEMA): void {
-    this.signal.emit({ schema_id: schema, ...job } as unknown as Event.Emission);
-  }
 }
 
 /** Answers polls with ``states`` in turn, then with the last one forever. */
