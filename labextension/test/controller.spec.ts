@@ -566,7 +566,10 @@ describe('a restore refused because its ports are taken', () => {
       snapshot,
       portsRefusal({ holder_kernel_id: null })
     );
-    expect(ports?.message).toContain('a process this server does not run');
+    expect(ports?.message).toBe(
+      'its ports are taken by a process this server does not run (another restore of it ' +
+        'from the command line?); stop that process first'
+    );
     expect(ports?.remedy).toBeNull();
   });
 

@@ -52,6 +52,14 @@ describe('portsHolder', () => {
     });
   });
 
+  it('shows a path without a file name whole rather than as nothing', () => {
+    const folder = portsRefusal({
+      holder_kernel_id: 'k-a',
+      holder_notebook_path: 'work/'
+    });
+    expect(portsHolder(folder, 'k-b')).toMatchObject({ owner: 'work/' });
+  });
+
   it('says the ports are held outside the server when no kernel of it holds them', () => {
     // A restore of the snapshot from the command line, say: nobody here to shut down.
     expect(portsHolder(portsRefusal({ holder_kernel_id: null }), 'k-b')).toEqual({
