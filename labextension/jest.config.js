@@ -3,7 +3,7 @@
 // and a jsdom environment.
 const jupyterLabConfig = require('@jupyterlab/testing/lib/jest-config');
 
-// Packages published as ES modules only: jest runs CommonJS, so babel converts them.
+// Packages that ship ES modules: jest runs CommonJS, so babel converts them.
 const esModules = [
   '@codemirror',
   '@jupyter/',
@@ -25,7 +25,7 @@ const base = jupyterLabConfig(__dirname);
 
 module.exports = {
   ...base,
-  // No JUnit file or CI annotations: the summary on stdout is what make lint reads.
+  // No junit.xml left in the source tree and no GitHub annotations: jest's own summary.
   reporters: ['default'],
   // jsdom itself: the template's environment also copies Node's File into the page, and
   // Node 18 (Debian 12) has none.

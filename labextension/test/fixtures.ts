@@ -1,6 +1,6 @@
 /**
- * Jobs and snapshots as the server's API returns them (server/openapi.yaml), with only the
- * fields a test cares about given.
+ * Jobs, snapshots and errors as the server's API returns them (server/openapi.yaml), with
+ * only the fields a test cares about given, and the server's event stream.
  */
 import type { Event } from '@jupyterlab/services';
 import { Signal } from '@lumino/signaling';
