@@ -40,15 +40,17 @@ lab: install
 
 test: install lint pytest
 
-# The extension's linters (eslint, prettier, stylelint) are devDependencies in
-# labextension/yarn.lock; the editable install has put them in labextension/node_modules.
+# The extension's linters (eslint, prettier, stylelint) and its unit tests (jest) are
+# devDependencies in labextension/yarn.lock; the editable install has put them in
+# labextension/node_modules. The tests are type-checked by tsc, then run by jest.
 lint: venv
 	$(VENV)/bin/ruff check jupyter_gpu_snapshot tests benchmarks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm install --immutable >/dev/null
 	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm lint:check
-	node --test tests/ui/*.test.mjs
+	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm test:types
+	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm test
 
 pytest: install
 	$(VENV)/bin/pytest

@@ -1,0 +1,914 @@
+/**
+ * The controller's logic: whether a notebook's kernel can be saved and why not, how a job
+ * reads, which notifications a save or a restore leaves, and what a restore refused for
+ * taken ports offers to do, on JupyterLab's real notification manager. The server's API,
+ * the notebook panel, the session manager and the dialogs are stand-ins.
+ */
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import type { NotebookPanel } from '@jupyterlab/notebook';
+import type { ServiceManager } from '@jupyterlab/services';
+import {
+  IJob,
+  IJobError,
+  IKernelStatus,
+  SnapshotAPI,
+  SnapshotAPIError
+} from '../src/api';
+import {
+  SNAPSHOT_KERNEL_DISPLAY_NAME,
+  SNAPSHOT_KERNEL_NAME,
+  SUCCESS_CLOSE_MS,
+  SnapshotController,
+  shortError
+} from '../src/controller';
+import { EventStream, MiB, makeJob, makeSnapshot, portsRefusal } from './fixtures';
+
+// JupyterLab's real notification manager; dialogs would wait for a click, so showDialog is
+// a mock that the tests answer.
+jest.mock('@jupyterlab/apputils', () => ({
+  Notification: jest.requireActual('@jupyterlab/apputils/lib/notification').Notification,
+  showDialog: jest.fn(),
+  Dialog: {
+    cancelButton: (options: object = {}) => ({ accept: false, ...options }),
+    warnButton: (options: object = {}) => ({ accept: true, ...options })
+  }
+}));
+
+const mockedShowDialog = showDialog as jest.MockedFunction<typeof showDialog>;
+
+/** The server's API, answering what each test sets. */
+function fakeApi() {
+  return {
+    kernelStatus: jest.fn<Promise<IKernelStatus>, [string]>(),
+    startSave: jest.fn<Promise<IJob>, [string, { name?: string }]>(),
+    startRestore: jest.fn<
+      Promise<IJob>,
+      [string, { path?: string; session_id?: string }]
+    >(),
+    getJob: jest.fn<Promise<IJob>, [string]>()
+  };
+}
+
+interface IFakeSession {
+  id: string;
+  path: string;
+  kernel: { id: string } | null;
+}
+
+/** The server's sessions and kernels, as JupyterLab's service manager lists them. */
+function fakeServices(sessions: IFakeSession[] = [], events?: EventStream) {
+  return {
+    events: events?.manager,
+    sessions: {
+      refreshRunning: jest.fn(async () => undefined),
+      running: jest.fn(() => sessions[Symbol.iterator]()),
+      shutdown: jest.fn<Promise<void>, [string]>(async () => undefined)
+    },
+    kernels: { shutdown: jest.fn<Promise<void>, [string]>(async () => undefined) }
+  };
+}
+
+/** A notebook panel whose session runs ``kernelId`` (none when null). */
+function fakePanel(path: string, kernelId: string | null, sessionId: string) {
+  const sessionContext = {
+    path,
+    session: kernelId ? { id: sessionId, kernel: { id: kernelId } } : null,
+    shutdown: jest.fn(async () => undefined),
+    changeKernel: jest.fn(async (options: { id: string }) => {
+      sessionContext.session = { id: sessionId, kernel: { id: options.id } };
+    })
+  };
+  return {
+    sessionContext,
+    context: { path, localPath: path },
+    isDisposed: false
+  };
+}
+
+function status(fields: Partial<IKernelStatus> = {}): IKernelStatus {
+  return {
+    kernel_id: 'k-b',
+    ready: true,
+    reasons: [],
+    kernel_name: SNAPSHOT_KERNEL_NAME,
+    cuda: null,
+    last_snapshot: null,
+    job: null,
+    ...fields
+  };
+}
+
+function setUp(sessions: IFakeSession[] = [], events?: EventStream) {
+  const api = fakeApi();
+  const services = fakeServices(sessions, events);
+  const controller = new SnapshotController(
+    api as unknown as SnapshotAPI,
+    services as unknown as ServiceManager.IManager
+  );
+  controller.followInterval = 1;
+  const panel = fakePanel('work/b.ipynb', 'k-b', 's-b');
+  return {
+    api,
+    services,
+    controller,
+    panel,
+    notebook: panel as unknown as NotebookPanel
+  };
+}
+
+function shown() {
+  return Notification.manager.notifications.map(n => ({
+    message: n.message,
+    type: n.type,
+    autoClose: n.options.autoClose,
+    actions: (n.options.actions ?? []).map(a => a.label)
+  }));
+}
+
+/** Clicks an action of the (only) notification that has it. */
+function click(label: string): void {
+  const action = Notification.manager.notifications
+    .flatMap(n => n.options.actions ?? [])
+    .find(a => a.label === label);
+  if (!action) {
+    throw new Error(`no notification offers '${label}'`);
+  }
+  action.callback(new MouseEvent('click'));
+}
+
+/** What the (one) dialog was opened with. */
+function shownDialog(): Partial<Dialog.IOptions<unknown>> {
+  expect(mockedShowDialog).toHaveBeenCalledTimes(1);
+  return mockedShowDialog.mock.calls[0][0] ?? {};
+}
+
+afterEach(() => {
+  Notification.dismiss();
+  mockedShowDialog.mockReset();
+  jest.useRealTimers();
+});
+
+describe('shortError', () => {
+  const failed: IJobError = {
+    code: 'failed',
+    step: 'dump',
+    cause: 'criu exited with 1',
+    hint: 'see the log for the details',
+    log: '/snapshots/.logs/dump.log',
+    message: 'dump failed: criu exited with 1 (log: /snapshots/.logs/dump.log)'
+  };
+
+  it('names the failed step, the cause and the hint, capitalised', () => {
+    expect(shortError(failed)).toBe(
+      'dump failed: criu exited with 1. See the log for the details'
+    );
+    expect(shortError({ ...failed, hint: null })).toBe('dump failed: criu exited with 1');
+  });
+
+  it('says what was wrong with a refused request, not that a step failed', () => {
+    const invalid: IJobError = {
+      code: 'invalid_request',
+      step: 'preflight',
+      cause: "'my snapshot' is not a valid name",
+      hint: 'use letters, digits, dots, dashes and underscores',
+      message: 'x'
+    };
+    expect(shortError(invalid)).toBe(
+      "'my snapshot' is not a valid name. Use letters, digits, dots, dashes and underscores"
+    );
+    expect(shortError({ ...invalid, code: 'busy', cause: 'a snapshot is running' })).toBe(
+      'a snapshot is running. Use letters, digits, dots, dashes and underscores'
+    );
+  });
+
+  it("falls back to the server's message, or says that there was no result", () => {
+    expect(shortError({ step: '', cause: '', message: 'something broke' })).toBe(
+      'something broke'
+    );
+    expect(shortError({ step: 'dump', cause: '', message: 'dump failed' })).toBe(
+      'dump failed'
+    );
+    expect(shortError(null)).toBe('the job ended without a result');
+  });
+});
+
+describe('saveAvailability', () => {
+  it('is off without a kernel', () => {
+    const { controller } = setUp();
+    const noKernel = fakePanel('work/c.ipynb', null, 's-c') as unknown as NotebookPanel;
+    expect(controller.saveAvailability(noKernel)).toEqual({
+      enabled: false,
+      reason: 'No kernel is running in this notebook'
+    });
+    expect(controller.saveAvailability(null).enabled).toBe(false);
+  });
+
+  it('is off while the server has not answered yet', () => {
+    const { controller, notebook } = setUp();
+    expect(controller.saveAvailability(notebook)).toEqual({
+      enabled: false,
+      reason: 'Checking whether this kernel can be snapshotted…'
+    });
+  });
+
+  it('is on for a ready snapshot kernel', async () => {
+    const { api, controller, notebook } = setUp();
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    expect(api.kernelStatus).toHaveBeenCalledWith('k-b');
+    expect(controller.saveAvailability(notebook)).toEqual({
+      enabled: true,
+      reason:
+        "Snapshot kernel: save this kernel's memory (variables, GPU tensors) to disk"
+    });
+  });
+
+  it('offers to switch a plain kernel, in words a user knows', async () => {
+    const { api, controller, notebook } = setUp();
+    api.kernelStatus.mockResolvedValue(
+      status({ ready: false, kernel_name: 'python3', reasons: ['JPY_PARENT_PID unset'] })
+    );
+    await controller.refresh('k-b');
+    const availability = controller.saveAvailability(notebook);
+    expect(availability.enabled).toBe(false);
+    expect(availability.changeKernel).toBe(true);
+    expect(availability.reason).toContain(`'${SNAPSHOT_KERNEL_DISPLAY_NAME}'`);
+    expect(availability.reason).toContain('Kernel › Change Kernel…');
+    expect(availability.reason).not.toContain('JPY_PARENT_PID');
+  });
+
+  it("gives the server's reasons for a snapshot kernel that is not ready", async () => {
+    const { api, controller, notebook } = setUp();
+    api.kernelStatus.mockResolvedValue(
+      status({ ready: false, reasons: ['criu is missing', 'no store'] })
+    );
+    await controller.refresh('k-b');
+    expect(controller.saveAvailability(notebook)).toEqual({
+      enabled: false,
+      reason: 'Snapshots unavailable: criu is missing; no store'
+    });
+    api.kernelStatus.mockResolvedValue(status({ ready: false, reasons: [] }));
+    await controller.refresh('k-b');
+    expect(controller.saveAvailability(notebook).reason).toBe(
+      'Snapshots unavailable: the server says this kernel is not snapshot-ready'
+    );
+  });
+
+  it('says when the server did not answer', async () => {
+    const { api, controller, notebook } = setUp();
+    api.kernelStatus.mockRejectedValue(new Error('cannot reach the Jupyter server'));
+    await controller.refresh('k-b');
+    expect(controller.saveAvailability(notebook)).toEqual({
+      enabled: false,
+      reason:
+        'Cannot snapshot: the server did not answer (cannot reach the Jupyter server)'
+    });
+    expect(controller.entry('k-b')?.status).toBeNull();
+
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    expect(controller.saveAvailability(notebook).enabled).toBe(true);
+  });
+
+  it('is off while a save of the kernel runs, and says how far it is', async () => {
+    const { api, controller, notebook } = setUp();
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    api.startSave.mockResolvedValue(
+      makeJob({ kernel_id: 'k-b', done: 0, total: 4 * MiB })
+    );
+    let finish: (job: IJob) => void = () => undefined;
+    api.getJob.mockReturnValue(new Promise(resolve => (finish = resolve)));
+    const saving = controller.save(notebook);
+    await new Promise(resolve => setTimeout(resolve, 5));
+    expect(controller.saveAvailability(notebook)).toEqual({
+      enabled: false,
+      reason: 'A snapshot of this kernel is running: writing memory: 0 B of 4.0 MiB'
+    });
+    expect(controller.activeJob(notebook)?.kind).toBe('save');
+    finish(makeJob({ status: 'succeeded', phase: 'done', result: makeSnapshot() }));
+    await saving;
+    expect(controller.saveAvailability(notebook).enabled).toBe(true);
+    expect(controller.activeJob(notebook)).toBeNull();
+  });
+
+  it('asks the server once more when asked again during a request', async () => {
+    const { api, controller } = setUp();
+    let answer: (s: IKernelStatus) => void = () => undefined;
+    api.kernelStatus.mockImplementation(() => new Promise(resolve => (answer = resolve)));
+    const first = controller.refresh('k-b');
+    const second = controller.refresh('k-b');
+    const third = controller.refresh('k-b');
+    expect(api.kernelStatus).toHaveBeenCalledTimes(1);
+    answer(status({ ready: false }));
+    await Promise.all([first, second, third]);
+    expect(api.kernelStatus).toHaveBeenCalledTimes(2);
+    answer(status());
+    await new Promise(resolve => setTimeout(resolve, 0));
+    expect(controller.entry('k-b')?.status?.ready).toBe(true);
+  });
+});
+
+describe('explainUnavailable', () => {
+  it('explains a plain kernel and offers the kernel picker', async () => {
+    const { api, controller, notebook } = setUp();
+    api.kernelStatus.mockResolvedValue(status({ ready: false, kernel_name: 'python3' }));
+    await controller.refresh('k-b');
+    const changeKernel = jest.fn();
+    controller.changeKernel = changeKernel;
+    controller.explainUnavailable(notebook);
+    expect(shown()).toEqual([
+      {
+        message: expect.stringContaining(
+          `Snapshots need the '${SNAPSHOT_KERNEL_DISPLAY_NAME}'`
+        ),
+        type: 'info',
+        autoClose: 10000,
+        actions: ['Change kernel…', 'Why?']
+      }
+    ]);
+    click('Change kernel…');
+    expect(changeKernel).toHaveBeenCalledWith(notebook);
+  });
+
+  it('says nothing about a kernel that can be saved', async () => {
+    const { api, controller, notebook } = setUp();
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    controller.explainUnavailable(notebook);
+    expect(shown()).toEqual([]);
+  });
+});
+
+describe('describeJob: the time left, per phase', () => {
+  it('gives an estimate once a second has passed in the phase, and starts over in the next', () => {
+    jest.useFakeTimers({ now: 1_000_000 });
+    const { controller } = setUp();
+    const dump = (done: number) => makeJob({ phase: 'dump', done, total: 4 * MiB });
+    expect(controller.describeJob(dump(0))).toBe('writing memory: 0 B of 4.0 MiB');
+    jest.advanceTimersByTime(3000);
+    expect(controller.describeJob(dump(MiB))).toBe(
+      'writing memory: 1.0 MiB of 4.0 MiB, about 9 s left'
+    );
+    const verify = makeJob({ phase: 'verify', done: MiB, total: 4 * MiB });
+    expect(controller.describeJob(verify)).toBe('verifying: 1.0 MiB of 4.0 MiB');
+    jest.advanceTimersByTime(1000);
+    expect(controller.describeJob({ ...verify, done: 2 * MiB })).toBe(
+      'verifying: 2.0 MiB of 4.0 MiB, about 1 s left'
+    );
+  });
+
+  it('keeps a clock per job', () => {
+    jest.useFakeTimers({ now: 1_000_000 });
+    const { controller } = setUp();
+    controller.describeJob(makeJob({ id: 'j1', done: 0, total: 4 }));
+    jest.advanceTimersByTime(3000);
+    expect(controller.describeJob(makeJob({ id: 'j2', done: 1, total: 4 }))).toBe(
+      'writing memory: 1 B of 4 B'
+    );
+    expect(controller.describeJob(makeJob({ id: 'j1', done: 1, total: 4 }))).toBe(
+      'writing memory: 1 B of 4 B, about 9 s left'
+    );
+  });
+});
+
+describe('save', () => {
+  async function readyToSave() {
+    const setup = setUp();
+    setup.api.kernelStatus.mockResolvedValue(status());
+    await setup.controller.refresh('k-b');
+    return setup;
+  }
+
+  it('warns instead of saving a kernel that cannot be saved', async () => {
+    const { api, controller, notebook } = setUp();
+    await expect(controller.save(notebook)).resolves.toBeNull();
+    expect(api.startSave).not.toHaveBeenCalled();
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        type: 'warning',
+        message: 'Checking whether this kernel can be snapshotted…'
+      })
+    ]);
+  });
+
+  it('follows the job, then leaves one success notification that closes by itself', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    const snapshot = makeSnapshot({ name: 'before-training', size_bytes: 12.3 * MiB });
+    api.startSave.mockResolvedValue(makeJob({ kernel_id: 'k-b', done: 0, total: 0 }));
+    const messages: string[] = [];
+    api.getJob.mockImplementation(async () => {
+      messages.push(...shown().map(n => `${n.type}: ${n.message}`));
+      return makeJob({ status: 'succeeded', phase: 'done', result: snapshot });
+    });
+    const changed: string[] = [];
+    controller.changed.connect((_, kernelId) => changed.push(kernelId));
+
+    await expect(controller.save(notebook, 'before-training')).resolves.toEqual(snapshot);
+
+    expect(api.startSave).toHaveBeenCalledWith('k-b', { name: 'before-training' });
+    expect(messages).toEqual(['in-progress: Snapshot of work/b.ipynb: writing memory…']);
+    expect(shown()).toEqual([
+      {
+        message: "Snapshot saved: 'before-training', 12.3 MiB in 0.84 s",
+        type: 'success',
+        autoClose: SUCCESS_CLOSE_MS,
+        actions: []
+      }
+    ]);
+    // The status shows the new snapshot at once, not after the next status request.
+    expect(controller.entry('k-b')?.status?.last_snapshot).toEqual(snapshot);
+    expect(changed).toContain('k-b');
+  });
+
+  it('sends no name when none is given', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    api.startSave.mockResolvedValue(
+      makeJob({ status: 'succeeded', phase: 'done', result: makeSnapshot() })
+    );
+    await controller.save(notebook);
+    expect(api.startSave.mock.calls[0][0]).toBe('k-b');
+    expect(api.startSave.mock.calls[0][1]).toStrictEqual({});
+  });
+
+  it('shows a failed job with its step, cause and a Details action', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    const error: IJobError = {
+      code: 'failed',
+      step: 'dump',
+      cause: 'no space left on device',
+      hint: 'free some disk',
+      log: '/store/.logs/j1.log',
+      message: 'dump failed: no space left on device'
+    };
+    api.startSave.mockResolvedValue(makeJob({ status: 'failed', error }));
+    await expect(controller.save(notebook)).resolves.toBeNull();
+    expect(shown()).toEqual([
+      {
+        message: 'Snapshot failed: dump failed: no space left on device. Free some disk',
+        type: 'error',
+        autoClose: false,
+        actions: ['Details']
+      }
+    ]);
+
+    mockedShowDialog.mockResolvedValue({
+      button: { accept: false } as never,
+      value: null,
+      isChecked: null
+    });
+    click('Details');
+    const options = shownDialog();
+    expect(options.title).toBe('Snapshot failed');
+    expect(options.body).toBe(
+      'dump failed: no space left on device\nLog: /store/.logs/j1.log'
+    );
+    expect(options.buttons).toEqual([{ accept: false, label: 'Close' }]);
+    // Details leaves the notification, and what it offers, on screen.
+    await new Promise(resolve => setTimeout(resolve, 0));
+    expect(shown()).toHaveLength(1);
+  });
+
+  it("shows a refused request in the server's words", async () => {
+    const { api, controller, notebook } = await readyToSave();
+    api.startSave.mockRejectedValue(
+      new SnapshotAPIError('invalid', 400, {
+        code: 'invalid_request',
+        step: 'preflight',
+        cause: "'my snapshot' is not a valid name",
+        message: 'preflight failed'
+      })
+    );
+    await controller.save(notebook, 'my snapshot');
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: "Snapshot failed: 'my snapshot' is not a valid name",
+        type: 'error',
+        autoClose: false
+      })
+    ]);
+  });
+
+  it('shows an unreachable server by its message', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    api.startSave.mockRejectedValue(
+      new SnapshotAPIError('cannot reach the Jupyter server: offline', 0)
+    );
+    await controller.save(notebook);
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: 'Snapshot failed: cannot reach the Jupyter server: offline',
+        type: 'error'
+      })
+    ]);
+  });
+
+  it('ends in an error when the job cannot be followed any more', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    api.startSave.mockResolvedValue(makeJob({ kernel_id: 'k-b', phase: 'dump' }));
+    api.getJob.mockRejectedValue(new Error('cannot reach the Jupyter server'));
+    await expect(controller.save(notebook)).resolves.toBeNull();
+    expect(api.getJob).toHaveBeenCalledTimes(10);
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: 'Snapshot failed: dump failed: cannot reach the Jupyter server',
+        type: 'error'
+      })
+    ]);
+    expect(controller.saveAvailability(notebook).enabled).toBe(true);
+  });
+});
+
+describe('a restore refused because its ports are taken', () => {
+  const snapshot = makeSnapshot({
+    id: 's-a',
+    name: 'from-a',
+    notebook_path: 'work/a.ipynb'
+  });
+  const sessionA: IFakeSession = {
+    id: 's-a',
+    path: 'work/a.ipynb',
+    kernel: { id: 'k-a' }
+  };
+  const sessionB: IFakeSession = {
+    id: 's-b',
+    path: 'work/b.ipynb',
+    kernel: { id: 'k-b' }
+  };
+
+  it('names the notebook whose kernel holds them, and offers to shut that one down', () => {
+    const { controller, notebook } = setUp();
+    const error = portsRefusal({
+      holder_kernel_id: 'k-a',
+      holder_notebook_path: 'work/a.ipynb'
+    });
+    const ports = controller.portsRemedy(notebook, snapshot, error);
+    expect(ports?.message).toBe('its ports are taken by the kernel of a.ipynb');
+    expect(ports?.remedy?.label).toBe("Shut down a.ipynb's kernel and restore");
+    expect(ports?.remedy?.caption).toContain('Shut down the kernel of work/a.ipynb');
+  });
+
+  it("offers to shut down the notebook's own kernel when that one holds them", () => {
+    const { controller, notebook } = setUp();
+    const error = portsRefusal({
+      holder_kernel_id: 'k-b',
+      holder_notebook_path: 'work/b.ipynb'
+    });
+    const ports = controller.portsRemedy(notebook, snapshot, error);
+    expect(ports?.message).toBe("its ports are taken by this notebook's own kernel");
+    expect(ports?.remedy?.label).toBe('Shut down this kernel and restore');
+  });
+
+  it('offers nothing to shut down when no kernel of the server holds them', () => {
+    const { controller, notebook } = setUp();
+    const ports = controller.portsRemedy(
+      notebook,
+      snapshot,
+      portsRefusal({ holder_kernel_id: null })
+    );
+    expect(ports?.message).toBe(
+      'its ports are taken by a process this server does not run (another restore of it ' +
+        'from the command line?); stop that process first'
+    );
+    expect(ports?.remedy).toBeNull();
+  });
+
+  it('is no port refusal for other errors', () => {
+    const { controller, notebook } = setUp();
+    const error: IJobError = {
+      code: 'failed',
+      step: 'restore',
+      cause: 'x',
+      message: 'x'
+    };
+    expect(controller.portsRemedy(notebook, snapshot, error)).toBeNull();
+    expect(controller.portsRemedy(notebook, snapshot, null)).toBeNull();
+  });
+
+  it("restoring A's snapshot from B shuts down A's kernel only, then restores", async () => {
+    const { api, services, controller, panel, notebook } = setUp([sessionA, sessionB]);
+    const refused = portsRefusal({
+      holder_kernel_id: 'k-a',
+      holder_notebook_path: 'work/a.ipynb'
+    });
+    api.startRestore
+      .mockResolvedValueOnce(
+        makeJob({ kind: 'restore', status: 'failed', phase: 'preflight', error: refused })
+      )
+      .mockResolvedValueOnce(
+        makeJob({
+          kind: 'restore',
+          status: 'succeeded',
+          phase: 'done',
+          result: { kernel_id: 'k-new', session_id: 's-b' }
+        })
+      );
+
+    await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
+    expect(shown()).toEqual([
+      {
+        message:
+          "Restore of 'from-a' failed: its ports are taken by the kernel of a.ipynb",
+        type: 'error',
+        autoClose: false,
+        actions: ["Shut down a.ipynb's kernel and restore", 'Details']
+      }
+    ]);
+
+    click("Shut down a.ipynb's kernel and restore");
+    await new Promise(resolve => setTimeout(resolve, 10));
+
+    expect(services.sessions.shutdown).toHaveBeenCalledTimes(1);
+    expect(services.sessions.shutdown).toHaveBeenCalledWith('s-a');
+    expect(services.kernels.shutdown).not.toHaveBeenCalled();
+    expect(panel.sessionContext.shutdown).not.toHaveBeenCalled();
+    expect(api.startRestore).toHaveBeenCalledTimes(2);
+    expect(api.startRestore).toHaveBeenLastCalledWith('s-a', {
+      path: 'work/b.ipynb',
+      session_id: 's-b'
+    });
+    expect(panel.sessionContext.changeKernel).toHaveBeenCalledWith({ id: 'k-new' });
+  });
+
+  it('shuts down a holding kernel that has no session by its id', async () => {
+    const { api, services, controller, panel, notebook } = setUp([sessionB]);
+    const error = portsRefusal({ holder_kernel_id: 'k-z', holder_notebook_path: null });
+    api.startRestore.mockRejectedValueOnce(new SnapshotAPIError('refused', 409, error));
+    api.startRestore.mockResolvedValueOnce(
+      makeJob({ kind: 'restore', status: 'failed', phase: 'restore', error: null })
+    );
+    await controller.restore(notebook, snapshot);
+    expect(shown()[0].message).toBe(
+      "Restore of 'from-a' failed: its ports are taken by the kernel of kernel k-z"
+    );
+    click("Shut down kernel k-z's kernel and restore");
+    await new Promise(resolve => setTimeout(resolve, 10));
+    expect(services.kernels.shutdown).toHaveBeenCalledWith('k-z');
+    expect(services.sessions.shutdown).not.toHaveBeenCalled();
+    expect(panel.sessionContext.shutdown).not.toHaveBeenCalled();
+  });
+
+  it("shuts down the notebook's own kernel when that one holds the ports", async () => {
+    const { api, services, controller, panel, notebook } = setUp([sessionB]);
+    const error = portsRefusal({
+      holder_kernel_id: 'k-b',
+      holder_notebook_path: 'work/b.ipynb'
+    });
+    api.startRestore.mockRejectedValue(new SnapshotAPIError('refused', 409, error));
+    await controller.restore(notebook, snapshot);
+    click('Shut down this kernel and restore');
+    await new Promise(resolve => setTimeout(resolve, 10));
+    expect(panel.sessionContext.shutdown).toHaveBeenCalledTimes(1);
+    expect(services.sessions.shutdown).not.toHaveBeenCalled();
+    expect(services.kernels.shutdown).not.toHaveBeenCalled();
+    expect(api.startRestore).toHaveBeenCalledTimes(2);
+  });
+
+  it('keeps the remedy in Details, which runs it and closes the notification', async () => {
+    const { api, services, controller, notebook } = setUp([sessionA, sessionB]);
+    const error = portsRefusal({
+      holder_kernel_id: 'k-a',
+      holder_notebook_path: 'work/a.ipynb'
+    });
+    api.startRestore.mockRejectedValue(new SnapshotAPIError('refused', 409, error));
+    await controller.restore(notebook, snapshot);
+
+    mockedShowDialog.mockResolvedValue({
+      button: { accept: true } as never,
+      value: null,
+      isChecked: null
+    });
+    click('Details');
+    const options = shownDialog();
+    expect(options.title).toBe("Restore of 'from-a' failed");
+    expect(options.buttons).toEqual([
+      { accept: false, label: 'Close' },
+      expect.objectContaining({
+        accept: true,
+        label: "Shut down a.ipynb's kernel and restore"
+      })
+    ]);
+    await new Promise(resolve => setTimeout(resolve, 10));
+    expect(services.sessions.shutdown).toHaveBeenCalledWith('s-a');
+    // The refusal was closed; the second attempt (refused again here) shows its own.
+    expect(shown()).toHaveLength(1);
+    expect(api.startRestore).toHaveBeenCalledTimes(2);
+  });
+});
+
+describe('restore', () => {
+  const snapshot = makeSnapshot({ id: 's-a', name: 'from-a', size_bytes: 40.6 * MiB });
+
+  it('switches the notebook to the restored kernel when the server moved its session', async () => {
+    const { api, services, controller, panel, notebook } = setUp();
+    api.startRestore.mockResolvedValue(makeJob({ kind: 'restore', phase: 'restore' }));
+    api.getJob.mockResolvedValue(
+      makeJob({
+        kind: 'restore',
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: 's-b' }
+      })
+    );
+    // The server moved the session: the session list carries the new kernel.
+    services.sessions.refreshRunning.mockImplementation(async () => {
+      panel.sessionContext.session = { id: 's-b', kernel: { id: 'k-new' } };
+    });
+    api.kernelStatus.mockResolvedValue(status({ kernel_id: 'k-new' }));
+
+    await expect(controller.restore(notebook, snapshot)).resolves.toBe(true);
+
+    expect(api.startRestore).toHaveBeenCalledWith('s-a', {
+      path: 'work/b.ipynb',
+      session_id: 's-b'
+    });
+    expect(panel.sessionContext.changeKernel).not.toHaveBeenCalled();
+    expect(controller.originOf('k-new')).toBe('s-a');
+    expect(controller.originOf('k-b')).toBeNull();
+    expect(shown()).toEqual([
+      {
+        message: expect.stringMatching(
+          /^Kernel restored from 'from-a' \(40\.6 MiB\) in \d/
+        ),
+        type: 'success',
+        autoClose: SUCCESS_CLOSE_MS,
+        actions: []
+      }
+    ]);
+  });
+
+  it('starts a notebook without a kernel on the restored one', async () => {
+    const { api, controller } = setUp();
+    const panel = fakePanel('work/c.ipynb', null, 's-c');
+    api.startRestore.mockResolvedValue(
+      makeJob({
+        kind: 'restore',
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: null }
+      })
+    );
+    api.kernelStatus.mockResolvedValue(status({ kernel_id: 'k-new' }));
+    await expect(
+      controller.restore(panel as unknown as NotebookPanel, snapshot)
+    ).resolves.toBe(true);
+    expect(api.startRestore).toHaveBeenCalledWith('s-a', {});
+    expect(panel.sessionContext.changeKernel).toHaveBeenCalledWith({ id: 'k-new' });
+  });
+
+  it('says so when the kernel was restored but the notebook could not switch to it', async () => {
+    const { api, controller, panel, notebook } = setUp();
+    api.startRestore.mockResolvedValue(
+      makeJob({
+        kind: 'restore',
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: null }
+      })
+    );
+    panel.sessionContext.changeKernel.mockRejectedValue(new Error('session is disposed'));
+    await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        type: 'error',
+        message:
+          "Restore of 'from-a' failed: the kernel was restored (id k-new) but the notebook " +
+          'could not switch to it: session is disposed'
+      })
+    ]);
+  });
+
+  it('says so when the session stays on its old kernel', async () => {
+    const { api, controller, panel, notebook } = setUp();
+    api.startRestore.mockResolvedValue(
+      makeJob({
+        kind: 'restore',
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: null }
+      })
+    );
+    panel.sessionContext.changeKernel.mockResolvedValue(undefined);
+    await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
+    expect(shown()[0].message).toBe(
+      "Restore of 'from-a' failed: the kernel was restored (id k-new) but the notebook " +
+        'could not switch to it: the session still uses kernel k-b'
+    );
+  });
+
+  it('marks the notebook as restoring while the job runs', async () => {
+    const { api, controller, notebook } = setUp();
+    api.startRestore.mockResolvedValue(makeJob({ kind: 'restore', phase: 'verify' }));
+    let finish: (job: IJob) => void = () => undefined;
+    api.getJob.mockReturnValue(new Promise(resolve => (finish = resolve)));
+    const restoring = controller.restore(notebook, snapshot);
+    await new Promise(resolve => setTimeout(resolve, 5));
+    expect(controller.activeJob(notebook)?.kind).toBe('restore');
+    expect(controller.saveAvailability(notebook).reason).toMatch(
+      /^A restore of this kernel is running: verifying/
+    );
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        type: 'in-progress',
+        message: "Restoring 'from-a': verifying: 0 B of 100 B"
+      })
+    ]);
+    finish(makeJob({ kind: 'restore', status: 'failed', phase: 'restore', error: null }));
+    await expect(restoring).resolves.toBe(false);
+    expect(controller.activeJob(notebook)).toBeNull();
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        type: 'error',
+        message: "Restore of 'from-a' failed: the job ended without a result",
+        actions: []
+      })
+    ]);
+  });
+});
+
+describe('jobs started elsewhere (the magic, the widget, another browser)', () => {
+  /** Resolves once the microtasks and the 1 ms polls queued so far have run. */
+  const settle = () => new Promise(resolve => setTimeout(resolve, 10));
+
+  it('show in the notebook whose kernel they save, until they end', async () => {
+    const events = new EventStream();
+    const { api, controller, notebook } = setUp([], events);
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    let finish: (job: IJob) => void = () => undefined;
+    api.getJob.mockReturnValue(new Promise(resolve => (finish = resolve)));
+
+    events.emitJob(
+      makeJob({ id: 'j-magic', kernel_id: 'k-b', phase: 'suspend', total: 0 })
+    );
+    await settle();
+    expect(controller.saveAvailability(notebook)).toEqual({
+      enabled: false,
+      reason: 'A snapshot of this kernel is running: pausing the kernel…'
+    });
+    expect(api.getJob).toHaveBeenCalledWith('j-magic');
+
+    finish(
+      makeJob({ id: 'j-magic', kernel_id: 'k-b', status: 'succeeded', phase: 'done' })
+    );
+    await settle();
+    expect(controller.saveAvailability(notebook).enabled).toBe(true);
+    // The new snapshot is fetched with the status once the job ended.
+    expect(api.kernelStatus).toHaveBeenCalledTimes(2);
+    // No notification for a job this browser did not start.
+    expect(shown()).toEqual([]);
+    controller.dispose();
+  });
+
+  it('are not followed for kernels no notebook here shows', async () => {
+    const events = new EventStream();
+    const { api, controller } = setUp([], events);
+    events.emitJob(makeJob({ id: 'j-other', kernel_id: 'k-elsewhere' }));
+    await settle();
+    expect(api.getJob).not.toHaveBeenCalled();
+    expect(controller.entry('k-elsewhere')).toBeNull();
+    controller.dispose();
+  });
+
+  it('are followed once when the status reports them too', async () => {
+    const events = new EventStream();
+    const { api, controller } = setUp([], events);
+    const running = makeJob({ id: 'j-magic', kernel_id: 'k-b' });
+    api.kernelStatus.mockResolvedValue(status({ job: running }));
+    api.getJob.mockReturnValue(new Promise(() => undefined));
+    await controller.refresh('k-b');
+    events.emitJob(running);
+    await controller.refresh('k-b');
+    await settle();
+    expect(api.getJob).toHaveBeenCalledTimes(1);
+    controller.dispose();
+  });
+
+  it('pick up the new kernel of a session restored elsewhere at once', async () => {
+    const events = new EventStream();
+    const { services, controller } = setUp([], events);
+    events.emitJob(
+      makeJob({
+        id: 'j-restore',
+        kind: 'restore',
+        kernel_id: null,
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: 's-b' }
+      })
+    );
+    expect(services.sessions.refreshRunning).toHaveBeenCalledTimes(1);
+    // A restore of this browser's own is attached by restore() itself.
+    events.emitJob(
+      makeJob({
+        id: 'j-restore-2',
+        kind: 'restore',
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: null }
+      })
+    );
+    expect(services.sessions.refreshRunning).toHaveBeenCalledTimes(1);
+    controller.dispose();
+  });
+});

@@ -1,0 +1,69 @@
+/**
+ * Jobs, snapshots and errors as the server's API returns them (server/openapi.yaml), with
+ * only the fields a test cares about given, and the server's event stream.
+ */
+import type { Event } from '@jupyterlab/services';
+import { Signal } from '@lumino/signaling';
+import type { IJob, IJobError, ISnapshotSummary } from '../src/api';
+import { JOB_EVENT_PREFIX } from '../src/jobs';
+
+export const MiB = 2 ** 20;
+export const GiB = 2 ** 30;
+
+export function makeJob(fields: Partial<IJob> = {}): IJob {
+  return {
+    id: 'j1',
+    kind: 'save',
+    kernel_id: 'k-a',
+    snapshot_id: null,
+    status: 'running',
+    phase: 'dump',
+    done: 0,
+    total: 100,
+    started: 1_000_000,
+    finished: null,
+    result: null,
+    error: null,
+    ...fields
+  };
+}
+
+export function makeSnapshot(fields: Partial<ISnapshotSummary> = {}): ISnapshotSummary {
+  return {
+    id: 's1',
+    name: 'before-training',
+    created: 1_000_000,
+    created_iso: '1970-01-12T13:46:40+00:00',
+    size_bytes: 12.3 * MiB,
+    host: 'gpu-1',
+    notebook_path: 'work/a.ipynb',
+    kernel: { name: 'python3-snapshot', kernel_id: 'k-a' },
+    reason: 'user',
+    timings: { total: 0.84 },
+    gpu: null,
+    ...fields
+  };
+}
+
+/** The server's refusal of a restore whose ports are taken (error code ports_in_use). */
+export function portsRefusal(details: IJobError['details']): IJobError {
+  return {
+    code: 'ports_in_use',
+    step: 'preflight',
+    cause: 'shell port 5 of 127.0.0.1 in use',
+    message: 'preflight failed: shell port 5 of 127.0.0.1 in use',
+    details
+  };
+}
+
+export const JOB_SCHEMA = `${JOB_EVENT_PREFIX}v1`;
+
+/** The server's event stream: a real signal the test emits on. */
+export class EventStream {
+  readonly signal = new Signal<unknown, Event.Emission>(this);
+  readonly manager = { stream: this.signal } as unknown as Event.IManager;
+
+  emitJob(job: IJob, schema = JOB_SCHEMA): void {
+    this.signal.emit({ schema_id: schema, ...job } as unknown as Event.Emission);
+  }
+}

@@ -1,0 +1,255 @@
+/**
+ * How the extension words sizes, times, ages, job progress and the GPU column.
+ */
+import {
+  PHASE_LABELS,
+  describeGpu,
+  describeProgress,
+  describeSaved,
+  estimateSecondsLeft,
+  formatAge,
+  formatBytes,
+  formatEta,
+  formatSeconds,
+  formatTime,
+  jobFraction,
+  toastProgress
+} from '../src/format';
+import { GiB, MiB, makeJob, makeSnapshot } from './fixtures';
+
+describe('formatBytes', () => {
+  it('gives bytes as an integer and larger units with one decimal', () => {
+    expect(formatBytes(0)).toBe('0 B');
+    expect(formatBytes(512)).toBe('512 B');
+    expect(formatBytes(1023)).toBe('1023 B');
+    expect(formatBytes(1024)).toBe('1.0 KiB');
+    expect(formatBytes(40.6 * MiB)).toBe('40.6 MiB');
+    expect(formatBytes(1.1 * GiB)).toBe('1.1 GiB');
+    expect(formatBytes(3 * 1024 * GiB)).toBe('3.0 TiB');
+  });
+
+  it('stays in TiB beyond its last unit', () => {
+    expect(formatBytes(2048 * 1024 * GiB)).toBe('2048.0 TiB');
+  });
+});
+
+describe('formatSeconds', () => {
+  it('keeps two decimals under ten seconds and one above', () => {
+    expect(formatSeconds(0.84)).toBe('0.84 s');
+    expect(formatSeconds(9.994)).toBe('9.99 s');
+    expect(formatSeconds(10)).toBe('10.0 s');
+    expect(formatSeconds(73.25)).toBe('73.3 s');
+  });
+});
+
+describe('formatTime', () => {
+  it("is the browser's local rendering of the epoch seconds", () => {
+    const epoch = 1_700_000_000;
+    expect(formatTime(epoch)).toBe(new Date(epoch * 1000).toLocaleString());
+  });
+});
+
+describe('formatAge, in the words of the magic and the panel', () => {
+  const now = 1_000_000;
+
+  it('says "just now" under a minute', () => {
+    expect(formatAge(now, now)).toBe('just now');
+    expect(formatAge(now - 12, now)).toBe('just now');
+    expect(formatAge(now - 59, now)).toBe('just now');
+  });
+
+  it('counts minutes, then hours up to two days, then days', () => {
+    expect(formatAge(now - 60, now)).toBe('1 min ago');
+    expect(formatAge(now - 300, now)).toBe('5 min ago');
+    expect(formatAge(now - 3599, now)).toBe('59 min ago');
+    expect(formatAge(now - 3600, now)).toBe('1 h ago');
+    expect(formatAge(now - 3 * 3600, now)).toBe('3 h ago');
+    expect(formatAge(now - 30 * 3600, now)).toBe('30 h ago');
+    expect(formatAge(now - 48 * 3600, now)).toBe('2 days ago');
+    expect(formatAge(now - 3 * 86400, now)).toBe('3 days ago');
+  });
+
+  it('reads a time slightly in the future (clocks a little apart) as "just now"', () => {
+    expect(formatAge(now + 5, now)).toBe('just now');
+  });
+
+  it('measures from the present when no time is given', () => {
+    jest.useFakeTimers({ now: new Date(now * 1000) });
+    try {
+      expect(formatAge(now - 300)).toBe('5 min ago');
+    } finally {
+      jest.useRealTimers();
+    }
+  });
+});
+
+describe('time left', () => {
+  it('is unknown without a fraction, under 2 % done, under a second in, or once done', () => {
+    expect(estimateSecondsLeft(undefined, 5)).toBeUndefined();
+    expect(estimateSecondsLeft(0.01, 5)).toBeUndefined();
+    expect(estimateSecondsLeft(0.5, 0.5)).toBeUndefined();
+    expect(estimateSecondsLeft(1, 5)).toBeUndefined();
+  });
+
+  it('extrapolates the rate so far', () => {
+    expect(estimateSecondsLeft(0.25, 3)).toBe(9);
+    expect(estimateSecondsLeft(0.02, 1)).toBeCloseTo(49);
+    expect(estimateSecondsLeft(0.5, 1)).toBe(1);
+  });
+
+  it('reads in whole seconds, at least one, then in minutes', () => {
+    expect(formatEta(9)).toBe('about 9 s left');
+    expect(formatEta(8.1)).toBe('about 9 s left');
+    expect(formatEta(0.2)).toBe('about 1 s left');
+    expect(formatEta(0)).toBe('about 1 s left');
+    expect(formatEta(59.5)).toBe('about 60 s left');
+    expect(formatEta(60)).toBe('about 1 min left');
+    expect(formatEta(130)).toBe('about 3 min left');
+  });
+});
+
+describe('describeProgress: the phase, the bytes and the time left', () => {
+  it('names the phase and the bytes of both sides', () => {
+    const job = makeJob({ phase: 'dump', done: 412 * MiB, total: 1.1 * GiB });
+    expect(describeProgress(job)).toBe('writing memory: 412.0 MiB of 1.1 GiB');
+  });
+
+  it('adds the time left when known', () => {
+    const job = makeJob({ phase: 'dump', done: 256 * MiB, total: 1024 * MiB });
+    expect(describeProgress(job, 9)).toBe(
+      'writing memory: 256.0 MiB of 1.0 GiB, about 9 s left'
+    );
+  });
+
+  it('gives the bytes done alone while the total is unknown', () => {
+    const job = makeJob({ phase: 'verify', done: 5 * MiB, total: 0 });
+    expect(describeProgress(job)).toBe('verifying: 5.0 MiB');
+    expect(describeProgress(job, 130)).toBe('verifying: 5.0 MiB, about 3 min left');
+  });
+
+  it('gives the phase alone before any bytes moved', () => {
+    const job = makeJob({ phase: 'suspend', done: 0, total: 0 });
+    expect(describeProgress(job)).toBe('pausing the kernel…');
+  });
+
+  it('does not read "done…" when a restore finishes', () => {
+    expect(describeProgress(makeJob({ phase: 'done', done: 0, total: 0 }))).toBe(
+      'finishing…'
+    );
+  });
+
+  it('shows a phase it has no words for as the server names it', () => {
+    const job = makeJob({ phase: 'future-phase' as never, done: 0, total: 0 });
+    expect(describeProgress(job)).toBe('future-phase…');
+  });
+
+  it('has words for every phase of the API', () => {
+    expect(Object.keys(PHASE_LABELS).sort()).toEqual(
+      [
+        'commit',
+        'done',
+        'dump',
+        'preflight',
+        'restore',
+        'resume',
+        'suspend',
+        'verify'
+      ].sort()
+    );
+    expect(PHASE_LABELS.dump).toBe('writing memory');
+  });
+});
+
+describe('fractions and the notification bar', () => {
+  it('is the share of bytes done, capped at 1, unknown without a total', () => {
+    const job = makeJob({ phase: 'dump', done: 412 * MiB, total: 1.1 * GiB });
+    expect(jobFraction(job)).toBe((412 * MiB) / (1.1 * GiB));
+    expect(jobFraction(makeJob({ done: 7, total: 5 }))).toBe(1);
+    expect(jobFraction(makeJob({ phase: 'suspend', done: 0, total: 0 }))).toBeUndefined();
+  });
+
+  it('never fills the bar of a running job (that kept success toasts open)', () => {
+    expect(toastProgress(makeJob({ phase: 'commit', done: 5, total: 5 }))).toBe(0.99);
+    expect(toastProgress(makeJob({ phase: 'dump', done: 1, total: 4 }))).toBe(0.25);
+    expect(
+      toastProgress(makeJob({ phase: 'suspend', done: 0, total: 0 }))
+    ).toBeUndefined();
+  });
+});
+
+describe('describeGpu: the GPU column', () => {
+  const h100 = { uuid: 'GPU-a', name: 'NVIDIA H100 80GB HBM3' };
+  const other = { uuid: 'GPU-b', name: 'NVIDIA H100 80GB HBM3' };
+  const a100 = { uuid: 'GPU-c', name: 'NVIDIA A100-SXM4-40GB' };
+  const gpuOf = (gpu: unknown) => describeGpu(makeSnapshot({ gpu: gpu as never }));
+
+  it('says "CPU only" for a kernel saved without a GPU section', () => {
+    expect(describeGpu(makeSnapshot({ gpu: null }))).toBe('CPU only');
+  });
+
+  it('names only the GPUs the kernel had memory on, and the bytes saved', () => {
+    expect(
+      gpuOf({
+        devices: [h100, other],
+        processes: [{ devices: { 'GPU-a': 66 * MiB } }],
+        moved_bytes: 1.1 * GiB
+      })
+    ).toBe('NVIDIA H100 80GB HBM3, 1.1 GiB');
+  });
+
+  it('counts several GPUs of one model', () => {
+    expect(
+      gpuOf({
+        devices: [h100, other],
+        processes: [{ devices: { 'GPU-a': MiB } }, { devices: { 'GPU-b': MiB } }],
+        moved_bytes: 2 * MiB
+      })
+    ).toBe('2× NVIDIA H100 80GB HBM3, 2.0 MiB');
+  });
+
+  it('joins the names of different models', () => {
+    expect(
+      gpuOf({
+        devices: [h100, a100],
+        processes: [{ devices: { 'GPU-a': MiB, 'GPU-c': MiB } }],
+        moved_bytes: 0
+      })
+    ).toBe('NVIDIA H100 80GB HBM3 + NVIDIA A100-SXM4-40GB');
+  });
+
+  it('says "no GPU memory" for a kernel on a GPU machine that never touched CUDA', () => {
+    expect(gpuOf({ devices: [h100], processes: [], moved_bytes: 0 })).toBe(
+      'no GPU memory'
+    );
+    expect(
+      gpuOf({ devices: [h100], processes: [{ devices: { 'GPU-a': 0 } }], moved_bytes: 0 })
+    ).toBe('no GPU memory');
+    expect(gpuOf({})).toBe('no GPU memory');
+  });
+
+  it('says "GPU" when bytes were saved from devices it has no names for', () => {
+    expect(gpuOf({ devices: [], processes: [], moved_bytes: 3 * MiB })).toBe(
+      'GPU, 3.0 MiB'
+    );
+  });
+});
+
+describe('describeSaved: the notification after a save', () => {
+  it('gives name, size and time', () => {
+    expect(
+      describeSaved(
+        makeSnapshot({
+          name: 'before-training',
+          size_bytes: 12.3 * MiB,
+          timings: { total: 0.84 }
+        })
+      )
+    ).toBe("Snapshot saved: 'before-training', 12.3 MiB in 0.84 s");
+  });
+
+  it('leaves the time out when the server did not time the save', () => {
+    expect(describeSaved(makeSnapshot({ name: 'x', size_bytes: 512, timings: {} }))).toBe(
+      "Snapshot saved: 'x', 512 B"
+    );
+  });
+});
