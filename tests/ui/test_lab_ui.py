@@ -399,17 +399,6 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     assert [e for e in seen["console_errors"] if not canceled.search(e)] == []
 
 
-def test_wording_and_logic_without_a_browser(ui_tools: dict[str, str]) -> None:
-    compiled = REPO / "labextension" / "lib" / "format.js"
-    assert compiled.exists(), f"{compiled} is missing: build the extension (pip install -e .)"
-    result = subprocess.run(
-        [ui_tools["node"], "--test", str(HERE / "format.test.mjs"), str(HERE / "logic.test.mjs")],
-        capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "# fail 0" in result.stdout
-
-
 def test_the_panel_and_the_extension_name_phases_alike() -> None:
     from jupyter_gpu_snapshot.kernel.presentation import PHASE_LABELS
 
