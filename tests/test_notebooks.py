@@ -64,7 +64,9 @@ class NotebookRun:
         connection_file = self.server.runtime_dir / f"kernel-{kernel_id}.json"
         kc = AsyncKernelClient()
         kc.load_connection_file(str(connection_file))
-        kc.start_channels()
+        # No heartbeat: it gives a kernel 1 s to answer its first ping, and a GPU kernel just
+        # restored may take longer while its pages come back; a dead one still times out.
+        kc.start_channels(hb=False)
         asyncio.run(kc.wait_for_ready(timeout=60))
         self.client.kc = kc
         self.kernel_id = kernel_id
