@@ -29,6 +29,7 @@ import {
 import { JobFollower } from './jobs';
 import { JobNotification } from './progress';
 import { portsHolder } from './remedy';
+import { rebindWidgets } from './widgets';
 
 /** How long a success notification stays up. */
 export const SUCCESS_CLOSE_MS = 6000;
@@ -465,6 +466,12 @@ export class SnapshotController {
       );
     }
     void this.refresh(result.kernel_id);
+    void rebindWidgets(panel).catch(error =>
+      console.warn(
+        'jupyter-gpu-snapshot: widgets of the restored kernel not shown',
+        error
+      )
+    );
     const seconds = (Date.now() - started) / 1000;
     toast.finish(
       'success',

@@ -519,6 +519,82 @@ scenarios['sidebar'] = async () => {
   await screenshot('deleted-from-sidebar');
 };
 
+// The snapshot panel widget (%gpu_snapshot widget) lives in the kernel's memory: after the
+// notebook moves to a restored kernel, its output shows the restored widget, live, not
+// "model not found"; the same after the page is reloaded while no kernel holds the widget.
+scenarios['widget-after-restore'] = async () => {
+  const widgetOutput = () =>
+    page.locator(`${CURRENT} .jp-Notebook .jp-Cell`).nth(3).locator('.jp-OutputArea-output');
+  const widgetText = async () => (await widgetOutput().allInnerTexts()).join('\n');
+  const panelShows = async pattern =>
+    widgetOutput().filter({ hasText: pattern }).first().waitFor({ timeout: STEP_TIMEOUT });
+  await openNotebook();
+  await buttonState('ready');
+  seen.state_output = await runCell(0);
+  await runCell(3);
+  await panelShows(/This notebook's snapshots/);
+  await screenshot('widget-shown');
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+  await toast(/Snapshot saved/);
+  await buttonState('ready');
+  await panelShows(/Last snapshot/);
+  await page.keyboard.press('Control+s');
+  await page.locator('.lm-TabBar-tab.jp-mod-dirty').waitFor({
+    state: 'detached',
+    timeout: STEP_TIMEOUT
+  });
+  seen.snapshot_name = (await api('gpu-snapshot/snapshots')).body.snapshots[0].name;
+
+  // Reopened while its kernel is gone: JupyterLab cannot show the widget (no kernel holds
+  // it); after the restore the notebook's output shows the restored one.
+  await (await kernelMenu('kernelmenu:shutdown')).click();
+  await buttonState('disabled');
+  await openNotebook();
+  await buttonState('ready');
+  // The fresh kernel JupyterLab started holds no widget.
+  await panelShows(/model not found/).catch(() => undefined);
+  seen.widget_before_restore = await widgetText();
+  await screenshot('reopened-without-kernel');
+  // That is JupyterLab's own console error; what follows the restore must be clean.
+  seen.errors_before_restore = seen.console_errors.splice(0);
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  await dialog.locator('.jp-mod-accept').click();
+  await toast(/Kernel restored/);
+  await buttonState('ready');
+  seen.widget_after_restore = await panelShows(seen.snapshot_name)
+    .then(widgetText)
+    .catch(widgetText);
+  await screenshot('widget-after-restore');
+  // The restored widget is live: its Save button saves the restored kernel.
+  await widgetOutput().locator('input').first().fill('from-widget');
+  await widgetOutput().locator('button', { hasText: 'Save' }).click();
+  await panelShows(/from-widget/).catch(() => undefined);
+  seen.widget_after_save = await widgetText();
+  await screenshot('widget-live-after-restore');
+  seen.after_restore_output = await runCell(1);
+
+  // Without a reload: the kernel shut down from the menu, the same snapshot restored. The
+  // page still holds the models of the kernel before; the restored kernel's must replace
+  // them, or the panel is a dead copy.
+  await (await kernelMenu('kernelmenu:shutdown')).click();
+  await buttonState('disabled');
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const again = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
+  await again.waitFor({ timeout: STEP_TIMEOUT });
+  await again.click();
+  await dialog.locator('.jp-mod-accept').click();
+  await toast(/Kernel restored/);
+  await buttonState('ready');
+  await widgetOutput().locator('input').first().fill('same-page');
+  await widgetOutput().locator('button', { hasText: 'Save' }).click();
+  await panelShows(/same-page/).catch(() => undefined);
+  seen.widget_after_second_restore = await widgetText();
+  await screenshot('widget-live-after-second-restore');
+  seen.snapshots = (await api('gpu-snapshot/snapshots')).body.snapshots.map(s => s.name).sort();
+};
+
 // --- after a server restart (two runs of this script, the server stopped between) ---
 
 scenarios['before-shutdown'] = async () => {

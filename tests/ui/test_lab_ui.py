@@ -314,6 +314,32 @@ def test_snapshots_sidebar_lists_searches_restores_and_deletes(
     assert seen["console_errors"] == []
 
 
+def test_the_snapshot_panel_widget_comes_back_with_the_restored_kernel(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess], tmp_path: Path
+) -> None:
+    server = start_lab("widget-after-restore", {"widget.ipynb": "python3-snapshot"})
+    notebook = server.root / "widget.ipynb"
+    content = json.loads(notebook.read_text())
+    content["cells"].append(
+        {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+         "source": "%gpu_snapshot widget"}
+    )
+    notebook.write_text(json.dumps(content, indent=1))
+    seen = run_scenario(ui_tools, server, "widget-after-restore", "widget.ipynb")
+    secret, next_random = expected_state()
+
+    # The fresh kernel JupyterLab started on reopening holds no widget (JupyterLab says so).
+    assert seen["widget_before_restore"] == "Error displaying widget: model not found"
+    assert "model not found" not in seen["widget_after_restore"], seen["widget_after_restore"]
+    assert seen["snapshot_name"] in seen["widget_after_restore"], seen["widget_after_restore"]
+    # Live: the restored panel's Save button saved the restored kernel, also after a second
+    # restore in the same page, where the models of the kernel before were still there.
+    assert "from-widget" in seen["snapshots"], seen
+    assert "same-page" in seen["snapshots"], seen
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["console_errors"] == []
+
+
 FAILING_CRIU = """#!/bin/sh
 # criu that answers like the real one but fails every dump, as a broken criu would.
 for arg in "$@"; do
