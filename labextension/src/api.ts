@@ -68,6 +68,40 @@ export interface IJob {
   finished: number | null;
   result: ISnapshotSummary | IRestoreResult | null;
   error: IJobError | null;
+  /** Why a save runs (user, autosave, shutdown); servers before autosave leave it out. */
+  reason?: string;
+}
+
+/** The autosave settings in force for a notebook (openapi.yaml, AutosavePolicy). */
+export interface IAutosavePolicy {
+  enabled: boolean;
+  interval_minutes: number;
+  after_cell_minutes: number;
+  during_cell: boolean;
+}
+
+/** What a notebook overrides; null puts a field back to the server's setting. */
+export type AutosaveOverride = {
+  [K in keyof IAutosavePolicy]?: IAutosavePolicy[K] | null;
+};
+
+/** A kernel's autosave state (openapi.yaml, AutosaveState). */
+export interface IAutosaveState {
+  kernel_id: string;
+  notebook_path: string | null;
+  policy: IAutosavePolicy;
+  override: AutosaveOverride;
+  unsaved_work: boolean;
+  /** Seconds since the epoch; null when off or nothing ran since the last snapshot. */
+  next_autosave: number | null;
+  autosaving: boolean;
+  last_autosave: {
+    snapshot_id: string;
+    created: number;
+    pause: number | null;
+    size_bytes: number | null;
+  } | null;
+  last_skip: string | null;
 }
 
 export interface IKernelStatus {
@@ -140,6 +174,22 @@ export class SnapshotAPI {
 
   kernelStatus(kernelId: string): Promise<IKernelStatus> {
     return this._request<IKernelStatus>(`kernels/${encodeURIComponent(kernelId)}/status`);
+  }
+
+  autosave(kernelId: string): Promise<IAutosaveState> {
+    return this._request<IAutosaveState>(
+      `kernels/${encodeURIComponent(kernelId)}/autosave`
+    );
+  }
+
+  setAutosave(kernelId: string, override: AutosaveOverride): Promise<IAutosaveState> {
+    return this._request<IAutosaveState>(
+      `kernels/${encodeURIComponent(kernelId)}/autosave`,
+      {
+        method: 'PUT',
+        body: JSON.stringify(override)
+      }
+    );
   }
 
   private async _request<T>(endpoint: string, init: RequestInit = {}): Promise<T> {

@@ -1,15 +1,23 @@
 /**
  * The Snapshots sidebar in JupyterLab's left area: this notebook's snapshots and all the
- * others, searchable and sortable, with restore and delete, and the store's size and free
- * disk. Added to the shell by the plugin; it refreshes while it is shown.
+ * others, searchable and sortable, with restore and delete, the store's size and free
+ * disk, and the notebook's autosave state with its per-notebook override. Added to the shell by the plugin; it refreshes while it is shown.
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
-import type { ISnapshotSummary } from './api';
+import type { AutosaveOverride, IAutosaveState, ISnapshotSummary } from './api';
 import type { SnapshotController } from './controller';
-import { describeGpu, formatAge, formatBytes, formatTime } from './format';
+import {
+  describeAutosavePolicy,
+  describeGpu,
+  describeNextAutosave,
+  formatAge,
+  formatBytes,
+  formatSeconds,
+  formatTime
+} from './format';
 import { snapshotIcon } from './icons';
 
 const CONFIRM_MS = 4000;
@@ -75,6 +83,11 @@ export class SnapshotsSidebar extends ReactWidget {
       const listing = await this._controller.api.listing();
       this._snapshots = listing.snapshots;
       this._freeBytes = listing.store?.free_bytes ?? null;
+      const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+      // Servers without autosave answer 404: the section is left out.
+      this._autosave = kernelId
+        ? await this._controller.api.autosave(kernelId).catch(() => null)
+        : null;
       this._error = null;
     } catch (error) {
       this._error = (error as Error).message;
@@ -142,6 +155,7 @@ export class SnapshotsSidebar extends ReactWidget {
           <p className="jp-gpu-snapshot-empty">Loading snapshots…</p>
         ) : (
           <>
+            {path && this._autosaveSection()}
             {path && this._section(`This notebook: ${path}`, own, panel, 'own')}
             {this._section(
               path ? 'All others' : 'All snapshots',
@@ -153,6 +167,115 @@ export class SnapshotsSidebar extends ReactWidget {
         )}
       </div>
     );
+  }
+
+  /** The current notebook's autosave: policy, last and next autosave, and its override. */
+  private _autosaveSection(): JSX.Element | null {
+    const state = this._autosave;
+    if (
+      !state ||
+      state.kernel_id !== this._controller.kernelId(this._tracker.currentWidget)
+    ) {
+      return null;
+    }
+    const overridden = Object.values(state.override).some(
+      v => v !== null && v !== undefined
+    );
+    const mode = !overridden ? 'default' : state.policy.enabled ? 'on' : 'off';
+    const last = state.last_autosave;
+    // Re-created when the server's answer changes, so the fields show what is in force.
+    const formKey = `${state.kernel_id}:${JSON.stringify(state.policy)}:${mode}`;
+    let modeInput: HTMLSelectElement | null = null;
+    let intervalInput: HTMLInputElement | null = null;
+    return (
+      <section className="jp-gpu-snapshot-sidebar-section" data-section="autosave">
+        <h3>Autosave</h3>
+        <div className="jp-gpu-snapshot-autosave-policy">
+          {describeAutosavePolicy(state.policy)}
+          {overridden ? " (this notebook's setting)" : " (the server's setting)"}
+        </div>
+        <div className="jp-gpu-snapshot-autosave-next">{describeNextAutosave(state)}</div>
+        {last && (
+          <div className="jp-gpu-snapshot-autosave-last" title={formatTime(last.created)}>
+            Last autosave {formatAge(last.created)}
+            {last.pause !== null && `, the kernel paused ${formatSeconds(last.pause)}`}
+          </div>
+        )}
+        {state.last_skip && (
+          <div className="jp-gpu-snapshot-autosave-skip">Skipped: {state.last_skip}</div>
+        )}
+        <form
+          key={formKey}
+          className="jp-gpu-snapshot-autosave-form"
+          onSubmit={event => {
+            event.preventDefault();
+            void this._applyAutosave(
+              modeInput?.value ?? mode,
+              Number(intervalInput?.value)
+            );
+          }}
+        >
+          <select
+            className="jp-gpu-snapshot-autosave-mode"
+            aria-label="Autosave for this notebook"
+            defaultValue={mode}
+            ref={node => {
+              modeInput = node;
+            }}
+          >
+            <option value="default">Server setting</option>
+            <option value="on">On</option>
+            <option value="off">Off</option>
+          </select>
+          <label>
+            every{' '}
+            <input
+              type="number"
+              className="jp-gpu-snapshot-autosave-interval"
+              aria-label="Autosave interval in minutes"
+              min="0.1"
+              step="any"
+              defaultValue={state.policy.interval_minutes}
+              ref={node => {
+                intervalInput = node;
+              }}
+            />{' '}
+            min
+          </label>
+          <button type="submit" className="jp-Button jp-mod-styled jp-mod-accept">
+            Apply
+          </button>
+        </form>
+      </section>
+    );
+  }
+
+  /** Called by the autosave form: PUT the notebook's override, show the new state. */
+  private async _applyAutosave(mode: string, minutes: number): Promise<void> {
+    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    if (!kernelId) {
+      return;
+    }
+    let override: AutosaveOverride;
+    if (mode === 'default') {
+      override = { enabled: null, interval_minutes: null };
+    } else if (mode === 'off') {
+      override = { enabled: false };
+    } else {
+      if (!(minutes > 0)) {
+        this._error = 'The autosave interval must be a number of minutes above 0.';
+        this.update();
+        return;
+      }
+      override = { enabled: true, interval_minutes: minutes };
+    }
+    try {
+      this._autosave = await this._controller.setAutosave(kernelId, override);
+      this._error = null;
+    } catch (error) {
+      this._error = `Could not change autosave: ${(error as Error).message}`;
+    }
+    this.update();
   }
 
   private _section(
@@ -265,6 +388,7 @@ export class SnapshotsSidebar extends ReactWidget {
 
   private _snapshots: ISnapshotSummary[] = [];
   private _freeBytes: number | null = null;
+  private _autosave: IAutosaveState | null = null;
   private _search = '';
   private _sort: SortKey = 'newest';
   private _confirming: string | null = null;

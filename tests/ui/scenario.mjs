@@ -595,6 +595,68 @@ scenarios['widget-after-restore'] = async () => {
   seen.snapshots = (await api('gpu-snapshot/snapshots')).body.snapshots.map(s => s.name).sort();
 };
 
+// Autosave (the server's interval set to seconds by the test): the status bar says
+// "Autosaving…", then "Autosaved … (paused …)"; the sidebar shows the notebook's policy and
+// the next autosave, and overrides it for this notebook (off, then on every 30 min).
+scenarios['autosave'] = async () => {
+  await openNotebook();
+  await buttonState('ready');
+  await page.evaluate(() => {
+    window.__statusTexts = [];
+    const record = () => {
+      const text = document.querySelector('.jp-gpu-snapshot-status')?.textContent ?? '';
+      if (text && window.__statusTexts[window.__statusTexts.length - 1] !== text) {
+        window.__statusTexts.push(text);
+      }
+    };
+    new MutationObserver(record).observe(document.body, {
+      subtree: true,
+      childList: true,
+      characterData: true
+    });
+  });
+  seen.state_output = await runCell(0);
+  const status = page.locator('.jp-gpu-snapshot-status', { hasText: /^Autosaved / });
+  await status.waitFor({ timeout: 90_000 });
+  seen.status_item = (await status.innerText()).trim();
+  seen.status_texts = await page.evaluate(() => window.__statusTexts);
+  await screenshot('autosave-status');
+
+  await page.locator('.lm-TabBar-tab[data-id="jp-gpu-snapshot-sidebar"]').click();
+  const section = page.locator('#jp-gpu-snapshot-sidebar [data-section="autosave"]');
+  await section.locator('.jp-gpu-snapshot-autosave-last').waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_policy = (await section.locator('.jp-gpu-snapshot-autosave-policy').innerText()).trim();
+  seen.sidebar_last = (await section.locator('.jp-gpu-snapshot-autosave-last').innerText()).trim();
+  seen.sidebar_next = (await section.locator('.jp-gpu-snapshot-autosave-next').innerText()).trim();
+  await screenshot('sidebar-autosave');
+
+  const kernel = await notebookKernelId();
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('off');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /^off/ })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.policy_off = (await section.locator('.jp-gpu-snapshot-autosave-policy').innerText()).trim();
+  seen.server_off = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body.policy;
+
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('on');
+  await section.locator('.jp-gpu-snapshot-autosave-interval').fill('30');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /^every 30 min/ })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.policy_on = (await section.locator('.jp-gpu-snapshot-autosave-policy').innerText()).trim();
+  seen.server_on = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body;
+  await screenshot('sidebar-autosave-overridden');
+
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('default');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /the server's setting/ })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.server_default = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body.override;
+};
+
 // --- after a server restart (two runs of this script, the server stopped between) ---
 
 scenarios['before-shutdown'] = async () => {

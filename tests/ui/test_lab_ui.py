@@ -340,6 +340,42 @@ def test_the_snapshot_panel_widget_comes_back_with_the_restored_kernel(
     assert seen["console_errors"] == []
 
 
+def test_autosave_shows_in_the_status_bar_and_the_sidebar_overrides_it(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab(
+        "autosave", {"state.ipynb": "python3-snapshot"},
+        config="c.GPUSnapshot.autosave_interval_minutes = 0.1\n",
+    )
+    seen = run_scenario(ui_tools, server, "autosave", "state.ipynb")
+
+    # The status bar followed the autosave, then gave its age and the pause it cost.
+    assert "Autosaving…" in seen["status_texts"], seen["status_texts"]
+    assert re.fullmatch(
+        r"Autosaved (just now|\d+ min ago) \(paused [\d.]+ s\)", seen["status_item"]
+    ), seen["status_item"]
+    autosaves = [s for s in server.get("gpu-snapshot/snapshots")["snapshots"]
+                 if s["reason"] == "autosave"]
+    assert autosaves, "no autosave was made"
+    # The sidebar: the server's policy, the last autosave with its pause, the next one.
+    assert seen["sidebar_policy"].startswith("every 6 s of activity"), seen["sidebar_policy"]
+    assert seen["sidebar_policy"].endswith("(the server's setting)"), seen["sidebar_policy"]
+    assert re.fullmatch(
+        r"Last autosave (just now|\d+ min ago), the kernel paused [\d.]+ s",
+        seen["sidebar_last"],
+    ), seen["sidebar_last"]
+    assert seen["sidebar_next"], seen
+    # Overrides for this notebook go to the server, and back to its settings.
+    assert seen["policy_off"] == "off (this notebook's setting)", seen["policy_off"]
+    assert seen["server_off"]["enabled"] is False
+    assert seen["policy_on"].startswith("every 30 min of activity"), seen["policy_on"]
+    assert seen["server_on"]["policy"]["enabled"] is True
+    assert seen["server_on"]["policy"]["interval_minutes"] == 30
+    assert seen["server_on"]["override"] == {"enabled": True, "interval_minutes": 30}
+    assert not any(v is not None for v in seen["server_default"].values()), seen
+    assert seen["console_errors"] == []
+
+
 FAILING_CRIU = """#!/bin/sh
 # criu that answers like the real one but fails every dump, as a broken criu would.
 for arg in "$@"; do
