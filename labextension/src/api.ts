@@ -142,6 +142,18 @@ export class SnapshotAPI {
     return this._request<ISnapshotListing>('snapshots' + query);
   }
 
+  /**
+   * The newest snapshot of each notebook (of ``notebookPath`` alone when given), whatever
+   * its reason: what a restarted server offers back. Newest first.
+   */
+  async latestSnapshots(notebookPath?: string): Promise<ISnapshotSummary[]> {
+    const query = URLExt.objectToQueryString({
+      latest: 'true',
+      ...(notebookPath ? { notebook_path: notebookPath } : {})
+    });
+    return (await this._request<ISnapshotListing>('snapshots' + query)).snapshots;
+  }
+
   async deleteSnapshot(id: string): Promise<void> {
     await this._request('snapshots/' + encodeURIComponent(id), {
       method: 'DELETE'

@@ -679,12 +679,17 @@ scenarios['before-shutdown'] = async () => {
   seen.other_kernel = await notebookKernelId(process.env.OTHER_NOTEBOOK);
   // A kernel that has run nothing is not saved at shutdown: give this one some work.
   seen.other_output = await runCell(0);
+  // Saved by hand after its work: the shutdown leaves it alone, and the restart offers
+  // this snapshot, reason and all.
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+  await toast(/Snapshot saved/);
+  await buttonState('ready');
   await screenshot('second-notebook-open');
 };
 
 scenarios['after-restart'] = async () => {
   await openNotebook();
-  seen.offer = await toast(/Restore the kernel of .* from before shutdown\?/);
+  seen.offer = await toast(/Restore the kernel of .*\? Its newest snapshot:/);
   // The notebook started a fresh kernel meanwhile; the restore replaces it.
   await buttonState('ready');
   await page
@@ -697,10 +702,10 @@ scenarios['after-restart'] = async () => {
   await openFromFileBrowser(process.env.OTHER_NOTEBOOK);
   seen.merged_offer = await toast(/Restore the kernels of 2 notebooks/);
   seen.offer_count = await page
-    .locator('.Toastify__toast', { hasText: /from before shutdown/ })
+    .locator('.Toastify__toast', { hasText: /Restore the kernels? of/ })
     .count();
   await screenshot('restart-offer-names-both');
-  const offer = page.locator('.Toastify__toast', { hasText: /from before shutdown/ });
+  const offer = page.locator('.Toastify__toast', { hasText: /Restore the kernels of/ });
   await offer.getByRole('button', { name: 'Restore all' }).click();
   await page
     .locator('.Toastify__toast', { hasText: /Kernel restored/ })

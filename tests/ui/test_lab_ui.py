@@ -430,21 +430,26 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
 
     server = start_lab("after-restart", notebooks, config)
     snapshots = server.get("gpu-snapshot/snapshots")["snapshots"]
+    # other.ipynb was saved by hand after its work, so the shutdown did not save it again.
     assert sorted((s["reason"], s["notebook_path"]) for s in snapshots) == [
-        ("shutdown", "other.ipynb"), ("shutdown", "state.ipynb")
+        ("shutdown", "state.ipynb"), ("user", "other.ipynb")
     ]
     seen = run_scenario(
         ui_tools, server, "after-restart", "state.ipynb", other_notebook="other.ipynb"
     )
 
-    # The offer names its notebook; with two notebooks reopened, one offer names both.
-    assert seen["offer"].startswith(
-        "Restore the kernel of state.ipynb from before shutdown?"
+    # The offer names its notebook, the newest snapshot's reason and age (the server picks
+    # it: snapshots?latest=true); with two notebooks reopened, one offer names both.
+    assert re.fullmatch(
+        r"Restore the kernel of state\.ipynb\? Its newest snapshot: saved at shutdown, "
+        r"(just now|\d+ min ago) \([\d.]+ MiB\)\.", seen["offer"].splitlines()[0]
     ), seen["offer"]
-    assert seen["merged_offer"].startswith(
-        "Restore the kernels of 2 notebooks from before shutdown?"
+    assert re.fullmatch(
+        r"Restore the kernels of 2 notebooks\? (state|other)\.ipynb: .*\.",
+        seen["merged_offer"].splitlines()[0],
     ), seen["merged_offer"]
-    assert "state.ipynb" in seen["merged_offer"] and "other.ipynb" in seen["merged_offer"]
+    assert "state.ipynb: saved at shutdown, " in seen["merged_offer"], seen
+    assert "other.ipynb: saved by hand, " in seen["merged_offer"], seen
     assert seen["offer_count"] == 1
     assert len(seen["restored_toasts"]) == 2
     assert seen["restored_toast"].startswith("Kernel restored from")
