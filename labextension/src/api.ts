@@ -8,7 +8,16 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 export type Phase =
-  'preflight' | 'suspend' | 'dump' | 'resume' | 'commit' | 'verify' | 'restore' | 'done';
+  | 'preflight'
+  | 'suspend'
+  | 'dump'
+  | 'resume'
+  | 'commit'
+  | 'uploading'
+  | 'downloading'
+  | 'verify'
+  | 'restore'
+  | 'done';
 
 export interface ISnapshotSummary {
   id: string;
@@ -24,6 +33,8 @@ export interface ISnapshotSummary {
   reason: 'user' | 'shutdown' | 'autosave' | string;
   timings: { [key: string]: number };
   gpu: { [key: string]: unknown } | null;
+  /** Where it is kept; servers without a remote store leave it out. */
+  location?: 'local' | 'remote' | 'both';
 }
 
 /** The server's error kinds (server/openapi.yaml, Error.code): branch on these, not on text. */

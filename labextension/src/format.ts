@@ -47,6 +47,8 @@ export const PHASE_LABELS: { [phase: string]: string } = {
   dump: 'writing memory',
   resume: 'resuming the kernel',
   commit: 'committing',
+  uploading: 'uploading to the remote store',
+  downloading: 'downloading from the remote store',
   verify: 'verifying',
   restore: 'restoring',
   done: 'finishing'
@@ -189,4 +191,15 @@ export function formatMinutes(minutes: number): string {
     return `${minutes / 60} h`;
   }
   return `${Math.round(minutes * 10) / 10} min`;
+}
+
+const LOCATIONS: { [location: string]: string } = {
+  local: 'on this server',
+  remote: 'remote only',
+  both: 'here and remote'
+};
+
+/** Where a snapshot is kept, or '' from servers that do not say. */
+export function describeLocation(snapshot: ISnapshotSummary): string {
+  return snapshot.location ? (LOCATIONS[snapshot.location] ?? snapshot.location) : '';
 }

@@ -12,6 +12,7 @@ import type { SnapshotController } from './controller';
 import {
   describeAutosavePolicy,
   describeGpu,
+  describeLocation,
   describeNextAutosave,
   formatAge,
   formatBytes,
@@ -322,6 +323,11 @@ export class SnapshotsSidebar extends ReactWidget {
           <span title={formatTime(s.created)}>{formatAge(s.created)}</span>
           <span>{formatBytes(s.size_bytes)}</span>
           <span>{describeGpu(s)}</span>
+          {describeLocation(s) && (
+            <span className="jp-gpu-snapshot-location" data-location={s.location}>
+              {describeLocation(s)}
+            </span>
+          )}
         </div>
         <div className="jp-gpu-snapshot-item-location" title={location}>
           {location || 'location unknown'}

@@ -649,12 +649,30 @@ scenarios['autosave'] = async () => {
   seen.server_on = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body;
   await screenshot('sidebar-autosave-overridden');
 
+  // A server with a remote store says where each snapshot is kept (location): the
+  // sidebar and the dialog show it. This server has none; its answers get the field here.
+  await page.route(/gpu-snapshot\/snapshots(\?|$)/, async route => {
+    const response = await route.fetch();
+    const listing = await response.json();
+    listing.snapshots.forEach(s => (s.location = 'remote'));
+    await route.fulfill({ response, json: listing });
+  });
   await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('default');
   await section.getByRole('button', { name: 'Apply' }).click();
   await section
     .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /the server's setting/ })
     .waitFor({ timeout: STEP_TIMEOUT });
   seen.server_default = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body.override;
+  const where = page.locator('#jp-gpu-snapshot-sidebar .jp-gpu-snapshot-location').first();
+  await where.waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_location = (await where.innerText()).trim();
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  const badge = dialog.locator('.jp-gpu-snapshot-location').first();
+  await badge.waitFor({ timeout: STEP_TIMEOUT });
+  seen.dialog_location = (await badge.innerText()).trim();
+  await screenshot('location-in-dialog');
+  await page.keyboard.press('Escape');
 };
 
 // --- after a server restart (two runs of this script, the server stopped between) ---

@@ -373,6 +373,9 @@ def test_autosave_shows_in_the_status_bar_and_the_sidebar_overrides_it(
     assert seen["server_on"]["policy"]["interval_minutes"] == 30
     assert seen["server_on"]["override"] == {"enabled": True, "interval_minutes": 30}
     assert not any(v is not None for v in seen["server_default"].values()), seen
+    # Where a snapshot is kept, from servers that say (the field is added in the browser).
+    assert seen["sidebar_location"] == "remote only", seen
+    assert seen["dialog_location"] == "remote only", seen
     assert seen["console_errors"] == []
 
 
