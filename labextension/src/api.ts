@@ -165,6 +165,14 @@ export class SnapshotAPI {
     return (await this._request<ISnapshotListing>('snapshots' + query)).snapshots;
   }
 
+  /** Give a snapshot another name (PATCH snapshots/{id}); the renamed summary. */
+  renameSnapshot(id: string, name: string): Promise<ISnapshotSummary> {
+    return this._request<ISnapshotSummary>('snapshots/' + encodeURIComponent(id), {
+      method: 'PATCH',
+      body: JSON.stringify({ name })
+    });
+  }
+
   async deleteSnapshot(id: string): Promise<void> {
     await this._request('snapshots/' + encodeURIComponent(id), {
       method: 'DELETE'

@@ -4,6 +4,7 @@
  * disk, and the notebook's autosave state with its per-notebook override. Added to the shell by the plugin; it refreshes while it is shown.
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { InputDialog } from '@jupyterlab/apputils';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
@@ -22,6 +23,8 @@ import {
 import { snapshotIcon } from './icons';
 
 const CONFIRM_MS = 4000;
+
+const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
 type SortKey = 'newest' | 'oldest' | 'name' | 'size';
 
@@ -350,6 +353,13 @@ export class SnapshotsSidebar extends ReactWidget {
             Restore
           </button>
           <button
+            className="jp-Button jp-mod-styled jp-mod-reject jp-gpu-snapshot-rename"
+            title={`Give ${s.name} another name`}
+            onClick={() => void this._rename(s)}
+          >
+            Rename
+          </button>
+          <button
             className={
               'jp-Button jp-mod-styled jp-gpu-snapshot-delete ' +
               (confirming ? 'jp-mod-warn' : 'jp-mod-reject')
@@ -362,6 +372,41 @@ export class SnapshotsSidebar extends ReactWidget {
         </div>
       </li>
     );
+  }
+
+  /** Called by an item's Rename button: ask for the name, then PATCH the snapshot. */
+  private async _rename(s: ISnapshotSummary): Promise<void> {
+    const answer = await InputDialog.getText({
+      title: `Rename '${s.name}'`,
+      label: '1-64 letters, digits, ".", "_" or "-", starting with a letter or digit',
+      text: s.name,
+      okLabel: 'Rename'
+    });
+    const name = answer.value?.trim();
+    if (!answer.button.accept || !name || name === s.name) {
+      return;
+    }
+    // The store's rule for names (core/store.py, validate_name), checked before asking.
+    if (!NAME_PATTERN.test(name) || /\.\.|[.-]$/.test(name)) {
+      this._error =
+        `Could not rename '${s.name}': invalid snapshot name '${name}' (use 1-64 ` +
+        'letters, digits, ".", "_" or "-", starting with a letter or digit)';
+      this.update();
+      return;
+    }
+    try {
+      await this._controller.api.renameSnapshot(s.id, name);
+    } catch (error) {
+      this._error = `Could not rename '${s.name}': ${(error as Error).message}`;
+      this.update();
+      return;
+    }
+    // The status bar may name the renamed snapshot.
+    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    if (kernelId) {
+      void this._controller.refresh(kernelId);
+    }
+    await this.reload();
   }
 
   private async _delete(s: ISnapshotSummary): Promise<void> {

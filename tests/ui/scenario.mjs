@@ -474,10 +474,10 @@ scenarios['sidebar'] = async () => {
   await buttonState('ready');
   seen.state_output = await runCell(0);
   await snapshotButton().locator('.jp-ToolbarButtonComponent').click({ modifiers: ['Shift'] });
-  const ask = page.locator('.jp-Dialog');
-  await ask.locator('input').fill('sidebar-one');
+  const naming = page.locator('.jp-Dialog');
+  await naming.locator('input').fill('sidebar-one');
   await screenshot('name-at-save');
-  await ask.locator('.jp-mod-accept').click();
+  await naming.locator('.jp-mod-accept').click();
   seen.saved_toast = await toast(/Snapshot saved: 'sidebar-one'/);
   await buttonState('ready');
 
@@ -512,9 +512,27 @@ scenarios['sidebar'] = async () => {
   seen.after_restore_output = await runCell(1);
   await screenshot('restored-from-sidebar');
 
-  await item.locator('.jp-gpu-snapshot-delete').click();
-  await item.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).click();
-  await item.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  // Rename: the server re-signs the manifest; a taken or invalid name is said inline.
+  await item.locator('.jp-gpu-snapshot-rename').click();
+  const ask = page.locator('.jp-Dialog');
+  await ask.locator('input').fill('bad/name');
+  await ask.locator('.jp-mod-accept').click();
+  const error = sidebar.locator('.jp-gpu-snapshot-error');
+  await error.waitFor({ timeout: STEP_TIMEOUT });
+  seen.rename_error = (await error.innerText()).trim();
+  await item.locator('.jp-gpu-snapshot-rename').click();
+  await ask.locator('input').fill('sidebar-renamed');
+  await screenshot('rename');
+  await ask.locator('.jp-mod-accept').click();
+  const renamed = sidebar.locator('[data-section="own"] [data-snapshot-name="sidebar-renamed"]');
+  await renamed.waitFor({ timeout: STEP_TIMEOUT });
+  seen.renamed_names = (await api('gpu-snapshot/snapshots')).body.snapshots.map(s => s.name);
+  seen.error_after_rename = await error.count();
+  await screenshot('renamed-in-sidebar');
+
+  await renamed.locator('.jp-gpu-snapshot-delete').click();
+  await renamed.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).click();
+  await renamed.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
   seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
   await screenshot('deleted-from-sidebar');
 };

@@ -310,6 +310,10 @@ def test_snapshots_sidebar_lists_searches_restores_and_deletes(
     assert seen["dark_name_contrast"] >= 4.5, seen["dark_name_contrast"]
     assert seen["restored_toast"].startswith("Kernel restored from 'sidebar-one'")
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    # Renamed on the server; a bad name is refused with the server's reason.
+    assert "invalid snapshot name 'bad/name'" in seen["rename_error"], seen["rename_error"]
+    assert seen["renamed_names"] == ["sidebar-renamed"]
+    assert seen["error_after_rename"] == 0
     assert seen["snapshots_left"] == 0
     assert seen["console_errors"] == []
 
