@@ -77,3 +77,19 @@ def test_a_tampered_manifest_is_never_re_signed(tmp_path):
     with pytest.raises(SnapshotError):
         store.rename(snapshot_id, "laundered")
     assert json.loads((tmp_path / "s" / snapshot_id / "manifest.json").read_text()) == manifest
+
+
+def test_cli_rename(tmp_path):
+    from jupyter_gpu_snapshot._constants import ENV_SIGNING_KEY
+
+    from .test_cli import cli
+
+    store = _store(tmp_path)
+    snapshot_id = _commit(store, "cli-before")
+    env = {ENV_SIGNING_KEY: str(tmp_path / "keys" / "signing.key"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    out = cli(store.root, "rename", "cli-before", "cli-after", env=env)
+    assert f"renamed cli-before to cli-after ({snapshot_id})" in out.stdout
+    assert store.get("cli-after").id == snapshot_id
+    refused = cli(store.root, "rename", "cli-after", "bad/name", env=env, check=False)
+    assert refused.returncode != 0 and "invalid snapshot name" in refused.stderr
