@@ -584,7 +584,20 @@ export class SnapshotController {
     this._followed.delete(job.id);
     this._phaseClocks.delete(job.id);
     if (kernelId) {
-      this._entry(kernelId).job = null;
+      const entry = this._entry(kernelId);
+      entry.job = null;
+      // The new snapshot shows at once, not "No snapshot yet" until the next status.
+      if (
+        final.kind === 'save' &&
+        final.status === 'succeeded' &&
+        entry.status &&
+        final.result
+      ) {
+        entry.status = {
+          ...entry.status,
+          last_snapshot: final.result as ISnapshotSummary
+        };
+      }
       this._changed.emit(kernelId);
     }
     return final;
