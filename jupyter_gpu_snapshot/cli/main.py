@@ -359,6 +359,12 @@ def cmd_upload(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rename(args: argparse.Namespace) -> int:
+    snapshot = _engine(args).rename(args.snapshot, args.name)
+    _say(f"renamed {args.snapshot} to {snapshot.name} ({snapshot.id})")
+    return 0
+
+
 def cmd_recover(args: argparse.Namespace) -> int:
     """What a server start does: commit complete images of killed saves, clean the rest."""
     report = recover_store(_engine(args).store, wake=wake_kernel)
@@ -494,6 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("upload", help="upload a local snapshot to the remote store")
     p.add_argument("snapshot", help="snapshot name or id")
     p.set_defaults(func=cmd_upload)
+    p = sub.add_parser("rename", help="give a snapshot another name (its manifest is re-signed)")
+    p.add_argument("snapshot", help="snapshot name or id")
+    p.add_argument("name", help="the new name: 1-64 letters, digits, '.', '_' or '-'")
+    p.set_defaults(func=cmd_rename)
 
     p = sub.add_parser(
         "resume",

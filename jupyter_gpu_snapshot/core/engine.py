@@ -189,6 +189,10 @@ class SnapshotEngine:
         """Remove a snapshot; slow for a big one (it removes gigabytes)."""
         return self.store.delete(self.index.get(ref).id)
 
+    def rename(self, ref: str, new_name: str) -> Snapshot:
+        """Give a snapshot another name (its manifest is re-signed)."""
+        return self.store.rename(self.index.get(ref).id, new_name)
+
     def _keep_log(self, log: Path, label: str) -> Path | None:
         """Copy a failed run's criu log into the store's logs/; where that fails (a full
         disk, a planted link), keep a private temporary copy, so the error points at a log."""

@@ -34,6 +34,7 @@ from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
 from . import digest, safe_fs
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .locks import StoreLocks
+from .locks import name_key as name_lock_key
 from .locks import snapshot_key as snapshot_lock_key
 from .manifest import (
     CONNECTION_KEYS,
@@ -472,6 +473,41 @@ class SnapshotStore:
                 raise NotFound("delete", f"snapshot {snapshot.id} was deleted meanwhile") from None
             safe_fs.remove_at(doomed, root_fd)
         return snapshot
+
+    def rename(self, ref: str, new_name: str) -> Snapshot:
+        """Give a trusted snapshot another name: its manifest, re-signed, replaces the old
+        one atomically. ``Busy`` while another operation holds the snapshot or the name."""
+        validate_name(new_name)
+        snapshot = self.get(ref)
+        with self.locks.hold(
+            snapshot_lock_key(snapshot.id), f"snapshot {snapshot.name} ({snapshot.id})", "rename",
+            note="rename",
+        ), self.locks.hold(
+            name_lock_key(new_name), f"the snapshot name {new_name!r}", "rename", note="rename",
+        ), self._root_fd() as root_fd:
+            assert root_fd is not None
+            # Read again under the lock: only what this node signed is ever re-signed.
+            current = self.get(snapshot.id)
+            current.require_trusted("rename")
+            if current.name == new_name:
+                return current
+            other = self.find_name(new_name)
+            if other is not None:
+                raise InvalidRequest(
+                    "rename",
+                    f"a snapshot named {new_name!r} exists already ({other.id})",
+                    hint="pick another name, or delete that snapshot first",
+                )
+            manifest = {k: v for k, v in current.manifest.items() if k != "signature"}
+            signed = self._sign(dict(manifest, name=new_name), current.id, "rename")
+            staged = f".{MANIFEST}.renamed"
+            with safe_fs.opened_dir(current.id, root_fd) as dfd:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged, dir_fd=dfd)
+                safe_fs.write_new(staged, dfd, _encode(signed))
+                os.replace(staged, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+        return Snapshot(current.id, current.path, signed)
 
     def reload(self, snapshot: Snapshot) -> Snapshot:
         """``snapshot`` read again from disk, refused unless trusted (a restore's first step)."""

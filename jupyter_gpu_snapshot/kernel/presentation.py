@@ -31,6 +31,8 @@ PHASE_LABELS = {
     "dump": "writing memory",
     "resume": "resuming the kernel",
     "commit": "committing",
+    "uploading": "uploading to the remote store",
+    "downloading": "downloading from the remote store",
     "verify": "verifying",
     "restore": "restoring",
     "done": "finishing",

@@ -183,12 +183,22 @@ class SnapshotsHandler(SnapshotAPIHandler):
 
 
 class SnapshotHandler(SnapshotAPIHandler):
-    """``GET snapshots/{id}``, ``DELETE snapshots/{id}[?where=local|remote|both]``."""
+    """``GET snapshots/{id}``, ``PATCH snapshots/{id}`` (rename),
+    ``DELETE snapshots/{id}[?where=local|remote|both]``."""
 
     @web.authenticated
     @authorized
     async def get(self, ref: str) -> None:
         self.write_json(await self.service.get_snapshot(ref))
+
+    @web.authenticated
+    @authorized
+    async def patch(self, ref: str) -> None:
+        body = self.json_body({"name": str})
+        if not isinstance(body.get("name"), str):
+            raise InvalidRequest("rename", "the request names no new name",
+                                 hint='send {"name": "new-name"}')
+        self.write_json(await self.service.rename_snapshot(ref, body["name"]))
 
     @web.authenticated
     @authorized

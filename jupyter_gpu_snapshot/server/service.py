@@ -179,6 +179,18 @@ class SnapshotService:
             return describe_choice(snapshot.id, None, (), chosen, False)
         return await hook.gpu_choice(snapshot, chosen)
 
+    async def rename_snapshot(self, ref: str, new_name: str) -> dict[str, Any]:
+        """Called by ``SnapshotHandler.patch``; the renamed snapshot's summary."""
+        snapshot = await asyncio.to_thread(self.engine.get, ref)
+        holder = self.jobs.busy_with(snapshot_key(snapshot.id))
+        if holder is not None:
+            raise Busy(
+                "rename",
+                f"snapshot {snapshot.id} is being restored (job {holder.id})",
+                hint="wait for the restore to finish",
+            )
+        return (await asyncio.to_thread(self.engine.rename, snapshot.id, new_name)).summary()
+
     async def delete_snapshot(self, ref: str, where: str = BOTH) -> None:
         """Delete a snapshot's local copy, remote copy or both (``where``)."""
         if where not in (LOCAL, REMOTE, BOTH):

@@ -8,7 +8,16 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
 export type Phase =
-  'preflight' | 'suspend' | 'dump' | 'resume' | 'commit' | 'verify' | 'restore' | 'done';
+  | 'preflight'
+  | 'suspend'
+  | 'dump'
+  | 'resume'
+  | 'commit'
+  | 'uploading'
+  | 'downloading'
+  | 'verify'
+  | 'restore'
+  | 'done';
 
 export interface ISnapshotSummary {
   id: string;
@@ -24,6 +33,8 @@ export interface ISnapshotSummary {
   reason: 'user' | 'shutdown' | 'autosave' | string;
   timings: { [key: string]: number };
   gpu: { [key: string]: unknown } | null;
+  /** Where it is kept; servers without a remote store leave it out. */
+  location?: 'local' | 'remote' | 'both';
 }
 
 /** The server's error kinds (server/openapi.yaml, Error.code): branch on these, not on text. */
@@ -68,6 +79,40 @@ export interface IJob {
   finished: number | null;
   result: ISnapshotSummary | IRestoreResult | null;
   error: IJobError | null;
+  /** Why a save runs (user, autosave, shutdown); servers before autosave leave it out. */
+  reason?: string;
+}
+
+/** The autosave settings in force for a notebook (openapi.yaml, AutosavePolicy). */
+export interface IAutosavePolicy {
+  enabled: boolean;
+  interval_minutes: number;
+  after_cell_minutes: number;
+  during_cell: boolean;
+}
+
+/** What a notebook overrides; null puts a field back to the server's setting. */
+export type AutosaveOverride = {
+  [K in keyof IAutosavePolicy]?: IAutosavePolicy[K] | null;
+};
+
+/** A kernel's autosave state (openapi.yaml, AutosaveState). */
+export interface IAutosaveState {
+  kernel_id: string;
+  notebook_path: string | null;
+  policy: IAutosavePolicy;
+  override: AutosaveOverride;
+  unsaved_work: boolean;
+  /** Seconds since the epoch; null when off or nothing ran since the last snapshot. */
+  next_autosave: number | null;
+  autosaving: boolean;
+  last_autosave: {
+    snapshot_id: string;
+    created: number;
+    pause: number | null;
+    size_bytes: number | null;
+  } | null;
+  last_skip: string | null;
 }
 
 export interface IKernelStatus {
@@ -108,6 +153,26 @@ export class SnapshotAPI {
     return this._request<ISnapshotListing>('snapshots' + query);
   }
 
+  /**
+   * The newest snapshot of each notebook (of ``notebookPath`` alone when given), whatever
+   * its reason: what a restarted server offers back. Newest first.
+   */
+  async latestSnapshots(notebookPath?: string): Promise<ISnapshotSummary[]> {
+    const query = URLExt.objectToQueryString({
+      latest: 'true',
+      ...(notebookPath ? { notebook_path: notebookPath } : {})
+    });
+    return (await this._request<ISnapshotListing>('snapshots' + query)).snapshots;
+  }
+
+  /** Give a snapshot another name (PATCH snapshots/{id}); the renamed summary. */
+  renameSnapshot(id: string, name: string): Promise<ISnapshotSummary> {
+    return this._request<ISnapshotSummary>('snapshots/' + encodeURIComponent(id), {
+      method: 'PATCH',
+      body: JSON.stringify({ name })
+    });
+  }
+
   async deleteSnapshot(id: string): Promise<void> {
     await this._request('snapshots/' + encodeURIComponent(id), {
       method: 'DELETE'
@@ -140,6 +205,22 @@ export class SnapshotAPI {
 
   kernelStatus(kernelId: string): Promise<IKernelStatus> {
     return this._request<IKernelStatus>(`kernels/${encodeURIComponent(kernelId)}/status`);
+  }
+
+  autosave(kernelId: string): Promise<IAutosaveState> {
+    return this._request<IAutosaveState>(
+      `kernels/${encodeURIComponent(kernelId)}/autosave`
+    );
+  }
+
+  setAutosave(kernelId: string, override: AutosaveOverride): Promise<IAutosaveState> {
+    return this._request<IAutosaveState>(
+      `kernels/${encodeURIComponent(kernelId)}/autosave`,
+      {
+        method: 'PUT',
+        body: JSON.stringify(override)
+      }
+    );
   }
 
   private async _request<T>(endpoint: string, init: RequestInit = {}): Promise<T> {

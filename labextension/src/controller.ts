@@ -9,6 +9,8 @@ import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 import {
+  AutosaveOverride,
+  IAutosaveState,
   IJob,
   IJobError,
   IKernelStatus,
@@ -29,6 +31,7 @@ import {
 import { JobFollower } from './jobs';
 import { JobNotification } from './progress';
 import { portsHolder } from './remedy';
+import { rebindWidgets } from './widgets';
 
 /** How long a success notification stays up. */
 export const SUCCESS_CLOSE_MS = 6000;
@@ -106,6 +109,8 @@ interface IKernelEntry {
   status: IKernelStatus | null;
   error: string | null;
   job: IJob | null;
+  /** Null from servers without autosave, or before the first answer. */
+  autosave: IAutosaveState | null;
 }
 
 export interface IAvailability {
@@ -147,6 +152,20 @@ export class SnapshotController {
     return kernelId ? (this._entries.get(kernelId) ?? null) : null;
   }
 
+  /**
+   * Override the autosave policy of the kernel's notebook (PUT kernels/{id}/autosave);
+   * called by the sidebar. Resolves to the new state; throws SnapshotAPIError.
+   */
+  async setAutosave(
+    kernelId: string,
+    override: AutosaveOverride
+  ): Promise<IAutosaveState> {
+    const state = await this.api.setAutosave(kernelId, override);
+    this._entry(kernelId).autosave = state;
+    this._changed.emit(kernelId);
+    return state;
+  }
+
   /** Ask the server again whether this kernel can be snapshotted. */
   refresh(kernelId: string): Promise<void> {
     // Several widgets watch the same kernel: one request at a time, plus one more when
@@ -169,8 +188,12 @@ export class SnapshotController {
   private async _fetchStatus(kernelId: string): Promise<void> {
     const entry = this._entry(kernelId);
     try {
-      const status = await this.api.kernelStatus(kernelId);
+      const [status, autosave] = await Promise.all([
+        this.api.kernelStatus(kernelId),
+        this.api.autosave(kernelId).catch(() => null)
+      ]);
       entry.status = status;
+      entry.autosave = autosave;
       entry.error = null;
       if (status.job?.status === 'running' && !this._followed.has(status.job.id)) {
         void this._followQuietly(kernelId, status.job);
@@ -465,6 +488,12 @@ export class SnapshotController {
       );
     }
     void this.refresh(result.kernel_id);
+    void rebindWidgets(panel).catch(error =>
+      console.warn(
+        'jupyter-gpu-snapshot: widgets of the restored kernel not shown',
+        error
+      )
+    );
     const seconds = (Date.now() - started) / 1000;
     toast.finish(
       'success',
@@ -555,7 +584,20 @@ export class SnapshotController {
     this._followed.delete(job.id);
     this._phaseClocks.delete(job.id);
     if (kernelId) {
-      this._entry(kernelId).job = null;
+      const entry = this._entry(kernelId);
+      entry.job = null;
+      // The new snapshot shows at once, not "No snapshot yet" until the next status.
+      if (
+        final.kind === 'save' &&
+        final.status === 'succeeded' &&
+        entry.status &&
+        final.result
+      ) {
+        entry.status = {
+          ...entry.status,
+          last_snapshot: final.result as ISnapshotSummary
+        };
+      }
       this._changed.emit(kernelId);
     }
     return final;
@@ -590,7 +632,7 @@ export class SnapshotController {
   private _entry(kernelId: string): IKernelEntry {
     let entry = this._entries.get(kernelId);
     if (!entry) {
-      entry = { status: null, error: null, job: null };
+      entry = { status: null, error: null, job: null, autosave: null };
       this._entries.set(kernelId, entry);
     }
     return entry;

@@ -6,7 +6,13 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import * as React from 'react';
 import type { ISnapshotSummary, SnapshotAPI } from './api';
-import { describeGpu, formatAge, formatBytes, formatTime } from './format';
+import {
+  describeGpu,
+  describeLocation,
+  formatAge,
+  formatBytes,
+  formatTime
+} from './format';
 
 const CONFIRM_MS = 4000;
 
@@ -149,6 +155,15 @@ export class SnapshotPicker
               title="Saved when the server shut down"
             >
               before shutdown
+            </span>
+          )}
+          {describeLocation(s) && (
+            <span
+              className="jp-gpu-snapshot-badge jp-gpu-snapshot-location"
+              data-location={s.location}
+              title="Where the snapshot is kept"
+            >
+              {describeLocation(s)}
             </span>
           )}
           {held && (

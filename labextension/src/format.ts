@@ -1,7 +1,7 @@
 /**
  * How sizes, ages and job progress read in the UI.
  */
-import type { IJob, ISnapshotSummary } from './api';
+import type { IAutosavePolicy, IAutosaveState, IJob, ISnapshotSummary } from './api';
 
 export function formatBytes(n: number): string {
   const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
@@ -47,6 +47,8 @@ export const PHASE_LABELS: { [phase: string]: string } = {
   dump: 'writing memory',
   resume: 'resuming the kernel',
   commit: 'committing',
+  uploading: 'uploading to the remote store',
+  downloading: 'downloading from the remote store',
   verify: 'verifying',
   restore: 'restoring',
   done: 'finishing'
@@ -145,4 +147,59 @@ export function describeSaved(snapshot: ISnapshotSummary): string {
   const total = snapshot.timings?.['total'];
   const time = typeof total === 'number' ? ` in ${formatSeconds(total)}` : '';
   return `Snapshot saved: '${snapshot.name}', ${formatBytes(snapshot.size_bytes)}${time}`;
+}
+
+/** "every 15 min of activity, and after cells of 10 min or more", or "off". */
+export function describeAutosavePolicy(policy: IAutosavePolicy): string {
+  if (!policy.enabled) {
+    return 'off';
+  }
+  const every = `every ${formatMinutes(policy.interval_minutes)} of activity`;
+  const during = policy.during_cell ? ', also during a cell' : '';
+  const after =
+    policy.after_cell_minutes > 0
+      ? `, and after cells of ${formatMinutes(policy.after_cell_minutes)} or more`
+      : '';
+  return every + during + after;
+}
+
+/** When the next autosave comes, as the sidebar says it. */
+export function describeNextAutosave(
+  state: IAutosaveState,
+  now = Date.now() / 1000
+): string {
+  if (state.autosaving) {
+    return 'autosaving now…';
+  }
+  if (!state.policy.enabled) {
+    return 'no autosave planned';
+  }
+  if (state.next_autosave === null) {
+    return 'nothing to save: no cell ran since the last snapshot';
+  }
+  const left = state.next_autosave - now;
+  return left <= 60
+    ? 'next autosave within a minute'
+    : `next autosave in ${formatMinutes(left / 60)}`;
+}
+
+export function formatMinutes(minutes: number): string {
+  if (minutes < 1) {
+    return `${Math.round(minutes * 60)} s`;
+  }
+  if (minutes >= 120 && minutes % 60 === 0) {
+    return `${minutes / 60} h`;
+  }
+  return `${Math.round(minutes * 10) / 10} min`;
+}
+
+const LOCATIONS: { [location: string]: string } = {
+  local: 'on this server',
+  remote: 'remote only',
+  both: 'here and remote'
+};
+
+/** Where a snapshot is kept, or '' from servers that do not say. */
+export function describeLocation(snapshot: ISnapshotSummary): string {
+  return snapshot.location ? (LOCATIONS[snapshot.location] ?? snapshot.location) : '';
 }

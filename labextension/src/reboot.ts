@@ -1,10 +1,12 @@
 /**
- * After a server restart: when a notebook is opened and the server holds a snapshot that
- * was taken of its kernel at shutdown, offer to bring that kernel back. Offers for several
- * notebooks (a workspace reopening them all) merge into one notification that names them.
+ * After a restart (or any time a notebook opens while the kernel it was saved from is
+ * gone): offer to bring back the notebook's newest snapshot, whatever its reason
+ * (autosave, shutdown, user), naming the notebook, its age and its reason. Offers for
+ * several notebooks (a workspace reopening them all) merge into one notification.
  */
 import { Notification } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
+import { KernelAPI } from '@jupyterlab/services';
 import type { IStateDB } from '@jupyterlab/statedb';
 import type { ISnapshotSummary } from './api';
 import type { SnapshotController } from './controller';
@@ -23,6 +25,21 @@ function notebookName(offer: IOffer): string {
   return offer.panel.context.localPath.split('/').pop() || offer.panel.context.localPath;
 }
 
+const REASONS: { [reason: string]: string } = {
+  shutdown: 'saved at shutdown',
+  autosave: 'an autosave',
+  user: 'saved by hand'
+};
+
+/**
+ * "an autosave, 3 min ago": short, since JupyterLab cuts a notification's message at
+ * 140 characters.
+ */
+export function describeOffer(snapshot: ISnapshotSummary): string {
+  const reason = REASONS[snapshot.reason] ?? `saved (${snapshot.reason})`;
+  return `${reason}, ${formatAge(snapshot.created)}`;
+}
+
 export class ShutdownOffer {
   constructor(
     private readonly _controller: SnapshotController,
@@ -33,18 +50,26 @@ export class ShutdownOffer {
   async check(panel: NotebookPanel): Promise<void> {
     await panel.context.ready;
     const path = panel.context.path;
-    let snapshots;
+    let snapshot: ISnapshotSummary | undefined;
+    let running: Set<string>;
     try {
-      snapshots = await this._controller.api.listSnapshots(path);
+      // The server picks the newest of this notebook (openapi.yaml, latest=true).
+      [snapshot] = await this._controller.api.latestSnapshots(path);
+      running = new Set((await KernelAPI.listRunning()).map(k => k.id));
     } catch {
       return; // No server extension, or it is down: nothing to offer.
     }
-    const done = await this._answered();
-    const candidates = snapshots.filter(
-      s => s.reason === 'shutdown' && s.notebook_path === path && !done.has(s.id)
-    );
-    const snapshot = candidates[candidates.length - 1];
-    if (!snapshot || this._offered.has(snapshot.id) || panel.isDisposed) {
+    if (
+      !snapshot ||
+      snapshot.notebook_path !== path ||
+      this._offered.has(snapshot.id) ||
+      panel.isDisposed ||
+      // The kernel it was taken of still runs: nothing was lost.
+      running.has(snapshot.kernel?.kernel_id ?? '') ||
+      // This notebook already runs a kernel restored from it.
+      this._controller.originOf(this._controller.kernelId(panel)) === snapshot.id ||
+      (await this._answered()).has(snapshot.id)
+    ) {
       return;
     }
     this._offered.add(snapshot.id);
@@ -60,14 +85,12 @@ export class ShutdownOffer {
     }
     const single = offers.length === 1;
     const message = single
-      ? `Restore the kernel of ${notebookName(offers[0])} from before shutdown? It was ` +
-        `saved when the server stopped, ${formatAge(offers[0].snapshot.created)} ` +
+      ? `Restore the kernel of ${notebookName(offers[0])}? Its newest snapshot: ` +
+        `${describeOffer(offers[0].snapshot)} ` +
         `(${formatBytes(offers[0].snapshot.size_bytes)}).`
-      : `Restore the kernels of ${offers.length} notebooks from before shutdown? ` +
-        offers
-          .map(o => `${notebookName(o)} (${formatBytes(o.snapshot.size_bytes)})`)
-          .join(', ') +
-        ' were saved when the server stopped.';
+      : `Restore the kernels of ${offers.length} notebooks? ` +
+        offers.map(o => `${notebookName(o)}: ${describeOffer(o.snapshot)}`).join('; ') +
+        '.';
     const answer = (restore: boolean) => {
       this._pending = [];
       this._toast = null;

@@ -1,18 +1,30 @@
 /**
  * The Snapshots sidebar in JupyterLab's left area: this notebook's snapshots and all the
- * others, searchable and sortable, with restore and delete, and the store's size and free
- * disk. Added to the shell by the plugin; it refreshes while it is shown.
+ * others, searchable and sortable, with restore and delete, the store's size and free
+ * disk, and the notebook's autosave state with its per-notebook override. Added to the shell by the plugin; it refreshes while it is shown.
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { InputDialog } from '@jupyterlab/apputils';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
-import type { ISnapshotSummary } from './api';
+import type { AutosaveOverride, IAutosaveState, ISnapshotSummary } from './api';
 import type { SnapshotController } from './controller';
-import { describeGpu, formatAge, formatBytes, formatTime } from './format';
+import {
+  describeAutosavePolicy,
+  describeGpu,
+  describeLocation,
+  describeNextAutosave,
+  formatAge,
+  formatBytes,
+  formatSeconds,
+  formatTime
+} from './format';
 import { snapshotIcon } from './icons';
 
 const CONFIRM_MS = 4000;
+
+const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
 type SortKey = 'newest' | 'oldest' | 'name' | 'size';
 
@@ -75,6 +87,11 @@ export class SnapshotsSidebar extends ReactWidget {
       const listing = await this._controller.api.listing();
       this._snapshots = listing.snapshots;
       this._freeBytes = listing.store?.free_bytes ?? null;
+      const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+      // Servers without autosave answer 404: the section is left out.
+      this._autosave = kernelId
+        ? await this._controller.api.autosave(kernelId).catch(() => null)
+        : null;
       this._error = null;
     } catch (error) {
       this._error = (error as Error).message;
@@ -142,6 +159,7 @@ export class SnapshotsSidebar extends ReactWidget {
           <p className="jp-gpu-snapshot-empty">Loading snapshots…</p>
         ) : (
           <>
+            {path && this._autosaveSection()}
             {path && this._section(`This notebook: ${path}`, own, panel, 'own')}
             {this._section(
               path ? 'All others' : 'All snapshots',
@@ -153,6 +171,115 @@ export class SnapshotsSidebar extends ReactWidget {
         )}
       </div>
     );
+  }
+
+  /** The current notebook's autosave: policy, last and next autosave, and its override. */
+  private _autosaveSection(): JSX.Element | null {
+    const state = this._autosave;
+    if (
+      !state ||
+      state.kernel_id !== this._controller.kernelId(this._tracker.currentWidget)
+    ) {
+      return null;
+    }
+    const overridden = Object.values(state.override).some(
+      v => v !== null && v !== undefined
+    );
+    const mode = !overridden ? 'default' : state.policy.enabled ? 'on' : 'off';
+    const last = state.last_autosave;
+    // Re-created when the server's answer changes, so the fields show what is in force.
+    const formKey = `${state.kernel_id}:${JSON.stringify(state.policy)}:${mode}`;
+    let modeInput: HTMLSelectElement | null = null;
+    let intervalInput: HTMLInputElement | null = null;
+    return (
+      <section className="jp-gpu-snapshot-sidebar-section" data-section="autosave">
+        <h3>Autosave</h3>
+        <div className="jp-gpu-snapshot-autosave-policy">
+          {describeAutosavePolicy(state.policy)}
+          {overridden ? " (this notebook's setting)" : " (the server's setting)"}
+        </div>
+        <div className="jp-gpu-snapshot-autosave-next">{describeNextAutosave(state)}</div>
+        {last && (
+          <div className="jp-gpu-snapshot-autosave-last" title={formatTime(last.created)}>
+            Last autosave {formatAge(last.created)}
+            {last.pause !== null && `, the kernel paused ${formatSeconds(last.pause)}`}
+          </div>
+        )}
+        {state.last_skip && (
+          <div className="jp-gpu-snapshot-autosave-skip">Skipped: {state.last_skip}</div>
+        )}
+        <form
+          key={formKey}
+          className="jp-gpu-snapshot-autosave-form"
+          onSubmit={event => {
+            event.preventDefault();
+            void this._applyAutosave(
+              modeInput?.value ?? mode,
+              Number(intervalInput?.value)
+            );
+          }}
+        >
+          <select
+            className="jp-gpu-snapshot-autosave-mode"
+            aria-label="Autosave for this notebook"
+            defaultValue={mode}
+            ref={node => {
+              modeInput = node;
+            }}
+          >
+            <option value="default">Server setting</option>
+            <option value="on">On</option>
+            <option value="off">Off</option>
+          </select>
+          <label>
+            every{' '}
+            <input
+              type="number"
+              className="jp-gpu-snapshot-autosave-interval"
+              aria-label="Autosave interval in minutes"
+              min="0.1"
+              step="any"
+              defaultValue={state.policy.interval_minutes}
+              ref={node => {
+                intervalInput = node;
+              }}
+            />{' '}
+            min
+          </label>
+          <button type="submit" className="jp-Button jp-mod-styled jp-mod-accept">
+            Apply
+          </button>
+        </form>
+      </section>
+    );
+  }
+
+  /** Called by the autosave form: PUT the notebook's override, show the new state. */
+  private async _applyAutosave(mode: string, minutes: number): Promise<void> {
+    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    if (!kernelId) {
+      return;
+    }
+    let override: AutosaveOverride;
+    if (mode === 'default') {
+      override = { enabled: null, interval_minutes: null };
+    } else if (mode === 'off') {
+      override = { enabled: false };
+    } else {
+      if (!(minutes > 0)) {
+        this._error = 'The autosave interval must be a number of minutes above 0.';
+        this.update();
+        return;
+      }
+      override = { enabled: true, interval_minutes: minutes };
+    }
+    try {
+      this._autosave = await this._controller.setAutosave(kernelId, override);
+      this._error = null;
+    } catch (error) {
+      this._error = `Could not change autosave: ${(error as Error).message}`;
+    }
+    this.update();
   }
 
   private _section(
@@ -199,6 +326,11 @@ export class SnapshotsSidebar extends ReactWidget {
           <span title={formatTime(s.created)}>{formatAge(s.created)}</span>
           <span>{formatBytes(s.size_bytes)}</span>
           <span>{describeGpu(s)}</span>
+          {describeLocation(s) && (
+            <span className="jp-gpu-snapshot-location" data-location={s.location}>
+              {describeLocation(s)}
+            </span>
+          )}
         </div>
         <div className="jp-gpu-snapshot-item-location" title={location}>
           {location || 'location unknown'}
@@ -221,6 +353,13 @@ export class SnapshotsSidebar extends ReactWidget {
             Restore
           </button>
           <button
+            className="jp-Button jp-mod-styled jp-mod-reject jp-gpu-snapshot-rename"
+            title={`Give ${s.name} another name`}
+            onClick={() => void this._rename(s)}
+          >
+            Rename
+          </button>
+          <button
             className={
               'jp-Button jp-mod-styled jp-gpu-snapshot-delete ' +
               (confirming ? 'jp-mod-warn' : 'jp-mod-reject')
@@ -233,6 +372,41 @@ export class SnapshotsSidebar extends ReactWidget {
         </div>
       </li>
     );
+  }
+
+  /** Called by an item's Rename button: ask for the name, then PATCH the snapshot. */
+  private async _rename(s: ISnapshotSummary): Promise<void> {
+    const answer = await InputDialog.getText({
+      title: `Rename '${s.name}'`,
+      label: '1-64 letters, digits, ".", "_" or "-", starting with a letter or digit',
+      text: s.name,
+      okLabel: 'Rename'
+    });
+    const name = answer.value?.trim();
+    if (!answer.button.accept || !name || name === s.name) {
+      return;
+    }
+    // The store's rule for names (core/store.py, validate_name), checked before asking.
+    if (!NAME_PATTERN.test(name) || /\.\.|[.-]$/.test(name)) {
+      this._error =
+        `Could not rename '${s.name}': invalid snapshot name '${name}' (use 1-64 ` +
+        'letters, digits, ".", "_" or "-", starting with a letter or digit)';
+      this.update();
+      return;
+    }
+    try {
+      await this._controller.api.renameSnapshot(s.id, name);
+    } catch (error) {
+      this._error = `Could not rename '${s.name}': ${(error as Error).message}`;
+      this.update();
+      return;
+    }
+    // The status bar may name the renamed snapshot.
+    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    if (kernelId) {
+      void this._controller.refresh(kernelId);
+    }
+    await this.reload();
   }
 
   private async _delete(s: ISnapshotSummary): Promise<void> {
@@ -265,6 +439,7 @@ export class SnapshotsSidebar extends ReactWidget {
 
   private _snapshots: ISnapshotSummary[] = [];
   private _freeBytes: number | null = null;
+  private _autosave: IAutosaveState | null = null;
   private _search = '';
   private _sort: SortKey = 'newest';
   private _confirming: string | null = null;

@@ -1,12 +1,12 @@
 /**
- * Status bar item for the current notebook: a snapshot or restore under way, else the
- * age of the kernel's last snapshot.
+ * Status bar item for the current notebook: a snapshot, autosave or restore under way,
+ * else the age of the kernel's last snapshot (for an autosave, with the pause it cost).
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 import type { SnapshotController } from './controller';
-import { formatAge, jobFraction } from './format';
+import { formatAge, formatSeconds, jobFraction } from './format';
 import { KernelWatch } from './watch';
 
 /** How often the current kernel's status is asked again (settings: statusRefreshSeconds). */
@@ -77,6 +77,18 @@ export class SnapshotStatusItem extends Widget {
       return { text: '', title: '' };
     }
     const job = this._controller.activeJob(panel);
+    const autosave = this._controller.entry(this._controller.kernelId(panel))?.autosave;
+    if (
+      (job && job.kind === 'save' && job.reason === 'autosave') ||
+      autosave?.autosaving
+    ) {
+      return {
+        text: 'Autosaving…',
+        title: job
+          ? `Autosave: ${this._controller.describeJob(job)}`
+          : 'An autosave of this kernel is under way'
+      };
+    }
     if (job) {
       const fraction = jobFraction(job);
       const percent = fraction === undefined ? '' : ` ${Math.round(fraction * 100)}%`;
@@ -106,6 +118,22 @@ export class SnapshotStatusItem extends Widget {
       return { text: '', title: '' };
     }
     const last = status.last_snapshot;
+    const lastAutosave = autosave?.last_autosave ?? null;
+    if (last && (last.reason === 'autosave' || last.id === lastAutosave?.snapshot_id)) {
+      const pause =
+        lastAutosave?.snapshot_id === last.id && lastAutosave.pause !== null
+          ? ` (paused ${formatSeconds(lastAutosave.pause)})`
+          : '';
+      return {
+        text: `Autosaved ${formatAge(last.created)}${pause}`,
+        title:
+          `Last snapshot of this kernel: the autosave '${last.name}'` +
+          (pause
+            ? `; the kernel paused ${formatSeconds(lastAutosave!.pause!)} for it`
+            : '') +
+          '. Click to restore one.'
+      };
+    }
     if (last) {
       return {
         text: `Snapshot ${formatAge(last.created)}`,

@@ -474,10 +474,10 @@ scenarios['sidebar'] = async () => {
   await buttonState('ready');
   seen.state_output = await runCell(0);
   await snapshotButton().locator('.jp-ToolbarButtonComponent').click({ modifiers: ['Shift'] });
-  const ask = page.locator('.jp-Dialog');
-  await ask.locator('input').fill('sidebar-one');
+  const naming = page.locator('.jp-Dialog');
+  await naming.locator('input').fill('sidebar-one');
   await screenshot('name-at-save');
-  await ask.locator('.jp-mod-accept').click();
+  await naming.locator('.jp-mod-accept').click();
   seen.saved_toast = await toast(/Snapshot saved: 'sidebar-one'/);
   await buttonState('ready');
 
@@ -512,11 +512,185 @@ scenarios['sidebar'] = async () => {
   seen.after_restore_output = await runCell(1);
   await screenshot('restored-from-sidebar');
 
-  await item.locator('.jp-gpu-snapshot-delete').click();
-  await item.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).click();
-  await item.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  // Rename: the server re-signs the manifest; a taken or invalid name is said inline.
+  await item.locator('.jp-gpu-snapshot-rename').click();
+  const ask = page.locator('.jp-Dialog');
+  await ask.locator('input').fill('bad/name');
+  await ask.locator('.jp-mod-accept').click();
+  const error = sidebar.locator('.jp-gpu-snapshot-error');
+  await error.waitFor({ timeout: STEP_TIMEOUT });
+  seen.rename_error = (await error.innerText()).trim();
+  await item.locator('.jp-gpu-snapshot-rename').click();
+  await ask.locator('input').fill('sidebar-renamed');
+  await screenshot('rename');
+  await ask.locator('.jp-mod-accept').click();
+  const renamed = sidebar.locator('[data-section="own"] [data-snapshot-name="sidebar-renamed"]');
+  await renamed.waitFor({ timeout: STEP_TIMEOUT });
+  seen.renamed_names = (await api('gpu-snapshot/snapshots')).body.snapshots.map(s => s.name);
+  seen.error_after_rename = await error.count();
+  await screenshot('renamed-in-sidebar');
+
+  await renamed.locator('.jp-gpu-snapshot-delete').click();
+  await renamed.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).click();
+  await renamed.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
   seen.snapshots_left = (await api('gpu-snapshot/snapshots')).body.snapshots.length;
   await screenshot('deleted-from-sidebar');
+};
+
+// The snapshot panel widget (%gpu_snapshot widget) lives in the kernel's memory: after the
+// notebook moves to a restored kernel, its output shows the restored widget, live, not
+// "model not found"; the same after the page is reloaded while no kernel holds the widget.
+scenarios['widget-after-restore'] = async () => {
+  const widgetOutput = () =>
+    page.locator(`${CURRENT} .jp-Notebook .jp-Cell`).nth(3).locator('.jp-OutputArea-output');
+  const widgetText = async () => (await widgetOutput().allInnerTexts()).join('\n');
+  const panelShows = async pattern =>
+    widgetOutput().filter({ hasText: pattern }).first().waitFor({ timeout: STEP_TIMEOUT });
+  await openNotebook();
+  await buttonState('ready');
+  seen.state_output = await runCell(0);
+  await runCell(3);
+  await panelShows(/This notebook's snapshots/);
+  await screenshot('widget-shown');
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+  await toast(/Snapshot saved/);
+  await buttonState('ready');
+  await panelShows(/Last snapshot/);
+  await page.keyboard.press('Control+s');
+  await page.locator('.lm-TabBar-tab.jp-mod-dirty').waitFor({
+    state: 'detached',
+    timeout: STEP_TIMEOUT
+  });
+  seen.snapshot_name = (await api('gpu-snapshot/snapshots')).body.snapshots[0].name;
+
+  // Reopened while its kernel is gone: JupyterLab cannot show the widget (no kernel holds
+  // it); after the restore the notebook's output shows the restored one.
+  await (await kernelMenu('kernelmenu:shutdown')).click();
+  await buttonState('disabled');
+  await openNotebook();
+  await buttonState('ready');
+  // The fresh kernel JupyterLab started holds no widget.
+  await panelShows(/model not found/).catch(() => undefined);
+  seen.widget_before_restore = await widgetText();
+  await screenshot('reopened-without-kernel');
+  // That is JupyterLab's own console error; what follows the restore must be clean.
+  seen.errors_before_restore = seen.console_errors.splice(0);
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  await dialog.locator('.jp-mod-accept').click();
+  await toast(/Kernel restored/);
+  await buttonState('ready');
+  seen.widget_after_restore = await panelShows(seen.snapshot_name)
+    .then(widgetText)
+    .catch(widgetText);
+  await screenshot('widget-after-restore');
+  // The restored widget is live: its Save button saves the restored kernel.
+  await widgetOutput().locator('input').first().fill('from-widget');
+  await widgetOutput().locator('button', { hasText: 'Save' }).click();
+  await panelShows(/from-widget/).catch(() => undefined);
+  seen.widget_after_save = await widgetText();
+  await screenshot('widget-live-after-restore');
+  seen.after_restore_output = await runCell(1);
+
+  // Without a reload: the kernel shut down from the menu, the same snapshot restored. The
+  // page still holds the models of the kernel before; the restored kernel's must replace
+  // them, or the panel is a dead copy.
+  await (await kernelMenu('kernelmenu:shutdown')).click();
+  await buttonState('disabled');
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const again = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
+  await again.waitFor({ timeout: STEP_TIMEOUT });
+  await again.click();
+  await dialog.locator('.jp-mod-accept').click();
+  await toast(/Kernel restored/);
+  await buttonState('ready');
+  await widgetOutput().locator('input').first().fill('same-page');
+  await widgetOutput().locator('button', { hasText: 'Save' }).click();
+  await panelShows(/same-page/).catch(() => undefined);
+  seen.widget_after_second_restore = await widgetText();
+  await screenshot('widget-live-after-second-restore');
+  seen.snapshots = (await api('gpu-snapshot/snapshots')).body.snapshots.map(s => s.name).sort();
+};
+
+// Autosave (the server's interval set to seconds by the test): the status bar says
+// "Autosaving…", then "Autosaved … (paused …)"; the sidebar shows the notebook's policy and
+// the next autosave, and overrides it for this notebook (off, then on every 30 min).
+scenarios['autosave'] = async () => {
+  await openNotebook();
+  await buttonState('ready');
+  await page.evaluate(() => {
+    window.__statusTexts = [];
+    const record = () => {
+      const text = document.querySelector('.jp-gpu-snapshot-status')?.textContent ?? '';
+      if (text && window.__statusTexts[window.__statusTexts.length - 1] !== text) {
+        window.__statusTexts.push(text);
+      }
+    };
+    new MutationObserver(record).observe(document.body, {
+      subtree: true,
+      childList: true,
+      characterData: true
+    });
+  });
+  seen.state_output = await runCell(0);
+  const status = page.locator('.jp-gpu-snapshot-status', { hasText: /^Autosaved / });
+  await status.waitFor({ timeout: 90_000 });
+  seen.status_item = (await status.innerText()).trim();
+  seen.status_texts = await page.evaluate(() => window.__statusTexts);
+  await screenshot('autosave-status');
+
+  await page.locator('.lm-TabBar-tab[data-id="jp-gpu-snapshot-sidebar"]').click();
+  const section = page.locator('#jp-gpu-snapshot-sidebar [data-section="autosave"]');
+  await section.locator('.jp-gpu-snapshot-autosave-last').waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_policy = (await section.locator('.jp-gpu-snapshot-autosave-policy').innerText()).trim();
+  seen.sidebar_last = (await section.locator('.jp-gpu-snapshot-autosave-last').innerText()).trim();
+  seen.sidebar_next = (await section.locator('.jp-gpu-snapshot-autosave-next').innerText()).trim();
+  await screenshot('sidebar-autosave');
+
+  const kernel = await notebookKernelId();
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('off');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /^off/ })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.policy_off = (await section.locator('.jp-gpu-snapshot-autosave-policy').innerText()).trim();
+  seen.server_off = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body.policy;
+
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('on');
+  await section.locator('.jp-gpu-snapshot-autosave-interval').fill('30');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /^every 30 min/ })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.policy_on = (await section.locator('.jp-gpu-snapshot-autosave-policy').innerText()).trim();
+  seen.server_on = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body;
+  await screenshot('sidebar-autosave-overridden');
+
+  // A server with a remote store says where each snapshot is kept (location): the
+  // sidebar and the dialog show it. This server has none; its answers get the field here.
+  await page.route(/gpu-snapshot\/snapshots(\?|$)/, async route => {
+    const response = await route.fetch();
+    const listing = await response.json();
+    listing.snapshots.forEach(s => (s.location = 'remote'));
+    await route.fulfill({ response, json: listing });
+  });
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('default');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /the server's setting/ })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.server_default = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body.override;
+  const where = page.locator('#jp-gpu-snapshot-sidebar .jp-gpu-snapshot-location').first();
+  await where.waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_location = (await where.innerText()).trim();
+  await (await kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  const badge = dialog.locator('.jp-gpu-snapshot-location').first();
+  await badge.waitFor({ timeout: STEP_TIMEOUT });
+  seen.dialog_location = (await badge.innerText()).trim();
+  await screenshot('location-in-dialog');
+  await page.keyboard.press('Escape');
 };
 
 // --- after a server restart (two runs of this script, the server stopped between) ---
@@ -541,12 +715,17 @@ scenarios['before-shutdown'] = async () => {
   seen.other_kernel = await notebookKernelId(process.env.OTHER_NOTEBOOK);
   // A kernel that has run nothing is not saved at shutdown: give this one some work.
   seen.other_output = await runCell(0);
+  // Saved by hand after its work: the shutdown leaves it alone, and the restart offers
+  // this snapshot, reason and all.
+  await snapshotButton().locator('.jp-ToolbarButtonComponent').click();
+  await toast(/Snapshot saved/);
+  await buttonState('ready');
   await screenshot('second-notebook-open');
 };
 
 scenarios['after-restart'] = async () => {
   await openNotebook();
-  seen.offer = await toast(/Restore the kernel of .* from before shutdown\?/);
+  seen.offer = await toast(/Restore the kernel of .*\? Its newest snapshot:/);
   // The notebook started a fresh kernel meanwhile; the restore replaces it.
   await buttonState('ready');
   await page
@@ -559,10 +738,10 @@ scenarios['after-restart'] = async () => {
   await openFromFileBrowser(process.env.OTHER_NOTEBOOK);
   seen.merged_offer = await toast(/Restore the kernels of 2 notebooks/);
   seen.offer_count = await page
-    .locator('.Toastify__toast', { hasText: /from before shutdown/ })
+    .locator('.Toastify__toast', { hasText: /Restore the kernels? of/ })
     .count();
   await screenshot('restart-offer-names-both');
-  const offer = page.locator('.Toastify__toast', { hasText: /from before shutdown/ });
+  const offer = page.locator('.Toastify__toast', { hasText: /Restore the kernels of/ });
   await offer.getByRole('button', { name: 'Restore all' }).click();
   await page
     .locator('.Toastify__toast', { hasText: /Kernel restored/ })

@@ -310,7 +310,76 @@ def test_snapshots_sidebar_lists_searches_restores_and_deletes(
     assert seen["dark_name_contrast"] >= 4.5, seen["dark_name_contrast"]
     assert seen["restored_toast"].startswith("Kernel restored from 'sidebar-one'")
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    # Renamed on the server; a bad name is refused with the server's reason.
+    assert "invalid snapshot name 'bad/name'" in seen["rename_error"], seen["rename_error"]
+    assert seen["renamed_names"] == ["sidebar-renamed"]
+    assert seen["error_after_rename"] == 0
     assert seen["snapshots_left"] == 0
+    assert seen["console_errors"] == []
+
+
+def test_the_snapshot_panel_widget_comes_back_with_the_restored_kernel(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess], tmp_path: Path
+) -> None:
+    server = start_lab("widget-after-restore", {"widget.ipynb": "python3-snapshot"})
+    notebook = server.root / "widget.ipynb"
+    content = json.loads(notebook.read_text())
+    content["cells"].append(
+        {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+         "source": "%gpu_snapshot widget"}
+    )
+    notebook.write_text(json.dumps(content, indent=1))
+    seen = run_scenario(ui_tools, server, "widget-after-restore", "widget.ipynb")
+    secret, next_random = expected_state()
+
+    # The fresh kernel JupyterLab started on reopening holds no widget (JupyterLab says so).
+    assert seen["widget_before_restore"] == "Error displaying widget: model not found"
+    assert "model not found" not in seen["widget_after_restore"], seen["widget_after_restore"]
+    assert seen["snapshot_name"] in seen["widget_after_restore"], seen["widget_after_restore"]
+    # Live: the restored panel's Save button saved the restored kernel, also after a second
+    # restore in the same page, where the models of the kernel before were still there.
+    assert "from-widget" in seen["snapshots"], seen
+    assert "same-page" in seen["snapshots"], seen
+    assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["console_errors"] == []
+
+
+def test_autosave_shows_in_the_status_bar_and_the_sidebar_overrides_it(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab(
+        "autosave", {"state.ipynb": "python3-snapshot"},
+        config="c.GPUSnapshot.autosave_interval_minutes = 0.1\n",
+    )
+    seen = run_scenario(ui_tools, server, "autosave", "state.ipynb")
+
+    # The status bar followed the autosave, then gave its age and the pause it cost.
+    assert "Autosaving…" in seen["status_texts"], seen["status_texts"]
+    assert re.fullmatch(
+        r"Autosaved (just now|\d+ min ago) \(paused [\d.]+ s\)", seen["status_item"]
+    ), seen["status_item"]
+    autosaves = [s for s in server.get("gpu-snapshot/snapshots")["snapshots"]
+                 if s["reason"] == "autosave"]
+    assert autosaves, "no autosave was made"
+    # The sidebar: the server's policy, the last autosave with its pause, the next one.
+    assert seen["sidebar_policy"].startswith("every 6 s of activity"), seen["sidebar_policy"]
+    assert seen["sidebar_policy"].endswith("(the server's setting)"), seen["sidebar_policy"]
+    assert re.fullmatch(
+        r"Last autosave (just now|\d+ min ago), the kernel paused [\d.]+ s",
+        seen["sidebar_last"],
+    ), seen["sidebar_last"]
+    assert seen["sidebar_next"], seen
+    # Overrides for this notebook go to the server, and back to its settings.
+    assert seen["policy_off"] == "off (this notebook's setting)", seen["policy_off"]
+    assert seen["server_off"]["enabled"] is False
+    assert seen["policy_on"].startswith("every 30 min of activity"), seen["policy_on"]
+    assert seen["server_on"]["policy"]["enabled"] is True
+    assert seen["server_on"]["policy"]["interval_minutes"] == 30
+    assert seen["server_on"]["override"] == {"enabled": True, "interval_minutes": 30}
+    assert not any(v is not None for v in seen["server_default"].values()), seen
+    # Where a snapshot is kept, from servers that say (the field is added in the browser).
+    assert seen["sidebar_location"] == "remote only", seen
+    assert seen["dialog_location"] == "remote only", seen
     assert seen["console_errors"] == []
 
 
@@ -368,21 +437,26 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
 
     server = start_lab("after-restart", notebooks, config)
     snapshots = server.get("gpu-snapshot/snapshots")["snapshots"]
+    # other.ipynb was saved by hand after its work, so the shutdown did not save it again.
     assert sorted((s["reason"], s["notebook_path"]) for s in snapshots) == [
-        ("shutdown", "other.ipynb"), ("shutdown", "state.ipynb")
+        ("shutdown", "state.ipynb"), ("user", "other.ipynb")
     ]
     seen = run_scenario(
         ui_tools, server, "after-restart", "state.ipynb", other_notebook="other.ipynb"
     )
 
-    # The offer names its notebook; with two notebooks reopened, one offer names both.
-    assert seen["offer"].startswith(
-        "Restore the kernel of state.ipynb from before shutdown?"
+    # The offer names its notebook, the newest snapshot's reason and age (the server picks
+    # it: snapshots?latest=true); with two notebooks reopened, one offer names both.
+    assert re.fullmatch(
+        r"Restore the kernel of state\.ipynb\? Its newest snapshot: saved at shutdown, "
+        r"(just now|\d+ min ago) \([\d.]+ MiB\)\.", seen["offer"].splitlines()[0]
     ), seen["offer"]
-    assert seen["merged_offer"].startswith(
-        "Restore the kernels of 2 notebooks from before shutdown?"
+    assert re.fullmatch(
+        r"Restore the kernels of 2 notebooks\? (state|other)\.ipynb: .*\.",
+        seen["merged_offer"].splitlines()[0],
     ), seen["merged_offer"]
-    assert "state.ipynb" in seen["merged_offer"] and "other.ipynb" in seen["merged_offer"]
+    assert "state.ipynb: saved at shutdown, " in seen["merged_offer"], seen
+    assert "other.ipynb: saved by hand, " in seen["merged_offer"], seen
     assert seen["offer_count"] == 1
     assert len(seen["restored_toasts"]) == 2
     assert seen["restored_toast"].startswith("Kernel restored from")

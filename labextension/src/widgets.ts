@@ -1,0 +1,109 @@
+/**
+ * Jupyter widgets after a restore: the restored kernel holds the widgets of the snapshot
+ * (same model ids, live comms), but JupyterLab's widget manager only reloads them from the
+ * kernel when a connection comes up and no earlier reload is still running, and it keeps
+ * the models of the kernel it had before (bound to that kernel's closed comms). A widget
+ * output then stays "Error displaying widget: model not found", or shows a dead copy.
+ *
+ * After the notebook moved to a restored kernel, rebind: forget the models whose comm
+ * belongs to another kernel, load the restored kernel's widgets, and render the widget
+ * outputs again. The manager is @jupyter-widgets/jupyterlab-manager's, reached through the
+ * renderer it registers for widget outputs; without it (no ipywidgets) nothing is done.
+ */
+import type { NotebookPanel } from '@jupyterlab/notebook';
+import type { Kernel } from '@jupyterlab/services';
+import type { Widget } from '@lumino/widgets';
+
+export const WIDGET_VIEW_MIME = 'application/vnd.jupyter.widget-view+json';
+
+/** The parts of the jupyterlab-manager's WidgetManager this module uses. */
+interface IWidgetManager {
+  _models: Record<string, Promise<{ comm?: { jsServicesComm?: { _kernel?: unknown } } }>>;
+  restoreWidgets(
+    notebook: unknown,
+    options: { loadKernel: boolean; loadNotebook: boolean }
+  ): Promise<void>;
+}
+
+interface IWidgetRenderer {
+  mimeType?: string;
+  _manager?: { promise: Promise<IWidgetManager> };
+}
+
+function widgetRenderers(panel: NotebookPanel): IWidgetRenderer[] {
+  const found: IWidgetRenderer[] = [];
+  const visit = (widget: Widget) => {
+    const renderer = widget as unknown as IWidgetRenderer;
+    if (renderer.mimeType === WIDGET_VIEW_MIME && renderer._manager) {
+      found.push(renderer);
+      return;
+    }
+    const children = (widget as unknown as { widgets?: readonly Widget[] }).widgets;
+    for (const child of children ?? []) {
+      visit(child);
+    }
+  };
+  for (const cell of panel.content.widgets) {
+    const outputArea = (cell as unknown as { outputArea?: Widget }).outputArea;
+    if (outputArea) {
+      visit(outputArea);
+    }
+  }
+  return found;
+}
+
+async function connected(kernel: Kernel.IKernelConnection): Promise<void> {
+  if (kernel.connectionStatus === 'connected') {
+    return;
+  }
+  await new Promise<void>(resolve => {
+    const check = (_: unknown, status: Kernel.ConnectionStatus) => {
+      if (status === 'connected') {
+        kernel.connectionStatusChanged.disconnect(check);
+        resolve();
+      }
+    };
+    kernel.connectionStatusChanged.connect(check);
+  });
+}
+
+/**
+ * Called by the controller once a notebook's session uses a restored kernel: show the
+ * restored kernel's widgets in the notebook's widget outputs.
+ */
+export async function rebindWidgets(panel: NotebookPanel): Promise<void> {
+  const renderers = widgetRenderers(panel);
+  const kernel = panel.sessionContext.session?.kernel;
+  if (!renderers.length || !kernel) {
+    return;
+  }
+  const manager = await renderers[0]._manager!.promise;
+  await connected(kernel);
+  // Models of the kernel before (or of none): their comms cannot reach the restored one.
+  for (const [id, pending] of Object.entries(manager._models)) {
+    const model = await pending.catch(() => null);
+    if (model?.comm?.jsServicesComm?._kernel !== kernel) {
+      delete manager._models[id];
+    }
+  }
+  await manager.restoreWidgets(panel.context.model, {
+    loadKernel: true,
+    loadNotebook: false
+  });
+  // Outputs drawn before (an error, or a view of a forgotten model) are drawn afresh.
+  for (const cell of panel.content.widgets) {
+    const outputs = (cell.model as { outputs?: IOutputs }).outputs;
+    for (let index = 0; outputs && index < outputs.length; index++) {
+      const output = outputs.get(index);
+      if (output.data[WIDGET_VIEW_MIME]) {
+        outputs.set(index, output.toJSON());
+      }
+    }
+  }
+}
+
+interface IOutputs {
+  length: number;
+  get(index: number): { data: Record<string, unknown>; toJSON(): unknown };
+  set(index: number, value: unknown): void;
+}
