@@ -3,8 +3,11 @@
  *
  * Progress changes it in place; the outcome replaces it with a new notification.
  * JupyterLab hands an update to the toast only once the toast is on screen, so an
- * outcome that came first (a refusal within milliseconds) or right after a progress
- * update was lost: the toast stayed at its progress text and never closed by itself.
+ * outcome sent as an update (a refusal within milliseconds, or a success right after a
+ * progress update) was lost: the toast stayed at its progress text and never closed.
+ * And an update sent before the toast is on screen makes JupyterLab create the toast
+ * again, later: after the outcome dismissed it, a stale progress toast came back. So
+ * progress waits until the toast is shown.
  */
 import { Notification } from '@jupyterlab/apputils';
 
@@ -13,8 +16,17 @@ export class JobNotification {
     this._id = Notification.emit(message, 'in-progress', { autoClose: false });
   }
 
-  /** The job's phase and, once known, how far it is. */
+  /**
+   * Whether JupyterLab shows the toast ``id`` (react-toastify gives its element that id).
+   * Replaced by unit tests, which have no toasts on screen.
+   */
+  static isShown = (id: string): boolean => document.getElementById(id) !== null;
+
+  /** The job's phase and, once known, how far it is; skipped until the toast shows. */
   progress(message: string, progress?: number): void {
+    if (!JobNotification.isShown(this._id)) {
+      return;
+    }
     Notification.update({
       id: this._id,
       type: 'in-progress',

@@ -1,7 +1,6 @@
 /**
  * Who holds the ports of a refused restore, from the server's error: the notebook's own
  * kernel, another kernel of the server (named by its notebook), or something else.
- * No imports at run time, so that node's test runner loads the compiled file as it is.
  */
 import type { IJobError } from './api';
 

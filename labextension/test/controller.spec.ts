@@ -8,6 +8,7 @@ import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
 import {
+  IAutosaveState,
   IJob,
   IJobError,
   IKernelStatus,
@@ -21,6 +22,7 @@ import {
   SnapshotController,
   shortError
 } from '../src/controller';
+import { JobNotification } from '../src/progress';
 import { EventStream, MiB, makeJob, makeSnapshot, portsRefusal } from './fixtures';
 
 // JupyterLab's real notification manager; dialogs would wait for a click, so showDialog is
@@ -45,7 +47,11 @@ function fakeApi() {
       Promise<IJob>,
       [string, { path?: string; session_id?: string }]
     >(),
-    getJob: jest.fn<Promise<IJob>, [string]>()
+    getJob: jest.fn<Promise<IJob>, [string]>(),
+    // A server without autosave answers nothing: the tests here are about saves.
+    autosave: jest.fn<Promise<IAutosaveState>, [string]>(() =>
+      Promise.reject(new Error('no autosave'))
+    )
   };
 }
 
@@ -141,6 +147,9 @@ function shownDialog(): Partial<Dialog.IOptions<unknown>> {
   expect(mockedShowDialog).toHaveBeenCalledTimes(1);
   return mockedShowDialog.mock.calls[0][0] ?? {};
 }
+
+// The job notifications' toasts are taken as on screen (jsdom shows none).
+JobNotification.isShown = () => true;
 
 afterEach(() => {
   Notification.dismiss();

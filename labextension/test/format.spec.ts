@@ -148,11 +148,13 @@ describe('describeProgress: the phase, the bytes and the time left', () => {
       [
         'commit',
         'done',
+        'downloading',
         'dump',
         'preflight',
         'restore',
         'resume',
         'suspend',
+        'uploading',
         'verify'
       ].sort()
     );

@@ -26,8 +26,13 @@ function shown(): {
   }));
 }
 
+// Toasts are taken as on screen unless a test says otherwise.
+let onScreen = true;
+JobNotification.isShown = () => onScreen;
+
 afterEach(() => {
   Notification.dismiss();
+  onScreen = true;
 });
 
 describe('JobNotification', () => {
@@ -96,5 +101,17 @@ describe('JobNotification', () => {
     toast.finish('error', 'failed', { autoClose: false });
     expect(shown().map(n => n.id)).toContain(other);
     expect(shown()).toHaveLength(2);
+  });
+
+  it('sends no progress before its toast is on screen, so none brings it back later', () => {
+    onScreen = false;
+    const toast = new JobNotification('Restoring x…');
+    toast.progress('Restoring x: checking…', 0);
+    expect(shown()).toEqual([expect.objectContaining({ message: 'Restoring x…' })]);
+    onScreen = true;
+    toast.progress('Restoring x: restoring…', 0.5);
+    expect(shown()).toEqual([
+      expect.objectContaining({ message: 'Restoring x: restoring…' })
+    ]);
   });
 });
