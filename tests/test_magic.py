@@ -353,7 +353,9 @@ def test_loading_the_extension_never_waits_for_a_server(tmp_path: Path) -> None:
 def test_interrupting_a_save_only_stops_waiting(
     jupyter_server: JupyterServer, notebook: NotebookKernel
 ) -> None:
-    notebook.ok("import os; blob = os.urandom(300 << 20)")  # a save that takes a while
+    # A save that takes seconds: the interrupt, sent once progress shows, must land before
+    # it ends even when a loaded machine is slow to deliver it.
+    notebook.ok("import os; blob = os.urandom(1 << 30)")
     interrupted: list[float] = []
 
     def interrupt_once_waiting(msg: dict[str, Any]) -> None:
@@ -376,7 +378,7 @@ def test_interrupting_a_save_only_stops_waiting(
     job = jupyter_server.wait_job(job_id[1])
     assert job["status"] == "succeeded", job
     assert [s["name"] for s in jupyter_server.snapshots(notebook.path)] == ["interrupted"]
-    assert notebook.ok("print(len(blob) >> 20)") == "300\n"
+    assert notebook.ok("print(len(blob) >> 20)") == "1024\n"
 
 
 def test_a_server_on_a_unix_socket(tmp_path_factory: pytest.TempPathFactory) -> None:
