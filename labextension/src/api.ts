@@ -6,6 +6,8 @@
  */
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
+import type { TranslationBundle } from '@jupyterlab/translation';
+import { untranslated } from './format';
 
 export type Phase =
   | 'preflight'
@@ -138,7 +140,8 @@ export class SnapshotAPIError extends Error {
 
 export class SnapshotAPI {
   constructor(
-    readonly settings: ServerConnection.ISettings = ServerConnection.makeSettings()
+    readonly settings: ServerConnection.ISettings = ServerConnection.makeSettings(),
+    private readonly _trans: TranslationBundle = untranslated
   ) {}
 
   async listSnapshots(notebookPath?: string): Promise<ISnapshotSummary[]> {
@@ -230,7 +233,7 @@ export class SnapshotAPI {
       response = await ServerConnection.makeRequest(url, init, this.settings);
     } catch (error) {
       throw new SnapshotAPIError(
-        `cannot reach the Jupyter server: ${(error as Error).message}`,
+        this._trans.__('cannot reach the Jupyter server: %1', (error as Error).message),
         0
       );
     }
@@ -247,7 +250,9 @@ export class SnapshotAPI {
       const message =
         (data && typeof data.message === 'string' && data.message) ||
         (response.status === 404 && !data
-          ? 'the gpu-snapshot server extension is not enabled on this server'
+          ? this._trans.__(
+              'the gpu-snapshot server extension is not enabled on this server'
+            )
           : `${response.status} ${response.statusText}`);
       const error = data && typeof data.step === 'string' ? (data as IJobError) : null;
       throw new SnapshotAPIError(message, response.status, error);

@@ -3,6 +3,7 @@
  * registry for the item that schema/plugin.json declares. Shift-click asks for a name.
  */
 import type { NotebookPanel } from '@jupyterlab/notebook';
+import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget, ToolbarButtonComponent } from '@jupyterlab/ui-components';
 import * as React from 'react';
 import type { SnapshotController } from './controller';
@@ -13,7 +14,8 @@ export class SnapshotButton extends ReactWidget {
   constructor(
     private readonly _panel: NotebookPanel,
     private readonly _controller: SnapshotController,
-    private readonly _saveNamed: () => void
+    private readonly _saveNamed: () => void,
+    private readonly _trans: TranslationBundle
   ) {
     super();
     this.addClass('jp-gpu-snapshot-button');
@@ -29,9 +31,9 @@ export class SnapshotButton extends ReactWidget {
     return (
       <ToolbarButtonComponent
         icon={snapshotIcon}
-        label="Snapshot"
+        label={this._trans.__('Snapshot')}
         className={enabled ? '' : 'jp-gpu-snapshot-unavailable'}
-        tooltip={enabled ? `${reason} (Shift-click to name it)` : reason}
+        tooltip={enabled ? this._trans.__('%1 (Shift-click to name it)', reason) : reason}
         enabled={!running}
         pressed={running}
         onClick={event => {

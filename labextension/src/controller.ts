@@ -7,6 +7,7 @@
 import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
+import type { TranslationBundle } from '@jupyterlab/translation';
 import { ISignal, Signal } from '@lumino/signaling';
 import {
   AutosaveOverride,
@@ -26,7 +27,8 @@ import {
   formatBytes,
   formatSeconds,
   jobFraction,
-  toastProgress
+  toastProgress,
+  untranslated
 } from './format';
 import { JobFollower } from './jobs';
 import { JobNotification } from './progress';
@@ -37,19 +39,19 @@ import { rebindWidgets } from './widgets';
 export const SUCCESS_CLOSE_MS = 6000;
 
 /** The step and the cause (toasts cut long text; the log path is in the details). */
-export function shortError(error: IJobError | null): string {
+export function shortError(error: IJobError | null, trans = untranslated): string {
   if (!error) {
-    return 'the job ended without a result';
+    return trans.__('the job ended without a result');
   }
   if (!error.step || !error.cause) {
     return error.message;
   }
-  const hint = error.hint ? `. ${error.hint[0].toUpperCase()}${error.hint.slice(1)}` : '';
   // A refused request (a bad name) is no failed step: say what was wrong.
-  if (error.code === 'invalid_request' || error.code === 'busy') {
-    return error.cause + hint;
-  }
-  return `${error.step} failed: ${error.cause}${hint}`;
+  const refused = error.code === 'invalid_request' || error.code === 'busy';
+  const text = refused ? error.cause : trans.__('%1 failed: %2', error.step, error.cause);
+  return error.hint
+    ? trans.__('%1. %2', text, error.hint[0].toUpperCase() + error.hint.slice(1))
+    : text;
 }
 
 /** What a failed restore offers to do about it, e.g. shut down the kernel holding its ports. */
@@ -67,26 +69,27 @@ function detailsAction(
   title: string,
   error: IJobError | null,
   remedy: IRemedy | null,
-  dismiss: () => void
+  dismiss: () => void,
+  trans: TranslationBundle
 ): Notification.IAction[] {
   if (!error) {
     return [];
   }
   const lines = [error.message];
   if (error.log && !error.message.includes(error.log)) {
-    lines.push(`Log: ${error.log}`);
+    lines.push(trans.__('Log: %1', error.log));
   }
   return [
     {
-      label: 'Details',
-      caption: 'Show the whole error and where its log is',
+      label: trans.__('Details'),
+      caption: trans.__('Show the whole error and where its log is'),
       callback: event => {
         event.preventDefault();
         void showDialog({
           title,
           body: lines.join('\n'),
           buttons: [
-            Dialog.cancelButton({ label: 'Close' }),
+            Dialog.cancelButton({ label: trans.__('Close') }),
             ...(remedy
               ? [Dialog.warnButton({ label: remedy.label, caption: remedy.caption })]
               : [])
@@ -125,9 +128,14 @@ export interface IAvailability {
 export const HELP_URL = 'https://jupyterlab.readthedocs.io/en/stable/user/notebook.html';
 
 export class SnapshotController {
+  /**
+   * ``trans`` words every message the controller shows, and the widgets that read its
+   * state use the same bundle; without one it speaks English.
+   */
   constructor(
     readonly api: SnapshotAPI,
-    private readonly _services: ServiceManager.IManager
+    private readonly _services: ServiceManager.IManager,
+    readonly trans: TranslationBundle = untranslated
   ) {
     this._follower = new JobFollower(api, _services.events ?? null);
     // A job started elsewhere (the magic, the widget, another browser) still shows here.
@@ -219,29 +227,36 @@ export class SnapshotController {
   }
 
   saveAvailability(panel: NotebookPanel | null): IAvailability {
+    const trans = this.trans;
     const kernelId = this.kernelId(panel);
     if (!kernelId) {
-      return { enabled: false, reason: 'No kernel is running in this notebook' };
+      return {
+        enabled: false,
+        reason: trans.__('No kernel is running in this notebook')
+      };
     }
     const entry = this.entry(kernelId);
     const job = this.activeJob(panel);
     if (job) {
-      const what = job.kind === 'save' ? 'A snapshot' : 'A restore';
+      const progress = describeProgress(job, undefined, trans);
       return {
         enabled: false,
-        reason: `${what} of this kernel is running: ${describeProgress(job)}`
+        reason:
+          job.kind === 'save'
+            ? trans.__('A snapshot of this kernel is running: %1', progress)
+            : trans.__('A restore of this kernel is running: %1', progress)
       };
     }
     if (entry?.error) {
       return {
         enabled: false,
-        reason: `Cannot snapshot: the server did not answer (${entry.error})`
+        reason: trans.__('Cannot snapshot: the server did not answer (%1)', entry.error)
       };
     }
     if (!entry?.status) {
       return {
         enabled: false,
-        reason: 'Checking whether this kernel can be snapshotted…'
+        reason: trans.__('Checking whether this kernel can be snapshotted…')
       };
     }
     if (!entry.status.ready) {
@@ -250,22 +265,26 @@ export class SnapshotController {
         // The usual case, in a user's words; the server's findings are in the docs' terms.
         return {
           enabled: false,
-          reason:
-            `Snapshots unavailable: this notebook runs a kernel that cannot be saved. ` +
-            `Switch to the '${SNAPSHOT_KERNEL_DISPLAY_NAME}' kernel with ` +
-            'Kernel › Change Kernel… (click for help)',
+          reason: trans.__(
+            "Snapshots unavailable: this notebook runs a kernel that cannot be saved. Switch to the '%1' kernel with Kernel › Change Kernel… (click for help)",
+            SNAPSHOT_KERNEL_DISPLAY_NAME
+          ),
           changeKernel: true
         };
       }
       return {
         enabled: false,
-        reason: `Snapshots unavailable: ${details || 'the server says this kernel is not snapshot-ready'}`
+        reason: trans.__(
+          'Snapshots unavailable: %1',
+          details || trans.__('the server says this kernel is not snapshot-ready')
+        )
       };
     }
     return {
       enabled: true,
-      reason:
+      reason: trans.__(
         "Snapshot kernel: save this kernel's memory (variables, GPU tensors) to disk"
+      )
     };
   }
 
@@ -275,25 +294,27 @@ export class SnapshotController {
     if (availability.enabled) {
       return;
     }
+    const trans = this.trans;
     const actions: Notification.IAction[] = [];
     if (availability.changeKernel && this.changeKernel) {
       const change = this.changeKernel;
       actions.push({
-        label: 'Change kernel…',
-        caption: `Pick '${SNAPSHOT_KERNEL_DISPLAY_NAME}' in the dialog`,
+        label: trans.__('Change kernel…'),
+        caption: trans.__("Pick '%1' in the dialog", SNAPSHOT_KERNEL_DISPLAY_NAME),
         displayType: 'accent',
         callback: () => change(panel)
       });
       actions.push({
-        label: 'Why?',
-        caption: 'How snapshots work, and which kernels they need',
+        label: trans.__('Why?'),
+        caption: trans.__('How snapshots work, and which kernels they need'),
         callback: () => window.open(HELP_URL, '_blank', 'noopener')
       });
     }
     const text = availability.changeKernel
-      ? `Snapshots need the '${SNAPSHOT_KERNEL_DISPLAY_NAME}' kernel, which runs the ` +
-        "notebook's code so that it can be saved and restored. Switch this notebook to it " +
-        '(its variables start afresh).'
+      ? trans.__(
+          "Snapshots need the '%1' kernel, which runs the notebook's code so that it can be saved and restored. Switch this notebook to it (its variables start afresh).",
+          SNAPSHOT_KERNEL_DISPLAY_NAME
+        )
       : availability.reason;
     Notification.info(text, { autoClose: 10000, actions });
   }
@@ -309,8 +330,9 @@ export class SnapshotController {
       Notification.warning(availability.reason, { autoClose: 5000 });
       return null;
     }
+    const trans = this.trans;
     const notebook = panel.context.localPath;
-    const toast = new JobNotification(`Snapshot of ${notebook}: starting…`);
+    const toast = new JobNotification(trans.__('Snapshot of %1: starting…', notebook));
     let job: IJob;
     try {
       job = await this.api.startSave(kernelId, name ? { name } : {});
@@ -318,7 +340,10 @@ export class SnapshotController {
       const apiError = error instanceof SnapshotAPIError ? error.error : null;
       toast.finish(
         'error',
-        `Snapshot failed: ${apiError ? shortError(apiError) : (error as Error).message}`,
+        trans.__(
+          'Snapshot failed: %1',
+          apiError ? shortError(apiError, trans) : (error as Error).message
+        ),
         { autoClose: false }
       );
       void this.refresh(kernelId);
@@ -326,7 +351,7 @@ export class SnapshotController {
     }
     const final = await this._follow(kernelId, job, current =>
       toast.progress(
-        `Snapshot of ${notebook}: ${this.describeJob(current)}`,
+        trans.__('Snapshot of %1: %2', notebook, this.describeJob(current)),
         toastProgress(current)
       )
     );
@@ -339,14 +364,21 @@ export class SnapshotController {
         this._changed.emit(kernelId);
       }
       void this.refresh(kernelId);
-      toast.finish('success', describeSaved(summary), { autoClose: SUCCESS_CLOSE_MS });
+      toast.finish('success', describeSaved(summary, trans), {
+        autoClose: SUCCESS_CLOSE_MS
+      });
       return summary;
     }
     void this.refresh(kernelId);
-    toast.finish('error', `Snapshot failed: ${shortError(final.error)}`, {
-      autoClose: false,
-      actions: dismiss => detailsAction('Snapshot failed', final.error, null, dismiss)
-    });
+    toast.finish(
+      'error',
+      trans.__('Snapshot failed: %1', shortError(final.error, trans)),
+      {
+        autoClose: false,
+        actions: dismiss =>
+          detailsAction(trans.__('Snapshot failed'), final.error, null, dismiss, trans)
+      }
+    );
     return null;
   }
 
@@ -358,7 +390,7 @@ export class SnapshotController {
       this._phaseClocks.set(job.id, clock);
     }
     const eta = estimateSecondsLeft(jobFraction(job), (Date.now() - clock.since) / 1000);
-    return describeProgress(job, eta);
+    return describeProgress(job, eta, this.trans);
   }
 
   /** The snapshot each kernel restored here came from (kernel id to snapshot id). */
@@ -375,37 +407,40 @@ export class SnapshotController {
     snapshot: ISnapshotSummary,
     error: IJobError | null
   ): { message: string; remedy: IRemedy | null } | null {
-    const holder = portsHolder(error, this.kernelId(panel));
+    const trans = this.trans;
+    const holder = portsHolder(error, this.kernelId(panel), trans);
     if (holder === null) {
       return null;
     }
     if (holder.kind === 'outside') {
       return {
-        message:
-          'its ports are taken by a process this server does not run (another restore ' +
-          'of it from the command line?); stop that process first',
+        message: trans.__(
+          'its ports are taken by a process this server does not run (another restore of it from the command line?); stop that process first'
+        ),
         remedy: null
       };
     }
     if (holder.kind === 'this-kernel') {
       return {
-        message: "its ports are taken by this notebook's own kernel",
+        message: trans.__("its ports are taken by this notebook's own kernel"),
         remedy: {
-          label: 'Shut down this kernel and restore',
-          caption:
-            "Shut down this notebook's kernel (its current state is lost), then restore",
+          label: trans.__('Shut down this kernel and restore'),
+          caption: trans.__(
+            "Shut down this notebook's kernel (its current state is lost), then restore"
+          ),
           run: () => void this._restoreReplacing(panel, snapshot, null)
         }
       };
     }
     const { owner, kernelId } = holder;
     return {
-      message: `its ports are taken by the kernel of ${owner}`,
+      message: trans.__('its ports are taken by the kernel of %1', owner),
       remedy: {
-        label: `Shut down ${owner}'s kernel and restore`,
-        caption:
-          `Shut down the kernel of ${holder.path ?? kernelId} (its current state is lost), ` +
-          'then restore here; this notebook keeps its kernel until the restore replaces it',
+        label: trans.__("Shut down %1's kernel and restore", owner),
+        caption: trans.__(
+          'Shut down the kernel of %1 (its current state is lost), then restore here; this notebook keeps its kernel until the restore replaces it',
+          holder.path ?? kernelId
+        ),
         run: () => void this._restoreReplacing(panel, snapshot, kernelId)
       }
     };
@@ -416,14 +451,15 @@ export class SnapshotController {
    * the notebook's session is switched to it.
    */
   async restore(panel: NotebookPanel, snapshot: ISnapshotSummary): Promise<boolean> {
+    const trans = this.trans;
     const sessionContext = panel.sessionContext;
-    const toast = new JobNotification(`Restoring '${snapshot.name}'…`);
+    const toast = new JobNotification(trans.__("Restoring '%1'…", snapshot.name));
     const fail = (message: string, error: IJobError | null = null): boolean => {
       const ports = this.portsRemedy(panel, snapshot, error);
       const remedy = ports?.remedy ?? null;
       toast.finish(
         'error',
-        `Restore of '${snapshot.name}' failed: ${ports?.message ?? message}`,
+        trans.__("Restore of '%1' failed: %2", snapshot.name, ports?.message ?? message),
         {
           autoClose: false,
           actions: dismiss => [
@@ -438,10 +474,11 @@ export class SnapshotController {
                 ]
               : []),
             ...detailsAction(
-              `Restore of '${snapshot.name}' failed`,
+              trans.__("Restore of '%1' failed", snapshot.name),
               error,
               remedy,
-              dismiss
+              dismiss,
+              trans
             )
           ]
         }
@@ -461,21 +498,24 @@ export class SnapshotController {
       );
     } catch (error) {
       const apiError = error instanceof SnapshotAPIError ? error.error : null;
-      return fail(apiError ? shortError(apiError) : (error as Error).message, apiError);
+      return fail(
+        apiError ? shortError(apiError, trans) : (error as Error).message,
+        apiError
+      );
     }
     const path = panel.context.path;
     const final = await this._follow(null, job, current => {
       this._restores.set(path, current);
       this._changed.emit('');
       toast.progress(
-        `Restoring '${snapshot.name}': ${this.describeJob(current)}`,
+        trans.__("Restoring '%1': %2", snapshot.name, this.describeJob(current)),
         toastProgress(current)
       );
     });
     this._restores.delete(path);
     this._changed.emit('');
     if (final.status !== 'succeeded' || !final.result) {
-      return fail(shortError(final.error), final.error);
+      return fail(shortError(final.error, trans), final.error);
     }
     const result = final.result as IRestoreResult;
     this._origins.set(result.kernel_id, snapshot.id);
@@ -483,8 +523,11 @@ export class SnapshotController {
       await this._attach(panel, result);
     } catch (error) {
       return fail(
-        `the kernel was restored (id ${result.kernel_id}) but the notebook could not ` +
-          `switch to it: ${(error as Error).message}`
+        trans.__(
+          'the kernel was restored (id %1) but the notebook could not switch to it: %2',
+          result.kernel_id,
+          (error as Error).message
+        )
       );
     }
     void this.refresh(result.kernel_id);
@@ -497,8 +540,12 @@ export class SnapshotController {
     const seconds = (Date.now() - started) / 1000;
     toast.finish(
       'success',
-      `Kernel restored from '${snapshot.name}' (${formatBytes(snapshot.size_bytes)}) ` +
-        `in ${formatSeconds(seconds)}`,
+      trans.__(
+        "Kernel restored from '%1' (%2) in %3",
+        snapshot.name,
+        formatBytes(snapshot.size_bytes, trans),
+        formatSeconds(seconds, trans)
+      ),
       { autoClose: SUCCESS_CLOSE_MS }
     );
     return true;
@@ -550,7 +597,12 @@ export class SnapshotController {
     }
     await sessionContext.changeKernel({ id: result.kernel_id });
     if (current() !== result.kernel_id) {
-      throw new Error(`the session still uses kernel ${current() ?? 'none'}`);
+      throw new Error(
+        this.trans.__(
+          'the session still uses kernel %1',
+          current() ?? this.trans.__('none')
+        )
+      );
     }
   }
 
@@ -577,7 +629,7 @@ export class SnapshotController {
         error: {
           step: job.phase,
           cause: (error as Error).message,
-          message: `lost track of the job: ${(error as Error).message}`
+          message: this.trans.__('lost track of the job: %1', (error as Error).message)
         }
       };
     }

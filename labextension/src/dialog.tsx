@@ -3,6 +3,7 @@
  * or delete some.
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
+import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import * as React from 'react';
 import type { ISnapshotSummary, SnapshotAPI } from './api';
@@ -11,7 +12,8 @@ import {
   describeLocation,
   formatAge,
   formatBytes,
-  formatTime
+  formatTime,
+  untranslated
 } from './format';
 
 const CONFIRM_MS = 4000;
@@ -31,7 +33,8 @@ export class SnapshotPicker
     private readonly _api: SnapshotAPI,
     private readonly _notebookPath: string,
     private readonly _onDeleted: () => void = () => undefined,
-    private readonly _running: IRunningKernel = { kernelId: null, originId: null }
+    private readonly _running: IRunningKernel = { kernelId: null, originId: null },
+    private readonly _trans: TranslationBundle = untranslated
   ) {
     super();
     this.addClass('jp-gpu-snapshot-picker');
@@ -70,8 +73,9 @@ export class SnapshotPicker
   }
 
   render(): JSX.Element {
+    const trans = this._trans;
     if (!this._loaded) {
-      return <p className="jp-gpu-snapshot-empty">Loading snapshots…</p>;
+      return <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>;
     }
     const own = this._snapshots.filter(s => s.notebook_path === this._notebookPath);
     const others = this._snapshots.filter(s => s.notebook_path !== this._notebookPath);
@@ -83,20 +87,26 @@ export class SnapshotPicker
           <thead>
             <tr>
               <th />
-              <th>Name</th>
-              <th>Taken</th>
-              <th>Size</th>
-              <th>GPU</th>
-              <th>Notebook</th>
+              <th>{trans.__('Name')}</th>
+              <th>{trans.__('Taken')}</th>
+              <th>{trans.__('Size')}</th>
+              <th>{trans.__('GPU')}</th>
+              <th>{trans.__('Notebook')}</th>
               <th />
             </tr>
           </thead>
           {this._section(
-            `Snapshots of ${this._notebookPath || 'this notebook'}`,
+            this._notebookPath
+              ? trans.__('Snapshots of %1', this._notebookPath)
+              : trans.__('Snapshots of this notebook'),
             own,
-            'No snapshot of this notebook yet.'
+            trans.__('No snapshot of this notebook yet.')
           )}
-          {this._section('All other snapshots', others, 'No other snapshots.')}
+          {this._section(
+            trans.__('All other snapshots'),
+            others,
+            trans.__('No other snapshots.')
+          )}
         </table>
       </div>
     );
@@ -126,6 +136,8 @@ export class SnapshotPicker
   }
 
   private _row(s: ISnapshotSummary): JSX.Element {
+    const trans = this._trans;
+    const location = describeLocation(s, trans);
     const selected = s.id === this._selected;
     const confirming = this._confirming === s.id;
     const held = this.heldByRunningKernel(s);
@@ -142,7 +154,7 @@ export class SnapshotPicker
           <input
             type="radio"
             name="jp-gpu-snapshot-choice"
-            aria-label={`Restore ${s.name}`}
+            aria-label={trans.__('Restore %1', s.name)}
             checked={selected}
             onChange={() => this._select(s.id)}
           />
@@ -152,32 +164,34 @@ export class SnapshotPicker
           {s.reason === 'shutdown' && (
             <span
               className="jp-gpu-snapshot-badge"
-              title="Saved when the server shut down"
+              title={trans.__('Saved when the server shut down')}
             >
-              before shutdown
+              {trans.__('before shutdown')}
             </span>
           )}
-          {describeLocation(s) && (
+          {location && (
             <span
               className="jp-gpu-snapshot-badge jp-gpu-snapshot-location"
               data-location={s.location}
-              title="Where the snapshot is kept"
+              title={trans.__('Where the snapshot is kept')}
             >
-              {describeLocation(s)}
+              {location}
             </span>
           )}
           {held && (
             <span
               className="jp-gpu-snapshot-badge jp-gpu-snapshot-origin"
-              title="The notebook's running kernel holds this snapshot's ports: restoring it shuts that kernel down first"
+              title={trans.__(
+                "The notebook's running kernel holds this snapshot's ports: restoring it shuts that kernel down first"
+              )}
             >
-              {origin ? "this kernel's origin" : 'of this kernel'}
+              {origin ? trans.__("this kernel's origin") : trans.__('of this kernel')}
             </span>
           )}
         </td>
-        <td title={formatTime(s.created)}>{formatAge(s.created)}</td>
-        <td>{formatBytes(s.size_bytes)}</td>
-        <td>{describeGpu(s)}</td>
+        <td title={formatTime(s.created)}>{formatAge(s.created, undefined, trans)}</td>
+        <td>{formatBytes(s.size_bytes, trans)}</td>
+        <td>{describeGpu(s, trans)}</td>
         <td className="jp-gpu-snapshot-path">{s.notebook_path ?? '—'}</td>
         <td>
           <button
@@ -185,13 +199,17 @@ export class SnapshotPicker
               'jp-gpu-snapshot-delete jp-Button jp-mod-styled ' +
               (confirming ? 'jp-mod-warn' : 'jp-mod-reject')
             }
-            title={confirming ? 'Click again to delete for good' : `Delete ${s.name}`}
+            title={
+              confirming
+                ? trans.__('Click again to delete for good')
+                : trans.__('Delete %1', s.name)
+            }
             onClick={event => {
               event.stopPropagation();
               void this._delete(s);
             }}
           >
-            {confirming ? 'Confirm delete' : 'Delete'}
+            {confirming ? trans.__('Confirm delete') : trans.__('Delete')}
           </button>
         </td>
       </tr>
@@ -244,7 +262,11 @@ export class SnapshotPicker
     try {
       await this._api.deleteSnapshot(s.id);
     } catch (error) {
-      this._error = `Could not delete '${s.name}': ${(error as Error).message}`;
+      this._error = this._trans.__(
+        "Could not delete '%1': %2",
+        s.name,
+        (error as Error).message
+      );
       this.update();
       return;
     }
@@ -266,12 +288,14 @@ export async function pickSnapshot(
   api: SnapshotAPI,
   notebookPath: string,
   onDeleted?: () => void,
-  running?: IRunningKernel
+  running?: IRunningKernel,
+  trans: TranslationBundle = untranslated
 ): Promise<ISnapshotSummary | null> {
   const result = await showDialog({
-    title: 'Restore kernel from snapshot',
-    body: new SnapshotPicker(api, notebookPath, onDeleted, running),
-    buttons: [Dialog.cancelButton(), Dialog.okButton({ label: 'Restore' })]
+    title: trans.__('Restore kernel from snapshot'),
+    body: new SnapshotPicker(api, notebookPath, onDeleted, running, trans),
+    // JupyterLab words the default Cancel in its own domain.
+    buttons: [Dialog.cancelButton(), Dialog.okButton({ label: trans.__('Restore') })]
   });
   return result.button.accept ? result.value : null;
 }

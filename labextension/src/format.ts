@@ -1,78 +1,116 @@
 /**
- * How sizes, ages and job progress read in the UI.
+ * How sizes, ages and job progress read in the UI, in the user's language.
+ *
+ * Each function takes the extension's TranslationBundle last; without one it speaks
+ * English, so the pure functions keep working outside JupyterLab (unit tests).
  */
+import { nullTranslator, TranslationBundle } from '@jupyterlab/translation';
 import type { IAutosavePolicy, IAutosaveState, IJob, ISnapshotSummary } from './api';
 
-export function formatBytes(n: number): string {
-  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+/** The extension's translation domain (its Python package's name). */
+export const TRANSLATION_DOMAIN = 'jupyter_gpu_snapshot';
+
+/** English as written in the source: the default wherever no translator is given. */
+export const untranslated: TranslationBundle = nullTranslator.load(TRANSLATION_DOMAIN);
+
+export function formatBytes(n: number, trans = untranslated): string {
+  // One literal per unit, so that translators see each (some languages write "o" for B).
+  const units = [
+    (size: string) => trans.__('%1 B', size),
+    (size: string) => trans.__('%1 KiB', size),
+    (size: string) => trans.__('%1 MiB', size),
+    (size: string) => trans.__('%1 GiB', size),
+    (size: string) => trans.__('%1 TiB', size)
+  ];
   let size = n;
   let unit = 0;
   while (size >= 1024 && unit < units.length - 1) {
     size /= 1024;
     unit++;
   }
-  return unit === 0 ? `${n} B` : `${size.toFixed(1)} ${units[unit]}`;
+  return units[unit](unit === 0 ? `${n}` : size.toFixed(1));
 }
 
 /**
  * "just now", "5 min ago", "3 h ago", "2 days ago": the same words as the magic and the
  * widget (kernel/presentation.py's format_age).
  */
-export function formatAge(epochSeconds: number, now = Date.now() / 1000): string {
+export function formatAge(
+  epochSeconds: number,
+  now = Date.now() / 1000,
+  trans = untranslated
+): string {
   const age = Math.max(0, now - epochSeconds);
   if (age < 60) {
-    return 'just now';
+    return trans.__('just now');
   }
   if (age < 3600) {
-    return `${Math.floor(age / 60)} min ago`;
+    return trans.__('%1 min ago', Math.floor(age / 60));
   }
   if (age < 48 * 3600) {
-    return `${Math.floor(age / 3600)} h ago`;
+    return trans.__('%1 h ago', Math.floor(age / 3600));
   }
-  return `${Math.floor(age / 86400)} days ago`;
+  return trans._n('%1 day ago', '%1 days ago', Math.floor(age / 86400));
 }
 
 export function formatTime(epochSeconds: number): string {
   return new Date(epochSeconds * 1000).toLocaleString();
 }
 
-export function formatSeconds(seconds: number): string {
-  return seconds < 10 ? `${seconds.toFixed(2)} s` : `${seconds.toFixed(1)} s`;
+export function formatSeconds(seconds: number, trans = untranslated): string {
+  return trans.__('%1 s', seconds < 10 ? seconds.toFixed(2) : seconds.toFixed(1));
 }
 
 /** What each phase of a job reads as; kernel/presentation.py's PHASE_LABELS says the same. */
-export const PHASE_LABELS: { [phase: string]: string } = {
-  preflight: 'checking',
-  suspend: 'pausing the kernel',
-  dump: 'writing memory',
-  resume: 'resuming the kernel',
-  commit: 'committing',
-  uploading: 'uploading to the remote store',
-  downloading: 'downloading from the remote store',
-  verify: 'verifying',
-  restore: 'restoring',
-  done: 'finishing'
-};
+export function phaseLabels(trans = untranslated): { [phase: string]: string } {
+  return {
+    preflight: trans.__('checking'),
+    suspend: trans.__('pausing the kernel'),
+    dump: trans.__('writing memory'),
+    resume: trans.__('resuming the kernel'),
+    commit: trans.__('committing'),
+    uploading: trans.__('uploading to the remote store'),
+    downloading: trans.__('downloading from the remote store'),
+    verify: trans.__('verifying'),
+    restore: trans.__('restoring'),
+    done: trans.__('finishing')
+  };
+}
+
+/** The phase labels in English, as the kernel side words them. */
+export const PHASE_LABELS = phaseLabels();
 
 /** One line on a running job: its phase, the bytes moved when known, and an ETA. */
-export function describeProgress(job: IJob, etaSeconds?: number): string {
-  const phase = PHASE_LABELS[job.phase] ?? job.phase;
-  const eta = etaSeconds === undefined ? '' : `, ${formatEta(etaSeconds)}`;
+export function describeProgress(
+  job: IJob,
+  etaSeconds?: number,
+  trans = untranslated
+): string {
+  const phase = phaseLabels(trans)[job.phase] ?? job.phase;
+  let text: string;
   if (job.total > 0) {
-    return `${phase}: ${formatBytes(job.done)} of ${formatBytes(job.total)}${eta}`;
+    text = trans.__(
+      '%1: %2 of %3',
+      phase,
+      formatBytes(job.done, trans),
+      formatBytes(job.total, trans)
+    );
+  } else if (job.done > 0) {
+    text = trans.__('%1: %2', phase, formatBytes(job.done, trans));
+  } else {
+    return trans.__('%1…', phase);
   }
-  if (job.done > 0) {
-    return `${phase}: ${formatBytes(job.done)}${eta}`;
-  }
-  return `${phase}…`;
+  return etaSeconds === undefined
+    ? text
+    : trans.__('%1, %2', text, formatEta(etaSeconds, trans));
 }
 
 /** "about 12 s left", "about 3 min left". */
-export function formatEta(seconds: number): string {
+export function formatEta(seconds: number, trans = untranslated): string {
   if (seconds < 60) {
-    return `about ${Math.max(1, Math.ceil(seconds))} s left`;
+    return trans.__('about %1 s left', Math.max(1, Math.ceil(seconds)));
   }
-  return `about ${Math.ceil(seconds / 60)} min left`;
+  return trans.__('about %1 min left', Math.ceil(seconds / 60));
 }
 
 /**
@@ -111,10 +149,10 @@ export function jobFraction(job: IJob): number | undefined {
  * The GPU column: the GPUs the kernel had memory on and how much was saved, from the
  * manifest's "gpu" section (core/gpu_hook.py), e.g. "NVIDIA H100 80GB HBM3, 1.1 GiB".
  */
-export function describeGpu(snapshot: ISnapshotSummary): string {
+export function describeGpu(snapshot: ISnapshotSummary, trans = untranslated): string {
   const gpu = snapshot.gpu as IGpuSection | null;
   if (!gpu) {
-    return 'CPU only';
+    return trans.__('CPU only');
   }
   const used = new Set<string>();
   for (const proc of gpu.processes ?? []) {
@@ -127,13 +165,13 @@ export function describeGpu(snapshot: ISnapshotSummary): string {
   const names = (gpu.devices ?? []).filter(d => used.has(d.uuid)).map(d => d.name);
   const moved = typeof gpu.moved_bytes === 'number' ? gpu.moved_bytes : 0;
   if (!names.length && moved === 0) {
-    return 'no GPU memory';
+    return trans.__('no GPU memory');
   }
   const label =
     names.length > 1 && names.every(n => n === names[0])
-      ? `${names.length}× ${names[0]}`
-      : names.join(' + ') || 'GPU';
-  return moved > 0 ? `${label}, ${formatBytes(moved)}` : label;
+      ? trans.__('%1× %2', names.length, names[0])
+      : names.join(' + ') || trans.__('GPU');
+  return moved > 0 ? trans.__('%1, %2', label, formatBytes(moved, trans)) : label;
 }
 
 interface IGpuSection {
@@ -143,63 +181,84 @@ interface IGpuSection {
 }
 
 /** "saved 'before-training' (12.3 MiB) in 0.84 s". */
-export function describeSaved(snapshot: ISnapshotSummary): string {
+export function describeSaved(snapshot: ISnapshotSummary, trans = untranslated): string {
   const total = snapshot.timings?.['total'];
-  const time = typeof total === 'number' ? ` in ${formatSeconds(total)}` : '';
-  return `Snapshot saved: '${snapshot.name}', ${formatBytes(snapshot.size_bytes)}${time}`;
+  const size = formatBytes(snapshot.size_bytes, trans);
+  return typeof total === 'number'
+    ? trans.__(
+        "Snapshot saved: '%1', %2 in %3",
+        snapshot.name,
+        size,
+        formatSeconds(total, trans)
+      )
+    : trans.__("Snapshot saved: '%1', %2", snapshot.name, size);
 }
 
 /** "every 15 min of activity, and after cells of 10 min or more", or "off". */
-export function describeAutosavePolicy(policy: IAutosavePolicy): string {
+export function describeAutosavePolicy(
+  policy: IAutosavePolicy,
+  trans = untranslated
+): string {
   if (!policy.enabled) {
-    return 'off';
+    return trans.__('off');
   }
-  const every = `every ${formatMinutes(policy.interval_minutes)} of activity`;
-  const during = policy.during_cell ? ', also during a cell' : '';
-  const after =
-    policy.after_cell_minutes > 0
-      ? `, and after cells of ${formatMinutes(policy.after_cell_minutes)} or more`
-      : '';
-  return every + during + after;
+  let text = trans.__(
+    'every %1 of activity',
+    formatMinutes(policy.interval_minutes, trans)
+  );
+  if (policy.during_cell) {
+    text = trans.__('%1, also during a cell', text);
+  }
+  if (policy.after_cell_minutes > 0) {
+    text = trans.__(
+      '%1, and after cells of %2 or more',
+      text,
+      formatMinutes(policy.after_cell_minutes, trans)
+    );
+  }
+  return text;
 }
 
 /** When the next autosave comes, as the sidebar says it. */
 export function describeNextAutosave(
   state: IAutosaveState,
-  now = Date.now() / 1000
+  now = Date.now() / 1000,
+  trans = untranslated
 ): string {
   if (state.autosaving) {
-    return 'autosaving now…';
+    return trans.__('autosaving now…');
   }
   if (!state.policy.enabled) {
-    return 'no autosave planned';
+    return trans.__('no autosave planned');
   }
   if (state.next_autosave === null) {
-    return 'nothing to save: no cell ran since the last snapshot';
+    return trans.__('nothing to save: no cell ran since the last snapshot');
   }
   const left = state.next_autosave - now;
   return left <= 60
-    ? 'next autosave within a minute'
-    : `next autosave in ${formatMinutes(left / 60)}`;
+    ? trans.__('next autosave within a minute')
+    : trans.__('next autosave in %1', formatMinutes(left / 60, trans));
 }
 
-export function formatMinutes(minutes: number): string {
+export function formatMinutes(minutes: number, trans = untranslated): string {
   if (minutes < 1) {
-    return `${Math.round(minutes * 60)} s`;
+    return trans.__('%1 s', Math.round(minutes * 60));
   }
   if (minutes >= 120 && minutes % 60 === 0) {
-    return `${minutes / 60} h`;
+    return trans.__('%1 h', minutes / 60);
   }
-  return `${Math.round(minutes * 10) / 10} min`;
+  return trans.__('%1 min', Math.round(minutes * 10) / 10);
 }
 
-const LOCATIONS: { [location: string]: string } = {
-  local: 'on this server',
-  remote: 'remote only',
-  both: 'here and remote'
-};
-
 /** Where a snapshot is kept, or '' from servers that do not say. */
-export function describeLocation(snapshot: ISnapshotSummary): string {
-  return snapshot.location ? (LOCATIONS[snapshot.location] ?? snapshot.location) : '';
+export function describeLocation(
+  snapshot: ISnapshotSummary,
+  trans = untranslated
+): string {
+  const locations: { [location: string]: string } = {
+    local: trans.__('on this server'),
+    remote: trans.__('remote only'),
+    both: trans.__('here and remote')
+  };
+  return snapshot.location ? (locations[snapshot.location] ?? snapshot.location) : '';
 }

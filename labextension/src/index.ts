@@ -15,11 +15,13 @@ import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStateDB } from '@jupyterlab/statedb';
 import { IStatusBar } from '@jupyterlab/statusbar';
+import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 import { Signal } from '@lumino/signaling';
 import { SnapshotAPI } from './api';
 import { SnapshotButton } from './button';
 import { SnapshotController } from './controller';
 import { pickSnapshot } from './dialog';
+import { TRANSLATION_DOMAIN } from './format';
 import { restoreIcon, snapshotIcon } from './icons';
 import { ShutdownOffer } from './reboot';
 import { SnapshotsSidebar } from './sidebar';
@@ -45,7 +47,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     'Snapshot a notebook kernel (CUDA state included) and restore it into the notebook.',
   autoStart: true,
   requires: [INotebookTracker, IToolbarWidgetRegistry],
-  optional: [ICommandPalette, IStatusBar, ISettingRegistry, IStateDB],
+  optional: [ICommandPalette, IStatusBar, ISettingRegistry, IStateDB, ITranslator],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
@@ -53,13 +55,19 @@ const plugin: JupyterFrontEndPlugin<void> = {
     palette: ICommandPalette | null,
     statusBar: IStatusBar | null,
     settingRegistry: ISettingRegistry | null,
-    stateDB: IStateDB | null
+    stateDB: IStateDB | null,
+    translator: ITranslator | null
   ) => {
-    const controller = new SnapshotController(new SnapshotAPI(), app.serviceManager);
+    const trans = (translator ?? nullTranslator).load(TRANSLATION_DOMAIN);
+    const controller = new SnapshotController(
+      new SnapshotAPI(undefined, trans),
+      app.serviceManager,
+      trans
+    );
     const current = (): NotebookPanel | null => tracker.currentWidget;
 
     app.commands.addCommand(CommandIDs.save, {
-      label: 'Snapshot Kernel',
+      label: trans.__('Snapshot Kernel'),
       caption: () => controller.saveAvailability(current()).reason,
       icon: snapshotIcon,
       isEnabled: () => controller.saveAvailability(current()).enabled,
@@ -72,8 +80,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
 
     app.commands.addCommand(CommandIDs.saveNamed, {
-      label: 'Snapshot Kernel As…',
-      caption: 'Snapshot the kernel under a name of your choice',
+      label: trans.__('Snapshot Kernel As…'),
+      caption: trans.__('Snapshot the kernel under a name of your choice'),
       isEnabled: () => controller.saveAvailability(current()).enabled,
       execute: async () => {
         const panel = current();
@@ -81,10 +89,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
           return;
         }
         const answer = await InputDialog.getText({
-          title: 'Snapshot kernel as',
-          label: "Name (letters, digits, '.', '_' or '-')",
+          title: trans.__('Snapshot kernel as'),
+          label: trans.__("Name (letters, digits, '.', '_' or '-')"),
+          // An example of a valid name: ASCII in every language.
           placeholder: 'before-training',
-          okLabel: 'Snapshot'
+          okLabel: trans.__('Snapshot')
         });
         const name = answer.value?.trim();
         if (!answer.button.accept || !name) {
@@ -92,8 +101,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
         if (!NAME_PATTERN.test(name)) {
           Notification.warning(
-            `'${name}' cannot be a snapshot name: use 1-64 letters, digits, '.', '_' or '-', ` +
-              'starting with a letter or digit',
+            trans.__(
+              "'%1' cannot be a snapshot name: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+              name
+            ),
             { autoClose: 8000 }
           );
           return;
@@ -103,9 +114,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
 
     app.commands.addCommand(CommandIDs.restore, {
-      label: 'Restore Kernel from Snapshot…',
-      caption:
-        "Pick a snapshot and restore it as this notebook's kernel; snapshots can be deleted there too",
+      label: trans.__('Restore Kernel from Snapshot…'),
+      caption: trans.__(
+        "Pick a snapshot and restore it as this notebook's kernel; snapshots can be deleted there too"
+      ),
       icon: restoreIcon,
       isEnabled: () => {
         const panel = current();
@@ -126,7 +138,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
               void controller.refresh(kernelId);
             }
           },
-          { kernelId, originId: controller.originOf(kernelId) }
+          { kernelId, originId: controller.originOf(kernelId) },
+          trans
         );
         if (snapshot && !panel.isDisposed) {
           await controller.restore(panel, snapshot);
@@ -149,25 +162,36 @@ const plugin: JupyterFrontEndPlugin<void> = {
     tracker.currentChanged.connect(notify);
 
     if (palette) {
-      palette.addItem({ command: CommandIDs.save, category: 'Kernel' });
-      palette.addItem({ command: CommandIDs.saveNamed, category: 'Kernel' });
-      palette.addItem({ command: CommandIDs.restore, category: 'Kernel' });
+      const category = trans.__('Kernel');
+      palette.addItem({ command: CommandIDs.save, category });
+      palette.addItem({ command: CommandIDs.saveNamed, category });
+      palette.addItem({ command: CommandIDs.restore, category });
     }
 
     toolbarRegistry.addFactory<NotebookPanel>(
       'Notebook',
       TOOLBAR_ITEM,
       panel =>
-        new SnapshotButton(panel, controller, () => {
-          void app.commands.execute(CommandIDs.saveNamed);
-        })
+        new SnapshotButton(
+          panel,
+          controller,
+          () => {
+            void app.commands.execute(CommandIDs.saveNamed);
+          },
+          trans
+        )
     );
 
     let statusItem: SnapshotStatusItem | null = null;
     if (statusBar) {
-      const item = new SnapshotStatusItem(tracker, controller, () => {
-        void app.commands.execute(CommandIDs.restore);
-      });
+      const item = new SnapshotStatusItem(
+        tracker,
+        controller,
+        () => {
+          void app.commands.execute(CommandIDs.restore);
+        },
+        trans
+      );
       const activeStateChanged = new Signal<SnapshotStatusItem, void>(item);
       item.changed = () => activeStateChanged.emit();
       statusItem = item;
@@ -180,10 +204,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
       });
     }
 
-    const sidebar = new SnapshotsSidebar(controller, tracker, 15);
+    const sidebar = new SnapshotsSidebar(controller, tracker, 15, trans);
     app.shell.add(sidebar, 'left', { rank: 850 });
 
-    const offer = new ShutdownOffer(controller, stateDB);
+    const offer = new ShutdownOffer(controller, stateDB, trans);
     let offerAfterShutdown = true;
     tracker.widgetAdded.connect((_, panel) => {
       if (offerAfterShutdown) {

@@ -8,9 +8,10 @@ import { Notification } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import { KernelAPI } from '@jupyterlab/services';
 import type { IStateDB } from '@jupyterlab/statedb';
+import type { TranslationBundle } from '@jupyterlab/translation';
 import type { ISnapshotSummary } from './api';
 import type { SnapshotController } from './controller';
-import { formatAge, formatBytes } from './format';
+import { formatAge, formatBytes, untranslated } from './format';
 
 /** Snapshot ids the user has answered (restored or declined), in JupyterLab's state. */
 const ANSWERED_KEY = 'jupyter-gpu-snapshot:shutdown-offers-answered';
@@ -25,25 +26,25 @@ function notebookName(offer: IOffer): string {
   return offer.panel.context.localPath.split('/').pop() || offer.panel.context.localPath;
 }
 
-const REASONS: { [reason: string]: string } = {
-  shutdown: 'saved at shutdown',
-  autosave: 'an autosave',
-  user: 'saved by hand'
-};
-
 /**
  * "an autosave, 3 min ago": short, since JupyterLab cuts a notification's message at
  * 140 characters.
  */
-export function describeOffer(snapshot: ISnapshotSummary): string {
-  const reason = REASONS[snapshot.reason] ?? `saved (${snapshot.reason})`;
-  return `${reason}, ${formatAge(snapshot.created)}`;
+export function describeOffer(snapshot: ISnapshotSummary, trans = untranslated): string {
+  const reasons: { [reason: string]: string } = {
+    shutdown: trans.__('saved at shutdown'),
+    autosave: trans.__('an autosave'),
+    user: trans.__('saved by hand')
+  };
+  const reason = reasons[snapshot.reason] ?? trans.__('saved (%1)', snapshot.reason);
+  return trans.__('%1, %2', reason, formatAge(snapshot.created, undefined, trans));
 }
 
 export class ShutdownOffer {
   constructor(
     private readonly _controller: SnapshotController,
-    private readonly _state: IStateDB | null = null
+    private readonly _state: IStateDB | null = null,
+    private readonly _trans: TranslationBundle = untranslated
   ) {}
 
   /** Called by the plugin for every notebook panel that opens. */
@@ -83,14 +84,25 @@ export class ShutdownOffer {
     if (!offers.length) {
       return;
     }
+    const trans = this._trans;
     const single = offers.length === 1;
     const message = single
-      ? `Restore the kernel of ${notebookName(offers[0])}? Its newest snapshot: ` +
-        `${describeOffer(offers[0].snapshot)} ` +
-        `(${formatBytes(offers[0].snapshot.size_bytes)}).`
-      : `Restore the kernels of ${offers.length} notebooks? ` +
-        offers.map(o => `${notebookName(o)}: ${describeOffer(o.snapshot)}`).join('; ') +
-        '.';
+      ? trans.__(
+          'Restore the kernel of %1? Its newest snapshot: %2 (%3).',
+          notebookName(offers[0]),
+          describeOffer(offers[0].snapshot, trans),
+          formatBytes(offers[0].snapshot.size_bytes, trans)
+        )
+      : trans._n(
+          'Restore the kernel of %1 notebook? %2.',
+          'Restore the kernels of %1 notebooks? %2.',
+          offers.length,
+          offers
+            .map(o =>
+              trans.__('%1: %2', notebookName(o), describeOffer(o.snapshot, trans))
+            )
+            .join('; ')
+        );
     const answer = (restore: boolean) => {
       this._pending = [];
       this._toast = null;
@@ -103,11 +115,11 @@ export class ShutdownOffer {
       autoClose: false as const,
       actions: [
         {
-          label: single ? 'Restore' : 'Restore all',
+          label: single ? trans.__('Restore') : trans.__('Restore all'),
           displayType: 'accent' as const,
           callback: () => answer(true)
         },
-        { label: 'Not now', callback: () => answer(false) }
+        { label: trans.__('Not now'), callback: () => answer(false) }
       ]
     };
     if (this._toast && Notification.manager.has(this._toast)) {

@@ -3,6 +3,7 @@
  * kernel, another kernel of the server (named by its notebook), or something else.
  */
 import type { IJobError } from './api';
+import { untranslated } from './format';
 
 export type PortsHolder =
   | { kind: 'this-kernel' }
@@ -12,7 +13,8 @@ export type PortsHolder =
 /** Null unless the error is a refusal for taken ports (error code ports_in_use). */
 export function portsHolder(
   error: IJobError | null,
-  ownKernelId: string | null
+  ownKernelId: string | null,
+  trans = untranslated
 ): PortsHolder | null {
   if (error?.code !== 'ports_in_use') {
     return null;
@@ -25,6 +27,6 @@ export function portsHolder(
     return { kind: 'this-kernel' };
   }
   const path = error.details?.holder_notebook_path ?? null;
-  const owner = path ? path.split('/').pop() || path : `kernel ${holder}`;
+  const owner = path ? path.split('/').pop() || path : trans.__('kernel %1', holder);
   return { kind: 'other-kernel', kernelId: holder, path, owner };
 }

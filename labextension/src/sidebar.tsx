@@ -5,6 +5,7 @@
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { InputDialog } from '@jupyterlab/apputils';
+import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
@@ -36,11 +37,14 @@ const SORTS: { [key in SortKey]: (a: ISnapshotSummary, b: ISnapshotSummary) => n
     size: (a, b) => b.size_bytes - a.size_bytes
   };
 
-const REASONS: { [reason: string]: string } = {
-  user: 'saved by hand',
-  autosave: 'autosave',
-  shutdown: 'before shutdown'
-};
+function reasonLabel(reason: string, trans: TranslationBundle): string {
+  const labels: { [reason: string]: string } = {
+    user: trans.__('saved by hand'),
+    autosave: trans.__('autosave'),
+    shutdown: trans.__('before shutdown')
+  };
+  return labels[reason] ?? reason;
+}
 
 /** Whether a snapshot matches the search text (name, id, notebook, host, reason). */
 export function matches(s: ISnapshotSummary, search: string): boolean {
@@ -58,13 +62,14 @@ export class SnapshotsSidebar extends ReactWidget {
   constructor(
     private readonly _controller: SnapshotController,
     private readonly _tracker: INotebookTracker,
-    refreshSeconds: number
+    refreshSeconds: number,
+    private readonly _trans: TranslationBundle
   ) {
     super();
     this.id = 'jp-gpu-snapshot-sidebar';
     this.addClass('jp-gpu-snapshot-sidebar');
     this.title.icon = snapshotIcon;
-    this.title.caption = 'Snapshots';
+    this.title.caption = _trans.__('Snapshots');
     _tracker.currentChanged.connect(() => this.update());
     _controller.changed.connect(() => this._poll.refresh());
     this._poll = new Poll({
@@ -110,6 +115,7 @@ export class SnapshotsSidebar extends ReactWidget {
   }
 
   render(): JSX.Element {
+    const trans = this._trans;
     const panel = this._tracker.currentWidget;
     const path = panel?.context.path ?? null;
     const shown = this._snapshots
@@ -121,17 +127,32 @@ export class SnapshotsSidebar extends ReactWidget {
     return (
       <div className="jp-gpu-snapshot-sidebar-body">
         <header className="jp-gpu-snapshot-sidebar-header">
-          <h2>Snapshots</h2>
-          <div className="jp-gpu-snapshot-store" title="The snapshot store on the server">
-            {this._snapshots.length} in the store, {formatBytes(total)}
-            {this._freeBytes !== null && `, ${formatBytes(this._freeBytes)} free`}
+          <h2>{trans.__('Snapshots')}</h2>
+          <div
+            className="jp-gpu-snapshot-store"
+            title={trans.__('The snapshot store on the server')}
+          >
+            {this._freeBytes !== null
+              ? trans._n(
+                  '%1 in the store, %2, %3 free',
+                  '%1 in the store, %2, %3 free',
+                  this._snapshots.length,
+                  formatBytes(total, trans),
+                  formatBytes(this._freeBytes, trans)
+                )
+              : trans._n(
+                  '%1 in the store, %2',
+                  '%1 in the store, %2',
+                  this._snapshots.length,
+                  formatBytes(total, trans)
+                )}
           </div>
           <div className="jp-gpu-snapshot-controls">
             <input
               type="search"
               className="jp-gpu-snapshot-search"
-              placeholder="Search name, notebook, host…"
-              aria-label="Search snapshots"
+              placeholder={trans.__('Search name, notebook, host…')}
+              aria-label={trans.__('Search snapshots')}
               value={this._search}
               onChange={event => {
                 this._search = event.target.value;
@@ -140,29 +161,30 @@ export class SnapshotsSidebar extends ReactWidget {
             />
             <select
               className="jp-gpu-snapshot-sort"
-              aria-label="Sort snapshots"
+              aria-label={trans.__('Sort snapshots')}
               value={this._sort}
               onChange={event => {
                 this._sort = event.target.value as SortKey;
                 this.update();
               }}
             >
-              <option value="newest">Newest first</option>
-              <option value="oldest">Oldest first</option>
-              <option value="name">By name</option>
-              <option value="size">Largest first</option>
+              <option value="newest">{trans.__('Newest first')}</option>
+              <option value="oldest">{trans.__('Oldest first')}</option>
+              <option value="name">{trans.__('By name')}</option>
+              <option value="size">{trans.__('Largest first')}</option>
             </select>
           </div>
         </header>
         {this._error && <p className="jp-gpu-snapshot-error">{this._error}</p>}
         {!this._loaded ? (
-          <p className="jp-gpu-snapshot-empty">Loading snapshots…</p>
+          <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>
         ) : (
           <>
             {path && this._autosaveSection()}
-            {path && this._section(`This notebook: ${path}`, own, panel, 'own')}
+            {path &&
+              this._section(trans.__('This notebook: %1', path), own, panel, 'own')}
             {this._section(
-              path ? 'All others' : 'All snapshots',
+              path ? trans.__('All others') : trans.__('All snapshots'),
               others,
               panel,
               'others'
@@ -175,6 +197,7 @@ export class SnapshotsSidebar extends ReactWidget {
 
   /** The current notebook's autosave: policy, last and next autosave, and its override. */
   private _autosaveSection(): JSX.Element | null {
+    const trans = this._trans;
     const state = this._autosave;
     if (
       !state ||
@@ -193,20 +216,36 @@ export class SnapshotsSidebar extends ReactWidget {
     let intervalInput: HTMLInputElement | null = null;
     return (
       <section className="jp-gpu-snapshot-sidebar-section" data-section="autosave">
-        <h3>Autosave</h3>
+        <h3>{trans.__('Autosave')}</h3>
         <div className="jp-gpu-snapshot-autosave-policy">
-          {describeAutosavePolicy(state.policy)}
-          {overridden ? " (this notebook's setting)" : " (the server's setting)"}
+          {overridden
+            ? trans.__(
+                "%1 (this notebook's setting)",
+                describeAutosavePolicy(state.policy, trans)
+              )
+            : trans.__(
+                "%1 (the server's setting)",
+                describeAutosavePolicy(state.policy, trans)
+              )}
         </div>
-        <div className="jp-gpu-snapshot-autosave-next">{describeNextAutosave(state)}</div>
+        <div className="jp-gpu-snapshot-autosave-next">
+          {describeNextAutosave(state, undefined, trans)}
+        </div>
         {last && (
           <div className="jp-gpu-snapshot-autosave-last" title={formatTime(last.created)}>
-            Last autosave {formatAge(last.created)}
-            {last.pause !== null && `, the kernel paused ${formatSeconds(last.pause)}`}
+            {last.pause !== null
+              ? trans.__(
+                  'Last autosave %1, the kernel paused %2',
+                  formatAge(last.created, undefined, trans),
+                  formatSeconds(last.pause, trans)
+                )
+              : trans.__('Last autosave %1', formatAge(last.created, undefined, trans))}
           </div>
         )}
         {state.last_skip && (
-          <div className="jp-gpu-snapshot-autosave-skip">Skipped: {state.last_skip}</div>
+          <div className="jp-gpu-snapshot-autosave-skip">
+            {trans.__('Skipped: %1', state.last_skip)}
+          </div>
         )}
         <form
           key={formKey}
@@ -221,22 +260,22 @@ export class SnapshotsSidebar extends ReactWidget {
         >
           <select
             className="jp-gpu-snapshot-autosave-mode"
-            aria-label="Autosave for this notebook"
+            aria-label={trans.__('Autosave for this notebook')}
             defaultValue={mode}
             ref={node => {
               modeInput = node;
             }}
           >
-            <option value="default">Server setting</option>
-            <option value="on">On</option>
-            <option value="off">Off</option>
+            <option value="default">{trans.__('Server setting')}</option>
+            <option value="on">{trans.__('On')}</option>
+            <option value="off">{trans.__('Off')}</option>
           </select>
           <label>
-            every{' '}
+            {trans.__('every')}{' '}
             <input
               type="number"
               className="jp-gpu-snapshot-autosave-interval"
-              aria-label="Autosave interval in minutes"
+              aria-label={trans.__('Autosave interval in minutes')}
               min="0.1"
               step="any"
               defaultValue={state.policy.interval_minutes}
@@ -244,10 +283,10 @@ export class SnapshotsSidebar extends ReactWidget {
                 intervalInput = node;
               }}
             />{' '}
-            min
+            {trans.__('min')}
           </label>
           <button type="submit" className="jp-Button jp-mod-styled jp-mod-accept">
-            Apply
+            {trans.__('Apply')}
           </button>
         </form>
       </section>
@@ -267,7 +306,9 @@ export class SnapshotsSidebar extends ReactWidget {
       override = { enabled: false };
     } else {
       if (!(minutes > 0)) {
-        this._error = 'The autosave interval must be a number of minutes above 0.';
+        this._error = this._trans.__(
+          'The autosave interval must be a number of minutes above 0.'
+        );
         this.update();
         return;
       }
@@ -277,7 +318,10 @@ export class SnapshotsSidebar extends ReactWidget {
       this._autosave = await this._controller.setAutosave(kernelId, override);
       this._error = null;
     } catch (error) {
-      this._error = `Could not change autosave: ${(error as Error).message}`;
+      this._error = this._trans.__(
+        'Could not change autosave: %1',
+        (error as Error).message
+      );
     }
     this.update();
   }
@@ -295,7 +339,9 @@ export class SnapshotsSidebar extends ReactWidget {
           <ul>{snapshots.map(s => this._item(s, panel))}</ul>
         ) : (
           <p className="jp-gpu-snapshot-empty">
-            {this._search ? 'None matches the search.' : 'None.'}
+            {this._search
+              ? this._trans.__('None matches the search.')
+              : this._trans.__('None.')}
           </p>
         )}
       </section>
@@ -303,6 +349,8 @@ export class SnapshotsSidebar extends ReactWidget {
   }
 
   private _item(s: ISnapshotSummary, panel: NotebookPanel | null): JSX.Element {
+    const trans = this._trans;
+    const where = describeLocation(s, trans);
     const confirming = this._confirming === s.id;
     const busy = panel !== null && this._controller.activeJob(panel) !== null;
     const target = panel?.context.localPath ?? null;
@@ -319,21 +367,23 @@ export class SnapshotsSidebar extends ReactWidget {
             {s.name}
           </span>
           <span className="jp-gpu-snapshot-badge" data-reason={s.reason}>
-            {REASONS[s.reason] ?? s.reason}
+            {reasonLabel(s.reason, trans)}
           </span>
         </div>
         <div className="jp-gpu-snapshot-item-facts">
-          <span title={formatTime(s.created)}>{formatAge(s.created)}</span>
-          <span>{formatBytes(s.size_bytes)}</span>
-          <span>{describeGpu(s)}</span>
-          {describeLocation(s) && (
+          <span title={formatTime(s.created)}>
+            {formatAge(s.created, undefined, trans)}
+          </span>
+          <span>{formatBytes(s.size_bytes, trans)}</span>
+          <span>{describeGpu(s, trans)}</span>
+          {where && (
             <span className="jp-gpu-snapshot-location" data-location={s.location}>
-              {describeLocation(s)}
+              {where}
             </span>
           )}
         </div>
         <div className="jp-gpu-snapshot-item-location" title={location}>
-          {location || 'location unknown'}
+          {location || trans.__('location unknown')}
         </div>
         <div className="jp-gpu-snapshot-item-actions">
           <button
@@ -341,8 +391,8 @@ export class SnapshotsSidebar extends ReactWidget {
             disabled={!panel || busy}
             title={
               target
-                ? `Restore '${s.name}' as the kernel of ${target}`
-                : 'Open a notebook to restore into'
+                ? trans.__("Restore '%1' as the kernel of %2", s.name, target)
+                : trans.__('Open a notebook to restore into')
             }
             onClick={() => {
               if (panel) {
@@ -350,24 +400,28 @@ export class SnapshotsSidebar extends ReactWidget {
               }
             }}
           >
-            Restore
+            {trans.__('Restore')}
           </button>
           <button
             className="jp-Button jp-mod-styled jp-mod-reject jp-gpu-snapshot-rename"
-            title={`Give ${s.name} another name`}
+            title={trans.__('Give %1 another name', s.name)}
             onClick={() => void this._rename(s)}
           >
-            Rename
+            {trans.__('Rename')}
           </button>
           <button
             className={
               'jp-Button jp-mod-styled jp-gpu-snapshot-delete ' +
               (confirming ? 'jp-mod-warn' : 'jp-mod-reject')
             }
-            title={confirming ? 'Click again to delete for good' : `Delete ${s.name}`}
+            title={
+              confirming
+                ? trans.__('Click again to delete for good')
+                : trans.__('Delete %1', s.name)
+            }
             onClick={() => void this._delete(s)}
           >
-            {confirming ? 'Confirm delete' : 'Delete'}
+            {confirming ? trans.__('Confirm delete') : trans.__('Delete')}
           </button>
         </div>
       </li>
@@ -376,11 +430,14 @@ export class SnapshotsSidebar extends ReactWidget {
 
   /** Called by an item's Rename button: ask for the name, then PATCH the snapshot. */
   private async _rename(s: ISnapshotSummary): Promise<void> {
+    const trans = this._trans;
     const answer = await InputDialog.getText({
-      title: `Rename '${s.name}'`,
-      label: '1-64 letters, digits, ".", "_" or "-", starting with a letter or digit',
+      title: trans.__("Rename '%1'", s.name),
+      label: trans.__(
+        '1-64 letters, digits, ".", "_" or "-", starting with a letter or digit'
+      ),
       text: s.name,
-      okLabel: 'Rename'
+      okLabel: trans.__('Rename')
     });
     const name = answer.value?.trim();
     if (!answer.button.accept || !name || name === s.name) {
@@ -388,16 +445,22 @@ export class SnapshotsSidebar extends ReactWidget {
     }
     // The store's rule for names (core/store.py, validate_name), checked before asking.
     if (!NAME_PATTERN.test(name) || /\.\.|[.-]$/.test(name)) {
-      this._error =
-        `Could not rename '${s.name}': invalid snapshot name '${name}' (use 1-64 ` +
-        'letters, digits, ".", "_" or "-", starting with a letter or digit)';
+      this._error = trans.__(
+        'Could not rename \'%1\': invalid snapshot name \'%2\' (use 1-64 letters, digits, ".", "_" or "-", starting with a letter or digit)',
+        s.name,
+        name
+      );
       this.update();
       return;
     }
     try {
       await this._controller.api.renameSnapshot(s.id, name);
     } catch (error) {
-      this._error = `Could not rename '${s.name}': ${(error as Error).message}`;
+      this._error = trans.__(
+        "Could not rename '%1': %2",
+        s.name,
+        (error as Error).message
+      );
       this.update();
       return;
     }
@@ -425,7 +488,11 @@ export class SnapshotsSidebar extends ReactWidget {
     try {
       await this._controller.api.deleteSnapshot(s.id);
     } catch (error) {
-      this._error = `Could not delete '${s.name}': ${(error as Error).message}`;
+      this._error = this._trans.__(
+        "Could not delete '%1': %2",
+        s.name,
+        (error as Error).message
+      );
       this.update();
       return;
     }

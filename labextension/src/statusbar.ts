@@ -3,6 +3,7 @@
  * else the age of the kernel's last snapshot (for an autosave, with the pause it cost).
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import type { TranslationBundle } from '@jupyterlab/translation';
 import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 import type { SnapshotController } from './controller';
@@ -16,7 +17,8 @@ export class SnapshotStatusItem extends Widget {
   constructor(
     private readonly _tracker: INotebookTracker,
     private readonly _controller: SnapshotController,
-    onClick: () => void
+    onClick: () => void,
+    private readonly _trans: TranslationBundle
   ) {
     super();
     this.addClass('jp-gpu-snapshot-status');
@@ -73,6 +75,7 @@ export class SnapshotStatusItem extends Widget {
   }
 
   private _describe(panel: NotebookPanel | null): { text: string; title: string } {
+    const trans = this._trans;
     if (!panel) {
       return { text: '', title: '' };
     }
@@ -83,19 +86,26 @@ export class SnapshotStatusItem extends Widget {
       autosave?.autosaving
     ) {
       return {
-        text: 'Autosaving…',
+        text: trans.__('Autosaving…'),
         title: job
-          ? `Autosave: ${this._controller.describeJob(job)}`
-          : 'An autosave of this kernel is under way'
+          ? trans.__('Autosave: %1', this._controller.describeJob(job))
+          : trans.__('An autosave of this kernel is under way')
       };
     }
     if (job) {
       const fraction = jobFraction(job);
-      const percent = fraction === undefined ? '' : ` ${Math.round(fraction * 100)}%`;
-      const what = job.kind === 'save' ? 'Snapshot' : 'Restore';
+      const percent = fraction === undefined ? null : Math.round(fraction * 100);
+      const progress = this._controller.describeJob(job);
+      if (job.kind === 'save') {
+        return {
+          text:
+            percent === null ? trans.__('Snapshot') : trans.__('Snapshot %1%%', percent),
+          title: trans.__('Snapshot: %1', progress)
+        };
+      }
       return {
-        text: `${what}${percent}`,
-        title: `${what}: ${this._controller.describeJob(job)}`
+        text: percent === null ? trans.__('Restore') : trans.__('Restore %1%%', percent),
+        title: trans.__('Restore: %1', progress)
       };
     }
     const kernelId = this._controller.kernelId(panel);
@@ -104,14 +114,14 @@ export class SnapshotStatusItem extends Widget {
     // Without a kernel (shut down) the item stays: it is the way back to a snapshot.
     if (!kernelId) {
       return {
-        text: 'Snapshots',
-        title: 'No kernel is running. Click to restore one from a snapshot.'
+        text: trans.__('Snapshots'),
+        title: trans.__('No kernel is running. Click to restore one from a snapshot.')
       };
     }
     if (entry?.error) {
       return {
-        text: 'Snapshots unavailable',
-        title: `The server did not answer: ${entry.error}`
+        text: trans.__('Snapshots unavailable'),
+        title: trans.__('The server did not answer: %1', entry.error)
       };
     }
     if (!status) {
@@ -120,31 +130,43 @@ export class SnapshotStatusItem extends Widget {
     const last = status.last_snapshot;
     const lastAutosave = autosave?.last_autosave ?? null;
     if (last && (last.reason === 'autosave' || last.id === lastAutosave?.snapshot_id)) {
+      const age = formatAge(last.created, undefined, trans);
       const pause =
         lastAutosave?.snapshot_id === last.id && lastAutosave.pause !== null
-          ? ` (paused ${formatSeconds(lastAutosave.pause)})`
-          : '';
-      return {
-        text: `Autosaved ${formatAge(last.created)}${pause}`,
-        title:
-          `Last snapshot of this kernel: the autosave '${last.name}'` +
-          (pause
-            ? `; the kernel paused ${formatSeconds(lastAutosave!.pause!)} for it`
-            : '') +
-          '. Click to restore one.'
-      };
+          ? formatSeconds(lastAutosave.pause, trans)
+          : null;
+      return pause === null
+        ? {
+            text: trans.__('Autosaved %1', age),
+            title: trans.__(
+              "Last snapshot of this kernel: the autosave '%1'. Click to restore one.",
+              last.name
+            )
+          }
+        : {
+            text: trans.__('Autosaved %1 (paused %2)', age, pause),
+            title: trans.__(
+              "Last snapshot of this kernel: the autosave '%1'; the kernel paused %2 for it. Click to restore one.",
+              last.name,
+              pause
+            )
+          };
     }
     if (last) {
       return {
-        text: `Snapshot ${formatAge(last.created)}`,
-        title: `Last snapshot of this kernel: '${last.name}'. Click to restore one.`
+        text: trans.__('Snapshot %1', formatAge(last.created, undefined, trans)),
+        title: trans.__(
+          "Last snapshot of this kernel: '%1'. Click to restore one.",
+          last.name
+        )
       };
     }
     if (status.ready) {
       return {
-        text: 'No snapshot yet',
-        title:
+        text: trans.__('No snapshot yet'),
+        title: trans.__(
           'This kernel can be snapshotted; it has no snapshot yet. Click to restore one.'
+        )
       };
     }
     return { text: '', title: '' };

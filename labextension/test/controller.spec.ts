@@ -7,6 +7,7 @@
 import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
+import type { TranslationBundle } from '@jupyterlab/translation';
 import {
   IAutosaveState,
   IJob,
@@ -23,7 +24,14 @@ import {
   shortError
 } from '../src/controller';
 import { JobNotification } from '../src/progress';
-import { EventStream, MiB, makeJob, makeSnapshot, portsRefusal } from './fixtures';
+import {
+  EventStream,
+  MiB,
+  ShoutingBundle,
+  makeJob,
+  makeSnapshot,
+  portsRefusal
+} from './fixtures';
 
 // JupyterLab's real notification manager; dialogs would wait for a click, so showDialog is
 // a mock that the tests answer.
@@ -104,12 +112,17 @@ function status(fields: Partial<IKernelStatus> = {}): IKernelStatus {
   };
 }
 
-function setUp(sessions: IFakeSession[] = [], events?: EventStream) {
+function setUp(
+  sessions: IFakeSession[] = [],
+  events?: EventStream,
+  trans?: TranslationBundle
+) {
   const api = fakeApi();
   const services = fakeServices(sessions, events);
   const controller = new SnapshotController(
     api as unknown as SnapshotAPI,
-    services as unknown as ServiceManager.IManager
+    services as unknown as ServiceManager.IManager,
+    trans
   );
   controller.followInterval = 1;
   const panel = fakePanel('work/b.ipynb', 'k-b', 's-b');
@@ -919,5 +932,41 @@ describe('jobs started elsewhere (the magic, the widget, another browser)', () =
     );
     expect(services.sessions.refreshRunning).toHaveBeenCalledTimes(1);
     controller.dispose();
+  });
+});
+
+describe("the controller's words go through its TranslationBundle", () => {
+  it('explains a plain kernel in the bundle, the kernel name left as it is', async () => {
+    const trans = new ShoutingBundle();
+    const { api, controller, notebook } = setUp([], undefined, trans);
+    api.kernelStatus.mockResolvedValue(status({ ready: false, kernel_name: 'python3' }));
+    await controller.refresh('k-b');
+    expect(controller.saveAvailability(notebook).reason).toBe(
+      'SNAPSHOTS UNAVAILABLE: THIS NOTEBOOK RUNS A KERNEL THAT CANNOT BE SAVED. SWITCH ' +
+        `TO THE '${SNAPSHOT_KERNEL_DISPLAY_NAME}' KERNEL WITH KERNEL › CHANGE KERNEL… ` +
+        '(CLICK FOR HELP)'
+    );
+  });
+
+  it("frames a refused save in the bundle and keeps the server's cause", async () => {
+    const trans = new ShoutingBundle();
+    const { api, controller, notebook } = setUp([], undefined, trans);
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    api.startSave.mockRejectedValue(
+      new SnapshotAPIError('invalid', 400, {
+        code: 'invalid_request',
+        step: 'preflight',
+        cause: "'my snapshot' is not a valid name",
+        message: 'preflight failed'
+      })
+    );
+    await controller.save(notebook, 'my snapshot');
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: "SNAPSHOT FAILED: 'my snapshot' is not a valid name",
+        type: 'error'
+      })
+    ]);
   });
 });

@@ -3,6 +3,7 @@
  * only the fields a test cares about given, and the server's event stream.
  */
 import type { Event } from '@jupyterlab/services';
+import { Gettext, TranslationBundle } from '@jupyterlab/translation';
 import { Signal } from '@lumino/signaling';
 import type { IJob, IJobError, ISnapshotSummary } from '../src/api';
 import { JOB_EVENT_PREFIX } from '../src/jobs';
@@ -54,6 +55,66 @@ export function portsRefusal(details: IJobError['details']): IJobError {
     message: 'preflight failed: shell port 5 of 127.0.0.1 in use',
     details
   };
+}
+
+/**
+ * A "language" that writes every message in capitals and leaves what fills its %1
+ * placeholders alone, so a test sees which text went through the bundle and which did
+ * not. Plurals pick the form as English does.
+ */
+export class ShoutingBundle implements TranslationBundle {
+  /** Every message id asked for, in order. */
+  readonly asked: string[] = [];
+
+  __(msgid: string, ...args: unknown[]): string {
+    return this.gettext(msgid, ...args);
+  }
+  _n(msgid: string, msgid_plural: string, n: number, ...args: unknown[]): string {
+    return this.ngettext(msgid, msgid_plural, n, ...args);
+  }
+  _p(msgctxt: string, msgid: string, ...args: unknown[]): string {
+    return this.gettext(msgid, ...args);
+  }
+  _np(
+    msgctxt: string,
+    msgid: string,
+    msgid_plural: string,
+    n: number,
+    ...args: unknown[]
+  ): string {
+    return this.ngettext(msgid, msgid_plural, n, ...args);
+  }
+  gettext(msgid: string, ...args: unknown[]): string {
+    this.asked.push(msgid);
+    return Gettext.strfmt(msgid.toUpperCase(), ...args);
+  }
+  ngettext(msgid: string, msgid_plural: string, n: number, ...args: unknown[]): string {
+    const chosen = n === 1 ? msgid : msgid_plural;
+    this.asked.push(chosen);
+    return Gettext.strfmt(chosen.toUpperCase(), n, ...args);
+  }
+  pgettext(msgctxt: string, msgid: string, ...args: unknown[]): string {
+    return this.gettext(msgid, ...args);
+  }
+  npgettext(
+    msgctxt: string,
+    msgid: string,
+    msgid_plural: string,
+    n: number,
+    ...args: unknown[]
+  ): string {
+    return this.ngettext(msgid, msgid_plural, n, ...args);
+  }
+  dcnpgettext(
+    domain: string,
+    msgctxt: string,
+    msgid: string,
+    msgid_plural: string,
+    n: number,
+    ...args: unknown[]
+  ): string {
+    return this.ngettext(msgid, msgid_plural, n, ...args);
+  }
 }
 
 export const JOB_SCHEMA = `${JOB_EVENT_PREFIX}v1`;

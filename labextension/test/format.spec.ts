@@ -15,7 +15,7 @@ import {
   jobFraction,
   toastProgress
 } from '../src/format';
-import { GiB, MiB, makeJob, makeSnapshot } from './fixtures';
+import { GiB, MiB, ShoutingBundle, makeJob, makeSnapshot } from './fixtures';
 
 describe('formatBytes', () => {
   it('gives bytes as an integer and larger units with one decimal', () => {
@@ -253,5 +253,28 @@ describe('describeSaved: the notification after a save', () => {
     expect(describeSaved(makeSnapshot({ name: 'x', size_bytes: 512, timings: {} }))).toBe(
       "Snapshot saved: 'x', 512 B"
     );
+  });
+});
+
+describe('a TranslationBundle given to the formatters', () => {
+  it("words a job's progress in the bundle's language, figures left as they are", () => {
+    const trans = new ShoutingBundle();
+    const job = makeJob({ phase: 'dump', done: 50 * MiB, total: 100 * MiB });
+    expect(describeProgress(job, 12, trans)).toBe(
+      'WRITING MEMORY: 50.0 MIB OF 100.0 MIB, ABOUT 12 S LEFT'
+    );
+    expect(trans.asked).toEqual(
+      expect.arrayContaining(['writing memory', '%1: %2 of %3', 'about %1 s left'])
+    );
+    // Without a bundle the same line is the English one.
+    expect(describeProgress(job, 12)).toBe(
+      'writing memory: 50.0 MiB of 100.0 MiB, about 12 s left'
+    );
+  });
+
+  it('picks plural forms through the bundle', () => {
+    const trans = new ShoutingBundle();
+    expect(formatAge(0, 3 * 86400, trans)).toBe('3 DAYS AGO');
+    expect(trans.asked).toEqual(['%1 days ago']);
   });
 });
