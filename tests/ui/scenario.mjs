@@ -667,8 +667,9 @@ scenarios['autosave'] = async () => {
   seen.server_on = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body;
   await screenshot('sidebar-autosave-overridden');
 
-  // A server with a remote store says where each snapshot is kept (location): the
-  // sidebar and the dialog show it. This server has none; its answers get the field here.
+  // A server says where each snapshot is kept (location): the sidebar and the dialog show
+  // it. This server has no remote store; its answers say "remote" here, so that the words
+  // for a remote-only snapshot show once the sidebar has asked again.
   await page.route(/gpu-snapshot\/snapshots(\?|$)/, async route => {
     const response = await route.fetch();
     const listing = await response.json();
@@ -681,12 +682,14 @@ scenarios['autosave'] = async () => {
     .locator('.jp-gpu-snapshot-autosave-policy', { hasText: /the server's setting/ })
     .waitFor({ timeout: STEP_TIMEOUT });
   seen.server_default = (await api(`gpu-snapshot/kernels/${kernel}/autosave`)).body.override;
-  const where = page.locator('#jp-gpu-snapshot-sidebar .jp-gpu-snapshot-location').first();
+  const where = page
+    .locator('#jp-gpu-snapshot-sidebar .jp-gpu-snapshot-location[data-location="remote"]')
+    .first();
   await where.waitFor({ timeout: STEP_TIMEOUT });
   seen.sidebar_location = (await where.innerText()).trim();
   await (await kernelMenu('gpu-snapshot:restore')).click();
   const dialog = page.locator('.jp-Dialog');
-  const badge = dialog.locator('.jp-gpu-snapshot-location').first();
+  const badge = dialog.locator('.jp-gpu-snapshot-location[data-location="remote"]').first();
   await badge.waitFor({ timeout: STEP_TIMEOUT });
   seen.dialog_location = (await badge.innerText()).trim();
   await screenshot('location-in-dialog');
