@@ -477,6 +477,6 @@ def test_the_panel_and_the_extension_name_phases_alike() -> None:
     from jupyter_gpu_snapshot.kernel.presentation import PHASE_LABELS
 
     source = (REPO / "labextension" / "src" / "format.ts").read_text()
-    block = source.split("PHASE_LABELS", 1)[1].split("};", 1)[0]
-    labels = dict(re.findall(r"(\w+): '([^']*)'", block))
+    block = source.split("function phaseLabels", 1)[1].split("};", 1)[0]
+    labels = dict(re.findall(r"(\w+): trans\.__\('([^']*)'\)", block))
     assert labels == PHASE_LABELS
