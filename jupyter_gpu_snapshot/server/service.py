@@ -179,16 +179,20 @@ class SnapshotService:
             return describe_choice(snapshot.id, None, (), chosen, False)
         return await hook.gpu_choice(snapshot, chosen)
 
+    def _refuse_while_in_use(self, snapshot_id: str, step: str) -> None:
+        """Busy when a job (a restore, an upload) holds the snapshot."""
+        holder = self.jobs.busy_with(snapshot_key(snapshot_id))
+        if holder is not None:
+            raise Busy(
+                step,
+                f"snapshot {snapshot_id} is in use by a {holder.kind} job ({holder.id})",
+                hint="wait for it to finish",
+            )
+
     async def rename_snapshot(self, ref: str, new_name: str) -> dict[str, Any]:
         """Called by ``SnapshotHandler.patch``; the renamed snapshot's summary."""
         snapshot = await asyncio.to_thread(self.engine.get, ref)
-        holder = self.jobs.busy_with(snapshot_key(snapshot.id))
-        if holder is not None:
-            raise Busy(
-                "rename",
-                f"snapshot {snapshot.id} is being restored (job {holder.id})",
-                hint="wait for the restore to finish",
-            )
+        self._refuse_while_in_use(snapshot.id, "rename")
         return (await asyncio.to_thread(self.engine.rename, snapshot.id, new_name)).summary()
 
     async def delete_snapshot(self, ref: str, where: str = BOTH) -> None:
@@ -205,13 +209,7 @@ class SnapshotService:
         if where == LOCAL and not local:
             raise NotFound("delete", f"snapshot {snapshot.id} has no local copy",
                            hint="where=remote deletes the remote one")
-        holder = self.jobs.busy_with(snapshot_key(snapshot.id))
-        if holder is not None:
-            raise Busy(
-                "delete",
-                f"snapshot {snapshot.id} is in use by a {holder.kind} job ({holder.id})",
-                hint="wait for it to finish",
-            )
+        self._refuse_while_in_use(snapshot.id, "delete")
         deleted_remote = False
         if where != LOCAL and self.remote is not None:
             deleted_remote = await self.remote.delete(snapshot.id)

@@ -453,23 +453,10 @@ export class SnapshotsSidebar extends ReactWidget {
       this.update();
       return;
     }
-    try {
-      await this._controller.api.renameSnapshot(s.id, name);
-    } catch (error) {
-      this._error = trans.__(
-        "Could not rename '%1': %2",
-        s.name,
-        (error as Error).message
-      );
-      this.update();
-      return;
-    }
-    // The status bar may name the renamed snapshot.
-    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
-    if (kernelId) {
-      void this._controller.refresh(kernelId);
-    }
-    await this.reload();
+    await this._change(
+      () => this._controller.api.renameSnapshot(s.id, name),
+      message => trans.__("Could not rename '%1': %2", s.name, message)
+    );
   }
 
   private async _delete(s: ISnapshotSummary): Promise<void> {
@@ -485,18 +472,27 @@ export class SnapshotsSidebar extends ReactWidget {
       return;
     }
     this._confirming = null;
+    await this._change(
+      () => this._controller.api.deleteSnapshot(s.id),
+      message => this._trans.__("Could not delete '%1': %2", s.name, message)
+    );
+  }
+
+  /**
+   * Rename or delete through ``run``; on failure show ``failed(message)``, else ask the
+   * server again, here and for the status bar and the button, which may name the snapshot.
+   */
+  private async _change(
+    run: () => Promise<unknown>,
+    failed: (message: string) => string
+  ): Promise<void> {
     try {
-      await this._controller.api.deleteSnapshot(s.id);
+      await run();
     } catch (error) {
-      this._error = this._trans.__(
-        "Could not delete '%1': %2",
-        s.name,
-        (error as Error).message
-      );
+      this._error = failed((error as Error).message);
       this.update();
       return;
     }
-    // The status bar and the button may have reported the snapshot just deleted.
     const kernelId = this._controller.kernelId(this._tracker.currentWidget);
     if (kernelId) {
       void this._controller.refresh(kernelId);
