@@ -22,6 +22,9 @@ export class JobNotification {
    */
   static isShown = (id: string): boolean => document.getElementById(id) !== null;
 
+  /** How long the progress toast outlives the outcome; unit tests set 0. */
+  static settleMs = 300;
+
   /** The job's phase and, once known, how far it is; skipped until the toast shows. */
   progress(message: string, progress?: number): void {
     if (!JobNotification.isShown(this._id)) {
@@ -48,7 +51,17 @@ export class JobNotification {
       actions?: (dismiss: () => void) => Notification.IAction[];
     }
   ): void {
-    Notification.dismiss(this._id);
+    // react-toastify applies an update two timer turns after it is asked for, a dismiss
+    // one turn after: dismissed at once, a toast updated just before came back.
+    const progressToast = this._id;
+    if (JobNotification.settleMs > 0) {
+      window.setTimeout(
+        () => Notification.dismiss(progressToast),
+        JobNotification.settleMs
+      );
+    } else {
+      Notification.dismiss(progressToast);
+    }
     const dismiss = () => Notification.dismiss(this._id);
     this._id = Notification.emit(message, type, {
       autoClose: options.autoClose,

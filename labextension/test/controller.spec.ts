@@ -163,6 +163,7 @@ function shownDialog(): Partial<Dialog.IOptions<unknown>> {
 
 // The job notifications' toasts are taken as on screen (jsdom shows none).
 JobNotification.isShown = () => true;
+JobNotification.settleMs = 0;
 
 afterEach(() => {
   Notification.dismiss();

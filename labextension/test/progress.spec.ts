@@ -29,6 +29,7 @@ function shown(): {
 // Toasts are taken as on screen unless a test says otherwise.
 let onScreen = true;
 JobNotification.isShown = () => onScreen;
+JobNotification.settleMs = 0;
 
 afterEach(() => {
   Notification.dismiss();
@@ -113,5 +114,24 @@ describe('JobNotification', () => {
     expect(shown()).toEqual([
       expect.objectContaining({ message: 'Restoring x: restoring…' })
     ]);
+  });
+
+  it('dismisses the progress toast a moment after the outcome, once its updates are applied', () => {
+    jest.useFakeTimers();
+    JobNotification.settleMs = 300;
+    try {
+      const toast = new JobNotification('Restoring x…');
+      toast.progress('Restoring x: checking…', 0);
+      toast.finish('error', 'Restore of x failed', { autoClose: false });
+      expect(shown().map(n => n.message)).toEqual([
+        'Restore of x failed',
+        'Restoring x: checking…'
+      ]);
+      jest.advanceTimersByTime(300);
+      expect(shown().map(n => n.message)).toEqual(['Restore of x failed']);
+    } finally {
+      JobNotification.settleMs = 0;
+      jest.useRealTimers();
+    }
   });
 });

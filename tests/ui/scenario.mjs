@@ -449,6 +449,11 @@ scenarios['restore-from-other-notebook'] = async () => {
   await screenshot('dialog-other-notebook-snapshot');
   await dialog.locator('.jp-mod-accept').click();
   seen.refused_toast = await toast(/Restore of .* failed/);
+  // The progress notification went with the outcome; it used to come back beside it.
+  await page.waitForTimeout(1500);
+  seen.progress_toasts_left = await page
+    .locator('.Toastify__toast', { hasText: /Restoring '[^']*'(…|:)/ })
+    .count();
   await screenshot('refused-names-other-notebook');
   const refused = page.locator('.Toastify__toast', { hasText: 'failed' });
   seen.refused_buttons = await refused

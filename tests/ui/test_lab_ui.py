@@ -272,6 +272,7 @@ def test_restoring_another_notebooks_snapshot_names_and_shuts_down_that_kernel(
     seen = run_scenario(
         ui_tools, server, "restore-from-other-notebook", "b.ipynb", other_notebook="a.ipynb"
     )
+    assert seen["progress_toasts_left"] == 0, "the progress notification stayed"
     secret, next_random = expected_state()
 
     # The refusal names a.ipynb's kernel, which holds the ports, and offers to shut it down.
