@@ -23,7 +23,13 @@ from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import PARTIAL_PREFIX, SnapshotStore
 
 from .conftest import Json
-from .test_reboot import NOTEBOOK, ServerProcess, _environment, _kernel_processes
+from .test_reboot import (
+    NOTEBOOK,
+    ServerProcess,
+    _clean_up,
+    _environment,
+    _kernel_processes,
+)
 
 AUTOSAVE = {
     "autosave_interval_minutes": 2 / 60,
@@ -138,13 +144,7 @@ async def test_after_a_hard_kill_the_newest_autosave_comes_back(
         assert (await ws.execute("print(random.random())")).strip() == expected
         ws.close()
     finally:
-        for server in servers:
-            server.kill()
-        for kid in kernel_ids:
-            for pid in _kernel_processes(kid):
-                # Killing a namespace's init ends the rest of it meanwhile.
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    psutil.Process(pid).kill()
+        _clean_up(servers, kernel_ids)
 
 
 async def test_a_kill_during_an_autosave_keeps_the_previous_one(
@@ -195,10 +195,4 @@ async def test_a_kill_during_an_autosave_keeps_the_previous_one(
         assert (await ws.execute("print(state, len(blob))")).split() == ["1", str(300 << 20)]
         ws.close()
     finally:
-        for server in servers:
-            server.kill()
-        for kid in kernel_ids:
-            for pid in _kernel_processes(kid):
-                # Killing a namespace's init ends the rest of it meanwhile.
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    psutil.Process(pid).kill()
+        _clean_up(servers, kernel_ids)

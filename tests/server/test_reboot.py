@@ -4,6 +4,7 @@ server lists those snapshots for their notebooks and restores one into the noteb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -127,6 +128,17 @@ class ServerProcess:
             self.proc.wait()
 
 
+def _clean_up(servers: list[ServerProcess], kernel_ids: list[str]) -> None:
+    """Kill what a test started: its servers, then every process of its kernels."""
+    for server in servers:
+        server.kill()
+    for kid in kernel_ids:
+        for pid in _kernel_processes(kid):
+            # Killing a namespace's init ends the rest of it meanwhile.
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+
+
 def _kernel_processes(kernel_id: str) -> list[int]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
@@ -225,8 +237,4 @@ async def test_sigterm_saves_kernels_and_the_next_server_restores_them(
         for s in saved:
             store.verify(s)
     finally:
-        for server in servers:
-            server.kill()
-        for kid in kernel_ids:
-            for pid in _kernel_processes(kid):
-                psutil.Process(pid).kill()
+        _clean_up(servers, kernel_ids)
