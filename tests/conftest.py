@@ -36,6 +36,8 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 
+from . import gpu_results
+
 T = TypeVar("T")
 
 
@@ -51,6 +53,14 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    gpu_results.record(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    gpu_results.write()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,51 @@
+"""The outcome of every GPU-marked test, wherever it lives, and the figures the tests record.
+
+With ``JGS_GPU_RESULTS=FILE`` set, the session's end writes them to that JSON file together
+with the device, driver and date, so that a GPU run's results can be committed as they came.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RESULTS: dict[str, Any] = {"tests": {}, "figures": {}}
+
+
+def record(report: pytest.TestReport) -> None:
+    """Called by the tests' conftest for each phase of each test; keeps GPU tests only."""
+    if "gpu" not in report.keywords:
+        return
+    entry = RESULTS["tests"].setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+    entry["seconds"] = round(entry["seconds"] + report.duration, 2)
+    if report.failed:
+        entry["outcome"] = "failed"
+        entry["error"] = str(report.longrepr)[-1500:]
+    elif report.skipped and report.when == "setup":
+        entry["outcome"] = "skipped"
+
+
+def write() -> None:
+    """Called by the tests' conftest when the session ends."""
+    path = os.environ.get("JGS_GPU_RESULTS")
+    if not path or not RESULTS["tests"]:
+        return
+    from jupyter_gpu_snapshot.gpu.driver import load_driver
+    from jupyter_gpu_snapshot.gpu.inventory import read_inventory
+
+    inventory = read_inventory()
+    status = load_driver()
+    RESULTS.update(
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        device=[d.name for d in inventory.devices] if inventory else [],
+        driver=inventory.driver_version if inventory else "",
+        cuda_driver_version=status.info.cuda_version if status.info else None,
+        linux=platform.release(),
+    )
+    Path(path).write_text(json.dumps(RESULTS, indent=2, sort_keys=True))
