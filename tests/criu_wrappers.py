@@ -28,6 +28,21 @@ def kill_while_writing_pages() -> str:
     return _KILL_WHILE_WRITING_PAGES.format(real=real)
 
 
+# criu dying at its very end: the dump completed (its post-dump action ran) and criu ended the
+# kernel, then criu is gone with SIGKILL's status before it could report success. Waiting for
+# the real criu to finish makes the moment certain; the status is the one a kill there gives.
+_DIES_AFTER_THE_DUMP_COMPLETED = """case "$1" in dump)
+  "{real}" "$@"; exit 137;;
+*) exec "{real}" "$@";;
+esac
+"""
+
+
+def dies_after_the_dump_completed() -> str:
+    """Body of a criu wrapper script (after its #! line)."""
+    return _DIES_AFTER_THE_DUMP_COMPLETED.format(real=_real())
+
+
 # SIGKILLs the process that runs criu (the saver, criu's parent) once criu is writing pages,
 # then lets criu finish: a server or CLI killed in the middle of a dump.
 _KILL_SAVER_WHILE_WRITING_PAGES = """case "$1" in dump)

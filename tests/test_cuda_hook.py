@@ -40,7 +40,7 @@ from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
 from .conftest import KernelHandle, RestoredTrees, execute, run, stop_kernel
-from .criu_wrappers import kill_while_writing_pages
+from .criu_wrappers import dies_after_the_dump_completed, kill_while_writing_pages
 from .gpu.fake_driver import GIB, FakeCudaDriver, FakeGpus, fake_cuda_env
 
 TWO_GIB = 2 * GIB
@@ -271,12 +271,41 @@ def test_criu_error_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
 
 def test_criu_killed_mid_dump_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
     gpu_kernel.execute("big = np.ones(40_000_000)")  # a dump that lasts long enough to kill
+    pid = gpu_kernel.kernel_pid
     killer = criu_wrapper(tmp_path, kill_while_writing_pages())
-    with pytest.raises(SnapshotError) as err:
-        run(make_engine(store, fake, gpus, killer).save(target(gpu_kernel), stop=True))
-    assert err.value.step == "dump"
-    assert fake.ops(gpu_kernel.kernel_pid) == ["lock", "checkpoint", "restore", "unlock"]
-    assert_contract(gpu_kernel, fake, store, [])
+    try:
+        snapshot = run(make_engine(store, fake, gpus, killer).save(target(gpu_kernel), stop=True))
+    except SnapshotError as err:
+        assert err.step == "dump"
+        assert fake.ops(pid) == ["lock", "checkpoint", "restore", "unlock"]
+        assert_contract(gpu_kernel, fake, store, [])
+        return
+    # On a loaded machine the kill can come once criu has completed the dump and ended the
+    # kernel: then the image, all that is left of it, is committed (the next test's case).
+    assert not procfs.tree_alive(gpu_kernel.root_pid)
+    assert [s.id for s in store.list()] == [snapshot.id]
+    assert fake.ops(pid) == ["lock", "checkpoint"]
+
+
+def test_criu_dying_after_its_dump_completed_keeps_the_snapshot(
+        store, fake, gpus, gpu_kernel, tmp_path, restored: RestoredTrees):
+    gpu_kernel.execute("marker = 'before the snapshot'")
+    old_pid = gpu_kernel.kernel_pid
+    late = criu_wrapper(tmp_path, dies_after_the_dump_completed())
+    snapshot = run(make_engine(store, fake, gpus, late).save(target(gpu_kernel), stop=True))
+    # criu ended the kernel before it died: the image is kept, whole, and says what happened.
+    assert not procfs.tree_alive(gpu_kernel.root_pid)
+    assert fake.ops(old_pid) == ["lock", "checkpoint"]
+    assert snapshot.manifest["warnings"] == [
+        "criu ended with status 137 after its dump completed"]
+    assert [s.id for s in store.list()] == [snapshot.id]
+    store.verify(snapshot)
+    gpu_kernel.client.stop_channels()
+
+    back = run(make_engine(store, fake, gpus).restore(snapshot.id))
+    client = restored.connect(back.connection_info, back.pid)
+    assert fake.ops(back.kernel_pid) == ["restore", "unlock"]
+    assert execute(client, "print(marker)").strip() == "before the snapshot"
 
 
 def test_cancelled_suspend_waits_for_the_driver_then_rolls_back(fake, gpus, gpu_kernel):

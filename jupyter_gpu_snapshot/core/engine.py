@@ -365,7 +365,15 @@ class SnapshotEngine:
                 pass_fds=tuple(c.fd for c in [*claims, work_lock]),
             )
             timings["dump"] = time.monotonic() - t
-            if run.returncode != 0:
+            if run.returncode != 0 and await asyncio.to_thread(
+                _dump_outlived_criu, partial, kernel.root_pid
+            ):
+                # criu ended (killed, say) after it had written every image and stopped the
+                # kernel: the image is all that is left of the kernel, so it is committed.
+                late = f"criu ended with status {run.returncode} after its dump completed"
+                log.warning("snapshot %s: %s; the image is whole", ctx.snapshot_id, late)
+                manifest["warnings"] = [*manifest.get("warnings", []), late]
+            elif run.returncode != 0:
                 kept = await asyncio.to_thread(self._keep_log, run.log_path, "dump")
                 error = self.criu.failure("dump", run, kept)
             elif interrupt.is_set() and not stop:
@@ -712,6 +720,12 @@ async def _finish_despite_cancel(work: asyncio.Future[T], interrupt: asyncio.Eve
         if uncancel is not None:
             uncancel()
     return work.result()
+
+
+def _dump_outlived_criu(images: Path, root_pid: int) -> bool:
+    """Whether a dump whose criu failed had completed: its post-dump marker is written
+    (every image file whole) and the kernel is gone, as criu ends it only after that."""
+    return (images / DUMP_COMPLETE_FILE).is_file() and not procfs.tree_alive(root_pid)
 
 
 def _mark_complete_script(work: Path, images: Path) -> Path:
