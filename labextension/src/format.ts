@@ -5,7 +5,13 @@
  * English, so the pure functions keep working outside JupyterLab (unit tests).
  */
 import { nullTranslator, TranslationBundle } from '@jupyterlab/translation';
-import type { IAutosavePolicy, IAutosaveState, IJob, ISnapshotSummary } from './api';
+import type {
+  IAutosavePolicy,
+  IAutosaveState,
+  IJob,
+  IKernelStatus,
+  ISnapshotSummary
+} from './api';
 
 /** The extension's translation domain (its Python package's name). */
 export const TRANSLATION_DOMAIN = 'jupyter_gpu_snapshot';
@@ -261,4 +267,72 @@ export function describeLocation(
     both: trans.__('here and remote')
   };
   return snapshot.location ? (locations[snapshot.location] ?? snapshot.location) : '';
+}
+
+/**
+ * The status bar's words for a kernel with no job under way: its last snapshot, or the last
+ * autosave when that is newer. The autosave state and the kernel status are answered apart,
+ * so right after an autosave the status may not list it yet; the autosave's own record then
+ * speaks, rather than a passing "No snapshot yet".
+ */
+export function describeLastSnapshot(
+  status: IKernelStatus,
+  autosave: IAutosaveState | null,
+  trans = untranslated,
+  now = Date.now() / 1000
+): { text: string; title: string } {
+  const last = status.last_snapshot;
+  const lastAutosave = autosave?.last_autosave ?? null;
+  const autosaved = (created: number, name: string, pause: number | null) => {
+    const age = formatAge(created, now, trans);
+    if (pause === null) {
+      return {
+        text: trans.__('Autosaved %1', age),
+        title: trans.__(
+          "Last snapshot of this kernel: the autosave '%1'. Click to restore one.",
+          name
+        )
+      };
+    }
+    const paused = formatSeconds(pause, trans);
+    return {
+      text: trans.__('Autosaved %1 (paused %2)', age, paused),
+      title: trans.__(
+        "Last snapshot of this kernel: the autosave '%1'; the kernel paused %2 for it. Click to restore one.",
+        name,
+        paused
+      )
+    };
+  };
+  if (
+    lastAutosave !== null &&
+    (last === null ||
+      last.id === lastAutosave.snapshot_id ||
+      lastAutosave.created > last.created)
+  ) {
+    const name =
+      last?.id === lastAutosave.snapshot_id ? last.name : lastAutosave.snapshot_id;
+    return autosaved(lastAutosave.created, name, lastAutosave.pause);
+  }
+  if (last?.reason === 'autosave') {
+    return autosaved(last.created, last.name, null);
+  }
+  if (last) {
+    return {
+      text: trans.__('Snapshot %1', formatAge(last.created, now, trans)),
+      title: trans.__(
+        "Last snapshot of this kernel: '%1'. Click to restore one.",
+        last.name
+      )
+    };
+  }
+  if (status.ready) {
+    return {
+      text: trans.__('No snapshot yet'),
+      title: trans.__(
+        'This kernel can be snapshotted; it has no snapshot yet. Click to restore one.'
+      )
+    };
+  }
+  return { text: '', title: '' };
 }

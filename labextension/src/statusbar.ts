@@ -7,7 +7,7 @@ import type { TranslationBundle } from '@jupyterlab/translation';
 import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 import type { SnapshotController } from './controller';
-import { formatAge, formatSeconds, jobFraction } from './format';
+import { describeLastSnapshot, jobFraction } from './format';
 import { KernelWatch } from './watch';
 
 /** How often the current kernel's status is asked again (settings: statusRefreshSeconds). */
@@ -127,49 +127,7 @@ export class SnapshotStatusItem extends Widget {
     if (!status) {
       return { text: '', title: '' };
     }
-    const last = status.last_snapshot;
-    const lastAutosave = autosave?.last_autosave ?? null;
-    if (last && (last.reason === 'autosave' || last.id === lastAutosave?.snapshot_id)) {
-      const age = formatAge(last.created, undefined, trans);
-      const pause =
-        lastAutosave?.snapshot_id === last.id && lastAutosave.pause !== null
-          ? formatSeconds(lastAutosave.pause, trans)
-          : null;
-      return pause === null
-        ? {
-            text: trans.__('Autosaved %1', age),
-            title: trans.__(
-              "Last snapshot of this kernel: the autosave '%1'. Click to restore one.",
-              last.name
-            )
-          }
-        : {
-            text: trans.__('Autosaved %1 (paused %2)', age, pause),
-            title: trans.__(
-              "Last snapshot of this kernel: the autosave '%1'; the kernel paused %2 for it. Click to restore one.",
-              last.name,
-              pause
-            )
-          };
-    }
-    if (last) {
-      return {
-        text: trans.__('Snapshot %1', formatAge(last.created, undefined, trans)),
-        title: trans.__(
-          "Last snapshot of this kernel: '%1'. Click to restore one.",
-          last.name
-        )
-      };
-    }
-    if (status.ready) {
-      return {
-        text: trans.__('No snapshot yet'),
-        title: trans.__(
-          'This kernel can be snapshotted; it has no snapshot yet. Click to restore one.'
-        )
-      };
-    }
-    return { text: '', title: '' };
+    return describeLastSnapshot(status, autosave ?? null, trans);
   }
 
   private _onCurrentChanged(): void {

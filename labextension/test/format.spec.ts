@@ -4,6 +4,7 @@
 import {
   PHASE_LABELS,
   describeGpu,
+  describeLastSnapshot,
   describeProgress,
   describeSaved,
   estimateSecondsLeft,
@@ -15,6 +16,7 @@ import {
   jobFraction,
   toastProgress
 } from '../src/format';
+import type { IAutosaveState, IKernelStatus, ISnapshotSummary } from '../src/api';
 import { GiB, MiB, ShoutingBundle, makeJob, makeSnapshot } from './fixtures';
 
 describe('formatBytes', () => {
@@ -276,5 +278,73 @@ describe('a TranslationBundle given to the formatters', () => {
     const trans = new ShoutingBundle();
     expect(formatAge(0, 3 * 86400, trans)).toBe('3 DAYS AGO');
     expect(trans.asked).toEqual(['%1 days ago']);
+  });
+});
+
+describe('describeLastSnapshot', () => {
+  const now = 1_800_000_000;
+  const status = (last: ISnapshotSummary | null): IKernelStatus => ({
+    kernel_id: 'k1',
+    ready: true,
+    reasons: [],
+    kernel_name: 'python3-snapshot',
+    cuda: null,
+    last_snapshot: last,
+    job: null
+  });
+  const autosave = (last: IAutosaveState['last_autosave']): IAutosaveState => ({
+    kernel_id: 'k1',
+    notebook_path: 'train.ipynb',
+    policy: {
+      enabled: true,
+      interval_minutes: 10,
+      after_cell_minutes: 2,
+      during_cell: true
+    },
+    override: {},
+    unsaved_work: false,
+    next_autosave: null,
+    autosaving: false,
+    last_autosave: last,
+    last_skip: null
+  });
+  const autosaveOf = (id: string, secondsAgo: number, pause: number) =>
+    autosave({ snapshot_id: id, created: now - secondsAgo, pause, size_bytes: GiB });
+
+  it('names the autosave that just ended before the status lists it', () => {
+    const justNow = autosaveOf('20261123T060000Z-abcd1234', 5, 1.62);
+    expect(describeLastSnapshot(status(null), justNow, undefined, now).text).toBe(
+      'Autosaved just now (paused 1.62 s)'
+    );
+    const older = makeSnapshot({ id: 'older', created: now - 600, reason: 'user' });
+    expect(describeLastSnapshot(status(older), justNow, undefined, now).text).toBe(
+      'Autosaved just now (paused 1.62 s)'
+    );
+  });
+
+  it('gives a later user snapshot, and an autosave of a past server without its pause', () => {
+    const earlier = autosaveOf('auto', 3000, 1.5);
+    const mine = makeSnapshot({
+      id: 'mine',
+      name: 'mine',
+      created: now - 120,
+      reason: 'user'
+    });
+    expect(describeLastSnapshot(status(mine), earlier, undefined, now).text).toBe(
+      'Snapshot 2 min ago'
+    );
+    const auto = makeSnapshot({ id: 'a2', created: now - 30, reason: 'autosave' });
+    expect(describeLastSnapshot(status(auto), null, undefined, now).text).toBe(
+      'Autosaved just now'
+    );
+  });
+
+  it('says "No snapshot yet" only when neither knows a snapshot', () => {
+    expect(describeLastSnapshot(status(null), autosave(null), undefined, now).text).toBe(
+      'No snapshot yet'
+    );
+    expect(
+      describeLastSnapshot({ ...status(null), ready: false }, null, undefined, now)
+    ).toEqual({ text: '', title: '' });
   });
 });
