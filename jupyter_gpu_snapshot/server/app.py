@@ -199,6 +199,9 @@ class GPUSnapshotApp(ExtensionApp):
             await self._adopt_orphans(serverapp)
         if self.autosave is not None:
             self.autosave.start()
+        if self.service is not None:
+            # Snapshots whose upload did not complete before this start go up now.
+            self.service.start_upload_retries()
 
     async def _adopt_orphans(self, serverapp: ServerApp) -> None:
         """Take back the kernels a killed server left running; then record this server's."""
