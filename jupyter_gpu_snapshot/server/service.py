@@ -444,6 +444,7 @@ class SnapshotService:
         assert self.remote is not None
         self.log.info("gpu-snapshot: uploading %s to %s again (its upload had not completed)",
                       snapshot.id, self.remote.url)
+        self.jobs.progress(job)(Progress("uploading"))
         outcome = await self.remote.upload(snapshot, self.jobs.progress(job),
                                            self.jobs.claimed("snapshot:"))
         if outcome["status"] != "uploaded":
