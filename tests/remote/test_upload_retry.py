@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from jupyter_gpu_snapshot.core.remote.pending import PendingUploads
 from jupyter_gpu_snapshot.core.store import SnapshotStore
@@ -24,15 +21,6 @@ from .gate import NetworkGate
 from .seaweed import SeaweedServer
 from .snapshots import make_snapshot
 from .test_server_uploads import NOTEBOOK, _kill, _remote_settings, _server_env
-
-
-@pytest.fixture
-def gate(seaweed: SeaweedServer) -> Iterator[NetworkGate]:
-    gate = NetworkGate(seaweed.ip, seaweed.s3_port)
-    try:
-        yield gate
-    finally:
-        gate.close()
 
 
 def _settings_through(gate: NetworkGate, seaweed: SeaweedServer, url: str) -> dict[str, Any]:
