@@ -281,8 +281,8 @@ def _progress(
         if stopping is not None and stopping.is_set():
             raise UploadStopped(
                 "upload", "the server is stopping",
-                hint="the snapshot is saved locally; upload it later with "
-                "'jupyter gpu-snapshot upload ID'",
+                hint="the snapshot is saved locally and goes up at the next server start "
+                "('jupyter gpu-snapshot upload ID' sends it at once)",
             )
         now = time.monotonic()
         with lock:
