@@ -360,7 +360,9 @@ class SnapshotService:
         if stop:
             await self._shutdown_quietly(kernel_id)
         if self.remote is not None:
-            # Until its upload completes, the snapshot is owed to the remote store.
+            # Until its upload completes, the snapshot is owed to the remote store; held by
+            # this job first, so a retry pass never uploads it beside this job's upload.
+            self.jobs.hand_over(job, [], [snapshot_key(snapshot.id)])
             await asyncio.to_thread(self.remote.pending.mark, snapshot.id)
         obsolete = await self._apply_retention(snapshot)
         result = snapshot.summary()
