@@ -31,8 +31,9 @@ from ..core.engine import Progress as EngineProgress
 from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.recovery import clean_work_dirs, recover_store
-from ..core.remote import SnapshotCache
+from ..core.remote import RemoteStoreError, SnapshotCache
 from ..core.remote.pending import PendingUploads
+from ..core.remote.store import describe
 from ..core.store import Snapshot, is_snapshot_id
 from ..engines import make_engine, wake_kernel
 from ..gpu.remap import parse_gpu_choice, remap_notice
@@ -304,11 +305,21 @@ def _fetch_remote(
         remote = make_remote_store(_settings(args))
         if remote is None:
             raise
-    if is_snapshot_id(ref):
-        found = remote.get(ref, missing_ok=True)
-        candidates = [found] if found is not None else []
-    else:
-        candidates = remote.list()
+    try:
+        if is_snapshot_id(ref):
+            found = remote.get(ref, missing_ok=True)
+            candidates = [found] if found is not None else []
+        else:
+            candidates = remote.list()
+    except SnapshotError:
+        raise
+    except Exception as exc:  # the remote store did not answer
+        raise RemoteStoreError(
+            "lookup",
+            f"no snapshot {ref!r} in {engine.store.root}, and {remote.url} could not be "
+            f"asked: {describe(exc)}",
+            hint="check the remote store's address and credentials, then try again",
+        ) from exc
     judged = [judge_remote(engine.store, s) for s in candidates]
     match = next((s for s in judged if ref == s.id or (s.trusted and ref == s.name)), None)
     if match is None:

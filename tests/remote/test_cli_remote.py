@@ -131,3 +131,19 @@ def test_cli_download_fetches_into_the_store_without_restoring(
     assert f"shared ({shared.id}) is in {node_b}" in out.stdout
     assert _locations(env, node_b) == {"shared": "both"}
     assert tree_bytes(node_b / shared.id) == tree_bytes(shared.path)
+
+
+def test_cli_restore_names_a_remote_store_that_does_not_answer(
+    seaweed: SeaweedServer, remote_url: str, s3_options: dict[str, Any], tmp_path: Path
+) -> None:
+    env = _env(seaweed, remote_url, s3_options, tmp_path / "signing.key")
+    env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_MAX_ATTEMPTS="1")  # nothing there
+    refused = subprocess.run(
+        [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "--store", str(tmp_path / "b"),
+         "restore", "somewhere"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )
+    assert refused.returncode == 2, refused.stderr
+    message = " ".join(refused.stderr.split())
+    assert f"and {remote_url} could not be asked" in message, message
+    assert "Traceback" not in refused.stderr
