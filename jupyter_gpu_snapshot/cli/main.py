@@ -29,9 +29,12 @@ from ..config import GPUSnapshot
 from ..core import procfs, retention
 from ..core.engine import Progress as EngineProgress
 from ..core.engine import SaveTarget, SnapshotEngine
-from ..core.errors import NotFound, NotReady, SnapshotError
+from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.recovery import clean_work_dirs, recover_store
-from ..core.store import Snapshot
+from ..core.remote import RemoteStoreError, SnapshotCache
+from ..core.remote.pending import PendingUploads
+from ..core.remote.store import describe
+from ..core.store import Snapshot, is_snapshot_id
 from ..engines import make_engine, wake_kernel
 from ..gpu.remap import parse_gpu_choice, remap_notice
 from ..remotes import BOTH, LOCAL, REMOTE, judge_remote, make_remote_store, merge_locations
@@ -289,11 +292,80 @@ def write_connection_file(info: dict[str, Any], directory: Path | None = None) -
     return path
 
 
+def _fetch_remote(
+    args: argparse.Namespace, engine: SnapshotEngine, ref: str, bar: _ProgressBar
+) -> Snapshot:
+    """The local snapshot ``ref`` names; a remote-only one is downloaded into the store
+    first, as the server does: judged by this node's signing key and checked against
+    this node's host before anything of it is fetched, every digest checked while it
+    streams. Raises NotFound when neither side has it."""
+    try:
+        return engine.get(ref)
+    except NotFound:
+        remote = make_remote_store(_settings(args))
+        if remote is None:
+            raise
+    try:
+        if is_snapshot_id(ref):
+            found = remote.get(ref, missing_ok=True)
+            candidates = [found] if found is not None else []
+        else:
+            candidates = remote.list()
+    except SnapshotError:
+        raise
+    except Exception as exc:  # the remote store did not answer
+        raise RemoteStoreError(
+            "lookup",
+            f"no snapshot {ref!r} in {engine.store.root}, and {remote.url} could not be "
+            f"asked: {describe(exc)}",
+            hint="check the remote store's address and credentials, then try again",
+        ) from exc
+    judged = [judge_remote(engine.store, s) for s in candidates]
+    match = next((s for s in judged if ref == s.id or (s.trusted and ref == s.name)), None)
+    if match is None:
+        raise NotFound(
+            "lookup", f"no snapshot {ref!r} in {engine.store.root} nor in {remote.url}",
+            hint="'jupyter gpu-snapshot list' shows the snapshots there are",
+        )
+    if not match.trusted:
+        raise SnapshotError(
+            "verify",
+            f"remote snapshot {match.id} in {remote.url} is refused, nothing of it was "
+            f"fetched: {match.problem}",
+            hint="a node restores only snapshots signed with its own signing key: give "
+            "every node the same key file (c.GPUSnapshot.signing_key_file)",
+        )
+    asyncio.run(engine.check_compatibility(match, bar, {}))
+    size = next(s.size_bytes for s in candidates if s.id == match.id)
+    cache = SnapshotCache(engine.store, int(_settings(args).remote_cache_max_bytes))
+    cache.evict(set(remote.ids()), (), incoming_bytes=size)
+    bar(EngineProgress("downloading", 0, size))
+    remote.download(
+        match.id, engine.store.root,
+        lambda done, total: bar(EngineProgress("downloading", done, total)),
+    )
+    cache.touch(match.id)
+    PendingUploads(engine.store).clear(match.id)
+    return engine.get(match.id)
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    """Fetch a remote snapshot into the local store (what a restore of one does first)."""
+    engine = _engine(args)
+    if make_remote_store(_settings(args)) is None:
+        raise NotFound("download", "there is no remote store", hint="set c.GPUSnapshot.remote_url")
+    with _ProgressBar(err.is_terminal) as bar:
+        snapshot = _fetch_remote(args, engine, args.snapshot, bar)
+    _say(f"{snapshot.name} ({snapshot.id}) is in {engine.store.root}")
+    return 0
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
     gpus = parse_gpu_choice(args.gpus) if args.gpus is not None else None
     engine = _engine(args)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
-        restored = _run_interruptibly(engine.restore(args.snapshot, progress=bar, gpus=gpus))
+        snapshot = _fetch_remote(args, engine, args.snapshot, bar)
+        restored = _run_interruptibly(engine.restore(snapshot, progress=bar, gpus=gpus))
     connection_file = write_connection_file(restored.connection_info)
     result = {
         "snapshot": restored.snapshot.id,
@@ -355,13 +427,49 @@ def cmd_upload(args: argparse.Namespace) -> int:
         uploaded = remote.upload(
             snapshot.path, lambda done, total: bar(EngineProgress("uploading", done, total))
         )
+    PendingUploads(engine.store).clear(snapshot.id)
     _say(f"uploaded {snapshot.name} ({snapshot.id}) to {uploaded.url}")
     return 0
 
 
 def cmd_rename(args: argparse.Namespace) -> int:
-    snapshot = _engine(args).rename(args.snapshot, args.name)
+    """Rename the local snapshot, then its remote copy (its re-signed manifest goes up).
+
+    A remote-only snapshot is refused: it is renamed where a copy is. A remote that fails
+    leaves the local rename done and says that the remote copy keeps its old name (exit 1).
+    """
+    engine = _engine(args)
+    remote = make_remote_store(_settings(args))
+    try:
+        engine.get(args.snapshot)
+    except NotFound:
+        if remote is None or not is_snapshot_id(args.snapshot) or not remote.exists(
+            args.snapshot
+        ):
+            raise
+        raise InvalidRequest(
+            "rename",
+            f"snapshot {args.snapshot} exists only in {remote.url}; a snapshot is renamed on "
+            "a node that holds a copy",
+            hint=f"download it first ('jupyter gpu-snapshot download {args.snapshot}'), then "
+            "rename it",
+        ) from None
+    snapshot = engine.rename(args.snapshot, args.name)
     _say(f"renamed {args.snapshot} to {snapshot.name} ({snapshot.id})")
+    if remote is None:
+        return 0
+    try:
+        renamed = remote.rename_copy(snapshot.path)
+    except SnapshotError as exc:
+        err.print(
+            f"[yellow]warning:[/] {snapshot.id} is renamed here, but its copy in {remote.url} "
+            f"keeps its old name ({exc.cause}). Run 'jupyter gpu-snapshot rename {snapshot.id} "
+            f"{snapshot.name}' again once the remote store answers.",
+            highlight=False, soft_wrap=True,
+        )
+        return 1
+    if renamed is not None:
+        _say(f"renamed its copy in {remote.url}")
     return 0
 
 
@@ -471,7 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the new snapshot's summary as JSON (no progress bar)")
     p.set_defaults(func=cmd_save)
 
-    p = sub.add_parser("restore", help="restore a snapshot as a standalone kernel")
+    p = sub.add_parser(
+        "restore",
+        help="restore a snapshot as a standalone kernel (a remote-only one is downloaded first)",
+    )
     p.add_argument("snapshot", help="snapshot name or id")
     p.add_argument("--gpus", metavar="LIST",
                    help="GPUs of this node for the process's devices, cuda:0 first, by index "
@@ -500,6 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("upload", help="upload a local snapshot to the remote store")
     p.add_argument("snapshot", help="snapshot name or id")
     p.set_defaults(func=cmd_upload)
+    p = sub.add_parser(
+        "download", help="fetch a remote snapshot into the local store (checked as it streams)"
+    )
+    p.add_argument("snapshot", help="snapshot name or id")
+    p.set_defaults(func=cmd_download)
     p = sub.add_parser("rename", help="give a snapshot another name (its manifest is re-signed)")
     p.add_argument("snapshot", help="snapshot name or id")
     p.add_argument("name", help="the new name: 1-64 letters, digits, '.', '_' or '-'")

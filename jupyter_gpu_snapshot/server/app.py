@@ -87,7 +87,7 @@ class GPUSnapshotApp(ExtensionApp):
         self.gpu_settings = settings = GPUSnapshot(parent=self)
         self.kernel_token_secret = secrets.token_hex(32)
         engine = make_engine(settings)
-        self._recover(engine.store)
+        recovered = self._recover(engine.store)
         assert serverapp.event_logger is not None
         serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
         jobs = JobRunner(on_change=self._emit_job, log=self.log)
@@ -102,6 +102,10 @@ class GPUSnapshotApp(ExtensionApp):
             log=self.log,
             remote=self._remote_sync(engine.store),
         )
+        if self.service.remote is not None:
+            # Saves that a killed server left committed here never uploaded: they owe it.
+            for snapshot_id in recovered:
+                self.service.remote.pending.mark(snapshot_id)
         self.autosave = AutosaveScheduler(self.service, settings, log=self.log)
         self._tell_kernels_where_we_are()
         self.log.info(
@@ -164,8 +168,9 @@ class GPUSnapshotApp(ExtensionApp):
             learned_from=learned.learned_from,
         )
 
-    def _recover(self, store: SnapshotStore) -> None:
-        """Finish what saves killed with an earlier server left (see ``core.recovery``).
+    def _recover(self, store: SnapshotStore) -> list[str]:
+        """Finish what saves killed with an earlier server left (see ``core.recovery``);
+        returns the ids of the snapshots it committed.
 
         Runs before the server serves anything, so it may block.
         """
@@ -181,6 +186,7 @@ class GPUSnapshotApp(ExtensionApp):
             self.log.info("gpu-snapshot: woke kernel tree %s after an interrupted save", pid)
         for path in [*report.removed, *clean_work_dirs()]:
             self.log.info("gpu-snapshot: removed stale working directory %s", path)
+        return [snapshot.id for snapshot in report.committed]
 
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
@@ -199,6 +205,9 @@ class GPUSnapshotApp(ExtensionApp):
             await self._adopt_orphans(serverapp)
         if self.autosave is not None:
             self.autosave.start()
+        if self.service is not None:
+            # Snapshots whose upload did not complete before this start go up now.
+            self.service.start_upload_retries()
 
     async def _adopt_orphans(self, serverapp: ServerApp) -> None:
         """Take back the kernels a killed server left running; then record this server's."""

@@ -19,6 +19,7 @@ from typing import Any
 from ..core.engine import Progress
 from ..core.errors import NotFound, SnapshotError
 from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache
+from ..core.remote.pending import PendingUploads
 from ..core.remote.store import describe
 from ..core.store import Snapshot, SnapshotStore
 from ..remotes import judge_remote
@@ -62,9 +63,12 @@ class RemoteSync:
         self.cache = cache
         self.log = log or logging.getLogger(__name__)
         self.listing_seconds = listing_seconds
+        # Local snapshots whose upload has not completed yet (retried by the service).
+        self.pending = PendingUploads(store)
         self._listing = RemoteListing()
-        # Remote snapshots never change once their upload completed: each is read once.
-        self._known: dict[str, RemoteSnapshot] = {}
+        # Each remote snapshot is read once per revision of its remote manifest (a rename
+        # replaces it).
+        self._known: dict[str, tuple[str, RemoteSnapshot]] = {}
         self._reading = threading.Lock()
         self._refresh: asyncio.Task[RemoteListing] | None = None
         self._forgotten = False
@@ -134,15 +138,16 @@ class RemoteSync:
     def _read_listing(self) -> dict[str, Snapshot]:
         """One listing of the remote, plus the manifests of snapshots not seen before."""
         with self._reading:  # a listing begun before a forget() may still run
-            ids = self.remote.ids()
-            for gone in set(self._known) - set(ids):
+            revisions = self.remote.revisions()
+            for gone in set(self._known) - set(revisions):
                 del self._known[gone]
-            for snapshot_id in ids:
-                if snapshot_id not in self._known:
+            for snapshot_id, revision in revisions.items():
+                known = self._known.get(snapshot_id)
+                if known is None or known[0] != revision:
                     found = self.remote.get(snapshot_id, missing_ok=True)
                     if found is not None:  # None: deleted meanwhile
-                        self._known[snapshot_id] = found
-            return {i: self.judge(s) for i, s in sorted(self._known.items())}
+                        self._known[snapshot_id] = (revision, found)
+            return {i: self.judge(s) for i, (_, s) in sorted(self._known.items())}
 
     def judge(self, remote: RemoteSnapshot) -> Snapshot:
         """A remote snapshot as a ``Snapshot`` of this store, its status by this node's key."""
@@ -155,9 +160,11 @@ class RemoteSync:
         """Upload a committed snapshot; called by the save job once the save committed.
 
         Returns what the job's ``result.upload`` says: ``status`` "uploaded" or "failed"
-        (with ``error``). A failed upload leaves the local snapshot as it was.
+        (with ``error``). A failed upload leaves the local snapshot as it was, and marked
+        as pending, so that it is uploaded again later (``SnapshotService.upload_pending``).
         """
         started = time.monotonic()
+        await asyncio.to_thread(self.pending.mark, snapshot.id)
         progress = _progress(report, "uploading", self.stopping)
         try:
             uploaded = await asyncio.to_thread(self.remote.upload, snapshot.path, progress)
@@ -169,6 +176,7 @@ class RemoteSync:
             return {"status": "failed", "url": self.url, "error": exc.to_dict()}
         finally:
             self.forget()
+        await asyncio.to_thread(self.pending.clear, snapshot.id)
         seconds = time.monotonic() - started
         self.log.info(
             "gpu-snapshot: uploaded snapshot %s to %s (%d bytes in %.1f s)",
@@ -176,6 +184,30 @@ class RemoteSync:
         )
         await self.evict(protected)
         return {"status": "uploaded", "url": uploaded.url, "seconds": round(seconds, 3)}
+
+    # -- rename ----------------------------------------------------------------------------
+    async def rename(self, snapshot: Snapshot) -> dict[str, Any]:
+        """Carry a local rename to the remote copy; called by the service after the local
+        rename succeeded. Returns ``status`` "renamed", "none" (no remote copy) or "failed"
+        (with ``error``: the remote copy keeps its old name)."""
+        try:
+            renamed = await asyncio.to_thread(self.remote.rename_copy, snapshot.path)
+        except SnapshotError as exc:
+            error = SnapshotError(
+                "rename",
+                f"snapshot {snapshot.id} is renamed to {snapshot.name!r} here, but its copy in "
+                f"{self.url} keeps its old name ({exc.cause})",
+                hint=f"rename it to {snapshot.name!r} again once {self.url} answers",
+            )
+            self.log.warning("gpu-snapshot: %s", error.message)
+            return {"status": "failed", "url": self.url, "error": error.to_dict()}
+        finally:
+            self.forget()
+        if renamed is None:
+            return {"status": "none", "url": self.url}
+        self.log.info("gpu-snapshot: renamed the copy of %s in %s to %r", snapshot.id, self.url,
+                      snapshot.name)
+        return {"status": "renamed", "url": renamed.url}
 
     # -- download --------------------------------------------------------------------------
     async def download(
@@ -249,8 +281,8 @@ def _progress(
         if stopping is not None and stopping.is_set():
             raise UploadStopped(
                 "upload", "the server is stopping",
-                hint="the snapshot is saved locally; upload it later with "
-                "'jupyter gpu-snapshot upload ID'",
+                hint="the snapshot is saved locally and goes up at the next server start "
+                "('jupyter gpu-snapshot upload ID' sends it at once)",
             )
         now = time.monotonic()
         with lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import posixpath
 import queue
@@ -82,6 +83,8 @@ class SnapshotService:
         # With c.GPUSnapshot.remote_url: saves upload, restores download, listings merge.
         self.remote = remote
         self._background: set[asyncio.Future[bool]] = set()
+        self._retries: asyncio.Future[list[str]] | None = None
+        self._retry_again = False
         self.tree_facts = TreeFacts(engine.criu)
 
     # -- snapshots -------------------------------------------------------------------------
@@ -190,10 +193,38 @@ class SnapshotService:
             )
 
     async def rename_snapshot(self, ref: str, new_name: str) -> dict[str, Any]:
-        """Called by ``SnapshotHandler.patch``; the renamed snapshot's summary."""
-        snapshot = await asyncio.to_thread(self.engine.get, ref)
+        """Called by ``SnapshotHandler.patch``; the renamed snapshot's summary.
+
+        A snapshot with a remote copy is renamed here first, then there; ``remote_rename``
+        says how that went (a remote that fails leaves the local rename done). A snapshot
+        that exists only remotely is refused: it is renamed on a node that has a copy.
+        """
+        snapshot, local = await self._find(ref)
+        if not local:
+            assert self.remote is not None
+            raise InvalidRequest(
+                "rename",
+                f"snapshot {snapshot.id} exists only in {self.remote.url}; a snapshot is "
+                "renamed on a node that holds a copy",
+                hint=f"download it first ('jupyter gpu-snapshot download {snapshot.id}', or "
+                "restore it), then rename it",
+            )
         self._refuse_while_in_use(snapshot.id, "rename")
-        return (await asyncio.to_thread(self.engine.rename, snapshot.id, new_name)).summary()
+        if self.remote is not None:
+            validate_name(new_name)
+            for other in (await self._remote_listing(trusted=True)).snapshots.values():
+                if other.name == new_name and other.id != snapshot.id:
+                    raise InvalidRequest(
+                        "rename",
+                        f"a snapshot named {new_name!r} exists already in {self.remote.url} "
+                        f"({other.id})",
+                        hint="pick another name, or delete that snapshot first",
+                    )
+        renamed = await asyncio.to_thread(self.engine.rename, snapshot.id, new_name)
+        summary = renamed.summary()
+        if self.remote is not None:
+            summary["remote_rename"] = await self.remote.rename(renamed)
+        return summary
 
     async def delete_snapshot(self, ref: str, where: str = BOTH) -> None:
         """Delete a snapshot's local copy, remote copy or both (``where``)."""
@@ -328,6 +359,11 @@ class SnapshotService:
         job.snapshot_id = snapshot.id
         if stop:
             await self._shutdown_quietly(kernel_id)
+        if self.remote is not None:
+            # Until its upload completes, the snapshot is owed to the remote store; held by
+            # this job first, so a retry pass never uploads it beside this job's upload.
+            self.jobs.hand_over(job, [], [snapshot_key(snapshot.id)])
+            await asyncio.to_thread(self.remote.pending.mark, snapshot.id)
         obsolete = await self._apply_retention(snapshot)
         result = snapshot.summary()
         # Shutdown saves upload once every kernel is saved (``upload_on_shutdown``).
@@ -335,6 +371,8 @@ class SnapshotService:
             # The kernel is free for its next save while the snapshot goes up.
             self.jobs.hand_over(job, [kernel_key(kernel_id)], [snapshot_key(snapshot.id)])
             result["upload"] = await self._upload(snapshot, self.jobs.progress(job), obsolete)
+            if result["upload"]["status"] == "uploaded":
+                self.start_upload_retries()  # the remote answers: send what it still lacks
         return result
 
     async def _upload(
@@ -354,6 +392,68 @@ class SnapshotService:
                         snapshot_id, self.remote.url, exc,
                     )
         return outcome
+
+    def start_upload_retries(self) -> None:
+        """Upload again, in the background, the local snapshots whose upload has not
+        completed (failed, given up at shutdown, cut off by a crash).
+
+        Called by ``GPUSnapshotApp`` once the server listens and by a save job after its
+        own upload succeeded. One pass runs at a time; a call during a pass runs another
+        after it.
+        """
+        if self.remote is None:
+            return
+        if self._retries is not None and not self._retries.done():
+            self._retry_again = True
+            return
+        self._retry_again = False
+        self._retries = asyncio.ensure_future(self.upload_pending())
+
+    async def upload_pending(self) -> list[str]:
+        """Upload the pending snapshots one at a time, each as an ``upload`` job; stops at
+        the first failure (the remote does not answer: the next pass tries again).
+        Returns the ids uploaded."""
+        assert self.remote is not None
+        uploaded: list[str] = []
+        while True:
+            for snapshot_id in await asyncio.to_thread(self.remote.pending.ids):
+                if self.remote.stopping.is_set():
+                    return uploaded
+                try:
+                    snapshot = await asyncio.to_thread(self.engine.get, snapshot_id)
+                    snapshot.require_trusted("upload")
+                except SnapshotError as exc:  # deleted meanwhile, or not ours to upload
+                    self.log.info("gpu-snapshot: no upload owed for %s: %s", snapshot_id, exc)
+                    await asyncio.to_thread(self.remote.pending.clear, snapshot_id)
+                    continue
+                try:
+                    job = self.jobs.start(
+                        Job("upload", None, snapshot.id, reason="retry"),
+                        [snapshot_key(snapshot.id)],
+                        functools.partial(self._retry_upload, snapshot=snapshot),
+                    )
+                except Busy:
+                    continue  # a save's own upload or a restore holds it: a later pass
+                await self.jobs.wait(job)
+                if job.status != "succeeded":
+                    return uploaded
+                uploaded.append(snapshot.id)
+            if not self._retry_again:
+                return uploaded
+            self._retry_again = False
+
+    async def _retry_upload(self, job: Job, snapshot: Snapshot) -> dict[str, Any]:
+        assert self.remote is not None
+        self.log.info("gpu-snapshot: uploading %s to %s again (its upload had not completed)",
+                      snapshot.id, self.remote.url)
+        self.jobs.progress(job)(Progress("uploading"))
+        outcome = await self.remote.upload(snapshot, self.jobs.progress(job),
+                                           self.jobs.claimed("snapshot:"))
+        if outcome["status"] != "uploaded":
+            error = outcome["error"]
+            kind = UploadStopped if error["code"] == UploadStopped.code else SnapshotError
+            raise kind(error["step"], error["cause"], hint=error["hint"])
+        return {**snapshot.summary(), "upload": outcome}
 
     def stopped_uploads(self) -> list[str]:
         """The snapshots of save jobs whose upload was given up for a shutdown's saves."""

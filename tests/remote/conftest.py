@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from .gate import NetworkGate
 from .seaweed import SeaweedServer, weed_binary
 
 BUCKET = "snapshots"
@@ -56,3 +57,13 @@ def criu_path() -> str:
     found = shutil.which("criu")
     assert found, "criu >= 4.2 must be installed (make criu)"
     return found
+
+
+@pytest.fixture
+def gate(seaweed: SeaweedServer) -> Iterator[NetworkGate]:
+    """A gate to the S3 server, shut at first: shut, the remote store cannot be reached."""
+    gate = NetworkGate(seaweed.ip, seaweed.s3_port)
+    try:
+        yield gate
+    finally:
+        gate.close()

@@ -2,6 +2,10 @@
 
 ``weed server -s3`` on loopback, in its own directory, with free ports. SeaweedFS also takes
 each port + 10000 for gRPC, so ports are picked below 55535 with both free.
+
+Each collection (a bucket, and the filer's own metadata log, written after a minute) grows
+7 volumes at its first write; volumes are files created empty, so the cap is generous: with
+5, the metadata log took them all and a bucket first written a minute in got none.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ class SeaweedServer:
         argv = [
             weed, "server", f"-dir={data}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
             "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
-            f"-filer.port={filer}", "-volume.max=5", "-master.telemetry=false",
+            f"-filer.port={filer}", "-volume.max=40", "-master.telemetry=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-filer.localSocket={self.workdir / 'filer.sock'}",
             f"-s3.localSocket={self.workdir / 's3.sock'}",

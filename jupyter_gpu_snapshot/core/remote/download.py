@@ -60,7 +60,7 @@ def fetch_object(
     if not isinstance(entry, dict) or "sha256" not in entry:
         raise _damaged(snapshot_id, f"the remote manifest does not list {name}")
     sealer = store.check_key(snapshot_id, remote)
-    path = store.path(snapshot_id, name)
+    path = store.object_path(snapshot_id, name, entry)
     try:
         stored = store.retry(f"get {name}", lambda: store.fs.cat_file(path))
     except FileNotFoundError as e:
@@ -159,13 +159,14 @@ def _check_objects_present(
         found = {}
     sizes = {str(p).rsplit("/", 1)[-1]: int(info.get("size", -1)) for p, info in found.items()}
     for name, entry in sorted(objects.items()):
-        if name not in sizes:
-            raise _damaged(snapshot_id, f"the object {name} is missing")
-        if sizes[name] != int(entry["stored_size"]):
+        stored_as = str(entry.get("object") or name)
+        if stored_as not in sizes:
+            raise _damaged(snapshot_id, f"the object {stored_as} is missing")
+        if sizes[stored_as] != int(entry["stored_size"]):
             raise _damaged(
                 snapshot_id,
-                f"the object {name} has {sizes[name]} bytes, expected {entry['stored_size']} "
-                "(truncated or replaced)",
+                f"the object {stored_as} has {sizes[stored_as]} bytes, expected "
+                f"{entry['stored_size']} (truncated or replaced)",
             )
 
 

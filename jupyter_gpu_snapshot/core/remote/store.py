@@ -5,9 +5,12 @@ Remote layout, under the configured URL::
     <id>/manifest.json           the local manifest, byte for byte (sealed when encrypted)
     <id>/<image files>           CRIU images and any other file of the snapshot directory
     <id>/remote-manifest.json    what was uploaded: sizes, encryption; written LAST
+    <id>/manifest.<n>.json       after a rename: the re-signed manifest (``object`` of its entry)
 
 A snapshot is listed only when its remote manifest exists, so an upload cut off at any
-point is never listed, and a delete removes the remote manifest first. Every name read
+point is never listed, and a delete removes the remote manifest first. A rename writes the
+re-signed manifest under a new object name and then replaces the remote manifest, so a
+reader sees the old name or the new one, never a mix. Every name read
 from the remote side is validated before it becomes a local path.
 
 All methods block: the server calls them through ``asyncio.to_thread``.
@@ -172,6 +175,10 @@ class RemoteStore:
         base = f"{self.root}/{snapshot_id}"
         return f"{base}/{name}" if name else base
 
+    def object_path(self, snapshot_id: str, name: str, entry: dict[str, Any]) -> str:
+        """Where the file ``name`` is stored: its own name, or the ``object`` a rename wrote."""
+        return self.path(snapshot_id, str(entry.get("object") or name))
+
     def url_of(self, snapshot_id: str) -> str:
         return f"{self.url}/{snapshot_id}"
 
@@ -234,8 +241,11 @@ class RemoteStore:
                 f"this version reads format {REMOTE_FORMAT}",
                 hint="upgrade jupyter_gpu_snapshot on this node",
             )
-        for name in remote.get("objects", {}):
+        for name, entry in remote.get("objects", {}).items():
             safe_object_name(name)
+            for stored_as in (entry.get("object"), entry.get("replaces")):
+                if stored_as is not None:
+                    safe_object_name(str(stored_as))
         return remote
 
     def check_key(self, snapshot_id: str, remote: dict[str, Any]) -> ChunkSealer | None:
@@ -271,22 +281,30 @@ class RemoteStore:
 
     # -- listing and deleting ---------------------------------------------------------------
     def ids(self) -> builtins.list[str]:
-        """The ids of snapshots whose upload completed (those with a remote manifest).
+        """The ids of snapshots whose upload completed (those with a remote manifest)."""
+        return sorted(self.revisions())
+
+    def revisions(self) -> dict[str, str]:
+        """Each completed snapshot's id and a stamp of its remote manifest (ETag or mtime,
+        and size) that changes when a rename replaces it.
 
         One recursive listing (on S3, a LIST without delimiter): an empty "directory"
         that some servers keep after a delete is no snapshot.
         """
         self.fs.invalidate_cache()
         try:
-            found = self.retry("list", lambda: self.fs.find(self.root))
+            found: dict[str, dict[str, Any]] = self.retry(
+                "list", lambda: self.fs.find(self.root, detail=True)
+            )
         except FileNotFoundError:
-            return []
-        ids = set()
-        for path in found:
+            return {}
+        revisions: dict[str, str] = {}
+        for path, info in found.items():
             parts = str(path).rstrip("/").split("/")
             if len(parts) >= 2 and parts[-1] == REMOTE_MANIFEST and is_snapshot_id(parts[-2]):
-                ids.add(parts[-2])
-        return sorted(ids)
+                stamp = f"{info.get('ETag', '')}:{info.get('size')}:{_modified(info)}"
+                revisions[parts[-2]] = stamp
+        return revisions
 
     def list(self) -> builtins.list[RemoteSnapshot]:
         """Snapshots whose upload completed, oldest first."""
@@ -369,6 +387,12 @@ class RemoteStore:
         from .upload import upload_snapshot
 
         return upload_snapshot(self, Path(snapshot_dir), progress)
+
+    def rename_copy(self, snapshot_dir: Path | str) -> RemoteSnapshot | None:
+        """Carry a local rename to the remote copy; see ``rename.rename_remote_copy``."""
+        from .rename import rename_remote_copy
+
+        return rename_remote_copy(self, Path(snapshot_dir))
 
     def download(
         self, snapshot_id: str, into_dir: Path | str, progress: ProgressFn | None = None

@@ -108,7 +108,16 @@ def upload_snapshot(
     """
     snapshot_id, opened = _open_snapshot_files(snapshot_dir)
     try:
-        existing = store.get(snapshot_id, missing_ok=True)
+        try:
+            existing = store.get(snapshot_id, missing_ok=True)
+        except SnapshotError:
+            raise
+        except Exception as e:  # the remote store did not answer
+            raise RemoteStoreError(
+                "upload",
+                f"uploading {snapshot_id} to {store.url} failed: {describe(e)}",
+                hint="the local snapshot is intact; try the upload again",
+            ) from e
         if existing is not None:
             return existing
         sealer = store.sealer(snapshot_id)
