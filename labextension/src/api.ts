@@ -70,7 +70,8 @@ export interface IRestoreResult {
 
 export interface IJob {
   id: string;
-  kind: 'save' | 'restore';
+  /** 'upload': a retried upload of a saved snapshot; it has no kernel, so no panel shows it. */
+  kind: 'save' | 'restore' | 'upload';
   kernel_id: string | null;
   snapshot_id: string | null;
   status: 'running' | 'succeeded' | 'failed';
