@@ -131,7 +131,8 @@ def run_scenario(
     artifacts = ARTIFACTS / scenario
     report = artifacts / "playwright" / "report.json"
     seen_file = artifacts / "seen.json"
-    seen_file.unlink(missing_ok=True)
+    for stale in (report, seen_file):
+        stale.unlink(missing_ok=True)
     env = dict(
         os.environ,
         LAB_URL=server.url,

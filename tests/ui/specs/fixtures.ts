@@ -1,12 +1,7 @@
 // Galata's test, fitted to our servers, with the few helpers galata has none of: the
 // extension's toolbar button and status item, notifications as the user sees them,
 // contrast, and the record of what a scenario saw, which test_lab_ui.py checks.
-import {
-  expect,
-  galata,
-  IJupyterLabPageFixture,
-  test as galataTest
-} from '@jupyterlab/galata';
+import { expect, IJupyterLabPageFixture, test as galataTest } from '@jupyterlab/galata';
 import type { APIRequestContext, Locator } from '@playwright/test';
 import fs from 'node:fs';
 import path from 'node:path';
@@ -37,7 +32,10 @@ export class Lab {
   /** A screenshot of the step just done: ARTIFACTS/NN-name.png. */
   async screenshot(name: string): Promise<void> {
     this.shots += 1;
-    const file = path.join(this.artifacts, `${String(this.shots).padStart(2, '0')}-${name}.png`);
+    const file = path.join(
+      this.artifacts,
+      `${String(this.shots).padStart(2, '0')}-${name}.png`
+    );
     await this.page.screenshot({ path: file });
     this.seen.steps.push(name);
     const docs = DOCS_IMAGES[`${path.basename(this.artifacts)}/${name}`];
@@ -117,7 +115,10 @@ export class Lab {
 
   /** Opens the Kernel menu (galata's helper) and gives the entry of a command. */
   async kernelMenu(command: string): Promise<Locator> {
-    expect(await this.page.menu.openLocator('Kernel'), 'open the Kernel menu').not.toBeNull();
+    expect(
+      await this.page.menu.openLocator('Kernel'),
+      'open the Kernel menu'
+    ).not.toBeNull();
     const item = this.page.locator(`.lm-Menu-item[data-command="${command}"]`);
     await item.waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
     return item;
@@ -140,7 +141,9 @@ export class Lab {
   }
 
   async clickSnapshot(modifiers: 'Shift'[] = []): Promise<void> {
-    await this.snapshotButton().locator('.jp-ToolbarButtonComponent').click({ modifiers });
+    await this.snapshotButton()
+      .locator('.jp-ToolbarButtonComponent')
+      .click({ modifiers });
   }
 
   async buttonState(state: string): Promise<void> {
@@ -250,7 +253,11 @@ export class Lab {
   /** The WCAG contrast ratio of an element's text colour on its background. */
   async contrast(locator: Locator): Promise<number> {
     return locator.evaluate(node => {
-      const rgb = (value: string) => value.match(/[\d.]+/g)!.slice(0, 3).map(Number);
+      const rgb = (value: string) =>
+        value
+          .match(/[\d.]+/g)!
+          .slice(0, 3)
+          .map(Number);
       const lin = (c: number) =>
         (c /= 255) <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
       const luminance = ([r, g, b]: number[]) =>
@@ -264,7 +271,8 @@ export class Lab {
 
 export const NOTEBOOK = process.env.NOTEBOOK ?? 'state.ipynb';
 export const OTHER_NOTEBOOK = process.env.OTHER_NOTEBOOK ?? '';
-const ARTIFACTS = process.env.ARTIFACTS ?? path.resolve(__dirname, '../../../test-artifacts/ui');
+const ARTIFACTS =
+  process.env.ARTIFACTS ?? path.resolve(__dirname, '../../../test-artifacts/ui');
 const DOCS_DIR = path.resolve(__dirname, '../../../docs/images');
 
 // The screenshots docs/labextension.md shows: scenario/step -> docs/images/ file, copied
@@ -328,5 +336,3 @@ export const test = galataTest.extend<{ lab: Lab }>({
     }
   }
 });
-
-export { galata };

@@ -2,7 +2,14 @@
 // test_lab_ui.py starts the server with the scenario's notebooks, runs one of them
 // (`playwright test --grep`), and checks what the scenario saw (seen.json) against the
 // server's own state. Every step leaves a screenshot in ARTIFACTS/<scenario>/.
-import { CURRENT, expect, NOTEBOOK, OTHER_NOTEBOOK, STEP_TIMEOUT, test } from './fixtures';
+import {
+  CURRENT,
+  expect,
+  NOTEBOOK,
+  OTHER_NOTEBOOK,
+  STEP_TIMEOUT,
+  test
+} from './fixtures';
 
 // Save a kernel with the toolbar button, shut it down, restore it from the dialog in the
 // Kernel menu, see its state, then delete the snapshot from the dialog in the dark theme.
@@ -90,7 +97,9 @@ test('round-trip', async ({ lab, page }) => {
   await lab.screenshot('delete-confirm');
   await row.locator('.jp-gpu-snapshot-delete').click();
   await expect(
-    dialog.locator('.jp-gpu-snapshot-empty', { hasText: 'No snapshot of this notebook yet' })
+    dialog.locator('.jp-gpu-snapshot-empty', {
+      hasText: 'No snapshot of this notebook yet'
+    })
   ).toBeVisible();
   await lab.screenshot('snapshot-deleted');
   // Escape still closes the dialog after a delete took its button away.
@@ -115,7 +124,9 @@ test('not-snapshot-ready', async ({ lab, page }) => {
     () => {
       const node = document.querySelector<HTMLElement>('.jp-gpu-snapshot-button');
       const title = node?.querySelector('[title]')?.getAttribute('title') || '';
-      return node?.dataset.state === 'disabled' && title.startsWith('Snapshots unavailable');
+      return (
+        node?.dataset.state === 'disabled' && title.startsWith('Snapshots unavailable')
+      );
     },
     null,
     { timeout: STEP_TIMEOUT }
@@ -146,7 +157,9 @@ test('not-snapshot-ready', async ({ lab, page }) => {
     .click();
   const picker = page.locator('.jp-Dialog');
   await picker.waitFor({ timeout: STEP_TIMEOUT });
-  seen.change_kernel_dialog = (await picker.locator('.jp-Dialog-header').innerText()).trim();
+  seen.change_kernel_dialog = (
+    await picker.locator('.jp-Dialog-header').innerText()
+  ).trim();
   await lab.screenshot('change-kernel-dialog');
   await picker.locator('.jp-mod-reject').first().click();
 });
@@ -217,7 +230,9 @@ test('restore-over-running-kernel', async ({ lab, page }) => {
   await details.getByRole('button', { name: 'Close' }).click();
   await details.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
   seen.toast_after_details = await refused.count();
-  await refused.getByRole('button', { name: 'Shut down this kernel and restore' }).click();
+  await refused
+    .getByRole('button', { name: 'Shut down this kernel and restore' })
+    .click();
   seen.restored_toast = await lab.toast(/Kernel restored/);
   await lab.buttonState('ready');
   seen.kernel_after_restore = await lab.kernelOf();
@@ -263,7 +278,9 @@ test('restore-from-other-notebook', async ({ lab, page }) => {
   seen.kernels_after_refusal = (await lab.kernelIds()).sort();
   seen.kernel_after_refusal = await lab.kernelOf();
 
-  await refused.getByRole('button', { name: /^Shut down .* kernel and restore$/ }).click();
+  await refused
+    .getByRole('button', { name: /^Shut down .* kernel and restore$/ })
+    .click();
   seen.restored_toast = await lab.toast(/Kernel restored/);
   await lab.buttonState('ready');
   seen.kernel_after_restore = await lab.kernelOf();
@@ -352,10 +369,16 @@ test('sidebar', async ({ lab, page }) => {
 test('widget-after-restore', async ({ lab, page }) => {
   const { seen } = lab;
   const widgetOutput = () =>
-    page.locator(`${CURRENT} .jp-Notebook .jp-Cell`).nth(3).locator('.jp-OutputArea-output');
+    page
+      .locator(`${CURRENT} .jp-Notebook .jp-Cell`)
+      .nth(3)
+      .locator('.jp-OutputArea-output');
   const widgetText = async () => (await widgetOutput().allInnerTexts()).join('\n');
   const panelShows = async (pattern: string | RegExp) =>
-    widgetOutput().filter({ hasText: pattern }).first().waitFor({ timeout: STEP_TIMEOUT });
+    widgetOutput()
+      .filter({ hasText: pattern })
+      .first()
+      .waitFor({ timeout: STEP_TIMEOUT });
   await lab.openNotebook();
   await lab.buttonState('ready');
   seen.state_output = await lab.runCell(0);
@@ -434,8 +457,11 @@ test('autosave', async ({ lab, page }) => {
 
   const sidebar = await lab.openSidebar();
   const section = sidebar.locator('[data-section="autosave"]');
-  const text = async (selector: string) => (await section.locator(selector).innerText()).trim();
-  await section.locator('.jp-gpu-snapshot-autosave-last').waitFor({ timeout: STEP_TIMEOUT });
+  const text = async (selector: string) =>
+    (await section.locator(selector).innerText()).trim();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-last')
+    .waitFor({ timeout: STEP_TIMEOUT });
   seen.sidebar_policy = await text('.jp-gpu-snapshot-autosave-policy');
   seen.sidebar_last = await text('.jp-gpu-snapshot-autosave-last');
   seen.sidebar_next = await text('.jp-gpu-snapshot-autosave-next');
@@ -469,13 +495,19 @@ test('autosave', async ({ lab, page }) => {
   await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('default');
   await section.getByRole('button', { name: 'Apply' }).click();
   await expect(policy).toHaveText(/the server's setting/);
-  seen.server_default = (await lab.api(`gpu-snapshot/kernels/${kernel}/autosave`)).override;
-  const where = sidebar.locator('.jp-gpu-snapshot-location[data-location="remote"]').first();
+  seen.server_default = (
+    await lab.api(`gpu-snapshot/kernels/${kernel}/autosave`)
+  ).override;
+  const where = sidebar
+    .locator('.jp-gpu-snapshot-location[data-location="remote"]')
+    .first();
   await where.waitFor({ timeout: STEP_TIMEOUT });
   seen.sidebar_location = (await where.innerText()).trim();
   await (await lab.kernelMenu('gpu-snapshot:restore')).click();
   const dialog = page.locator('.jp-Dialog');
-  const badge = dialog.locator('.jp-gpu-snapshot-location[data-location="remote"]').first();
+  const badge = dialog
+    .locator('.jp-gpu-snapshot-location[data-location="remote"]')
+    .first();
   await badge.waitFor({ timeout: STEP_TIMEOUT });
   seen.dialog_location = (await badge.innerText()).trim();
   await lab.screenshot('location-in-dialog');
@@ -514,7 +546,9 @@ test('after-restart', async ({ lab, page }) => {
   // The notebook started a fresh kernel meanwhile; the restore replaces it.
   await lab.buttonState('ready');
   await expect(
-    page.locator('.jp-StatusBar-Widget', { hasText: /Python 3 \(snapshots\) \| Idle/ }).first()
+    page
+      .locator('.jp-StatusBar-Widget', { hasText: /Python 3 \(snapshots\) \| Idle/ })
+      .first()
   ).toBeVisible();
   seen.fresh_kernel = await lab.kernelOf();
   await lab.screenshot('restore-offered');
