@@ -144,10 +144,10 @@ def run_scenario(
         PLAYWRIGHT_JSON_OUTPUT_NAME=str(report),
         PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD="1",
     )
-    env.pop("CI", None)  # galata's config would swap the list reporter for GitHub's
     argv = [
         tools["node"], str(PLAYWRIGHT), "test", "--config", str(HERE / "playwright.config.js"),
         "--grep", f" {re.escape(scenario)}$", "--output", str(artifacts / "playwright"),
+        "--timeout", str(SCENARIO_TIMEOUT * 1000),
     ]
     try:
         result = subprocess.run(
