@@ -320,7 +320,11 @@ export const test = galataTest.extend<{ lab: Lab }>({
     const seen: Seen = { scenario, steps: [], console_errors: [] };
     page.on('console', message => {
       if (message.type() === 'error' && !DEBUGGER_RACE.test(message.text())) {
-        seen.console_errors.push(message.text().slice(0, 500));
+        // Chromium's "Failed to load resource" names no resource: add where it came from.
+        const where = message.location().url;
+        seen.console_errors.push(
+          `${message.text().slice(0, 500)}${where ? ` (${where})` : ''}`
+        );
       }
     });
     page.on('pageerror', error => seen.console_errors.push(String(error).slice(0, 500)));
