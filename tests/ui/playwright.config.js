@@ -1,16 +1,22 @@
 // Galata's Playwright defaults for JupyterLab, driving the system chromium (no browser is
 // downloaded) against a server that test_lab_ui.py has started. pytest sets:
 //   LAB_URL     the server's base URL          LAB_TOKEN  its token
-//   ARTIFACTS   the scenario's folder for step screenshots and what the spec saw
+//   ARTIFACTS   the artifacts' folder: a folder per scenario for its step screenshots
+//               and what it saw (seen.json)
 //   CHROMIUM    the browser (default /usr/bin/chromium)
 // and passes --output (Playwright's own artifacts) and --grep (one scenario per run).
+const path = require('node:path');
 const galataConfig = require('@jupyterlab/galata/lib/playwright-config');
 
 const token = process.env.LAB_TOKEN;
+const artifacts =
+  process.env.ARTIFACTS ?? path.join(__dirname, '../../test-artifacts/ui');
 
 module.exports = {
   ...galataConfig,
   testDir: './specs',
+  // Beside the step screenshots (pytest gives each scenario its own with --output).
+  outputDir: path.join(artifacts, 'playwright'),
   // A scenario waits on real kernels and real CRIU; pytest holds the overall limit.
   timeout: 240_000,
   expect: { timeout: 60_000 },
@@ -19,7 +25,17 @@ module.exports = {
   fullyParallel: false,
   retries: 0,
   forbidOnly: true,
-  reporter: [['list'], ['json']],
+  reporter: [
+    ['list'],
+    [
+      'json',
+      {
+        outputFile:
+          process.env.PLAYWRIGHT_JSON_OUTPUT_NAME ??
+          path.join(artifacts, 'playwright', 'report.json')
+      }
+    ]
+  ],
   use: {
     ...galataConfig.use,
     // Galata joins the base URL and the app path ('/lab'): no trailing slash.
