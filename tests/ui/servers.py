@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jupyterlab
+
 from jupyter_gpu_snapshot.kernel.client import (
     ApiError,
     ConnectionProblem,
@@ -90,6 +92,28 @@ class JupyterProcess:
         return int(self.process.returncode)
 
 
+def lab_test_config(base: Path) -> str:
+    """The lines of a lab server's config that the browser tests need.
+
+    Galata's in-page helpers come as a labextension shipped with JupyterLab; they reach
+    the application through ``window.jupyterapp``. These are the two settings of
+    ``jupyterlab.galata.configure_jupyter_server`` that load them: the rest of that helper
+    (no token, no XSRF check, a fixed port, a temporary root) would undo what the
+    tests set up here.
+    """
+    paths = []
+    if (SOURCE_LABEXTENSION / "package.json").exists():
+        # The tree under test wins over an installed copy: extra paths come first.
+        extra = base / "labextensions"
+        shutil.copytree(SOURCE_LABEXTENSION, extra / LABEXTENSION_NAME, dirs_exist_ok=True)
+        paths.append(str(extra))
+    paths.append(str(Path(jupyterlab.__file__).parent / "galata"))
+    return (
+        f"c.LabServerApp.extra_labextensions_path = {paths!r}\n"
+        "c.LabApp.expose_app_in_browser = True\n"
+    )
+
+
 def start_jupyter(
     base: Path, log_path: Path, *, app: str = "lab", config: str = "",
     extra_env: dict[str, str] | None = None,
@@ -102,6 +126,8 @@ def start_jupyter(
     root.mkdir(parents=True, exist_ok=True)
     config_dir = base / "config"
     config_dir.mkdir(exist_ok=True)
+    if app == "lab":
+        config = lab_test_config(base) + config
     (config_dir / "jupyter_server_config.py").write_text(config)
     token = secrets.token_hex(16)
     port = free_port()
@@ -126,11 +152,6 @@ def start_jupyter(
         f"--ServerApp.root_dir={root}", "--allow-root",
     ]
     if app == "lab":
-        if (SOURCE_LABEXTENSION / "package.json").exists():
-            # The tree under test wins over an installed copy: extra paths come first.
-            extra = base / "labextensions"
-            shutil.copytree(SOURCE_LABEXTENSION, extra / LABEXTENSION_NAME, dirs_exist_ok=True)
-            argv.append(f"--LabApp.extra_labextensions_path={extra}")
         settings = base / "lab-settings"
         # No news or update toasts over the screenshots.
         notification = settings / "@jupyterlab" / "apputils-extension"

@@ -1,9 +1,11 @@
-"""The JupyterLab extension in a real browser (Debian's chromium, driven by Playwright).
+"""The JupyterLab extension in a real browser: Galata on Playwright, in Debian's chromium.
 
 Each test starts a real ``jupyter lab`` on 127.0.0.1 with a token, its own config, runtime
-and snapshot directories, and a notebook on the ``python3-snapshot`` (or plain
-``python3``) kernel; then ``scenario.mjs`` clicks through the UI and reports what it saw.
-Screenshots of every step land in test-artifacts/ui/.
+and snapshot directories, Galata's in-page helpers, and a notebook on the
+``python3-snapshot`` (or plain ``python3``) kernel; then runs its scenario of
+``specs/snapshots.spec.ts`` (``playwright test --grep``), which clicks through the UI, and
+checks what the scenario saw (its seen.json) and the server's state. Screenshots of every
+step land in test-artifacts/ui/<scenario>/.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ HERE = Path(__file__).parent
 REPO = HERE.parents[1]
 ARTIFACTS = REPO / "test-artifacts" / "ui"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+PLAYWRIGHT = HERE / "node_modules" / "@playwright" / "test" / "cli.js"
 SCENARIO_TIMEOUT = 240
 
 # The cells every scenario notebook holds: one sets state (RNG included), one reads it.
@@ -69,7 +72,7 @@ def write_notebook(path: Path, kernel_name: str, display_name: str) -> None:
 
 @pytest.fixture(scope="session")
 def ui_tools() -> dict[str, str]:
-    """Node, chromium, the UI test's npm packages and the built extension, or a clear failure."""
+    """Node, chromium, Galata and Playwright, and the built extension, or a clear failure."""
     missing = []
     node = shutil.which("node")
     if node is None:
@@ -85,9 +88,11 @@ def ui_tools() -> dict[str, str]:
     if missing:
         pytest.fail("the browser tests need: " + "; ".join(missing))
     assert node is not None
-    if not (HERE / "node_modules" / "playwright-core").is_dir():
+    if not PLAYWRIGHT.is_file():
         jlpm = shutil.which("jlpm", path=str(BIN)) or "jlpm"
-        subprocess.run([jlpm, "install", "--immutable"], cwd=HERE, check=True)
+        # Playwright drives the system chromium: no browser download.
+        env = dict(os.environ, PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD="1")
+        subprocess.run([jlpm, "install", "--immutable"], cwd=HERE, env=env, check=True)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return {"node": node}
 
@@ -105,7 +110,7 @@ def start_lab(tmp_path: Path) -> Iterator[Callable[..., JupyterProcess]]:
                 display = "Python 3 (snapshots)" if kernel == "python3-snapshot" else "Python 3"
                 write_notebook(root / filename, kernel, display)
         try:
-            server = start_jupyter(tmp_path, ARTIFACTS / f"{name}-server.log", config=config)
+            server = start_jupyter(tmp_path, ARTIFACTS / name / "server.log", config=config)
         except RuntimeError as exc:
             pytest.fail(str(exc))
         started.append(server)
@@ -121,6 +126,13 @@ def run_scenario(
     tools: dict[str, str], server: JupyterProcess, scenario: str, notebook: str,
     other_notebook: str = "",
 ) -> dict[str, Any]:
+    """Runs one scenario of the spec against ``server``; what it saw, or a failure that
+    quotes Playwright's report and the server's log."""
+    artifacts = ARTIFACTS / scenario
+    report = artifacts / "playwright" / "report.json"
+    seen_file = artifacts / "seen.json"
+    for stale in (report, seen_file):
+        stale.unlink(missing_ok=True)
     env = dict(
         os.environ,
         LAB_URL=server.url,
@@ -129,26 +141,51 @@ def run_scenario(
         OTHER_NOTEBOOK=other_notebook,
         ARTIFACTS=str(ARTIFACTS),
         CHROMIUM=CHROMIUM,
+        PLAYWRIGHT_JSON_OUTPUT_NAME=str(report),
+        PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD="1",
     )
-    for old in ARTIFACTS.glob(f"{scenario}-[0-9]*.png"):
-        old.unlink()
-    result = subprocess.run(
-        [tools["node"], str(HERE / "scenario.mjs"), scenario],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT,
-        check=False,
-    )
-    lines = result.stdout.strip().splitlines()
+    argv = [
+        tools["node"], str(PLAYWRIGHT), "test", "--config", str(HERE / "playwright.config.js"),
+        "--grep", f" {re.escape(scenario)}$", "--output", str(artifacts / "playwright"),
+        "--timeout", str(SCENARIO_TIMEOUT * 1000),
+    ]
     try:
-        seen: dict[str, Any] = json.loads(lines[-1])
-    except (IndexError, ValueError):
-        seen = {}
-    if result.returncode != 0:
-        pytest.fail(
-            f"scenario {scenario} failed (exit {result.returncode}):\n"
-            f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}\n"
-            f"--- server log ---\n{server.log_tail()}"
+        result = subprocess.run(
+            argv, cwd=HERE, env=env, capture_output=True, text=True,
+            timeout=SCENARIO_TIMEOUT + 30, check=False,
         )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"scenario {scenario}: Playwright still ran after {exc.timeout} s\n"
+                    f"--- server log ---\n{server.log_tail()}")
+    ran = scenario_results(report)
+    if result.returncode != 0 or ran != ["expected"]:
+        pytest.fail(
+            f"scenario {scenario} failed (playwright exit {result.returncode}, "
+            f"results {ran}):\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}\n"
+            f"screenshots: {artifacts}\n--- server log ---\n{server.log_tail()}"
+        )
+    seen: dict[str, Any] = json.loads(seen_file.read_text())
     return seen
+
+
+def scenario_results(report: Path) -> list[str]:
+    """The status of each test Playwright's JSON report lists (one per scenario run)."""
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return []
+    statuses: list[str] = []
+
+    def walk(suite: dict[str, Any]) -> None:
+        for spec in suite.get("specs", []):
+            for test in spec.get("tests", []):
+                statuses.append(test.get("status", "unknown"))
+        for child in suite.get("suites", []):
+            walk(child)
+
+    for suite in data.get("suites", []):
+        walk(suite)
+    return statuses
 
 
 def test_labextension_is_enabled_and_ok(ui_tools: dict[str, str]) -> None:

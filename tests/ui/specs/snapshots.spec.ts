@@ -1,0 +1,576 @@
+// Browser scenarios of the JupyterLab extension, one test per scenario, titled by its name.
+// test_lab_ui.py starts the server with the scenario's notebooks, runs one of them
+// (`playwright test --grep`), and checks what the scenario saw (seen.json) against the
+// server's own state. Every step leaves a screenshot in ARTIFACTS/<scenario>/.
+import {
+  CURRENT,
+  expect,
+  NOTEBOOK,
+  OTHER_NOTEBOOK,
+  STEP_TIMEOUT,
+  test
+} from './fixtures';
+
+// Save a kernel with the toolbar button, shut it down, restore it from the dialog in the
+// Kernel menu, see its state, then delete the snapshot from the dialog in the dark theme.
+test('round-trip', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.ready_tooltip = await lab.buttonTooltip();
+  await lab.showTooltip();
+  await lab.screenshot('kernel-ready');
+  await lab.hideTooltip();
+
+  seen.state_output = await lab.runCell(0);
+  seen.kernel_before = await lab.kernelOf();
+  await lab.screenshot('state-set');
+
+  await lab.recordToasts();
+  await lab.clickSnapshot();
+  seen.saved_toast = await lab.toast(/Snapshot saved/);
+  seen.save_toasts = await lab.recordedToasts();
+  await lab.screenshot('snapshot-saved');
+  // A success notification closes by itself (it used to stay when the last progress
+  // update, a full bar, came a few milliseconds before it).
+  const savedAt = Date.now();
+  seen.saved_toast_closed = await lab
+    .toasts('Snapshot saved')
+    .waitFor({ state: 'detached', timeout: 20_000 })
+    .then(() => (Date.now() - savedAt) / 1000)
+    .catch(() => null);
+  await lab.screenshot('saved-toast-closed');
+  const status = page.locator('.jp-gpu-snapshot-status');
+  await expect(status).toHaveText(/Snapshot (just now|.* ago)/);
+  seen.status_item = await status.innerText();
+  await lab.screenshot('status-bar-age');
+
+  await lab.shutDownKernel();
+  seen.after_shutdown_tooltip = await lab.buttonTooltip();
+  seen.kernel_after_shutdown = await lab.kernelOf();
+  // The status item stays after the kernel is gone: the quickstart clicks it now.
+  await expect(status).toHaveText('Snapshots');
+  seen.status_after_shutdown = await status.innerText();
+  await lab.showTooltip();
+  await lab.screenshot('kernel-shut-down');
+  await lab.hideTooltip();
+
+  const restoreItem = await lab.kernelMenu('gpu-snapshot:restore');
+  seen.kernel_menu = await page
+    .locator('.lm-Menu-item[data-command^="gpu-snapshot:"]')
+    .evaluateAll(items => items.map(i => (i as HTMLElement).innerText.trim()));
+  await lab.screenshot('kernel-menu');
+  await restoreItem.click();
+  const dialog = page.locator('.jp-Dialog');
+  await dialog
+    .locator('.jp-gpu-snapshot-table tr[data-snapshot-id]')
+    .first()
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.dialog_rows = await dialog
+    .locator('tr[data-snapshot-id]')
+    .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-name')));
+  seen.dialog_text = await dialog.locator('.jp-gpu-snapshot-picker').innerText();
+  seen.dialog_selected = await dialog
+    .locator('tr.jp-mod-selected')
+    .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-name')));
+  await lab.screenshot('restore-dialog');
+  await dialog.locator('.jp-mod-accept').click();
+  seen.restored_toast = await lab.toast(/Kernel restored/);
+  seen.restore_toasts = await lab.recordedToasts();
+  await lab.buttonState('ready');
+  await lab.screenshot('kernel-restored');
+
+  seen.kernel_after_restore = await lab.kernelOf();
+  seen.after_restore_output = await lab.runCell(1);
+  await lab.screenshot('state-after-restore');
+
+  // The rest in the dark theme: the selected row and the badges must stay readable.
+  await lab.darkTheme();
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const row = dialog.locator('tr[data-snapshot-id]').first();
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  await row.click();
+  seen.dark_selected_contrast = await lab.contrast(row.locator('td').nth(1));
+  await lab.screenshot('restore-dialog-dark');
+  await row.locator('.jp-gpu-snapshot-delete').click();
+  await row.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).waitFor();
+  await lab.screenshot('delete-confirm');
+  await row.locator('.jp-gpu-snapshot-delete').click();
+  await expect(
+    dialog.locator('.jp-gpu-snapshot-empty', {
+      hasText: 'No snapshot of this notebook yet'
+    })
+  ).toBeVisible();
+  await lab.screenshot('snapshot-deleted');
+  // Escape still closes the dialog after a delete took its button away.
+  await page.keyboard.press('Escape');
+  seen.escape_closed_dialog = await dialog
+    .waitFor({ state: 'detached', timeout: 5000 })
+    .then(() => true)
+    .catch(() => false);
+  if (!seen.escape_closed_dialog) {
+    await dialog.locator('.jp-mod-reject').click();
+  }
+  await expect(status).toHaveText('No snapshot yet');
+  seen.status_after_delete = await status.innerText();
+  seen.snapshots_left = (await lab.snapshots()).length;
+});
+
+// A notebook on the plain python3 kernel: the button stays disabled and says why.
+test('not-snapshot-ready', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await page.waitForFunction(
+    () => {
+      const node = document.querySelector<HTMLElement>('.jp-gpu-snapshot-button');
+      const title = node?.querySelector('[title]')?.getAttribute('title') || '';
+      return (
+        node?.dataset.state === 'disabled' && title.startsWith('Snapshots unavailable')
+      );
+    },
+    null,
+    { timeout: STEP_TIMEOUT }
+  );
+  seen.disabled_tooltip = await lab.buttonTooltip();
+  seen.kernel = await lab.kernelOf();
+  await lab.showTooltip();
+  await lab.screenshot('button-disabled');
+  await lab.hideTooltip();
+  // The palette entry is disabled too.
+  await page.keyboard.press('Control+Shift+C');
+  await page.locator('.lm-CommandPalette-input').fill('Snapshot kernel');
+  const entry = page.locator('.lm-CommandPalette-item', { hasText: 'Snapshot kernel' });
+  // JupyterLab keeps disabled commands in the palette's DOM but does not show them.
+  await entry.first().waitFor({ state: 'attached', timeout: STEP_TIMEOUT });
+  seen.palette_disabled = await entry
+    .first()
+    .evaluate(node => node.classList.contains('lm-mod-disabled'));
+  await lab.screenshot('palette-entry-disabled');
+  await page.keyboard.press('Escape');
+  // Clicking the greyed-out button explains and offers to switch the kernel.
+  await lab.clickSnapshot();
+  seen.explanation = await lab.toast(/Snapshots need/);
+  await lab.screenshot('button-click-explains');
+  await lab
+    .toasts('Snapshots need')
+    .getByRole('button', { name: 'Change kernel…' })
+    .click();
+  const picker = page.locator('.jp-Dialog');
+  await picker.waitFor({ timeout: STEP_TIMEOUT });
+  seen.change_kernel_dialog = (
+    await picker.locator('.jp-Dialog-header').innerText()
+  ).trim();
+  await lab.screenshot('change-kernel-dialog');
+  await picker.locator('.jp-mod-reject').first().click();
+});
+
+// criu fails while dumping: an error notification names the step and the cause, and the
+// kernel goes on answering.
+test('save-fails', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  await lab.clickSnapshot();
+  seen.error_toast = await lab.toast(/Snapshot failed/);
+  await lab.screenshot('snapshot-failed');
+  await lab.toasts('Snapshot failed').getByRole('button', { name: 'Details' }).click();
+  const details = page.locator('.jp-Dialog');
+  await details.waitFor({ timeout: STEP_TIMEOUT });
+  seen.error_details = (await details.locator('.jp-Dialog-body').innerText()).trim();
+  await lab.screenshot('error-details');
+  await details.locator('.jp-mod-accept, .jp-mod-reject').first().click();
+  await lab.buttonState('ready');
+  seen.after_failure_output = await lab.runCell(1);
+  await lab.screenshot('kernel-still-alive');
+  seen.snapshots_left = (await lab.snapshots()).length;
+});
+
+// Going back to an earlier snapshot of the kernel that still runs: the restore is refused
+// (the ports are taken) and the error offers to shut that kernel down first.
+test('restore-over-running-kernel', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  await lab.clickSnapshot();
+  await lab.toast(/Snapshot saved/);
+  await lab.buttonState('ready');
+  seen.changed_output = await lab.runCell(2);
+  seen.kernel_before = await lab.kernelOf();
+
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  const row = dialog.locator('tr[data-snapshot-id]').first();
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  // The snapshot of the running kernel is marked and not pre-selected.
+  seen.row_text = (await row.innerText()).trim();
+  seen.preselected = await dialog.locator('tr.jp-mod-selected').count();
+  await lab.screenshot('dialog-marks-this-kernel');
+  // The arrow keys move the selection.
+  await dialog.locator('.jp-gpu-snapshot-picker').focus();
+  await page.keyboard.press('ArrowDown');
+  seen.selected_by_arrow = await dialog
+    .locator('tr.jp-mod-selected')
+    .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-id')));
+  seen.first_row = await row.getAttribute('data-snapshot-id');
+  await dialog.locator('.jp-mod-accept').click();
+  seen.refused_toast = await lab.toast(/Restore of .* failed/);
+  await lab.screenshot('restore-refused');
+  const refused = lab.toasts('failed');
+  // Details leaves the notification, and its remedy, in place; the dialog offers it too.
+  await refused.getByRole('button', { name: 'Details' }).click();
+  const details = page.locator('.jp-Dialog');
+  await details.waitFor({ timeout: STEP_TIMEOUT });
+  seen.details_text = (await details.locator('.jp-Dialog-body').innerText()).trim();
+  seen.details_buttons = await details
+    .locator('.jp-Dialog-footer button')
+    .evaluateAll(buttons => buttons.map(b => (b as HTMLElement).innerText.trim()));
+  await lab.screenshot('refused-details');
+  await details.getByRole('button', { name: 'Close' }).click();
+  await details.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  seen.toast_after_details = await refused.count();
+  await refused
+    .getByRole('button', { name: 'Shut down this kernel and restore' })
+    .click();
+  seen.restored_toast = await lab.toast(/Kernel restored/);
+  await lab.buttonState('ready');
+  seen.kernel_after_restore = await lab.kernelOf();
+  seen.after_restore_output = await lab.runCell(1);
+  await lab.screenshot('state-after-restore');
+  seen.kernels = await lab.kernelIds();
+});
+
+// Notebook A's snapshot restored from notebook B while A's kernel still runs: the refusal
+// names A's kernel, offers to shut down that one, and B's kernel is not touched before the
+// restore replaces it.
+test('restore-from-other-notebook', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook(OTHER_NOTEBOOK);
+  await lab.buttonState('ready');
+  seen.other_state = await lab.runCell(0);
+  await lab.clickSnapshot();
+  await lab.toast(/Snapshot saved/);
+  seen.other_kernel = await lab.kernelOf(OTHER_NOTEBOOK);
+  seen.snapshot_name = (await lab.snapshots())[0].name;
+
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.kernel_before = await lab.kernelOf();
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  const row = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  await row.click();
+  await lab.screenshot('dialog-other-notebook-snapshot');
+  await dialog.locator('.jp-mod-accept').click();
+  seen.refused_toast = await lab.toast(/Restore of .* failed/);
+  // The progress notification went with the outcome; it used to come back beside it.
+  await page.waitForTimeout(1500);
+  seen.progress_toasts_left = await lab.toasts(/Restoring '[^']*'(…|:)/).count();
+  await lab.screenshot('refused-names-other-notebook');
+  const refused = lab.toasts('failed');
+  seen.refused_buttons = await refused
+    .getByRole('button')
+    .evaluateAll(buttons =>
+      buttons.map(b => (b as HTMLElement).innerText.trim()).filter(Boolean)
+    );
+  seen.kernels_after_refusal = (await lab.kernelIds()).sort();
+  seen.kernel_after_refusal = await lab.kernelOf();
+
+  await refused
+    .getByRole('button', { name: /^Shut down .* kernel and restore$/ })
+    .click();
+  seen.restored_toast = await lab.toast(/Kernel restored/);
+  await lab.buttonState('ready');
+  seen.kernel_after_restore = await lab.kernelOf();
+  seen.other_kernel_after_restore = await lab.kernelOf(OTHER_NOTEBOOK);
+  seen.after_restore_output = await lab.runCell(1);
+  await lab.screenshot('restored-into-this-notebook');
+  seen.kernels = await lab.kernelIds();
+});
+
+// The Snapshots sidebar: a snapshot named at save time (shift-click) shows there with its
+// facts; search and sort; restore, rename and delete from it; light and dark themes.
+test('sidebar', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  await lab.clickSnapshot(['Shift']);
+  const naming = page.locator('.jp-Dialog');
+  await naming.locator('input').fill('sidebar-one');
+  await lab.screenshot('name-at-save');
+  await naming.locator('.jp-mod-accept').click();
+  seen.saved_toast = await lab.toast(/Snapshot saved: 'sidebar-one'/);
+  await lab.buttonState('ready');
+
+  const sidebar = await lab.openSidebar();
+  const item = sidebar.locator('[data-section="own"] [data-snapshot-name="sidebar-one"]');
+  await item.waitFor({ timeout: STEP_TIMEOUT });
+  const store = sidebar.locator('.jp-gpu-snapshot-store');
+  await expect(store).toContainText('free');
+  seen.store_text = (await store.innerText()).trim();
+  seen.item_text = (await item.innerText()).trim();
+  await lab.screenshot('sidebar-light');
+
+  const search = sidebar.locator('.jp-gpu-snapshot-search');
+  await search.fill('no-such-thing');
+  seen.search_empty = await sidebar.locator('.jp-gpu-snapshot-empty').allInnerTexts();
+  await search.fill('sidebar');
+  seen.search_hits = await sidebar
+    .locator('[data-snapshot-name]')
+    .evaluateAll(items => items.map(i => i.getAttribute('data-snapshot-name')));
+  await search.fill('');
+  await sidebar.locator('.jp-gpu-snapshot-sort').selectOption('size');
+
+  await lab.darkTheme();
+  await item.waitFor();
+  seen.dark_name_contrast = await lab.contrast(item.locator('.jp-gpu-snapshot-name'));
+  await lab.screenshot('sidebar-dark');
+
+  await lab.shutDownKernel();
+  await item.locator('.jp-gpu-snapshot-restore').click();
+  seen.restored_toast = await lab.toast(/Kernel restored from 'sidebar-one'/);
+  await lab.buttonState('ready');
+  seen.after_restore_output = await lab.runCell(1);
+  await lab.screenshot('restored-from-sidebar');
+
+  // Rename: the server re-signs the manifest; a taken or invalid name is said inline.
+  await item.locator('.jp-gpu-snapshot-rename').click();
+  const ask = page.locator('.jp-Dialog');
+  await ask.locator('input').fill('bad/name');
+  await ask.locator('.jp-mod-accept').click();
+  const error = sidebar.locator('.jp-gpu-snapshot-error');
+  await error.waitFor({ timeout: STEP_TIMEOUT });
+  seen.rename_error = (await error.innerText()).trim();
+  await item.locator('.jp-gpu-snapshot-rename').click();
+  await ask.locator('input').fill('sidebar-renamed');
+  await lab.screenshot('rename');
+  await ask.locator('.jp-mod-accept').click();
+  const renamed = sidebar.locator(
+    '[data-section="own"] [data-snapshot-name="sidebar-renamed"]'
+  );
+  await renamed.waitFor({ timeout: STEP_TIMEOUT });
+  seen.renamed_names = (await lab.snapshots()).map(s => s.name);
+  seen.error_after_rename = await error.count();
+  await lab.screenshot('renamed-in-sidebar');
+
+  await renamed.locator('.jp-gpu-snapshot-delete').click();
+  await renamed.locator('.jp-gpu-snapshot-delete', { hasText: 'Confirm delete' }).click();
+  await renamed.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  seen.snapshots_left = (await lab.snapshots()).length;
+  await lab.screenshot('deleted-from-sidebar');
+});
+
+// The snapshot panel widget (%gpu_snapshot widget) lives in the kernel's memory: after the
+// notebook moves to a restored kernel, its output shows the restored widget, live, not
+// "model not found"; the same after the page is reloaded while no kernel holds the widget.
+test('widget-after-restore', async ({ lab, page }) => {
+  const { seen } = lab;
+  const widgetOutput = () =>
+    page
+      .locator(`${CURRENT} .jp-Notebook .jp-Cell`)
+      .nth(3)
+      .locator('.jp-OutputArea-output');
+  const widgetText = async () => (await widgetOutput().allInnerTexts()).join('\n');
+  const panelShows = async (pattern: string | RegExp) =>
+    widgetOutput()
+      .filter({ hasText: pattern })
+      .first()
+      .waitFor({ timeout: STEP_TIMEOUT });
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  await lab.runCell(3);
+  await panelShows(/This notebook's snapshots/);
+  await lab.screenshot('widget-shown');
+  await lab.clickSnapshot();
+  await lab.toast(/Snapshot saved/);
+  await lab.buttonState('ready');
+  await panelShows(/Last snapshot/);
+  await lab.saveNotebook();
+  seen.snapshot_name = (await lab.snapshots())[0].name;
+
+  // Reopened while its kernel is gone: JupyterLab cannot show the widget (no kernel holds
+  // it); after the restore the notebook's output shows the restored one.
+  await lab.shutDownKernel();
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  // The fresh kernel JupyterLab started holds no widget.
+  await panelShows(/model not found/).catch(() => undefined);
+  seen.widget_before_restore = await widgetText();
+  await lab.screenshot('reopened-without-kernel');
+  // That is JupyterLab's own console error; what follows the restore must be clean.
+  seen.errors_before_restore = seen.console_errors.splice(0);
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  await dialog.locator('.jp-mod-accept').click();
+  await lab.toast(/Kernel restored/);
+  await lab.buttonState('ready');
+  seen.widget_after_restore = await panelShows(seen.snapshot_name as string)
+    .then(widgetText)
+    .catch(widgetText);
+  await lab.screenshot('widget-after-restore');
+  // The restored widget is live: its Save button saves the restored kernel.
+  await widgetOutput().locator('input').first().fill('from-widget');
+  await widgetOutput().locator('button', { hasText: 'Save' }).click();
+  await panelShows(/from-widget/).catch(() => undefined);
+  seen.widget_after_save = await widgetText();
+  await lab.screenshot('widget-live-after-restore');
+  seen.after_restore_output = await lab.runCell(1);
+
+  // Without a reload: the kernel shut down from the menu, the same snapshot restored. The
+  // page still holds the models of the kernel before; the restored kernel's must replace
+  // them, or the panel is a dead copy.
+  await lab.shutDownKernel();
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const again = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
+  await again.waitFor({ timeout: STEP_TIMEOUT });
+  await again.click();
+  await dialog.locator('.jp-mod-accept').click();
+  await lab.toast(/Kernel restored/);
+  await lab.buttonState('ready');
+  await widgetOutput().locator('input').first().fill('same-page');
+  await widgetOutput().locator('button', { hasText: 'Save' }).click();
+  await panelShows(/same-page/).catch(() => undefined);
+  seen.widget_after_second_restore = await widgetText();
+  await lab.screenshot('widget-live-after-second-restore');
+  seen.snapshots = (await lab.snapshots()).map(s => s.name).sort();
+});
+
+// Autosave (the server's interval set to seconds by the test): the status bar says
+// "Autosaving…", then "Autosaved … (paused …)"; the sidebar shows the notebook's policy and
+// the next autosave, and overrides it for this notebook (off, then on every 30 min).
+test('autosave', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  await lab.recordStatusTexts();
+  seen.state_output = await lab.runCell(0);
+  const status = page.locator('.jp-gpu-snapshot-status', { hasText: /^Autosaved / });
+  await status.waitFor({ timeout: 90_000 });
+  seen.status_item = (await status.innerText()).trim();
+  seen.status_texts = await lab.recordedStatusTexts();
+  await lab.screenshot('autosave-status');
+
+  const sidebar = await lab.openSidebar();
+  const section = sidebar.locator('[data-section="autosave"]');
+  const text = async (selector: string) =>
+    (await section.locator(selector).innerText()).trim();
+  await section
+    .locator('.jp-gpu-snapshot-autosave-last')
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_policy = await text('.jp-gpu-snapshot-autosave-policy');
+  seen.sidebar_last = await text('.jp-gpu-snapshot-autosave-last');
+  seen.sidebar_next = await text('.jp-gpu-snapshot-autosave-next');
+  await lab.screenshot('sidebar-autosave');
+
+  const kernel = await lab.kernelOf();
+  const policy = section.locator('.jp-gpu-snapshot-autosave-policy');
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('off');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await expect(policy).toHaveText(/^off/);
+  seen.policy_off = await text('.jp-gpu-snapshot-autosave-policy');
+  seen.server_off = (await lab.api(`gpu-snapshot/kernels/${kernel}/autosave`)).policy;
+
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('on');
+  await section.locator('.jp-gpu-snapshot-autosave-interval').fill('30');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await expect(policy).toHaveText(/^every 30 min/);
+  seen.policy_on = await text('.jp-gpu-snapshot-autosave-policy');
+  seen.server_on = await lab.api(`gpu-snapshot/kernels/${kernel}/autosave`);
+  await lab.screenshot('sidebar-autosave-overridden');
+
+  // A server says where each snapshot is kept (location): the sidebar and the dialog show
+  // it. This server has no remote store; its answers say "remote" here, so that the words
+  // for a remote-only snapshot show once the sidebar has asked again.
+  await page.route(/gpu-snapshot\/snapshots(\?|$)/, async route => {
+    const response = await route.fetch();
+    const listing = await response.json();
+    listing.snapshots.forEach((s: any) => (s.location = 'remote'));
+    await route.fulfill({ response, json: listing });
+  });
+  await section.locator('.jp-gpu-snapshot-autosave-mode').selectOption('default');
+  await section.getByRole('button', { name: 'Apply' }).click();
+  await expect(policy).toHaveText(/the server's setting/);
+  seen.server_default = (
+    await lab.api(`gpu-snapshot/kernels/${kernel}/autosave`)
+  ).override;
+  const where = sidebar
+    .locator('.jp-gpu-snapshot-location[data-location="remote"]')
+    .first();
+  await where.waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_location = (await where.innerText()).trim();
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  const badge = dialog
+    .locator('.jp-gpu-snapshot-location[data-location="remote"]')
+    .first();
+  await badge.waitFor({ timeout: STEP_TIMEOUT });
+  seen.dialog_location = (await badge.innerText()).trim();
+  await lab.screenshot('location-in-dialog');
+  await page.keyboard.press('Escape');
+});
+
+// --- after a server restart: two runs, the server stopped between -------------------
+
+test('before-shutdown', async ({ lab }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  seen.kernel_before = await lab.kernelOf();
+  // Saved with the notebook, so the outputs are there again after the restart.
+  await lab.saveNotebook();
+  await lab.screenshot('state-set');
+  // A second notebook with a kernel of its own: saved at shutdown too.
+  await lab.openFromFileBrowser(OTHER_NOTEBOOK);
+  await lab.buttonState('ready');
+  seen.other_kernel = await lab.kernelOf(OTHER_NOTEBOOK);
+  // A kernel that has run nothing is not saved at shutdown: give this one some work.
+  seen.other_output = await lab.runCell(0);
+  // Saved by hand after its work: the shutdown leaves it alone, and the restart offers
+  // this snapshot, reason and all.
+  await lab.clickSnapshot();
+  await lab.toast(/Snapshot saved/);
+  await lab.buttonState('ready');
+  await lab.screenshot('second-notebook-open');
+});
+
+test('after-restart', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  seen.offer = await lab.toast(/Restore the kernel of .*\? Its newest snapshot:/);
+  // The notebook started a fresh kernel meanwhile; the restore replaces it.
+  await lab.buttonState('ready');
+  await expect(
+    page
+      .locator('.jp-StatusBar-Widget', { hasText: /Python 3 \(snapshots\) \| Idle/ })
+      .first()
+  ).toBeVisible();
+  seen.fresh_kernel = await lab.kernelOf();
+  await lab.screenshot('restore-offered');
+  // A second notebook opens: one offer names both, not two identical ones.
+  await lab.openFromFileBrowser(OTHER_NOTEBOOK);
+  seen.merged_offer = await lab.toast(/Restore the kernels of 2 notebooks/);
+  seen.offer_count = await lab.toasts(/Restore the kernels? of/).count();
+  await lab.screenshot('restart-offer-names-both');
+  const offer = lab.toasts(/Restore the kernels of/);
+  await offer.getByRole('button', { name: 'Restore all' }).click();
+  const restored = lab.toasts(/Kernel restored/);
+  await restored.nth(1).waitFor({ timeout: STEP_TIMEOUT });
+  seen.restored_toasts = await restored.allInnerTexts();
+  seen.restored_toast = (seen.restored_toasts as string[])[0];
+  await page.locator('.lm-TabBar-tab', { hasText: NOTEBOOK }).click();
+  await lab.buttonState('ready');
+  seen.kernel_after_restore = await lab.kernelOf();
+  await lab.screenshot('kernel-restored');
+  seen.after_restore_output = await lab.runCell(1);
+  await lab.screenshot('state-after-restore');
+  seen.sessions = ((await lab.api('api/sessions')) as any[])
+    .map(s => [s.path, s.kernel.id])
+    .sort();
+  seen.kernels = (await lab.kernelIds()).sort();
+});
