@@ -176,6 +176,9 @@ export class SnapshotController {
 
   /** Ask the server again whether this kernel can be snapshotted. */
   refresh(kernelId: string): Promise<void> {
+    if (this._shutDown.has(kernelId)) {
+      return Promise.resolve(); // the server no longer knows it: it would answer 404
+    }
     // Several widgets watch the same kernel: one request at a time, plus one more when
     // asked again meanwhile (the state may have changed since the first was sent).
     const running = this._refreshing.get(kernelId);
@@ -563,6 +566,12 @@ export class SnapshotController {
     if (panel.isDisposed) {
       return;
     }
+    const doomed = holder ?? this.kernelId(panel);
+    if (doomed) {
+      // No status request may reach the server once the kernel is gone.
+      this._shutDown.add(doomed);
+      await this._refreshing.get(doomed);
+    }
     if (holder === null) {
       await panel.sessionContext.shutdown();
     } else {
@@ -701,6 +710,8 @@ export class SnapshotController {
   private _followed = new Set<string>();
   private _refreshing = new Map<string, Promise<void>>();
   private _refreshAgain = new Set<string>();
+  /** Kernels a remedy shut down: never asked about again. */
+  private _shutDown = new Set<string>();
   private _changed = new Signal<this, string>(this);
   private _follower: JobFollower;
 }

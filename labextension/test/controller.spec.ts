@@ -651,6 +651,11 @@ describe('a restore refused because its ports are taken', () => {
       session_id: 's-b'
     });
     expect(panel.sessionContext.changeKernel).toHaveBeenCalledWith({ id: 'k-new' });
+
+    // A's kernel is gone: a watcher asking about it again sends nothing (it would get 404).
+    const asked = api.kernelStatus.mock.calls.length;
+    await controller.refresh('k-a');
+    expect(api.kernelStatus.mock.calls.length).toBe(asked);
   });
 
   it('shuts down a holding kernel that has no session by its id', async () => {
