@@ -63,6 +63,7 @@ class SeaweedServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.s3_port = 0
         self.log_path = workdir / "weed.log"
+        self._grpc_sockets: list[Path] = []
 
     @property
     def endpoint_url(self) -> str:
@@ -81,13 +82,19 @@ class SeaweedServer:
         master, volume, filer, s3 = free_port_pairs(4, self.ip)
         self.s3_port = s3
         argv = [
-            weed, "server", f"-dir={data}", f"-ip={self.ip}", f"-ip.bind={self.ip}",
+            weed, f"-logdir={self.workdir}", "server", f"-dir={data}", f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
             f"-filer.port={filer}", "-volume.max=40", "-master.telemetry=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-filer.localSocket={self.workdir / 'filer.sock'}",
             f"-s3.localSocket={self.workdir / 's3.sock'}",
         ]  # fmt: skip
+        # weed names a gRPC socket in /tmp after each service's gRPC port (port + 10000).
+        self._grpc_sockets = [
+            Path(f"/tmp/seaweedfs-{service}-grpc-{port + 10000}.sock")
+            for service, port in (("master", master), ("volume", volume), ("s3", s3))
+        ]
         log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes it until stop()
         self.process = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -146,3 +153,5 @@ class SeaweedServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=15)
+        for socket_path in self._grpc_sockets:
+            socket_path.unlink(missing_ok=True)
