@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jupyterlab
-
 from jupyter_gpu_snapshot.kernel.client import (
     ApiError,
     ConnectionProblem,
@@ -101,6 +99,8 @@ def lab_test_config(base: Path) -> str:
     (no token, no XSRF check, a fixed port, a temporary root) would undo what the
     tests set up here.
     """
+    import jupyterlab  # here: the notebook tests use this module where JupyterLab is absent
+
     paths = []
     if (SOURCE_LABEXTENSION / "package.json").exists():
         # The tree under test wins over an installed copy: extra paths come first.
