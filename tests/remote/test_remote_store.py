@@ -232,6 +232,12 @@ def test_unsafe_remote_names_are_refused(remote_url, s3_options, tmp_path):
             remote.download(snap.id, tmp_path / "b")
         doc["objects"].pop(evil)
         remote.fs.pipe_file(path, json.dumps(doc).encode())
+    # A rename's manifest object is named in the remote manifest too: the same rule holds.
+    doc = json.loads(remote.fs.cat_file(path))
+    doc["objects"]["manifest.json"]["object"] = "../other/manifest.json"
+    remote.fs.pipe_file(path, json.dumps(doc).encode())
+    with pytest.raises(RemoteStoreError, match="refusing the object name"):
+        remote.download(snap.id, tmp_path / "b")
     assert not (tmp_path / "escaped").exists()
     with pytest.raises(RemoteStoreError, match="not a snapshot id"):
         remote.download("../../etc", tmp_path / "b")
