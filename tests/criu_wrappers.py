@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import shutil
 
-# SIGKILLs the real criu once it is writing the kernel's memory pages. Not earlier: a criu
-# killed in the instant it patches its parasite code into the kernel can take the kernel
-# with it, which no rollback can undo (see the README's limits).
+# SIGKILLs the real criu once it is writing the kernel's memory pages: a pages image past
+# 16 MiB, which the namespace's init (about 4 MiB, dumped first) never reaches. Not at any
+# other moment: a criu killed in the instant it patches its parasite code into a process, or
+# takes it out again, can take that process with it, and with init the whole kernel; no
+# rollback can undo that (see the README's limits).
 _KILL_WHILE_WRITING_PAGES = """case "$1" in dump)
   images=""; prev=""
   for arg in "$@"; do [ "$prev" = "-D" ] && images="$arg"; prev="$arg"; done
   "{real}" "$@" & pid=$!
   for i in $(seq 2000); do
-    [ -n "$(find "$images" -name 'pages-*.img' -size +1M 2>/dev/null)" ] && break
+    [ -n "$(find "$images" -name 'pages-*.img' -size +16M 2>/dev/null)" ] && break
     sleep 0.005
   done
   kill -9 $pid; wait $pid; exit $?;;
@@ -51,7 +53,7 @@ _KILL_SAVER_WHILE_WRITING_PAGES = """case "$1" in dump)
   saver=$PPID
   "{real}" "$@" & pid=$!
   for i in $(seq 2000); do
-    [ -n "$(find "$images" -name 'pages-*.img' -size +1M 2>/dev/null)" ] && break
+    [ -n "$(find "$images" -name 'pages-*.img' -size +16M 2>/dev/null)" ] && break
     sleep 0.005
   done
   kill -9 $saver; wait $pid; exit $?;;

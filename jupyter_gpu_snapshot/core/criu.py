@@ -45,10 +45,19 @@ class CriuRun:
     log_path: Path
 
 
+def describe_exit(returncode: int) -> str:
+    """How a criu run ended, from its status alone."""
+    if returncode < 0:
+        return f"criu was killed by signal {-returncode}"
+    if returncode > 128:  # a shell or wrapper reports a killed criu as 128 + signal
+        return f"criu was killed by signal {returncode - 128}"
+    return f"criu exited with status {returncode}"
+
+
 def explain_log(log_path: Path, returncode: int) -> str:
     """One line naming the cause of a failed criu run, taken from its log."""
     if returncode < 0:
-        return f"criu was killed by signal {-returncode}"
+        return describe_exit(returncode)
     errors: list[str] = []
     try:
         with open(log_path, errors="replace") as f:
@@ -59,9 +68,7 @@ def explain_log(log_path: Path, returncode: int) -> str:
     except OSError:
         return f"criu exited with status {returncode} and left no log"
     if not errors:
-        if returncode > 128:  # a shell or wrapper reports a killed criu as 128 + signal
-            return f"criu was killed by signal {returncode - 128}"
-        return f"criu exited with status {returncode}"
+        return describe_exit(returncode)
     joined = " | ".join(errors)
     for pattern, meaning in _KNOWN_CAUSES:
         if pattern.search(joined):

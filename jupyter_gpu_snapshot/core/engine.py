@@ -36,7 +36,7 @@ from .._version import __version__
 from . import locks, procfs
 from .background import run_in_background
 from .compatibility import NodeCompatibility, node_facts, refusal
-from .criu import CriuRunner
+from .criu import CriuRunner, describe_exit
 from .errors import Interrupted, InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .index import SnapshotIndex
 from .locks import HeldLock
@@ -370,7 +370,7 @@ class SnapshotEngine:
             ):
                 # criu ended (killed, say) after it had written every image and stopped the
                 # kernel: the image is all that is left of the kernel, so it is committed.
-                late = f"criu ended with status {run.returncode} after its dump completed"
+                late = f"{describe_exit(run.returncode)} after its dump completed"
                 log.warning("snapshot %s: %s; the image is whole", ctx.snapshot_id, late)
                 manifest["warnings"] = [*manifest.get("warnings", []), late]
             elif run.returncode != 0:

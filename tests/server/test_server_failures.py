@@ -40,9 +40,10 @@ fi
 "$real" "$@" &
 criu=$!
 i=0
-# Once criu writes memory pages; a kill while it patches its parasite into the kernel
-# can end the kernel too, which no rollback undoes (README, limits).
-while [ $i -lt 1000 ] && [ -z "$(find "$images" -name 'pages-*.img' -size +1M)" ]; do
+# Once criu writes the kernel's memory pages (16 MiB: namespace init's image is 4 MiB); a
+# kill while it patches its parasite into a process or takes it out can end the kernel too,
+# which no rollback undoes (README, limits).
+while [ $i -lt 1000 ] && [ -z "$(find "$images" -name 'pages-*.img' -size +16M)" ]; do
     sleep 0.005; i=$((i + 1))
 done
 kill -9 $criu
