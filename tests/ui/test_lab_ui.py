@@ -500,6 +500,32 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     assert seen["restored_toast"].startswith("Kernel restored from")
     assert seen["kernel_after_restore"] not in (None, seen["fresh_kernel"])
     assert seen["after_restore_output"] == f"state now: {secret} next random: {next_random}"
+    # The restore dialog, in the dark theme, afterwards: this notebook's snapshot first,
+    # marked as the one this kernel came from and as taken before shutdown; the other
+    # notebook's without either mark.
+    from_shutdown = next(s["id"] for s in snapshots if s["reason"] == "shutdown")
+    by_hand = next(s["id"] for s in snapshots if s["reason"] == "user")
+    badges = {row["id"]: row["badges"] for row in seen["dialog_rows"]}
+    assert list(badges) == [from_shutdown, by_hand], seen["dialog_rows"]
+    assert "this kernel's origin" in badges[from_shutdown], badges
+    assert "before shutdown" in badges[from_shutdown], badges
+    assert not {"this kernel's origin", "of this kernel", "before shutdown"} & set(
+        badges[by_hand]
+    ), badges
+    # The "before shutdown" badge is readable in the dark theme (WCAG AA: 4.5).
+    assert seen["dark_shutdown_badge_contrast"] >= 4.5, seen["dark_shutdown_badge_contrast"]
+    # Both sections' first rows start their cells where the header's start (one table).
+    columns = seen["dialog_columns"]
+    header = columns["header"]
+    assert len(header) == 7 and header == sorted(set(header)), columns
+    assert [section["title"] for section in columns["sections"]] == [
+        "Snapshots of state.ipynb", "All other snapshots"
+    ], columns
+    for section in columns["sections"]:
+        row = section["first_row"]
+        assert row is not None and len(row) == len(header), columns
+        offsets = [abs(cell - head) for cell, head in zip(row, header, strict=True)]
+        assert max(offsets) <= 1, columns
     # The fresh kernels the notebooks had started were retired; a session and a kernel each.
     assert [path for path, _ in seen["sessions"]] == ["other.ipynb", "state.ipynb"]
     assert ["state.ipynb", seen["kernel_after_restore"]] in seen["sessions"]

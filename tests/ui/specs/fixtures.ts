@@ -250,21 +250,38 @@ export class Lab {
     );
   }
 
-  /** The WCAG contrast ratio of an element's text colour on its background. */
+  /**
+   * The WCAG contrast ratio of an element's text colour on the background it shows on:
+   * its own, or, where that is transparent, its nearest ancestor's (a badge's, say).
+   */
   async contrast(locator: Locator): Promise<number> {
     return locator.evaluate(node => {
-      const rgb = (value: string) =>
-        value
-          .match(/[\d.]+/g)!
-          .slice(0, 3)
-          .map(Number);
+      const rgba = (value: string) => {
+        const [r, g, b, a = 1] = value.match(/[\d.]+/g)!.map(Number);
+        return { rgb: [r, g, b], alpha: a };
+      };
+      // Translucent backgrounds lie over their ancestors': blend them down to an opaque one.
+      const layers: { rgb: number[]; alpha: number }[] = [];
+      for (let at: Element | null = node; at; at = at.parentElement) {
+        const layer = rgba(getComputedStyle(at).backgroundColor);
+        if (layer.alpha > 0) {
+          layers.push(layer);
+        }
+        if (layer.alpha >= 1) {
+          break;
+        }
+      }
+      let background = [255, 255, 255]; // the canvas, where no ancestor paints one
+      for (const { rgb, alpha } of layers.reverse()) {
+        background = background.map((c, i) => rgb[i] * alpha + c * (1 - alpha));
+      }
       const lin = (c: number) =>
         (c /= 255) <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
       const luminance = ([r, g, b]: number[]) =>
         0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b);
-      const style = getComputedStyle(node);
-      const [a, b] = [luminance(rgb(style.color)), luminance(rgb(style.backgroundColor))];
-      return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+      const text = luminance(rgba(getComputedStyle(node).color).rgb);
+      const back = luminance(background);
+      return (Math.max(text, back) + 0.05) / (Math.min(text, back) + 0.05);
     });
   }
 }

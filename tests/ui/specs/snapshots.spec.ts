@@ -569,6 +569,47 @@ test('after-restart', async ({ lab, page }) => {
   await lab.screenshot('kernel-restored');
   seen.after_restore_output = await lab.runCell(1);
   await lab.screenshot('state-after-restore');
+
+  // The dialog in the dark theme, with a snapshot of this notebook (the one before
+  // shutdown, this kernel's origin) and one of another: the badges stay readable, the
+  // origin is marked, and the two sections' columns line up under the header.
+  await lab.darkTheme();
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog');
+  await dialog
+    .locator('tbody')
+    .nth(1)
+    .locator('tr[data-snapshot-id]')
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.dialog_rows = await dialog.locator('tr[data-snapshot-id]').evaluateAll(rows =>
+    rows.map(r => ({
+      id: r.getAttribute('data-snapshot-id'),
+      badges: [...r.querySelectorAll('.jp-gpu-snapshot-badge')].map(b =>
+        (b as HTMLElement).innerText.trim()
+      )
+    }))
+  );
+  seen.dark_shutdown_badge_contrast = await lab.contrast(
+    dialog.locator('.jp-gpu-snapshot-badge', { hasText: 'before shutdown' })
+  );
+  // Left edges of the header's cells and of each section's first row, in CSS pixels.
+  seen.dialog_columns = await dialog
+    .locator('.jp-gpu-snapshot-picker')
+    .evaluate(picker => {
+      const lefts = (row: Element | null) =>
+        row ? [...row.children].map(cell => cell.getBoundingClientRect().left) : null;
+      return {
+        header: lefts(picker.querySelector('thead tr')),
+        sections: [...picker.querySelectorAll('tbody')].map(body => ({
+          title: body.querySelector('.jp-gpu-snapshot-section')?.textContent ?? null,
+          first_row: lefts(body.querySelector('tr[data-snapshot-id]'))
+        }))
+      };
+    });
+  await lab.screenshot('restore-dialog-dark');
+  await page.keyboard.press('Escape');
+  await dialog.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+
   seen.sessions = ((await lab.api('api/sessions')) as any[])
     .map(s => [s.path, s.kernel.id])
     .sort();
