@@ -1,19 +1,24 @@
 /**
- * The plugin reads its polling intervals from its settings, and reads them again when
- * they change: statusRefreshSeconds reaches the status item and the sidebar,
- * followJobMilliseconds the controller's job follower. The application, the notebook
+ * The plugin reads its settings, and reads them again when they change:
+ * statusRefreshSeconds reaches the status item and the sidebar, followJobMilliseconds the
+ * controller's job follower, offerRestoreAfterShutdown the restart offer, which keeps its
+ * answers in the plugin's IStateDB. The application, the notebook
  * tracker, the status bar and the setting registry are stand-ins; the plugin is the real
  * one, activated as JupyterLab activates it.
  */
 import type { JupyterFrontEnd } from '@jupyterlab/application';
-import { ServerConnection } from '@jupyterlab/services';
+import type { NotebookPanel } from '@jupyterlab/notebook';
+import { KernelAPI, ServerConnection } from '@jupyterlab/services';
 import { StateDB } from '@jupyterlab/statedb';
 import { CommandRegistry } from '@lumino/commands';
 import { Signal } from '@lumino/signaling';
+import { Notification } from '@jupyterlab/apputils';
+import { SnapshotAPI } from '../src/api';
 import { SnapshotController } from '../src/controller';
 import plugin from '../src/index';
 import { SnapshotsSidebar } from '../src/sidebar';
 import { SnapshotStatusItem } from '../src/statusbar';
+import { makeSnapshot } from './fixtures';
 
 /** The plugin's settings, as the setting registry gives them, with values a test sets. */
 class FakeSettings {
@@ -35,7 +40,7 @@ class FakeSettings {
   }
 }
 
-function activate(settings: FakeSettings) {
+function activate(settings: FakeSettings, state = new StateDB()) {
   const registry = { load: jest.fn(async () => settings) };
   const statusBar = { registerStatusItem: jest.fn() };
   const shell = { add: jest.fn() };
@@ -50,17 +55,8 @@ function activate(settings: FakeSettings) {
     currentWidget: null
   };
   const toolbarRegistry = { addFactory: jest.fn() };
-  plugin.activate(
-    app,
-    tracker,
-    toolbarRegistry,
-    null,
-    statusBar,
-    registry,
-    new StateDB(),
-    null
-  );
-  return { registry, statusBar, shell };
+  plugin.activate(app, tracker, toolbarRegistry, null, statusBar, registry, state, null);
+  return { registry, statusBar, shell, tracker };
 }
 
 describe('the plugin and its settings', () => {
@@ -83,6 +79,7 @@ describe('the plugin and its settings', () => {
 
   afterEach(() => {
     disposeAll();
+    Notification.dismiss();
     jest.restoreAllMocks();
     jest.useRealTimers();
   });
@@ -107,5 +104,71 @@ describe('the plugin and its settings', () => {
     expect(statusSeconds).toHaveBeenLastCalledWith(5);
     expect(sidebarSeconds).toHaveBeenLastCalledWith(5);
     expect(followInterval).toHaveBeenLastCalledWith(200);
+  });
+});
+
+/** A notebook as it opens, without a kernel. */
+function openedNotebook(path: string): NotebookPanel {
+  return {
+    context: { ready: Promise.resolve(), path, localPath: path },
+    sessionContext: { session: null },
+    isDisposed: false
+  } as unknown as NotebookPanel;
+}
+
+/** Lets the promises of an opened notebook's offer run (jest's clock stands still). */
+async function settle(): Promise<void> {
+  for (let i = 0; i < 10; i++) {
+    await jest.advanceTimersByTimeAsync(1);
+  }
+}
+
+describe('the plugin and its restart offer', () => {
+  beforeEach(() => {
+    jest.useFakeTimers();
+    jest
+      .spyOn(ServerConnection, 'makeSettings')
+      .mockReturnValue({} as ServerConnection.ISettings);
+    // Each notebook's newest snapshot was saved at shutdown, of a kernel that is gone.
+    jest
+      .spyOn(SnapshotAPI.prototype, 'latestSnapshots')
+      .mockImplementation(async path => [
+        makeSnapshot({ id: `s-${path}`, notebook_path: path, reason: 'shutdown' })
+      ]);
+    jest.spyOn(KernelAPI, 'listRunning').mockResolvedValue([]);
+  });
+
+  afterEach(() => {
+    Notification.dismiss();
+    jest.restoreAllMocks();
+    jest.useRealTimers();
+  });
+
+  it('keeps the answer in its IStateDB, and offers nothing once the setting is off', async () => {
+    const settings = new FakeSettings();
+    const state = new StateDB();
+    const { statusBar, shell, tracker } = activate(settings, state);
+    try {
+      await settle();
+      tracker.widgetAdded.emit(openedNotebook('work/a.ipynb'));
+      await settle();
+      expect(Notification.manager.notifications).toHaveLength(1);
+      const [toast] = Notification.manager.notifications;
+      expect(toast.message).toContain('a.ipynb');
+      toast.options.actions
+        ?.find(a => a.label === 'Not now')
+        ?.callback(new MouseEvent('click'));
+      await settle();
+      expect(Object.values(await state.toJSON())).toContainEqual(['s-work/a.ipynb']);
+      Notification.dismiss(); // As a click on the toast's button does.
+
+      settings.set({ offerRestoreAfterShutdown: false });
+      tracker.widgetAdded.emit(openedNotebook('work/b.ipynb'));
+      await settle();
+      expect(Notification.manager.notifications).toHaveLength(0);
+    } finally {
+      statusBar.registerStatusItem.mock.calls[0][1].item.dispose();
+      shell.add.mock.calls[0][0].dispose();
+    }
   });
 });
