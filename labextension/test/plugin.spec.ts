@@ -20,6 +20,27 @@ import { SnapshotsSidebar } from '../src/sidebar';
 import { SnapshotStatusItem } from '../src/statusbar';
 import { makeSnapshot } from './fixtures';
 
+// Only the tokens of the notebook, status bar and apputils packages (the plugin names them
+// in its requirements) and JupyterLab's real notification manager: loading those packages
+// whole would take jest most of a minute to transform.
+jest.mock('@jupyterlab/notebook', () => {
+  const { Token } = jest.requireActual('@lumino/coreutils');
+  return { INotebookTracker: new Token('@jupyterlab/notebook:INotebookTracker') };
+});
+jest.mock('@jupyterlab/statusbar', () => {
+  const { Token } = jest.requireActual('@lumino/coreutils');
+  return { IStatusBar: new Token('@jupyterlab/statusbar:IStatusBar') };
+});
+jest.mock('@jupyterlab/apputils', () => {
+  const { Token } = jest.requireActual('@lumino/coreutils');
+  return {
+    Notification: jest.requireActual('@jupyterlab/apputils/lib/notification')
+      .Notification,
+    ICommandPalette: new Token('@jupyterlab/apputils:ICommandPalette'),
+    IToolbarWidgetRegistry: new Token('@jupyterlab/apputils:IToolbarWidgetRegistry')
+  };
+});
+
 /** The plugin's settings, as the setting registry gives them, with values a test sets. */
 class FakeSettings {
   readonly changed = new Signal<this, void>(this);
