@@ -25,7 +25,7 @@ import { TRANSLATION_DOMAIN } from './format';
 import { restoreIcon, snapshotIcon } from './icons';
 import { ShutdownOffer } from './reboot';
 import { SnapshotsSidebar } from './sidebar';
-import { SnapshotStatusItem } from './statusbar';
+import { DEFAULT_REFRESH_SECONDS, SnapshotStatusItem } from './statusbar';
 
 const PLUGIN_ID = 'jupyter-gpu-snapshot:plugin';
 
@@ -204,7 +204,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
       });
     }
 
-    const sidebar = new SnapshotsSidebar(controller, tracker, 15, trans);
+    const sidebar = new SnapshotsSidebar(
+      controller,
+      tracker,
+      DEFAULT_REFRESH_SECONDS,
+      trans
+    );
     app.shell.add(sidebar, 'left', { rank: 850 });
 
     const offer = new ShutdownOffer(controller, stateDB, trans);
