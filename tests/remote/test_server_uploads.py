@@ -71,10 +71,7 @@ async def _failed_upload(server: ServerProcess) -> None:
     kernel_ids: list[str] = []
     try:
         await server.ready()
-        session = await server.api.open_notebook(NOTEBOOK, "uploads.ipynb")
-        kernel_id = session["kernel"]["id"]
-        kernel_ids.append(kernel_id)
-        ws = await server.kernel(kernel_id)
+        kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
         await ws.execute("state = 5")
 
         job = await server.api.succeeded(await server.api.save(kernel_id, name="kept"))
@@ -111,10 +108,7 @@ async def _autosave_and_shutdown(server: ServerProcess, remote: RemoteStore) -> 
     kernel_ids: list[str] = []
     try:
         await server.ready()
-        session = await server.api.open_notebook(NOTEBOOK, "uploads.ipynb")
-        kernel_id = session["kernel"]["id"]
-        kernel_ids.append(kernel_id)
-        ws = await server.kernel(kernel_id)
+        kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
         await ws.execute("state = 1")
 
         deadline = time.monotonic() + 120

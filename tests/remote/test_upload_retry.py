@@ -118,10 +118,7 @@ async def _retried_after_a_save(server: ServerProcess, gate: NetworkGate) -> Non
     kernel_ids: list[str] = []
     try:
         await server.ready()
-        session = await server.api.open_notebook(NOTEBOOK, "uploads.ipynb")
-        kernel_id = session["kernel"]["id"]
-        kernel_ids.append(kernel_id)
-        ws = await server.kernel(kernel_id)
+        kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
         await ws.execute("state = 1")
         job = await server.api.succeeded(await server.api.save(kernel_id, name="first"))
         assert job["result"]["upload"]["status"] == "failed", job["result"]

@@ -103,9 +103,11 @@ class ServerProcess:
         await server.ready()
         return server
 
-    async def open_notebook_kernel(self, kernel_ids: list[str]) -> tuple[str, KernelSocket]:
-        """A session for the test notebook; its kernel id also goes to ``kernel_ids``."""
-        session = await self.api.open_notebook(NOTEBOOK, "reboot.ipynb")
+    async def open_notebook_kernel(
+        self, kernel_ids: list[str], path: str = NOTEBOOK
+    ) -> tuple[str, KernelSocket]:
+        """A session for the notebook at ``path``; its kernel id also goes to ``kernel_ids``."""
+        session = await self.api.open_notebook(path, path.rsplit("/", 1)[-1])
         kernel_id: str = session["kernel"]["id"]
         kernel_ids.append(kernel_id)
         return kernel_id, await self.kernel(kernel_id)
