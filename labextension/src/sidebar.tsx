@@ -97,9 +97,9 @@ export class SnapshotsSidebar extends ReactWidget {
       this._autosave = kernelId
         ? await this._controller.api.autosave(kernelId).catch(() => null)
         : null;
-      this._error = null;
+      this._listingError = null;
     } catch (error) {
-      this._error = (error as Error).message;
+      this._listingError = (error as Error).message;
     }
     this._loaded = true;
     this.update();
@@ -175,7 +175,9 @@ export class SnapshotsSidebar extends ReactWidget {
             </select>
           </div>
         </header>
-        {this._error && <p className="jp-gpu-snapshot-error">{this._error}</p>}
+        {(this._error ?? this._listingError) && (
+          <p className="jp-gpu-snapshot-error">{this._error ?? this._listingError}</p>
+        )}
         {!this._loaded ? (
           <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>
         ) : (
@@ -493,6 +495,7 @@ export class SnapshotsSidebar extends ReactWidget {
       this.update();
       return;
     }
+    this._error = null;
     const kernelId = this._controller.kernelId(this._tracker.currentWidget);
     if (kernelId) {
       void this._controller.refresh(kernelId);
@@ -506,7 +509,10 @@ export class SnapshotsSidebar extends ReactWidget {
   private _search = '';
   private _sort: SortKey = 'newest';
   private _confirming: string | null = null;
+  /** What the last rename, delete or autosave change refused; stays until the next one works. */
   private _error: string | null = null;
+  /** Why the last listing failed; the next listing clears it. */
+  private _listingError: string | null = null;
   private _loaded = false;
   private _poll: Poll;
 }

@@ -16,7 +16,9 @@ from .conftest import Api, KernelConnector
 
 POLL_SECONDS = 0.020
 P99_LIMIT = 0.050
-MAX_LIMIT = 0.150
+# One slow answer in hundreds is the 2-core machine's scheduler (0.18 s seen with the loop
+# free); any blocking step on 2 GiB (hashing, copying, reading the image) takes seconds.
+MAX_LIMIT = 0.500
 KERNEL_BYTES = 2 << 30
 
 
