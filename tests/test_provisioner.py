@@ -4,11 +4,13 @@ way a restore needs them: own PID namespace, own session, no parent polling, no 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import psutil
 import pytest
 
+from jupyter_gpu_snapshot._constants import KERNEL_DEATH_PREFIX
 from jupyter_gpu_snapshot.core import procfs
 
 from .conftest import KernelError, KernelHandle, start_kernel
@@ -74,3 +76,19 @@ def test_shutdown_and_kill_leave_nothing_running(kernel: KernelHandle):
     other.client.stop_channels()
     other.km.shutdown_kernel(now=True)  # the kill path
     assert not procfs.tree_alive(root) and not procfs.tree_alive(launcher)
+
+
+def test_the_kernel_log_says_what_ended_the_kernel(kernel: KernelHandle):
+    log = kernel.km.provisioner.log_path
+    os.kill(kernel.kernel_pid, signal.SIGSEGV)
+    expected = f"{KERNEL_DEATH_PREFIX}killed by signal 11 (SIGSEGV)"
+    # nsinit writes the line as it reaps the kernel, then exits with the namespace.
+    psutil.Process(kernel.root_pid).wait(timeout=30)
+    assert log.read_text().splitlines()[-1] == expected
+
+
+def test_nsinit_keeps_the_death_prefix_of_the_package():
+    from jupyter_gpu_snapshot.launch import nsinit
+
+    assert nsinit.DEATH_PREFIX == KERNEL_DEATH_PREFIX
+    assert nsinit.describe_end(3) == "exited with status 3"

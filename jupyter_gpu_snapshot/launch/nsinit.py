@@ -12,7 +12,9 @@ a new namespace where its PIDs can never clash with the host's. It:
   the launching server do not survive a restore, and CRIU skips the size check only for
   files opened write-only with O_APPEND;
 - forwards interrupt/terminate signals to the kernel (PID 1 ignores signals it does not
-  handle), reaps orphans, and exits with the kernel's status.
+  handle), reaps orphans, and exits with the kernel's status;
+- writes how the kernel ended into the log (``DEATH_PREFIX``): a restored kernel is no
+  child of the server, so this line is the only record of what killed it.
 
 Only the standard library is imported: this process is part of every snapshot.
 """
@@ -24,6 +26,11 @@ import ctypes
 import os
 import signal
 import sys
+
+# The last line of a kernel's log when it ended: "nsinit: kernel ended: killed by signal 11
+# (SIGSEGV)" or "... exited with status 1". Equal to _constants.KERNEL_DEATH_PREFIX, which
+# this process cannot import (it runs with the standard library alone).
+DEATH_PREFIX = "nsinit: kernel ended: "
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
              signal.SIGUSR1, signal.SIGUSR2)
@@ -104,7 +111,20 @@ def main(argv: list[str]) -> int:
         if pid == kernel_pid:
             # Exiting as PID 1 takes every remaining process of the namespace with us.
             code = os.waitstatus_to_exitcode(status)
+            sys.stderr.write(f"{DEATH_PREFIX}{describe_end(code)}\n")
+            sys.stderr.flush()
             return code if code >= 0 else 128 - code
+
+
+def describe_end(code: int) -> str:
+    """``os.waitstatus_to_exitcode``'s value in words: 'killed by signal 11 (SIGSEGV)'."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    return f"killed by signal {-code} ({name})"
 
 
 if __name__ == "__main__":
