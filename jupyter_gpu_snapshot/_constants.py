@@ -20,6 +20,13 @@ ENV_CRIU = "JUPYTER_GPU_SNAPSHOT_CRIU"
 ENV_REMOTE_URL = "JUPYTER_GPU_SNAPSHOT_REMOTE_URL"
 ENV_REMOTE_KEY_FILE = "JUPYTER_GPU_SNAPSHOT_REMOTE_KEY_FILE"
 ENV_SIGNING_KEY = "JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE"
+ENV_LIBDIR = "JUPYTER_GPU_SNAPSHOT_LIBDIR"
+# Where scripts/install-criu.sh puts CRIU's CUDA plugin and our cuda-checkpoint stand-in.
+DEFAULT_LIBDIR = "/usr/local/lib/jupyter-gpu-snapshot"
+
+# criu's environment during a save or restore of a CUDA kernel: where our cuda-checkpoint
+# stand-in reaches the engine (gpu/broker.py, gpu/cuda_checkpoint_shim.c).
+ENV_CUDA_BROKER = "JUPYTER_GPU_SNAPSHOT_CUDA_BROKER"
 
 KERNEL_NAME = "python3-snapshot"
 KERNEL_DISPLAY_NAME = "Python 3 (snapshots)"

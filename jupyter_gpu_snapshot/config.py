@@ -10,7 +10,7 @@ import os
 from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
-from ._constants import ENV_CRIU, ENV_REMOTE_KEY_FILE, ENV_REMOTE_URL
+from ._constants import DEFAULT_LIBDIR, ENV_CRIU, ENV_LIBDIR, ENV_REMOTE_KEY_FILE, ENV_REMOTE_URL
 from .core.store import default_key_file, default_store_dir
 
 
@@ -47,6 +47,18 @@ class GPUSnapshot(Configurable):
     @default("criu_path")
     def _default_criu_path(self) -> str:
         return os.environ.get(ENV_CRIU, "criu")
+
+    libdir = Unicode(
+        help="""Directory holding CRIU's CUDA plugin, built for the criu in use
+        (criu/cuda_plugin.so), and the cuda-checkpoint stand-in that lets the plugin call the
+        driver through this process (bin/cuda-checkpoint); scripts/install-criu.sh installs
+        both. Saving or restoring a kernel that holds CUDA state needs them. Default:
+        $JUPYTER_GPU_SNAPSHOT_LIBDIR, else /usr/local/lib/jupyter-gpu-snapshot.""",
+    ).tag(config=True)
+
+    @default("libdir")
+    def _default_libdir(self) -> str:
+        return os.environ.get(ENV_LIBDIR, DEFAULT_LIBDIR)
 
     cuda_lock_timeout = Float(
         10.0,

@@ -7,6 +7,7 @@ nothing of settings or of the GPU layer.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from ._constants import PROVISIONER_NAME
 from .config import GPUSnapshot
@@ -17,6 +18,7 @@ from .core.engine import SnapshotEngine, SnapshotHook
 from .core.manifest import ManifestPolicy
 from .core.open_files import OpenFilesHook
 from .core.store import SnapshotStore, default_kernel_log_dir
+from .gpu.broker import PluginInstall
 from .gpu.hook import CudaCheckpointHook
 
 
@@ -40,6 +42,7 @@ def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
         CudaCheckpointHook(
             lock_timeout=settings.cuda_lock_timeout,
             drop_caches=settings.drop_allocator_caches,
+            plugin=PluginInstall(Path(settings.libdir)),
         ),
     ]
 

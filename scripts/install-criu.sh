@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Make sure a working CRIU >= 4.2 is on PATH.
+# Make sure a working CRIU >= 4.2 is on PATH, with CRIU's CUDA plugin built for it and our
+# cuda-checkpoint stand-in beside it.
 #
-# Uses the system criu when it is new enough and `criu check` passes. Otherwise builds
-# CRIU from Debian's source package (Debian 12's own criu 3.17 fails `criu check` on
-# kernels 6.16+, and 4.1 cannot dump inet sockets there) and installs it to
-# $CRIU_PREFIX/sbin (default /usr/local). apt's sources are left as they were found:
-# the temporary deb-src entry is removed on every exit path.
+# Uses the system criu when it is new enough, `criu check` passes and the plugin was built
+# for it. Otherwise builds CRIU and its CUDA plugin from Debian's source package (Debian 12's
+# own criu 3.17 fails `criu check` on kernels 6.16+, and 4.1 cannot dump inet sockets there)
+# and installs criu to $CRIU_PREFIX/sbin (default /usr/local). The plugin uses symbols of the
+# criu binary it was built with, so it goes to $JGS_LIBDIR/criu (default
+# $CRIU_PREFIX/lib/jupyter-gpu-snapshot/criu) with a note of that criu's version, and the
+# stand-in (jupyter_gpu_snapshot/gpu/cuda_checkpoint_shim.c) to $JGS_LIBDIR/bin.
+# apt's sources are left as they were found: the temporary deb-src entry is removed on every
+# exit path.
 set -euo pipefail
 
 MIN_VERSION=4.2
 PREFIX=${CRIU_PREFIX:-/usr/local}
+LIBDIR=${JGS_LIBDIR:-$PREFIX/lib/jupyter-gpu-snapshot}
 SRC_LIST=/etc/apt/sources.list.d/jupyter-gpu-snapshot-criu-src.sources
+SHIM_SRC=$(cd "$(dirname "$0")/.." && pwd)/jupyter_gpu_snapshot/gpu/cuda_checkpoint_shim.c
 
 log() { echo "install-criu: $*" >&2; }
 
@@ -21,13 +28,38 @@ version_ok() {
     [ "$(printf '%s\n%s\n' "$MIN_VERSION" "$v" | sort -V | head -1)" = "$MIN_VERSION" ]
 }
 
+# The stand-in needs only a C compiler; it is rebuilt whenever its source changes.
+install_shim() {
+    local want have
+    want=$(sha256sum "$SHIM_SRC" | cut -d' ' -f1)
+    have=$(cat "$LIBDIR/bin/.cuda-checkpoint.sha256" 2>/dev/null || true)
+    if [ -x "$LIBDIR/bin/cuda-checkpoint" ] && [ "$want" = "$have" ]; then
+        return 0
+    fi
+    command -v cc >/dev/null || { apt-get update -qq; apt-get install -y -qq build-essential >/dev/null; }
+    mkdir -p "$LIBDIR/bin"
+    cc -O2 -Wall -Werror -o "$LIBDIR/bin/cuda-checkpoint" "$SHIM_SRC"
+    echo "$want" > "$LIBDIR/bin/.cuda-checkpoint.sha256"
+    log "installed $LIBDIR/bin/cuda-checkpoint"
+}
+
+plugin_built_for() {
+    [ -f "$LIBDIR/criu/cuda_plugin.so" ] && \
+        [ "$(cat "$LIBDIR/criu/built-for" 2>/dev/null)" = "$("$1" --version 2>/dev/null | head -1)" ]
+}
+
 existing=$(command -v criu || true)
 if [ -n "$existing" ] && version_ok "$existing"; then
     if "$existing" check >/dev/null 2>&1; then
-        log "using $existing ($("$existing" --version | head -1))"
-        exit 0
+        if plugin_built_for "$existing"; then
+            install_shim
+            log "using $existing ($("$existing" --version | head -1)) and its CUDA plugin"
+            exit 0
+        fi
+        log "$existing has no CUDA plugin built for it; building criu and the plugin"
+    else
+        log "$existing is new enough but 'criu check' fails; building a fresh one"
     fi
-    log "$existing is new enough but 'criu check' fails; building a fresh one"
 fi
 
 if [ "$(id -u)" != 0 ]; then
@@ -86,10 +118,15 @@ fi
 log "building $(basename "$orig")"
 tar -C "$work" -xf "$orig"
 src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | head -1)
-make -C "$src" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
+make -C "$src" -j"$(nproc)" criu cuda_plugin >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
 install -D -m 0755 "$src/criu/criu" "$PREFIX/sbin/criu"
 hash -r
 log "installed $PREFIX/sbin/criu ($("$PREFIX/sbin/criu" --version | head -1))"
+# criu loads every .so of its plugin directory: this one holds the CUDA plugin alone.
+install -D -m 0644 "$src/plugins/cuda/cuda_plugin.so" "$LIBDIR/criu/cuda_plugin.so"
+"$PREFIX/sbin/criu" --version | head -1 > "$LIBDIR/criu/built-for"
+log "installed $LIBDIR/criu/cuda_plugin.so"
+install_shim
 if ! "$PREFIX/sbin/criu" check >/dev/null 2>&1; then
     log "warning: 'criu check' reports problems on this machine:"
     "$PREFIX/sbin/criu" check >&2 || true

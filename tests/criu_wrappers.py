@@ -82,3 +82,18 @@ def kill_saver_while_writing_pages() -> str:
 def slow(action: str, seconds: float) -> str:
     """Body of a criu wrapper that sleeps before ``criu ACTION`` (dump or restore)."""
     return _SLOW.format(real=_real(), action=action, seconds=seconds)
+
+
+# The real criu, refused a pages image past 16 MiB (the kernel's; the namespace's init stays
+# under it): with SIGXFSZ ignored the write fails with EFBIG, and criu ends its dump with an
+# error after it has seized the tree and its plugins checkpointed the devices.
+_FAILS_WRITING_PAGES = """case "$1" in dump)
+  trap '' XFSZ; ulimit -f 32768; exec "{real}" "$@";;
+*) exec "{real}" "$@";;
+esac
+"""
+
+
+def fails_writing_pages() -> str:
+    """Body of a criu wrapper script (after its #! line)."""
+    return _FAILS_WRITING_PAGES.format(real=_real())

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.engine import SaveContext, SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import Incompatible, InvalidRequest, NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.gpu import hook as gpu_hook
@@ -40,8 +41,19 @@ from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
 from .conftest import KernelHandle, RestoredTrees, execute, run, stop_kernel
-from .criu_wrappers import dies_after_the_dump_completed, kill_while_writing_pages
-from .gpu.fake_driver import GIB, FakeCudaDriver, FakeGpus, fake_cuda_env
+from .criu_wrappers import (
+    dies_after_the_dump_completed,
+    fails_writing_pages,
+    kill_while_writing_pages,
+)
+from .gpu.fake_driver import (
+    FORCE_CUDA_PLUGIN,
+    GIB,
+    RESTORE_THREAD_CODE,
+    FakeCudaDriver,
+    FakeGpus,
+    fake_cuda_env,
+)
 
 TWO_GIB = 2 * GIB
 
@@ -72,6 +84,7 @@ def gpu_kernel() -> Iterator[KernelHandle]:
     """A real snapshot-ready kernel that the fake driver sees holding 2 GiB on the GPU."""
     handle = start_kernel_with(fake_cuda_env(TWO_GIB))
     handle.execute("import numpy as np; counter = 0; data = np.arange(5_000_000)")
+    handle.execute(RESTORE_THREAD_CODE)
     try:
         yield handle
     finally:
@@ -80,7 +93,8 @@ def gpu_kernel() -> Iterator[KernelHandle]:
 
 def make_engine(store: SnapshotStore, fake: FakeCudaDriver, gpus: FakeGpus,
                 criu: CriuRunner | None = None, **hook: Any) -> SnapshotEngine:
-    settings: dict[str, Any] = {"lock_timeout": 0.5, "memory_available": lambda: 64 * GIB}
+    settings: dict[str, Any] = {"lock_timeout": 0.5, "memory_available": lambda: 64 * GIB,
+                                "criu_env": FORCE_CUDA_PLUGIN}
     settings.update(hook)
     cuda = CudaCheckpointHook(driver=fake.status, inventory=gpus, **settings)
     return SnapshotEngine(store, criu, [cuda], NodeCompatibility(gpus=cuda.node_gpus))
@@ -128,6 +142,9 @@ def test_keep_running_save_suspends_then_resumes_cuda(store, fake, gpus, gpu_ker
     assert gpu["visible"] == [gpus.devices[0][1]]
     assert gpu["moved_bytes"] == TWO_GIB
     assert set(gpu["timings"]) == {"lock", "checkpoint", "restore", "unlock"}
+    assert gpu["protocol"] == "criu-cuda-plugin"
+    # criu held every other thread of the kernel from the checkpoint to the unlock.
+    assert fake.protocol_breaches() == []
     assert [s.id for s in store.list()] == [snapshot.id]
     assert_contract(gpu_kernel, fake, store, [snapshot.id])
 
@@ -148,6 +165,7 @@ def test_stop_save_then_restore_resumes_cuda_in_the_restored_process(
     assert new_pid != old_pid
     assert fake.ops(new_pid) == ["restore", "unlock"]
     assert fake.states[new_pid] == ProcessState.RUNNING
+    assert fake.protocol_breaches() == []
     # Same pid inside its namespace, same variables.
     assert execute(client, "import os; print(os.getpid(), marker)").split(maxsplit=1) == [
         "2", "before the snapshot\n"]
@@ -176,12 +194,14 @@ FAILURES = [
     # (step that fails, CUresult, times, message part, calls the kernel sees)
     # A lock that timed out answers NOT_READY on driver 580 (measured on the H100).
     ("lock", CUDA_ERROR_NOT_READY, 1, "timed out after 0.5 s", ["lock"]),
+    # criu's plugin then restores what it locked (only locked: nothing to do) and unlocks.
     ("checkpoint", CUDA_ERROR_NOT_SUPPORTED, 1, "managed (UVM) memory",
      ["lock", "checkpoint", "unlock"]),
-    ("restore", CUDA_ERROR_OUT_OF_MEMORY, 3, "still checkpointed in host memory",
-     ["lock", "checkpoint", "restore", "restore", "restore"]),
-    ("unlock", CUDA_ERROR_UNKNOWN, 3, "still locked",
-     ["lock", "checkpoint", "restore", "unlock", "unlock", "unlock"]),
+    # Three tries inside criu, while the tree is frozen, then three more after it.
+    ("restore", CUDA_ERROR_OUT_OF_MEMORY, 6, "still checkpointed in host memory",
+     ["lock", "checkpoint", *["restore"] * 6]),
+    ("unlock", CUDA_ERROR_UNKNOWN, 6, "still locked",
+     ["lock", "checkpoint", "restore", *["unlock"] * 6]),
 ]
 
 
@@ -252,7 +272,7 @@ def test_failure_that_leaves_the_driver_failed_is_loud(store, fake, gpus, gpu_ke
 
 
 # -- criu failing while CUDA is suspended --------------------------------------------------------
-def test_criu_error_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
+def test_criu_error_before_it_ran_leaves_cuda_untouched(store, fake, gpus, gpu_kernel, tmp_path):
     real = shutil.which("criu")
     failing = criu_wrapper(
         tmp_path,
@@ -265,7 +285,22 @@ def test_criu_error_resumes_cuda(store, fake, gpus, gpu_kernel, tmp_path):
     with pytest.raises(SnapshotError) as err:
         run(make_engine(store, fake, gpus, failing).save(target(gpu_kernel)))
     assert err.value.step == "dump" and "injected failure" in err.value.message
+    assert fake.ops(gpu_kernel.kernel_pid) == []
+    assert_contract(gpu_kernel, fake, store, [earlier.id])
+
+
+def test_criu_error_after_the_checkpoint_resumes_cuda_before_the_threads_run(
+        store, fake, gpus, gpu_kernel, tmp_path):
+    gpu_kernel.execute("big = np.ones(10_000_000)")  # the kernel's pages pass the limit
+    earlier = run(make_engine(store, fake, gpus).save(target(gpu_kernel), name="earlier"))
+    fake.calls.clear()
+    failing = criu_wrapper(tmp_path, fails_writing_pages())
+    with pytest.raises(SnapshotError) as err:
+        run(make_engine(store, fake, gpus, failing).save(target(gpu_kernel)))
+    assert err.value.step == "dump" and "File too large" in err.value.message
     assert fake.ops(gpu_kernel.kernel_pid) == ["lock", "checkpoint", "restore", "unlock"]
+    # criu's plugin restored and unlocked CUDA while criu still held every other thread.
+    assert fake.protocol_breaches() == []
     assert_contract(gpu_kernel, fake, store, [earlier.id])
 
 
@@ -308,29 +343,25 @@ def test_criu_dying_after_its_dump_completed_keeps_the_snapshot(
     assert execute(client, "print(marker)").strip() == "before the snapshot"
 
 
-def test_cancelled_suspend_waits_for_the_driver_then_rolls_back(fake, gpus, gpu_kernel):
+def test_cancelled_save_waits_for_the_checkpoint_then_rolls_back(store, fake, gpus, gpu_kernel):
     fake.delays["checkpoint"] = 1.0
-    hook = CudaCheckpointHook(drop_caches=False, driver=fake.status, inventory=gpus,
-                              memory_available=lambda: 64 * GIB)
-    kernel = procfs.inspect_kernel(gpu_kernel.root_pid)
-    ctx = SaveContext(target(gpu_kernel), kernel, "20260101T000000Z-0000abcd", Path(),
-                      False, lambda _: None)
+    engine = make_engine(store, fake, gpus)
+
+    checkpointing = threading.Event()
+    fake.on_call = lambda op, _pid: checkpointing.set() if op == "checkpoint" else None
 
     async def cancel_mid_checkpoint() -> None:
-        await hook.preflight_save(ctx)
-        task = asyncio.ensure_future(hook.before_dump(ctx))
-        await asyncio.sleep(0.3)
+        task = asyncio.ensure_future(engine.save(target(gpu_kernel), name="cancelled"))
+        await asyncio.to_thread(checkpointing.wait, 60)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    started = time.monotonic()
     run(cancel_mid_checkpoint())
-    # The cancellation surfaced only after the checkpoint in flight ended and was undone.
-    assert time.monotonic() - started >= 1.0
+    # The cancellation surfaced only once criu's plugin had undone the checkpoint in flight.
     assert fake.ops(gpu_kernel.kernel_pid) == ["lock", "checkpoint", "restore", "unlock"]
-    assert fake.states[gpu_kernel.kernel_pid] == ProcessState.RUNNING
-    assert gpu_kernel.execute("print(counter)").strip() == "0"
+    assert fake.protocol_breaches() == []
+    assert_contract(gpu_kernel, fake, store, [])
 
 
 # -- preflight refusals ---------------------------------------------------------------------------

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import NotReady, SnapshotError
@@ -18,8 +19,10 @@ MIN_VERSION = (4, 2)
 # CRIU prefixes its error lines like "(00.123456) Error (criu/sk-inet.c:93): ...".
 _ERROR_LINE = re.compile(r"^\(\s*[\d.]+\)\s+(?:\d+:\s+)?Error \([^)]*\):\s*(.*)$")
 _PORT = re.compile(r"port (\d+)")
-# Logged as errors on every run on some systems without affecting the outcome.
-_BENIGN = re.compile(r"Can't setup RLIMIT_NOFILE")
+# Logged as errors on every run on some systems without affecting the outcome; the CUDA
+# plugin logs the second for every process of the tree that holds no CUDA state.
+_BENIGN = re.compile(r"Can't setup RLIMIT_NOFILE|"
+                     r"cuda_plugin: Failed to launch cuda-checkpoint to retrieve restore tid")
 
 # What a cause in CRIU's log means for the user, first match wins.
 _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
@@ -33,6 +36,22 @@ _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"No such file or directory"),
      "a file the kernel had open is missing on this machine"),
 ]
+
+
+@dataclass
+class CriuExtras:
+    """What hooks add to one criu run: a plugin directory (``--libdir``), variables for its
+    environment, a longer ``--timeout`` (seconds criu allows for seizing the tree), and,
+    at restore, whether the tasks stay stopped for the engine to continue them."""
+
+    libdir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: int | None = None
+    leave_stopped: bool = True
+
+    def argv(self) -> list[str]:
+        argv = ["--libdir", self.libdir] if self.libdir else []
+        return argv + (["--timeout", str(self.timeout)] if self.timeout else [])
 
 
 @dataclass(frozen=True)
@@ -138,6 +157,7 @@ class CriuRunner:
         *,
         leave_running: bool,
         action_script: Path | None = None,
+        extras: CriuExtras | None = None,
     ) -> list[str]:
         argv = [
             self.executable(), "dump", "-t", str(pid), "-D", str(images), "-W", str(work),
@@ -156,10 +176,11 @@ class CriuRunner:
             argv += ["--action-script", str(action_script)]
         if self.ghost_limit is not None:
             argv += ["--ghost-limit", str(self.ghost_limit)]
-        return argv
+        return argv + (extras.argv() if extras else [])
 
     def restore_argv(
-        self, images: Path, work: Path, pidfile: Path, *, leave_stopped: bool = False
+        self, images: Path, work: Path, pidfile: Path, *, leave_stopped: bool = False,
+        extras: CriuExtras | None = None,
     ) -> list[str]:
         argv = [
             self.executable(), "restore", "-D", str(images), "-W", str(work),
@@ -172,7 +193,7 @@ class CriuRunner:
             # The tasks stay stopped: no code of the image runs until the caller continues
             # them, so the images can be checked while criu reads them.
             argv.append("--leave-stopped")
-        return argv
+        return argv + (extras.argv() if extras else [])
 
     async def run(
         self,
@@ -182,6 +203,7 @@ class CriuRunner:
         on_tick: Callable[[], None] | None = None,
         tick_seconds: float = 0.2,
         pass_fds: tuple[int, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> CriuRun:
         """Run criu to completion, calling ``on_tick`` while it runs (for progress)."""
         started = time.monotonic()
@@ -194,6 +216,7 @@ class CriuRunner:
             # its parasite code inside the kernel, where a killed criu can take it down.
             start_new_session=True,
             pass_fds=pass_fds,
+            env={**os.environ, **env} if env else None,
         )
         wait = asyncio.ensure_future(proc.communicate())
         while True:

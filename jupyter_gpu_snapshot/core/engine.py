@@ -36,7 +36,7 @@ from .._version import __version__
 from . import locks, procfs
 from .background import run_in_background
 from .compatibility import NodeCompatibility, node_facts, refusal
-from .criu import CriuRunner, describe_exit
+from .criu import CriuExtras, CriuRunner, describe_exit
 from .errors import Interrupted, InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .index import SnapshotIndex
 from .locks import HeldLock
@@ -89,6 +89,12 @@ class SaveContext:
     manifest: dict[str, Any] = field(default_factory=dict)
     # Bytes that the dump will write beyond host RSS (e.g. GPU memory staged to the host).
     extra_bytes: int = 0
+    # What hooks add to the criu dump (the GPU layer: CRIU's CUDA plugin and its broker).
+    criu: CriuExtras = field(default_factory=CriuExtras)
+    criu_version: str = ""
+    # Set by a hook in ``after_dump`` when it knows why a failed dump failed better than
+    # criu's log does (e.g. the CUDA lock that timed out inside criu).
+    failure_cause: SnapshotError | None = None
 
     @property
     def root_pid(self) -> int:
@@ -109,6 +115,12 @@ class RestoreContext:
     # What hooks say about this restore, handed back in ``RestoredKernel.notes``
     # (the GPU layer adds "gpu_remap").
     notes: dict[str, Any] = field(default_factory=dict)
+    # What hooks add to the criu restore; with ``leave_stopped`` false, criu itself lets the
+    # tasks run at its end (the GPU layer's plugin, once CUDA is back) and gates that on
+    # ``images_verified``, which resolves once every digest of the images matched.
+    criu: CriuExtras = field(default_factory=CriuExtras)
+    images_verified: asyncio.Future[float] | None = None
+    criu_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,8 +160,16 @@ class SnapshotHook:
     async def preflight_restore(self, ctx: RestoreContext) -> None:
         """Called by ``restore`` once the signature matched, before criu runs; raise to refuse."""
 
+    async def before_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``restore`` right before ``criu restore``, once the images' digests are
+        being checked (``ctx.images_verified``)."""
+
+    async def restore_failed(self, ctx: RestoreContext, error: BaseException) -> None:
+        """Called by ``restore`` when criu or the digests failed after ``before_restore``."""
+
     async def after_restore(self, ctx: RestoreContext) -> None:
-        """Called by ``restore`` once criu has recreated the tree (``ctx.root_pid``)."""
+        """Called by ``restore`` once criu has recreated the tree (``ctx.root_pid``) and it
+        runs (or, with ``ctx.criu.leave_stopped``, has just been continued)."""
 
 
 class SnapshotEngine:
@@ -266,7 +286,8 @@ class SnapshotEngine:
     ) -> Snapshot:
         criu_version = await asyncio.to_thread(self.criu.require_version)
         snapshot_id = new_snapshot_id()
-        ctx = SaveContext(target, kernel, snapshot_id, Path(), stop, report)
+        ctx = SaveContext(target, kernel, snapshot_id, Path(), stop, report,
+                          criu_version=criu_version)
         # Read now: with stop=True the tree is gone once criu is done. They must exist at
         # restore; CRIU does not check their size, so an empty one elsewhere is enough.
         log_files = await asyncio.to_thread(procfs.append_only_files, kernel.root_pid)
@@ -357,12 +378,12 @@ class SnapshotEngine:
             report(Progress("dump", 0, estimate))
             argv = self.criu.dump_argv(
                 kernel.root_pid, partial, work, leave_running=not stop,
-                action_script=_mark_complete_script(work, partial),
+                action_script=_mark_complete_script(work, partial), extras=ctx.criu,
             )
             # criu inherits our locks: if we die, it finishes holding them (see recovery).
             run = await self.criu.run(
                 argv, work / "dump.log", on_tick=dump_tick,
-                pass_fds=tuple(c.fd for c in [*claims, work_lock]),
+                pass_fds=tuple(c.fd for c in [*claims, work_lock]), env=ctx.criu.env,
             )
             timings["dump"] = time.monotonic() - t
             if run.returncode != 0 and await asyncio.to_thread(
@@ -396,7 +417,7 @@ class SnapshotEngine:
             await asyncio.to_thread(self.store.abort, partial)
             if not stop or error is not None:
                 await asyncio.to_thread(procfs.continue_tree, kernel.root_pid)
-            failure = error or resume_error
+            failure = ctx.failure_cause or error or resume_error
             if isinstance(failure, SnapshotError):
                 raise failure
             raise SnapshotError("suspend", f"{type(failure).__name__}: {failure}") from failure
@@ -594,8 +615,8 @@ class SnapshotEngine:
         await self.check_ports(snapshot)
         await self.check_compatibility(snapshot, report, timings)
         info = snapshot.connection_info
-        await asyncio.to_thread(self.criu.require_version)
-        ctx = RestoreContext(snapshot, report, gpus=gpus)
+        criu_version = await asyncio.to_thread(self.criu.require_version)
+        ctx = RestoreContext(snapshot, report, gpus=gpus, criu_version=criu_version)
         for hook in self.hooks:
             await hook.preflight_restore(ctx)
         if gpus is not None and not ctx.gpus_taken:
@@ -607,11 +628,13 @@ class SnapshotEngine:
         with self.store.opened_images(snapshot) as images:
             await asyncio.to_thread(self.store.prepare_log_files, snapshot)
             timings["preflight"] = time.monotonic() - started
-            ctx.root_pid = await self._restore_stopped(snapshot, images, report, timings)
+            ctx.root_pid = await self._restore_checked(ctx, images, timings)
 
-        # Every digest and the signature matched: only now may code of the image run.
+        # Every digest and the signature matched: only now may code of the image run (a
+        # hook's criu plugin has already let it run, gated on the same digests).
         t = time.monotonic()
-        await asyncio.to_thread(procfs.continue_tree, ctx.root_pid)
+        if ctx.criu.leave_stopped:
+            await asyncio.to_thread(procfs.continue_tree, ctx.root_pid)
         report(Progress("resume"))
         try:
             for hook in self.hooks:
@@ -627,18 +650,19 @@ class SnapshotEngine:
         report(Progress("done"))
         return RestoredKernel(ctx.root_pid, info, snapshot, timings, ctx.notes)
 
-    async def _restore_stopped(
+    async def _restore_checked(
         self,
-        snapshot: Snapshot,
+        ctx: RestoreContext,
         images: builtins.list[tuple[int, int]],
-        report: ProgressCallback,
         timings: dict[str, float],
     ) -> int:
-        """Run ``criu restore --leave-stopped`` while the digests are checked on all cores.
+        """Run ``criu restore`` while the digests are checked on all cores.
 
-        Returns the root pid of the restored tree, still stopped, once both succeeded. If
-        either fails, the tree is killed before any of its code ran.
+        Returns the root pid of the restored tree once both succeeded: still stopped with
+        ``ctx.criu.leave_stopped``, else let run by criu's plugin after the digests matched.
+        If either fails, the tree is killed before any of its code ran.
         """
+        snapshot, report = ctx.snapshot, ctx.report
         total = snapshot.size_bytes
         report(Progress("restore", 0, total))
         cancel = threading.Event()
@@ -652,13 +676,19 @@ class SnapshotEngine:
 
         # At a lower priority than the event loop; criu and the digests share the rest.
         verifying = asyncio.ensure_future(run_in_background(check))
+        ctx.images_verified = verifying
         work, work_lock = self._work_dir("restore")
         pidfile = work / "restore.pid"
         root_pid = 0
+        hooked: builtins.list[SnapshotHook] = []
         try:
+            for hook in self.hooks:
+                await hook.before_restore(ctx)
+                hooked.append(hook)
             run = await self.criu.run(
-                self.criu.restore_argv(snapshot.path, work, pidfile, leave_stopped=True),
-                work / "restore.log",
+                self.criu.restore_argv(snapshot.path, work, pidfile,
+                                       leave_stopped=ctx.criu.leave_stopped, extras=ctx.criu),
+                work / "restore.log", env=ctx.criu.env,
             )
             timings["restore"] = time.monotonic() - t
             if run.returncode == 0:
@@ -680,13 +710,16 @@ class SnapshotEngine:
             t_wait = time.monotonic()
             timings["verify"] = await verifying
             timings["verify_wait"] = time.monotonic() - t_wait
-        except BaseException:
+        except BaseException as exc:
             cancel.set()
             if root_pid > 0:
                 await asyncio.to_thread(procfs.kill_tree, root_pid)
             if not verifying.done():
                 with contextlib.suppress(BaseException):
                     await verifying
+            for hook in reversed(hooked):
+                with contextlib.suppress(Exception):
+                    await hook.restore_failed(ctx, exc)
             raise
         finally:
             await asyncio.to_thread(shutil.rmtree, work, True)

@@ -41,6 +41,25 @@ def ns_pid(pid: int) -> int:
     return pid
 
 
+def thread_group(tid: int) -> int | None:
+    """The process (thread group) that thread ``tid`` belongs to, or None once it is gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(_status_field(tid, "Tgid")[0])
+    return None
+
+
+def thread_states(pid: int) -> dict[int, str]:
+    """Each thread of ``pid`` by host tid, with its one-letter state ('t': stopped by a
+    tracer, 'T': stopped by a signal, 'S'/'R'/'D': running or able to run)."""
+    states: dict[int, str] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, IndexError), \
+                    open(f"/proc/{pid}/task/{name}/stat") as f:
+                states[int(name)] = f.read().rsplit(")", 1)[1].split()[0]
+    return states
+
+
 def effective_capabilities(pid: int | str = "self") -> int:
     """The CapEff bit mask of a process (ours by default)."""
     caps = _status_field(pid, "CapEff")

@@ -40,7 +40,7 @@ class CudaProcess:
 LOCK_TIMED_OUT = (CUDA_ERROR_NOT_READY, CUDA_ERROR_TIMEOUT)
 
 
-def _error_hint(exc: DriverCallError) -> str:
+def error_hint(exc: DriverCallError) -> str:
     if exc.code in LOCK_TIMED_OUT:
         return ("the GPU was still busy when the lock timed out; wait for the running cell to "
                 "finish or raise c.GPUSnapshot.cuda_lock_timeout")
@@ -107,7 +107,7 @@ class CudaCheckpoint:
                 cause += "; rolling back also failed: " + "; ".join(undo)
             else:
                 cause += "; the kernel was left running on the GPU"
-            raise CudaError("suspend", cause, hint=_error_hint(exc) or None) from exc
+            raise CudaError("suspend", cause, hint=error_hint(exc) or None) from exc
 
     def resume(self, proc: CudaProcess, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
         """Whatever state ``proc`` is in, bring it back to running (retrying transient errors)."""
@@ -160,7 +160,7 @@ class CudaCheckpoint:
                         "resume",
                         f"CUDA {step} of pid {proc.pid} failed {self.RETRIES} times ({exc}); "
                         f"the process is alive but its CUDA state is still {where}",
-                        hint=_error_hint(exc) or "free GPU memory and retry the restore",
+                        hint=error_hint(exc) or "free GPU memory and retry the restore",
                     ) from exc
                 time.sleep(0.5 * 2**attempt)
 

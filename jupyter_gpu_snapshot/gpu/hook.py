@@ -1,10 +1,18 @@
 """The engine hook that takes a kernel's CUDA state into its snapshot and brings it back.
 
 save:    preflight (refusals, release allocator caches, size the GPU bytes)
-         -> lock + checkpoint every CUDA process of the tree (before_dump)
-         -> criu dump -> restore + unlock whatever survived (after_dump)
-restore: preflight (same driver; target GPUs chosen, see ``remap``) -> criu restore
-         -> restore (onto the chosen GPUs) + unlock the restored processes (after_restore)
+         -> start a broker and load CRIU's CUDA plugin into criu dump (before_dump), which
+            locks each CUDA process while it runs, checkpoints it once criu has seized every
+            thread, and (keep-running saves, failures) restores and unlocks it before criu
+            lets the threads run again (see ``broker``)
+         -> check every surviving process's CUDA state is running again (after_dump)
+restore: preflight (same driver; target GPUs chosen, see ``remap``)
+         -> the plugin in criu restore restores (onto the chosen GPUs) and unlocks each
+            process before its threads run, once the images' digests matched (before_restore)
+         -> check the restored processes run on the GPU (after_restore)
+
+Snapshots saved before the plugin (no ``gpu.protocol`` in the manifest) hold processes that
+were checkpointed before criu ran; they are restored in-process after criu, as then.
 
 A tree without CUDA state passes through untouched. The driver calls run in worker threads
 and are awaited without being cancellable: a cancelled save waits for the call in flight,
@@ -14,54 +22,46 @@ then rolls back.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
+import math
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 import psutil
 
-from .._constants import format_bytes
+from .._constants import DEFAULT_LIBDIR, format_bytes
 from ..core import procfs
 from ..core.compatibility import NodeGpus
 from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.errors import NotReady
 from ..core.store import Snapshot
 from .allocator_caches import CacheRelease, release_in_kernel
-from .checkpoint import CudaCheckpoint, CudaProcess
-from .driver import CudaError, DriverStatus, ProcessState, driver_status
+from .broker import CheckpointBroker, PluginInstall, uninterruptible
+from .checkpoint import LOCK_TIMED_OUT, CudaCheckpoint, CudaProcess, error_hint
+from .driver import (
+    CheckpointDriver,
+    CudaError,
+    DriverCallError,
+    DriverStatus,
+    ProcessState,
+    driver_status,
+)
 from .inventory import GpuInventory, host_memory_available, read_inventory
 from .remap import GpuPlan, describe_choice, plan_targets, saved_gpus, visible_uuids
 
-T = TypeVar("T")
 CacheReleaser = Callable[[SaveContext], Awaitable[CacheRelease]]
+# The manifest's ``gpu.protocol`` of snapshots whose CUDA state CRIU's plugin took.
+PLUGIN_PROTOCOL = "criu-cuda-plugin"
+# criu's --timeout (seconds to seize the tree) must outlast the CUDA lock made inside it.
+SEIZE_MARGIN_SECONDS = 10
 
 _GIB = 1 << 30
 # Host RAM kept free beyond the staged GPU bytes; a full host hung the GPU machine once.
 HOST_MARGIN_BYTES = 1 << 30
 HOST_MARGIN_FRACTION = 0.05
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-
-_EXECUTOR = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cuda-checkpoint")
-
-
-async def uninterruptible(fn: Callable[..., T], *args: Any) -> T:
-    """Run a blocking driver call in a thread and wait for it even if we are cancelled.
-
-    The cancellation is re-raised once the call has returned, so callers can roll back.
-    """
-    future = _EXECUTOR.submit(fn, *args)
-    cancelled = False
-    while not future.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(asyncio.wrap_future(future))
-            break
-        cancelled = True
-    result = future.result()
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
 
 
 GPU_DEVICE_PREFIX = "/dev/nvidia"
@@ -80,7 +80,7 @@ class _Save:
     moved: dict[int, dict[str, int]]
     release: CacheRelease | None
     visible: dict[int, list[str]] = field(default_factory=dict)
-    suspended: bool = False
+    broker: CheckpointBroker | None = None
     section: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -93,7 +93,9 @@ class CudaCheckpointHook(SnapshotHook):
 
     ``driver``, ``inventory`` and ``memory_available`` are injectable so that the sequencing
     can be tested without a GPU; ``release_caches`` replaces the built-in release over the
-    kernel's connection file (a server may prefer its own kernel client).
+    kernel's connection file (a server may prefer its own kernel client). ``plugin`` is where
+    CRIU's CUDA plugin and the cuda-checkpoint stand-in are installed; ``criu_env`` adds to
+    criu's environment (the tests force the plugin on where no GPU is).
     """
 
     name = "cuda"
@@ -107,8 +109,12 @@ class CudaCheckpointHook(SnapshotHook):
         inventory: Callable[[], GpuInventory | None] = read_inventory,
         release_caches: CacheReleaser | None = None,
         memory_available: Callable[[], int] = host_memory_available,
+        plugin: PluginInstall | None = None,
+        criu_env: dict[str, str] | None = None,
     ) -> None:
         self.lock_timeout = lock_timeout
+        self.plugin = plugin or PluginInstall(Path(DEFAULT_LIBDIR))
+        self.criu_env = dict(criu_env or {})
         self.drop_caches = drop_caches
         self._load_driver = driver
         self._read_inventory = inventory
@@ -117,6 +123,7 @@ class CudaCheckpointHook(SnapshotHook):
         self._status: DriverStatus | None = None
         self._saves: dict[str, _Save] = {}
         self._plans: dict[str, GpuPlan] = {}
+        self._restores: dict[str, CheckpointBroker] = {}
 
     def node_gpus(self) -> NodeGpus | None:
         """This node's GPUs by index, from the inventory the hook plans restores with.
@@ -156,6 +163,7 @@ class CudaCheckpointHook(SnapshotHook):
             return
         for proc in procs:
             _require_running(proc)
+        self._require_plugin(ctx.criu_version)
         inventory = await asyncio.to_thread(self._read_inventory)
         _refuse_unsupported(inventory, procs)
         release: CacheRelease | None = None
@@ -193,53 +201,93 @@ class CudaCheckpointHook(SnapshotHook):
         except Exception as exc:  # releasing is an optimisation, never a reason to fail
             return CacheRelease(False, f"could not release caches: {type(exc).__name__}: {exc}")
 
+    def _require_plugin(self, criu_version: str) -> None:
+        problem = self.plugin.problem(criu_version)
+        if problem is not None:
+            raise NotReady(
+                "preflight",
+                f"the kernel holds CUDA state, but {problem}: criu must run the driver's "
+                "checkpoint at the right moments, or frameworks such as JAX crash",
+                hint="run scripts/install-criu.sh (make criu) to build the plugin for this "
+                "criu, or set c.GPUSnapshot.libdir to where it is installed",
+            )
+
+    def _criu_extras(self, ctx_criu: Any, broker: CheckpointBroker) -> None:
+        ctx_criu.libdir = str(self.plugin.plugin_dir)
+        ctx_criu.env.update({**self.plugin.criu_env(broker.socket_path), **self.criu_env})
+        ctx_criu.timeout = max(ctx_criu.timeout or 0,
+                               math.ceil(self.lock_timeout) + SEIZE_MARGIN_SECONDS)
+
     async def before_dump(self, ctx: SaveContext) -> None:
-        """Called by ``SnapshotEngine.save`` right before ``criu dump``: lock, then checkpoint."""
+        """Called by ``SnapshotEngine.save`` right before ``criu dump``: start the broker that
+        answers criu's CUDA plugin, and load the plugin into the dump."""
         save = self._saves.get(ctx.snapshot_id)
         if save is None:
             return
         assert save.status.driver is not None
-        cuda = CudaCheckpoint(save.status.driver)
+        tree = {p.pid for p in procfs.tree(ctx.root_pid)}
+        broker = CheckpointBroker(save.status.driver, self.lock_timeout, tree.__contains__)
+        await broker.start()
+        save.broker = broker
+        self._criu_extras(ctx.criu, broker)
         total = save.moved_bytes
         live = save.release.live_bytes if save.release and save.release.released else None
-        ctx.report(Progress("suspend", 0, total, message=_moving_message(total, live)))
-        try:
-            await uninterruptible(cuda.suspend, save.procs, self.lock_timeout)
-        except asyncio.CancelledError:
-            await uninterruptible(cuda.resume_all, save.procs)
-            self._saves.pop(ctx.snapshot_id, None)
-            raise
-        except BaseException:
-            self._saves.pop(ctx.snapshot_id, None)  # suspend rolled itself back
-            raise
-        save.suspended = True
         save.section = self._section(save, live)
         ctx.manifest["gpu"] = save.section
-        ctx.report(Progress("suspend", total, total, message=_moving_message(total, live)))
+        ctx.report(Progress("suspend", 0, total, message=_moving_message(total, live)))
 
     async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
-        """Called by ``SnapshotEngine.save`` after the dump: resume every process still alive."""
+        """Called by ``SnapshotEngine.save`` after the dump: see that every process still alive
+        runs on the GPU again (the plugin resumed it inside criu; a criu that died could not)."""
         save = self._saves.pop(ctx.snapshot_id, None)
-        if save is None or not save.suspended:
+        if save is None or save.broker is None:
             return
-        assert save.status.driver is not None
-        alive = [p for p in save.procs if psutil.pid_exists(p.pid)]
-        if not alive:
-            return  # a stopping dump ended the tree; its CUDA state lives in the image
-        if error is not None:
-            # A dump that died may have left tasks stopped, the driver's restore thread too.
-            procfs.continue_tree(ctx.root_pid)
-        ctx.report(Progress("resume", 0, save.moved_bytes, message="bringing GPU memory back"))
-        problems = await uninterruptible(CudaCheckpoint(save.status.driver).resume_all, alive)
+        broker = save.broker
+        await broker.close()
+        for proc in save.procs:
+            proc.timings = broker.timings.get(proc.pid, {})
         save.section["timings"] = _timings(save.procs)
-        if problems:
+        driver = save.status.driver
+        assert driver is not None
+        problems = await self._resume_left_behind(ctx, save, driver)
+        failed = broker.errors[0] if error is not None and broker.errors else None
+        if failed is not None:  # a CUDA step made criu fail: say which, in our words
+            ctx.failure_cause = self._explain(failed, problems)
+        elif problems:
             raise CudaError("resume", "; ".join(problems))
+
+    async def _resume_left_behind(self, ctx: SaveContext, save: _Save,
+                                  driver: CheckpointDriver) -> list[str]:
+        """Resume, from here, the processes whose CUDA state criu's plugin did not bring back
+        (a criu that was killed, a restore the driver kept refusing); one line per failure."""
+        alive = [p for p in save.procs if psutil.pid_exists(p.pid)]
+        left = [p for p in alive if await uninterruptible(driver.state, p.pid)
+                not in (ProcessState.RUNNING, None)]
+        if not left:  # all running again, or a stopping dump ended the tree
+            return []
+        procfs.continue_tree(ctx.root_pid)
+        ctx.report(Progress("resume", 0, save.moved_bytes, message="bringing GPU memory back"))
+        return await uninterruptible(CudaCheckpoint(driver).resume_all, left)
+
+    def _explain(self, exc: DriverCallError, problems: list[str]) -> CudaError:
+        step = exc.call.removeprefix("cuCheckpointProcess").lower()
+        if step == "lock" and exc.code in LOCK_TIMED_OUT:
+            cause = (f"CUDA lock of pid {exc.pid} timed out after {self.lock_timeout:g} s: the "
+                     f"GPU stayed busy ({exc})")
+        else:
+            cause = f"CUDA {step} of pid {exc.pid} failed: {exc}"
+        if problems:
+            cause += "; rolling back also failed: " + "; ".join(problems)
+        else:
+            cause += "; the kernel was left running on the GPU"
+        return CudaError("suspend", cause, hint=error_hint(exc) or None)
 
     def _section(self, save: _Save, live: int | None) -> dict[str, Any]:
         info = save.status.info or save.status.driver.info  # type: ignore[union-attr]
         inventory = save.inventory
         release = save.release
         return {
+            "protocol": PLUGIN_PROTOCOL,
             "driver_version": info.version or (inventory.driver_version if inventory else ""),
             "cuda_driver_version": info.cuda_version,
             "backend": info.backend,
@@ -280,6 +328,8 @@ class CudaCheckpointHook(SnapshotHook):
                 "must match the kernel module exactly",
                 hint=f"restore it on a machine with driver {saved_driver}",
             )
+        if gpu.get("protocol") == PLUGIN_PROTOCOL:
+            self._require_plugin(ctx.criu_version)
         inventory = await asyncio.to_thread(self._read_inventory)
         if inventory is None:
             raise NotReady("preflight", f"snapshot {sid} holds CUDA state, but no GPU can be "
@@ -307,21 +357,83 @@ class CudaCheckpointHook(SnapshotHook):
         return describe_choice(snapshot.id, snapshot.manifest.get("gpu"),
                                inventory.devices if inventory else (), chosen, remap)
 
+    async def before_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``SnapshotEngine.restore`` right before criu: the plugin restores and
+        unlocks each CUDA process inside criu, before its threads run, once the images'
+        digests matched (the broker's gate); criu then lets the tree run."""
+        gpu = ctx.snapshot.manifest.get("gpu")
+        if not gpu or not gpu.get("processes") or gpu.get("protocol") != PLUGIN_PROTOCOL:
+            return
+        plan = self._plans.get(ctx.snapshot.id) or GpuPlan(())
+        visible = {int(p["ns_pid"]): p.get("visible") or None for p in gpu["processes"]}
+        driver = self.driver_status().driver
+        assert driver is not None  # preflight_restore refused otherwise
+
+        def pairs(host_pid: int) -> list[tuple[str, str]]:
+            return list(plan.pairs(visible.get(procfs.ns_pid(host_pid))))
+
+        def kill(host_pid: int, _error: BaseException) -> None:
+            procfs.kill_tree(procfs.namespace_init(host_pid) or host_pid)
+
+        broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
+                                  gate=ctx.images_verified, on_gate_failed=kill, gpu_pairs=pairs)
+        await broker.start()
+        self._restores[ctx.snapshot.id] = broker
+        self._criu_extras(ctx.criu, broker)
+        ctx.criu.leave_stopped = False
+        total = sum(int(p.get("gpu_bytes", 0)) for p in gpu["processes"])
+        ctx.report(Progress("restore", 0, total, message=_resume_message(plan)))
+
+    async def restore_failed(self, ctx: RestoreContext, error: BaseException) -> None:
+        """Called by ``SnapshotEngine.restore`` when criu or the digests failed."""
+        self._plans.pop(ctx.snapshot.id, None)
+        broker = self._restores.pop(ctx.snapshot.id, None)
+        if broker is not None:
+            await broker.close()
+
     async def after_restore(self, ctx: RestoreContext) -> None:
         """Called by ``SnapshotEngine.restore`` once criu has recreated the tree."""
         gpu = ctx.snapshot.manifest.get("gpu")
         if not gpu or not gpu.get("processes"):
             return
         plan = self._plans.pop(ctx.snapshot.id, None) or GpuPlan(())  # (): the same GPUs
+        broker = self._restores.pop(ctx.snapshot.id, None)
         driver = self.driver_status().driver
         assert driver is not None  # preflight_restore refused otherwise
         by_ns_pid = {procfs.ns_pid(p.pid): p.pid for p in procfs.tree(ctx.root_pid)}
-        procs = []
+        hosts = []
         for saved in gpu["processes"]:
             host = by_ns_pid.get(int(saved["ns_pid"]))
             if host is None:
                 raise CudaError("resume", f"process {saved['ns_pid']} of the snapshot, which "
                                 "held CUDA state, is missing from the restored tree")
+            hosts.append((host, saved))
+        if broker is not None:
+            await broker.close()
+            await self._check_resumed(driver, broker, [h for h, _ in hosts])
+        else:
+            await self._resume_after_criu(ctx, driver, plan, hosts)
+        ctx.notes["gpu_remap"] = plan.to_dict()
+
+    async def _check_resumed(self, driver: CheckpointDriver, broker: CheckpointBroker,
+                             hosts: list[int]) -> None:
+        """The plugin brought each process back inside criu: check the driver agrees."""
+        for host in hosts:
+            state = await uninterruptible(driver.state, host)
+            if state != ProcessState.RUNNING:
+                said = "; ".join(f"{e}" for e in broker.errors) or "no CUDA call failed"
+                raise CudaError(
+                    "resume",
+                    f"restored pid {host} should run on the GPU once criu is done, but the "
+                    f"driver reports {state.value if state else 'no CUDA state'} ({said})",
+                    hint=error_hint(broker.errors[0]) if broker.errors else None,
+                )
+
+    async def _resume_after_criu(self, ctx: RestoreContext, driver: CheckpointDriver,
+                                 plan: GpuPlan, hosts: list[tuple[int, dict[str, Any]]]) -> None:
+        """Snapshots saved before the plugin: restore and unlock from here, as they were."""
+        procs = []
+        for host, saved in hosts:
             state = await asyncio.to_thread(driver.state, host)
             if state != ProcessState.CHECKPOINTED:
                 raise CudaError(
@@ -330,6 +442,7 @@ class CudaCheckpointHook(SnapshotHook):
                     f"reports {state.value if state else 'none'}",
                 )
             procs.append((CudaProcess(host, state), plan.pairs(saved.get("visible") or None)))
+        gpu = ctx.snapshot.manifest["gpu"]
         total = sum(int(p.get("gpu_bytes", 0)) for p in gpu["processes"])
         ctx.report(Progress("resume", 0, total, message=_resume_message(plan)))
         cuda = CudaCheckpoint(driver)
@@ -338,8 +451,17 @@ class CudaCheckpointHook(SnapshotHook):
             problems += await uninterruptible(cuda.resume_all, [proc], pairs)
         if problems:
             raise CudaError("resume", "; ".join(problems))
-        ctx.notes["gpu_remap"] = plan.to_dict()
         ctx.report(Progress("resume", total, total))
+
+
+def _restored_by_us(pid: int) -> bool:
+    """A process that our criu restore is bringing back: a descendant of this process (criu
+    is our child) in a PID namespace of its own."""
+    try:
+        ours = {p.pid for p in psutil.Process(pid).parents()}
+    except psutil.Error:
+        return False
+    return os.getpid() in ours and procfs.pid_namespace(pid) != procfs.pid_namespace(os.getpid())
 
 
 async def _release_over_connection_file(ctx: SaveContext) -> CacheRelease:

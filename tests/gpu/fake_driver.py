@@ -8,6 +8,11 @@ does), records every call, and fails or delays any step on request. As with the 
 driver, a process restored from an image taken while it was checkpointed comes back
 checkpointed: the fake recognises it by its environment, which CRIU restores.
 
+Like the real driver, it does its work on a "restore thread" inside the target process: the
+thread named ``cuda-restore`` (``RESTORE_THREAD_CODE`` starts one in a kernel), else the
+main thread. At each checkpoint, restore and unlock it notes which other threads of the
+process were running (``protocol_breaches``): the driver's protocol wants them all stopped.
+
 Restoring onto other GPUs follows what driver 580 does: ``gpuPairs`` must map as many distinct
 GPUs as the process can see onto every GPU of the (fake) node, each once, else
 CUDA_ERROR_INVALID_VALUE; the process's memory then shows on its new GPU.
@@ -15,12 +20,15 @@ CUDA_ERROR_INVALID_VALUE; the process's memory then shows on its new GPU.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.gpu.broker import CRIU_FAULT_FORCE_CUDA_PLUGIN
 from jupyter_gpu_snapshot.gpu.driver import (
     CUDA_ERROR_ILLEGAL_STATE,
     CUDA_ERROR_INVALID_VALUE,
@@ -34,6 +42,19 @@ from jupyter_gpu_snapshot.gpu.driver import (
 from jupyter_gpu_snapshot.gpu.inventory import GpuDevice, GpuInventory
 
 FAKE_ENV = "JGS_FAKE_CUDA"
+RESTORE_THREAD_NAME = "cuda-restore"
+# Run in a kernel: a thread that stands for the driver's restore thread, as libcuda starts one.
+RESTORE_THREAD_CODE = (
+    "import ctypes as _c, threading as _t\n"
+    "def _cuda_restore_thread():\n"
+    f"    _c.CDLL(None).prctl(15, b'{RESTORE_THREAD_NAME}', 0, 0, 0)\n"
+    "    _t.Event().wait()\n"
+    "_t.Thread(target=_cuda_restore_thread, daemon=True).start()\n"
+)
+# criu's environment that starts its CUDA plugin on a machine without a GPU.
+FORCE_CUDA_PLUGIN = {"CRIU_FAULT": CRIU_FAULT_FORCE_CUDA_PLUGIN}
+# Thread states of a running thread (not stopped by a tracer or a signal).
+_RUNNING_STATES = frozenset("RSD")
 GIB = 1 << 30
 UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
 
@@ -83,6 +104,10 @@ class FakeCudaDriver:
     # The node's GPUs (set by FakeGpus) and the one each process's memory lives on.
     gpu_uuids: list[str] = field(default_factory=list)
     placed: dict[str, str] = field(default_factory=dict)  # fake token -> GPU UUID
+    # Called with (op, pid) as each step starts, from the thread that makes the call.
+    on_call: Callable[[str, int], None] | None = None
+    # (op, pid, tids of other threads that ran during it) for each checkpoint/restore/unlock.
+    breaches: list[tuple[str, int, list[int]]] = field(default_factory=list)
     _failures: dict[str, Failure] = field(default_factory=dict)
     _imaged: set[str] = field(default_factory=set)  # tokens of processes checkpointed
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,7 +126,22 @@ class FakeCudaDriver:
     def ops(self, pid: int | None = None) -> list[str]:
         return [op for op, p in self.calls if op != "state" and (pid is None or p == pid)]
 
+    def protocol_breaches(self) -> list[tuple[str, int, list[int]]]:
+        return list(self.breaches)
+
+    def _note_running_threads(self, op: str, pid: int) -> None:
+        if op not in ("checkpoint", "restore", "unlock"):
+            return
+        restore_tid = self.restore_thread_id(pid)
+        running = [tid for tid, state in procfs.thread_states(pid).items()
+                   if tid != restore_tid and state in _RUNNING_STATES]
+        if running:
+            self.breaches.append((op, pid, running))
+
     def _step(self, op: str, pid: int, needs: ProcessState, becomes: ProcessState) -> None:
+        if self.on_call is not None:
+            self.on_call(op, pid)
+        self._note_running_threads(op, pid)
         with self._lock:
             self.calls.append((op, pid))
             state = self._current(pid)
@@ -167,7 +207,13 @@ class FakeCudaDriver:
         self._step("unlock", pid, ProcessState.LOCKED, ProcessState.RUNNING)
 
     def restore_thread_id(self, pid: int) -> int | None:
-        return pid  # the fake "restore thread" is the main thread: it must not be stopped
+        if fake_cuda_token(pid) is None:
+            return None  # as the driver: no CUDA state, no restore thread
+        for tid in procfs.thread_states(pid):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() == RESTORE_THREAD_NAME:
+                    return tid
+        return pid
 
 
 @dataclass

@@ -16,7 +16,7 @@ from jupyter_gpu_snapshot.engines import default_hooks, make_engine
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.server import app as server_app
 
-from ..gpu.fake_driver import FAKE_ENV, GIB, UUID0, FakeCudaDriver, FakeGpus
+from ..gpu.fake_driver import FAKE_ENV, FORCE_CUDA_PLUGIN, GIB, UUID0, FakeCudaDriver, FakeGpus
 from .conftest import Api, KernelConnector
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")
@@ -33,7 +33,8 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> FakeGpus:
 
     def engine_with_fake_cuda(settings: GPUSnapshot) -> SnapshotEngine:
         cuda = CudaCheckpointHook(driver=fake.status, inventory=gpus, lock_timeout=1.0,
-                                  drop_caches=False, memory_available=lambda: 64 * GIB)
+                                  drop_caches=False, memory_available=lambda: 64 * GIB,
+                                  criu_env=FORCE_CUDA_PLUGIN)
         return make_engine(settings, hooks=[*default_hooks(settings)[:-1], cuda])
 
     monkeypatch.setattr(server_app, "make_engine", engine_with_fake_cuda)
