@@ -9,6 +9,8 @@ with real kernels and real CRIU.
   all of them; the restore works while the files exist and fails once they are gone.
 - Semaphores of the 'spawn' start method: criu cannot dump them; the save is refused
   before the kernel is touched, and works once the kernel lets go of them.
+- An unlinked segment larger than the ghost limit (torch shares tensors so): refused before
+  the kernel is touched; under a raised limit it is carried whole.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.open_files import OpenFilesHook, inspect_files
@@ -155,3 +158,34 @@ def test_spawn_semaphores_refuse_the_save_until_the_kernel_lets_go(
     finally:
         for f in files:
             f.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("limit, refused", [(1 << 20, True), (8 << 20, False)],
+                         ids=["over-the-ghost-limit", "within-a-raised-limit"])
+def test_unlinked_segments_count_against_the_ghost_limit(
+    limit: int, refused: bool, store: SnapshotStore, kernel: KernelHandle, tmp_path: Path,
+    restored: RestoredTrees,
+):
+    """As torch shares a tensor by file descriptor: a segment written, then unlinked."""
+    name = f"/dev/shm/torch_{tmp_path.name}"
+    kernel.execute(f"""
+        import mmap, os
+        fd = os.open({name!r}, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 3 << 20)
+        m = mmap.mmap(fd, 3 << 20)
+        m[:] = b"t" * (3 << 20)
+        os.unlink({name!r})
+    """)
+    engine = SnapshotEngine(store, CriuRunner(ghost_limit=limit), [OpenFilesHook(limit)])
+    if refused:
+        with pytest.raises(NotReady) as err:
+            run(engine.save(SaveTarget(pid=kernel.root_pid)))
+        assert err.value.step == "preflight" and f"deleted file of 3.0 MiB ({name})" in \
+            err.value.message and "c.GPUSnapshot.ghost_limit" in err.value.message
+        assert kernel.execute("print(m[:1], m[-1:])").strip() == "b't' b't'"
+        return
+    snapshot = run(engine.save(SaveTarget(pid=kernel.root_pid), stop=True))
+    assert snapshot.manifest["warnings"] == []
+    back = run(engine.restore(snapshot))
+    client = restored.connect(back.connection_info, back.pid)
+    assert execute(client, "print(m[:] == b't' * (3 << 20))").strip() == "True"
