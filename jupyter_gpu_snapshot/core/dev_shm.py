@@ -1,11 +1,12 @@
 """POSIX semaphores and shared memory segments (files in /dev/shm) that a kernel's processes
 hold, and what criu does with each, as measured with CRIU 4.2.1:
 
-- **unlinked** (no name left; multiprocessing's semaphores under its default 'fork' start
-  method, which torch DataLoader workers use, and torch's tensors shared by file
-  descriptor): criu carries them in the image as ghost files, the content and the sharing
-  between the processes included, and a restore works anywhere, after a reboot too. Their
-  bytes count against ``ghost_limit``.
+- **unlinked** (no name left; multiprocessing's semaphores under the 'fork' start method,
+  Linux's default before Python 3.14 and what torch DataLoader workers then use, and torch's
+  tensors shared by file descriptor): criu carries them in the image as ghost files, the
+  content and the sharing between the processes included, and a restore works with nothing
+  of them left in /dev/shm, as after a reboot or on another node. Their bytes count against
+  ``ghost_limit``.
 - **named** (``multiprocessing.shared_memory``, torch's 'file_system' sharing strategy, a
   semaphore opened by name): the image holds only the name. A restore maps the file as it
   is then, later writes included, and fails while the file is missing. Such files outlive
