@@ -20,6 +20,7 @@ ENV_CRIU = "JUPYTER_GPU_SNAPSHOT_CRIU"
 ENV_REMOTE_URL = "JUPYTER_GPU_SNAPSHOT_REMOTE_URL"
 ENV_REMOTE_KEY_FILE = "JUPYTER_GPU_SNAPSHOT_REMOTE_KEY_FILE"
 ENV_SIGNING_KEY = "JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE"
+ENV_GROW_GPU_ALLOCATORS = "JUPYTER_GPU_SNAPSHOT_GROW_GPU_ALLOCATORS"
 ENV_LIBDIR = "JUPYTER_GPU_SNAPSHOT_LIBDIR"
 # Where scripts/install-criu.sh puts CRIU's CUDA plugin and our cuda-checkpoint stand-in.
 DEFAULT_LIBDIR = "/usr/local/lib/jupyter-gpu-snapshot"
@@ -27,6 +28,14 @@ DEFAULT_LIBDIR = "/usr/local/lib/jupyter-gpu-snapshot"
 # criu's environment during a save or restore of a CUDA kernel: where our cuda-checkpoint
 # stand-in reaches the engine (gpu/broker.py, gpu/cuda_checkpoint_shim.c).
 ENV_CUDA_BROKER = "JUPYTER_GPU_SNAPSHOT_CUDA_BROKER"
+
+# What snapshot-ready kernels get (c.GPUSnapshot.grow_gpu_allocators) so that JAX's and
+# TensorFlow's default allocators take GPU memory as arrays need it instead of most of the
+# GPU at their first use; the driver's checkpoint copies every byte they hold.
+GROWING_ALLOCATOR_ENV = {
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+}
 
 KERNEL_NAME = "python3-snapshot"
 KERNEL_DISPLAY_NAME = "Python 3 (snapshots)"

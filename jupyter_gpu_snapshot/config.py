@@ -10,7 +10,14 @@ import os
 from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default
 from traitlets.config import Configurable
 
-from ._constants import DEFAULT_LIBDIR, ENV_CRIU, ENV_LIBDIR, ENV_REMOTE_KEY_FILE, ENV_REMOTE_URL
+from ._constants import (
+    DEFAULT_LIBDIR,
+    ENV_CRIU,
+    ENV_GROW_GPU_ALLOCATORS,
+    ENV_LIBDIR,
+    ENV_REMOTE_KEY_FILE,
+    ENV_REMOTE_URL,
+)
 from .core.store import default_key_file, default_store_dir
 
 
@@ -73,6 +80,31 @@ class GPUSnapshot(Configurable):
         CuPy's pools hold but do not use, when the kernel is idle. Images get several times
         smaller; live tensors are untouched.""",
     ).tag(config=True)
+
+    grow_gpu_allocators = Bool(
+        help="""Launch snapshot-ready kernels with XLA_PYTHON_CLIENT_PREALLOCATE=false and
+        TF_FORCE_GPU_ALLOW_GROWTH=true, so that JAX and TensorFlow take GPU memory as their
+        arrays need it. By default JAX reserves 75 % of the GPU at its first use and
+        TensorFlow nearly all of it, and a save copies every reserved byte to host memory
+        and disk: 72 MB of JAX arrays made a 67 GB image on an H100. Without preallocation
+        JAX may fragment memory, run some workloads a little slower, and run out of memory
+        later rather than at its start (docs/gpu.md, "Framework allocators"). A value the
+        user set (the server's environment, the kernelspec's env, the env a kernel is
+        started with) is never overridden. Applies to kernels started after it changes.
+        Default: $JUPYTER_GPU_SNAPSHOT_GROW_GPU_ALLOCATORS (0/false/no/off turn it off),
+        else True.""",
+    ).tag(config=True)
+
+    @default("grow_gpu_allocators")
+    def _default_grow_gpu_allocators(self) -> bool:
+        value = os.environ.get(ENV_GROW_GPU_ALLOCATORS, "").strip().lower()
+        if value in ("", "1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(
+            f"${ENV_GROW_GPU_ALLOCATORS} is {value!r}: set it to true or false, or unset it"
+        )
 
     keep_last = Int(
         0,

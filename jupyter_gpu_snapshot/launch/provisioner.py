@@ -2,10 +2,12 @@
 
 It launches ipykernel the way a restore needs it (docs/architecture.md, "Launching
 kernels"): in its own PID namespace under a small init (``launch/nsinit.py``), in its own
-session, with no parent polling and with stdio on /dev/null and a per-kernel log file. It
-can also adopt a kernel tree that the engine has already restored, so the server's kernel
-manager treats the restored process as a normal kernel. It receives plain data for that
-(an ``Adoption``), never the engine.
+session, with no parent polling and with stdio on /dev/null and a per-kernel log file, and
+with JAX's and TensorFlow's GPU allocators growing rather than preallocating
+(``c.GPUSnapshot.grow_gpu_allocators``), so that images hold what is live. It can also
+adopt a kernel tree that the engine has already restored, so the server's kernel manager
+treats the restored process as a normal kernel. It receives plain data for that (an
+``Adoption``), never the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from jupyter_core.paths import jupyter_runtime_dir
 from traitlets import Unicode
 
-from .._constants import ENV_KERNEL_ID, ENV_TOKEN, ENV_URL, KERNEL_ENV_NAMES
+from .._constants import (
+    ENV_KERNEL_ID,
+    ENV_TOKEN,
+    ENV_URL,
+    GROWING_ALLOCATOR_ENV,
+    KERNEL_ENV_NAMES,
+)
+from ..config import GPUSnapshot
 from ..core import procfs
 from .kernel_token import kernel_token
 
@@ -201,6 +210,14 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         for key in KERNEL_ENV_NAMES:
             env.pop(key, None)
         env.update(self.server_env())
+        # Added here rather than in the kernelspec's env: jupyter_client lets a kernelspec's
+        # env override the server's environment, which would lose a value the user set there,
+        # and an installed kernelspec is a file that c.GPUSnapshot cannot switch. The env
+        # already holds the server's environment (or the env the kernel is started with)
+        # and the kernelspec's, so setdefault leaves every value the user chose.
+        if GPUSnapshot(parent=self).grow_gpu_allocators:
+            for key, value in GROWING_ALLOCATOR_ENV.items():
+                env.setdefault(key, value)
         kwargs["env"] = env
         log_dir = Path(self.log_dir) if self.log_dir else kernel_log_dir()
         log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
