@@ -20,6 +20,7 @@ from .core.open_files import OpenFilesHook
 from .core.store import SnapshotStore, default_kernel_log_dir
 from .gpu.broker import PluginInstall
 from .gpu.hook import CudaCheckpointHook
+from .launch.liveness import kernel_answers
 
 
 def is_snapshot_ready_kernel(name: str) -> bool:
@@ -62,6 +63,7 @@ def make_engine(
         CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
         hooks,
         NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
+        kernel_answers=kernel_answers,
     )
 
 

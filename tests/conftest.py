@@ -35,6 +35,7 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
+from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 
 from . import gpu_results
 
@@ -160,7 +161,8 @@ def store(tmp_path: Path) -> SnapshotStore:
 
 @pytest.fixture
 def engine(store: SnapshotStore) -> SnapshotEngine:
-    return SnapshotEngine(store)
+    # As make_engine wires it: keep-running saves check that the kernel still answers.
+    return SnapshotEngine(store, kernel_answers=kernel_answers)
 
 
 class RestoredTrees:

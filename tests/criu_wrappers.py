@@ -97,3 +97,20 @@ esac
 def fails_writing_pages() -> str:
     """Body of a criu wrapper script (after its #! line)."""
     return _FAILS_WRITING_PAGES.format(real=_real())
+
+
+# The real criu dumps and leaves the kernel running; once it has succeeded, the kernel (the
+# namespace init's child) gets a signal: a kernel that dies, or freezes, right after its save.
+_SIGNALS_THE_KERNEL_AFTER_THE_DUMP = """case "$1" in dump)
+  root=""; prev=""
+  for arg in "$@"; do [ "$prev" = "-t" ] && root="$arg"; prev="$arg"; done
+  "{real}" "$@" || exit $?
+  kill -{signal} $(cat /proc/$root/task/$root/children); exit 0;;
+*) exec "{real}" "$@";;
+esac
+"""
+
+
+def signals_the_kernel_after_the_dump(signal: int) -> str:
+    """Body of a criu wrapper script (after its #! line)."""
+    return _SIGNALS_THE_KERNEL_AFTER_THE_DUMP.format(real=_real(), signal=int(signal))

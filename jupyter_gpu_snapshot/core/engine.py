@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,12 +39,18 @@ from .compatibility import NodeCompatibility, node_facts, refusal
 from .criu import CriuExtras, CriuRunner, describe_exit
 from .errors import Interrupted, InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .index import SnapshotIndex
+from .kernel_log import kernel_death_cause
 from .locks import HeldLock
 from .recovery import WORK_LOCK
 from .store import DUMP_COMPLETE_FILE, Snapshot, SnapshotStore, new_snapshot_id, validate_name
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20
+# How long a kernel that a keep-running save left running has to answer kernel_info, and
+# how long its namespace init has to write what ended it, when it did not survive.
+KERNEL_ANSWER_SECONDS = 30.0
+DEATH_RECORD_SECONDS = 5.0
+KernelAnswers = Callable[[dict[str, Any], float], Awaitable[bool]]
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -92,6 +98,9 @@ class SaveContext:
     # What hooks add to the criu dump (the GPU layer: CRIU's CUDA plugin and its broker).
     criu: CriuExtras = field(default_factory=CriuExtras)
     criu_version: str = ""
+    # When the kernel process started: with its pid, it names the process that must survive.
+    kernel_started: float | None = None
+    dump_ended: float = 0.0  # wall clock, to say how long after it a kernel died
     # Set by a hook in ``after_dump`` when it knows why a failed dump failed better than
     # criu's log does (e.g. the CUDA lock that timed out inside criu).
     failure_cause: SnapshotError | None = None
@@ -181,8 +190,13 @@ class SnapshotEngine:
         criu: CriuRunner | None = None,
         hooks: Sequence[SnapshotHook] = (),
         compatibility: NodeCompatibility | None = None,
+        kernel_answers: KernelAnswers | None = None,
     ) -> None:
         self.store = store or SnapshotStore()
+        # Asks a kernel (by its connection info) for kernel_info: part of the check that a
+        # keep-running save's kernel survived. core/ speaks no Jupyter protocol itself.
+        self.kernel_answers = kernel_answers
+        self.kernel_answer_seconds = KERNEL_ANSWER_SECONDS
         self.criu = criu or CriuRunner()
         self.hooks = list(hooks)
         # Also caches the digests of mapped files across saves and restores.
@@ -287,7 +301,9 @@ class SnapshotEngine:
         criu_version = await asyncio.to_thread(self.criu.require_version)
         snapshot_id = new_snapshot_id()
         ctx = SaveContext(target, kernel, snapshot_id, Path(), stop, report,
-                          criu_version=criu_version)
+                          criu_version=criu_version,
+                          kernel_started=await asyncio.to_thread(
+                              procfs.start_time, kernel.kernel_pid))
         # Read now: with stop=True the tree is gone once criu is done. They must exist at
         # restore; CRIU does not check their size, so an empty one elsewhere is enough.
         log_files = await asyncio.to_thread(procfs.append_only_files, kernel.root_pid)
@@ -312,12 +328,16 @@ class SnapshotEngine:
             locks.snapshot_key(snapshot_id), f"snapshot {snapshot_id}", "preflight", note="save"
         )
         try:
-            return await self._save_owned(
+            snapshot = await self._save_owned(
                 ctx, name, criu_version, log_files, python_exe, root_started, estimate,
                 [*claims, owner], interrupt, started, mapped,
             )
         finally:
             owner.release()
+        if not stop:
+            await self._require_survival(ctx, snapshot)
+        report(Progress("done", snapshot.size_bytes, snapshot.size_bytes))
+        return snapshot
 
     async def _save_owned(
         self,
@@ -386,6 +406,7 @@ class SnapshotEngine:
                 pass_fds=tuple(c.fd for c in [*claims, work_lock]), env=ctx.criu.env,
             )
             timings["dump"] = time.monotonic() - t
+            ctx.dump_ended = time.time()
             if run.returncode != 0 and await asyncio.to_thread(
                 _dump_outlived_criu, partial, kernel.root_pid
             ):
@@ -452,8 +473,49 @@ class SnapshotEngine:
         timings["commit"] = time.monotonic() - t
         timings["total"] = time.monotonic() - started
         snapshot.manifest["timings"] = timings
-        report(Progress("done", snapshot.size_bytes, snapshot.size_bytes))
         return snapshot
+
+    async def _require_survival(self, ctx: SaveContext, snapshot: Snapshot) -> None:
+        """A keep-running save succeeds only if its kernel survived it: the same process
+        (pid and start time) alive, answering kernel_info. Otherwise the complete image stays
+        listed, with a warning in its manifest, and the save fails naming the death."""
+        kernel, started = ctx.kernel, ctx.kernel_started
+        info = ctx.target.connection_info or kernel.connection_info
+        alive = await asyncio.to_thread(_same_process, kernel.kernel_pid, started)
+        if alive and (self.kernel_answers is None or not info
+                      or await self.kernel_answers(info, self.kernel_answer_seconds)):
+            return
+        if alive and await asyncio.to_thread(_same_process, kernel.kernel_pid, started):
+            what = (f"the kernel (pid {kernel.kernel_pid}) has not answered for "
+                    f"{self.kernel_answer_seconds:g} s since its dump")
+        else:
+            what = await self._describe_death(snapshot, ctx.dump_ended)
+        log.warning("snapshot %s: %s", snapshot.id, what)
+        try:
+            await asyncio.to_thread(self.store.add_warning, snapshot.id, what)
+        except (OSError, SnapshotError) as exc:  # the image stays listed all the same
+            log.warning("snapshot %s: could not record the warning: %s", snapshot.id, exc)
+        raise SnapshotError(
+            "resume", what,
+            hint=f"its snapshot {snapshot.name} is complete and listed (with this warning); "
+            "restore it to get the kernel back",
+        )
+
+    async def _describe_death(self, snapshot: Snapshot, dump_ended: float) -> str:
+        """'the kernel died 0.4 s after its dump: killed by signal 11 (SIGSEGV)', from the
+        line its namespace init writes into the kernel's log as it reaps it."""
+        logs = snapshot.manifest["kernel"].get("log_files") or []
+        deadline = time.monotonic() + DEATH_RECORD_SECONDS
+        cause = None
+        while logs and cause is None and time.monotonic() < deadline:
+            cause = await asyncio.to_thread(kernel_death_cause, logs[0])
+            if cause is None:
+                await asyncio.sleep(0.05)
+        if cause is None:
+            return "the kernel died after its dump (what ended it is not in its log)"
+        died = await asyncio.to_thread(_mtime, logs[0])
+        after = f" {max(0.0, died - dump_ended):.1f} s" if died else ""
+        return f"the kernel died{after} after its dump: {cause}"
 
     async def _add_mapped_files(
         self, manifest: dict[str, Any], digesting: asyncio.Future[dict[str, Any]],
@@ -813,6 +875,18 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
+
+
+def _same_process(pid: int, started: float | None) -> bool:
+    """Whether ``pid`` is alive (not a zombie) and still the process that started then."""
+    return procfs.tree_alive(pid) and started is not None and procfs.start_time(pid) == started
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
 
 
 def _python_of(pid: int) -> str:

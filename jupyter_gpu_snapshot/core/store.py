@@ -498,15 +498,34 @@ class SnapshotStore:
                     f"a snapshot named {new_name!r} exists already ({other.id})",
                     hint="pick another name, or delete that snapshot first",
                 )
-            manifest = {k: v for k, v in current.manifest.items() if k != "signature"}
-            signed = self._sign(dict(manifest, name=new_name), current.id, "rename")
-            staged = f".{MANIFEST}.renamed"
-            with safe_fs.opened_dir(current.id, root_fd) as dfd:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(staged, dir_fd=dfd)
-                safe_fs.write_new(staged, dfd, _encode(signed))
-                os.replace(staged, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
-                os.fsync(dfd)
+            return self._resign(root_fd, current, {"name": new_name}, "rename")
+
+    def add_warning(self, ref: str, warning: str) -> Snapshot:
+        """Add a warning to a trusted snapshot's manifest, re-signed (e.g. that the kernel
+        died after its save)."""
+        snapshot = self.get(ref)
+        with self.locks.hold(
+            snapshot_lock_key(snapshot.id), f"snapshot {snapshot.name} ({snapshot.id})",
+            "commit", note="warning",
+        ), self._root_fd() as root_fd:
+            assert root_fd is not None
+            current = self.get(snapshot.id)
+            current.require_trusted("commit")
+            warnings = [*current.manifest.get("warnings", []), warning]
+            return self._resign(root_fd, current, {"warnings": warnings}, "commit")
+
+    def _resign(self, root_fd: int, current: Snapshot, changes: dict[str, Any],
+                step: str) -> Snapshot:
+        """Replace ``current``'s manifest, with ``changes`` and signed again, atomically."""
+        manifest = {k: v for k, v in current.manifest.items() if k != "signature"}
+        signed = self._sign({**manifest, **changes}, current.id, step)
+        staged = f".{MANIFEST}.resigned"
+        with safe_fs.opened_dir(current.id, root_fd) as dfd:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged, dir_fd=dfd)
+            safe_fs.write_new(staged, dfd, _encode(signed))
+            os.replace(staged, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
         return Snapshot(current.id, current.path, signed)
 
     def reload(self, snapshot: Snapshot) -> Snapshot:
