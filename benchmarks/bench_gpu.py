@@ -8,7 +8,10 @@ caching allocator keeps reserved. Then:
 - ours, kernel A: save keep-running without cache dropping (pause, total, image); save
   stopping, restore, first executed cell; save keep-running with cache dropping (image);
 - raw, kernel B: lock -> checkpoint -> criu dump --leave-running -> restore -> unlock
-  (pause); the same stopping, then criu restore -> restore -> unlock -> first cell.
+  (pause); the same stopping, then criu restore -> restore -> unlock -> first cell. This is
+  the engine's sequence before CRIU's CUDA plugin took over the CUDA steps (it lets the
+  threads run while CUDA is checkpointed, which JAX does not survive): ours must pause no
+  longer than it.
 
 The pinned host<->device copy rate is measured in the same run, so the checkpoint and
 restore rates can be read as a fraction of it. Images are deleted after each step: the GPU
@@ -25,6 +28,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,10 +41,13 @@ from common import settle
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
+from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.gpu.broker import PluginInstall
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.gpu.inventory import read_inventory
@@ -194,7 +201,9 @@ def ours(k: Kernel, work: Path, criu: CriuRunner) -> dict[str, Any]:
     store = SnapshotStore(work / "store")
 
     def engine(drop: bool) -> SnapshotEngine:
-        return SnapshotEngine(store, criu, [CudaCheckpointHook(60.0, drop_caches=drop)])
+        plugin = PluginInstall(Path(GPUSnapshot().libdir))
+        cuda = CudaCheckpointHook(60.0, drop_caches=drop, plugin=plugin)
+        return SnapshotEngine(store, criu, [cuda], NodeCompatibility(gpus=cuda.node_gpus))
 
     result: dict[str, Any] = {}
     settle()
@@ -285,6 +294,52 @@ def raw(k: Kernel, work: Path, criu: CriuRunner, driver: LibcudaDriver) -> dict[
     return result
 
 
+def pause_pairs(gib: float, repeat: int, work: Path, criu: CriuRunner,
+                driver: LibcudaDriver) -> dict[str, Any]:
+    """The pause of a keep-running save, ours and raw taken in turn on one kernel, ``repeat``
+    times each, so that both meet the same disk and page cache; medians compared."""
+    live = int(gib * GIB)
+    k = Kernel(SETUP.format(live=live, cached=max(GIB // 2, live // 4)))
+    store = SnapshotStore(work / "store")
+    plugin = PluginInstall(Path(GPUSnapshot().libdir))
+    cuda = CudaCheckpointHook(60.0, drop_caches=False, plugin=plugin)
+    engine = SnapshotEngine(store, criu, [cuda], NodeCompatibility(gpus=cuda.node_gpus))
+    ours: list[dict[str, float]] = []
+    raws: list[dict[str, float]] = []
+    try:
+        for _ in range(repeat):
+            settle()
+            kept = asyncio.run(engine.save(SaveTarget(pid=k.root, connection_info=k.info)))
+            ours.append({"pause_s": kept.manifest["timings"]["pause"],
+                         **{f"cuda_{s}_s": v for s, v in kept.manifest["gpu"]["timings"].items()}})
+            store.delete(kept.id)
+            images = work / "raw"
+            images.mkdir(parents=True)
+            settle()
+            t0 = time.monotonic()
+            driver.lock(k.pid, 60_000)
+            driver.checkpoint(k.pid)
+            t1 = time.monotonic()
+            subprocess.run(criu.dump_argv(k.root, images, images, leave_running=True),
+                           check=True)
+            t2 = time.monotonic()
+            driver.restore(k.pid)
+            driver.unlock(k.pid)
+            t3 = time.monotonic()
+            raws.append({"pause_s": t3 - t0, "cuda_suspend_s": t1 - t0, "dump_s": t2 - t1,
+                         "cuda_resume_s": t3 - t2})
+            shutil.rmtree(images)
+        _, printed = first_cell(k.info, STATE_CHECK)
+        assert printed == k.checksum, "state differs after the pause pairs"
+    finally:
+        k.end()
+    med_ours = statistics.median(r["pause_s"] for r in ours)
+    med_raw = statistics.median(r["pause_s"] for r in raws)
+    return {"live_gib": gib, "repeat": repeat, "ours": ours, "raw": raws,
+            "pause_ours_median_s": med_ours, "pause_raw_median_s": med_raw,
+            "pause_ratio_of_medians": med_ours / med_raw}
+
+
 def bench_size(gib: float, work: Path, criu: CriuRunner, driver: LibcudaDriver,
                rates: dict[str, float], case: dict[str, Any], flush: Any) -> None:
     """Fill ``case`` step by step, calling ``flush`` after each so a cut-off run keeps data."""
@@ -353,6 +408,8 @@ def main() -> None:
     parser.add_argument("--llama8b", action="store_true",
                         help="also a kernel holding a Llama-3.1-8B-shaped model (random bf16)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--pause-pairs", type=int, default=0, metavar="N",
+                        help="only compare keep-running pauses, ours and raw in turn, N each")
     args = parser.parse_args()
     install()
     criu = CriuRunner()
@@ -368,6 +425,19 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="jgs-bench-gpu-") as tmp:
         os.environ["JUPYTER_RUNTIME_DIR"] = str(Path(tmp) / "runtime")
+        if args.pause_pairs:
+            result["benchmark"] = "gpu-pause-pairs"
+            for gib in args.sizes:
+                pairs = pause_pairs(gib, args.pause_pairs, Path(tmp) / f"pairs-{gib}", criu,
+                                    driver)
+                result["cases"].append(pairs)
+                out.write_text(json.dumps(result, indent=2))
+                print(f"{gib:>4} GiB: pause median ours {pairs['pause_ours_median_s']:.2f}s, "
+                      f"raw {pairs['pause_raw_median_s']:.2f}s "
+                      f"(x{pairs['pause_ratio_of_medians']:.3f}) over {args.pause_pairs} each",
+                      flush=True)
+            print(f"wrote {out}")
+            return
         for gib in args.sizes:
             free = shutil.disk_usage(tmp).free
             # One image at a time: the GPU bytes (live + cached) plus host memory and margin.

@@ -33,6 +33,9 @@ _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
      "a file the kernel had open has changed size since the snapshot"),
     (re.compile(r"Operation not permitted|Permission denied|CAP_"),
      "criu lacks privileges; run as root or grant CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN"),
+    (re.compile(r"handle_device_vma plugin failed|Can't handle non-regular mapping"),
+     "the kernel maps a device file that CRIU cannot dump (for example /dev/nvidia0 mapped "
+     "by OpenCL or Vulkan: only CUDA's own mappings are checkpointed)"),
     (re.compile(r"No such file or directory"),
      "a file the kernel had open is missing on this machine"),
 ]
@@ -165,6 +168,10 @@ class CriuRunner:
             # Established ZMQ connections are closed; clients reconnect with the same
             # connection file. --tcp-established would need a network lock.
             "--tcp-close",
+            # A client that connects while the tree is frozen (a heartbeat that timed out
+            # during a long CUDA checkpoint) waits in a listen queue; it is dropped and
+            # reconnects, as every connection does at restore with --tcp-close.
+            "--skip-in-flight",
             "--file-locks",
             # The namespace's own mounts (its /proc) are dumped; the host's mounts it
             # inherited are recorded as external and bound back at restore.
