@@ -84,16 +84,17 @@ def test_a_directory_without_a_readable_manifest_is_listed_damaged(store: Snapsh
         index.get(new_snapshot_id())
 
 
-def test_listing_200_snapshots_takes_under_50_ms(store: SnapshotStore) -> None:
+def test_listing_200_snapshots_again_reads_no_manifest(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing costs a scandir and a stat per snapshot once the index holds them; how long
+    that takes is measured by benchmarks/bench_event_loop.py."""
     for i in range(200):
         commit_tiny(store, f"snap-{i}", f"nb-{i % 7}.ipynb")
     index = SnapshotIndex(store)
+    reads = counting_reads(monkeypatch, store)
     assert len(index.list()) == 200  # the first listing reads the manifests
-    times = []
+    assert len(reads) == 200
     for _ in range(20):
-        started = time.perf_counter()
-        listed = [s.summary() for s in index.list()]
-        times.append(time.perf_counter() - started)
-        assert len(listed) == 200
-    times.sort()
-    assert times[len(times) // 2] <= 0.050, times
+        assert len([s.summary() for s in index.list()]) == 200
+    assert len(reads) == 200
