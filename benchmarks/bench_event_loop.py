@@ -29,9 +29,9 @@ from typing import Any
 from common import host_facts
 from server_process import Server, connect, run_cell
 
-from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
-from tests.manifests import kernel_section
+from tests.manifests import commit_tiny
 
 
 def figures(latencies: list[float]) -> dict[str, float]:
@@ -65,18 +65,6 @@ class Poller(threading.Thread):
     def enter(self, phase: str) -> None:
         self.phases[phase] = []
         self.phase = phase
-
-
-def fill_store(store: SnapshotStore, count: int) -> None:
-    """``count`` small but complete snapshots of one notebook, committed as a save does."""
-    for i in range(count):
-        snapshot_id = new_snapshot_id()
-        partial = store.begin(snapshot_id)
-        (partial / "pages-1.img").write_bytes(b"p" * 4096)
-        store.commit(partial, {
-            "id": snapshot_id, "name": f"listed-{i}", "created": time.time(), "reason": "user",
-            "kernel": kernel_section(notebook_path="many.ipynb"),
-        })
 
 
 def timed_listing(server: Server) -> float:
@@ -130,7 +118,9 @@ def main() -> None:
             result["busy"] = {n: figures(p.phases["busy"]) for n, p in pollers.items()}
             result["save_timings"] = job["result"]["timings"]
 
-            fill_store(SnapshotStore(base / "store", key_file), 200)
+            listed = SnapshotStore(base / "store", key_file)
+            for i in range(200):
+                commit_tiny(listed, f"listed-{i}", "many.ipynb")
             first = timed_listing(server)
             again = [timed_listing(server) for _ in range(args.listings)]
             result["list_200"] = {"first_s": round(first, 4), **figures(again)}

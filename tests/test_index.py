@@ -3,7 +3,6 @@ or deletes in the store."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,22 +12,7 @@ from jupyter_gpu_snapshot.core.errors import NotFound
 from jupyter_gpu_snapshot.core.index import SnapshotIndex
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
 
-from .manifests import kernel_section
-
-
-def commit_tiny(store: SnapshotStore, name: str, notebook: str | None = None) -> str:
-    """A small but complete snapshot, as a save commits it."""
-    snapshot_id = new_snapshot_id()
-    partial = store.begin(snapshot_id)
-    (partial / "pages-1.img").write_bytes(b"p" * 4096)
-    manifest = {
-        "id": snapshot_id,
-        "name": name,
-        "created": time.time(),
-        "kernel": kernel_section(notebook_path=notebook),
-    }
-    store.commit(partial, manifest)
-    return snapshot_id
+from .manifests import commit_tiny
 
 
 @pytest.fixture

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from ..manifests import kernel_section
+from ..manifests import commit_tiny
 from .conftest import Api, KernelConnector
 from .loop_watch import LoopWatch
 
@@ -94,16 +93,9 @@ async def test_no_callback_blocks_the_loop_while_2_gib_are_saved_listed_and_dele
 
 
 def _fill_store(store_dir: Path, count: int) -> None:
-    """``count`` small but complete snapshots of one notebook, committed as a save does."""
     store = SnapshotStore(store_dir)
     for i in range(count):
-        snapshot_id = new_snapshot_id()
-        partial = store.begin(snapshot_id)
-        (partial / "pages-1.img").write_bytes(b"p" * 4096)
-        store.commit(partial, {
-            "id": snapshot_id, "name": f"snap-{i}", "created": time.time(), "reason": "user",
-            "kernel": kernel_section(notebook_path="many.ipynb"),
-        })
+        commit_tiny(store, f"snap-{i}", "many.ipynb")
 
 
 async def test_listing_200_snapshots_reads_each_manifest_once_and_blocks_nothing(
