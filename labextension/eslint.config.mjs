@@ -3,6 +3,7 @@
 // the rules that would argue with it off.
 import eslint from '@eslint/js';
 import prettier from 'eslint-config-prettier';
+import importPlugin from 'eslint-plugin-import';
 import tseslint from 'typescript-eslint';
 
 export default tseslint.config(
@@ -29,6 +30,36 @@ export default tseslint.config(
       curly: ['error', 'all'],
       eqeqeq: 'error',
       'prefer-arrow-callback': 'error'
+    }
+  },
+  // Imports flow one way. import/no-cycle finds loops of value imports, which leave a
+  // module half initialised when the bundle loads; it skips type-only imports, so the
+  // bottom layer below also names what it may import, types included.
+  {
+    files: ['src/**/*.{ts,tsx}'],
+    plugins: { import: importPlugin },
+    settings: {
+      'import/parsers': { '@typescript-eslint/parser': ['.ts', '.tsx'] },
+      'import/resolver': { node: { extensions: ['.ts', '.tsx', '.js'] } }
+    },
+    rules: { 'import/no-cycle': ['error', { ignoreExternal: true }] }
+  },
+  {
+    // The REST client and the translation default are what every other module builds on.
+    files: ['src/api.ts', 'src/translation.ts'],
+    rules: {
+      'no-restricted-imports': [
+        'error',
+        {
+          patterns: [
+            {
+              regex: '^\\.\\./|^\\./(?!translation$)',
+              message:
+                'api.ts and translation.ts are the bottom layer: they import no other module of the extension but translation.ts.'
+            }
+          ]
+        }
+      ]
     }
   }
 );

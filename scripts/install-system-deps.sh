@@ -3,7 +3,8 @@
 # missing, so a second run does nothing (and needs no network).
 set -euo pipefail
 
-needed=(util-linux iproute2 python3-venv)
+# stress-ng: `make test-under-load` runs the suite beside it.
+needed=(util-linux iproute2 python3-venv stress-ng)
 
 missing=()
 for pkg in "${needed[@]}"; do

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import textwrap
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,31 @@ def execute(client: BlockingKernelClient, code: str, timeout: float = 60) -> str
     if reply["content"]["status"] != "ok":
         raise KernelError(f"kernel error: {reply['content'].get('ename')}: {text}")
     return text
+
+
+def wait_for_output(
+    client: BlockingKernelClient, msg_id: str, text: str, timeout: float = 120
+) -> None:
+    """Until the cell ``msg_id`` has printed ``text``: it runs, whatever the machine's load."""
+    deadline = time.monotonic() + timeout
+    printed = ""
+    while text not in printed:
+        left = deadline - time.monotonic()
+        assert left > 0, f"the cell did not print {text!r} in {timeout}s: {printed!r}"
+        msg = client.get_iopub_msg(timeout=left)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            printed += msg["content"]["text"]
+
+
+def reply_to(client: BlockingKernelClient, msg_id: str, timeout: float = 120) -> dict[str, Any]:
+    """The shell reply to request ``msg_id``, skipping replies to earlier requests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no reply to {msg_id} in {timeout}s"
+        reply: dict[str, Any] = client.get_shell_msg(timeout=left)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
 
 
 def connect(info: dict[str, Any] | Path, timeout: float = 30) -> BlockingKernelClient:

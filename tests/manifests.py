@@ -6,7 +6,10 @@ hand-made snapshot needs every field a real save writes.
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
 
 CONNECTION = {
     "transport": "tcp", "ip": "127.0.0.1", "key": "k" * 36, "signature_scheme": "hmac-sha256",
@@ -19,3 +22,15 @@ def kernel_section(**fields: Any) -> dict[str, Any]:
     """A valid kernel section; ``fields`` add to it or replace its parts."""
     return {"name": "python3-snapshot", "connection_info": dict(CONNECTION), "log_files": [],
             **fields}
+
+
+def commit_tiny(store: SnapshotStore, name: str, notebook: str | None = None) -> str:
+    """A small but complete snapshot, committed as a save commits it; returns its id."""
+    snapshot_id = new_snapshot_id()
+    partial = store.begin(snapshot_id)
+    (partial / "pages-1.img").write_bytes(b"p" * 4096)
+    store.commit(partial, {
+        "id": snapshot_id, "name": name, "created": time.time(), "reason": "user",
+        "kernel": kernel_section(notebook_path=notebook),
+    })
+    return snapshot_id

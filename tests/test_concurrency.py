@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
@@ -47,6 +48,18 @@ def _until_held(store: SnapshotStore, key: str, proc: subprocess.Popen[str]) -> 
     while not store.locks.is_held(key):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"{key} was never taken"
+        time.sleep(0.02)
+
+
+def _until_running(proc: subprocess.Popen[str], command: str) -> None:
+    """Until a descendant of ``proc`` runs ``command``."""
+    deadline = time.monotonic() + 60
+    while not any(
+        command in " ".join(child.cmdline())
+        for child in psutil.Process(proc.pid).children(recursive=True)
+    ):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{command} never ran"
         time.sleep(0.02)
 
 
@@ -158,8 +171,7 @@ def test_ctrl_c_during_a_cli_save(
         store, "--criu", _slow_criu(tmp_path, "dump", 2.0), "save",
         "--pid", str(kernel.kernel_pid), "--name", "interrupted", *(["--stop"] if stop else []),
     )
-    _until_held(store, name_key("interrupted"), saving)
-    time.sleep(0.5)  # into the dump: criu's wrapper is sleeping
+    _until_running(saving, "criu-slow-dump")  # into the dump: criu's wrapper sleeps 2 s
     saving.send_signal(signal.SIGINT)
     out, stderr = saving.communicate(timeout=120)
     assert "Traceback" not in stderr

@@ -40,7 +40,15 @@ from jupyter_gpu_snapshot.gpu.driver import (
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
-from .conftest import KernelHandle, RestoredTrees, execute, run, stop_kernel
+from .conftest import (
+    KernelHandle,
+    RestoredTrees,
+    execute,
+    reply_to,
+    run,
+    stop_kernel,
+    wait_for_output,
+)
 from .criu_wrappers import (
     dies_after_the_dump_completed,
     fails_writing_pages,
@@ -572,17 +580,21 @@ def test_idle_kernel_releases_allocator_caches_silently(store, fake, gpus, gpu_k
     assert _kernel_names(gpu_kernel) == names
 
 
-def test_busy_kernel_keeps_its_caches_and_is_not_disturbed(store, fake, gpus, gpu_kernel):
+def test_busy_kernel_keeps_its_caches_and_is_not_disturbed(
+        store, fake, gpus, gpu_kernel, tmp_path):
     gpu_kernel.execute(FAKE_TORCH)
-    msg_id = gpu_kernel.client.execute("import time; time.sleep(4); counter += 1")
-    time.sleep(0.5)
+    may_end = tmp_path / "cell-may-end"
+    msg_id = gpu_kernel.client.execute(
+        f"import os, time; print('started', flush=True)\n"
+        f"while not os.path.exists({str(may_end)!r}): time.sleep(0.02)\n"
+        "counter += 1"
+    )
+    wait_for_output(gpu_kernel.client, msg_id, "started")
     snapshot = run(make_engine(store, fake, gpus).save(target(gpu_kernel)))
     caches = snapshot.manifest["gpu"]["allocator_caches"]
     assert not caches["released"] and "busy" in caches["reason"]
-    reply = gpu_kernel.client.get_shell_msg(timeout=30)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = gpu_kernel.client.get_shell_msg(timeout=30)
-    assert reply["content"]["status"] == "ok"
+    may_end.touch()
+    assert reply_to(gpu_kernel.client, msg_id)["content"]["status"] == "ok"
     time.sleep(0.5)
     # Nothing was queued behind the cell: the caches are still untouched after it ended.
     assert gpu_kernel.execute("print(torch.cuda.emptied, counter)").split() == ["0", "1"]

@@ -265,8 +265,10 @@ def test_altered_image_is_caught_while_criu_restores_and_never_runs(
     assert f"image file {pages.name}" in err.value.message and "digest" in err.value.message
     assert len(calls.argvs) == 1 and "--leave-stopped" in calls.argvs[0]
     assert len(calls.pids) == 1, "criu did not restore the tree"
-    time.sleep(1.0)
-    assert not procfs.tree_alive(calls.pids[0]), "the stopped tree was not killed"
+    deadline = time.monotonic() + 60
+    while procfs.tree_alive(calls.pids[0]):
+        assert time.monotonic() < deadline, "the stopped tree was not killed"
+        time.sleep(0.05)
     assert not canary.exists(), "code of the altered image ran"
     assert procfs.ports_in_use(snap.connection_info) == []
 
@@ -274,7 +276,7 @@ def test_altered_image_is_caught_while_criu_restores_and_never_runs(
     _flip_byte(pages)
     back = run(engine.restore(snap.id))
     restored.roots.append(back.pid)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not canary.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert canary.read_text() == "the image ran"

@@ -3,7 +3,6 @@ or deletes in the store."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,22 +12,7 @@ from jupyter_gpu_snapshot.core.errors import NotFound
 from jupyter_gpu_snapshot.core.index import SnapshotIndex
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
 
-from .manifests import kernel_section
-
-
-def commit_tiny(store: SnapshotStore, name: str, notebook: str | None = None) -> str:
-    """A small but complete snapshot, as a save commits it."""
-    snapshot_id = new_snapshot_id()
-    partial = store.begin(snapshot_id)
-    (partial / "pages-1.img").write_bytes(b"p" * 4096)
-    manifest = {
-        "id": snapshot_id,
-        "name": name,
-        "created": time.time(),
-        "kernel": kernel_section(notebook_path=notebook),
-    }
-    store.commit(partial, manifest)
-    return snapshot_id
+from .manifests import commit_tiny
 
 
 @pytest.fixture
@@ -84,16 +68,17 @@ def test_a_directory_without_a_readable_manifest_is_listed_damaged(store: Snapsh
         index.get(new_snapshot_id())
 
 
-def test_listing_200_snapshots_takes_under_50_ms(store: SnapshotStore) -> None:
+def test_listing_200_snapshots_again_reads_no_manifest(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing costs a scandir and a stat per snapshot once the index holds them; how long
+    that takes is measured by benchmarks/bench_event_loop.py."""
     for i in range(200):
         commit_tiny(store, f"snap-{i}", f"nb-{i % 7}.ipynb")
     index = SnapshotIndex(store)
+    reads = counting_reads(monkeypatch, store)
     assert len(index.list()) == 200  # the first listing reads the manifests
-    times = []
+    assert len(reads) == 200
     for _ in range(20):
-        started = time.perf_counter()
-        listed = [s.summary() for s in index.list()]
-        times.append(time.perf_counter() - started)
-        assert len(listed) == 200
-    times.sort()
-    assert times[len(times) // 2] <= 0.050, times
+        assert len([s.summary() for s in index.list()]) == 200
+    assert len(reads) == 200

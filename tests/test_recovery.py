@@ -150,7 +150,7 @@ def test_ownership_holds_until_the_rename(tmp_path: Path):
 
     def clean_meanwhile(done: int, total: int) -> None:
         if not cleaned:
-            cleaned.append(store.clean_stale())
+            cleaned.append(recover_store(store).removed)
 
     with store.locks.hold(snapshot_key(snapshot_id), "a save", "test"):
         partial = store.begin(snapshot_id)

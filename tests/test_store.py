@@ -16,6 +16,7 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
 from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.safe_fs import UnsafeStore
 from jupyter_gpu_snapshot.core.signing import SigningKey
 from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id, validate_name
@@ -85,7 +86,7 @@ def test_stale_partials_of_dead_processes_are_cleaned(tmp_path):
         mine = store.begin(mine_id)
         # A save whose process died before its dump began (no draft): nothing to keep.
         stale = store.begin(new_snapshot_id())
-        removed = store.clean_stale()
+        removed = recover_store(store).removed
         assert removed == [stale] and mine.exists()
 
 
@@ -361,8 +362,6 @@ def test_configured_store_path_may_be_a_link_to_a_private_store(tmp_path):
 
 
 def test_the_autosave_policies_file_beside_the_snapshots_is_no_snapshot(tmp_path: Path):
-    from jupyter_gpu_snapshot.core.recovery import recover_store
-
     store = _store(tmp_path)
     kept = _commit(store, "kept")
     (store.root / ".autosave-policies.json").write_text('{"n.ipynb": {"enabled": false}}')

@@ -32,8 +32,8 @@ from ..core.engine import SaveTarget, SnapshotEngine
 from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.recovery import clean_work_dirs, recover_store
 from ..core.remote import RemoteStoreError, SnapshotCache
+from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
-from ..core.remote.store import describe
 from ..core.store import Snapshot, is_snapshot_id
 from ..engines import make_engine, wake_kernel
 from ..gpu.remap import parse_gpu_choice, remap_notice

@@ -10,7 +10,8 @@ then gone: its image is all that is left of it. So a partial whose owner is gone
 - removed, when its dump did not complete and its kernel still runs (the kernel is the state);
 - kept aside as ``.unfinished-ID``, when neither holds: never deleted, only reported.
 
-Called at every server start (``server/app.py``) and by ``SnapshotStore.clean_stale``.
+Called at every server start (``server/app.py``) and by ``jupyter gpu-snapshot recover``.
+It builds on the store, which knows nothing of it: data flows one way.
 """
 
 from __future__ import annotations

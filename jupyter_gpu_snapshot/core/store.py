@@ -704,12 +704,6 @@ class SnapshotStore:
                     problems.append(f"{self.root / name} is a symbolic link (never followed)")
         return problems
 
-    def clean_stale(self) -> builtins.list[Path]:
-        """Finish or remove what saves whose process died left behind; see ``recovery``."""
-        from .recovery import recover_store
-
-        return recover_store(self).removed
-
     def free_bytes(self) -> int:
         self.ensure()
         st = os.statvfs(self.root)

@@ -19,8 +19,8 @@ from typing import Any
 from ..core.engine import Progress
 from ..core.errors import NotFound, SnapshotError
 from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache
+from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
-from ..core.remote.store import describe
 from ..core.store import Snapshot, SnapshotStore
 from ..remotes import judge_remote
 

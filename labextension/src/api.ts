@@ -7,7 +7,7 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import type { TranslationBundle } from '@jupyterlab/translation';
-import { untranslated } from './format';
+import { untranslated } from './translation';
 
 export type Phase =
   | 'preflight'

@@ -27,12 +27,12 @@ import {
   formatBytes,
   formatSeconds,
   jobFraction,
-  toastProgress,
-  untranslated
+  toastProgress
 } from './format';
 import { JobFollower } from './jobs';
 import { JobNotification } from './progress';
 import { portsHolder } from './remedy';
+import { untranslated } from './translation';
 import { rebindWidgets } from './widgets';
 
 /** How long a success notification stays up. */

@@ -12,9 +12,9 @@ import {
   describeLocation,
   formatAge,
   formatBytes,
-  formatTime,
-  untranslated
+  formatTime
 } from './format';
+import { untranslated } from './translation';
 
 const CONFIRM_MS = 4000;
 

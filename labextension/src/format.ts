@@ -4,7 +4,6 @@
  * Each function takes the extension's TranslationBundle last; without one it speaks
  * English, so the pure functions keep working outside JupyterLab (unit tests).
  */
-import { nullTranslator, TranslationBundle } from '@jupyterlab/translation';
 import type {
   IAutosavePolicy,
   IAutosaveState,
@@ -12,12 +11,7 @@ import type {
   IKernelStatus,
   ISnapshotSummary
 } from './api';
-
-/** The extension's translation domain (its Python package's name). */
-export const TRANSLATION_DOMAIN = 'jupyter_gpu_snapshot';
-
-/** English as written in the source: the default wherever no translator is given. */
-export const untranslated: TranslationBundle = nullTranslator.load(TRANSLATION_DOMAIN);
+import { untranslated } from './translation';
 
 export function formatBytes(n: number, trans = untranslated): string {
   // One literal per unit, so that translators see each (some languages write "o" for B).

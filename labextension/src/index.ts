@@ -21,11 +21,11 @@ import { SnapshotAPI } from './api';
 import { SnapshotButton } from './button';
 import { SnapshotController } from './controller';
 import { pickSnapshot } from './dialog';
-import { TRANSLATION_DOMAIN } from './format';
 import { restoreIcon, snapshotIcon } from './icons';
 import { ShutdownOffer } from './reboot';
 import { SnapshotsSidebar } from './sidebar';
 import { DEFAULT_REFRESH_SECONDS, SnapshotStatusItem } from './statusbar';
+import { TRANSLATION_DOMAIN } from './translation';
 
 const PLUGIN_ID = 'jupyter-gpu-snapshot:plugin';
 

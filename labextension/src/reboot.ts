@@ -11,7 +11,8 @@ import type { IStateDB } from '@jupyterlab/statedb';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import type { ISnapshotSummary } from './api';
 import type { SnapshotController } from './controller';
-import { formatAge, formatBytes, untranslated } from './format';
+import { formatAge, formatBytes } from './format';
+import { untranslated } from './translation';
 
 /** Snapshot ids the user has answered (restored or declined), in JupyterLab's state. */
 const ANSWERED_KEY = 'jupyter-gpu-snapshot:shutdown-offers-answered';

@@ -3,7 +3,7 @@
  * kernel, another kernel of the server (named by its notebook), or something else.
  */
 import type { IJobError } from './api';
-import { untranslated } from './format';
+import { untranslated } from './translation';
 
 export type PortsHolder =
   | { kind: 'this-kernel' }

@@ -10,7 +10,7 @@ import type { INotebookTracker } from '@jupyterlab/notebook';
 import { Signal } from '@lumino/signaling';
 import type { SnapshotAPI } from '../src/api';
 import type { SnapshotController } from '../src/controller';
-import { untranslated } from '../src/format';
+import { untranslated } from '../src/translation';
 import { JobFollower } from '../src/jobs';
 import { DEFAULT_REFRESH_SECONDS, SnapshotStatusItem } from '../src/statusbar';
 

@@ -18,8 +18,7 @@ import pytest
 from jupyter_gpu_snapshot._constants import ENV_REMOTE_URL, ENV_SIGNING_KEY
 from jupyter_gpu_snapshot.core.manifest import MANIFEST
 from jupyter_gpu_snapshot.core.remote import RemoteStore, SnapshotCache
-from jupyter_gpu_snapshot.core.remote.download import fetch_object
-from jupyter_gpu_snapshot.core.remote.store import REMOTE_MANIFEST
+from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.server.remote_sync import RemoteSync
 
@@ -52,7 +51,7 @@ def test_a_rename_reaches_the_remote_copy_and_node_b_restores_it_by_the_new_name
     assert [s.name for s in remote_b.list()] == ["after"]
     # A reader that read the remote manifest before the rename still gets the old,
     # whole manifest: the old object stays until the next rename.
-    before = json.loads(fetch_object(remote_b, snapshot.id, old_remote, MANIFEST))
+    before = json.loads(remote_b.fetch_object(snapshot.id, old_remote, MANIFEST))
     assert before["name"] == "before"
     store_b = SnapshotStore(tmp_path / "node-b", tmp_path / "shared.key")
     remote_b.download(snapshot.id, store_b.root)

@@ -21,7 +21,7 @@ import pytest
 from jupyter_gpu_snapshot.core.errors import NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.manifest import MANIFEST
 from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
-from jupyter_gpu_snapshot.core.remote.store import REMOTE_MANIFEST
+from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .snapshots import make_snapshot, tree_bytes

@@ -1,73 +1,66 @@
-"""Nothing a snapshot does blocks the server: requests keep being answered while a 2 GiB
-kernel is saved, its snapshots listed and the snapshot deleted, and a store of 200
-snapshots lists quickly."""
+"""Nothing a snapshot does blocks the server: no callback of its event loop holds it while a
+2 GiB kernel is saved, its snapshots listed and the snapshot deleted, and listing a store of
+200 snapshots reads no manifest twice.
+
+Wall-clock latencies would say as much about the machine as about the server, so these
+tests count what the loop's own callbacks hold it for (``loop_watch``); the latencies are
+measured by ``benchmarks/bench_event_loop.py``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
+import os
 from pathlib import Path
 
-from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
+import pytest
 
-from ..manifests import kernel_section
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+
+from ..manifests import commit_tiny
 from .conftest import Api, KernelConnector
+from .loop_watch import LoopWatch
 
-POLL_SECONDS = 0.020
-P99_LIMIT = 0.050
-# One slow answer in hundreds is the 2-core machine's scheduler (0.18 s seen with the loop
-# free); any blocking step on 2 GiB (hashing, copying, reading the image) takes seconds.
-MAX_LIMIT = 0.500
 KERNEL_BYTES = 2 << 30
-
-
-def figures(latencies: list[float]) -> dict[str, float]:
-    ordered = sorted(latencies)
-    at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)  # noqa: E731
-    return {"n": len(ordered), "p50": at(0.50), "p99": at(0.99), "max": round(ordered[-1], 4)}
+# What one callback may hold the loop for: its own CPU time and its sleeps count, not the
+# waits for a CPU that load adds. The longest seen here took 0.03 s, idle or beside
+# `stress-ng --cpu 2`; a synchronous delete of the 2 GiB image held it 0.36 s, and hashing
+# or reading the image would take seconds.
+BLOCKING_SECONDS = 0.1
+POLL_SECONDS = 0.020
 
 
 class Poller:
-    """GETs one URL every POLL_SECONDS until stopped; keeps every answer's latency.
-
-    Answers before ``busy()`` is called are the idle baseline, kept apart.
-    """
+    """GETs one URL every POLL_SECONDS until stopped, so its handler runs all along."""
 
     def __init__(self, api: Api, *parts: str) -> None:
         self.api = api
         self.parts = parts
-        self.idle: list[float] = []
-        self.latencies: list[float] = self.idle
+        self.answers = 0
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-
-    def busy(self) -> None:
-        self.latencies = []
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        next_tick = time.perf_counter()
         while not self._stop.is_set():
-            started = time.perf_counter()
             code, body = await self.api.call("GET", *self.parts)
-            self.latencies.append(time.perf_counter() - started)
             assert code == 200, (self.parts, code, body)
-            next_tick = max(next_tick + POLL_SECONDS, time.perf_counter())
-            await asyncio.sleep(next_tick - time.perf_counter())
+            self.answers += 1
+            await asyncio.sleep(POLL_SECONDS)
 
-    async def stop(self) -> dict[str, float]:
-        """The figures of the answers since ``busy()``."""
+    async def stop(self) -> int:
+        """How many answers came."""
         self._stop.set()
         assert self._task is not None
         await self._task
-        return figures(self.latencies)
+        return self.answers
 
 
-async def test_status_answers_quickly_while_2_gib_are_saved_listed_and_deleted(
-    api: Api, kernel_socket: KernelConnector
+async def test_no_callback_blocks_the_loop_while_2_gib_are_saved_listed_and_deleted(
+    api: Api, kernel_socket: KernelConnector, store_dir: Path
 ) -> None:
     kernel_id = await api.start_kernel()
     ws = await kernel_socket(kernel_id)
@@ -77,52 +70,51 @@ async def test_status_answers_quickly_while_2_gib_are_saved_listed_and_deleted(
         "kernel status": Poller(api, "gpu-snapshot", "kernels", kernel_id, "status"),
         "/api/status": Poller(api, "api", "status"),
     }
-    for poller in pollers.values():
-        poller.start()
-    await asyncio.sleep(2.0)
-    for poller in pollers.values():
-        poller.busy()
-    job = await api.succeeded(await api.save(kernel_id))
-    listed = await api.snapshots()
-    assert [s["id"] for s in listed] == [job["snapshot_id"]]
-    assert listed[0]["size_bytes"] >= KERNEL_BYTES
-    await api.ok("DELETE", "gpu-snapshot", "snapshots", job["snapshot_id"], expect=204)
-    await asyncio.sleep(0.5)
-    seen_busy = {name: await poller.stop() for name, poller in pollers.items()}
-    # The figures, for the record (pytest -s); idle is the same polling before the save,
-    # to tell a blocked event loop from a machine that is busy with other work.
+    with LoopWatch(asyncio.get_running_loop(), BLOCKING_SECONDS) as watch:
+        for poller in pollers.values():
+            poller.start()
+        job = await api.succeeded(await api.save(kernel_id))
+        listed = await api.snapshots()
+        await api.ok("DELETE", "gpu-snapshot", "snapshots", job["snapshot_id"], expect=204)
+        answers = {name: await poller.stop() for name, poller in pollers.items()}
     record = {
-        "busy": seen_busy, "idle": {n: figures(p.idle) for n, p in pollers.items()},
+        "held": [vars(h) for h in watch.held], "longest_own_s": round(watch.longest_s, 4),
+        "callbacks": watch.callbacks, "answers": answers,
         "save timings": job["result"]["timings"],
     }
     print(json.dumps(record))
-    for seen in seen_busy.values():
-        assert seen["n"] > 50, record
-        assert seen["p99"] <= P99_LIMIT and seen["max"] <= MAX_LIMIT, record
+    assert [s["id"] for s in listed] == [job["snapshot_id"]]
+    assert listed[0]["size_bytes"] >= KERNEL_BYTES
+    left = await asyncio.to_thread(os.listdir, store_dir)
+    assert not [name for name in left if job["snapshot_id"] in name], left
+    assert watch.held == [], record
+    assert all(n > 0 for n in answers.values()), record
     assert (await ws.execute("print(len(blob))")).strip() == str(KERNEL_BYTES)
 
 
 def _fill_store(store_dir: Path, count: int) -> None:
-    """``count`` small but complete snapshots of one notebook, committed as a save does."""
     store = SnapshotStore(store_dir)
     for i in range(count):
-        snapshot_id = new_snapshot_id()
-        partial = store.begin(snapshot_id)
-        (partial / "pages-1.img").write_bytes(b"p" * 4096)
-        store.commit(partial, {
-            "id": snapshot_id, "name": f"snap-{i}", "created": time.time(), "reason": "user",
-            "kernel": kernel_section(notebook_path="many.ipynb"),
-        })
+        commit_tiny(store, f"snap-{i}", "many.ipynb")
 
 
-async def test_listing_200_snapshots_takes_under_50_ms(api: Api, store_dir: Path) -> None:
+async def test_listing_200_snapshots_reads_each_manifest_once_and_blocks_nothing(
+    api: Api, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await asyncio.to_thread(_fill_store, store_dir, 200)
-    assert len(await api.snapshots()) == 200  # the first listing reads the manifests
-    times = []
-    for _ in range(10):
-        started = time.perf_counter()
+    manifests_read: list[str] = []
+    load = SnapshotStore._load
+
+    def counted_load(store: SnapshotStore, root_fd: int, name: str) -> object:
+        manifests_read.append(name)
+        return load(store, root_fd, name)
+
+    monkeypatch.setattr(SnapshotStore, "_load", counted_load)
+    with LoopWatch(asyncio.get_running_loop(), BLOCKING_SECONDS) as watch:
         assert len(await api.snapshots()) == 200
-        times.append(time.perf_counter() - started)
-    times.sort()
-    print(json.dumps({"list 200": {"p50": times[5], "max": times[-1]}}))
-    assert times[5] <= 0.050, times
+        assert len(manifests_read) == len(set(manifests_read)) == 200
+        for _ in range(10):
+            assert len(await api.snapshots()) == 200
+    print(json.dumps({"longest_own_s": round(watch.longest_s, 4)}))
+    assert len(manifests_read) == 200, "a listing read manifests it had read before"
+    assert watch.held == []

@@ -5,8 +5,9 @@ The local store stays the place snapshots are saved to and restored from; a remo
 """
 
 from .cache import SnapshotCache
+from .objects import RemoteSnapshot, RemoteStoreError
 from .sealing import ChunkSealer, DecryptionError, load_key
-from .store import RemoteSnapshot, RemoteStore, RemoteStoreError
+from .store import RemoteStore
 
 __all__ = [
     "ChunkSealer",

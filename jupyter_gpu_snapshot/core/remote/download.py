@@ -10,7 +10,6 @@ lists a partial download.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
@@ -28,20 +27,17 @@ from ..errors import NotFound, SnapshotError
 from ..manifest import MANIFEST
 from ..store import OWNER_FILE, PARTIAL_PREFIX
 from .digests import FileCheck, Hasher, file_check, sidecar_check
+from .objects import (
+    ProgressFn,
+    RemoteObjects,
+    RemoteStoreError,
+    damaged_copy,
+    describe,
+    safe_object_name,
+)
 from .sealing import RECORD_OVERHEAD, ChunkSealer
-from .store import RemoteStoreError, describe, safe_object_name
-
-if TYPE_CHECKING:
-    from .store import ProgressFn, RemoteStore
 
 READ_BYTES = 8 << 20  # one ranged GET: plaintext bytes
-
-
-def _damaged(snapshot_id: str, cause: str) -> RemoteStoreError:
-    return RemoteStoreError(
-        "download", f"remote snapshot {snapshot_id}: {cause}",
-        hint="the remote copy is damaged or incomplete; upload it again from a node that has it",
-    )
 
 
 def _stored_span(sealer: ChunkSealer | None, offset: int, length: int) -> tuple[int, int]:
@@ -52,32 +48,8 @@ def _stored_span(sealer: ChunkSealer | None, offset: int, length: int) -> tuple[
     return sealer.stored_offset(offset), length + records * RECORD_OVERHEAD
 
 
-def fetch_object(
-    store: RemoteStore, snapshot_id: str, remote: dict[str, Any], name: str
-) -> bytes:
-    """A small object of the snapshot, whole: opened when sealed, checked by its digest."""
-    entry = remote.get("objects", {}).get(name)
-    if not isinstance(entry, dict) or "sha256" not in entry:
-        raise _damaged(snapshot_id, f"the remote manifest does not list {name}")
-    sealer = store.check_key(snapshot_id, remote)
-    path = store.object_path(snapshot_id, name, entry)
-    try:
-        stored = store.retry(f"get {name}", lambda: store.fs.cat_file(path))
-    except FileNotFoundError as e:
-        raise _damaged(snapshot_id, f"the object {name} is missing") from e
-    if len(stored) != int(entry["stored_size"]):
-        raise _damaged(
-            snapshot_id,
-            f"the object {name} has {len(stored)} bytes, expected {entry['stored_size']}",
-        )
-    data = sealer.open_run(name, 0, int(entry["size"]), stored) if sealer else stored
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise _damaged(snapshot_id, f"{name} does not match its sha256")
-    return data
-
-
 def download_snapshot(
-    store: RemoteStore, snapshot_id: str, into_dir: Path, progress: ProgressFn | None = None
+    store: RemoteObjects, snapshot_id: str, into_dir: Path, progress: ProgressFn | None = None
 ) -> Path:
     """Download ``snapshot_id`` to ``into_dir/<id>``; called by ``RemoteStore.download``.
 
@@ -96,14 +68,14 @@ def download_snapshot(
     sealer = store.check_key(snapshot_id, remote)
     objects: dict[str, dict[str, Any]] = remote.get("objects", {})
     _check_objects_present(store, snapshot_id, objects)
-    manifest_bytes = fetch_object(store, snapshot_id, remote, MANIFEST)
+    manifest_bytes = store.fetch_object(snapshot_id, remote, MANIFEST)
     manifest = json.loads(manifest_bytes)
     if not isinstance(manifest, dict) or manifest.get("id") != snapshot_id:
-        raise _damaged(snapshot_id, "its manifest names another snapshot")
+        raise damaged_copy(snapshot_id, "its manifest names another snapshot")
     listed = set(manifest.get("files", {}))
     missing = sorted(listed - set(objects))
     if missing:
-        raise _damaged(snapshot_id, f"image files were never uploaded: {', '.join(missing)}")
+        raise damaged_copy(snapshot_id, f"image files were never uploaded: {', '.join(missing)}")
     checks: list[FileCheck] = []
     for name, entry in sorted(objects.items()):
         if name == MANIFEST:
@@ -112,7 +84,7 @@ def download_snapshot(
         if name in listed:
             check = file_check(manifest, name)
             if check.size != int(entry["size"]):
-                raise _damaged(snapshot_id, f"{name} has another size than its manifest says")
+                raise damaged_copy(snapshot_id, f"{name} has another size than its manifest says")
         else:
             check = sidecar_check(name, int(entry["size"]), str(entry["sha256"]))
         checks.append(check)
@@ -147,7 +119,7 @@ def download_snapshot(
 
 
 def _check_objects_present(
-    store: RemoteStore, snapshot_id: str, objects: dict[str, dict[str, Any]]
+    store: RemoteObjects, snapshot_id: str, objects: dict[str, dict[str, Any]]
 ) -> None:
     """Refuse before any transfer when an object is missing or has the wrong stored size."""
     store.fs.invalidate_cache()
@@ -161,9 +133,9 @@ def _check_objects_present(
     for name, entry in sorted(objects.items()):
         stored_as = str(entry.get("object") or name)
         if stored_as not in sizes:
-            raise _damaged(snapshot_id, f"the object {stored_as} is missing")
+            raise damaged_copy(snapshot_id, f"the object {stored_as} is missing")
         if sizes[stored_as] != int(entry["stored_size"]):
-            raise _damaged(
+            raise damaged_copy(
                 snapshot_id,
                 f"the object {stored_as} has {sizes[stored_as]} bytes, expected "
                 f"{entry['stored_size']} (truncated or replaced)",
@@ -208,7 +180,7 @@ def _fsync(path: Path) -> None:
 class _Download:
     def __init__(
         self,
-        store: RemoteStore,
+        store: RemoteObjects,
         snapshot_id: str,
         sealer: ChunkSealer | None,
         into: Path,
@@ -261,7 +233,7 @@ class _Download:
                     raise
             for check in self.checks:
                 if check.combine(hashers[check.name]) != check.expected:
-                    raise _damaged(
+                    raise damaged_copy(
                         self.snapshot_id,
                         f"{check.name} does not match its {check.algorithm} digest",
                     )
@@ -289,7 +261,7 @@ class _Download:
                 )
                 stored: bytes = self.store.retry(f"get {check.name}", fetch)
                 if len(stored) != span:
-                    raise _damaged(
+                    raise damaged_copy(
                         self.snapshot_id,
                         f"the object {check.name} ended early at byte {start + len(stored)}",
                     )

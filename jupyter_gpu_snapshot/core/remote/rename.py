@@ -15,17 +15,14 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import NotFound, SnapshotError
 from ..manifest import MANIFEST
-from .store import REMOTE_MANIFEST, RemoteSnapshot, RemoteStoreError, describe
-
-if TYPE_CHECKING:
-    from .store import RemoteStore
+from .objects import REMOTE_MANIFEST, RemoteObjects, RemoteSnapshot, RemoteStoreError, describe
 
 
-def rename_remote_copy(store: RemoteStore, snapshot_dir: Path) -> RemoteSnapshot | None:
+def rename_remote_copy(store: RemoteObjects, snapshot_dir: Path) -> RemoteSnapshot | None:
     """Give the remote copy of a local snapshot its (renamed, re-signed) manifest.
 
     Called after ``SnapshotStore.rename`` by the server and the CLI. Returns the remote

@@ -1,6 +1,6 @@
 """Uploading a committed local snapshot: parallel multipart parts, the remote manifest last.
 
-Files are read with ``pread`` in parts of ``RemoteStore.part_bytes`` (sealed on the way when
+Files are read with ``pread`` in parts of ``RemoteObjects.part_bytes`` (sealed on the way when
 a key is configured); on S3 each large file is one multipart upload whose parts go up on
 ``workers`` threads at once, elsewhere each file streams through ``fs.open``. Nothing local
 is ever written, so a failed upload leaves the local snapshot as it was.
@@ -21,23 +21,22 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import SnapshotError
 from ..manifest import MANIFEST
 from ..store import is_snapshot_id
-from .sealing import CIPHER
-from .store import (
+from .objects import (
     REMOTE_FORMAT,
     REMOTE_MANIFEST,
+    ProgressFn,
+    RemoteObjects,
     RemoteSnapshot,
     RemoteStoreError,
     describe,
     safe_object_name,
 )
-
-if TYPE_CHECKING:
-    from .store import ProgressFn, RemoteStore
+from .sealing import CIPHER
 
 _MAX_PARTS = 10_000  # the S3 limit
 
@@ -98,7 +97,7 @@ def _open_snapshot_files(snapshot_dir: Path) -> tuple[str, list[tuple[str, int, 
 
 
 def upload_snapshot(
-    store: RemoteStore, snapshot_dir: Path, progress: ProgressFn | None = None
+    store: RemoteObjects, snapshot_dir: Path, progress: ProgressFn | None = None
 ) -> RemoteSnapshot:
     """Upload ``snapshot_dir``; called by ``RemoteStore.upload``.
 
@@ -136,7 +135,11 @@ def upload_snapshot(
 
 class _Upload:
     def __init__(
-        self, store: RemoteStore, snapshot_id: str, files: list[_File], progress: ProgressFn | None
+        self,
+        store: RemoteObjects,
+        snapshot_id: str,
+        files: list[_File],
+        progress: ProgressFn | None,
     ) -> None:
         self.store = store
         self.snapshot_id = snapshot_id
@@ -309,7 +312,7 @@ class _Upload:
             self.store.discard(self.snapshot_id)
 
 
-def abort_stale_multipart(store: RemoteStore, cutoff: float) -> None:
+def abort_stale_multipart(store: RemoteObjects, cutoff: float) -> None:
     """Abort S3 multipart uploads under the store's prefix started before ``cutoff``."""
     bucket, prefix, _ = store.fs.split_path(store.root)
     reply = store.retry(
