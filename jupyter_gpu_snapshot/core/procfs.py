@@ -92,6 +92,18 @@ def append_only_files(root: int) -> list[str]:
     return sorted(found)
 
 
+def stderr_file(pid: int) -> str | None:
+    """The regular file a process writes its stderr to (a kernel tree's log), else None."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/2")
+        is_file = stat.S_ISREG(os.stat(f"/proc/{pid}/fd/2").st_mode)
+    except OSError:
+        return None
+    if not is_file or not target.startswith("/") or target.endswith(" (deleted)"):
+        return None
+    return target
+
+
 def executable(pid: int) -> str | None:
     """The path of the program a process runs, or None when it cannot be read."""
     try:

@@ -256,6 +256,10 @@ class SnapshotClient:
         kid = self.kernel_id
         return dict(self.api("GET", f"kernels/{_q(kid)}/status", step="status"))
 
+    def dismiss_death(self) -> None:
+        """Forget the death of this kernel slot's last kernel (the status's ``death``)."""
+        self.api("DELETE", f"kernels/{_q(self.kernel_id)}/death", step="dismiss")
+
     def snapshots(self, notebook_path: str | None = None, latest: bool = False) -> list[Json]:
         params = {"notebook_path": notebook_path} if notebook_path else {}
         if latest:

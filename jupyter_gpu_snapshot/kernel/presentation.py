@@ -65,10 +65,46 @@ def saved_line(summary: dict[str, Any], job: dict[str, Any]) -> str:
     return "\n".join([line, *(f"Warning: {w}" for w in summary.get("warnings") or [])])
 
 
+def death_cause_text(death: Mapping[str, Any]) -> str:
+    """'killed by signal 11, SIGSEGV', from the death's codes (the labextension says the same)."""
+    code = death.get("code")
+    if code == "signal" and death.get("signal") is not None:
+        name = death.get("signal_name")
+        return f"killed by signal {death['signal']}" + (f", {name}" if name else "")
+    if code == "exit" and death.get("exit_status") is not None:
+        return f"exited with status {death['exit_status']}"
+    return "cause unknown"
+
+
+def death_text(death: Mapping[str, Any], now: float) -> str:
+    """The notice of a death the status carries (openapi.yaml, KernelDeath): what killed
+    the kernel, that its state is gone, and the snapshot that brings it back."""
+    restarted = (
+        "was restarted without its state" if death.get("restarted")
+        else "was not restarted: its state is gone"
+    )
+    text = (
+        f"The kernel died ({death_cause_text(death)}) {format_age(now - float(death['at']))} "
+        f"and {restarted}."
+    )
+    snapshot = death.get("snapshot")
+    if not snapshot:
+        return f"{text} There is no snapshot of it to restore."
+    return (
+        f"{text} Its newest snapshot '{snapshot['name']}', from "
+        f"{format_age(now - float(snapshot['created']))}, can bring it back."
+    )
+
+
 def status_lines(status: dict[str, Any], identity: KernelIdentity | None = None) -> list[str]:
     """``kernels/{id}/status`` as the lines ``%gpu_snapshot status`` prints."""
     kid = status.get("kernel_id", "?")
     lines = []
+    death = status.get("death")
+    if death:
+        lines.append(death_text(death, time.time()))
+        if death.get("snapshot"):
+            lines.append(f"  %gpu_snapshot restore {death['snapshot']['name']}")
     if status.get("ready"):
         lines.append(f"Kernel {kid}: ready to snapshot.")
     else:

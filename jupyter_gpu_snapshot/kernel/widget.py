@@ -39,6 +39,7 @@ from .client import ClientError, SnapshotClient
 from .presentation import (
     autosave_text,
     cuda_text,
+    death_text,
     estimate_text,
     format_age,
     job_progress_text,
@@ -137,6 +138,24 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             layout=w.Layout(width="2.5em"),
         )
         self.close_button.on_click(lambda _b: self.close())
+        # The death of the kernel this slot ran before: its state is gone, say so first.
+        self.death = w.HTML()
+        self.death_restore_button = w.Button(
+            description="Restore", icon="history", button_style="warning",
+            tooltip="Restore the dead kernel's newest snapshot and switch this notebook to it",
+            layout=w.Layout(width="auto"),
+        )
+        self.death_restore_button.on_click(lambda _b: self.restore_after_death())
+        self.death_dismiss_button = w.Button(
+            description="Dismiss", tooltip="Hide this notice (the snapshot stays)",
+            layout=w.Layout(width="auto"),
+        )
+        self.death_dismiss_button.on_click(lambda _b: self.dismiss_death())
+        self.death_box = w.HBox(
+            [self.death, self.death_restore_button, self.death_dismiss_button]
+        )
+        self.death_box.layout.display = "none"
+        self._death: Json | None = None
         self.readiness = w.HTML()
         self.cuda = w.HTML()
         self.last = w.HTML()
@@ -156,7 +175,8 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.snapshot_list = w.VBox()
         self.rows: dict[str, SnapshotRow] = {}
         super().__init__([
-            w.HBox([self.title, self.close_button]), self.readiness, self.cuda, self.last,
+            w.HBox([self.title, self.close_button]), self.death_box,
+            self.readiness, self.cuda, self.last,
             self.autosave, self.progress_box,
             w.HBox([self.name_input, self.save_button]), self.message, self.error,
             w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
@@ -279,6 +299,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                 )
 
     def _show_status(self, status: Json) -> None:
+        self._show_death(status.get("death"))
         with self._lock:
             if status.get("ready"):
                 self.readiness.value = _text("Snapshot-ready", "#2e7d32")
@@ -294,6 +315,18 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             self.last.value = _text(
                 f"Last snapshot: {last_snapshot_text(last)}" if last else "No snapshot yet"
             )
+
+    def _show_death(self, death: Json | None) -> None:
+        with self._lock:
+            self._death = death
+            if not death:
+                self.death_box.layout.display = "none"
+                return
+            text = _text(death_text(death, time.time()), "#c62828")
+            if self.death.value != text:  # unchanged text sends nothing
+                self.death.value = text
+            self.death_restore_button.layout.display = "" if death.get("snapshot") else "none"
+            self.death_box.layout.display = "flex"
 
     def _show_autosave(self, state: Json) -> None:
         text = autosave_text(state, time.time())
@@ -344,6 +377,27 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         if job is not None:
             self.name_input.value = ""
         return job
+
+    def restore_after_death(self) -> Json | None:
+        """The death notice's Restore: the dead kernel's newest snapshot, into this notebook."""
+        snapshot = (self._death or {}).get("snapshot")
+        if not snapshot:
+            return None
+        return self._act(
+            "restore",
+            lambda: self.client.start_restore(
+                str(snapshot["id"]), path=self._notebook_path, session_id=self._session_id
+            ),
+        )
+
+    def dismiss_death(self) -> None:
+        """The death notice's Dismiss: the server forgets it, for every client."""
+
+        def dismiss() -> None:
+            self.client.dismiss_death()
+            self._show_death(None)
+
+        self._act("dismiss", dismiss)
 
     def _restore_clicked(self, row: SnapshotRow) -> None:
         self._act(

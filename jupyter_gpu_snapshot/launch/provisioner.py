@@ -39,6 +39,7 @@ from .._constants import (
 )
 from ..config import GPUSnapshot
 from ..core import procfs
+from ..core.kernel_log import log_size
 from .kernel_token import kernel_token
 
 NSINIT = Path(__file__).with_name("nsinit.py")
@@ -174,7 +175,10 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     )
 
     root_pid: int | None = None
+    # The log the running tree writes, and its size when this kernel began: what nsinit
+    # writes there after that says how this kernel ended (core/kernel_log.py).
     log_path: Path | None = None
+    log_start: int = 0
     adopted_snapshot: str | None = None
     _pending_adoption: Adoption | None = None
     _adoption_used = False
@@ -229,10 +233,19 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         """Called by ``KernelManager._launch_kernel()`` with the command from ``pre_launch``."""
         if self._pending_adoption is not None:
-            return self._adopt(self._pending_adoption)
+            adoption = self._pending_adoption
+            # A restored tree writes the log of the kernel it was saved from, not this
+            # slot's; nsinit's stderr says which.
+            found = await asyncio.to_thread(procfs.stderr_file, adoption.pid)
+            if found is not None:
+                self.log_path = Path(found)
+            assert self.log_path is not None
+            self.log_start = await asyncio.to_thread(log_size, self.log_path)
+            return self._adopt(adoption)
         assert self.log_path is not None
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
+            self.log_start = os.fstat(log_fd).st_size
             kwargs.update(stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd)
             info = await super().launch_kernel(cmd, **kwargs)
         finally:

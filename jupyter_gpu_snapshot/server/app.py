@@ -29,6 +29,7 @@ from ..launch.provisioner import SnapshotReadyProvisioner
 from ..remotes import make_remote_store
 from .adoption import KernelRecord, adopt_orphans
 from .autosave import AutosaveScheduler
+from .deaths import KERNEL_ACTIONS_EVENT_ID, KernelDeath, KernelDeaths
 from .handlers import routes
 from .jobs import Job, JobRunner
 from .remote_sync import RemoteSync
@@ -37,6 +38,8 @@ from .shutdown import ShutdownReport, snapshot_kernels_on_shutdown
 
 EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "job-v1.yaml"
 JOB_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/job/v1"
+DEATH_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "kernel-death-v1.yaml"
+DEATH_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/kernel-death/v1"
 
 
 def kernel_facing_url(serverapp: ServerApp) -> str:
@@ -90,6 +93,7 @@ class GPUSnapshotApp(ExtensionApp):
         recovered = self._recover(engine.store)
         assert serverapp.event_logger is not None
         serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
+        serverapp.event_logger.register_event_schema(DEATH_EVENT_SCHEMA)
         jobs = JobRunner(on_change=self._emit_job, log=self.log)
         self.service = SnapshotService(
             engine,
@@ -107,6 +111,7 @@ class GPUSnapshotApp(ExtensionApp):
             for snapshot_id in recovered:
                 self.service.remote.pending.mark(snapshot_id)
         self.autosave = AutosaveScheduler(self.service, settings, log=self.log)
+        self._watch_deaths(self.service)
         self._tell_kernels_where_we_are()
         self.log.info(
             "gpu-snapshot: API at %s%s/, snapshots in %s, snapshot on shutdown %s",
@@ -116,6 +121,19 @@ class GPUSnapshotApp(ExtensionApp):
             "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
         )
         self.log.info("gpu-snapshot: %s", self._recovery_settings())
+
+    def _watch_deaths(self, service: SnapshotService) -> None:
+        """Follow every kernel that starts from now on (restored and adopted ones too),
+        through jupyter_server's own kernel_actions events."""
+        assert self.serverapp is not None and self.serverapp.event_logger is not None
+        deaths = KernelDeaths(
+            self.serverapp.kernel_manager, service.newest_snapshot, service.notebook_path,
+            self.log, on_death=self._emit_death,
+        )
+        service.deaths = deaths
+        self.serverapp.event_logger.add_listener(
+            modified=False, schema_id=KERNEL_ACTIONS_EVENT_ID, listener=deaths.on_kernel_action,
+        )
 
     def _remote_sync(self, store: SnapshotStore) -> RemoteSync | None:
         """The remote store of ``c.GPUSnapshot.remote_url``, or None (none set, or unusable:
@@ -255,6 +273,12 @@ class GPUSnapshotApp(ExtensionApp):
         if job.kind == "restore" and job.status == "succeeded" and self.autosave is not None:
             self.autosave.note_restored(str(job.kernel_id))
         self.serverapp.event_logger.emit(schema_id=JOB_EVENT_ID, data=job.to_dict())
+
+    def _emit_death(self, kernel_id: str, death: KernelDeath) -> None:
+        assert self.serverapp is not None and self.serverapp.event_logger is not None
+        self.serverapp.event_logger.emit(
+            schema_id=DEATH_EVENT_ID, data={"kernel_id": kernel_id, **death.to_dict()}
+        )
 
     def current_activity(self) -> list[str] | None:
         """Called by the server's idle shutdown: running jobs keep the server up."""

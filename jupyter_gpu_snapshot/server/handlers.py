@@ -271,6 +271,18 @@ class KernelStatusHandler(SnapshotAPIHandler):
         self.write_json(await self.service.kernel_status(kernel_id))
 
 
+class KernelDeathHandler(SnapshotAPIHandler):
+    """``DELETE kernels/{kernel_id}/death``: dismiss the record of the kernel's death."""
+
+    @web.authenticated
+    @authorized
+    async def delete(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
+        self.service.dismiss_death(kernel_id)
+        self.set_status(204)
+        self.finish()
+
+
 class KernelSessionHandler(SnapshotAPIHandler):
     """``GET kernels/{kernel_id}/session``: the session (notebook) the kernel serves, or null.
 
@@ -345,6 +357,7 @@ def routes(
         (rf"snapshots/{SNAPSHOT_REF}/gpus", SnapshotGpusHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/snapshots", KernelSnapshotsHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/status", KernelStatusHandler, kwargs),
+        (rf"kernels/{KERNEL_ID}/death", KernelDeathHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/session", KernelSessionHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/autosave", KernelAutosaveHandler,
          {**kwargs, "autosave": autosave}),

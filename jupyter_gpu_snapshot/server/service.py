@@ -39,10 +39,11 @@ from ..gpu.hook import CudaCheckpointHook
 from ..gpu.remap import describe_choice, parse_gpu_choice, remap_notice
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
+from .deaths import KernelDeaths
 from .jobs import Job, JobRunner
 from .kernel_env import refresh_kernel_env
 from .remote_sync import RemoteListing, RemoteSync, UploadStopped
-from .status import TreeFacts, cuda_status
+from .status import TreeFacts, cuda_status, newest_snapshot
 from .status import kernel_status as describe_kernel
 
 # How long a save waits for a kernel that is still starting to answer.
@@ -59,6 +60,9 @@ def snapshot_key(snapshot_id: str) -> str:
 
 class SnapshotService:
     """Snapshots of the server's kernels: queries, save and restore jobs, status."""
+
+    # Set by the app: the kernels that died, answered in their status.
+    deaths: KernelDeaths | None = None
 
     def __init__(
         self,
@@ -283,7 +287,21 @@ class SnapshotService:
             self.running_job(kernel_id),
             self.tree_facts,
             self.log,
+            self.deaths.get(kernel_id) if self.deaths is not None else None,
         )
+
+    def dismiss_death(self, kernel_id: str) -> None:
+        """Called by ``DELETE kernels/{id}/death``: the user has read of the death."""
+        self.kernel(kernel_id)
+        if self.deaths is not None:
+            self.deaths.dismiss(kernel_id)
+
+    async def newest_snapshot(
+        self, kernel_id: str, notebook: str | None, restored_from: str | None = None
+    ) -> Snapshot | None:
+        """The newest trusted snapshot of the kernel, its notebook, or its origin."""
+        trusted = await asyncio.to_thread(self.engine.list)
+        return newest_snapshot(trusted, kernel_id, notebook, restored_from)
 
     async def cuda_state(self, root: int | None) -> dict[str, Any] | None:
         """The CUDA state of the kernel tree at ``root``; None when nobody can tell."""

@@ -83,18 +83,16 @@ async def kernel_status(
     job: Job | None,
     facts: TreeFacts,
     log: logging.Logger,
+    death: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The status object of the API (openapi.yaml, KernelStatus).
 
     ``snapshots`` are the store's, oldest first; the newest of this kernel's or its
-    notebook's is the last snapshot.
+    notebook's is the last snapshot. ``death``: the record of the slot's last kernel death
+    that the user has not dismissed (``deaths.KernelDeaths``).
     """
     reasons, uses_cuda = await asyncio.to_thread(facts.get, root, job is not None)
-    mine = [
-        s for s in snapshots
-        if (s.manifest.get("kernel") or {}).get("kernel_id") == kernel_id
-        or (notebook is not None and s.notebook_path == notebook)
-    ]
+    last = newest_snapshot(snapshots, kernel_id, notebook)
     return {
         "kernel_id": kernel_id,
         "ready": not reasons,
@@ -102,9 +100,27 @@ async def kernel_status(
         "kernel_name": kernel_name,
         "notebook_path": notebook,
         "cuda": await cuda_status(root, uses_cuda, log),
-        "last_snapshot": mine[-1].summary() if mine else None,
+        "last_snapshot": last.summary() if last else None,
         "job": job.to_dict() if job else None,
+        "death": death,
     }
+
+
+def newest_snapshot(
+    snapshots: list[Snapshot],
+    kernel_id: str,
+    notebook: str | None,
+    restored_from: str | None = None,
+) -> Snapshot | None:
+    """The newest of ``snapshots`` (oldest first) taken of the kernel, of its notebook, or
+    the one the kernel was restored from."""
+    mine = [
+        s for s in snapshots
+        if (s.manifest.get("kernel") or {}).get("kernel_id") == kernel_id
+        or (notebook is not None and s.notebook_path == notebook)
+        or (restored_from is not None and s.id == restored_from)
+    ]
+    return mine[-1] if mine else None
 
 
 async def cuda_status(

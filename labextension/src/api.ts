@@ -118,6 +118,25 @@ export interface IAutosaveState {
   last_skip: string | null;
 }
 
+/**
+ * How a kernel of the slot died (openapi.yaml, KernelDeath): branch on ``code``, never on
+ * ``cause``, which is the same in English.
+ */
+export interface IKernelDeath {
+  /** When the server noticed it, seconds since the epoch. */
+  at: number;
+  code: 'signal' | 'exit' | 'unknown';
+  cause: string | null;
+  signal: number | null;
+  signal_name: string | null;
+  exit_status: number | null;
+  /** Whether a blank kernel now runs in the slot. */
+  restarted: boolean;
+  notebook_path: string | null;
+  /** The newest snapshot of the kernel or its notebook, when it died. */
+  snapshot: { id: string; name: string; created: number } | null;
+}
+
 export interface IKernelStatus {
   kernel_id: string;
   ready: boolean;
@@ -126,6 +145,8 @@ export interface IKernelStatus {
   cuda: { state: string; memory_bytes: number; [key: string]: unknown } | null;
   last_snapshot: ISnapshotSummary | null;
   job: IJob | null;
+  /** The slot's last kernel death the user has not dismissed; older servers leave it out. */
+  death?: IKernelDeath | null;
 }
 
 /** An error answer of the API, carrying the server's own message and error object. */
@@ -174,6 +195,17 @@ export class SnapshotAPI {
     return this._request<ISnapshotSummary>('snapshots/' + encodeURIComponent(id), {
       method: 'PATCH',
       body: JSON.stringify({ name })
+    });
+  }
+
+  getSnapshot(id: string): Promise<ISnapshotSummary> {
+    return this._request<ISnapshotSummary>('snapshots/' + encodeURIComponent(id));
+  }
+
+  /** Forget the kernel's death record (DELETE kernels/{id}/death). */
+  async dismissDeath(kernelId: string): Promise<void> {
+    await this._request(`kernels/${encodeURIComponent(kernelId)}/death`, {
+      method: 'DELETE'
     });
   }
 

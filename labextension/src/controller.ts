@@ -105,6 +105,14 @@ function detailsAction(
   ];
 }
 
+export interface IRestoreOptions {
+  /**
+   * When the notebook's own kernel holds the snapshot's ports, shut it down and restore,
+   * instead of offering to. For a kernel that replaced a dead one: it holds nothing to keep.
+   */
+  replaceOwnKernel?: boolean;
+}
+
 export const SNAPSHOT_KERNEL_NAME = 'python3-snapshot';
 export const SNAPSHOT_KERNEL_DISPLAY_NAME = 'Python 3 (snapshots)';
 
@@ -453,13 +461,28 @@ export class SnapshotController {
    * Restore a snapshot into this notebook: the server starts the restored kernel and
    * the notebook's session is switched to it.
    */
-  async restore(panel: NotebookPanel, snapshot: ISnapshotSummary): Promise<boolean> {
+  async restore(
+    panel: NotebookPanel,
+    snapshot: ISnapshotSummary,
+    options: IRestoreOptions = {}
+  ): Promise<boolean> {
     const trans = this.trans;
     const sessionContext = panel.sessionContext;
     const toast = new JobNotification(trans.__("Restoring '%1'…", snapshot.name));
+    // Set when a refusal for this notebook's own ports turns into the remedy.
+    const replaced: { restore: Promise<boolean> | null } = { restore: null };
     const fail = (message: string, error: IJobError | null = null): boolean => {
       const ports = this.portsRemedy(panel, snapshot, error);
       const remedy = ports?.remedy ?? null;
+      if (
+        options.replaceOwnKernel &&
+        portsHolder(error, this.kernelId(panel))?.kind === 'this-kernel'
+      ) {
+        // The notebook's own kernel holds the ports: the remedy is what was asked for.
+        toast.close();
+        replaced.restore = this._restoreReplacing(panel, snapshot, null);
+        return false;
+      }
       toast.finish(
         'error',
         trans.__("Restore of '%1' failed: %2", snapshot.name, ports?.message ?? message),
@@ -501,10 +524,8 @@ export class SnapshotController {
       );
     } catch (error) {
       const apiError = error instanceof SnapshotAPIError ? error.error : null;
-      return fail(
-        apiError ? shortError(apiError, trans) : (error as Error).message,
-        apiError
-      );
+      fail(apiError ? shortError(apiError, trans) : (error as Error).message, apiError);
+      return replaced.restore ?? false;
     }
     const path = panel.context.path;
     const final = await this._follow(null, job, current => {
@@ -518,7 +539,8 @@ export class SnapshotController {
     this._restores.delete(path);
     this._changed.emit('');
     if (final.status !== 'succeeded' || !final.result) {
-      return fail(shortError(final.error, trans), final.error);
+      fail(shortError(final.error, trans), final.error);
+      return replaced.restore ?? false;
     }
     const result = final.result as IRestoreResult;
     this._origins.set(result.kernel_id, snapshot.id);
@@ -562,9 +584,9 @@ export class SnapshotController {
     panel: NotebookPanel,
     snapshot: ISnapshotSummary,
     holder: string | null
-  ): Promise<void> {
+  ): Promise<boolean> {
     if (panel.isDisposed) {
-      return;
+      return false;
     }
     const doomed = holder ?? this.kernelId(panel);
     if (doomed) {
@@ -577,7 +599,7 @@ export class SnapshotController {
     } else {
       await this._shutdownKernel(holder);
     }
-    await this.restore(panel, snapshot);
+    return this.restore(panel, snapshot);
   }
 
   /** Shut down another notebook's kernel as its Kernel menu would: its session ends too. */

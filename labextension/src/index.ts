@@ -20,6 +20,7 @@ import { Signal } from '@lumino/signaling';
 import { SnapshotAPI } from './api';
 import { SnapshotButton } from './button';
 import { SnapshotController } from './controller';
+import { DeathNotice } from './death';
 import { pickSnapshot } from './dialog';
 import { restoreIcon, snapshotIcon } from './icons';
 import { ShutdownOffer } from './reboot';
@@ -211,6 +212,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
       trans
     );
     app.shell.add(sidebar, 'left', { rank: 850 });
+
+    // A kernel that died and was replaced by a blank one: say so, offer its snapshot.
+    new DeathNotice(
+      controller,
+      kernelId => tracker.find(panel => controller.kernelId(panel) === kernelId) ?? null,
+      app.serviceManager.events ?? null,
+      trans
+    );
 
     const offer = new ShutdownOffer(controller, stateDB, trans);
     let offerAfterShutdown = true;

@@ -69,5 +69,19 @@ export class JobNotification {
     });
   }
 
+  /** Close the toast without an outcome: another notification takes over. */
+  close(): void {
+    const progressToast = this._id;
+    if (JobNotification.settleMs > 0) {
+      // As in finish: an update applied after an immediate dismiss brought it back.
+      window.setTimeout(
+        () => Notification.dismiss(progressToast),
+        JobNotification.settleMs
+      );
+    } else {
+      Notification.dismiss(progressToast);
+    }
+  }
+
   private _id: string;
 }

@@ -692,6 +692,49 @@ describe('a restore refused because its ports are taken', () => {
     expect(api.startRestore).toHaveBeenCalledTimes(2);
   });
 
+  it("with replaceOwnKernel, replaces the notebook's own kernel at once instead of offering to", async () => {
+    const { api, services, controller, panel, notebook } = setUp([sessionB]);
+    const own = portsRefusal({
+      holder_kernel_id: 'k-b',
+      holder_notebook_path: 'work/b.ipynb'
+    });
+    const later: IJobError = {
+      code: 'failed',
+      step: 'verify',
+      cause: 'a file differs',
+      message: 'verify failed: a file differs'
+    };
+    api.startRestore
+      .mockRejectedValueOnce(new SnapshotAPIError('refused', 409, own))
+      .mockRejectedValueOnce(new SnapshotAPIError('failed', 500, later));
+    expect(await controller.restore(notebook, snapshot, { replaceOwnKernel: true })).toBe(
+      false
+    );
+    expect(panel.sessionContext.shutdown).toHaveBeenCalledTimes(1);
+    expect(api.startRestore).toHaveBeenCalledTimes(2);
+    expect(services.sessions.shutdown).not.toHaveBeenCalled();
+    // Only the second attempt's outcome is on screen; nothing offers the remedy.
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: "Restore of 'from-a' failed: verify failed: a file differs",
+        actions: ['Details']
+      })
+    ]);
+  });
+
+  it("with replaceOwnKernel, still only offers to shut down another notebook's kernel", async () => {
+    const { api, services, controller, panel, notebook } = setUp([sessionA, sessionB]);
+    const error = portsRefusal({
+      holder_kernel_id: 'k-a',
+      holder_notebook_path: 'work/a.ipynb'
+    });
+    api.startRestore.mockRejectedValue(new SnapshotAPIError('refused', 409, error));
+    await controller.restore(notebook, snapshot, { replaceOwnKernel: true });
+    expect(panel.sessionContext.shutdown).not.toHaveBeenCalled();
+    expect(services.sessions.shutdown).not.toHaveBeenCalled();
+    expect(shown()[0].actions).toContain("Shut down a.ipynb's kernel and restore");
+  });
+
   it('keeps the remedy in Details, which runs it and closes the notification', async () => {
     const { api, services, controller, notebook } = setUp([sessionA, sessionB]);
     const error = portsRefusal({
