@@ -11,7 +11,8 @@ import type { Event } from '@jupyterlab/services';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import type { IKernelDeath } from './api';
 import type { SnapshotController } from './controller';
-import { formatAge, untranslated } from './format';
+import { formatAge } from './format';
+import { untranslated } from './translation';
 
 /** The server's kernel-death event (server/event_schemas/kernel-death-v1.yaml). */
 export const DEATH_EVENT_PREFIX =
