@@ -142,6 +142,18 @@ def test_check_reports_what_is_missing(tmp_path: Path):
     assert checks["criu"]["ok"] is False and "criu not found" in checks["criu"]["detail"]
 
 
+def test_check_names_the_cuda_plugin_and_where_it_is_missing(tmp_path: Path):
+    # make test installs the plugin and the stand-in where the default points.
+    checks = {c["name"]: c for c in json.loads(cli(tmp_path / "store", "check", "--json").stdout)}
+    assert checks["cuda plugin"]["ok"] is True, checks["cuda plugin"]
+    assert "cuda_plugin.so" in checks["cuda plugin"]["detail"]
+    elsewhere = cli(tmp_path / "store", "check", "--json",
+                    env={"JUPYTER_GPU_SNAPSHOT_LIBDIR": str(tmp_path / "none")})
+    plugin = {c["name"]: c for c in json.loads(elsewhere.stdout)}["cuda plugin"]
+    assert plugin["ok"] is False and "is not installed" in plugin["detail"]
+    assert "install-criu.sh" in plugin["fix"] and plugin["required"] is False
+
+
 def test_kernelspec_install(tmp_path: Path):
     cli(tmp_path / "store", "kernelspec", "install", "--prefix", str(tmp_path / "prefix"))
     spec = json.loads(

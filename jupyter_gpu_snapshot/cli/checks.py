@@ -13,6 +13,7 @@ from ..core import procfs
 from ..core.criu import MIN_VERSION, CriuRunner
 from ..core.errors import SnapshotError
 from ..core.store import SnapshotStore
+from ..gpu.broker import PluginInstall
 from ..gpu.driver import driver_status
 from ..gpu.inventory import read_inventory
 
@@ -143,13 +144,30 @@ def check_gpu() -> list[Check]:
     return checks
 
 
+def check_cuda_plugin(criu: CriuRunner, plugin: PluginInstall) -> Check:
+    """CRIU's CUDA plugin built for this criu, and the stand-in it calls (GPU kernels only)."""
+    fix = "run scripts/install-criu.sh (make criu) to build it; CPU kernels need none"
+    try:
+        version = criu.require_version()
+    except SnapshotError as exc:
+        return Check("cuda plugin", False, f"cannot check without criu: {exc.cause}",
+                     required=False, fix=fix)
+    problem = plugin.problem(version)
+    if problem is not None:
+        return Check("cuda plugin", False, problem, required=False, fix=fix)
+    return Check("cuda plugin", True, f"{plugin.plugin_dir / 'cuda_plugin.so'} (criu {version}),"
+                 f" {plugin.shim_dir / 'cuda-checkpoint'}", required=False)
+
+
 def run_checks(
     criu: CriuRunner,
     store: SnapshotStore,
     extra: list[Callable[[], list[Check]]] | None = None,
+    plugin: PluginInstall | None = None,
 ) -> list[Check]:
     checks = [
         *check_criu(criu),
+        *([check_cuda_plugin(criu, plugin)] if plugin is not None else []),
         check_privileges(),
         check_pid_namespaces(),
         check_kernel_features(),

@@ -36,6 +36,7 @@ from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
 from ..core.store import Snapshot, is_snapshot_id
 from ..engines import make_engine, wake_kernel
+from ..gpu.broker import PluginInstall
 from ..gpu.remap import parse_gpu_choice, remap_notice
 from ..remotes import BOTH, LOCAL, REMOTE, judge_remote, make_remote_store, merge_locations
 from .checks import run_checks
@@ -163,7 +164,8 @@ def _kernel_pid_from_id(kernel_id: str) -> tuple[int, Path]:
 
 def cmd_check(args: argparse.Namespace) -> int:
     engine = _engine(args)
-    checks = run_checks(engine.criu, engine.store)
+    plugin = PluginInstall(Path(_settings(args).libdir))
+    checks = run_checks(engine.criu, engine.store, plugin=plugin)
     if args.json:
         _print_json([c.__dict__ for c in checks])
     elif not out.is_terminal:
