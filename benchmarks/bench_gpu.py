@@ -252,9 +252,9 @@ def ours(k: Kernel, work: Path, criu: CriuRunner) -> dict[str, Any]:
     return result
 
 
-def raw(k: Kernel, work: Path, criu: CriuRunner, driver: LibcudaDriver) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    images = work / "raw-kept"
+def raw_keep_running(k: Kernel, images: Path, criu: CriuRunner,
+                     driver: LibcudaDriver) -> dict[str, Any]:
+    """The sequence before CRIU's CUDA plugin: lock, checkpoint, dump, restore, unlock."""
     images.mkdir(parents=True)
     settle()
     t0 = time.monotonic()
@@ -266,9 +266,15 @@ def raw(k: Kernel, work: Path, criu: CriuRunner, driver: LibcudaDriver) -> dict[
     driver.restore(k.pid)
     driver.unlock(k.pid)
     t3 = time.monotonic()
-    result["keep_running"] = {"pause_s": t3 - t0, "suspend_s": t1 - t0, "dump_s": t2 - t1,
-                              "resume_s": t3 - t2, "image_bytes": dir_bytes(images)}
+    kept = {"pause_s": t3 - t0, "suspend_s": t1 - t0, "dump_s": t2 - t1, "resume_s": t3 - t2,
+            "image_bytes": dir_bytes(images)}
     shutil.rmtree(images)
+    return kept
+
+
+def raw(k: Kernel, work: Path, criu: CriuRunner, driver: LibcudaDriver) -> dict[str, Any]:
+    result: dict[str, Any] = {"keep_running": raw_keep_running(k, work / "raw-kept", criu,
+                                                               driver)}
 
     images = work / "raw-stopped"
     images.mkdir(parents=True)
@@ -313,22 +319,7 @@ def pause_pairs(gib: float, repeat: int, work: Path, criu: CriuRunner,
             ours.append({"pause_s": kept.manifest["timings"]["pause"],
                          **{f"cuda_{s}_s": v for s, v in kept.manifest["gpu"]["timings"].items()}})
             store.delete(kept.id)
-            images = work / "raw"
-            images.mkdir(parents=True)
-            settle()
-            t0 = time.monotonic()
-            driver.lock(k.pid, 60_000)
-            driver.checkpoint(k.pid)
-            t1 = time.monotonic()
-            subprocess.run(criu.dump_argv(k.root, images, images, leave_running=True),
-                           check=True)
-            t2 = time.monotonic()
-            driver.restore(k.pid)
-            driver.unlock(k.pid)
-            t3 = time.monotonic()
-            raws.append({"pause_s": t3 - t0, "cuda_suspend_s": t1 - t0, "dump_s": t2 - t1,
-                         "cuda_resume_s": t3 - t2})
-            shutil.rmtree(images)
+            raws.append(raw_keep_running(k, work / "raw", criu, driver))
         _, printed = first_cell(k.info, STATE_CHECK)
         assert printed == k.checksum, "state differs after the pause pairs"
     finally:

@@ -153,9 +153,11 @@ def connect(info: dict[str, Any] | Path, timeout: float = 30) -> BlockingKernelC
     return client
 
 
-def start_kernel(kernel_name: str = KERNEL_NAME, **kwargs: Any) -> KernelHandle:
+def start_kernel(kernel_name: str = KERNEL_NAME, env: dict[str, str] | None = None,
+                 **kwargs: Any) -> KernelHandle:
+    """A kernel of ``kernel_name`` and a client; ``env`` adds to this process's environment."""
     km = KernelManager(kernel_name=kernel_name, **kwargs)
-    km.start_kernel()
+    km.start_kernel(**({"env": {**os.environ, **env}} if env else {}))
     client = km.blocking_client()
     client.start_channels()
     client.wait_for_ready(timeout=60)

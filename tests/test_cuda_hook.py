@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import threading
 import time
@@ -38,7 +37,6 @@ from jupyter_gpu_snapshot.gpu.driver import (
     ProcessState,
 )
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
 from .conftest import (
     KernelHandle,
@@ -46,6 +44,7 @@ from .conftest import (
     execute,
     reply_to,
     run,
+    start_kernel,
     stop_kernel,
     wait_for_output,
 )
@@ -66,17 +65,6 @@ from .gpu.fake_driver import (
 TWO_GIB = 2 * GIB
 
 
-def start_kernel_with(env: dict[str, str]) -> KernelHandle:
-    from jupyter_client.manager import KernelManager
-
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    km.start_kernel(env={**os.environ, **env})
-    client = km.blocking_client()
-    client.start_channels()
-    client.wait_for_ready(timeout=60)
-    return KernelHandle(km, client)
-
-
 @pytest.fixture
 def fake() -> FakeCudaDriver:
     return FakeCudaDriver()
@@ -90,7 +78,7 @@ def gpus(fake: FakeCudaDriver) -> FakeGpus:
 @pytest.fixture
 def gpu_kernel() -> Iterator[KernelHandle]:
     """A real snapshot-ready kernel that the fake driver sees holding 2 GiB on the GPU."""
-    handle = start_kernel_with(fake_cuda_env(TWO_GIB))
+    handle = start_kernel(env=fake_cuda_env(TWO_GIB))
     handle.execute("import numpy as np; counter = 0; data = np.arange(5_000_000)")
     handle.execute(RESTORE_THREAD_CODE)
     try:
@@ -384,7 +372,7 @@ def test_host_memory_short_is_refused(store, fake, gpus, gpu_kernel):
 def test_disk_check_counts_the_gpu_bytes(store, fake, gpus):
     store.ensure()
     free = shutil.disk_usage(store.root).free
-    handle = start_kernel_with(fake_cuda_env(free + GIB))
+    handle = start_kernel(env=fake_cuda_env(free + GIB))
     try:
         handle.execute("import numpy as np; counter = 0; data = np.arange(5_000_000)")
         engine = make_engine(store, fake, gpus, memory_available=lambda: 4 * free)

@@ -17,13 +17,11 @@ live device bytes the row reports) go to the results file (``JGS_GPU_RESULTS``).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from jupyter_client.manager import KernelManager
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
@@ -32,9 +30,8 @@ from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.engines import make_engine
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver, ProcessState
-from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
-from ..conftest import KernelHandle, RestoredTrees, execute, run, stop_kernel
+from ..conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -313,15 +310,6 @@ FRAMEWORKS = [
 ]
 
 
-def start(env: dict[str, str]) -> KernelHandle:
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    km.start_kernel(env={**os.environ, **env})
-    client = km.blocking_client()
-    client.start_channels()
-    client.wait_for_ready(timeout=120)
-    return KernelHandle(km, client)
-
-
 def criu_errors(err: SnapshotError) -> list[str]:
     """The error lines of the criu log a failed save kept, and what came right before."""
     if err.log_path is None:
@@ -355,7 +343,7 @@ def measure(call: Any) -> dict[str, Any]:
 def test_framework_survives_a_save_and_continues_bitwise_after_restore(
         fw: Framework, store: SnapshotStore, restored: RestoredTrees, figures: dict[str, Any]):
     engine = make_engine(GPUSnapshot(store_dir=str(store.root)))
-    k = start(fw.env)
+    k = start_kernel(env=fw.env)
     try:
         k.execute(fw.setup, timeout=600)
         k.execute("step()", timeout=300)  # warm: first calls compile and allocate
