@@ -159,11 +159,6 @@ class CheckpointBroker:
             await asyncio.to_thread(shutil.rmtree, self._dir, True)
             self._dir = None
 
-    def steps(self, pid: int) -> list[str]:
-        """The actions answered for ``pid``, in order, e.g. ['lock', 'checkpoint']."""
-        return [c.request.split()[-1] for c in self.calls
-                if c.pid == pid and c.request.startswith("action") and c.status == 0]
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             args = [a.decode() for a in (await reader.read()).split(b"\0") if a]

@@ -1,7 +1,8 @@
-"""The checkpoint state machine over the CUDA processes of one kernel tree.
+"""Bringing the CUDA processes of one kernel tree back to running, from the engine.
 
-``suspend`` takes every process running -> locked -> checkpointed, and undoes what it did if
-any step fails. ``resume`` brings one process back to running from whatever state it is in,
+CRIU's CUDA plugin locks, checkpoints, restores and unlocks inside criu (``broker``). What
+it could not bring back (a criu that was killed, a restore the driver kept refusing,
+snapshots saved before the plugin) ``resume`` brings back from whatever state it is in,
 retrying transient failures; a process the driver reports as failed gets a loud error.
 """
 
@@ -53,12 +54,8 @@ def error_hint(exc: DriverCallError) -> str:
 
 
 class CudaCheckpoint:
-    """Suspends and resumes the CUDA processes of a kernel tree, one state change at a time.
-
-    ``suspend`` locks every process, then checkpoints every process; if any step fails, what
-    it did is undone before the error is raised. ``resume`` brings one process back to
-    running from whatever state it is in.
-    """
+    """Finds the CUDA processes of a kernel tree and resumes them, one state change at a
+    time: ``resume`` brings one process back to running from whatever state it is in."""
 
     RETRIES = 3
 
@@ -81,33 +78,6 @@ class CudaCheckpoint:
         started = time.monotonic()
         fn(*args)
         proc.timings[step] = proc.timings.get(step, 0.0) + time.monotonic() - started
-
-    def suspend(self, procs: Sequence[CudaProcess], lock_timeout: float) -> None:
-        """running -> locked -> checkpointed for all, or an error with everything undone."""
-        timeout_ms = max(1, int(lock_timeout * 1000))
-        done: list[CudaProcess] = []
-        step = "lock"
-        try:
-            for proc in procs:
-                self._timed(proc, "lock", self.driver.lock, proc.pid, timeout_ms)
-                proc.state = ProcessState.LOCKED
-                done.append(proc)
-            step = "checkpoint"
-            for proc in procs:
-                self._timed(proc, "checkpoint", self.driver.checkpoint, proc.pid)
-                proc.state = ProcessState.CHECKPOINTED
-        except DriverCallError as exc:
-            undo = self.resume_all(done)
-            if step == "lock" and exc.code in LOCK_TIMED_OUT:
-                cause = (f"CUDA lock of pid {exc.pid} timed out after {lock_timeout:g} s: the "
-                         f"GPU stayed busy ({exc})")
-            else:
-                cause = f"CUDA {step} of pid {exc.pid} failed: {exc}"
-            if undo:
-                cause += "; rolling back also failed: " + "; ".join(undo)
-            else:
-                cause += "; the kernel was left running on the GPU"
-            raise CudaError("suspend", cause, hint=error_hint(exc) or None) from exc
 
     def resume(self, proc: CudaProcess, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
         """Whatever state ``proc`` is in, bring it back to running (retrying transient errors)."""

@@ -34,6 +34,7 @@ import psutil
 from .._constants import DEFAULT_LIBDIR, format_bytes
 from ..core import procfs
 from ..core.compatibility import NodeGpus
+from ..core.criu import CriuExtras
 from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.errors import NotReady
 from ..core.store import Snapshot
@@ -212,7 +213,7 @@ class CudaCheckpointHook(SnapshotHook):
                 "criu, or set c.GPUSnapshot.libdir to where it is installed",
             )
 
-    def _criu_extras(self, ctx_criu: Any, broker: CheckpointBroker) -> None:
+    def _criu_extras(self, ctx_criu: CriuExtras, broker: CheckpointBroker) -> None:
         ctx_criu.libdir = str(self.plugin.plugin_dir)
         ctx_criu.env.update({**self.plugin.criu_env(broker.socket_path), **self.criu_env})
         ctx_criu.timeout = max(ctx_criu.timeout or 0,
