@@ -82,10 +82,17 @@ class PluginInstall:
     def problem(self, criu_version: str) -> str | None:
         """Why the plugin cannot be used with criu ``criu_version`` (e.g. '4.2.1'), if so."""
         plugin = self.plugin_dir / "cuda_plugin.so"
+        shim = self.shim_dir / "cuda-checkpoint"
         if not plugin.is_file():
             return f"CRIU's CUDA plugin is not installed ({plugin} is missing)"
-        if not os.access(self.shim_dir / "cuda-checkpoint", os.X_OK):
+        if not os.access(shim, os.X_OK):
             return f"the cuda-checkpoint stand-in is not installed in {self.shim_dir}"
+        # criu loads every library of the plugin directory and runs the stand-in with our
+        # privileges: anyone who can change them could run code as root.
+        for path in (self.plugin_dir, plugin, self.shim_dir, shim):
+            unsafe = _unsafe_owner(path)
+            if unsafe:
+                return f"{path} {unsafe}: criu, run with our privileges, would load it"
         try:
             built_for = (self.plugin_dir / "built-for").read_text().strip()
         except OSError:
@@ -100,6 +107,16 @@ class PluginInstall:
         """criu's environment: the plugin runs ``cuda-checkpoint`` from PATH."""
         path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         return {"PATH": f"{self.shim_dir}{os.pathsep}{path}", ENV_CUDA_BROKER: str(socket_path)}
+
+
+def _unsafe_owner(path: Path) -> str | None:
+    """Why another user could change ``path``, if one could."""
+    st = path.stat()
+    if st.st_uid not in (0, os.geteuid()):
+        return f"belongs to uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return "is writable by other users"
+    return None
 
 
 @dataclass
