@@ -46,6 +46,13 @@ test('round-trip', async ({ lab, page }) => {
   await lab.screenshot('status-bar-age');
 
   await lab.shutDownKernel();
+  // The button follows the session as the shutdown lands: wait for it to settle rather
+  // than read it mid-change (on a busy machine a status answer for the ending kernel can
+  // come first). A tooltip that never settles is reported as it stands.
+  await expect
+    .poll(() => lab.buttonTooltip(), { timeout: 30_000 })
+    .toBe('No kernel is running in this notebook')
+    .catch(() => undefined);
   seen.after_shutdown_tooltip = await lab.buttonTooltip();
   seen.kernel_after_shutdown = await lab.kernelOf();
   // The status item stays after the kernel is gone: the quickstart clicks it now.
