@@ -171,7 +171,8 @@ def test_ctrl_c_during_a_cli_save(
         store, "--criu", _slow_criu(tmp_path, "dump", 2.0), "save",
         "--pid", str(kernel.kernel_pid), "--name", "interrupted", *(["--stop"] if stop else []),
     )
-    _until_running(saving, "criu-slow-dump")  # into the dump: criu's wrapper sleeps 2 s
+    # Into the dump, where criu's wrapper sleeps 2 s; not its `--version` call at preflight.
+    _until_running(saving, "criu-slow-dump dump")
     saving.send_signal(signal.SIGINT)
     out, stderr = saving.communicate(timeout=120)
     assert "Traceback" not in stderr

@@ -101,16 +101,16 @@ class SnapshotService:
         """The local snapshots, each with its ``location``; ``with_remote`` (the listing
         clients see) adds the remote-only ones. Disk-room and rate estimates want the local
         ones only. The remote listing is cached briefly (``RemoteSync.listing``)."""
-        found = await asyncio.to_thread(self.engine.catalog, notebook_path)
+        # Summaries of a large store are work of their own: made in the thread too.
+        found = await asyncio.to_thread(
+            lambda: [s.summary() for s in self.engine.catalog(notebook_path)])
         if with_remote:
             remote = (await self._remote_listing(notebook_path)).snapshots
         else:  # whatever was listed last, without asking the remote
-            local_ids = {s.id for s in found}
+            local_ids = {s["id"] for s in found}
             last = self.remote.cached().snapshots if self.remote else {}
             remote = {i: s for i, s in last.items() if i in local_ids}
-        return merge_locations(
-            [s.summary() for s in found], remote, self.remote.url if self.remote else None
-        )
+        return merge_locations(found, remote, self.remote.url if self.remote else None)
 
     async def _remote_listing(
         self, notebook_path: str | None = None, fresh: bool = False, trusted: bool = False
