@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core import procfs
 from .driver import (
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_NOT_SUPPORTED,
@@ -164,10 +165,10 @@ def _read(path: str) -> str:
 
 def _task_state(pid: int, tid: int) -> str:
     """One-letter state of a thread, found by host tid or by its tid inside the namespace."""
+    states = procfs.thread_states(pid)
     for candidate in _host_tids(pid, tid):
-        with contextlib.suppress(OSError):
-            stat = _read(f"/proc/{pid}/task/{candidate}/stat")
-            return stat.rsplit(")", 1)[1].split()[0]
+        if candidate in states:
+            return states[candidate]
     return ""
 
 
