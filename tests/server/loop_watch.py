@@ -5,7 +5,9 @@ A callback's wall-clock time grows for three reasons that are not its own:
   counts that wait per thread (the second field of ``/proc/thread-self/schedstat``);
 - the hypervisor runs another guest on the virtual CPU: the guest's kernel counts that
   as steal time per CPU (``/proc/stat``), and as neither run time nor run-queue wait;
-- the interpreter's cyclic garbage collector runs inside it, for the whole process.
+- the interpreter's cyclic garbage collector runs inside it, for the whole process;
+- it starts a thread (a thread pool grows on first use), and ``Thread.start`` waits until
+  the new thread has run: on a busy machine, until a CPU is free for it.
 
 Wall time minus those is what the callback itself held the loop for: its own CPU time
 plus any time it slept in a blocking call (a file read, a subprocess or psutil wait, a
@@ -41,6 +43,7 @@ class HeldLoop:
     run_queue_s: float
     steal_s: float
     gc_s: float
+    thread_start_s: float
 
 
 def _total_steal() -> float:
@@ -82,6 +85,8 @@ class LoopWatch:
         self._watching = False
         self._original: Any = None
         self._gc = _GcClock()
+        self._thread_starts = 0.0
+        self._original_start: Any = None
         self._steal = 0.0
         self._steal_read_at = -STEAL_SAMPLE_SECONDS
 
@@ -101,8 +106,19 @@ class LoopWatch:
         self._thread_times()  # fails here, not in a callback, where schedstat is missing
         _total_steal()
         gc.callbacks.append(self._gc)
-        self._watching = True
         loop_thread = threading.get_ident()
+        original_start = self._original_start = threading.Thread.start
+
+        def start(thread: threading.Thread) -> None:
+            began = time.perf_counter()
+            try:
+                original_start(thread)
+            finally:
+                if threading.get_ident() == loop_thread:
+                    self._thread_starts += time.perf_counter() - began
+
+        threading.Thread.start = start  # type: ignore[method-assign,assignment]
+        self._watching = True
         original = self._original = asyncio.events.Handle._run
         watch = self
 
@@ -113,14 +129,15 @@ class LoopWatch:
             wall_start = time.perf_counter()
             steal_start = watch._steal_before(wall_start)
             cpu_start, wait_start = watch._thread_times()
-            gc_start = watch._gc.total
+            gc_start, starts_before = watch._gc.total, watch._thread_starts
             try:
                 return original(handle)  # type: ignore[no-any-return]
             finally:
                 wall = time.perf_counter() - wall_start
                 cpu_end, wait_end = watch._thread_times()
                 run_queue, in_gc = wait_end - wait_start, watch._gc.total - gc_start
-                held = wall - run_queue - in_gc
+                starting = watch._thread_starts - starts_before
+                held = wall - run_queue - in_gc - starting
                 steal = 0.0
                 if held >= watch.limit:  # only then is /proc/stat read again
                     watch._steal_read_at = time.perf_counter()
@@ -133,7 +150,7 @@ class LoopWatch:
                     watch.held.append(HeldLoop(
                         describe(handle), round(held, 3), round(wall, 3),
                         round(cpu_end - cpu_start, 3), round(run_queue, 3), round(steal, 3),
-                        round(in_gc, 3),
+                        round(in_gc, 3), round(starting, 3),
                     ))
                 if not watch._watching:  # the callback that left the ``with`` block
                     os.close(watch._fd)
@@ -150,6 +167,7 @@ class LoopWatch:
         # The callback running this still measures itself, and then closes the file.
         asyncio.events.Handle._run = self._original  # type: ignore[method-assign]
         gc.callbacks.remove(self._gc)
+        threading.Thread.start = self._original_start  # type: ignore[method-assign]
         self._watching = False
 
 
