@@ -68,10 +68,27 @@ async function connected(kernel: Kernel.IKernelConnection): Promise<void> {
 }
 
 /**
+ * The panel's attribute that says whether its widget outputs are the restored kernel's:
+ * "rebinding" until they are (the style dims them, since typing into one would reach no
+ * kernel), then "current".
+ */
+export const WIDGETS_STATE_ATTRIBUTE = 'data-gpu-snapshot-widgets';
+
+/**
  * Called by the controller once a notebook's session uses a restored kernel: show the
  * restored kernel's widgets in the notebook's widget outputs.
  */
 export async function rebindWidgets(panel: NotebookPanel): Promise<void> {
+  // Set before the first await, so the panel is marked before the restore's toast shows.
+  panel.node.setAttribute(WIDGETS_STATE_ATTRIBUTE, 'rebinding');
+  try {
+    await rebind(panel);
+  } finally {
+    panel.node.setAttribute(WIDGETS_STATE_ATTRIBUTE, 'current');
+  }
+}
+
+async function rebind(panel: NotebookPanel): Promise<void> {
   const renderers = widgetRenderers(panel);
   const kernel = panel.sessionContext.session?.kernel;
   if (!renderers.length || !kernel) {

@@ -386,6 +386,12 @@ test('widget-after-restore', async ({ lab, page }) => {
       .filter({ hasText: pattern })
       .first()
       .waitFor({ timeout: STEP_TIMEOUT });
+  // The restore marks the panel until the restored kernel's widget models are bound;
+  // typed into before that, a widget's input would be drawn afresh and lost.
+  const widgetsOfRestoredKernel = () =>
+    page
+      .locator(`${CURRENT}[data-gpu-snapshot-widgets="current"]`)
+      .waitFor({ timeout: STEP_TIMEOUT });
   await lab.openNotebook();
   await lab.buttonState('ready');
   seen.state_output = await lab.runCell(0);
@@ -416,6 +422,7 @@ test('widget-after-restore', async ({ lab, page }) => {
   await dialog.locator('.jp-mod-accept').click();
   await lab.toast(/Kernel restored/);
   await lab.buttonState('ready');
+  await widgetsOfRestoredKernel();
   seen.widget_after_restore = await panelShows(seen.snapshot_name as string)
     .then(widgetText)
     .catch(widgetText);
@@ -439,6 +446,7 @@ test('widget-after-restore', async ({ lab, page }) => {
   await dialog.locator('.jp-mod-accept').click();
   await lab.toast(/Kernel restored/);
   await lab.buttonState('ready');
+  await widgetsOfRestoredKernel();
   await widgetOutput().locator('input').first().fill('same-page');
   await widgetOutput().locator('button', { hasText: 'Save' }).click();
   await panelShows(/same-page/).catch(() => undefined);
