@@ -30,7 +30,8 @@ from jupyter_client.manager import KernelManager
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 

@@ -45,7 +45,8 @@ from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.gpu.broker import PluginInstall
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver

@@ -14,7 +14,8 @@ from .config import GPUSnapshot
 from .core import procfs
 from .core.compatibility import NodeCompatibility
 from .core.criu import CriuRunner
-from .core.engine import SnapshotEngine, SnapshotHook
+from .core.engine import SnapshotEngine
+from .core.hooks import SnapshotHook
 from .core.manifest import ManifestPolicy
 from .core.open_files import OpenFilesHook
 from .core.store import SnapshotStore, default_kernel_log_dir

@@ -14,7 +14,7 @@ import os
 import signal
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
-from jupyter_gpu_snapshot.core.engine import Progress, SaveTarget
+from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
 from jupyter_gpu_snapshot.engines import make_engine
 
 

@@ -279,7 +279,8 @@ def test_check_reports_an_unsafe_store(tmp_path: Path):
 
 
 def test_list_latest_names_each_notebooks_newest_snapshot(tmp_path: Path, kernel: KernelHandle):
-    from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+    from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+    from jupyter_gpu_snapshot.core.hooks import SaveTarget
     from jupyter_gpu_snapshot.core.store import SnapshotStore
 
     from .conftest import run

@@ -29,8 +29,9 @@ from jupyter_gpu_snapshot.core.compatibility import (
     NodeGpus,
     gpu_differences,
 )
-from jupyter_gpu_snapshot.core.engine import Progress, SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import Incompatible
+from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
 from jupyter_gpu_snapshot.core.store import Snapshot, SnapshotStore
 
 from .conftest import RestoredTrees, execute, run, start_kernel, stop_kernel

@@ -16,8 +16,9 @@ import pytest
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import Busy, SnapshotError
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.locks import kernel_key, name_key, snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 

@@ -23,8 +23,9 @@ import pytest
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import Incompatible, InvalidRequest, NotReady, SnapshotError
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.gpu import hook as gpu_hook
 from jupyter_gpu_snapshot.gpu.driver import (

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot.core import digest, procfs
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, execute, run

@@ -10,8 +10,9 @@ import pytest
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, run, start_kernel, stop_kernel
@@ -142,7 +143,7 @@ def test_unknown_pid(store):
 
 
 def test_failing_hook_rolls_back(store, busy_kernel):
-    from jupyter_gpu_snapshot.core.engine import SaveContext, SnapshotHook
+    from jupyter_gpu_snapshot.core.hooks import SaveContext, SnapshotHook
 
     calls: list[str] = []
 

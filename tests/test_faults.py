@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.engine import Progress, SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady
+from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
 from jupyter_gpu_snapshot.core.open_files import OpenFilesHook
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 

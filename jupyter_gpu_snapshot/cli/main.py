@@ -27,9 +27,10 @@ from rich.table import Table
 from .._constants import KERNEL_NAME, format_bytes
 from ..config import GPUSnapshot
 from ..core import procfs, retention
-from ..core.engine import Progress as EngineProgress
-from ..core.engine import SaveTarget, SnapshotEngine
+from ..core.engine import SnapshotEngine
 from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
+from ..core.hooks import Progress as EngineProgress
+from ..core.hooks import SaveTarget
 from ..core.recovery import clean_work_dirs, recover_store
 from ..core.remote import RemoteStoreError, SnapshotCache
 from ..core.remote.objects import describe

@@ -31,8 +31,8 @@ from typing import Any
 from .._constants import format_bytes
 from . import procfs
 from .dev_shm import DEV_SHM, ShmFiles
-from .engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from .errors import NotReady
+from .hooks import Progress, RestoreContext, SaveContext, SnapshotHook
 
 # Files up to this size also get a digest: a same-size, same-mtime change is then caught.
 DIGEST_LIMIT = 1 << 20

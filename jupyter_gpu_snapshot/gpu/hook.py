@@ -35,8 +35,8 @@ from .._constants import DEFAULT_LIBDIR, format_bytes
 from ..core import procfs
 from ..core.compatibility import NodeGpus
 from ..core.criu import CriuExtras
-from ..core.engine import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.errors import NotReady
+from ..core.hooks import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.store import Snapshot
 from .allocator_caches import CacheRelease, release_in_kernel
 from .broker import CheckpointBroker, PluginInstall, uninterruptible

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.engine import Progress
 from ..core.errors import Busy, NotFound, SnapshotError
+from ..core.hooks import Progress
 
 # Finished jobs kept for GET jobs/{id}; clients poll a job within seconds of its end.
 FINISHED_JOBS_KEPT = 200

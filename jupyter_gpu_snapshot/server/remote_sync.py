@@ -16,8 +16,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.engine import Progress
 from ..core.errors import NotFound, SnapshotError
+from ..core.hooks import Progress
 from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache
 from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads

@@ -25,7 +25,7 @@ from tornado import web
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
 from ..core import procfs, retention
-from ..core.engine import Progress, RestoredKernel, SaveTarget, SnapshotEngine
+from ..core.engine import SnapshotEngine
 from ..core.errors import (
     Busy,
     InvalidRequest,
@@ -34,6 +34,8 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
+from ..core.hooks import Progress, SaveTarget
+from ..core.restore import RestoredKernel
 from ..core.store import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
 from ..gpu.remap import describe_choice, parse_gpu_choice, remap_notice

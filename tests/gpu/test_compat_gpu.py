@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
-from jupyter_gpu_snapshot.core.engine import SaveTarget
 from jupyter_gpu_snapshot.core.errors import Incompatible
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.engines import make_engine
 
 from ..conftest import RestoredTrees, execute, run, start_kernel, stop_kernel

@@ -12,7 +12,7 @@ import pytest
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.engine import SaveTarget
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.engines import make_engine, wake_kernel
 

@@ -20,8 +20,8 @@ import pytest
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.engine import SaveTarget
 from jupyter_gpu_snapshot.core.errors import SnapshotError
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.engines import make_engine
 from jupyter_gpu_snapshot.gpu.driver import (

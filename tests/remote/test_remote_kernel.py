@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.digest import TREE_CHUNK
-from jupyter_gpu_snapshot.core.engine import SaveTarget, SnapshotEngine
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 

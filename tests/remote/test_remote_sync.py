@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.core.engine import Progress
 from jupyter_gpu_snapshot.core.errors import SnapshotError
+from jupyter_gpu_snapshot.core.hooks import Progress
 from jupyter_gpu_snapshot.core.remote import RemoteStore, SnapshotCache
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.server import remote_sync

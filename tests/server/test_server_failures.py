@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.engine import RestoredKernel
+from jupyter_gpu_snapshot.core.restore import RestoredKernel
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.provisioner import SnapshotReadyProvisioner
 

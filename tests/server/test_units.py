@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core.engine import Progress
 from jupyter_gpu_snapshot.core.errors import Busy, SnapshotError
+from jupyter_gpu_snapshot.core.hooks import Progress
 from jupyter_gpu_snapshot.server.app import kernel_facing_url
 from jupyter_gpu_snapshot.server.jobs import FINISHED_JOBS_KEPT, Job, JobRunner
 

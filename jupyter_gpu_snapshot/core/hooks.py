@@ -1,0 +1,133 @@
+"""What the engine hands its hooks, and what a hook may do: the contract with the GPU layer.
+
+A hook (``SnapshotHook``) is called at fixed points of the save sequence (``save.py``) and
+of the restore sequence (``restore.py``), with one context per run (``SaveContext``,
+``RestoreContext``) through which it reads the kernel or the snapshot, adds to the
+manifest and to the criu run, and reports progress. The GPU layer's hook
+(``gpu/hook.py``) and the open-files hook (``open_files.py``) are the two there are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import procfs
+from .criu import CriuExtras
+from .errors import SnapshotError
+from .store import Snapshot
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A progress report: the phase under way and, when known, bytes done of a total."""
+
+    phase: str
+    done: int = 0
+    total: int = 0
+    message: str = ""
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclass
+class SaveTarget:
+    """What to save: any pid of the kernel, plus what the caller knows about it."""
+
+    pid: int
+    kernel_name: str | None = None
+    kernel_spec: dict[str, Any] | None = None
+    connection_info: dict[str, Any] | None = None
+    notebook_path: str | None = None
+    kernel_id: str | None = None
+    reason: str = "user"
+
+
+@dataclass
+class SaveContext:
+    """Shared by the hooks during one save."""
+
+    target: SaveTarget
+    kernel: procfs.KernelProcess
+    snapshot_id: str
+    images_dir: Path
+    stop: bool
+    report: ProgressCallback
+    # Hooks add their own manifest sections here (the GPU layer adds "gpu").
+    manifest: dict[str, Any] = field(default_factory=dict)
+    # Bytes that the dump will write beyond host RSS (e.g. GPU memory staged to the host).
+    extra_bytes: int = 0
+    # What hooks add to the criu dump (the GPU layer: CRIU's CUDA plugin and its broker).
+    criu: CriuExtras = field(default_factory=CriuExtras)
+    criu_version: str = ""
+    # When the kernel process started: with its pid, it names the process that must survive.
+    kernel_started: float | None = None
+    dump_ended: float = 0.0  # wall clock, to say how long after it a kernel died
+    # Set by a hook in ``after_dump`` when it knows why a failed dump failed better than
+    # criu's log does (e.g. the CUDA lock that timed out inside criu).
+    failure_cause: SnapshotError | None = None
+
+    @property
+    def root_pid(self) -> int:
+        return self.kernel.root_pid
+
+
+@dataclass
+class RestoreContext:
+    """Shared by the hooks during one restore."""
+
+    snapshot: Snapshot
+    report: ProgressCallback
+    root_pid: int = 0
+    # The user's choice of target GPUs (indices or UUIDs, in the order of the process's
+    # devices); a hook that honours it sets ``gpus_taken``.
+    gpus: list[str] | None = None
+    gpus_taken: bool = False
+    # What hooks say about this restore, handed back in ``RestoredKernel.notes``
+    # (the GPU layer adds "gpu_remap").
+    notes: dict[str, Any] = field(default_factory=dict)
+    # What hooks add to the criu restore; with ``leave_stopped`` false, criu itself lets the
+    # tasks run at its end (the GPU layer's plugin, once CUDA is back) and gates that on
+    # ``images_verified``, which resolves once every digest of the images matched.
+    criu: CriuExtras = field(default_factory=CriuExtras)
+    images_verified: asyncio.Future[float] | None = None
+    criu_version: str = ""
+
+
+class SnapshotHook:
+    """Extension points around the dump and the restore. The base class does nothing."""
+
+    name = "hook"
+
+    async def preflight_save(self, ctx: SaveContext) -> None:
+        """Called by ``save`` before anything touches the process; raise to refuse."""
+
+    async def before_dump(self, ctx: SaveContext) -> None:
+        """Called by ``save`` right before ``criu dump``, the tree still running: add to
+        ``ctx.criu`` what the dump needs (the GPU layer starts its broker and loads CRIU's
+        CUDA plugin, which locks and checkpoints CUDA inside criu)."""
+
+    async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+        """Called by ``save`` after the dump, or after a failure once ``before_dump`` returned.
+
+        ``error`` is None on success. The hook must leave a surviving process running
+        (``ctx.stop`` false, or any failure); it runs in reverse order of ``before_dump``.
+        """
+
+    async def preflight_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``restore`` once the signature matched, before criu runs; raise to refuse."""
+
+    async def before_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``restore`` right before ``criu restore``, once the images' digests are
+        being checked (``ctx.images_verified``)."""
+
+    async def restore_failed(self, ctx: RestoreContext, error: BaseException) -> None:
+        """Called by ``restore`` when criu or the digests failed after ``before_restore``."""
+
+    async def after_restore(self, ctx: RestoreContext) -> None:
+        """Called by ``restore`` once criu has recreated the tree (``ctx.root_pid``) and it
+        runs (or, with ``ctx.criu.leave_stopped``, has just been continued)."""
