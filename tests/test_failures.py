@@ -161,8 +161,36 @@ def test_failing_hook_rolls_back(store, busy_kernel):
     engine = SnapshotEngine(store, hooks=[Recorder(), Refuses()])
     with pytest.raises(SnapshotError, match="suspend failed: CUDA lock timed out"):
         run(engine.save(_target(busy_kernel)))
-    # The hook that had run was told to resume; the one that failed was not.
+    # Every hook that passed preflight is told how the save ended, the failing one too.
     assert calls == ["before", "after:SnapshotError"]
+    _assert_contract(busy_kernel, store, [])
+
+
+def test_a_refusal_after_a_hooks_preflight_still_lets_that_hook_go(store, busy_kernel):
+    """A hook's preflight may take things (the GPU layer notes the save's CUDA processes);
+    a later refusal, before anything touched the kernel, must still give them back."""
+    from jupyter_gpu_snapshot.core.hooks import SaveContext, SnapshotHook
+
+    calls: list[str] = []
+
+    class Recorder(SnapshotHook):
+        async def preflight_save(self, ctx: SaveContext) -> None:
+            calls.append("preflight")
+
+        async def before_dump(self, ctx: SaveContext) -> None:
+            calls.append("before")
+
+        async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+            calls.append(f"after:{error}")
+
+    class RefusesInPreflight(SnapshotHook):
+        async def preflight_save(self, ctx: SaveContext) -> None:
+            raise SnapshotError("preflight", "the GPU is in exclusive mode")
+
+    engine = SnapshotEngine(store, hooks=[Recorder(), RefusesInPreflight()])
+    with pytest.raises(SnapshotError, match="exclusive mode"):
+        run(engine.save(_target(busy_kernel)))
+    assert calls == ["preflight", "after:preflight failed: the GPU is in exclusive mode"]
     _assert_contract(busy_kernel, store, [])
 
 

@@ -112,10 +112,12 @@ class SnapshotHook:
         CUDA plugin, which locks and checkpoints CUDA inside criu)."""
 
     async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
-        """Called by ``save`` after the dump, or after a failure once ``before_dump`` returned.
+        """Called by ``save`` once for every save whose ``preflight_save`` this hook passed:
+        after the dump, or after whatever ended the save before it (then ``before_dump``
+        may not have run, or not to its end). It releases what preflight took.
 
         ``error`` is None on success. The hook must leave a surviving process running
-        (``ctx.stop`` false, or any failure); it runs in reverse order of ``before_dump``.
+        (``ctx.stop`` false, or any failure); hooks run in reverse order.
         """
 
     async def preflight_restore(self, ctx: RestoreContext) -> None:

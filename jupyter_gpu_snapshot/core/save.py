@@ -171,17 +171,23 @@ class _Save:
         self.manifest: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
         self.stop_digests = threading.Event()
-        self.suspended: list[SnapshotHook] = []  # the hooks whose before_dump returned
+        # The hooks whose preflight_save passed: each is owed one after_dump, which
+        # releases what its preflight took, however the save ends.
+        self.prepared: list[SnapshotHook] = []
 
     async def run(self) -> Snapshot:
-        await self.preflight()
         # Held until the rename or the abort: it marks the partial as owned (see recovery).
         with self.store.locks.hold(
             locks.snapshot_key(self.ctx.snapshot_id), f"snapshot {self.ctx.snapshot_id}",
             "preflight", note="save",
         ) as owner:
             self.claims.append(owner)
-            await self.draft()
+            try:
+                await self.preflight()
+                await self.draft()
+            except BaseException as exc:  # nothing touched the kernel; the hooks let go
+                await self.release_hooks(exc)
+                raise
             self.digest_mapped_files()
             error: BaseException | None = None
             try:
@@ -209,6 +215,7 @@ class _Save:
         self.facts = await asyncio.to_thread(_read_facts, ctx.kernel)
         for hook in self.engine.hooks:
             await hook.preflight_save(ctx)
+            self.prepared.append(hook)
         if self.interrupt.is_set():
             raise Interrupted("preflight")
         estimate = await asyncio.to_thread(procfs.tree_rss, ctx.root_pid) + ctx.extra_bytes
@@ -253,7 +260,6 @@ class _Save:
         self.report(Progress("suspend"))
         for hook in self.engine.hooks:
             await hook.before_dump(self.ctx)
-            self.suspended.append(hook)
         self.timings["suspend"] = time.monotonic() - t
         if self.interrupt.is_set():
             raise Interrupted("suspend")
@@ -309,14 +315,20 @@ class _Save:
         exception one raised. Every hook runs, whatever the others did."""
         t = time.monotonic()
         self.report(Progress("resume"))
+        first = await self.release_hooks(error)
+        self.timings["resume"] = time.monotonic() - t
+        self.timings["pause"] = time.monotonic() - self.pause_started
+        return first
+
+    async def release_hooks(self, error: BaseException | None) -> BaseException | None:
+        """Every prepared hook's ``after_dump``, in reverse order, whatever the others did;
+        the first exception one raised."""
         first: BaseException | None = None
-        for hook in reversed(self.suspended):
+        for hook in reversed(self.prepared):
             try:
                 await hook.after_dump(self.ctx, error)
             except BaseException as exc:
                 first = first or exc
-        self.timings["resume"] = time.monotonic() - t
-        self.timings["pause"] = time.monotonic() - self.pause_started
         return first
 
     async def roll_back(
