@@ -24,6 +24,18 @@ from ..core.hooks import Progress
 # Finished jobs kept for GET jobs/{id}; clients poll a job within seconds of its end.
 FINISHED_JOBS_KEPT = 200
 JOB_ID_PATTERN = r"[0-9a-f]{32}"
+# What a job claims of a snapshot; ``JobRunner.claimed`` lists them by this prefix.
+SNAPSHOT_KEY_PREFIX = "snapshot:"
+
+
+def kernel_key(kernel_id: str) -> str:
+    """The key a job that works on kernel ``kernel_id`` claims (a save, a restore's slot)."""
+    return f"kernel:{kernel_id}"
+
+
+def snapshot_key(snapshot_id: str) -> str:
+    """The key a job that reads or writes snapshot ``snapshot_id`` claims."""
+    return f"{SNAPSHOT_KEY_PREFIX}{snapshot_id}"
 
 
 @dataclass

@@ -42,7 +42,7 @@ from ..gpu.remap import describe_choice, parse_gpu_choice, remap_notice
 from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .deaths import KernelDeaths
-from .jobs import Job, JobRunner
+from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, kernel_key, snapshot_key
 from .kernel_env import refresh_kernel_env
 from .remote_sync import RemoteListing, RemoteSync, UploadStopped
 from .status import TreeFacts, cuda_status, newest_snapshot
@@ -50,14 +50,6 @@ from .status import kernel_status as describe_kernel
 
 # How long a save waits for a kernel that is still starting to answer.
 KERNEL_ANSWER_SECONDS = 30.0
-
-
-def kernel_key(kernel_id: str) -> str:
-    return f"kernel:{kernel_id}"
-
-
-def snapshot_key(snapshot_id: str) -> str:
-    return f"snapshot:{snapshot_id}"
 
 
 class SnapshotService:
@@ -126,6 +118,16 @@ class SnapshotService:
             and (s.trusted or not trusted)
         }
         return RemoteListing(wanted, listing.listed_at, listing.error)
+
+    async def latest_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        """The newest trusted snapshot of each notebook (or of one), whatever its reason."""
+        trusted = await asyncio.to_thread(self.engine.list, notebook_path)
+        remote = await self._remote_listing(notebook_path, trusted=True)
+        summaries = merge_locations(
+            [s.summary() for s in trusted], remote.snapshots,
+            self.remote.url if self.remote else None,
+        )
+        return [dict(s) for s in retention.newest_per_notebook(summaries)]
 
     async def remote_state(self) -> dict[str, Any] | None:
         """The remote store's URL and the error of its last listing, for listings."""
@@ -401,7 +403,7 @@ class SnapshotService:
         """Upload a committed snapshot, then remove the remote copies of what retention
         removed locally; a failed upload keeps those, so the remote never loses more."""
         assert self.remote is not None
-        outcome = await self.remote.upload(snapshot, report, self.jobs.claimed("snapshot:"))
+        outcome = await self.remote.upload(snapshot, report, self.jobs.claimed(SNAPSHOT_KEY_PREFIX))
         if outcome["status"] == "uploaded":
             for snapshot_id in obsolete:
                 try:
@@ -468,7 +470,7 @@ class SnapshotService:
                       snapshot.id, self.remote.url)
         self.jobs.progress(job)(Progress("uploading"))
         outcome = await self.remote.upload(snapshot, self.jobs.progress(job),
-                                           self.jobs.claimed("snapshot:"))
+                                           self.jobs.claimed(SNAPSHOT_KEY_PREFIX))
         if outcome["status"] != "uploaded":
             error = outcome["error"]
             kind = UploadStopped if error["code"] == UploadStopped.code else SnapshotError
@@ -584,16 +586,6 @@ class SnapshotService:
                     "gpu-snapshot: retention could not remove %s: %s", snapshot_id, exc
                 )
         return deleted
-
-    async def latest_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
-        """The newest trusted snapshot of each notebook (or of one), whatever its reason."""
-        trusted = await asyncio.to_thread(self.engine.list, notebook_path)
-        remote = await self._remote_listing(notebook_path, trusted=True)
-        summaries = merge_locations(
-            [s.summary() for s in trusted], remote.snapshots,
-            self.remote.url if self.remote else None,
-        )
-        return [dict(s) for s in retention.newest_per_notebook(summaries)]
 
     # -- restore ---------------------------------------------------------------------------
     async def start_restore(
@@ -724,7 +716,7 @@ class SnapshotService:
             if snapshot.trusted:
                 await self.engine.check_compatibility(snapshot, self.jobs.progress(job), {})
             await self.remote.download(
-                snapshot.id, self.jobs.progress(job), self.jobs.claimed("snapshot:")
+                snapshot.id, self.jobs.progress(job), self.jobs.claimed(SNAPSHOT_KEY_PREFIX)
             )
             snapshot = await asyncio.to_thread(self.engine.get, snapshot.id)
         try:
