@@ -223,9 +223,9 @@ class GPUSnapshotApp(ExtensionApp):
             await self._adopt_orphans(serverapp)
         if self.autosave is not None:
             self.autosave.start()
-        if self.service is not None:
+        if self.service is not None and self.service.uploads is not None:
             # Snapshots whose upload did not complete before this start go up now.
-            self.service.start_upload_retries()
+            self.service.uploads.start_retries()
 
     async def _adopt_orphans(self, serverapp: ServerApp) -> None:
         """Take back the kernels a killed server left running; then record this server's."""
@@ -330,10 +330,11 @@ class GPUSnapshotApp(ExtensionApp):
                 newest_snapshot=self.autosave.newest_snapshot if self.autosave else None,
             )
             # Every kernel is saved locally first; uploads get what is left of the budget.
-            if remote is not None:
-                remote.stopping.clear()
-                await service.upload_on_shutdown(
-                    [*self.last_shutdown.saved.values(), *service.stopped_uploads()],
+            uploads = service.uploads
+            if uploads is not None:
+                uploads.remote.stopping.clear()
+                await uploads.upload_on_shutdown(
+                    [*self.last_shutdown.saved.values(), *uploads.stopped_uploads()],
                     deadline - asyncio.get_running_loop().time(),
                 )
         else:

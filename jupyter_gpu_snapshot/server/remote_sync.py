@@ -157,11 +157,12 @@ class RemoteSync:
     async def upload(
         self, snapshot: Snapshot, report: Callable[[Progress], None], protected: Collection[str]
     ) -> dict[str, Any]:
-        """Upload a committed snapshot; called by the save job once the save committed.
+        """Upload a committed snapshot; called by ``Uploads``: after a save, in a retry
+        pass, at shutdown.
 
         Returns what the job's ``result.upload`` says: ``status`` "uploaded" or "failed"
         (with ``error``). A failed upload leaves the local snapshot as it was, and marked
-        as pending, so that it is uploaded again later (``SnapshotService.upload_pending``).
+        as pending, so that it is uploaded again later (``Uploads.upload_pending``).
         """
         started = time.monotonic()
         await asyncio.to_thread(self.pending.mark, snapshot.id)

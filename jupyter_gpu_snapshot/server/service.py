@@ -2,21 +2,20 @@
 
 Handlers call this and nothing else; it raises only the core's errors (``InvalidRequest``,
 ``NotFound``, ``Busy``, ``NotReady``, ``SnapshotError``), which the handlers map to HTTP
-statuses in one place.
+statuses in one place. Uploads to the remote store are ``uploads``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import posixpath
 import queue
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 from jupyter_core.utils import ensure_async
@@ -34,7 +33,7 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
-from ..core.hooks import Progress, SaveTarget
+from ..core.hooks import SaveTarget
 from ..core.restore import RestoredKernel
 from ..core.store import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
@@ -44,9 +43,10 @@ from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .deaths import KernelDeaths
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, kernel_key, snapshot_key
 from .kernel_env import refresh_kernel_env
-from .remote_sync import RemoteListing, RemoteSync, UploadStopped
+from .remote_sync import RemoteListing, RemoteSync
 from .status import TreeFacts, cuda_status, newest_snapshot
 from .status import kernel_status as describe_kernel
+from .uploads import Uploads
 
 # How long a save waits for a kernel that is still starting to answer.
 KERNEL_ANSWER_SECONDS = 30.0
@@ -80,9 +80,8 @@ class SnapshotService:
         self.jobs = jobs or JobRunner(log=self.log)
         # With c.GPUSnapshot.remote_url: saves upload, restores download, listings merge.
         self.remote = remote
+        self.uploads = Uploads(engine, remote, self.jobs, self.log) if remote is not None else None
         self._background: set[asyncio.Future[bool]] = set()
-        self._retries: asyncio.Future[list[str]] | None = None
-        self._retry_again = False
         self.tree_facts = TreeFacts(engine.criu)
 
     # -- snapshots -------------------------------------------------------------------------
@@ -381,145 +380,21 @@ class SnapshotService:
         job.snapshot_id = snapshot.id
         if stop:
             await self._shutdown_quietly(kernel_id)
-        if self.remote is not None:
+        if self.uploads is not None:
             # Until its upload completes, the snapshot is owed to the remote store; held by
             # this job first, so a retry pass never uploads it beside this job's upload.
             self.jobs.hand_over(job, [], [snapshot_key(snapshot.id)])
-            await asyncio.to_thread(self.remote.pending.mark, snapshot.id)
+            await self.uploads.owe(snapshot.id)
         obsolete = await self._apply_retention(snapshot)
         result = snapshot.summary()
-        # Shutdown saves upload once every kernel is saved (``upload_on_shutdown``).
-        if self.remote is not None and reason != "shutdown":
+        # Shutdown saves upload once every kernel is saved (``Uploads.upload_on_shutdown``).
+        if self.uploads is not None and reason != "shutdown":
             # The kernel is free for its next save while the snapshot goes up.
             self.jobs.hand_over(job, [kernel_key(kernel_id)], [snapshot_key(snapshot.id)])
-            result["upload"] = await self._upload(snapshot, self.jobs.progress(job), obsolete)
-            if result["upload"]["status"] == "uploaded":
-                self.start_upload_retries()  # the remote answers: send what it still lacks
-        return result
-
-    async def _upload(
-        self, snapshot: Snapshot, report: Callable[[Progress], None], obsolete: list[str]
-    ) -> dict[str, Any]:
-        """Upload a committed snapshot, then remove the remote copies of what retention
-        removed locally; a failed upload keeps those, so the remote never loses more."""
-        assert self.remote is not None
-        outcome = await self.remote.upload(snapshot, report, self.jobs.claimed(SNAPSHOT_KEY_PREFIX))
-        if outcome["status"] == "uploaded":
-            for snapshot_id in obsolete:
-                try:
-                    await self.remote.delete(snapshot_id)
-                except SnapshotError as exc:
-                    self.log.warning(
-                        "gpu-snapshot: retention could not remove %s from %s: %s",
-                        snapshot_id, self.remote.url, exc,
-                    )
-        return outcome
-
-    def start_upload_retries(self) -> None:
-        """Upload again, in the background, the local snapshots whose upload has not
-        completed (failed, given up at shutdown, cut off by a crash).
-
-        Called by ``GPUSnapshotApp`` once the server listens and by a save job after its
-        own upload succeeded. One pass runs at a time; a call during a pass runs another
-        after it.
-        """
-        if self.remote is None:
-            return
-        if self._retries is not None and not self._retries.done():
-            self._retry_again = True
-            return
-        self._retry_again = False
-        self._retries = asyncio.ensure_future(self.upload_pending())
-
-    async def upload_pending(self) -> list[str]:
-        """Upload the pending snapshots one at a time, each as an ``upload`` job; stops at
-        the first failure (the remote does not answer: the next pass tries again).
-        Returns the ids uploaded."""
-        assert self.remote is not None
-        uploaded: list[str] = []
-        while True:
-            for snapshot_id in await asyncio.to_thread(self.remote.pending.ids):
-                if self.remote.stopping.is_set():
-                    return uploaded
-                try:
-                    snapshot = await asyncio.to_thread(self.engine.get, snapshot_id)
-                    snapshot.require_trusted("upload")
-                except SnapshotError as exc:  # deleted meanwhile, or not ours to upload
-                    self.log.info("gpu-snapshot: no upload owed for %s: %s", snapshot_id, exc)
-                    await asyncio.to_thread(self.remote.pending.clear, snapshot_id)
-                    continue
-                try:
-                    job = self.jobs.start(
-                        Job("upload", None, snapshot.id, reason="retry"),
-                        [snapshot_key(snapshot.id)],
-                        functools.partial(self._retry_upload, snapshot=snapshot),
-                    )
-                except Busy:
-                    continue  # a save's own upload or a restore holds it: a later pass
-                await self.jobs.wait(job)
-                if job.status != "succeeded":
-                    return uploaded
-                uploaded.append(snapshot.id)
-            if not self._retry_again:
-                return uploaded
-            self._retry_again = False
-
-    async def _retry_upload(self, job: Job, snapshot: Snapshot) -> dict[str, Any]:
-        assert self.remote is not None
-        self.log.info("gpu-snapshot: uploading %s to %s again (its upload had not completed)",
-                      snapshot.id, self.remote.url)
-        self.jobs.progress(job)(Progress("uploading"))
-        outcome = await self.remote.upload(snapshot, self.jobs.progress(job),
-                                           self.jobs.claimed(SNAPSHOT_KEY_PREFIX))
-        if outcome["status"] != "uploaded":
-            error = outcome["error"]
-            kind = UploadStopped if error["code"] == UploadStopped.code else SnapshotError
-            raise kind(error["step"], error["cause"], hint=error["hint"])
-        return {**snapshot.summary(), "upload": outcome}
-
-    def stopped_uploads(self) -> list[str]:
-        """The snapshots of save jobs whose upload was given up for a shutdown's saves."""
-        return [
-            str(job.snapshot_id) for job in reversed(self.jobs.recent())
-            if job.kind == "save" and job.snapshot_id and job.result
-            and ((job.result.get("upload") or {}).get("error") or {}).get("code")
-            == UploadStopped.code
-        ]
-
-    async def upload_on_shutdown(self, snapshot_ids: list[str], seconds: float) -> None:
-        """Upload the snapshots the shutdown saved, within what is left of its budget.
-
-        Called by ``GPUSnapshotApp.stop_extension`` after every kernel is saved locally;
-        an upload that outlasts the budget is given up (the snapshot stays local).
-        """
-        if self.remote is None:
-            return
-        deadline = time.monotonic() + seconds
-        for snapshot_id in snapshot_ids:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.log.warning(
-                    "gpu-snapshot: snapshot %s is saved locally, not uploaded: the shutdown "
-                    "budget is spent (GPUSnapshot.shutdown_budget)", snapshot_id,
-                )
-                continue
-            try:
-                snapshot = await asyncio.to_thread(self.engine.get, snapshot_id)
-            except SnapshotError as exc:
-                self.log.warning("gpu-snapshot: not uploading %s: %s", snapshot_id, exc)
-                continue
-            upload = asyncio.ensure_future(
-                self.remote.upload(snapshot, lambda _p: None, {snapshot_id})
+            result["upload"] = await self.uploads.after_save(
+                snapshot, self.jobs.progress(job), obsolete
             )
-            done, _ = await asyncio.wait({upload}, timeout=left)
-            if not done:
-                self.remote.stopping.set()
-            outcome = await upload
-            if outcome["status"] != "uploaded":
-                self.log.warning(
-                    "gpu-snapshot: snapshot %s is saved locally, not uploaded: %s",
-                    snapshot_id, outcome["error"]["message"],
-                )
+        return result
 
     async def _until_answering(self, km: Any, kernel_id: str) -> None:
         """Wait until the kernel answers on its control channel.
