@@ -3,8 +3,8 @@ the server it belongs to, its ports, and how much memory a snapshot of it would 
 
 A kernel restored from a snapshot is the same process memory in a new process: its
 environment names the kernel slot it was saved from until the server, having adopted it
-into a new slot, updates ``os.environ`` there (``SnapshotService`` does, with
-a silent execute request, so only once the cell running at the restore has finished).
+into a new slot, updates ``os.environ`` there (``server/kernel_slots.py`` does,
+with a silent execute request, so only once the cell running at the restore has finished).
 ``KernelIdentity`` notices the new incarnation (the start time changes; CRIU cannot keep
 it) and takes the new kernel id from the environment once the server has set it.
 

@@ -1,8 +1,9 @@
 """A notice the server leaves for the user of a restored kernel, shown once at its next cell.
 
-``SnapshotService`` calls ``show_at_next_cell`` through a silent execute request right after
-adopting a restored kernel (a silent request's output reaches no notebook cell). The notice
-is printed to the cell's stderr before the user's code runs, then forgotten.
+The server (``server/kernel_slots.py``) calls ``show_at_next_cell`` through a silent
+execute request right after adopting a restored kernel (a silent request's output reaches
+no notebook cell). The notice is printed to the cell's stderr before the user's code runs,
+then forgotten.
 
 Only IPython and the standard library are imported: this module runs inside the kernel.
 """

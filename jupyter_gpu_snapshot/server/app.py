@@ -127,7 +127,7 @@ class GPUSnapshotApp(ExtensionApp):
         through jupyter_server's own kernel_actions events."""
         assert self.serverapp is not None and self.serverapp.event_logger is not None
         deaths = KernelDeaths(
-            self.serverapp.kernel_manager, service.newest_snapshot, service.notebook_path,
+            self.serverapp.kernel_manager, service.newest_snapshot, service.slots.notebook_path,
             self.log, on_death=self._emit_death,
         )
         service.deaths = deaths

@@ -268,7 +268,7 @@ class AutosaveScheduler:
         """Change the autosave policy of the kernel's notebook; called by the REST handler."""
         self.service.kernel(kernel_id)
         checked = check_override(changes)
-        key = self.policy_key(kernel_id, await self.service.notebook_path(kernel_id))
+        key = self.policy_key(kernel_id, await self.service.slots.notebook_path(kernel_id))
         mine = {**self.overrides.get(key, {}), **checked}
         mine = {k: v for k, v in mine.items() if v is not None}
         if mine:
@@ -311,7 +311,7 @@ class AutosaveScheduler:
     async def describe(self, kernel_id: str) -> dict[str, Any]:
         """The kernel's autosave state (openapi.yaml, AutosaveState)."""
         self.service.kernel(kernel_id)
-        notebook = await self.service.notebook_path(kernel_id)
+        notebook = await self.service.slots.notebook_path(kernel_id)
         key = self.policy_key(kernel_id, notebook)
         watch = await self._ensure_watch(kernel_id)
         job = self.service.running_job(kernel_id)
@@ -386,7 +386,7 @@ class AutosaveScheduler:
         for kernel_id in kernel_ids:
             if kernel_id not in self.service.kernel_manager:
                 continue  # shut down meanwhile
-            await self._consider(kernel_id, await self.service.notebook_path(kernel_id))
+            await self._consider(kernel_id, await self.service.slots.notebook_path(kernel_id))
 
     async def _first_look(self, kernel_id: str, km: Any, now: float) -> KernelWatch:
         """Where a kernel's unsaved work starts, the first time the scheduler sees it.

@@ -236,9 +236,9 @@ class RestoreHandler(JobCreatingHandler):
             # A kernel may switch its own notebook to a restored kernel, never another's.
             session_id, path = body.get("session_id"), body.get("path")
             if session_id:
-                self.require_kernel(await self.service.session_kernel_id(session_id))
+                self.require_kernel(await self.service.slots.session_kernel_id(session_id))
             elif path:
-                owner = await self.service.session_kernel_id_at(path)
+                owner = await self.service.slots.session_kernel_id_at(path)
                 self.require_kernel(owner or self.kernel_scope)
         job = await self.service.start_restore(
             ref, path=body.get("path") or None, session_id=body.get("session_id") or None,
@@ -293,7 +293,7 @@ class KernelSessionHandler(SnapshotAPIHandler):
     @authorized
     async def get(self, kernel_id: str) -> None:
         self.require_kernel(kernel_id)
-        self.write_json({"session": await self.service.session_of_kernel(kernel_id)})
+        self.write_json({"session": await self.service.slots.session_of_kernel(kernel_id)})
 
 
 class KernelAutosaveHandler(SnapshotAPIHandler):

@@ -18,10 +18,10 @@ async def refresh_kernel_env(
 ) -> bool:
     """Update ``os.environ`` inside a running kernel with a silent execute request.
 
-    Called by ``SnapshotService`` once the kernel manager has adopted a restored kernel:
-    its environment still names the slot and server it was saved from. Silent requests
-    leave no history, no output and no execution count. A kernel busy with a cell runs it
-    after the cell; we stop waiting for the reply after ``ENV_REFRESH_SECONDS``.
+    Called by ``KernelSlots.put_restored`` once the kernel manager has adopted a restored
+    kernel: its environment still names the slot and server it was saved from. Silent
+    requests leave no history, no output and no execution count. A kernel busy with a cell
+    runs it after the cell; we stop waiting for the reply after ``ENV_REFRESH_SECONDS``.
     ``notice`` (e.g. that the kernel now runs on other GPUs) is printed by the kernel at
     the start of its next cell (``kernel.notices``): the first thing its user reads there.
     Returns whether the kernel confirmed; failures are logged, never raised.

@@ -1,27 +1,25 @@
 """What the REST API does: the engine, applied to the server's kernels and sessions.
 
-Handlers call this and nothing else; it raises only the core's errors (``InvalidRequest``,
-``NotFound``, ``Busy``, ``NotReady``, ``SnapshotError``), which the handlers map to HTTP
-statuses in one place. Uploads to the remote store are ``uploads``.
+Handlers call this, and for session lookups its ``slots`` (``kernel_slots.KernelSlots``);
+it raises only the core's errors (``InvalidRequest``, ``NotFound``, ``Busy``,
+``NotReady``, ``SnapshotError``), which the handlers map to HTTP statuses in one place.
+Here: the snapshots (remote copies merged in), kernel status, the save job and the
+restore job. A restored tree becomes a kernel of the server in ``kernel_slots``; uploads
+to the remote store are ``uploads``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import posixpath
 import queue
 import shutil
 import time
 import uuid
-from collections.abc import Collection
 from typing import Any
 
 from jupyter_core.utils import ensure_async
-from tornado import web
 
-from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..config import GPUSnapshot
 from ..core import procfs, retention
 from ..core.engine import SnapshotEngine
@@ -34,15 +32,14 @@ from ..core.errors import (
     SnapshotError,
 )
 from ..core.hooks import SaveTarget
-from ..core.restore import RestoredKernel
 from ..core.store import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
-from ..gpu.remap import describe_choice, parse_gpu_choice, remap_notice
-from ..launch.provisioner import ADOPT_KWARG, Adoption, root_pid
+from ..gpu.remap import describe_choice, parse_gpu_choice
+from ..launch.provisioner import root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .deaths import KernelDeaths
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, kernel_key, snapshot_key
-from .kernel_env import refresh_kernel_env
+from .kernel_slots import KernelSlots
 from .remote_sync import RemoteListing, RemoteSync
 from .status import TreeFacts, cuda_status, newest_snapshot
 from .status import kernel_status as describe_kernel
@@ -73,15 +70,14 @@ class SnapshotService:
         self.engine = engine
         self.settings = settings
         self.kernel_manager = kernel_manager
-        self.session_manager = session_manager
-        self.contents_manager = contents_manager
-        self.kernel_spec_manager = kernel_spec_manager
         self.log = log or logging.getLogger(__name__)
         self.jobs = jobs or JobRunner(log=self.log)
+        self.slots = KernelSlots(
+            kernel_manager, session_manager, contents_manager, kernel_spec_manager, self.log
+        )
         # With c.GPUSnapshot.remote_url: saves upload, restores download, listings merge.
         self.remote = remote
         self.uploads = Uploads(engine, remote, self.jobs, self.log) if remote is not None else None
-        self._background: set[asyncio.Future[bool]] = set()
         self.tree_facts = TreeFacts(engine.criu)
 
     # -- snapshots -------------------------------------------------------------------------
@@ -267,17 +263,6 @@ class SnapshotService:
             )
         return self.kernel_manager.get_kernel(kernel_id)
 
-    async def _sessions(self) -> list[dict[str, Any]]:
-        if self.session_manager is None:
-            return []
-        return list(await ensure_async(self.session_manager.list_sessions()))
-
-    async def notebook_path(self, kernel_id: str) -> str | None:
-        """The path of the notebook (or else any document) whose session runs the kernel."""
-        mine = [s for s in await self._sessions() if (s.get("kernel") or {}).get("id") == kernel_id]
-        mine.sort(key=lambda s: s.get("type") != "notebook")
-        return str(mine[0]["path"]) if mine else None
-
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
         """Readiness, CUDA state, last snapshot and running job of a kernel."""
         km = self.kernel(kernel_id)
@@ -285,7 +270,7 @@ class SnapshotService:
             kernel_id,
             km.kernel_name,
             root_pid(km),
-            await self.notebook_path(kernel_id),
+            await self.slots.notebook_path(kernel_id),
             await asyncio.to_thread(self.engine.list),
             self.running_job(kernel_id),
             self.tree_facts,
@@ -360,7 +345,7 @@ class SnapshotService:
             kernel_name=km.kernel_name,
             kernel_spec=spec.to_dict() if spec is not None else None,
             connection_info=km.get_connection_info(session=False),
-            notebook_path=await self.notebook_path(kernel_id),
+            notebook_path=await self.slots.notebook_path(kernel_id),
             kernel_id=kernel_id,
             reason=reason,
         )
@@ -379,7 +364,7 @@ class SnapshotService:
             raise
         job.snapshot_id = snapshot.id
         if stop:
-            await self._shutdown_quietly(kernel_id)
+            await self.slots.shutdown_quietly(kernel_id)
         if self.uploads is not None:
             # Until its upload completes, the snapshot is owed to the remote store; held by
             # this job first, so a retry pass never uploads it beside this job's upload.
@@ -423,14 +408,6 @@ class SnapshotService:
             f"kernel {kernel_id} did not answer within {KERNEL_ANSWER_SECONDS:.0f} s",
             hint="is it still starting? Try again once it is idle",
         )
-
-    async def _shutdown_quietly(self, kernel_id: str) -> None:
-        if kernel_id not in self.kernel_manager:
-            return
-        try:
-            await ensure_async(self.kernel_manager.shutdown_kernel(kernel_id, now=True))
-        except Exception:  # the snapshot is safe; a slot that lingers is only untidy
-            self.log.exception("gpu-snapshot: could not shut down kernel %s", kernel_id)
 
     async def _apply_retention(self, snapshot: Snapshot) -> list[str]:
         """Delete what ``core.retention`` says the new snapshot makes obsolete; return the
@@ -477,17 +454,7 @@ class SnapshotService:
         """
         chosen = parse_gpu_choice(gpus) if gpus is not None else None
         snapshot, local = await self._find(ref)
-        if path is not None:
-            path = await self._contents_path(path)
-        session = None
-        if session_id is not None:
-            session = await self._session(session_id=session_id)
-            if session is None:
-                raise NotFound("lookup", f"no session {session_id!r} on this server")
-        elif path is not None:
-            session = await self._session(path=path)
-        if session is not None and path is None:
-            path = str(session["path"])
+        session, path = await self.slots.restore_target(path, session_id)
         new_kernel_id = str(uuid.uuid4())
         keys = [snapshot_key(snapshot.id), kernel_key(new_kernel_id)]
         if session is not None:
@@ -496,74 +463,6 @@ class SnapshotService:
         job = Job("restore", new_kernel_id, snapshot.id)
         return self.jobs.start(
             job, keys, lambda j: self._restore(j, snapshot, session, path, local, chosen)
-        )
-
-    async def _contents_path(self, path: str) -> str:
-        """``path`` as an API path inside the contents root; what /api/sessions accepts."""
-        api_path = path.strip("/")
-        refused = ".." in api_path.split("/") or "\0" in api_path
-        cause = "it leaves the contents root"
-        if not refused and self.contents_manager is not None:
-            try:
-                await ensure_async(self.contents_manager.get_kernel_path(path=api_path))
-            except web.HTTPError as exc:
-                refused, cause = True, str(exc.log_message or exc)
-        if refused:
-            raise InvalidRequest(
-                "preflight",
-                f"notebook path {path!r} is refused: {cause}",
-                hint="give a path relative to the server's root, as /api/sessions takes it",
-            )
-        return api_path
-
-    async def session_kernel_id(self, session_id: str) -> str | None:
-        """The id of the kernel session ``session_id`` uses, or None."""
-        session = await self._session(session_id=session_id)
-        return str(session["kernel"]["id"]) if session and session.get("kernel") else None
-
-    async def session_kernel_id_at(self, path: str) -> str | None:
-        """The id of the kernel the session of notebook ``path`` uses, or None."""
-        session = await self._session(path=path.strip("/"))
-        return str(session["kernel"]["id"]) if session and session.get("kernel") else None
-
-    async def session_of_kernel(self, kernel_id: str) -> dict[str, Any] | None:
-        """The session that uses kernel ``kernel_id``, or None."""
-        return await self._session(kernel_id=kernel_id)
-
-    async def _session(self, **query: str) -> dict[str, Any] | None:
-        if self.session_manager is None:
-            return None
-        try:
-            return dict(await self.session_manager.get_session(**query))
-        except web.HTTPError as exc:
-            if exc.status_code == 404:
-                return None
-            raise
-
-    async def _our_kernelspecs(self) -> dict[str, Any]:
-        """The installed kernelspecs that launch kernels through our provisioner."""
-        if self.kernel_spec_manager is None:
-            return {}
-        specs: dict[str, Any] = await asyncio.to_thread(self.kernel_spec_manager.get_all_specs)
-
-        def ours(spec: dict[str, Any]) -> bool:
-            meta = (spec or {}).get("spec", {}).get("metadata", {})
-            provisioner = (meta.get("kernel_provisioner") or {}).get("provisioner_name")
-            return bool(provisioner == PROVISIONER_NAME)
-
-        return {name: spec for name, spec in specs.items() if ours(spec)}
-
-    def restore_kernel_name(self, snapshot: Snapshot, ours: Collection[str]) -> str:
-        """The kernelspec a restored kernel runs under (it decides what a restart starts)."""
-        saved = str((snapshot.manifest.get("kernel") or {}).get("name") or "")
-        for name in (saved, KERNEL_NAME):
-            if name and name in ours:
-                return name
-        raise NotFound(
-            "preflight",
-            f"no kernelspec launches kernels through {PROVISIONER_NAME} "
-            f"(looked for {saved or KERNEL_NAME!r} and {KERNEL_NAME!r})",
-            hint="install it with 'jupyter gpu-snapshot kernelspec install --sys-prefix'",
         )
 
     async def _restore(
@@ -575,15 +474,16 @@ class SnapshotService:
         local: bool = True,
         gpus: list[str] | None = None,
     ) -> dict[str, Any]:
-        """Restore with the engine, then let the kernel manager adopt the running tree.
+        """Restore with the engine, then put the running tree into the new kernel slot
+        (``KernelSlots.put_restored``).
 
         A remote-only snapshot (``local`` False) is downloaded into the store first.
         """
         kernel_id = job.kernel_id
         assert kernel_id is not None
-        ours = await self._our_kernelspecs()
+        ours = await self.slots.our_kernelspecs()
         if not ours:  # refuse before a restore that no kernel slot could take
-            self.restore_kernel_name(snapshot, ours)
+            self.slots.restore_kernel_name(snapshot, ours)
         if not local:
             assert self.remote is not None
             # Its manifest is authenticated: a node that cannot run it refuses before the
@@ -598,139 +498,10 @@ class SnapshotService:
             restored = await self.engine.restore(snapshot, self.jobs.progress(job), gpus=gpus)
         except PortsInUse as exc:
             # Name the kernel that holds the ports, so a client offers to shut down that one.
-            exc.details.update(await self._port_holder(snapshot, kernel_id))
+            exc.details.update(await self.slots.port_holder(snapshot, kernel_id))
             raise
-        try:
-            await self._adopt(kernel_id, restored, ours, path)
-        except BaseException as exc:
-            # Nothing half-adopted may linger holding the snapshot's ports.
-            await asyncio.to_thread(procfs.kill_tree, restored.pid)
-            self._forget_failed_start(kernel_id)
-            if isinstance(exc, KeyError):
-                raise SnapshotError("adopt", "the restored kernel vanished") from None
-            if isinstance(exc, Exception) and not isinstance(exc, SnapshotError):
-                raise SnapshotError(
-                    "adopt", f"the kernel manager could not adopt the restored kernel: {exc}"
-                ) from exc
-            raise
-        remap = restored.notes.get("gpu_remap")
-        self._tell_new_slot(kernel_id, remap_notice(remap))
-        try:
-            session_id = await self._attach(kernel_id, session, path)
-        except Exception as exc:
-            # A kernel nobody can reach from the notebook is no restore: undo it.
-            await self._shutdown_quietly(kernel_id)
-            raise SnapshotError(
-                "attach", f"could not switch the session to the restored kernel: {exc}"
-            ) from exc
-        return {"kernel_id": kernel_id, "session_id": session_id, "gpu_remap": remap}
-
-    async def _adopt(
-        self, kernel_id: str, restored: RestoredKernel, ours: Collection[str], path: str | None
-    ) -> None:
-        """Start the kernel slot ``kernel_id`` on the restored tree (plain data only)."""
-        kernel_name = self.restore_kernel_name(restored.snapshot, ours)
-        adoption = Adoption(restored.pid, restored.connection_info, restored.snapshot.id)
-        launch: dict[str, Any] = {ADOPT_KWARG: adoption}
-        if path:
-            # Only a later restart uses these: it starts a fresh kernel beside the notebook.
-            launch["path"] = await self._kernel_dir(path)
-            if self.session_manager is not None:
-                launch["env"] = self.session_manager.get_kernel_env(path)
-        await ensure_async(
-            self.kernel_manager.start_kernel(kernel_id=kernel_id, kernel_name=kernel_name, **launch)
-        )
-        # With pending kernels, start_kernel returns before the adoption has run.
-        await self.kernel_manager.get_kernel(kernel_id).ready
-
-    def _tell_new_slot(self, kernel_id: str, notice: str = "") -> None:
-        """Give the restored kernel this slot's environment, without waiting for it.
-
-        Its ``os.environ`` still names the slot and server it was saved from, so
-        %gpu_snapshot inside it would address those. A kernel restored in the middle of a
-        cell answers only after that cell. ``notice`` (a GPU remap) is shown by the kernel
-        at the start of its next cell.
-        """
-        km = self.kernel_manager.get_kernel(kernel_id)
-        env = km.provisioner.server_env() if hasattr(km.provisioner, "server_env") else {}
-        if not env and not notice:
-            return
-        task = asyncio.ensure_future(refresh_kernel_env(km, env, self.log, notice))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-    async def _port_holder(self, snapshot: Snapshot, restoring_id: str) -> dict[str, Any]:
-        """Which of the server's kernels listens on the snapshot's ports, and its notebook.
-
-        Called when a restore is refused for taken ports, so that a client can offer to shut
-        down that kernel (usually the one the snapshot was taken of) and no other.
-        """
-        wanted = {v for k, v in snapshot.connection_info.items() if k.endswith("_port") and v}
-        for kernel_id in self.kernel_manager.list_kernel_ids():
-            if kernel_id == restoring_id:
-                continue
-            with contextlib.suppress(Exception):
-                info = self.kernel_manager.get_kernel(kernel_id).get_connection_info()
-                if wanted & {v for k, v in info.items() if k.endswith("_port")}:
-                    return {
-                        "holder_kernel_id": kernel_id,
-                        "holder_notebook_path": await self.notebook_path(kernel_id),
-                    }
-        return {"holder_kernel_id": None, "holder_notebook_path": None}
-
-    def _forget_failed_start(self, kernel_id: str) -> None:
-        """Drop what the kernel manager keeps of a kernel whose start failed.
-
-        jupyter_client leaves a failed start in its pending kernels, and shutdown_all then
-        fails on it (404) when the server stops; with pending kernels on, the slot itself
-        stays listed. Neither may outlive a failed restore.
-        """
-        km = self.kernel_manager
-        if kernel_id in km:
-            with contextlib.suppress(Exception):
-                km.remove_kernel(kernel_id)
-        pending = getattr(km, "_pending_kernels", None)
-        if isinstance(pending, dict):
-            pending.pop(kernel_id, None)
-
-    async def _kernel_dir(self, path: str) -> str:
-        if self.contents_manager is not None:
-            with contextlib.suppress(Exception):
-                return str(await ensure_async(self.contents_manager.get_kernel_path(path=path)))
-        return posixpath.dirname(path)
-
-    async def _attach(
-        self, kernel_id: str, session: dict[str, Any] | None, path: str | None
-    ) -> str | None:
-        """Point the given session (or the notebook's, or a new one) at the restored kernel."""
-        sm = self.session_manager
-        if sm is None:
-            return None
-        if session is not None:
-            try:
-                await sm.update_session(session["id"], kernel_id=kernel_id)
-            except web.HTTPError as exc:
-                # The server dropped the session (its kernel died) since the request.
-                if exc.status_code != 404:
-                    raise
-            else:
-                await self._retire(str(session["kernel"]["id"]), kernel_id)
-                return str(session["id"])
-        if not path:
-            return None
-        kind = "notebook" if path.endswith(".ipynb") else "file"
-        model = await sm.create_session(
-            path=path, name=posixpath.basename(path), type=kind, kernel_id=kernel_id
-        )
-        return str(model["id"])
-
-    async def _retire(self, old_kernel_id: str, new_kernel_id: str) -> None:
-        """Shut down the kernel a session used before, unless another session still uses it.
-
-        This is what changing a notebook's kernel in JupyterLab does.
-        """
-        if old_kernel_id == new_kernel_id or old_kernel_id not in self.kernel_manager:
-            return
-        if any((s.get("kernel") or {}).get("id") == old_kernel_id for s in await self._sessions()):
-            return
-        await self._shutdown_quietly(old_kernel_id)
-
+        session_id = await self.slots.put_restored(kernel_id, restored, ours, session, path)
+        return {
+            "kernel_id": kernel_id, "session_id": session_id,
+            "gpu_remap": restored.notes.get("gpu_remap"),
+        }
