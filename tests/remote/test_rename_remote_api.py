@@ -62,7 +62,10 @@ def test_rename_over_rest_reaches_the_remote_copy_or_says_it_did_not(
             assert code == 400 and f"exists already in {remote_url}" in error["message"], error
 
             gate.shut()  # the remote store cannot be reached
-            local = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "offline"})
+            # The answer comes once every retry failed: s3fs's, inside the store's own, for
+            # the listing and the rename. That takes longer than a client's default 20 s.
+            local = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "offline"},
+                                 request_timeout=300)
             assert local["name"] == "offline", local
             outcome = local["remote_rename"]
             assert outcome["status"] == "failed", outcome

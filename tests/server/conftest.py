@@ -101,8 +101,11 @@ class Api:
         body: Json | None = None,
         params: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
+        request_timeout: float | None = None,
     ) -> tuple[int, Any]:
         kwargs: dict[str, Any] = {"method": method, "raise_error": False}
+        if request_timeout is not None:
+            kwargs["request_timeout"] = request_timeout
         if method in ("POST", "PUT", "PATCH"):
             kwargs["body"] = json.dumps(body or {})
         if headers is not None:

@@ -78,7 +78,8 @@ class ServerProcess:
         query = urllib.parse.urlencode(params or {})
         headers = {"Authorization": f"token {TOKEN}", **(kw.pop("headers", None) or {})}
         url = f"http://{self.host}:{self.port}{path}?{query}"
-        return AsyncHTTPClient().fetch(url, headers=headers, request_timeout=60, **kw)
+        kw.setdefault("request_timeout", 60)
+        return AsyncHTTPClient().fetch(url, headers=headers, **kw)
 
     async def ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
