@@ -11,7 +11,8 @@ from typing import Any
 
 from .config import GPUSnapshot
 from .core.remote import RemoteSnapshot, RemoteStore, SnapshotCache, load_key
-from .core.store import DAMAGED, Snapshot, SnapshotStore
+from .core.snapshot import DAMAGED, Snapshot
+from .core.store import SnapshotStore
 
 # Where a snapshot lives, as listings say it.
 LOCAL, REMOTE, BOTH = "local", "remote", "both"

@@ -32,7 +32,8 @@ from jupyter_gpu_snapshot.core.compatibility import (
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import Incompatible
 from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
-from jupyter_gpu_snapshot.core.store import Snapshot, SnapshotStore
+from jupyter_gpu_snapshot.core.snapshot import Snapshot
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
 from .test_engine import CriuCalls

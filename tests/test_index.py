@@ -10,7 +10,8 @@ import pytest
 
 from jupyter_gpu_snapshot.core.errors import NotFound
 from jupyter_gpu_snapshot.core.index import SnapshotIndex
-from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id
+from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .manifests import commit_tiny
 

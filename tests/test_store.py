@@ -19,7 +19,8 @@ from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.safe_fs import UnsafeStore
 from jupyter_gpu_snapshot.core.signing import SigningKey
-from jupyter_gpu_snapshot.core.store import SnapshotStore, new_snapshot_id, validate_name
+from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id, validate_name
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import run
 

@@ -35,7 +35,7 @@ from ..core.recovery import clean_work_dirs, recover_store
 from ..core.remote import RemoteStoreError, SnapshotCache
 from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
-from ..core.store import Snapshot, is_snapshot_id
+from ..core.snapshot import Snapshot, is_snapshot_id
 from ..engines import make_engine, wake_kernel
 from ..gpu.broker import PluginInstall
 from ..gpu.remap import parse_gpu_choice, remap_notice

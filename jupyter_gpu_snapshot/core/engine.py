@@ -28,7 +28,8 @@ from .restore import check_compatibility as _check_compatibility
 from .restore import check_ports as _check_ports
 from .save import KERNEL_ANSWER_SECONDS, save_kernel
 from .sequences import KernelAnswers, keep_log
-from .store import Snapshot, SnapshotStore
+from .snapshot import Snapshot
+from .store import SnapshotStore
 
 
 class SnapshotEngine:

@@ -18,7 +18,7 @@ from typing import Any
 from . import procfs
 from .criu import CriuExtras
 from .errors import SnapshotError
-from .store import Snapshot
+from .snapshot import Snapshot
 
 
 @dataclass(frozen=True)

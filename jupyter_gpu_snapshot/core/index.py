@@ -15,7 +15,8 @@ import threading
 
 from .errors import NotFound
 from .manifest import MANIFEST
-from .store import DAMAGED, Snapshot, SnapshotStore, is_snapshot_id, validate_name
+from .snapshot import DAMAGED, Snapshot, is_snapshot_id, validate_name
+from .store import SnapshotStore
 
 _Stamp = tuple[int, int, int]
 

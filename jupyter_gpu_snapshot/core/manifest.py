@@ -22,6 +22,8 @@ from .digest import ALGORITHMS
 # 3 added the "node" section (a reader of 2 refuses its unknown field); 2 is still read.
 FORMAT_VERSION = 3
 READABLE_FORMATS = (2, 3)
+# Written before manifests were signed: read only to be listed as unsigned, and trusted.
+LEGACY_FORMAT = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 4 << 20
 ID_PATTERN = r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$"

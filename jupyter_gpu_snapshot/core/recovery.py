@@ -32,13 +32,13 @@ import psutil
 from . import procfs
 from .errors import InvalidRequest
 from .locks import is_locked, snapshot_key
+from .snapshot import Snapshot
 from .store import (
     DELETING_PREFIX,
     DRAFT_FILE,
     DUMP_COMPLETE_FILE,
     PARTIAL_PREFIX,
     UNFINISHED_PREFIX,
-    Snapshot,
     SnapshotStore,
 )
 

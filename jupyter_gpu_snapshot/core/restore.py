@@ -37,7 +37,7 @@ from .compatibility import NodeCompatibility, refusal
 from .errors import InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .hooks import Progress, ProgressCallback, RestoreContext, SnapshotHook
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
-from .store import Snapshot
+from .snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,8 @@ from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, Snapshot
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
-from .store import DUMP_COMPLETE_FILE, Snapshot, SnapshotStore, new_snapshot_id, validate_name
+from .snapshot import Snapshot, new_snapshot_id, validate_name
+from .store import DUMP_COMPLETE_FILE, SnapshotStore
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20

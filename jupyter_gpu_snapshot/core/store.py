@@ -8,6 +8,10 @@ the whole memory of a kernel and are code that root runs at restore, so:
 - nothing inside it is reached through a symlink (dir-fd walks, ``O_NOFOLLOW``);
 - a manifest is used only once its HMAC matched this node's key and it passed the schema;
   anything else is listed as ``unsigned`` or ``damaged`` with the reason, and never restored.
+
+This module keeps the directory: partial snapshots and their commit, manifests signed,
+judged and replaced, lookups, locks. A snapshot's id, name and ``Snapshot`` view are in
+``core/snapshot.py``; its image files are digested and checked by ``core/images.py``.
 """
 
 from __future__ import annotations
@@ -15,23 +19,19 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
-import hashlib
 import json
 import os
-import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
-from . import digest, safe_fs
+from . import images, safe_fs
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .locks import StoreLocks
 from .locks import name_key as name_lock_key
@@ -39,15 +39,17 @@ from .locks import snapshot_key as snapshot_lock_key
 from .manifest import (
     CONNECTION_KEYS,
     FORMAT_VERSION,
+    LEGACY_FORMAT,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     ManifestPolicy,
     kernel_problem,
 )
 from .manifest import problem as manifest_problem
+from .progress import ProgressFn
 from .signing import SigningKey
+from .snapshot import DAMAGED, UNSIGNED, Snapshot, is_snapshot_id, validate_name
 
-LEGACY_FORMAT = 1
 PARTIAL_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
 OWNER_FILE = ".owner"
@@ -59,13 +61,6 @@ DRAFT_FILE = ".manifest-draft.json"
 DUMP_COMPLETE_FILE = ".dump-complete"
 LOGS_DIR = "logs"
 KERNEL_LOG_SUBDIR = "gpu_snapshot"
-
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-ID_PATTERN = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
-
-OK, UNSIGNED, DAMAGED = "ok", "unsigned", "damaged"
-
-ProgressFn = Callable[[int, int], None]
 
 
 def default_store_dir() -> Path:
@@ -93,125 +88,6 @@ def default_kernel_log_dir() -> Path:
     from jupyter_core.paths import jupyter_runtime_dir
 
     return Path(os.path.realpath(Path(jupyter_runtime_dir()) / KERNEL_LOG_SUBDIR))
-
-
-def validate_name(name: str) -> str:
-    if not NAME_PATTERN.fullmatch(name) or name.endswith((".", "-")) or ".." in name:
-        raise InvalidRequest(
-            "preflight",
-            f"invalid snapshot name {name!r}",
-            hint="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
-        )
-    return name
-
-
-def is_snapshot_id(ref: str) -> bool:
-    return bool(ID_PATTERN.fullmatch(ref))
-
-
-def new_snapshot_id(now: float | None = None) -> str:
-    stamp = datetime.fromtimestamp(now or time.time(), tz=timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{secrets.token_hex(4)}"
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A committed snapshot: its directory, its manifest and whether it may be trusted.
-
-    ``status`` is ``ok`` (signed by this node's key and valid), ``unsigned`` (written before
-    manifests were signed; ``jupyter gpu-snapshot trust`` signs it) or ``damaged``
-    (``problem`` says why). Only ``ok`` snapshots are ever restored.
-    """
-
-    id: str
-    path: Path
-    manifest: dict[str, Any]
-    status: str = OK
-    problem: str | None = None
-
-    @property
-    def trusted(self) -> bool:
-        return self.status == OK
-
-    def _field(self, *keys: str) -> Any:
-        value: Any = self.manifest
-        for key in keys:
-            value = value.get(key) if isinstance(value, dict) else None
-        return value
-
-    @property
-    def name(self) -> str:
-        value = self._field("name")
-        return value if isinstance(value, str) and value else self.id
-
-    @property
-    def created(self) -> float:
-        value = self._field("created")
-        return float(value) if isinstance(value, (int, float)) else 0.0
-
-    @property
-    def size_bytes(self) -> int:
-        files = self._field("files")
-        if not isinstance(files, dict):
-            return 0
-        return sum(int(f["size"]) for f in files.values()
-                   if isinstance(f, dict) and isinstance(f.get("size"), int))
-
-    @property
-    def notebook_path(self) -> str | None:
-        value = self._field("kernel", "notebook_path")
-        return value if isinstance(value, str) and value else None
-
-    @property
-    def connection_info(self) -> dict[str, Any]:
-        self.require_trusted()
-        return dict(self.manifest["kernel"]["connection_info"])
-
-    def require_trusted(self, step: str = "verify") -> None:
-        if self.status == UNSIGNED:
-            raise SnapshotError(
-                step,
-                f"snapshot {self.id} is unsigned: {self.problem}",
-                hint="it was written before snapshots were signed. If you know where it came "
-                f"from, sign it with 'jupyter gpu-snapshot trust {self.id}'",
-            )
-        if self.status != OK:
-            raise SnapshotError(
-                step,
-                f"snapshot {self.id} is damaged and is not used: {self.problem}",
-                hint="delete it",
-            )
-
-    def summary(self) -> dict[str, Any]:
-        """What may be shown to clients: everything but the kernel's HMAC key."""
-        kernel = self._field("kernel")
-        kernel = dict(kernel) if isinstance(kernel, dict) and self.status != DAMAGED else {}
-        info = kernel.get("connection_info")
-        info = dict(info) if isinstance(info, dict) else {}
-        info.pop("key", None)
-        kernel["connection_info"] = info
-
-        def shown(key: str, default: Any) -> Any:
-            return default if self.status == DAMAGED else self.manifest.get(key, default)
-
-        return {
-            "id": self.id,
-            "name": self.name if self.status != DAMAGED else self.id,
-            "status": self.status,
-            "problem": self.problem,
-            "created": self.created,
-            "created_iso": datetime.fromtimestamp(self.created, tz=timezone.utc).isoformat(),
-            "size_bytes": self.size_bytes,
-            "host": shown("host", None),
-            "notebook_path": self.notebook_path if self.status != DAMAGED else None,
-            "kernel": kernel,
-            "reason": shown("reason", "user"),
-            "timings": shown("timings", {}),
-            "gpu": shown("gpu", None),
-            "versions": shown("versions", {}),
-            "warnings": shown("warnings", []),
-            "recovered": bool(shown("recovered", False)),
-        }
 
 
 class SnapshotStore:
@@ -297,25 +173,7 @@ class SnapshotStore:
         snapshot_id = manifest["id"]
         with self._root_fd() as root_fd, safe_fs.opened_dir(partial.name, root_fd) as dfd:
             assert root_fd is not None
-            # Dot files are the save's bookkeeping (owner, draft, dump marker), no image.
-            images = sorted(n for n in os.listdir(dfd) if not n.startswith(".") and n != MANIFEST)
-            opened = _open_files(dfd, images, "commit")
-            try:
-                for fd, _ in opened.values():
-                    os.fchmod(fd, 0o600)
-                algorithm = digest.preferred_algorithm()
-                digests = digest.digest_files(
-                    list(opened.values()), algorithm, _counter(progress, opened)
-                )
-                for fd, _ in opened.values():
-                    os.fsync(fd)
-            finally:
-                for fd, _ in opened.values():
-                    os.close(fd)
-            files = {
-                name: {"size": size, "digest": d}
-                for (name, (_, size)), d in zip(opened.items(), digests, strict=True)
-            }
+            algorithm, files = images.digest_new(dfd, progress)
             manifest = dict(manifest, format=FORMAT_VERSION, digest=algorithm, files=files)
             manifest.pop("verified", None)
             name = manifest.get("name")
@@ -543,81 +401,34 @@ class SnapshotStore:
         return fresh
 
     @contextlib.contextmanager
-    def opened_images(self, snapshot: Snapshot) -> Iterator[builtins.list[tuple[int, int]]]:
-        """The image files as ``(fd, size)``, once the directory holds exactly the files the
-        manifest lists, each a regular file of the listed size."""
+    def opened_images(self, snapshot: Snapshot) -> Iterator[builtins.list[images.Image]]:
+        """The image files of trusted ``snapshot`` as ``(fd, size)``, checked against its
+        manifest's list and sizes (``images.opened``). Called by the engine's restore, which
+        passes them to criu and to ``check_digests``, and by ``verify``."""
         snapshot.require_trusted()
-        files: dict[str, dict[str, Any]] = snapshot.manifest["files"]
-        with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
-            present = set(os.listdir(dfd)) - {MANIFEST}
-            extra = present - set(files)
-            if extra:
-                raise SnapshotError(
-                    "verify",
-                    f"snapshot {snapshot.id} has unexpected files: {', '.join(sorted(extra))}",
-                    hint="the snapshot is damaged or was altered; delete it",
-                )
-            missing = set(files) - present
-            if missing:
-                raise SnapshotError(
-                    "verify", f"image file {sorted(missing)[0]} of {snapshot.id} is missing",
-                    hint="the snapshot is damaged; delete it",
-                )
-            opened = _open_files(dfd, sorted(files), "verify")
-            try:
-                for name, (_, size) in opened.items():
-                    if size != files[name]["size"]:
-                        raise SnapshotError(
-                            "verify",
-                            f"image file {name} of {snapshot.id} has {size} bytes, "
-                            f"the manifest says {files[name]['size']}",
-                            hint="the snapshot is damaged or was altered; delete it",
-                        )
-                yield list(opened.values())
-            finally:
-                for fd, _ in opened.values():
-                    os.close(fd)
+        with (
+            self._root_fd() as root_fd,
+            safe_fs.opened_dir(snapshot.id, root_fd) as dfd,
+            images.opened(dfd, snapshot) as opened,
+        ):
+            yield opened
 
     def check_digests(
         self,
         snapshot: Snapshot,
-        images: builtins.list[tuple[int, int]],
+        opened: builtins.list[images.Image],
         progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
     ) -> None:
-        """Compare the digests of ``images`` (from ``opened_images``) with the manifest."""
-        names = sorted(snapshot.manifest["files"])
-        expected = [snapshot.manifest["files"][n]["digest"] for n in names]
-        total = sum(size for _, size in images)
-        done = 0
-
-        def advance(n: int) -> None:
-            nonlocal done
-            done += n
-            if progress:
-                progress(done, total)
-
-        algorithm = snapshot.manifest["digest"]
-        try:
-            actual = digest.digest_files(images, algorithm, advance, cancel)
-        except OSError as exc:
-            raise SnapshotError(
-                "verify", f"cannot read the images of {snapshot.id}: {exc}",
-                hint="the snapshot is damaged; delete it",
-            ) from exc
-        for name, want, got in zip(names, expected, actual, strict=True):
-            if want != got:
-                raise SnapshotError(
-                    "verify",
-                    f"image file {name} of {snapshot.id} does not match its {algorithm} digest",
-                    hint="the snapshot is damaged or was altered; delete it",
-                )
+        """``images.check_digests`` of what ``opened_images`` gave; the engine's restore
+        runs it beside criu."""
+        images.check_digests(snapshot, opened, progress, cancel)
 
     def verify(self, snapshot: Snapshot, progress: ProgressFn | None = None) -> None:
         """Check the signature, the file list, every size and every digest."""
         snapshot = self.reload(snapshot)
-        with self.opened_images(snapshot) as images:
-            self.check_digests(snapshot, images, progress)
+        with self.opened_images(snapshot) as opened:
+            images.check_digests(snapshot, opened, progress)
 
     def prepare_log_files(self, snapshot: Snapshot) -> None:
         """Create the kernel's log files that CRIU will reopen, in the kernel-log directory
@@ -652,37 +463,9 @@ class SnapshotStore:
             raise SnapshotError("trust", f"snapshot {snapshot.id} lists no files")
         with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
             assert root_fd is not None
-            present = set(os.listdir(dfd)) - {MANIFEST}
-            if present != set(files):
-                raise SnapshotError(
-                    "trust", f"snapshot {snapshot.id}'s files differ from its manifest's list"
-                )
-            opened = _open_files(dfd, sorted(files), "trust")
-            try:
-                for name, (fd, size) in opened.items():
-                    entry = files[name]
-                    if not isinstance(entry, dict) or entry.get("size") != size or (
-                        _legacy_sha256(fd, size) != entry.get("sha256")
-                    ):
-                        raise SnapshotError(
-                            "trust",
-                            f"image file {name} of {snapshot.id} does not match its sha256",
-                            hint="the snapshot is damaged or was altered; delete it",
-                        )
-                algorithm = digest.preferred_algorithm()
-                digests = digest.digest_files(
-                    list(opened.values()), algorithm, _counter(progress, opened)
-                )
-            finally:
-                for fd, _ in opened.values():
-                    os.close(fd)
+            algorithm, redigested = images.redigest_legacy(dfd, snapshot.id, files, progress)
             manifest = {k: v for k, v in legacy.items() if k not in ("files", "sha256")}
-            manifest.update(
-                format=FORMAT_VERSION,
-                digest=algorithm,
-                files={n: {"size": s, "digest": d}
-                       for (n, (_, s)), d in zip(opened.items(), digests, strict=True)},
-            )
+            manifest.update(format=FORMAT_VERSION, digest=algorithm, files=redigested)
             signed = self._sign(manifest, snapshot.id, "trust")
             tmp = f".{MANIFEST}.{secrets.token_hex(4)}"
             safe_fs.write_new(tmp, dfd, _encode(signed))
@@ -712,51 +495,3 @@ class SnapshotStore:
 
 def _encode(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, indent=2, sort_keys=True).encode()
-
-
-def _open_files(dfd: int, names: builtins.list[str], step: str) -> dict[str, tuple[int, int]]:
-    opened: dict[str, tuple[int, int]] = {}
-    try:
-        for name in names:
-            try:
-                opened[name] = safe_fs.open_regular(name, dfd)
-            except OSError as exc:
-                raise SnapshotError(
-                    step, f"{name} is not a regular file of the snapshot: {exc}",
-                    hint="the snapshot is damaged or was altered; delete it",
-                ) from exc
-    except BaseException:
-        for fd, _ in opened.values():
-            os.close(fd)
-        raise
-    return opened
-
-
-def _counter(
-    progress: ProgressFn | None, opened: dict[str, tuple[int, int]]
-) -> Callable[[int], None]:
-    total = sum(size for _, size in opened.values())
-    done = 0
-
-    def advance(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress(done, total)
-
-    return advance
-
-
-def _legacy_sha256(fd: int, size: int) -> str:
-    """The checksum format-1 manifests carry: plain sha256, or a 64 MiB chunk tree above."""
-    if size > digest.TREE_CHUNK:
-        return digest.digest_files([(fd, size)], digest.SHA256_TREE)[0]
-    h = hashlib.sha256()
-    offset = 0
-    while offset < size:
-        data = os.pread(fd, 8 << 20, offset)
-        if not data:
-            break
-        h.update(data)
-        offset += len(data)
-    return h.hexdigest()

@@ -37,7 +37,7 @@ from ..core.compatibility import NodeGpus
 from ..core.criu import CriuExtras
 from ..core.errors import NotReady
 from ..core.hooks import Progress, RestoreContext, SaveContext, SnapshotHook
-from ..core.store import Snapshot
+from ..core.snapshot import Snapshot
 from .allocator_caches import CacheRelease, release_in_kernel
 from .broker import CheckpointBroker, PluginInstall, uninterruptible
 from .checkpoint import LOCK_TIMED_OUT, CudaCheckpoint, CudaProcess, error_hint

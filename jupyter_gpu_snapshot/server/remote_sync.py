@@ -21,7 +21,8 @@ from ..core.hooks import Progress
 from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache
 from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
-from ..core.store import Snapshot, SnapshotStore
+from ..core.snapshot import Snapshot
+from ..core.store import SnapshotStore
 from ..remotes import judge_remote
 
 # How long a remote listing is reused; the UI polls every few seconds.

@@ -32,7 +32,7 @@ from ..core.errors import (
     SnapshotError,
 )
 from ..core.hooks import SaveTarget
-from ..core.store import DAMAGED, Snapshot, validate_name
+from ..core.snapshot import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
 from ..gpu.remap import describe_choice, parse_gpu_choice
 from ..launch.provisioner import root_pid

@@ -15,7 +15,7 @@ from typing import Any
 from ..core import procfs
 from ..core.criu import CriuRunner
 from ..core.errors import SnapshotError
-from ..core.store import Snapshot
+from ..core.snapshot import Snapshot
 from .jobs import Job
 
 # Answers kept for kernels with a save or restore under way, which may take minutes.

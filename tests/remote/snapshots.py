@@ -6,7 +6,8 @@ import os
 import time
 from pathlib import Path
 
-from jupyter_gpu_snapshot.core.store import Snapshot, SnapshotStore, new_snapshot_id
+from jupyter_gpu_snapshot.core.snapshot import Snapshot, new_snapshot_id
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from ..manifests import CONNECTION, kernel_section
 

@@ -11,7 +11,8 @@ import contextlib
 import os
 from collections.abc import Collection
 
-from ..store import Snapshot, SnapshotStore
+from ..snapshot import Snapshot
+from ..store import SnapshotStore
 
 
 class SnapshotCache:

@@ -36,7 +36,7 @@ import fsspec
 
 from ..errors import NotFound, SnapshotError
 from ..manifest import MANIFEST
-from ..store import is_snapshot_id
+from ..snapshot import is_snapshot_id
 from .sealing import CIPHER, DEFAULT_CHUNK_BYTES, ChunkSealer
 
 REMOTE_MANIFEST = "remote-manifest.json"

@@ -14,7 +14,8 @@ import os
 from collections.abc import Iterator
 
 from .. import safe_fs
-from ..store import SnapshotStore, is_snapshot_id
+from ..snapshot import is_snapshot_id
+from ..store import SnapshotStore
 
 PENDING_DIR = ".upload-pending"
 

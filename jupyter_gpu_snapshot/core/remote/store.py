@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..store import is_snapshot_id
+from ..snapshot import is_snapshot_id
 from .download import download_snapshot
 from .objects import (
     REMOTE_MANIFEST,

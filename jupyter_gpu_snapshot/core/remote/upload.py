@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import SnapshotError
 from ..manifest import MANIFEST
-from ..store import is_snapshot_id
+from ..snapshot import is_snapshot_id
 from .objects import (
     REMOTE_FORMAT,
     REMOTE_MANIFEST,

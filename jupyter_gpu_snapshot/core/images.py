@@ -1,0 +1,186 @@
+"""The image files of one snapshot directory: digested when a save is committed, opened and
+checked against the manifest when a snapshot is read, checked against the old sha256s
+when an unsigned snapshot is trusted.
+
+The store (``core/store.py``) keeps the directory: it opens it (never through a link),
+holds the locks, and signs and writes the manifest. The functions here get that directory
+as an open fd and see only the image files in it, each opened by name as a regular file
+(``safe_fs.open_regular``), and the manifest's ``files``: name → size and digest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from . import digest, safe_fs
+from .errors import SnapshotError
+from .manifest import MANIFEST
+from .progress import ProgressFn, byte_counter
+from .snapshot import Snapshot
+
+Files = dict[str, dict[str, Any]]
+# An opened image file: its fd and its size when opened.
+Image = tuple[int, int]
+
+_ALTERED = "the snapshot is damaged or was altered; delete it"
+
+
+def digest_new(dfd: int, progress: ProgressFn | None = None) -> tuple[str, Files]:
+    """Make the images a save wrote into ``dfd`` private (0600), digest them on all cores and
+    fsync them. Returns the algorithm and the manifest's ``files``.
+
+    Called by ``SnapshotStore.commit``. Dot files are the save's bookkeeping (owner, draft,
+    dump marker), no image.
+    """
+    names = sorted(n for n in os.listdir(dfd) if not n.startswith(".") and n != MANIFEST)
+    with _opened(dfd, names, "commit") as opened:
+        for fd, _ in opened.values():
+            os.fchmod(fd, 0o600)
+        found = _digest(opened, progress)
+        for fd, _ in opened.values():
+            os.fsync(fd)
+    return found
+
+
+@contextlib.contextmanager
+def opened(dfd: int, snapshot: Snapshot) -> Iterator[list[Image]]:
+    """The images of trusted ``snapshot`` in ``dfd``, in the order of their names, once the
+    directory holds exactly the files its manifest lists, each a regular file of the listed
+    size. Called by ``SnapshotStore.opened_images``; closed on leaving."""
+    files: Files = snapshot.manifest["files"]
+    _require_listed(dfd, files, snapshot.id, "verify")
+    with _opened(dfd, sorted(files), "verify") as opened:
+        for name, (_, size) in opened.items():
+            if size != files[name]["size"]:
+                raise SnapshotError(
+                    "verify",
+                    f"image file {name} of {snapshot.id} has {size} bytes, "
+                    f"the manifest says {files[name]['size']}",
+                    hint=_ALTERED,
+                )
+        yield list(opened.values())
+
+
+def check_digests(
+    snapshot: Snapshot,
+    images: list[Image],
+    progress: ProgressFn | None = None,
+    cancel: threading.Event | None = None,
+) -> None:
+    """Compare the digests of ``images`` (from ``opened``) with ``snapshot``'s
+    manifest. Called by ``SnapshotStore.verify``, and by the engine's restore while criu
+    runs; ``cancel`` stops it early."""
+    files: Files = snapshot.manifest["files"]
+    names = sorted(files)
+    algorithm = snapshot.manifest["digest"]
+    total = sum(size for _, size in images)
+    try:
+        actual = digest.digest_files(images, algorithm, byte_counter(progress, total), cancel)
+    except OSError as exc:
+        raise SnapshotError(
+            "verify", f"cannot read the images of {snapshot.id}: {exc}",
+            hint="the snapshot is damaged; delete it",
+        ) from exc
+    for name, got in zip(names, actual, strict=True):
+        if files[name]["digest"] != got:
+            raise SnapshotError(
+                "verify",
+                f"image file {name} of {snapshot.id} does not match its {algorithm} digest",
+                hint=_ALTERED,
+            )
+
+
+def redigest_legacy(
+    dfd: int, snapshot_id: str, files: Files, progress: ProgressFn | None = None
+) -> tuple[str, Files]:
+    """Check the images in ``dfd`` against the sha256s of a format-1 manifest's ``files``,
+    then digest them as a save does now. Returns the algorithm and the new ``files``.
+
+    Called by ``SnapshotStore.trust``: the old checksums are the one proof that the images
+    are those the unsigned manifest describes.
+    """
+    present = set(os.listdir(dfd)) - {MANIFEST}
+    if present != set(files):
+        raise SnapshotError(
+            "trust", f"snapshot {snapshot_id}'s files differ from its manifest's list"
+        )
+    with _opened(dfd, sorted(files), "trust") as opened:
+        for name, (fd, size) in opened.items():
+            entry = files[name]
+            if not isinstance(entry, dict) or entry.get("size") != size or (
+                _legacy_sha256(fd, size) != entry.get("sha256")
+            ):
+                raise SnapshotError(
+                    "trust",
+                    f"image file {name} of {snapshot_id} does not match its sha256",
+                    hint=_ALTERED,
+                )
+        return _digest(opened, progress)
+
+
+def _require_listed(dfd: int, files: Files, snapshot_id: str, step: str) -> None:
+    """Refuse a directory that holds other files than the manifest lists, naming one."""
+    present = set(os.listdir(dfd)) - {MANIFEST}
+    extra = present - set(files)
+    if extra:
+        raise SnapshotError(
+            step, f"snapshot {snapshot_id} has unexpected files: {', '.join(sorted(extra))}",
+            hint=_ALTERED,
+        )
+    missing = set(files) - present
+    if missing:
+        raise SnapshotError(
+            step, f"image file {sorted(missing)[0]} of {snapshot_id} is missing",
+            hint="the snapshot is damaged; delete it",
+        )
+
+
+@contextlib.contextmanager
+def _opened(dfd: int, names: list[str], step: str) -> Iterator[dict[str, Image]]:
+    """``names`` opened as regular files in ``dfd``, never through a link; closed on leaving."""
+    opened: dict[str, Image] = {}
+    try:
+        for name in names:
+            try:
+                opened[name] = safe_fs.open_regular(name, dfd)
+            except OSError as exc:
+                raise SnapshotError(
+                    step, f"{name} is not a regular file of the snapshot: {exc}", hint=_ALTERED,
+                ) from exc
+        yield opened
+    finally:
+        for fd, _ in opened.values():
+            os.close(fd)
+
+
+def _digest(opened: dict[str, Image], progress: ProgressFn | None) -> tuple[str, Files]:
+    """Digests of ``opened`` with this node's algorithm, as a manifest's ``files``."""
+    algorithm = digest.preferred_algorithm()
+    total = sum(size for _, size in opened.values())
+    digests = digest.digest_files(
+        list(opened.values()), algorithm, byte_counter(progress, total)
+    )
+    return algorithm, {
+        name: {"size": size, "digest": d}
+        for (name, (_, size)), d in zip(opened.items(), digests, strict=True)
+    }
+
+
+def _legacy_sha256(fd: int, size: int) -> str:
+    """The checksum format-1 manifests carry: plain sha256, or a 64 MiB chunk tree above."""
+    if size > digest.TREE_CHUNK:
+        return digest.digest_files([(fd, size)], digest.SHA256_TREE)[0]
+    h = hashlib.sha256()
+    offset = 0
+    while offset < size:
+        data = os.pread(fd, 8 << 20, offset)
+        if not data:
+            break
+        h.update(data)
+        offset += len(data)
+    return h.hexdigest()

@@ -1,0 +1,147 @@
+"""One snapshot as its readers see it: its id and name, and the ``Snapshot`` view of its
+signed manifest (fields, trust status, the summary shown to clients).
+
+The store (``core/store.py``) makes these views; everyone else reads them. Ids and names
+are checked here before any of them becomes a path in the store.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidRequest, SnapshotError
+from .manifest import ID_PATTERN, NAME_PATTERN
+
+# The schema's own patterns, so an id or name accepted here is one a manifest may carry.
+_ID = re.compile(ID_PATTERN)
+_NAME = re.compile(NAME_PATTERN)
+
+OK, UNSIGNED, DAMAGED = "ok", "unsigned", "damaged"
+
+
+def validate_name(name: str) -> str:
+    if not _NAME.fullmatch(name) or name.endswith((".", "-")) or ".." in name:
+        raise InvalidRequest(
+            "preflight",
+            f"invalid snapshot name {name!r}",
+            hint="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
+    return name
+
+
+def is_snapshot_id(ref: str) -> bool:
+    """Whether ``ref`` is an id (else a name); also tells snapshot directories in the store
+    from everything else there."""
+    return bool(_ID.fullmatch(ref))
+
+
+def new_snapshot_id(now: float | None = None) -> str:
+    """A fresh id: the UTC time of the save, then random hex (two saves in one second)."""
+    stamp = datetime.fromtimestamp(now or time.time(), tz=timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A committed snapshot: its directory, its manifest and whether it may be trusted.
+
+    ``status`` is ``ok`` (signed by this node's key and valid), ``unsigned`` (written before
+    manifests were signed; ``jupyter gpu-snapshot trust`` signs it) or ``damaged``
+    (``problem`` says why). Only ``ok`` snapshots are ever restored.
+    """
+
+    id: str
+    path: Path
+    manifest: dict[str, Any]
+    status: str = OK
+    problem: str | None = None
+
+    @property
+    def trusted(self) -> bool:
+        return self.status == OK
+
+    def _field(self, *keys: str) -> Any:
+        value: Any = self.manifest
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    @property
+    def name(self) -> str:
+        value = self._field("name")
+        return value if isinstance(value, str) and value else self.id
+
+    @property
+    def created(self) -> float:
+        value = self._field("created")
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    @property
+    def size_bytes(self) -> int:
+        files = self._field("files")
+        if not isinstance(files, dict):
+            return 0
+        return sum(int(f["size"]) for f in files.values()
+                   if isinstance(f, dict) and isinstance(f.get("size"), int))
+
+    @property
+    def notebook_path(self) -> str | None:
+        value = self._field("kernel", "notebook_path")
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def connection_info(self) -> dict[str, Any]:
+        self.require_trusted()
+        return dict(self.manifest["kernel"]["connection_info"])
+
+    def require_trusted(self, step: str = "verify") -> None:
+        if self.status == UNSIGNED:
+            raise SnapshotError(
+                step,
+                f"snapshot {self.id} is unsigned: {self.problem}",
+                hint="it was written before snapshots were signed. If you know where it came "
+                f"from, sign it with 'jupyter gpu-snapshot trust {self.id}'",
+            )
+        if self.status != OK:
+            raise SnapshotError(
+                step,
+                f"snapshot {self.id} is damaged and is not used: {self.problem}",
+                hint="delete it",
+            )
+
+    def summary(self) -> dict[str, Any]:
+        """What may be shown to clients: everything but the kernel's HMAC key."""
+        kernel = self._field("kernel")
+        kernel = dict(kernel) if isinstance(kernel, dict) and self.status != DAMAGED else {}
+        info = kernel.get("connection_info")
+        info = dict(info) if isinstance(info, dict) else {}
+        info.pop("key", None)
+        kernel["connection_info"] = info
+
+        def shown(key: str, default: Any) -> Any:
+            return default if self.status == DAMAGED else self.manifest.get(key, default)
+
+        return {
+            "id": self.id,
+            "name": self.name if self.status != DAMAGED else self.id,
+            "status": self.status,
+            "problem": self.problem,
+            "created": self.created,
+            "created_iso": datetime.fromtimestamp(self.created, tz=timezone.utc).isoformat(),
+            "size_bytes": self.size_bytes,
+            "host": shown("host", None),
+            "notebook_path": self.notebook_path if self.status != DAMAGED else None,
+            "kernel": kernel,
+            "reason": shown("reason", "user"),
+            "timings": shown("timings", {}),
+            "gpu": shown("gpu", None),
+            "versions": shown("versions", {}),
+            "warnings": shown("warnings", []),
+            "recovered": bool(shown("recovered", False)),
+        }
