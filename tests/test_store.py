@@ -204,6 +204,19 @@ def test_unsigned_snapshot_with_a_changed_file_is_not_trusted(tmp_path):
     assert store.get(old).status == "unsigned"
 
 
+def test_unsigned_snapshot_with_an_unlisted_file_is_not_trusted(tmp_path):
+    store = _store(tmp_path)
+    old = _commit(store, "old")
+    legacy = {k: v for k, v in _manifest(store, old).items()
+              if k not in ("signature", "digest", "files")}
+    legacy.update(format=1, files={"pages-1.img": {"size": 0, "sha256": "0" * 64}})
+    _rewrite(store, old, legacy)
+    (store.root / old / "planted.img").write_bytes(b"x")
+    with pytest.raises(SnapshotError, match="unexpected files: planted"):
+        store.trust(old)
+    assert store.get(old).status == "unsigned"
+
+
 def test_signing_key_others_can_read_is_refused(tmp_path):
     store = _store(tmp_path)
     _commit(store, "a")

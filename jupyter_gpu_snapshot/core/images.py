@@ -104,11 +104,7 @@ def redigest_legacy(
     Called by ``SnapshotStore.trust``: the old checksums are the one proof that the images
     are those the unsigned manifest describes.
     """
-    present = set(os.listdir(dfd)) - {MANIFEST}
-    if present != set(files):
-        raise SnapshotError(
-            "trust", f"snapshot {snapshot_id}'s files differ from its manifest's list"
-        )
+    _require_listed(dfd, files, snapshot_id, "trust")
     with _opened(dfd, sorted(files), "trust") as opened:
         for name, (fd, size) in opened.items():
             entry = files[name]
