@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +24,10 @@ import psutil
 from ..digest import TREE_CHUNK
 from ..errors import NotFound, SnapshotError
 from ..manifest import MANIFEST
+from ..progress import ProgressFn, byte_counter
 from ..store import OWNER_FILE, PARTIAL_PREFIX
 from .digests import FileCheck, Hasher, file_check, sidecar_check
 from .objects import (
-    ProgressFn,
     RemoteObjects,
     RemoteStoreError,
     damaged_copy,
@@ -194,17 +193,7 @@ class _Download:
         self.sealer = sealer
         self.into = into
         self.checks = checks
-        self.progress = progress
-        self.total = sum(c.size for c in checks)
-        self.done = 0
-        self.lock = threading.Lock()
-
-    def advance(self, n: int) -> None:
-        with self.lock:
-            self.done += n
-            done = self.done
-        if self.progress:
-            self.progress(done, self.total)
+        self.advance = byte_counter(progress, sum(c.size for c in checks))
 
     def run(self) -> None:
         fds: dict[str, int] = {}

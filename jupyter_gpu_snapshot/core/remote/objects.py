@@ -48,7 +48,6 @@ _OBJECT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 T = TypeVar("T")
-ProgressFn = Callable[[int, int], None]
 
 
 class RemoteStoreError(SnapshotError):

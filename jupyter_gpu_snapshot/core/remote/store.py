@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..progress import ProgressFn
 from ..snapshot import is_snapshot_id
 from .download import download_snapshot
 from .objects import (
     REMOTE_MANIFEST,
-    ProgressFn,
     RemoteObjects,
     RemoteSnapshot,
     modified_time,

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import stat
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -25,11 +24,11 @@ from typing import Any
 
 from ..errors import SnapshotError
 from ..manifest import MANIFEST
+from ..progress import ProgressFn, byte_counter
 from ..snapshot import is_snapshot_id
 from .objects import (
     REMOTE_FORMAT,
     REMOTE_MANIFEST,
-    ProgressFn,
     RemoteObjects,
     RemoteSnapshot,
     RemoteStoreError,
@@ -145,17 +144,7 @@ class _Upload:
         self.snapshot_id = snapshot_id
         self.files = files
         self.sealer = store.sealer(snapshot_id)
-        self.progress = progress
-        self.total = sum(f.size for f in files)
-        self.done = 0
-        self.lock = threading.Lock()
-
-    def advance(self, n: int) -> None:
-        with self.lock:
-            self.done += n
-            done = self.done
-        if self.progress:
-            self.progress(done, self.total)
+        self.advance = byte_counter(progress, sum(f.size for f in files))
 
     def part_bytes(self, f: _File) -> int:
         step = self.store.part_bytes
