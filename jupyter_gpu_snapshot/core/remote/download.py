@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from ..digest import TREE_CHUNK
-from ..errors import NotFound, SnapshotError
+from ..errors import NotFound
 from ..manifest import MANIFEST
 from ..progress import ProgressFn, byte_counter
 from ..store import OWNER_FILE, PARTIAL_PREFIX
@@ -31,7 +31,7 @@ from .objects import (
     RemoteObjects,
     RemoteStoreError,
     damaged_copy,
-    describe,
+    remote_store_errors,
     safe_object_name,
 )
 from .sealing import RECORD_OVERHEAD, ChunkSealer
@@ -98,22 +98,20 @@ def download_snapshot(
             "download", f"a download of {snapshot_id} into {into_dir} is already under way",
             hint="wait for it; a stale one is removed when the store cleans up",
         ) from e
-    try:
-        (partial / OWNER_FILE).write_text(str(os.getpid()))
-        _write_private(partial / MANIFEST, manifest_bytes)
-        _Download(store, snapshot_id, sealer, partial, checks, progress).run()
-        (partial / OWNER_FILE).unlink()
-        _fsync(partial)
-        os.rename(partial, final)
-        _fsync(into_dir)
-    except BaseException as e:
-        shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(e, SnapshotError) or not isinstance(e, Exception):
+    with remote_store_errors(
+        "download", f"downloading {snapshot_id} from {store.url}", "nothing was kept; try again"
+    ):
+        try:
+            (partial / OWNER_FILE).write_text(str(os.getpid()))
+            _write_private(partial / MANIFEST, manifest_bytes)
+            _Download(store, snapshot_id, sealer, partial, checks, progress).run()
+            (partial / OWNER_FILE).unlink()
+            _fsync(partial)
+            os.rename(partial, final)
+            _fsync(into_dir)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
             raise
-        raise RemoteStoreError(
-            "download", f"downloading {snapshot_id} from {store.url} failed: {describe(e)}",
-            hint="nothing was kept; try again",
-        ) from e
     return final
 
 

@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -91,6 +91,19 @@ def describe(error: BaseException) -> str:
     """An exception as one line a person can read."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def remote_store_errors(step: str, doing: str, hint: str) -> Iterator[None]:
+    """Around a transfer (an upload, a download): any failure but a ``SnapshotError``, which
+    is worded for a person already, becomes one ``RemoteStoreError``: ``doing`` failed, and
+    why. A cancel or an interrupt (no ``Exception``) passes as it is."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except Exception as e:
+        raise RemoteStoreError(step, f"{doing} failed: {describe(e)}", hint=hint) from e
 
 
 def damaged_copy(snapshot_id: str, cause: str) -> RemoteStoreError:

@@ -33,11 +33,14 @@ from .objects import (
     RemoteSnapshot,
     RemoteStoreError,
     describe,
+    remote_store_errors,
     safe_object_name,
 )
 from .sealing import CIPHER
 
 _MAX_PARTS = 10_000  # the S3 limit
+# What to do after any failed upload: nothing local was touched.
+_INTACT = "the local snapshot is intact; try the upload again"
 
 
 @dataclass
@@ -106,16 +109,9 @@ def upload_snapshot(
     """
     snapshot_id, opened = _open_snapshot_files(snapshot_dir)
     try:
-        try:
+        # Fails when the remote store does not answer.
+        with remote_store_errors("upload", f"uploading {snapshot_id} to {store.url}", _INTACT):
             existing = store.get(snapshot_id, missing_ok=True)
-        except SnapshotError:
-            raise
-        except Exception as e:  # the remote store did not answer
-            raise RemoteStoreError(
-                "upload",
-                f"uploading {snapshot_id} to {store.url} failed: {describe(e)}",
-                hint="the local snapshot is intact; try the upload again",
-            ) from e
         if existing is not None:
             return existing
         sealer = store.sealer(snapshot_id)
@@ -163,37 +159,35 @@ class _Upload:
         multipart = [
             f for f in self.files if self.store.is_s3 and f.stored_size > self.part_bytes(f)
         ]
-        try:
-            remote = self._remote_manifest()  # checks the manifest before anything goes up
-            if not self.store.is_s3:  # a filesystem with real directories
-                directory = self.store.path(self.snapshot_id)
-                self.store.fs.makedirs(directory, exist_ok=True)
-                if self.store.is_local:  # snapshots are secrets: only the owner may enter
-                    os.chmod(directory, 0o700)
-            for f in multipart:
-                f.upload_id = self._s3("create_multipart_upload", f)["UploadId"]
-            jobs: list[tuple[_File, Callable[[], None]]] = []
-            for f in self.files:
-                if f.upload_id:
-                    step = self.part_bytes(f)
-                    jobs += [(f, self._part_job(f, n, off, step)) for n, off in
-                             enumerate(range(0, f.size, step), start=1)]
-                else:
-                    jobs.append((f, self._whole_file_job(f)))
-            self._run_jobs(jobs)
-            for f in multipart:
-                parts = [{"PartNumber": n, "ETag": f.etags[n]} for n in sorted(f.etags)]
-                self._s3("complete_multipart_upload", f, MultipartUpload={"Parts": parts})
-                f.upload_id = None
-            self._put_remote_manifest(remote)
-        except BaseException as e:
-            self._undo(multipart)
-            if isinstance(e, SnapshotError) or not isinstance(e, Exception):
+        with remote_store_errors(
+            "upload", f"uploading {self.snapshot_id} to {self.store.url}", _INTACT
+        ):
+            try:
+                remote = self._remote_manifest()  # checks the manifest before anything goes up
+                if not self.store.is_s3:  # a filesystem with real directories
+                    directory = self.store.path(self.snapshot_id)
+                    self.store.fs.makedirs(directory, exist_ok=True)
+                    if self.store.is_local:  # snapshots are secrets: only the owner may enter
+                        os.chmod(directory, 0o700)
+                for f in multipart:
+                    f.upload_id = self._s3("create_multipart_upload", f)["UploadId"]
+                jobs: list[tuple[_File, Callable[[], None]]] = []
+                for f in self.files:
+                    if f.upload_id:
+                        step = self.part_bytes(f)
+                        jobs += [(f, self._part_job(f, n, off, step)) for n, off in
+                                 enumerate(range(0, f.size, step), start=1)]
+                    else:
+                        jobs.append((f, self._whole_file_job(f)))
+                self._run_jobs(jobs)
+                for f in multipart:
+                    parts = [{"PartNumber": n, "ETag": f.etags[n]} for n in sorted(f.etags)]
+                    self._s3("complete_multipart_upload", f, MultipartUpload={"Parts": parts})
+                    f.upload_id = None
+                self._put_remote_manifest(remote)
+            except BaseException:
+                self._undo(multipart)
                 raise
-            raise RemoteStoreError(
-                "upload", f"uploading {self.snapshot_id} to {self.store.url} failed: {describe(e)}",
-                hint="the local snapshot is intact; try the upload again",
-            ) from e
 
     def _run_jobs(self, jobs: list[tuple[_File, Callable[[], None]]]) -> None:
         with ThreadPoolExecutor(self.store.workers, thread_name_prefix="upload") as pool:
@@ -211,7 +205,7 @@ class _Upload:
                     "upload",
                     f"uploading {futures[failed[0]].name} of {self.snapshot_id} to "
                     f"{self.store.url} failed: {describe(error)}",
-                    hint="the local snapshot is intact; try the upload again",
+                    hint=_INTACT,
                 ) from error
 
     def _s3(self, method: str, f: _File, **kwargs: Any) -> dict[str, Any]:
