@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,182 +31,133 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # An image file name: no slash, no leading dot (so never '..'), never the manifest.
 FILE_NAME_PATTERN = r"^(?!manifest\.json$)[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 KERNEL_LOG_PATTERN = re.compile(r"^kernel-[A-Za-z0-9_-]{1,64}\.log$")
+
+
+def _record(properties: dict[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
+    """An object with the ``properties`` listed and no other: every object of a manifest is
+    closed, so that no field a later reader might trust gets in unchecked."""
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False,
+                              "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    return schema
+
+
+def _array(items: dict[str, Any], max_items: int) -> dict[str, Any]:
+    return {"type": "array", "maxItems": max_items, "items": items}
+
+
+def _string(max_length: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": max_length}
+
+
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
 NULLABLE_STRING = {"type": ["string", "null"], "maxLength": 4096}
+SIZE = {"type": "integer", "minimum": 0}
+HEX_DIGEST = {"type": "string", "pattern": r"^[0-9a-f]{64}$"}
+ABSOLUTE_PATH = {"type": "string", "pattern": "^/", "maxLength": 4096}
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "jupyter_gpu_snapshot manifest",
-    "type": "object",
-    "required": ["format", "id", "name", "created", "kernel", "digest", "files", "signature"],
-    "additionalProperties": False,
-    "properties": {
+    **_record(required=[
+        "format", "id", "name", "created", "kernel", "digest", "files", "signature",
+    ], properties={
         "format": {"enum": list(READABLE_FORMATS)},
         "id": {"type": "string", "pattern": ID_PATTERN},
         "name": {"type": "string", "pattern": NAME_PATTERN},
         "created": {"type": "number", "minimum": 0},
-        "host": {"type": "string", "maxLength": 255},
+        "host": _string(255),
         "reason": {"type": "string", "pattern": r"^[a-z_-]{1,32}$"},
         "digest": {"enum": list(ALGORITHMS)},
         "files": {
             "type": "object",
             "minProperties": 1,
             "propertyNames": {"pattern": FILE_NAME_PATTERN},
-            "additionalProperties": {
-                "type": "object",
-                "required": ["size", "digest"],
-                "additionalProperties": False,
-                "properties": {
-                    "size": {"type": "integer", "minimum": 0},
-                    "digest": {"type": "string", "pattern": r"^[0-9a-f]{64}$"},
-                },
-            },
+            "additionalProperties": _record(
+                required=["size", "digest"], properties={"size": SIZE, "digest": HEX_DIGEST},
+            ),
         },
-        "kernel": {
-            "type": "object",
-            "required": ["name", "connection_info", "log_files"],
-            "additionalProperties": False,
-            "properties": {
-                "name": {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,128}$"},
-                "spec": {"type": ["object", "null"]},
-                "kernel_id": NULLABLE_STRING,
-                # A notebook's API path: relative, and no '..' component.
-                "notebook_path": {
-                    "type": ["string", "null"],
-                    "maxLength": 4096,
-                    "pattern": r"^(?!/)(?!(.*/)?\.\.(/|$))",
-                },
-                "pid": {"type": "integer", "minimum": 1},
-                "root_pid": {"type": "integer", "minimum": 1},
-                # The root's start time: a recovery tells a live kernel from a reused pid.
-                "root_started": {"type": ["number", "null"]},
-                "log_files": {
-                    "type": "array",
-                    "maxItems": 16,
-                    "items": {"type": "string", "maxLength": 4096},
-                },
-                "connection_info": {
-                    "type": "object",
-                    "required": [
-                        "transport", "ip", "key", "signature_scheme", "shell_port",
-                        "iopub_port", "stdin_port", "control_port", "hb_port",
-                    ],
-                    "additionalProperties": False,
-                    "properties": {
-                        "transport": {"const": "tcp"},
-                        "ip": {"type": "string", "maxLength": 64},
-                        "key": {"type": "string", "maxLength": 256},
-                        "signature_scheme": {"enum": ["hmac-sha256", "hmac-sha512", ""]},
-                        "kernel_name": {"type": "string", "maxLength": 128},
-                        "shell_port": PORT,
-                        "iopub_port": PORT,
-                        "stdin_port": PORT,
-                        "control_port": PORT,
-                        "hb_port": PORT,
-                    },
-                },
+        "kernel": _record(required=["name", "connection_info", "log_files"], properties={
+            "name": {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,128}$"},
+            "spec": {"type": ["object", "null"]},
+            "kernel_id": NULLABLE_STRING,
+            # A notebook's API path: relative, and no '..' component.
+            "notebook_path": {
+                "type": ["string", "null"],
+                "maxLength": 4096,
+                "pattern": r"^(?!/)(?!(.*/)?\.\.(/|$))",
             },
-        },
+            "pid": {"type": "integer", "minimum": 1},
+            "root_pid": {"type": "integer", "minimum": 1},
+            # The root's start time: a recovery tells a live kernel from a reused pid.
+            "root_started": {"type": ["number", "null"]},
+            "log_files": _array(_string(4096), 16),
+            "connection_info": _record(required=[
+                "transport", "ip", "key", "signature_scheme", "shell_port",
+                "iopub_port", "stdin_port", "control_port", "hb_port",
+            ], properties={
+                "transport": {"const": "tcp"},
+                "ip": _string(64),
+                "key": _string(256),
+                "signature_scheme": {"enum": ["hmac-sha256", "hmac-sha512", ""]},
+                "kernel_name": _string(128),
+                "shell_port": PORT,
+                "iopub_port": PORT,
+                "stdin_port": PORT,
+                "control_port": PORT,
+                "hb_port": PORT,
+            }),
+        }),
         "versions": {"type": "object", "additionalProperties": {"type": "string"}},
         "timings": {"type": "object", "additionalProperties": {"type": "number"}},
         "gpu": {"type": ["object", "null"]},
         # The node that saved it, compared at restore (core/compatibility.py).
-        "node": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "hostname": {"type": "string", "maxLength": 255},
-                "cpu": {
-                    "type": "object",
-                    "required": ["arch", "flags"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "arch": {"type": "string", "maxLength": 64},
-                        "model": {"type": "string", "maxLength": 256},
-                        "flags": {
-                            "type": "array",
-                            "maxItems": 2048,
-                            "items": {"type": "string", "maxLength": 64},
-                        },
+        "node": _record({
+            "hostname": _string(255),
+            "cpu": _record(required=["arch", "flags"], properties={
+                "arch": _string(64),
+                "model": _string(256),
+                "flags": _array(_string(64), 2048),
+            }),
+            "kernel": _record(required=["release", "machine"], properties={
+                "release": _string(256),
+                "machine": _string(64),
+            }),
+            "mapped_files": _record(required=["algorithm", "files"], properties={
+                "algorithm": {"enum": list(ALGORITHMS)},
+                "seconds": {"type": "number", "minimum": 0},
+                "files": _array(_record(required=["path", "size", "digest"], properties={
+                    "path": ABSOLUTE_PATH,
+                    "size": SIZE,
+                    "digest": HEX_DIGEST,
+                    # device, inode, mtime and ctime (ns) at the save
+                    "identity": {
+                        "type": "array",
+                        "items": {"type": "integer", "minimum": 0},
+                        "minItems": 4,
+                        "maxItems": 4,
                     },
-                },
-                "kernel": {
-                    "type": "object",
-                    "required": ["release", "machine"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "release": {"type": "string", "maxLength": 256},
-                        "machine": {"type": "string", "maxLength": 64},
-                    },
-                },
-                "mapped_files": {
-                    "type": "object",
-                    "required": ["algorithm", "files"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "algorithm": {"enum": list(ALGORITHMS)},
-                        "seconds": {"type": "number", "minimum": 0},
-                        "files": {
-                            "type": "array",
-                            "maxItems": 20000,
-                            "items": {
-                                "type": "object",
-                                "required": ["path", "size", "digest"],
-                                "additionalProperties": False,
-                                "properties": {
-                                    "path": {"type": "string", "pattern": "^/",
-                                             "maxLength": 4096},
-                                    "size": {"type": "integer", "minimum": 0},
-                                    "digest": {"type": "string", "pattern": r"^[0-9a-f]{64}$"},
-                                    # device, inode, mtime and ctime (ns) at the save
-                                    "identity": {
-                                        "type": "array",
-                                        "items": {"type": "integer", "minimum": 0},
-                                        "minItems": 4,
-                                        "maxItems": 4,
-                                    },
-                                },
-                            },
-                        },
-                    },
-                },
-            },
-        },
+                }), 20000),
+            }),
+        }),
         # What a restore would get wrong, said at the save (open_files.OpenFilesHook).
-        "warnings": {
-            "type": "array",
-            "maxItems": 256,
-            "items": {"type": "string", "maxLength": 4096},
-        },
+        "warnings": _array(_string(4096), 256),
         # Files the kernel had open or mapped that its image does not hold, checked at restore.
-        "open_files": {
-            "type": "array",
-            "maxItems": 10000,
-            "items": {
-                "type": "object",
-                "required": ["path", "size", "mtime_ns"],
-                "additionalProperties": False,
-                "properties": {
-                    "path": {"type": "string", "pattern": "^/", "maxLength": 4096},
-                    "size": {"type": "integer", "minimum": 0},
-                    "mtime_ns": {"type": "integer"},
-                    "sha256": {"type": "string", "pattern": r"^[0-9a-f]{64}$"},
-                },
-            },
-        },
+        "open_files": _array(_record(required=["path", "size", "mtime_ns"], properties={
+            "path": ABSOLUTE_PATH,
+            "size": SIZE,
+            "mtime_ns": {"type": "integer"},
+            "sha256": HEX_DIGEST,
+        }), 10000),
         # Committed by a recovery, after the process that saved it died.
         "recovered": {"type": "boolean"},
-        "signature": {
-            "type": "object",
-            "required": ["algorithm", "key_id", "value"],
-            "additionalProperties": False,
-            "properties": {
-                "algorithm": {"const": "HMAC-SHA256"},
-                "key_id": {"type": "string"},
-                "value": {"type": "string", "pattern": r"^[0-9a-f]{64}$"},
-            },
-        },
-    },
+        "signature": _record(required=["algorithm", "key_id", "value"], properties={
+            "algorithm": {"const": "HMAC-SHA256"},
+            "key_id": {"type": "string"},
+            "value": HEX_DIGEST,
+        }),
+    }),
 }
 
 CONNECTION_KEYS = tuple(
