@@ -49,7 +49,7 @@ from ..launch.provisioner import root_pid
 from .jobs import Job
 from .service import SnapshotService
 
-# Kept in the store's root; dot files there are no snapshots (``store.is_snapshot_id``).
+# Kept in the store's root; dot files there are no snapshots (``snapshot.is_snapshot_id``).
 OVERRIDES_FILE = ".autosave-policies.json"
 OVERRIDES_LIMIT = 1 << 20
 # A fresh kernel's own start-up messages are not work anyone would miss.
