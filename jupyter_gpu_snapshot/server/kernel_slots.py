@@ -25,7 +25,7 @@ from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..core import procfs
 from ..core.errors import InvalidRequest, NotFound, SnapshotError
 from ..core.restore import RestoredKernel
-from ..core.store import Snapshot
+from ..core.snapshot import Snapshot
 from ..gpu.remap import remap_notice
 from ..launch.provisioner import ADOPT_KWARG, Adoption
 from .kernel_env import refresh_kernel_env

@@ -20,7 +20,7 @@ from typing import Any
 from ..core.engine import SnapshotEngine
 from ..core.errors import Busy, SnapshotError
 from ..core.hooks import Progress
-from ..core.store import Snapshot
+from ..core.snapshot import Snapshot
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, snapshot_key
 from .remote_sync import RemoteSync, UploadStopped
 
