@@ -188,6 +188,14 @@ def store(tmp_path: Path) -> SnapshotStore:
 
 
 @pytest.fixture
+def criu_path() -> str:
+    """The real criu, for the servers that the tests start."""
+    found = shutil.which("criu")
+    assert found, "criu >= 4.2 must be installed (make criu)"
+    return found
+
+
+@pytest.fixture
 def engine(store: SnapshotStore) -> SnapshotEngine:
     # As make_engine wires it: keep-running saves check that the kernel still answers.
     return SnapshotEngine(store, kernel_answers=kernel_answers)

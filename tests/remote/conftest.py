@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,13 +49,6 @@ def cache_a(tmp_path: Path) -> Path:
 @pytest.fixture
 def cache_b(tmp_path: Path) -> Path:
     return tmp_path / "node-b"
-
-
-@pytest.fixture
-def criu_path() -> str:
-    found = shutil.which("criu")
-    assert found, "criu >= 4.2 must be installed (make criu)"
-    return found
 
 
 @pytest.fixture

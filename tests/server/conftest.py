@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import shutil
 import subprocess
 import time
 import uuid
@@ -36,13 +35,6 @@ JOB_TIMEOUT = 90.0
 @pytest.fixture
 def store_dir(tmp_path: Path) -> Path:
     return tmp_path / "snapshots"
-
-
-@pytest.fixture
-def criu_path() -> str:
-    found = shutil.which("criu")
-    assert found, "criu >= 4.2 must be installed (make criu)"
-    return found
 
 
 @pytest.fixture
