@@ -40,9 +40,10 @@ import nbformat
 import psutil
 from common import settle
 from jupyter_client.blocking import BlockingKernelClient
-from server_process import Server, connect, kernel_processes, run_cell
+from server_process import Server, connect, run_cell
 
 from jupyter_gpu_snapshot.launch.kernelspec import install
+from tests.processes import kill_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK_02 = REPO / "notebooks" / "02-pytorch-training-survives-reboot.ipynb"
@@ -343,10 +344,7 @@ def main() -> None:
         for server in servers:
             if server.proc.poll() is None:
                 server.proc.kill()
-        for kernel_id in kernel_ids:
-            for pid in kernel_processes(kernel_id):
-                with contextlib.suppress(psutil.Error):
-                    psutil.Process(pid).kill()
+        kill_kernels(kernel_ids)
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
 

@@ -7,8 +7,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +14,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import psutil
 from jupyter_client.blocking import BlockingKernelClient
 
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.processes import free_port, power_loss, shut_down
 
 
 class Server:
@@ -101,25 +93,11 @@ class Server:
 
     def power_loss(self, kernel_id: str) -> None:
         """SIGKILL the server, its children and the kernel's processes, all at once."""
-        doomed = {self.proc.pid}
-        with contextlib.suppress(psutil.NoSuchProcess):
-            doomed |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
-        doomed |= set(kernel_processes(kernel_id))
-        # Stopped first, so that none of them sees another die and cleans up after it.
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in doomed:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
+        power_loss(self.proc.pid, [kernel_id])
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        shut_down(self.proc, 120)
 
 
 def connect(connection_info: dict[str, Any]) -> BlockingKernelClient:
@@ -128,15 +106,6 @@ def connect(connection_info: dict[str, Any]) -> BlockingKernelClient:
     client.start_channels(hb=False)
     client.wait_for_ready(timeout=300)
     return client
-
-
-def kernel_processes(kernel_id: str) -> list[int]:
-    """Processes launched for the kernel (restored copies keep the original's command line)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(kernel_id in arg for arg in proc.info.get("cmdline") or []):
-            found.append(proc.pid)
-    return found
 
 
 def run_cell(client: BlockingKernelClient, code: str, timeout: float) -> str:

@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,13 +29,9 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.kernel.client import ConnectionProblem, ServerLink, SnapshotClient
 
+from .processes import free_port
+
 SERVER_START_SECONDS = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -126,7 +121,7 @@ class JupyterServer:
         self.store = base / "store"
         for d in (self.root, self.runtime):
             d.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log_path = base / "server.log"

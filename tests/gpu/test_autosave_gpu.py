@@ -9,6 +9,7 @@ compared bit for bit with those the killed run had for the same steps.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-BENCH = Path(__file__).parents[2] / "benchmarks" / "bench_autosave.py"
+REPO = Path(__file__).parents[2]
+BENCH = REPO / "benchmarks" / "bench_autosave.py"
 
 
 @pytest.mark.timeout(900)
@@ -26,10 +28,13 @@ def test_training_survives_a_hard_kill_through_its_autosave(
     tmp_path: Path, figures: dict[str, Any]
 ) -> None:
     out = tmp_path / "autosave.json"
+    # The benchmark imports the tests' process helpers (tests/processes.py).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     run = subprocess.run(
         [sys.executable, str(BENCH), "--minutes", "1", "--interval", "0.25",
          "--continue-steps", "500", "--out", str(out)],
-        cwd=BENCH.parent, capture_output=True, text=True, timeout=840,
+        cwd=BENCH.parent, env=dict(os.environ, PYTHONPATH=path), capture_output=True,
+        text=True, timeout=840,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,10 @@ from jupyter_gpu_snapshot.core.recovery import WORK_LOCK
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 
 from ..conftest import run
+from ..processes import free_port, shut_down
 from .conftest import KernelSocket
 
 TOKEN = "adoption-test-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -42,7 +36,7 @@ class Server:
 
     def __init__(self, tmp_path: Path, *options: str) -> None:
         self.tmp_path = tmp_path
-        self.port = _free_port()
+        self.port = free_port()
         self.runtime = tmp_path / "runtime"
         (tmp_path / "tmp").mkdir(exist_ok=True)
         (tmp_path / "notebooks").mkdir(exist_ok=True)
@@ -69,13 +63,7 @@ class Server:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        shut_down(self.proc, 60)
         self.log.close()
 
     def until(self, path: str, check: Callable[[Any], bool], timeout: float = 60) -> Any:

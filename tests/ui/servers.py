@@ -11,8 +11,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +25,13 @@ from jupyter_gpu_snapshot.kernel.client import (
     SnapshotClient,
 )
 
+from ..processes import free_port, shut_down
+
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 60
 # The extension built in this source tree (jlpm build:prod in labextension/), if any.
 SOURCE_LABEXTENSION = Path(__file__).parents[2] / "jupyter_gpu_snapshot" / "labextension"
 LABEXTENSION_NAME = "jupyter-gpu-snapshot"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -80,14 +74,7 @@ class JupyterProcess:
 
     def stop(self) -> int:
         """Stops the server as a node shutdown would (SIGTERM); returns its exit status."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        return int(self.process.returncode)
+        return shut_down(self.process, 60, group=True)
 
 
 def lab_test_config(base: Path) -> str:

@@ -1,0 +1,69 @@
+"""The processes that tests and benchmarks start and end: a free port for a server, its
+shutdown, the processes of a kernel, and a power loss. Standard library and psutil only, so that the
+benchmarks, run as scripts, import it as well."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Iterable
+
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def shut_down(process: subprocess.Popen[bytes], timeout: float, *, group: bool = False) -> int:
+    """Ends the process as a node's shutdown does, with SIGTERM, and SIGKILLs it (its whole
+    process group with ``group``) if it still runs ``timeout`` s later; its exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if group:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+            process.wait()
+    return int(process.returncode)
+
+
+def kernel_processes(kernel_id: str) -> list[int]:
+    """Processes launched for the kernel (restored copies keep the original's command line)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(kernel_id in arg for arg in proc.info.get("cmdline") or []):
+            found.append(proc.pid)
+    return found
+
+
+def kill_kernels(kernel_ids: Iterable[str]) -> None:
+    """Kill every process of these kernels that still runs."""
+    for kernel_id in kernel_ids:
+        for pid in kernel_processes(kernel_id):
+            # Killing a namespace's init ends the rest of it meanwhile.
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+
+
+def power_loss(server_pid: int, kernel_ids: Iterable[str]) -> None:
+    """SIGKILL the server, its children (criu included) and every process of the kernels,
+    all at once."""
+    doomed = {server_pid}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        doomed |= {p.pid for p in psutil.Process(server_pid).children(recursive=True)}
+    for kernel_id in kernel_ids:
+        doomed |= set(kernel_processes(kernel_id))
+    # Stopped first, so that none of them sees another die and cleans up after it.
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
