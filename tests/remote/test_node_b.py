@@ -19,7 +19,7 @@ import socket
 import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 
 from ..gpu_check import no_gpu_reason
-from ..server.test_reboot import ServerProcess, _environment, _free_port, _kernel_processes
+from ..processes import free_port, kernel_processes, kill_kernels
+from ..server.conftest import ServerProcess, server_environment
 from .seaweed import SeaweedServer, serving
 from .snapshots import make_snapshot
 
@@ -97,14 +98,13 @@ class Cluster:
     remote_url: str
     network: Network
     s3: SeaweedServer
-    servers: list[ServerProcess]
+    servers: list[ServerProcess] = field(default_factory=list)
+    kernel_ids: list[str] = field(default_factory=list)
 
-    def node_a(self) -> ServerProcess:
-        server = ServerProcess(self.home, self.env, _free_port(), "node-a")
-        self.servers.append(server)
-        return server
+    async def start_node_a(self) -> ServerProcess:
+        return await self._started(ServerProcess(self.home, self.env, free_port(), "node-a"))
 
-    def node_b(self) -> ServerProcess:
+    async def start_node_b(self) -> ServerProcess:
         launcher = (
             # nsenter, not 'ip netns exec': that one remounts /sys, and the kernel's
             # mounts under it (cgroups) must be there for criu.
@@ -112,10 +112,13 @@ class Cluster:
             "unshare", "--mount", "--uts", "--propagation", "private",
             "sh", "-c", NODE_B_SETUP, "node-b", str(self.store_dir), str(self.runtime_dir),
         )  # fmt: skip
-        server = ServerProcess(
-            self.home, self.env, _free_port(), "node-b", self.network.node_b_ip, launcher
-        )
+        return await self._started(ServerProcess(
+            self.home, self.env, free_port(), "node-b", self.network.node_b_ip, launcher
+        ))
+
+    async def _started(self, server: ServerProcess) -> ServerProcess:
         self.servers.append(server)
+        await server.ready()
         return server
 
     def remote(self, **options: Any) -> RemoteStore:
@@ -131,22 +134,19 @@ def cluster(
     kernel_dir.mkdir(parents=True)
     (kernel_dir / "kernel.json").write_text(json.dumps(kernel_json()))
     store_dir = tmp_path / "snapshots"
-    env = _environment(tmp_path, kernel_dir.parent, store_dir, criu_path)
-    store_dir.mkdir(mode=0o700)
-    runtime_dir = Path(env["JUPYTER_RUNTIME_DIR"])
-    runtime_dir.mkdir(mode=0o700)
     remote_url = f"s3://{BUCKET}/users/alice-{uuid.uuid4().hex[:8]}"
-    config_file = Path(env["JUPYTER_CONFIG_DIR"]) / "jupyter_server_config.json"
-    config = json.loads(config_file.read_text())
-    config["GPUSnapshot"].update(
+    env = server_environment(
+        tmp_path, kernel_dir.parent, store_dir, criu_path,
         snapshot_on_shutdown=False,
         remote_url=remote_url,
         remote_endpoint_url=s3.endpoint_url,
         remote_options={"key": s3.storage_options()["key"],
                         "secret": s3.storage_options()["secret"]},
     )
-    config_file.write_text(json.dumps(config))
-    cluster = Cluster(env, tmp_path, store_dir, runtime_dir, remote_url, network, s3, [])
+    store_dir.mkdir(mode=0o700)
+    runtime_dir = Path(env["JUPYTER_RUNTIME_DIR"])
+    runtime_dir.mkdir(mode=0o700)
+    cluster = Cluster(env, tmp_path, store_dir, runtime_dir, remote_url, network, s3)
     try:
         yield cluster
     finally:
@@ -157,13 +157,7 @@ def cluster(
             for pid in kernels:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     psutil.Process(pid).kill()
-
-
-def _kill_kernels(kernel_ids: list[str]) -> None:
-    for kernel_id in kernel_ids:
-        for pid in _kernel_processes(kernel_id):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).kill()
+        kill_kernels(cluster.kernel_ids)
 
 
 def test_a_kernel_saved_on_node_a_comes_back_on_node_b(cluster: Cluster) -> None:
@@ -171,74 +165,60 @@ def test_a_kernel_saved_on_node_a_comes_back_on_node_b(cluster: Cluster) -> None
 
 
 async def _saved_on_a_restored_on_b(cluster: Cluster) -> None:
-    kernel_ids: list[str] = []
-    try:
-        node_a = cluster.node_a()
-        await node_a.ready()
-        session = await node_a.api.open_notebook(NOTEBOOK, "train.ipynb")
-        kernel_id = session["kernel"]["id"]
-        kernel_ids.append(kernel_id)
-        ws = await node_a.kernel(kernel_id)
-        await ws.execute(
-            "import random, socket; random.seed(3); "
-            "trained = {'epoch': 12, 'host': socket.gethostname()}"
-        )
-        ws.close()
+    node_a = await cluster.start_node_a()
+    kernel_id, ws = await node_a.open_notebook_kernel(cluster.kernel_ids, NOTEBOOK)
+    await ws.execute(
+        "import random, socket; random.seed(3); "
+        "trained = {'epoch': 12, 'host': socket.gethostname()}"
+    )
+    ws.close()
 
-        job = await node_a.api.succeeded(await node_a.api.save(kernel_id, stop=True))
-        upload = job["result"]["upload"]
-        assert upload["status"] == "uploaded", upload
-        snapshot_id = job["snapshot_id"]
-        listed = {s["id"]: s for s in await node_a.api.snapshots()}
-        assert listed[snapshot_id]["location"] == "both", listed
-        node_a.kill()  # node A is gone for good, its kernel with it
-        assert _kernel_processes(kernel_id) == []
+    job = await node_a.api.succeeded(await node_a.api.save(kernel_id, stop=True))
+    upload = job["result"]["upload"]
+    assert upload["status"] == "uploaded", upload
+    snapshot_id = job["snapshot_id"]
+    listed = {s["id"]: s for s in await node_a.api.snapshots()}
+    assert listed[snapshot_id]["location"] == "both", listed
+    node_a.kill()  # node A is gone for good, its kernel with it
+    assert kernel_processes(kernel_id) == []
 
-        node_b = cluster.node_b()
-        await node_b.ready()
-        # Node B starts empty: it knows the snapshot from the bucket only.
-        (found,) = await node_b.api.snapshots()
-        assert found["id"] == snapshot_id and found["location"] == "remote", found
-        assert found["status"] == "ok" and found["notebook_path"] == NOTEBOOK
-        latest = await node_b.api.snapshots(notebook_path=NOTEBOOK, latest="true")
-        assert [s["id"] for s in latest] == [snapshot_id]
+    node_b = await cluster.start_node_b()
+    # Node B starts empty: it knows the snapshot from the bucket only.
+    (found,) = await node_b.api.snapshots()
+    assert found["id"] == snapshot_id and found["location"] == "remote", found
+    assert found["status"] == "ok" and found["notebook_path"] == NOTEBOOK
+    latest = await node_b.api.snapshots(notebook_path=NOTEBOOK, latest="true")
+    assert [s["id"] for s in latest] == [snapshot_id]
 
-        job = await node_b.api.restore(snapshot_id, path=NOTEBOOK)
-        job = await node_b.api.succeeded(job)
-        new_id = job["result"]["kernel_id"]
-        kernel_ids.append(new_id)
-        session = await node_b.api.ok("GET", "api", "sessions", job["result"]["session_id"])
-        assert session["path"] == NOTEBOOK and session["kernel"]["id"] == new_id
-        ws = await node_b.kernel(new_id)
-        # Node A runs in this machine's namespaces: its hostname is this one's.
-        assert (await ws.execute("print(trained['epoch'], trained['host'])")).split() == [
-            "12", socket.gethostname(),
-        ]
-        # Its RNG state came along; it now runs on node B.
-        expected = repr(random.Random(3).random())
-        assert (await ws.execute("print(random.random())")).strip() == expected
-        assert (await ws.execute("print(socket.gethostname())")).strip() == "node-b"
-        # The magic in the restored kernel asks node B's server, and says where it lives.
-        listing = await ws.execute("%gpu_snapshot list")
-        rows = [line.split() for line in listing.splitlines()]
-        assert any("LOCATION" in row for row in rows), listing
-        assert any(snapshot_id in row and "both" in row for row in rows), listing
-        ws.close()
-        (found,) = await node_b.api.snapshots()
-        assert found["location"] == "both", found
+    new_id = await node_b.restore_into_notebook(snapshot_id, cluster.kernel_ids, NOTEBOOK)
+    ws = await node_b.kernel(new_id)
+    # Node A runs in this machine's namespaces: its hostname is this one's.
+    assert (await ws.execute("print(trained['epoch'], trained['host'])")).split() == [
+        "12", socket.gethostname(),
+    ]
+    # Its RNG state came along; it now runs on node B.
+    expected = repr(random.Random(3).random())
+    assert (await ws.execute("print(random.random())")).strip() == expected
+    assert (await ws.execute("print(socket.gethostname())")).strip() == "node-b"
+    # The magic in the restored kernel asks node B's server, and says where it lives.
+    listing = await ws.execute("%gpu_snapshot list")
+    rows = [line.split() for line in listing.splitlines()]
+    assert any("LOCATION" in row for row in rows), listing
+    assert any(snapshot_id in row and "both" in row for row in rows), listing
+    ws.close()
+    (found,) = await node_b.api.snapshots()
+    assert found["location"] == "both", found
 
-        # Deleting node B's copy only; the bucket keeps it, and it is listed as remote.
-        await node_b.api.ok(
-            "DELETE", "gpu-snapshot", "snapshots", snapshot_id, params={"where": "local"},
-            expect=204,
-        )
-        (found,) = await node_b.api.snapshots()
-        assert found["location"] == "remote", found
-        await node_b.api.ok("DELETE", "gpu-snapshot", "snapshots", snapshot_id, expect=204)
-        assert await node_b.api.snapshots() == []
-        assert cluster.remote().list() == []
-    finally:
-        _kill_kernels(kernel_ids)
+    # Deleting node B's copy only; the bucket keeps it, and it is listed as remote.
+    await node_b.api.ok(
+        "DELETE", "gpu-snapshot", "snapshots", snapshot_id, params={"where": "local"},
+        expect=204,
+    )
+    (found,) = await node_b.api.snapshots()
+    assert found["location"] == "remote", found
+    await node_b.api.ok("DELETE", "gpu-snapshot", "snapshots", snapshot_id, expect=204)
+    assert await node_b.api.snapshots() == []
+    assert cluster.remote().list() == []
 
 
 def test_node_b_refuses_a_snapshot_signed_with_another_key(cluster: Cluster) -> None:
@@ -251,8 +231,7 @@ async def _foreign_snapshot_refused(cluster: Cluster) -> None:
     snapshot = make_snapshot(foreign, {"pages-1.img": 1 << 20}, name="planted")
     cluster.remote().upload(snapshot.path)
 
-    node_b = cluster.node_b()
-    await node_b.ready()
+    node_b = await cluster.start_node_b()
     (found,) = await node_b.api.snapshots()
     assert found["id"] == snapshot.id and found["location"] == "remote", found
     assert found["status"] == "damaged" and "another key" in found["problem"], found
@@ -284,29 +263,20 @@ def test_a_gpu_kernel_saved_on_node_a_comes_back_on_node_b(cluster: Cluster) -> 
 
 
 async def _gpu_kernel_on_b(cluster: Cluster) -> None:
-    kernel_ids: list[str] = []
-    try:
-        node_a = cluster.node_a()
-        await node_a.ready()
-        session = await node_a.api.open_notebook(NOTEBOOK, "train.ipynb")
-        kernel_ids.append(session["kernel"]["id"])
-        ws = await node_a.kernel(kernel_ids[0])
-        await ws.execute(GPU_STATE, timeout=300)
-        ws.close()
-        job = await node_a.api.succeeded(await node_a.api.save(kernel_ids[0], stop=True))
-        assert job["result"]["upload"]["status"] == "uploaded", job["result"]["upload"]
-        assert job["result"]["gpu"]["moved_bytes"] > 0, job["result"]["gpu"]
-        node_a.kill()
+    node_a = await cluster.start_node_a()
+    kernel_id, ws = await node_a.open_notebook_kernel(cluster.kernel_ids, NOTEBOOK)
+    await ws.execute(GPU_STATE, timeout=300)
+    ws.close()
+    job = await node_a.api.succeeded(await node_a.api.save(kernel_id, stop=True))
+    assert job["result"]["upload"]["status"] == "uploaded", job["result"]["upload"]
+    assert job["result"]["gpu"]["moved_bytes"] > 0, job["result"]["gpu"]
+    node_a.kill()
 
-        node_b = cluster.node_b()
-        await node_b.ready()
-        (found,) = await node_b.api.snapshots()
-        assert found["location"] == "remote", found
-        job = await node_b.api.succeeded(await node_b.api.restore(found["id"], path=NOTEBOOK))
-        kernel_ids.append(job["result"]["kernel_id"])
-        ws = await node_b.kernel(kernel_ids[-1])
-        out = await ws.execute("print(float(x.sum()) == total, x.device)", timeout=120)
-        assert out.split() == ["True", "cuda:0"], out
-        ws.close()
-    finally:
-        _kill_kernels(kernel_ids)
+    node_b = await cluster.start_node_b()
+    (found,) = await node_b.api.snapshots()
+    assert found["location"] == "remote", found
+    new_id = await node_b.restore_into_notebook(found["id"], cluster.kernel_ids, NOTEBOOK)
+    ws = await node_b.kernel(new_id)
+    out = await ws.execute("print(float(x.sum()) == total, x.device)", timeout=120)
+    assert out.split() == ["True", "cuda:0"], out
+    ws.close()

@@ -12,11 +12,11 @@ from typing import Any
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from ..server.test_reboot import ServerProcess
+from ..server.conftest import ServerProcesses
 from .gate import NetworkGate
 from .seaweed import SeaweedServer
 from .snapshots import make_snapshot
-from .test_server_uploads import _server_env
+from .test_server_uploads import _on_servers, _server_env
 from .test_upload_retry import _settings_through
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")
@@ -39,49 +39,44 @@ def test_rename_over_rest_reaches_the_remote_copy_or_says_it_did_not(
     remote.upload(elsewhere.path)
     gate.open()
 
-    async def scenario() -> None:
-        servers: list[ServerProcess] = []
-        try:
-            server = await ServerProcess.start(tmp_path, env, "rename", servers)
-            api = server.api
+    async def scenario(node: ServerProcesses) -> None:
+        server = await node.start("rename")
+        api = server.api
 
-            renamed = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "renamed"})
-            assert renamed["name"] == "renamed", renamed
-            assert renamed["remote_rename"]["status"] == "renamed", renamed
-            names = {s.id: s.name for s in await asyncio.to_thread(remote.list)}
-            assert names == {shared.id: "renamed", elsewhere.id: "from-node-b"}
-            listed = {s["name"]: s["location"] for s in await api.snapshots()}
-            assert listed == {"renamed": "both", "from-node-b": "remote"}, listed
+        renamed = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "renamed"})
+        assert renamed["name"] == "renamed", renamed
+        assert renamed["remote_rename"]["status"] == "renamed", renamed
+        names = {s.id: s.name for s in await asyncio.to_thread(remote.list)}
+        assert names == {shared.id: "renamed", elsewhere.id: "from-node-b"}
+        listed = {s["name"]: s["location"] for s in await api.snapshots()}
+        assert listed == {"renamed": "both", "from-node-b": "remote"}, listed
 
-            code, error = await api.call("PATCH", *SNAPSHOTS, elsewhere.id, body={"name": "x"})
-            assert code == 400 and f"exists only in {remote_url}" in error["message"], error
-            assert f"gpu-snapshot download {elsewhere.id}" in error["message"], error
-            code, error = await api.call(
-                "PATCH", *SNAPSHOTS, shared.id, body={"name": "from-node-b"}
-            )
-            assert code == 400 and f"exists already in {remote_url}" in error["message"], error
+        code, error = await api.call("PATCH", *SNAPSHOTS, elsewhere.id, body={"name": "x"})
+        assert code == 400 and f"exists only in {remote_url}" in error["message"], error
+        assert f"gpu-snapshot download {elsewhere.id}" in error["message"], error
+        code, error = await api.call(
+            "PATCH", *SNAPSHOTS, shared.id, body={"name": "from-node-b"}
+        )
+        assert code == 400 and f"exists already in {remote_url}" in error["message"], error
 
-            gate.shut()  # the remote store cannot be reached
-            # The answer comes once every retry failed: s3fs's, inside the store's own, for
-            # the listing and the rename. That takes longer than a client's default 20 s.
-            local = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "offline"},
-                                 request_timeout=300)
-            assert local["name"] == "offline", local
-            outcome = local["remote_rename"]
-            assert outcome["status"] == "failed", outcome
-            message = outcome["error"]["message"]
-            assert f"its copy in {remote_url} keeps its old name" in message, message
-            assert "rename it to 'offline' again once" in message.lower(), message
-            assert store.get("offline").id == shared.id
-            assert f"renamed to 'offline' here, but its copy in {remote_url}" in server.log
+        gate.shut()  # the remote store cannot be reached
+        # The answer comes once every retry failed: s3fs's, inside the store's own, for the
+        # listing and the rename. That takes longer than a client's default timeout.
+        local = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "offline"},
+                             request_timeout=300)
+        assert local["name"] == "offline", local
+        outcome = local["remote_rename"]
+        assert outcome["status"] == "failed", outcome
+        message = outcome["error"]["message"]
+        assert f"its copy in {remote_url} keeps its old name" in message, message
+        assert "rename it to 'offline' again once" in message.lower(), message
+        assert store.get("offline").id == shared.id
+        assert f"renamed to 'offline' here, but its copy in {remote_url}" in server.log
 
-            gate.open()
-            again = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "offline"})
-            assert again["remote_rename"]["status"] == "renamed", again
-            names = {s.id: s.name for s in await asyncio.to_thread(remote.list)}
-            assert names[shared.id] == "offline"
-        finally:
-            for server in servers:
-                server.kill()
+        gate.open()
+        again = await api.ok("PATCH", *SNAPSHOTS, shared.id, body={"name": "offline"})
+        assert again["remote_rename"]["status"] == "renamed", again
+        names = {s.id: s.name for s in await asyncio.to_thread(remote.list)}
+        assert names[shared.id] == "offline"
 
-    asyncio.run(scenario())
+    _on_servers(tmp_path, env, scenario)

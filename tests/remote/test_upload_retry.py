@@ -16,11 +16,11 @@ from typing import Any
 from jupyter_gpu_snapshot.core.remote.pending import PendingUploads
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from ..server.test_reboot import ServerProcess, _free_port
+from ..server.conftest import ServerProcess, ServerProcesses
 from .gate import NetworkGate
 from .seaweed import SeaweedServer
 from .snapshots import make_snapshot
-from .test_server_uploads import NOTEBOOK, _kill, _remote_settings, _server_env
+from .test_server_uploads import NOTEBOOK, _on_servers, _remote_settings, _server_env
 
 
 def _settings_through(gate: NetworkGate, seaweed: SeaweedServer, url: str) -> dict[str, Any]:
@@ -65,40 +65,33 @@ def test_an_owed_upload_goes_up_at_the_next_server_start(
     make_snapshot(store, {"pages-1.img": 1 << 20}, name="kept-here")
     images = {p.name: p.read_bytes() for p in owed.path.iterdir()}
 
-    async def scenario() -> None:
-        servers: list[ServerProcess] = []
-        try:
-            first = await ServerProcess.start(tmp_path, env, "retry-1", servers)
-            failed = await _until(
-                "a failed upload job", lambda: _failed_upload_jobs(first), first
-            )
-            assert failed[0]["snapshot_id"] == owed.id and failed[0]["kernel_id"] is None
-            assert remote_url in failed[0]["error"]["message"], failed[0]
-            assert (await _locations(first))["owed"] == "local"
-            assert PendingUploads(store).ids() == [owed.id]
-            first.kill()
+    async def scenario(node: ServerProcesses) -> None:
+        first = await node.start("retry-1")
+        failed = await _until(
+            "a failed upload job", lambda: _failed_upload_jobs(first), first
+        )
+        assert failed[0]["snapshot_id"] == owed.id and failed[0]["kernel_id"] is None
+        assert remote_url in failed[0]["error"]["message"], failed[0]
+        assert (await _locations(first))["owed"] == "local"
+        assert PendingUploads(store).ids() == [owed.id]
+        first.kill()
 
-            gate.open()  # the remote store is back
-            second = ServerProcess(tmp_path, env, _free_port(), "retry-2")
-            servers.append(second)
-            await second.ready()
+        gate.open()  # the remote store is back
+        second = await node.start("retry-2")
 
-            async def uploaded() -> bool:
-                return (await _locations(second)).get("owed") == "both"
+        async def uploaded() -> bool:
+            return (await _locations(second)).get("owed") == "both"
 
-            await _until("owed listed as both", uploaded, second)
-            (job,) = await _jobs(second, "upload")
-            assert job["status"] == "succeeded" and job["snapshot_id"] == owed.id, job
-            assert (await _locations(second))["kept-here"] == "local"
-            assert PendingUploads(store).ids() == []
-            assert f"uploading {owed.id} to {remote_url} again" in second.log
-            # The local copy is as it was.
-            assert {p.name: p.read_bytes() for p in owed.path.iterdir()} == images
-        finally:
-            for server in servers:
-                server.kill()
+        await _until("owed listed as both", uploaded, second)
+        (job,) = await _jobs(second, "upload")
+        assert job["status"] == "succeeded" and job["snapshot_id"] == owed.id, job
+        assert (await _locations(second))["kept-here"] == "local"
+        assert PendingUploads(store).ids() == []
+        assert f"uploading {owed.id} to {remote_url} again" in second.log
+        # The local copy is as it was.
+        assert {p.name: p.read_bytes() for p in owed.path.iterdir()} == images
 
-    asyncio.run(scenario())
+    _on_servers(tmp_path, env, scenario)
 
 
 async def _failed_upload_jobs(server: ServerProcess) -> list[dict[str, Any]]:
@@ -110,30 +103,25 @@ def test_an_owed_upload_goes_up_after_the_next_save_whose_upload_succeeds(
 ) -> None:
     settings = _settings_through(gate, seaweed, remote_url)
     env = _server_env(tmp_path, criu_path, snapshot_on_shutdown=False, **settings)
-    server = ServerProcess(tmp_path, env, _free_port(), "retry-save")
-    asyncio.run(_retried_after_a_save(server, gate))
+    _on_servers(tmp_path, env, lambda node: _retried_after_a_save(node, gate))
 
 
-async def _retried_after_a_save(server: ServerProcess, gate: NetworkGate) -> None:
-    kernel_ids: list[str] = []
-    try:
-        await server.ready()
-        kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
-        await ws.execute("state = 1")
-        job = await server.api.succeeded(await server.api.save(kernel_id, name="first"))
-        assert job["result"]["upload"]["status"] == "failed", job["result"]
+async def _retried_after_a_save(node: ServerProcesses, gate: NetworkGate) -> None:
+    server = await node.start("retry-save")
+    kernel_id, ws = await server.open_notebook_kernel(node.kernel_ids, NOTEBOOK)
+    await ws.execute("state = 1")
+    job = await server.api.succeeded(await server.api.save(kernel_id, name="first"))
+    assert job["result"]["upload"]["status"] == "failed", job["result"]
 
-        gate.open()  # the remote store is back
-        job = await server.api.succeeded(await server.api.save(kernel_id, name="second"))
-        assert job["result"]["upload"]["status"] == "uploaded", job["result"]["upload"]
+    gate.open()  # the remote store is back
+    job = await server.api.succeeded(await server.api.save(kernel_id, name="second"))
+    assert job["result"]["upload"]["status"] == "uploaded", job["result"]["upload"]
 
-        async def both() -> bool:
-            return await _locations(server) == {"first": "both", "second": "both"}
+    async def both() -> bool:
+        return await _locations(server) == {"first": "both", "second": "both"}
 
-        await _until("first listed as both", both, server)
-        (retry,) = await _jobs(server, "upload")
-        assert retry["status"] == "succeeded" and retry["reason"] == "retry", retry
-        assert (await ws.execute("print(state)")).strip() == "1"
-        ws.close()
-    finally:
-        _kill(server, kernel_ids)
+    await _until("first listed as both", both, server)
+    (retry,) = await _jobs(server, "upload")
+    assert retry["status"] == "succeeded" and retry["reason"] == "retry", retry
+    assert (await ws.execute("print(state)")).strip() == "1"
+    ws.close()

@@ -9,20 +9,30 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
 import subprocess
+import sys
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jupyter_server.utils import url_path_join
 from pytest_jupyter.jupyter_server import *  # noqa: F403 - the fixtures, scoped to tests/server
-from tornado.httpclient import HTTPResponse
-from tornado.websocket import WebSocketClientConnection
+from tornado.escape import url_escape
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest, HTTPResponse
+from tornado.websocket import WebSocketClientConnection, websocket_connect
 from traitlets.config import Config
 
+from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
+
+from ..processes import free_port, kill_kernels
 
 Json = dict[str, Any]
 Fetch = Callable[..., Awaitable[HTTPResponse]]
@@ -248,6 +258,200 @@ def kernel_socket(jp_ws_fetch: Callable[..., Any]) -> Iterator[KernelConnector]:
     yield connect
     for sock in sockets:
         sock.close()
+
+
+# -- servers in their own processes, as a user or systemd runs them --------------------------
+SERVER_TOKEN = "server-process-test-token"
+# The notebook these servers' tests open unless they say another, in a folder of the root.
+NOTEBOOK = "project/reboot.ipynb"
+
+
+class ServerProcess:
+    """``jupyter server`` in its own process, as a user or systemd runs it.
+
+    ``launcher`` runs it through another command (e.g. into other namespaces); ``host`` is
+    the address it listens on.
+    """
+
+    def __init__(
+        self,
+        home: Path,
+        env: dict[str, str],
+        port: int,
+        label: str,
+        host: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
+    ) -> None:
+        self.port = port
+        self.host = host
+        self.log_path = home / f"server-{label}.log"
+        self.env = env
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the server process owns it
+        self.proc = subprocess.Popen(
+            [*launcher, sys.executable, "-m", "jupyter_server", "--no-browser",
+             f"--port={port}", f"--ServerApp.ip={host}"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.api = Api(self.fetch, f"token {SERVER_TOKEN}")
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def fetch(self, *parts: str, params: dict[str, str] | None = None, **kw: Any) -> Any:
+        path = url_escape(url_path_join("/", *parts), plus=False)
+        query = urllib.parse.urlencode(params or {})
+        headers = {"Authorization": f"token {SERVER_TOKEN}", **(kw.pop("headers", None) or {})}
+        url = f"http://{self.host}:{self.port}{path}?{query}"
+        kw.setdefault("request_timeout", 60)
+        return AsyncHTTPClient().fetch(url, headers=headers, **kw)
+
+    async def ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited:\n{self.log}"
+            try:
+                response: HTTPResponse = await self.fetch("api", "status", raise_error=False)
+                if response.code == 200:
+                    return
+            except OSError:
+                pass
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"the server did not start in {timeout}s:\n{self.log}")
+
+    async def open_notebook_kernel(
+        self, kernel_ids: list[str], path: str = NOTEBOOK
+    ) -> tuple[str, KernelSocket]:
+        """A session for the notebook at ``path``; its kernel id also goes to ``kernel_ids``."""
+        session = await self.api.open_notebook(path, path.rsplit("/", 1)[-1])
+        kernel_id: str = session["kernel"]["id"]
+        kernel_ids.append(kernel_id)
+        return kernel_id, await self.kernel(kernel_id)
+
+    async def restore_into_notebook(
+        self, snapshot_id: str, kernel_ids: list[str], path: str = NOTEBOOK
+    ) -> str:
+        """Restores the snapshot into the notebook at ``path``, as JupyterLab's dialog does;
+        the new kernel's id, once the notebook's session runs it (also in ``kernel_ids``)."""
+        job = await self.api.succeeded(await self.api.restore(snapshot_id, path=path))
+        kernel_id: str = job["result"]["kernel_id"]
+        kernel_ids.append(kernel_id)
+        session = await self.api.ok("GET", "api", "sessions", job["result"]["session_id"])
+        assert session["path"] == path and session["kernel"]["id"] == kernel_id, session
+        return kernel_id
+
+    async def kernel(self, kernel_id: str) -> KernelSocket:
+        url = f"ws://{self.host}:{self.port}/api/kernels/{kernel_id}/channels"
+        request = HTTPRequest(url, headers={"Authorization": f"token {SERVER_TOKEN}"})
+        return KernelSocket(await websocket_connect(request))
+
+    async def exited(self, timeout: float = 90.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"the server did not stop:\n{self.log}"
+            await asyncio.sleep(0.1)
+        return int(self.proc.returncode)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def server_environment(
+    tmp_path: Path, kernel_dir: Path, store: Path, criu: str, **settings: Any
+) -> dict[str, str]:
+    """The environment of a ServerProcess, its configuration under ``tmp_path``: the
+    extension on, saving its kernels when it stops, with these ``GPUSnapshot`` settings."""
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    root = tmp_path / "notebooks"
+    (root / "project").mkdir(parents=True)
+    config = {
+        "ServerApp": {
+            "ip": "127.0.0.1",
+            "port_retries": 0,
+            "root_dir": str(root),
+            "allow_root": True,
+            "jpserver_extensions": {"jupyter_gpu_snapshot": True},
+        },
+        "IdentityProvider": {"token": SERVER_TOKEN},
+        "GPUSnapshot": {
+            "store_dir": str(store),
+            "criu_path": criu,
+            "snapshot_on_shutdown": True,
+            "shutdown_budget": 60,
+            **settings,
+        },
+    }
+    (config_dir / "jupyter_server_config.json").write_text(json.dumps(config))
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))
+    }
+    env.update(
+        HOME=str(tmp_path),
+        JUPYTER_CONFIG_DIR=str(config_dir),
+        JUPYTER_DATA_DIR=str(kernel_dir.parent),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+    )
+    return env
+
+
+@dataclass
+class ServerProcesses:
+    """The servers a test starts one after another on this machine, all with the same
+    configuration, and the kernels they ran: all killed when the test ends."""
+
+    home: Path
+    env: dict[str, str]
+    store_dir: Path
+    servers: list[ServerProcess] = field(default_factory=list)
+    kernel_ids: list[str] = field(default_factory=list)
+
+    async def start(self, label: str) -> ServerProcess:
+        """A server on a free port, listening."""
+        server = ServerProcess(self.home, self.env, free_port(), label)
+        self.servers.append(server)
+        await server.ready()
+        return server
+
+    def kill_all(self) -> None:
+        """The servers, then every process of their kernels."""
+        for server in self.servers:
+            server.kill()
+        kill_kernels(self.kernel_ids)
+
+    def store(self) -> SnapshotStore:
+        """The servers' store, read with their key and kernel-log directory, not this
+        process's."""
+        return SnapshotStore(
+            self.store_dir,
+            Path(self.env["JUPYTER_DATA_DIR"]) / "gpu_snapshot_signing.key",
+            ManifestPolicy(lambda: Path(self.env["JUPYTER_RUNTIME_DIR"]) / "gpu_snapshot"),
+        )
+
+
+@pytest.fixture
+def server_processes(
+    tmp_path: Path,
+    snapshot_kernelspec: Path,
+    store_dir: Path,
+    criu_path: str,
+    snapshot_config: Json,
+) -> Iterator[ServerProcesses]:
+    """Servers in their own processes, with this test's ``snapshot_config``."""
+    env = server_environment(
+        tmp_path, snapshot_kernelspec.parent, store_dir, criu_path, **snapshot_config
+    )
+    processes = ServerProcesses(tmp_path, env, store_dir)
+    try:
+        yield processes
+    finally:
+        processes.kill_all()
 
 
 # -- failure injection -----------------------------------------------------------------------
