@@ -155,6 +155,12 @@ class Api:
         assert job["status"] == "succeeded", job["error"]
         return job
 
+    async def saved_and_restored(self, kernel_id: str) -> str:
+        """Saves the kernel, stopping it, and restores that snapshot: the new kernel's id."""
+        job = await self.succeeded(await self.save(kernel_id, stop=True))
+        restored = await self.succeeded(await self.restore(job["snapshot_id"]))
+        return str(restored["result"]["kernel_id"])
+
     # -- the server's own API ----------------------------------------------------------------
     async def start_kernel(self, name: str = KERNEL_NAME) -> str:
         data = await self.ok("POST", "api", "kernels", body={"name": name}, expect=201)

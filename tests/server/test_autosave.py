@@ -144,9 +144,7 @@ class TestSchedule:
         kernel_id = await api.start_kernel()
         ws = await kernel_socket(kernel_id)
         await ws.execute("kept = 1")
-        job = await api.succeeded(await api.save(kernel_id, stop=True))
-        restored = (await api.succeeded(await api.restore(job["snapshot_id"])))["result"]
-        new_id = restored["kernel_id"]
+        new_id = await api.saved_and_restored(kernel_id)
         await app.autosave.tick()
         assert app.autosave.work_at_risk(new_id) == 0
         ws = await kernel_socket(new_id)

@@ -69,9 +69,7 @@ async def test_restarting_a_restored_kernel_starts_a_fresh_one(
     kernel_id = await api.start_kernel()
     ws = await kernel_socket(kernel_id)
     await ws.execute("kept = 'yes'")
-    job = await api.succeeded(await api.save(kernel_id, stop=True))
-    restored = (await api.succeeded(await api.restore(job["snapshot_id"])))["result"]
-    new_id = restored["kernel_id"]
+    new_id = await api.saved_and_restored(kernel_id)
     ws = await kernel_socket(new_id)
     assert (await ws.execute("print(kept)")).strip() == "yes"
 

@@ -106,7 +106,5 @@ async def test_a_save_right_after_start_waits_for_the_kernel(
     # The server lists a kernel as soon as its process runs; a dump taken before the
     # kernel has bound its ports would come back as a process that never answers.
     kernel_id = await api.start_kernel()
-    job = await api.succeeded(await api.save(kernel_id, stop=True))
-    restored = await api.succeeded(await api.restore(job["snapshot_id"]))
-    ws = await kernel_socket(restored["result"]["kernel_id"])
+    ws = await kernel_socket(await api.saved_and_restored(kernel_id))
     assert (await ws.execute("print('answers')", timeout=20)).strip() == "answers"
