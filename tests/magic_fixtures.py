@@ -282,3 +282,9 @@ def jupyter_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jupyter
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def notebook(jupyter_server: JupyterServer, request: pytest.FixtureRequest) -> NotebookKernel:
+    """A notebook of the test's own, named after it, on the module's server."""
+    return jupyter_server.open_notebook(f"{request.node.name}.ipynb")

@@ -20,9 +20,17 @@ from typing import Any
 import pytest
 
 from .conftest import start_kernel, stop_kernel
-from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, ok, run_cell
+from .magic_fixtures import (
+    Cell,
+    JupyterServer,
+    NotebookKernel,
+    jupyter_server,
+    notebook,
+    ok,
+    run_cell,
+)
 
-__all__ = ["jupyter_server"]  # the fixture, imported for pytest
+__all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 
 SAVED = re.compile(
     r"Saved snapshot (?P<id>\d{8}T\d{6}Z-[0-9a-f]{8}) \((?P<name>[^)]+)\) at [\d-]+ [\d:]+: "
@@ -35,11 +43,6 @@ def one_line_error(cell: Cell) -> str:
     assert cell.status == "error", cell
     assert len(cell.traceback) == 1, cell.traceback
     return re.sub(r"\x1b\[[0-9;]*m", "", cell.traceback[0])
-
-
-@pytest.fixture
-def notebook(jupyter_server: JupyterServer, request: pytest.FixtureRequest) -> NotebookKernel:
-    return jupyter_server.open_notebook(f"{request.node.name}.ipynb")
 
 
 def test_outside_a_server_the_magic_says_so() -> None:

@@ -3,16 +3,9 @@ real ``jupyter server`` subprocess, with real CRIU."""
 
 from __future__ import annotations
 
-import pytest
+from .magic_fixtures import JupyterServer, NotebookKernel, jupyter_server, notebook
 
-from .magic_fixtures import JupyterServer, NotebookKernel, jupyter_server
-
-__all__ = ["jupyter_server"]  # the fixture, imported for pytest
-
-
-@pytest.fixture
-def notebook(jupyter_server: JupyterServer, request: pytest.FixtureRequest) -> NotebookKernel:
-    return jupyter_server.open_notebook(f"{request.node.name}.ipynb")
+__all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 
 
 def test_autosave_policy_from_a_cell(

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server
+from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, notebook
 
-__all__ = ["jupyter_server"]  # the fixture, imported for pytest
+__all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 
 PANEL = "p = get_ipython().magics_manager.registry['GPUSnapshotMagics'].panel"
 
@@ -90,11 +90,6 @@ def click_through_comm(client: BlockingKernelClient, comm_id: str) -> None:
     content = {"comm_id": comm_id, "data": {"method": "custom", "content": {"event": "click"}}}
     client.shell_channel.send(client.session.msg("comm_msg", content))
 
-
-
-@pytest.fixture
-def notebook(jupyter_server: JupyterServer, request: pytest.FixtureRequest) -> NotebookKernel:
-    return jupyter_server.open_notebook(f"{request.node.name}.ipynb")
 
 
 def test_panel_shows_the_kernel_and_saves_on_a_click(
