@@ -18,6 +18,7 @@ from jupyter_client.blocking import BlockingKernelClient
 
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 from tests.processes import free_port, power_loss, shut_down
+from tests.ui.servers import until_job_ends
 
 
 class Server:
@@ -77,13 +78,7 @@ class Server:
         return str(session["kernel"]["id"])
 
     def wait_job(self, job: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while job["status"] == "running":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job['id']} still runs")
-            time.sleep(0.2)
-            job = self.request("GET", f"gpu-snapshot/jobs/{job['id']}")
-        return job
+        return until_job_ends(lambda path: self.request("GET", path), job, timeout)
 
     def connection_info(self, kernel_id: str) -> dict[str, Any]:
         """The kernel's ports and key, as its server wrote them when it started the kernel."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 from nbclient import NotebookClient
 
-from tests.ui.servers import JupyterProcess, start_jupyter
+from tests.ui.servers import JupyterProcess, JupyterStarter, jupyter_processes
 
 from .gpu_check import no_gpu_reason
+
+__all__ = ["jupyter_processes"]  # the fixture, imported for pytest
 
 REPO = Path(__file__).parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -125,22 +128,11 @@ class NotebookRun:
 
 
 @pytest.fixture
-def jupyter_server(tmp_path: Path) -> Any:
-    started: list[JupyterProcess] = []
-
+def jupyter_server(jupyter_processes: JupyterStarter) -> Callable[..., JupyterProcess]:
     def start(name: str, config: str = "") -> JupyterProcess:
-        try:
-            server = start_jupyter(
-                tmp_path, ARTIFACTS / f"{name}-server.log", app="server", config=config
-            )
-        except RuntimeError as exc:
-            pytest.fail(str(exc))
-        started.append(server)
-        return server
+        return jupyter_processes(ARTIFACTS / f"{name}-server.log", app="server", config=config)
 
-    yield start
-    for server in started:
-        server.stop()
+    return start
 
 
 def snapshots_of(server: JupyterProcess, path: str) -> list[dict[str, Any]]:

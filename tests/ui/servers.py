@@ -14,9 +14,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from jupyter_gpu_snapshot.kernel.client import (
     ApiError,
@@ -32,6 +35,20 @@ START_TIMEOUT = 60
 # The extension built in this source tree (jlpm build:prod in labextension/), if any.
 SOURCE_LABEXTENSION = Path(__file__).parents[2] / "jupyter_gpu_snapshot" / "labextension"
 LABEXTENSION_NAME = "jupyter-gpu-snapshot"
+
+
+def until_job_ends(
+    get: Callable[[str], Any], job: dict[str, Any], timeout: float
+) -> dict[str, Any]:
+    """The job's last state, polled through ``get`` (a GET of the server's API) until it
+    no longer runs; TimeoutError if it still runs after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while job["status"] == "running":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job['id']} still runs after {timeout} s: {job}")
+        time.sleep(0.2)
+        job = get(f"gpu-snapshot/jobs/{job['id']}")
+    return job
 
 
 @dataclass
@@ -60,13 +77,7 @@ class JupyterProcess:
         return self.request("GET", endpoint)
 
     def wait_job(self, job: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while job["status"] == "running":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job['id']} still runs after {timeout} s: {job}")
-            time.sleep(0.2)
-            job = self.get(f"gpu-snapshot/jobs/{job['id']}")
-        return job
+        return until_job_ends(self.get, job, timeout)
 
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace")
@@ -179,3 +190,25 @@ def start_jupyter(
                     f"jupyter {app} did not answer in {START_TIMEOUT} s:\n{server.log_tail()}"
                 ) from None
             time.sleep(0.3)
+
+
+JupyterStarter = Callable[..., JupyterProcess]
+
+
+@pytest.fixture
+def jupyter_processes(tmp_path: Path) -> Iterator[JupyterStarter]:
+    """``start_jupyter`` under the test's tmp_path, given a log path and its options: a
+    start that fails fails the test, with the server's log; all are stopped at its end."""
+    started: list[JupyterProcess] = []
+
+    def start(log_path: Path, **options: Any) -> JupyterProcess:
+        try:
+            server = start_jupyter(tmp_path, log_path, **options)
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

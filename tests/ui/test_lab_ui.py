@@ -15,13 +15,15 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .servers import BIN, START_TIMEOUT, JupyterProcess, start_jupyter
+from .servers import BIN, START_TIMEOUT, JupyterProcess, JupyterStarter, jupyter_processes
+
+__all__ = ["jupyter_processes"]  # the fixture, imported for pytest
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -98,9 +100,10 @@ def ui_tools() -> dict[str, str]:
 
 
 @pytest.fixture
-def start_lab(tmp_path: Path) -> Iterator[Callable[..., JupyterProcess]]:
+def start_lab(
+    tmp_path: Path, jupyter_processes: JupyterStarter
+) -> Callable[..., JupyterProcess]:
     """Starts ``jupyter lab`` with the given notebooks; a second call is a restart."""
-    started: list[JupyterProcess] = []
 
     def start(name: str, notebooks: dict[str, str], config: str = "") -> JupyterProcess:
         root = tmp_path / "notebooks"
@@ -109,17 +112,9 @@ def start_lab(tmp_path: Path) -> Iterator[Callable[..., JupyterProcess]]:
             if not (root / filename).exists():
                 display = "Python 3 (snapshots)" if kernel == "python3-snapshot" else "Python 3"
                 write_notebook(root / filename, kernel, display)
-        try:
-            server = start_jupyter(tmp_path, ARTIFACTS / name / "server.log", config=config)
-        except RuntimeError as exc:
-            pytest.fail(str(exc))
-        started.append(server)
-        return server
+        return jupyter_processes(ARTIFACTS / name / "server.log", config=config)
 
-    yield start
-
-    for server in started:
-        server.stop()
+    return start
 
 
 def run_scenario(
