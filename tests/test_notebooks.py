@@ -51,14 +51,19 @@ class NotebookRun:
         self.next_cell = 0
         self.kernel_id: str | None = None
 
-    def open(self) -> str:
-        """Open the notebook: a session with a fresh kernel, and connect to it."""
-        session = self.server.request(
+    def new_session(self) -> dict[str, Any]:
+        """What opening the notebook in JupyterLab does: a session with a fresh kernel."""
+        session: dict[str, Any] = self.server.request(
             "POST", "api/sessions",
             {"path": self.path, "type": "notebook", "name": self.path, "kernel": {"name": KERNEL}},
         )
-        self.attach(session["kernel"]["id"])
-        return str(session["kernel"]["id"])
+        return session
+
+    def open(self) -> str:
+        """Open the notebook and connect to its fresh kernel."""
+        kernel_id = str(self.new_session()["kernel"]["id"])
+        self.attach(kernel_id)
+        return kernel_id
 
     def attach(self, kernel_id: str) -> None:
         """Connect the notebook client to a kernel of the server (fresh or restored)."""
@@ -126,6 +131,14 @@ class NotebookRun:
         if self.client.kc is not None:
             self.client.kc.stop_channels()
 
+    def __enter__(self) -> NotebookRun:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Disconnects, and keeps the notebook as far as it ran, failed or not."""
+        self.close()
+        self.save()
+
 
 @pytest.fixture
 def jupyter_server(jupyter_processes: JupyterStarter) -> Callable[..., JupyterProcess]:
@@ -143,8 +156,7 @@ def snapshots_of(server: JupyterProcess, path: str) -> list[dict[str, Any]]:
 @pytest.mark.timeout(240)
 def test_quickstart_saves_breaks_and_restores(jupyter_server: Any) -> None:
     server = jupyter_server("01-quickstart")
-    run = NotebookRun(server, "01-quickstart.ipynb")
-    try:
+    with NotebookRun(server, "01-quickstart.ipynb") as run:
         first_kernel = run.open()
         run.run_until("restore-here")
         saved = snapshots_of(server, run.path)
@@ -155,9 +167,6 @@ def test_quickstart_saves_breaks_and_restores(jupyter_server: Any) -> None:
         job = run.restore(saved[0]["id"], path=run.path)
         assert job["result"]["kernel_id"] != first_kernel
         run.run_until()
-    finally:
-        run.close()
-        run.save()
     out = run.outputs()
     assert "scores are back: {" in out
     assert "the random generator goes on where it was at the snapshot" in out
@@ -167,13 +176,9 @@ def test_quickstart_saves_breaks_and_restores(jupyter_server: Any) -> None:
 @pytest.mark.timeout(240)
 def test_api_and_cli_notebook_runs(jupyter_server: Any) -> None:
     server = jupyter_server("03-api-and-cli")
-    run = NotebookRun(server, "03-api-and-cli.ipynb")
-    try:
+    with NotebookRun(server, "03-api-and-cli.ipynb") as run:
         run.open()
         run.run_until()
-    finally:
-        run.close()
-        run.save()
     out = run.outputs()
     assert "phases seen: preflight" in out
     assert "DELETE: 204" in out
@@ -191,8 +196,9 @@ GPU_REASON = no_gpu_reason()
 def test_pytorch_training_survives_a_server_restart(jupyter_server: Any) -> None:
     config = "c.GPUSnapshot.snapshot_on_shutdown = True\n"
     server = jupyter_server("02-pytorch-before", config)
-    run = NotebookRun(server, "02-pytorch-training-survives-reboot.ipynb", cell_timeout=600)
-    try:
+    with NotebookRun(
+        server, "02-pytorch-training-survives-reboot.ipynb", cell_timeout=600
+    ) as run:
         run.open()
         run.run_until("reboot-here")
         run.close()
@@ -203,15 +209,9 @@ def test_pytorch_training_survives_a_server_restart(jupyter_server: Any) -> None
         shutdown = [s for s in snapshots_of(server, run.path) if s["reason"] == "shutdown"]
         assert len(shutdown) == 1, snapshots_of(server, run.path)
         # Opening the notebook starts a fresh kernel; "Restore" in the offer replaces it.
-        fresh = server.request(
-            "POST", "api/sessions",
-            {"path": run.path, "type": "notebook", "name": run.path, "kernel": {"name": KERNEL}},
-        )
+        fresh = run.new_session()
         run.restore(shutdown[0]["id"], path=run.path, session_id=fresh["id"])
         run.run_until()
-    finally:
-        run.close()
-        run.save()
     assert "losses after the restore match the uninterrupted run" in run.outputs()
     if os.environ.get("JGS_GPU_RESULTS"):
         print(run.outputs())
