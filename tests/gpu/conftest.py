@@ -16,6 +16,16 @@ import pytest
 from ..gpu_check import no_gpu_reason
 from ..gpu_results import RESULTS
 
+# The start of a kernel's cell whose PyTorch computes the same bits on every run: cuBLAS's
+# workspace fixed, the generators seeded, the non-deterministic kernels refused.
+DETERMINISTIC_TORCH = """
+import os
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch, torch.nn as nn
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+"""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = no_gpu_reason()

@@ -32,6 +32,7 @@ from jupyter_gpu_snapshot.engines import make_engine
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver, ProcessState
 
 from ..conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
+from .conftest import DETERMINISTIC_TORCH
 
 pytestmark = pytest.mark.gpu
 
@@ -53,12 +54,7 @@ def digest(*arrays):
     return h.hexdigest()[:16]
 """
 
-TORCH_TRAINING = DIGEST + """
-import os
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-import torch, torch.nn as nn
-torch.manual_seed(0)
-torch.use_deterministic_algorithms(True)
+TORCH_TRAINING = DIGEST + DETERMINISTIC_TORCH + """
 model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Dropout(0.1),
                       nn.Linear(4096, 1024)).cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -31,16 +31,13 @@ from jupyter_gpu_snapshot.gpu.driver import (
 )
 
 from ..conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
+from .conftest import DETERMINISTIC_TORCH
 
 pytestmark = pytest.mark.gpu
 
 # A small deterministic training loop: model + AdamW + CUDA RNG for inputs and dropout.
-TRAINING = """
-import os, json
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-import torch, torch.nn as nn
-torch.manual_seed(0)
-torch.use_deterministic_algorithms(True)
+TRAINING = DETERMINISTIC_TORCH + """
+import json
 model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Dropout(0.1),
                       nn.Linear(1024, 10)).cuda()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
