@@ -2,6 +2,7 @@
 // test_lab_ui.py starts the server with the scenario's notebooks, runs one of them
 // (`playwright test --grep`), and checks what the scenario saw (seen.json) against the
 // server's own state. Every step leaves a screenshot in ARTIFACTS/<scenario>/.
+import type { Locator } from '@playwright/test';
 import {
   CURRENT,
   expect,
@@ -386,12 +387,28 @@ test('widget-after-restore', async ({ lab, page }) => {
       .filter({ hasText: pattern })
       .first()
       .waitFor({ timeout: STEP_TIMEOUT });
-  // The restore marks the panel until the restored kernel's widget models are bound;
-  // typed into before that, a widget's input would be drawn afresh and lost.
-  const widgetsOfRestoredKernel = () =>
-    page
+  const dialog = page.locator('.jp-Dialog');
+  /** Kernel > Restore, the snapshot of ``row`` picked, until the notebook runs it and its
+   * widget outputs are the restored kernel's: the restore marks the panel until then, and
+   * a widget's input typed into before would be drawn afresh and lost. */
+  const restoreFromDialog = async (row: Locator) => {
+    await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+    await row.waitFor({ timeout: STEP_TIMEOUT });
+    await row.click();
+    await dialog.locator('.jp-mod-accept').click();
+    await lab.toast(/Kernel restored/);
+    await lab.buttonState('ready');
+    await page
       .locator(`${CURRENT}[data-gpu-snapshot-widgets="current"]`)
       .waitFor({ timeout: STEP_TIMEOUT });
+  };
+  /** A save with the widget's own form; what the widget shows once it lists ``name``. */
+  const saveFromWidget = async (name: string) => {
+    await widgetOutput().locator('input').first().fill(name);
+    await widgetOutput().locator('button', { hasText: 'Save' }).click();
+    await panelShows(name).catch(() => undefined);
+    return widgetText();
+  };
   await lab.openNotebook();
   await lab.buttonState('ready');
   seen.state_output = await lab.runCell(0);
@@ -416,22 +433,13 @@ test('widget-after-restore', async ({ lab, page }) => {
   await lab.screenshot('reopened-without-kernel');
   // That is JupyterLab's own console error; what follows the restore must be clean.
   seen.errors_before_restore = seen.console_errors.splice(0);
-  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
-  const dialog = page.locator('.jp-Dialog');
-  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
-  await dialog.locator('.jp-mod-accept').click();
-  await lab.toast(/Kernel restored/);
-  await lab.buttonState('ready');
-  await widgetsOfRestoredKernel();
+  await restoreFromDialog(dialog.locator('tr[data-snapshot-id]').first());
   seen.widget_after_restore = await panelShows(seen.snapshot_name as string)
     .then(widgetText)
     .catch(widgetText);
   await lab.screenshot('widget-after-restore');
   // The restored widget is live: its Save button saves the restored kernel.
-  await widgetOutput().locator('input').first().fill('from-widget');
-  await widgetOutput().locator('button', { hasText: 'Save' }).click();
-  await panelShows(/from-widget/).catch(() => undefined);
-  seen.widget_after_save = await widgetText();
+  seen.widget_after_save = await saveFromWidget('from-widget');
   await lab.screenshot('widget-live-after-restore');
   seen.after_restore_output = await lab.runCell(1);
 
@@ -439,18 +447,8 @@ test('widget-after-restore', async ({ lab, page }) => {
   // page still holds the models of the kernel before; the restored kernel's must replace
   // them, or the panel is a dead copy.
   await lab.shutDownKernel();
-  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
-  const again = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
-  await again.waitFor({ timeout: STEP_TIMEOUT });
-  await again.click();
-  await dialog.locator('.jp-mod-accept').click();
-  await lab.toast(/Kernel restored/);
-  await lab.buttonState('ready');
-  await widgetsOfRestoredKernel();
-  await widgetOutput().locator('input').first().fill('same-page');
-  await widgetOutput().locator('button', { hasText: 'Save' }).click();
-  await panelShows(/same-page/).catch(() => undefined);
-  seen.widget_after_second_restore = await widgetText();
+  await restoreFromDialog(dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`));
+  seen.widget_after_second_restore = await saveFromWidget('same-page');
   await lab.screenshot('widget-live-after-second-restore');
   seen.snapshots = (await lab.snapshots()).map(s => s.name).sort();
 });
