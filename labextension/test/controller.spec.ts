@@ -18,7 +18,6 @@ import {
 } from '../src/api';
 import {
   SNAPSHOT_KERNEL_DISPLAY_NAME,
-  SNAPSHOT_KERNEL_NAME,
   SUCCESS_CLOSE_MS,
   SnapshotController,
   shortError
@@ -30,8 +29,10 @@ import {
   ShoutingBundle,
   makeJob,
   makeSnapshot,
+  makeStatus,
   portsRefusal
 } from './fixtures';
+import { click, shown } from './notifications';
 
 // JupyterLab's real notification manager; dialogs would wait for a click, so showDialog is
 // a mock that the tests answer.
@@ -99,17 +100,9 @@ function fakePanel(path: string, kernelId: string | null, sessionId: string) {
   };
 }
 
+/** The status of the kernel of the notebook under test (k-b). */
 function status(fields: Partial<IKernelStatus> = {}): IKernelStatus {
-  return {
-    kernel_id: 'k-b',
-    ready: true,
-    reasons: [],
-    kernel_name: SNAPSHOT_KERNEL_NAME,
-    cuda: null,
-    last_snapshot: null,
-    job: null,
-    ...fields
-  };
+  return makeStatus({ kernel_id: 'k-b', ...fields });
 }
 
 function setUp(
@@ -133,26 +126,6 @@ function setUp(
     panel,
     notebook: panel as unknown as NotebookPanel
   };
-}
-
-function shown() {
-  return Notification.manager.notifications.map(n => ({
-    message: n.message,
-    type: n.type,
-    autoClose: n.options.autoClose,
-    actions: (n.options.actions ?? []).map(a => a.label)
-  }));
-}
-
-/** Clicks an action of the (only) notification that has it. */
-function click(label: string): void {
-  const action = Notification.manager.notifications
-    .flatMap(n => n.options.actions ?? [])
-    .find(a => a.label === label);
-  if (!action) {
-    throw new Error(`no notification offers '${label}'`);
-  }
-  action.callback(new MouseEvent('click'));
 }
 
 /** What the (one) dialog was opened with. */

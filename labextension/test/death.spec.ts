@@ -9,7 +9,8 @@ import { Signal } from '@lumino/signaling';
 import type { IKernelDeath, IKernelStatus } from '../src/api';
 import type { SnapshotController } from '../src/controller';
 import { DEATH_EVENT_PREFIX, DeathNotice, describeDeath } from '../src/death';
-import { EventStream, ShoutingBundle, makeSnapshot } from './fixtures';
+import { EventStream, ShoutingBundle, makeSnapshot, makeStatus } from './fixtures';
+import { click, shown } from './notifications';
 
 jest.mock('@jupyterlab/apputils', () => ({
   Notification: jest.requireActual('@jupyterlab/apputils/lib/notification').Notification
@@ -83,16 +84,7 @@ describe('describeDeath', () => {
 function setUp(death: IKernelDeath | null, events?: EventStream) {
   const statuses = new Map<string, IKernelStatus>();
   const setDeath = (value: IKernelDeath | null) =>
-    statuses.set('k-1', {
-      kernel_id: 'k-1',
-      ready: true,
-      reasons: [],
-      kernel_name: 'python3-snapshot',
-      cuda: null,
-      last_snapshot: null,
-      job: null,
-      death: value
-    });
+    statuses.set('k-1', makeStatus({ kernel_id: 'k-1', death: value }));
   setDeath(death);
   const summary = makeSnapshot({ id: 's-1', name: 'before-crash' });
   const changed = new Signal<unknown, string>({});
@@ -119,25 +111,6 @@ function setUp(death: IKernelDeath | null, events?: EventStream) {
     events?.manager ?? null
   );
   return { controller, panel, notice, summary, setDeath, changed };
-}
-
-function shown() {
-  return Notification.manager.notifications.map(n => ({
-    message: n.message,
-    type: n.type,
-    autoClose: n.options.autoClose,
-    actions: (n.options.actions ?? []).map(a => a.label)
-  }));
-}
-
-function click(label: string): void {
-  const action = Notification.manager.notifications
-    .flatMap(n => n.options.actions ?? [])
-    .find(a => a.label === label);
-  if (!action) {
-    throw new Error(`no notification offers '${label}'`);
-  }
-  action.callback(new MouseEvent('click'));
 }
 
 const settle = () => new Promise(resolve => setTimeout(resolve, 0));

@@ -5,7 +5,7 @@
 import type { Event } from '@jupyterlab/services';
 import { Gettext, TranslationBundle } from '@jupyterlab/translation';
 import { Signal } from '@lumino/signaling';
-import type { IJob, IJobError, ISnapshotSummary } from '../src/api';
+import type { IJob, IJobError, IKernelStatus, ISnapshotSummary } from '../src/api';
 import { JOB_EVENT_PREFIX } from '../src/jobs';
 
 export const MiB = 2 ** 20;
@@ -42,6 +42,20 @@ export function makeSnapshot(fields: Partial<ISnapshotSummary> = {}): ISnapshotS
     reason: 'user',
     timings: { total: 0.84 },
     gpu: null,
+    ...fields
+  };
+}
+
+/** A snapshot kernel's status: ready, nothing running, no snapshot yet. */
+export function makeStatus(fields: Partial<IKernelStatus> = {}): IKernelStatus {
+  return {
+    kernel_id: 'k-a',
+    ready: true,
+    reasons: [],
+    kernel_name: 'python3-snapshot',
+    cuda: null,
+    last_snapshot: null,
+    job: null,
     ...fields
   };
 }

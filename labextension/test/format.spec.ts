@@ -17,7 +17,7 @@ import {
   toastProgress
 } from '../src/format';
 import type { IAutosaveState, IKernelStatus, ISnapshotSummary } from '../src/api';
-import { GiB, MiB, ShoutingBundle, makeJob, makeSnapshot } from './fixtures';
+import { GiB, MiB, ShoutingBundle, makeJob, makeSnapshot, makeStatus } from './fixtures';
 
 describe('formatBytes', () => {
   it('gives bytes as an integer and larger units with one decimal', () => {
@@ -283,15 +283,8 @@ describe('a TranslationBundle given to the formatters', () => {
 
 describe('describeLastSnapshot', () => {
   const now = 1_800_000_000;
-  const status = (last: ISnapshotSummary | null): IKernelStatus => ({
-    kernel_id: 'k1',
-    ready: true,
-    reasons: [],
-    kernel_name: 'python3-snapshot',
-    cuda: null,
-    last_snapshot: last,
-    job: null
-  });
+  const status = (last: ISnapshotSummary | null): IKernelStatus =>
+    makeStatus({ kernel_id: 'k1', last_snapshot: last });
   const autosave = (last: IAutosaveState['last_autosave']): IAutosaveState => ({
     kernel_id: 'k1',
     notebook_path: 'train.ipynb',
