@@ -80,24 +80,6 @@ export class ShoutingBundle implements TranslationBundle {
   /** Every message id asked for, in order. */
   readonly asked: string[] = [];
 
-  __(msgid: string, ...args: unknown[]): string {
-    return this.gettext(msgid, ...args);
-  }
-  _n(msgid: string, msgid_plural: string, n: number, ...args: unknown[]): string {
-    return this.ngettext(msgid, msgid_plural, n, ...args);
-  }
-  _p(msgctxt: string, msgid: string, ...args: unknown[]): string {
-    return this.gettext(msgid, ...args);
-  }
-  _np(
-    msgctxt: string,
-    msgid: string,
-    msgid_plural: string,
-    n: number,
-    ...args: unknown[]
-  ): string {
-    return this.ngettext(msgid, msgid_plural, n, ...args);
-  }
   gettext(msgid: string, ...args: unknown[]): string {
     this.asked.push(msgid);
     return Gettext.strfmt(msgid.toUpperCase(), ...args);
@@ -121,14 +103,16 @@ export class ShoutingBundle implements TranslationBundle {
   }
   dcnpgettext(
     domain: string,
-    msgctxt: string,
-    msgid: string,
-    msgid_plural: string,
-    n: number,
-    ...args: unknown[]
+    ...rest: Parameters<TranslationBundle['npgettext']>
   ): string {
-    return this.ngettext(msgid, msgid_plural, n, ...args);
+    return this.npgettext(...rest);
   }
+
+  // JupyterLab's short names for the same calls.
+  readonly __ = this.gettext;
+  readonly _n = this.ngettext;
+  readonly _p = this.pgettext;
+  readonly _np = this.npgettext;
 }
 
 export const JOB_SCHEMA = `${JOB_EVENT_PREFIX}v1`;
