@@ -128,8 +128,50 @@ function setUp(
   };
 }
 
-/** What the (one) dialog was opened with. */
-function shownDialog(): Partial<Dialog.IOptions<unknown>> {
+/** As setUp, once the server said that the notebook's kernel can be saved. */
+async function readyToSave(
+  sessions: IFakeSession[] = [],
+  events?: EventStream,
+  trans?: TranslationBundle
+) {
+  const setup = setUp(sessions, events, trans);
+  setup.api.kernelStatus.mockResolvedValue(status());
+  await setup.controller.refresh('k-b');
+  return setup;
+}
+
+/** The server's refusal of a save under a name it does not take. */
+function invalidName(): SnapshotAPIError {
+  return new SnapshotAPIError('invalid', 400, {
+    code: 'invalid_request',
+    step: 'preflight',
+    cause: "'my snapshot' is not a valid name",
+    message: 'preflight failed'
+  });
+}
+
+/** A restore job that ended with the kernel restored as k-new, into ``sessionId``. */
+function restoredJob(sessionId: string | null, fields: Partial<IJob> = {}): IJob {
+  return makeJob({
+    kind: 'restore',
+    status: 'succeeded',
+    phase: 'done',
+    result: { kernel_id: 'k-new', session_id: sessionId },
+    ...fields
+  });
+}
+
+/**
+ * Clicks Details, whose dialog the user leaves with its accept button or not; what the
+ * (one) dialog was opened with.
+ */
+function openDetails(accept: boolean): Partial<Dialog.IOptions<unknown>> {
+  mockedShowDialog.mockResolvedValue({
+    button: { accept } as never,
+    value: null,
+    isChecked: null
+  });
+  click('Details');
   expect(mockedShowDialog).toHaveBeenCalledTimes(1);
   return mockedShowDialog.mock.calls[0][0] ?? {};
 }
@@ -267,9 +309,7 @@ describe('saveAvailability', () => {
   });
 
   it('is off while a save of the kernel runs, and says how far it is', async () => {
-    const { api, controller, notebook } = setUp();
-    api.kernelStatus.mockResolvedValue(status());
-    await controller.refresh('k-b');
+    const { api, controller, notebook } = await readyToSave();
     api.startSave.mockResolvedValue(
       makeJob({ kernel_id: 'k-b', done: 0, total: 4 * MiB })
     );
@@ -328,9 +368,7 @@ describe('explainUnavailable', () => {
   });
 
   it('says nothing about a kernel that can be saved', async () => {
-    const { api, controller, notebook } = setUp();
-    api.kernelStatus.mockResolvedValue(status());
-    await controller.refresh('k-b');
+    const { controller, notebook } = await readyToSave();
     controller.explainUnavailable(notebook);
     expect(shown()).toEqual([]);
   });
@@ -369,13 +407,6 @@ describe('describeJob: the time left, per phase', () => {
 });
 
 describe('save', () => {
-  async function readyToSave() {
-    const setup = setUp();
-    setup.api.kernelStatus.mockResolvedValue(status());
-    await setup.controller.refresh('k-b');
-    return setup;
-  }
-
   it('warns instead of saving a kernel that cannot be saved', async () => {
     const { api, controller, notebook } = setUp();
     await expect(controller.save(notebook)).resolves.toBeNull();
@@ -448,13 +479,7 @@ describe('save', () => {
       }
     ]);
 
-    mockedShowDialog.mockResolvedValue({
-      button: { accept: false } as never,
-      value: null,
-      isChecked: null
-    });
-    click('Details');
-    const options = shownDialog();
+    const options = openDetails(false);
     expect(options.title).toBe('Snapshot failed');
     expect(options.body).toBe(
       'dump failed: no space left on device\nLog: /store/.logs/j1.log'
@@ -465,37 +490,25 @@ describe('save', () => {
     expect(shown()).toHaveLength(1);
   });
 
-  it("shows a refused request in the server's words", async () => {
+  it.each([
+    [
+      "a refused request in the server's words",
+      'my snapshot',
+      invalidName(),
+      "Snapshot failed: 'my snapshot' is not a valid name"
+    ],
+    [
+      'an unreachable server by its message',
+      undefined,
+      new SnapshotAPIError('cannot reach the Jupyter server: offline', 0),
+      'Snapshot failed: cannot reach the Jupyter server: offline'
+    ]
+  ])('shows %s, until closed', async (_, name, refusal, message) => {
     const { api, controller, notebook } = await readyToSave();
-    api.startSave.mockRejectedValue(
-      new SnapshotAPIError('invalid', 400, {
-        code: 'invalid_request',
-        step: 'preflight',
-        cause: "'my snapshot' is not a valid name",
-        message: 'preflight failed'
-      })
-    );
-    await controller.save(notebook, 'my snapshot');
+    api.startSave.mockRejectedValue(refusal);
+    await controller.save(notebook, name);
     expect(shown()).toEqual([
-      expect.objectContaining({
-        message: "Snapshot failed: 'my snapshot' is not a valid name",
-        type: 'error',
-        autoClose: false
-      })
-    ]);
-  });
-
-  it('shows an unreachable server by its message', async () => {
-    const { api, controller, notebook } = await readyToSave();
-    api.startSave.mockRejectedValue(
-      new SnapshotAPIError('cannot reach the Jupyter server: offline', 0)
-    );
-    await controller.save(notebook);
-    expect(shown()).toEqual([
-      expect.objectContaining({
-        message: 'Snapshot failed: cannot reach the Jupyter server: offline',
-        type: 'error'
-      })
+      expect.objectContaining({ message, type: 'error', autoClose: false })
     ]);
   });
 
@@ -532,41 +545,34 @@ describe('a restore refused because its ports are taken', () => {
     kernel: { id: 'k-b' }
   };
 
-  it('names the notebook whose kernel holds them, and offers to shut that one down', () => {
-    const { controller, notebook } = setUp();
-    const error = portsRefusal({
-      holder_kernel_id: 'k-a',
-      holder_notebook_path: 'work/a.ipynb'
-    });
-    const ports = controller.portsRemedy(notebook, snapshot, error);
-    expect(ports?.message).toBe('its ports are taken by the kernel of a.ipynb');
-    expect(ports?.remedy?.label).toBe("Shut down a.ipynb's kernel and restore");
-    expect(ports?.remedy?.caption).toContain('Shut down the kernel of work/a.ipynb');
-  });
-
-  it("offers to shut down the notebook's own kernel when that one holds them", () => {
-    const { controller, notebook } = setUp();
-    const error = portsRefusal({
-      holder_kernel_id: 'k-b',
-      holder_notebook_path: 'work/b.ipynb'
-    });
-    const ports = controller.portsRemedy(notebook, snapshot, error);
-    expect(ports?.message).toBe("its ports are taken by this notebook's own kernel");
-    expect(ports?.remedy?.label).toBe('Shut down this kernel and restore');
-  });
-
-  it('offers nothing to shut down when no kernel of the server holds them', () => {
-    const { controller, notebook } = setUp();
-    const ports = controller.portsRemedy(
-      notebook,
-      snapshot,
-      portsRefusal({ holder_kernel_id: null })
-    );
-    expect(ports?.message).toBe(
+  it.each([
+    [
+      'names the notebook whose kernel holds them, and offers to shut that one down',
+      { holder_kernel_id: 'k-a', holder_notebook_path: 'work/a.ipynb' },
+      'its ports are taken by the kernel of a.ipynb',
+      expect.objectContaining({
+        label: "Shut down a.ipynb's kernel and restore",
+        caption: expect.stringContaining('Shut down the kernel of work/a.ipynb')
+      })
+    ],
+    [
+      "offers to shut down the notebook's own kernel when that one holds them",
+      { holder_kernel_id: 'k-b', holder_notebook_path: 'work/b.ipynb' },
+      "its ports are taken by this notebook's own kernel",
+      expect.objectContaining({ label: 'Shut down this kernel and restore' })
+    ],
+    [
+      'offers nothing to shut down when no kernel of the server holds them',
+      { holder_kernel_id: null },
       'its ports are taken by a process this server does not run (another restore of it ' +
-        'from the command line?); stop that process first'
-    );
-    expect(ports?.remedy).toBeNull();
+        'from the command line?); stop that process first',
+      null
+    ]
+  ])('%s', (_, holder, message, remedy) => {
+    const { controller, notebook } = setUp();
+    const ports = controller.portsRemedy(notebook, snapshot, portsRefusal(holder));
+    expect(ports?.message).toBe(message);
+    expect(ports?.remedy).toEqual(remedy);
   });
 
   it('is no port refusal for other errors', () => {
@@ -591,14 +597,7 @@ describe('a restore refused because its ports are taken', () => {
       .mockResolvedValueOnce(
         makeJob({ kind: 'restore', status: 'failed', phase: 'preflight', error: refused })
       )
-      .mockResolvedValueOnce(
-        makeJob({
-          kind: 'restore',
-          status: 'succeeded',
-          phase: 'done',
-          result: { kernel_id: 'k-new', session_id: 's-b' }
-        })
-      );
+      .mockResolvedValueOnce(restoredJob('s-b'));
 
     await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
     expect(shown()).toEqual([
@@ -717,13 +716,7 @@ describe('a restore refused because its ports are taken', () => {
     api.startRestore.mockRejectedValue(new SnapshotAPIError('refused', 409, error));
     await controller.restore(notebook, snapshot);
 
-    mockedShowDialog.mockResolvedValue({
-      button: { accept: true } as never,
-      value: null,
-      isChecked: null
-    });
-    click('Details');
-    const options = shownDialog();
+    const options = openDetails(true);
     expect(options.title).toBe("Restore of 'from-a' failed");
     expect(options.buttons).toEqual([
       { accept: false, label: 'Close' },
@@ -746,14 +739,7 @@ describe('restore', () => {
   it('switches the notebook to the restored kernel when the server moved its session', async () => {
     const { api, services, controller, panel, notebook } = setUp();
     api.startRestore.mockResolvedValue(makeJob({ kind: 'restore', phase: 'restore' }));
-    api.getJob.mockResolvedValue(
-      makeJob({
-        kind: 'restore',
-        status: 'succeeded',
-        phase: 'done',
-        result: { kernel_id: 'k-new', session_id: 's-b' }
-      })
-    );
+    api.getJob.mockResolvedValue(restoredJob('s-b'));
     // The server moved the session: the session list carries the new kernel.
     services.sessions.refreshRunning.mockImplementation(async () => {
       panel.sessionContext.session = { id: 's-b', kernel: { id: 'k-new' } };
@@ -784,14 +770,7 @@ describe('restore', () => {
   it('starts a notebook without a kernel on the restored one', async () => {
     const { api, controller } = setUp();
     const panel = fakePanel('work/c.ipynb', null, 's-c');
-    api.startRestore.mockResolvedValue(
-      makeJob({
-        kind: 'restore',
-        status: 'succeeded',
-        phase: 'done',
-        result: { kernel_id: 'k-new', session_id: null }
-      })
-    );
+    api.startRestore.mockResolvedValue(restoredJob(null));
     api.kernelStatus.mockResolvedValue(status({ kernel_id: 'k-new' }));
     await expect(
       controller.restore(panel as unknown as NotebookPanel, snapshot)
@@ -802,14 +781,7 @@ describe('restore', () => {
 
   it('says so when the kernel was restored but the notebook could not switch to it', async () => {
     const { api, controller, panel, notebook } = setUp();
-    api.startRestore.mockResolvedValue(
-      makeJob({
-        kind: 'restore',
-        status: 'succeeded',
-        phase: 'done',
-        result: { kernel_id: 'k-new', session_id: null }
-      })
-    );
+    api.startRestore.mockResolvedValue(restoredJob(null));
     panel.sessionContext.changeKernel.mockRejectedValue(new Error('session is disposed'));
     await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
     expect(shown()).toEqual([
@@ -824,14 +796,7 @@ describe('restore', () => {
 
   it('says so when the session stays on its old kernel', async () => {
     const { api, controller, panel, notebook } = setUp();
-    api.startRestore.mockResolvedValue(
-      makeJob({
-        kind: 'restore',
-        status: 'succeeded',
-        phase: 'done',
-        result: { kernel_id: 'k-new', session_id: null }
-      })
-    );
+    api.startRestore.mockResolvedValue(restoredJob(null));
     panel.sessionContext.changeKernel.mockResolvedValue(undefined);
     await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
     expect(shown()[0].message).toBe(
@@ -876,9 +841,7 @@ describe('jobs started elsewhere (the magic, the widget, another browser)', () =
 
   it('show in the notebook whose kernel they save, until they end', async () => {
     const events = new EventStream();
-    const { api, controller, notebook } = setUp([], events);
-    api.kernelStatus.mockResolvedValue(status());
-    await controller.refresh('k-b');
+    const { api, controller, notebook } = await readyToSave([], events);
     let finish: (job: IJob) => void = () => undefined;
     api.getJob.mockReturnValue(new Promise(resolve => (finish = resolve)));
 
@@ -931,27 +894,10 @@ describe('jobs started elsewhere (the magic, the widget, another browser)', () =
   it('pick up the new kernel of a session restored elsewhere at once', async () => {
     const events = new EventStream();
     const { services, controller } = setUp([], events);
-    events.emitJob(
-      makeJob({
-        id: 'j-restore',
-        kind: 'restore',
-        kernel_id: null,
-        status: 'succeeded',
-        phase: 'done',
-        result: { kernel_id: 'k-new', session_id: 's-b' }
-      })
-    );
+    events.emitJob(restoredJob('s-b', { id: 'j-restore', kernel_id: null }));
     expect(services.sessions.refreshRunning).toHaveBeenCalledTimes(1);
     // A restore of this browser's own is attached by restore() itself.
-    events.emitJob(
-      makeJob({
-        id: 'j-restore-2',
-        kind: 'restore',
-        status: 'succeeded',
-        phase: 'done',
-        result: { kernel_id: 'k-new', session_id: null }
-      })
-    );
+    events.emitJob(restoredJob(null, { id: 'j-restore-2' }));
     expect(services.sessions.refreshRunning).toHaveBeenCalledTimes(1);
     controller.dispose();
   });
@@ -972,17 +918,8 @@ describe("the controller's words go through its TranslationBundle", () => {
 
   it("frames a refused save in the bundle and keeps the server's cause", async () => {
     const trans = new ShoutingBundle();
-    const { api, controller, notebook } = setUp([], undefined, trans);
-    api.kernelStatus.mockResolvedValue(status());
-    await controller.refresh('k-b');
-    api.startSave.mockRejectedValue(
-      new SnapshotAPIError('invalid', 400, {
-        code: 'invalid_request',
-        step: 'preflight',
-        cause: "'my snapshot' is not a valid name",
-        message: 'preflight failed'
-      })
-    );
+    const { api, controller, notebook } = await readyToSave([], undefined, trans);
+    api.startSave.mockRejectedValue(invalidName());
     await controller.save(notebook, 'my snapshot');
     expect(shown()).toEqual([
       expect.objectContaining({
