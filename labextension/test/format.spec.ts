@@ -304,38 +304,57 @@ describe('describeLastSnapshot', () => {
   const autosaveOf = (id: string, secondsAgo: number, pause: number) =>
     autosave({ snapshot_id: id, created: now - secondsAgo, pause, size_bytes: GiB });
 
-  it('names the autosave that just ended before the status lists it', () => {
-    const justNow = autosaveOf('20261123T060000Z-abcd1234', 5, 1.62);
-    expect(describeLastSnapshot(status(null), justNow, undefined, now).text).toBe(
-      'Autosaved just now (paused 1.62 s)'
-    );
-    const older = makeSnapshot({ id: 'older', created: now - 600, reason: 'user' });
-    expect(describeLastSnapshot(status(older), justNow, undefined, now).text).toBe(
-      'Autosaved just now (paused 1.62 s)'
-    );
+  const justNow = autosaveOf('20261123T060000Z-abcd1234', 5, 1.62);
+  const older = makeSnapshot({ id: 'older', created: now - 600, reason: 'user' });
+  const mine = makeSnapshot({
+    id: 'mine',
+    name: 'mine',
+    created: now - 120,
+    reason: 'user'
   });
+  const pastServers = makeSnapshot({ id: 'a2', created: now - 30, reason: 'autosave' });
 
-  it('gives a later user snapshot, and an autosave of a past server without its pause', () => {
-    const earlier = autosaveOf('auto', 3000, 1.5);
-    const mine = makeSnapshot({
-      id: 'mine',
-      name: 'mine',
-      created: now - 120,
-      reason: 'user'
-    });
-    expect(describeLastSnapshot(status(mine), earlier, undefined, now).text).toBe(
+  /** Each row: the case, the status's last snapshot, the autosave state, the text. */
+  const lines: [string, ISnapshotSummary | null, IAutosaveState | null, string][] = [
+    [
+      'names the autosave that just ended, before the status lists it',
+      null,
+      justNow,
+      'Autosaved just now (paused 1.62 s)'
+    ],
+    [
+      'names the autosave that just ended, over an older snapshot the status lists',
+      older,
+      justNow,
+      'Autosaved just now (paused 1.62 s)'
+    ],
+    [
+      'names a user snapshot later than the last autosave',
+      mine,
+      autosaveOf('auto', 3000, 1.5),
       'Snapshot 2 min ago'
-    );
-    const auto = makeSnapshot({ id: 'a2', created: now - 30, reason: 'autosave' });
-    expect(describeLastSnapshot(status(auto), null, undefined, now).text).toBe(
+    ],
+    [
+      'names an autosave of a past server, without its pause',
+      pastServers,
+      null,
       'Autosaved just now'
+    ],
+    [
+      'says "No snapshot yet" only when neither knows a snapshot',
+      null,
+      autosave(null),
+      'No snapshot yet'
+    ]
+  ];
+
+  it.each(lines)('%s', (_, last, autosaveState, text) => {
+    expect(describeLastSnapshot(status(last), autosaveState, undefined, now).text).toBe(
+      text
     );
   });
 
-  it('says "No snapshot yet" only when neither knows a snapshot', () => {
-    expect(describeLastSnapshot(status(null), autosave(null), undefined, now).text).toBe(
-      'No snapshot yet'
-    );
+  it('says nothing of a kernel that cannot be saved', () => {
     expect(
       describeLastSnapshot({ ...status(null), ready: false }, null, undefined, now)
     ).toEqual({ text: '', title: '' });
