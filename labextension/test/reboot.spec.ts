@@ -103,11 +103,25 @@ afterEach(() => {
   jest.restoreAllMocks();
 });
 
-/** The page as it opens (again): a new state database on the stored workspace. */
-function openPage(newest: ISnapshotSummary[]) {
+/**
+ * The page as it opens (again): a new state database on the stored workspace; the offer
+ * then checks the notebooks at ``paths``, as each is opened.
+ */
+async function openPage(newest: ISnapshotSummary[], ...paths: string[]) {
   const state = new StateDB({ connector: storedWorkspace });
   const { controller, asController } = fakeController(newest);
-  return { state, controller, offer: new ShutdownOffer(asController, state) };
+  const offer = new ShutdownOffer(asController, state);
+  for (const path of paths) {
+    await offer.check(fakePanel(path));
+  }
+  return { state, controller, offer };
+}
+
+/** Clicks ``label`` on the one offer; resolves once the page stored the answer. */
+async function answerAndStore(state: StateDB, label: string): Promise<void> {
+  const written = saved(state);
+  answer(label);
+  await written;
 }
 
 describe('ShutdownOffer answers kept in IStateDB', () => {
@@ -117,20 +131,15 @@ describe('ShutdownOffer answers kept in IStateDB', () => {
   ])(
     'does not offer again after a reload once answered "%s"',
     async (label, restores) => {
-      const first = openPage([shutdownSnapshot]);
-      const panel = fakePanel('work/a.ipynb');
-      await first.offer.check(panel);
+      const first = await openPage([shutdownSnapshot], 'work/a.ipynb');
       expect(offersShown()).toHaveLength(1);
       expect(offersShown()[0].message).toContain('a.ipynb');
 
-      const written = saved(first.state);
-      answer(label);
-      await written;
+      await answerAndStore(first.state, label);
       expect(first.controller.restore).toHaveBeenCalledTimes(restores ? 1 : 0);
       Notification.dismiss();
 
-      const reloaded = openPage([shutdownSnapshot]);
-      await reloaded.offer.check(fakePanel('work/a.ipynb'));
+      const reloaded = await openPage([shutdownSnapshot], 'work/a.ipynb');
       expect(reloaded.controller.api.latestSnapshots).toHaveBeenCalledWith(
         'work/a.ipynb'
       );
@@ -139,28 +148,22 @@ describe('ShutdownOffer answers kept in IStateDB', () => {
   );
 
   it('offers again after a reload when the offer was left unanswered', async () => {
-    const first = openPage([shutdownSnapshot]);
-    await first.offer.check(fakePanel('work/a.ipynb'));
+    await openPage([shutdownSnapshot], 'work/a.ipynb');
     expect(offersShown()).toHaveLength(1);
     Notification.dismiss(); // The page went away before the user answered.
 
-    const reloaded = openPage([shutdownSnapshot]);
-    await reloaded.offer.check(fakePanel('work/a.ipynb'));
+    await openPage([shutdownSnapshot], 'work/a.ipynb');
     expect(offersShown()).toHaveLength(1);
     expect(offersShown()[0].message).toContain('a.ipynb');
   });
 
   it('keeps quiet only about the snapshot answered, not about another notebook', async () => {
-    const first = openPage([shutdownSnapshot, autosaveSnapshot]);
-    await first.offer.check(fakePanel('work/a.ipynb'));
-    const written = saved(first.state);
-    answer('Not now');
-    await written;
+    const both = [shutdownSnapshot, autosaveSnapshot];
+    const first = await openPage(both, 'work/a.ipynb');
+    await answerAndStore(first.state, 'Not now');
     Notification.dismiss();
 
-    const reloaded = openPage([shutdownSnapshot, autosaveSnapshot]);
-    await reloaded.offer.check(fakePanel('work/a.ipynb'));
-    await reloaded.offer.check(fakePanel('work/b.ipynb'));
+    await openPage(both, 'work/a.ipynb', 'work/b.ipynb');
     expect(offersShown()).toHaveLength(1);
     expect(offersShown()[0].message).toContain('b.ipynb');
     expect(offersShown()[0].message).not.toContain('a.ipynb');
@@ -168,34 +171,22 @@ describe('ShutdownOffer answers kept in IStateDB', () => {
 
   it('adds each answer to the earlier ones, over several reloads', async () => {
     const both = [shutdownSnapshot, autosaveSnapshot];
-    const first = openPage(both);
-    await first.offer.check(fakePanel('work/a.ipynb'));
-    let written = saved(first.state);
-    answer('Not now');
-    await written;
+    const first = await openPage(both, 'work/a.ipynb');
+    await answerAndStore(first.state, 'Not now');
     Notification.dismiss();
 
-    const second = openPage(both);
-    await second.offer.check(fakePanel('work/a.ipynb'));
-    await second.offer.check(fakePanel('work/b.ipynb'));
+    const second = await openPage(both, 'work/a.ipynb', 'work/b.ipynb');
     expect(offersShown()).toHaveLength(1);
-    written = saved(second.state);
-    answer('Not now');
-    await written;
+    await answerAndStore(second.state, 'Not now');
     Notification.dismiss();
 
-    const third = openPage(both);
-    await third.offer.check(fakePanel('work/a.ipynb'));
-    await third.offer.check(fakePanel('work/b.ipynb'));
+    await openPage(both, 'work/a.ipynb', 'work/b.ipynb');
     expect(offersShown()).toHaveLength(0);
   });
 
   it('keeps the answer in the state database and nothing in localStorage', async () => {
-    const first = openPage([shutdownSnapshot]);
-    await first.offer.check(fakePanel('work/a.ipynb'));
-    const written = saved(first.state);
-    answer('Not now');
-    await written;
+    const first = await openPage([shutdownSnapshot], 'work/a.ipynb');
+    await answerAndStore(first.state, 'Not now');
 
     const stored = await first.state.toJSON();
     expect(Object.values(stored)).toContainEqual(['s-a']);
