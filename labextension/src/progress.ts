@@ -51,17 +51,7 @@ export class JobNotification {
       actions?: (dismiss: () => void) => Notification.IAction[];
     }
   ): void {
-    // react-toastify applies an update two timer turns after it is asked for, a dismiss
-    // one turn after: dismissed at once, a toast updated just before came back.
-    const progressToast = this._id;
-    if (JobNotification.settleMs > 0) {
-      window.setTimeout(
-        () => Notification.dismiss(progressToast),
-        JobNotification.settleMs
-      );
-    } else {
-      Notification.dismiss(progressToast);
-    }
+    this._dismissProgress();
     const dismiss = () => Notification.dismiss(this._id);
     this._id = Notification.emit(message, type, {
       autoClose: options.autoClose,
@@ -71,9 +61,17 @@ export class JobNotification {
 
   /** Close the toast without an outcome: another notification takes over. */
   close(): void {
+    this._dismissProgress();
+  }
+
+  /**
+   * Dismiss the progress toast once it has settled. react-toastify applies an update two
+   * timer turns after it is asked for, a dismiss one turn after: dismissed at once, a
+   * toast updated just before came back.
+   */
+  private _dismissProgress(): void {
     const progressToast = this._id;
     if (JobNotification.settleMs > 0) {
-      // As in finish: an update applied after an immediate dismiss brought it back.
       window.setTimeout(
         () => Notification.dismiss(progressToast),
         JobNotification.settleMs
