@@ -7,6 +7,7 @@ import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import * as React from 'react';
 import type { ISnapshotSummary, SnapshotAPI } from './api';
+import { DeleteButtons } from './confirm';
 import {
   describeGpu,
   describeLocation,
@@ -15,8 +16,6 @@ import {
   formatTime
 } from './format';
 import { untranslated } from './translation';
-
-const CONFIRM_MS = 4000;
 
 /** The notebook's running kernel, whose own snapshots cannot be restored while it runs. */
 export interface IRunningKernel {
@@ -139,7 +138,6 @@ export class SnapshotPicker
     const trans = this._trans;
     const location = describeLocation(s, trans);
     const selected = s.id === this._selected;
-    const confirming = this._confirming === s.id;
     const held = this.heldByRunningKernel(s);
     const origin = s.id === this._running.originId;
     return (
@@ -194,23 +192,10 @@ export class SnapshotPicker
         <td>{describeGpu(s, trans)}</td>
         <td className="jp-gpu-snapshot-path">{s.notebook_path ?? '—'}</td>
         <td>
-          <button
-            className={
-              'jp-gpu-snapshot-delete jp-Button jp-mod-styled ' +
-              (confirming ? 'jp-mod-warn' : 'jp-mod-reject')
-            }
-            title={
-              confirming
-                ? trans.__('Click again to delete for good')
-                : trans.__('Delete %1', s.name)
-            }
-            onClick={event => {
-              event.stopPropagation();
-              void this._delete(s);
-            }}
-          >
-            {confirming ? trans.__('Confirm delete') : trans.__('Delete')}
-          </button>
+          {this._deleteButtons.render(s, trans, event => {
+            event.stopPropagation();
+            void this._delete(s);
+          })}
         </td>
       </tr>
     );
@@ -247,18 +232,9 @@ export class SnapshotPicker
   };
 
   private async _delete(s: ISnapshotSummary): Promise<void> {
-    if (this._confirming !== s.id) {
-      this._confirming = s.id;
-      this.update();
-      window.setTimeout(() => {
-        if (this._confirming === s.id) {
-          this._confirming = null;
-          this.update();
-        }
-      }, CONFIRM_MS);
+    if (!this._deleteButtons.confirms(s.id)) {
       return;
     }
-    this._confirming = null;
     try {
       await this._api.deleteSnapshot(s.id);
     } catch (error) {
@@ -278,7 +254,7 @@ export class SnapshotPicker
 
   private _snapshots: ISnapshotSummary[] = [];
   private _selected: string | null = null;
-  private _confirming: string | null = null;
+  private readonly _deleteButtons = new DeleteButtons(() => this.update());
   private _error: string | null = null;
   private _loaded = false;
 }

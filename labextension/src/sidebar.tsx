@@ -10,6 +10,7 @@ import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
 import type { AutosaveOverride, IAutosaveState, ISnapshotSummary } from './api';
+import { DeleteButtons } from './confirm';
 import type { SnapshotController } from './controller';
 import {
   describeAutosavePolicy,
@@ -22,8 +23,6 @@ import {
   formatTime
 } from './format';
 import { snapshotIcon } from './icons';
-
-const CONFIRM_MS = 4000;
 
 const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
@@ -353,7 +352,6 @@ export class SnapshotsSidebar extends ReactWidget {
   private _item(s: ISnapshotSummary, panel: NotebookPanel | null): JSX.Element {
     const trans = this._trans;
     const where = describeLocation(s, trans);
-    const confirming = this._confirming === s.id;
     const busy = panel !== null && this._controller.activeJob(panel) !== null;
     const target = panel?.context.localPath ?? null;
     const location = [s.host, s.notebook_path].filter(Boolean).join(': ');
@@ -411,20 +409,7 @@ export class SnapshotsSidebar extends ReactWidget {
           >
             {trans.__('Rename')}
           </button>
-          <button
-            className={
-              'jp-Button jp-mod-styled jp-gpu-snapshot-delete ' +
-              (confirming ? 'jp-mod-warn' : 'jp-mod-reject')
-            }
-            title={
-              confirming
-                ? trans.__('Click again to delete for good')
-                : trans.__('Delete %1', s.name)
-            }
-            onClick={() => void this._delete(s)}
-          >
-            {confirming ? trans.__('Confirm delete') : trans.__('Delete')}
-          </button>
+          {this._deleteButtons.render(s, trans, () => void this._delete(s))}
         </div>
       </li>
     );
@@ -462,18 +447,9 @@ export class SnapshotsSidebar extends ReactWidget {
   }
 
   private async _delete(s: ISnapshotSummary): Promise<void> {
-    if (this._confirming !== s.id) {
-      this._confirming = s.id;
-      this.update();
-      window.setTimeout(() => {
-        if (this._confirming === s.id) {
-          this._confirming = null;
-          this.update();
-        }
-      }, CONFIRM_MS);
+    if (!this._deleteButtons.confirms(s.id)) {
       return;
     }
-    this._confirming = null;
     await this._change(
       () => this._controller.api.deleteSnapshot(s.id),
       message => this._trans.__("Could not delete '%1': %2", s.name, message)
@@ -508,7 +484,7 @@ export class SnapshotsSidebar extends ReactWidget {
   private _autosave: IAutosaveState | null = null;
   private _search = '';
   private _sort: SortKey = 'newest';
-  private _confirming: string | null = null;
+  private readonly _deleteButtons = new DeleteButtons(() => this.update());
   /** What the last rename, delete or autosave change refused; stays until the next one works. */
   private _error: string | null = null;
   /** Why the last listing failed; the next listing clears it. */
