@@ -12,7 +12,7 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
-from jupyter_gpu_snapshot.core.hooks import SaveTarget
+from jupyter_gpu_snapshot.core.hooks import SaveContext, SaveTarget, SnapshotHook
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, run, start_kernel, stop_kernel
@@ -142,55 +142,61 @@ def test_unknown_pid(store):
         run(SnapshotEngine(store).save(SaveTarget(pid=2**22 + 12345)))
 
 
-def test_failing_hook_rolls_back(store, busy_kernel):
-    from jupyter_gpu_snapshot.core.hooks import SaveContext, SnapshotHook
+class RecordingHook(SnapshotHook):
+    """Notes each call the engine makes to it, with the error it was told of."""
 
-    calls: list[str] = []
+    def __init__(self) -> None:
+        self.calls: list[str] = []
 
-    class Recorder(SnapshotHook):
-        async def before_dump(self, ctx: SaveContext) -> None:
-            calls.append("before")
+    async def preflight_save(self, ctx: SaveContext) -> None:
+        self.calls.append("preflight")
 
-        async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
-            calls.append(f"after:{type(error).__name__}")
+    async def before_dump(self, ctx: SaveContext) -> None:
+        self.calls.append("before")
 
-    class Refuses(SnapshotHook):
-        async def before_dump(self, ctx: SaveContext) -> None:
-            raise SnapshotError("suspend", "CUDA lock timed out after 0.1 s")
+    async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+        self.calls.append(f"after: {error}")
 
-    engine = SnapshotEngine(store, hooks=[Recorder(), Refuses()])
-    with pytest.raises(SnapshotError, match="suspend failed: CUDA lock timed out"):
+
+class RefusingHook(SnapshotHook):
+    """Refuses the save at ``step``: in its preflight, or right before the dump."""
+
+    def __init__(self, step: str, cause: str) -> None:
+        self.refusal = SnapshotError(step, cause)
+
+    async def preflight_save(self, ctx: SaveContext) -> None:
+        if self.refusal.step == "preflight":
+            raise self.refusal
+
+    async def before_dump(self, ctx: SaveContext) -> None:
+        raise self.refusal
+
+
+# A hook refusing after another hook's preflight passed: that one is told how the save
+# ended (the GPU layer's preflight notes the save's CUDA processes, and must let go).
+HOOK_REFUSALS = {
+    "in preflight": (
+        RefusingHook("preflight", "the GPU is in exclusive mode"),
+        ["preflight", "after: preflight failed: the GPU is in exclusive mode"],
+    ),
+    "before the dump": (
+        RefusingHook("suspend", "CUDA lock timed out after 0.1 s"),
+        ["preflight", "before", "after: suspend failed: CUDA lock timed out after 0.1 s"],
+    ),
+}
+
+
+@pytest.mark.parametrize("refusal", HOOK_REFUSALS)
+def test_a_hook_refusing_rolls_back_and_the_others_are_told(
+    store: SnapshotStore, busy_kernel: KernelHandle, refusal: str
+) -> None:
+    refusing, calls = HOOK_REFUSALS[refusal]
+    recorder = RecordingHook()
+    engine = SnapshotEngine(store, hooks=[recorder, refusing])
+    with pytest.raises(SnapshotError) as failed:
         run(engine.save(_target(busy_kernel)))
-    # Every hook that passed preflight is told how the save ended, the failing one too.
-    assert calls == ["before", "after:SnapshotError"]
-    _assert_contract(busy_kernel, store, [])
-
-
-def test_a_refusal_after_a_hooks_preflight_still_lets_that_hook_go(store, busy_kernel):
-    """A hook's preflight may take things (the GPU layer notes the save's CUDA processes);
-    a later refusal, before anything touched the kernel, must still give them back."""
-    from jupyter_gpu_snapshot.core.hooks import SaveContext, SnapshotHook
-
-    calls: list[str] = []
-
-    class Recorder(SnapshotHook):
-        async def preflight_save(self, ctx: SaveContext) -> None:
-            calls.append("preflight")
-
-        async def before_dump(self, ctx: SaveContext) -> None:
-            calls.append("before")
-
-        async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
-            calls.append(f"after:{error}")
-
-    class RefusesInPreflight(SnapshotHook):
-        async def preflight_save(self, ctx: SaveContext) -> None:
-            raise SnapshotError("preflight", "the GPU is in exclusive mode")
-
-    engine = SnapshotEngine(store, hooks=[Recorder(), RefusesInPreflight()])
-    with pytest.raises(SnapshotError, match="exclusive mode"):
-        run(engine.save(_target(busy_kernel)))
-    assert calls == ["preflight", "after:preflight failed: the GPU is in exclusive mode"]
+    assert failed.value is refusing.refusal
+    assert recorder.calls == calls
     _assert_contract(busy_kernel, store, [])
 
 
