@@ -60,6 +60,13 @@ async def wait_death(api: Api, kernel_id: str) -> Json:
         await asyncio.sleep(0.2)
 
 
+async def until_restarted(kernel_socket: KernelConnector, kernel_id: str) -> None:
+    """Until the blank kernel the restarter started answers a cell: a test that ended while
+    it still started would leave the server's shutdown a kernel in the middle of a restart."""
+    ws = await kernel_socket(kernel_id)
+    await ws.execute("pass", timeout=DEATH_SECONDS)
+
+
 def kill_kernel(jp_serverapp: Any, kernel_id: str, signum: int) -> int:
     """Send ``signum`` to the kernel process (not its namespace init); its pid."""
     root = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.root_pid
@@ -102,6 +109,7 @@ async def test_a_dead_kernel_is_reported_with_its_cause_and_newest_snapshot(
     bare_death = (await wait_death(api, bare))["death"]
     assert (bare_death["code"], bare_death["signal"], bare_death["snapshot"]) == (
         "signal", 11, None)
+    await until_restarted(kernel_socket, bare)
 
     # The slot holds a blank kernel under the same id: the variable is gone.
     assert saved in await api.kernel_ids()
@@ -148,6 +156,7 @@ async def test_restarts_and_shutdowns_on_purpose_are_no_death(
         "exit", 3, "exited with status 3")
     assert death["snapshot"] is None
     assert [e["kernel_id"] for e in death_events] == [kernel_id]
+    await until_restarted(kernel_socket, kernel_id)
 
 
 async def test_a_restored_kernel_that_dies_is_reported_from_its_own_log(
