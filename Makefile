@@ -60,7 +60,7 @@ pytest: install
 
 # The suite must hold on a busy machine: CI runs it on 2 cores, at times beside other work.
 # This runs pytest LOAD_RUNS times in a row while stress-ng keeps 2 cores busy, whatever
-# fails, and stops the load at the end, on Ctrl-C too. About two hours on 2 cores.
+# fails, and stops the load at the end, on Ctrl-C too. About 70 minutes on 2 cores.
 LOAD_RUNS ?= 3
 
 test-under-load: install
