@@ -287,7 +287,13 @@ class SnapshotService:
     async def newest_snapshot(
         self, kernel_id: str, notebook: str | None, restored_from: str | None = None
     ) -> Snapshot | None:
-        """The newest trusted snapshot of the kernel, its notebook, or its origin."""
+        """The newest trusted snapshot of the kernel, its notebook, or its origin; once a
+        save of the kernel running now has ended. Called by ``KernelDeaths`` for a kernel
+        that died: one that died right after its dump is offered the snapshot of that dump,
+        which the save commits after the death (its job then fails, naming the death)."""
+        saving = self.running_job(kernel_id)
+        if saving is not None and saving.kind == "save":
+            await self.jobs.wait(saving)
         trusted = await asyncio.to_thread(self.engine.list)
         return newest_snapshot(trusted, kernel_id, notebook, restored_from)
 
