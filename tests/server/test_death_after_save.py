@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from ..criu_wrappers import signals_the_kernel_after_the_dump
 from .conftest import Api, Json, KernelConnector
@@ -34,9 +37,23 @@ def server_config() -> Json:
     return {"KernelRestarter": {"time_to_dead": 0.5}}
 
 
+# The commit as it comes, and one that lands seconds after the restarter saw the death
+# (as on a loaded machine): the death is offered the snapshot either way.
+COMMIT_DELAYS = {"commit as it comes": 0.0, "commit after the death is seen": 3.0}
+
+
+@pytest.mark.parametrize("commit", COMMIT_DELAYS)
 async def test_a_kernel_dying_after_its_save_fails_the_job_keeps_the_image_and_tells_the_notebook(
-    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
+    monkeypatch: pytest.MonkeyPatch, commit: str,
 ) -> None:
+    commit_snapshot = SnapshotStore.commit
+
+    def later_commit(store: SnapshotStore, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(COMMIT_DELAYS[commit])  # in the save's worker thread
+        return commit_snapshot(store, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "commit", later_commit)
     kernel_id = (await api.open_notebook("work/crash.ipynb"))["kernel"]["id"]
     await (await kernel_socket(kernel_id)).execute("weights = [1, 2, 3]")
 
