@@ -60,6 +60,13 @@ def dies_after_the_dump_completed() -> str:
     return _on_dump('  "{real}" "$@"; exit 137')
 
 
+def pauses_after_the_dump(seconds: float) -> str:
+    """The real criu dumps and leaves the kernel running, then waits ``seconds`` before it
+    reports: the kernel runs again while its save is still under way, for a while that
+    does not depend on how fast the machine is."""
+    return _on_dump('  "{real}" "$@"; status=$?; sleep {seconds}; exit $status', seconds=seconds)
+
+
 def kill_saver_while_writing_pages() -> str:
     """SIGKILLs the process that runs criu (the saver, criu's parent) once criu is writing
     pages, then lets criu finish: a server or CLI killed in the middle of a dump."""

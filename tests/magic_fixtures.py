@@ -17,7 +17,7 @@ import sys
 import textwrap
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,8 +112,11 @@ class NotebookKernel:
 class JupyterServer:
     """``jupyter server`` as a subprocess with a private root, runtime dir and store."""
 
-    def __init__(self, base: Path, unix_socket: bool = False) -> None:
+    def __init__(
+        self, base: Path, unix_socket: bool = False, options: Sequence[str] = ()
+    ) -> None:
         self.base = base
+        self.options = list(options)  # more command-line options of the server
         # Listening on a Unix socket instead of a TCP port (as behind some proxies).
         self.sock = base / "server.sock" if unix_socket else None
         self.root = base / "notebooks"
@@ -155,6 +158,7 @@ class JupyterServer:
             f"--GPUSnapshot.store_dir={self.store}",
             # On by default; these scenarios do not want every stop to save their kernels.
             "--GPUSnapshot.snapshot_on_shutdown=False",
+            *self.options,
         ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
+from .criu_wrappers import pauses_after_the_dump
 from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, notebook
 
 __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
@@ -131,28 +133,51 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
     assert out == "False 0\n"
 
 
+@pytest.fixture
+def server_with_a_slow_save(tmp_path: Path) -> Iterator[JupyterServer]:
+    """A server whose saves stay under way for 2 s after criu has let the kernel run again,
+    so that a panel polling from the kernel surely sees the save running, however fast the
+    machine writes (a save of a few hundred MiB can otherwise end between two polls)."""
+    criu = tmp_path / "criu-pauses-after-the-dump"
+    criu.write_text("#!/bin/sh\n" + pauses_after_the_dump(2.0))
+    criu.chmod(0o755)
+    server = JupyterServer(tmp_path / "server", options=[f"--GPUSnapshot.criu_path={criu}"])
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def test_panel_follows_a_save_started_elsewhere_while_the_kernel_is_busy(
-    jupyter_server: JupyterServer, notebook: NotebookKernel
+    server_with_a_slow_save: JupyterServer,
 ) -> None:
+    server = server_with_a_slow_save
+    notebook = server.open_notebook("busy.ipynb")
     cell = show_panel(notebook)
     ids = comm_ids(cell)
     progress_id = ids[("FloatProgressModel", "")]
-    # Enough memory that the save takes a while, and a panel polling often enough to see it.
-    notebook.ok(f"import os; blob = os.urandom(400 << 20); {PANEL}; p.idle_poll = 0.05")
+    notebook.ok(f"import os; blob = os.urandom(64 << 20); {PANEL}; p.idle_poll = 0.05")
 
-    # A long cell keeps the kernel busy; meanwhile the save comes from elsewhere (the
-    # toolbar uses the same REST call).
-    msg_id = notebook.client.execute("time.sleep(6)")
+    # A long cell keeps the kernel busy until its panel has shown the save's result (and a
+    # second more, since the panel's thread and the cell send on IOPub independently);
+    # meanwhile the save comes from elsewhere (the toolbar uses the same REST call).
+    msg_id = notebook.client.execute(
+        "deadline = time.monotonic() + 90\n"
+        "while 'Saved from-elsewhere' not in p.message.value and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(1)\n"
+    )
     updates: list[tuple[str, dict[str, Any]]] = []
     busy = saved_at = None
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        msg = notebook.client.get_iopub_msg(timeout=30)
+        msg = notebook.client.get_iopub_msg(timeout=100)
         content = msg["content"]
         if msg["msg_type"] == "status" and msg["parent_header"].get("msg_id") == msg_id:
             if content["execution_state"] == "busy":
                 busy = True
-                job = jupyter_server.start_save(notebook.kernel_id, "from-elsewhere")
+                job = server.start_save(notebook.kernel_id, "from-elsewhere")
             elif content["execution_state"] == "idle":
                 break
         elif msg["msg_type"] == "comm_msg" and busy:
@@ -161,7 +186,7 @@ def test_panel_follows_a_save_started_elsewhere_while_the_kernel_is_busy(
             if "Saved from-elsewhere" in str(state.get("value", "")):
                 saved_at = len(updates)
     assert busy, "the long cell never started"
-    done = jupyter_server.wait_job(job["id"])
+    done = server.wait_job(job["id"])
     assert done["status"] == "succeeded", done
 
     phases = [s["value"] for _, s in updates if str(s.get("value", "")).startswith("save: ")]
@@ -172,7 +197,7 @@ def test_panel_follows_a_save_started_elsewhere_while_the_kernel_is_busy(
         for p in phases
     ), phases
     assert any(0 < f <= 1 for f in fractions), fractions
-    # ... and then its result, all before the cell ended.
+    # ... and then its result, all while the cell ran.
     assert saved_at is not None, updates
     wait_panel(notebook, f"{done['result']['id']!r} in p.rows")
 
