@@ -40,6 +40,7 @@ from typing import Any
 
 import psutil
 from jupyter_client.session import Session
+from traitlets import TraitError
 
 from .._constants import format_bytes
 from ..config import GPUSnapshot
@@ -167,7 +168,16 @@ class ExecutionFeed:
             self._stream.close()
 
 
-def _timestamp(stamp: datetime | None) -> float | None:
+def last_activity(km: Any) -> float | None:
+    """The server's ``last_activity`` of a kernel; None while it has none.
+
+    jupyter_server sets the trait once the kernel has started; reading it before (a kernel
+    listed while it starts) raises TraitError, not AttributeError.
+    """
+    try:
+        stamp: datetime | None = km.last_activity
+    except (AttributeError, TraitError):
+        return None
     return stamp.timestamp() if stamp is not None else None
 
 
@@ -397,7 +407,7 @@ class AutosaveScheduler:
         anything happened since the restore; a kernel whose activity came within its
         start-up has run nothing; any other counts as unsaved since its start.
         """
-        activity = _timestamp(getattr(km, "last_activity", None)) or now
+        activity = last_activity(km) or now
         started = now
         root = root_pid(km)
         if root is not None:

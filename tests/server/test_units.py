@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from jupyter_server.services.kernels.kernelmanager import ServerKernelManager
 
 from jupyter_gpu_snapshot.core.errors import Busy, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import Progress
 from jupyter_gpu_snapshot.server.app import kernel_facing_url
+from jupyter_gpu_snapshot.server.autosave import last_activity
 from jupyter_gpu_snapshot.server.jobs import FINISHED_JOBS_KEPT, Job, JobRunner
 
 
@@ -121,3 +124,12 @@ async def test_old_finished_jobs_are_forgotten_running_ones_never() -> None:
     assert kept[0] is finished[-1]
     gate.set()
     await runner.wait(running, timeout=5)
+
+
+def test_a_kernel_still_starting_has_no_last_activity_yet() -> None:
+    # jupyter_server sets the trait once the kernel runs; the scheduler may look earlier.
+    starting = ServerKernelManager()
+    assert last_activity(starting) is None
+    started = ServerKernelManager()
+    started.last_activity = datetime.fromtimestamp(1_700_000_000, tz=timezone.utc)
+    assert last_activity(started) == 1_700_000_000
