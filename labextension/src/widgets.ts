@@ -17,8 +17,15 @@ import type { Widget } from '@lumino/widgets';
 export const WIDGET_VIEW_MIME = 'application/vnd.jupyter.widget-view+json';
 
 /** The parts of the jupyterlab-manager's WidgetManager this module uses. */
+interface IWidgetModel {
+  comm?: {
+    jsServicesComm?: { _kernel?: unknown };
+    send(data: unknown): string;
+  };
+}
+
 interface IWidgetManager {
-  _models: Record<string, Promise<{ comm?: { jsServicesComm?: { _kernel?: unknown } } }>>;
+  _models: Record<string, Promise<IWidgetModel>>;
   restoreWidgets(
     notebook: unknown,
     options: { loadKernel: boolean; loadNotebook: boolean }
@@ -107,6 +114,7 @@ async function rebind(panel: NotebookPanel): Promise<void> {
     loadKernel: true,
     loadNotebook: false
   });
+  await requestStatesAgain(manager, kernel);
   // Outputs drawn before (an error, or a view of a forgotten model) are drawn afresh.
   for (const cell of panel.content.widgets) {
     const outputs = (cell.model as { outputs?: IOutputs }).outputs;
@@ -115,6 +123,26 @@ async function rebind(panel: NotebookPanel): Promise<void> {
       if (output.data[WIDGET_VIEW_MIME]) {
         outputs.set(index, output.toJSON());
       }
+    }
+  }
+}
+
+/**
+ * The manager reads every widget's state at once, then opens each widget's comm. The
+ * restored kernel's code runs meanwhile (a widget's own thread may set a trait), and an
+ * update sent in between reaches no handler and is lost; a widget sends a trait again only
+ * when it changes, so the page would show the old value for good (a button left disabled).
+ * Asking each restored widget for its state once more, now that its comm listens, closes
+ * that gap; the answers arrive as ordinary updates.
+ */
+async function requestStatesAgain(
+  manager: IWidgetManager,
+  kernel: Kernel.IKernelConnection
+): Promise<void> {
+  for (const pending of Object.values(manager._models)) {
+    const model = await pending.catch(() => null);
+    if (model?.comm && model.comm.jsServicesComm?._kernel === kernel) {
+      model.comm.send({ method: 'request_state' });
     }
   }
 }
