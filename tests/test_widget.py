@@ -53,9 +53,11 @@ def panel_state(notebook: NotebookKernel) -> dict[str, Any]:
         print(json.dumps({{
             "readiness": p.readiness.value, "cuda": p.cuda.value, "last": p.last.value,
             "autosave": p.autosave.value, "message": p.message.value, "error": p.error.value,
-            "rows": list(p.rows), "labels": [r.label.value for r in p.rows.values()],
-            "confirming": [r.confirming for r in p.rows.values()],
-            "delete_labels": [r.delete_button.description for r in p.rows.values()],
+            "rows": list(p.snapshots), "listing": p.snapshot_list.value,
+            "choices": [value for _, value in p.snapshot_choice.options],
+            "chosen": p.snapshot_choice.value, "confirming": p.confirming_delete,
+            "delete_label": p.delete_button.description,
+            "buttons_disabled": [p.restore_button.disabled, p.delete_button.disabled],
             "save_disabled": p.save_button.disabled,
         }}))
         """
@@ -106,6 +108,7 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
     # Cells ran in this kernel: the server's policy, and an autosave planned.
     assert "Autosave: every 15 min; next in 1" in state["autosave"], state["autosave"]
     assert state["rows"] == [] and state["error"] == ""
+    assert state["choices"] == [] and state["buttons_disabled"] == [True, True]
 
     notebook.ok(f"{PANEL}; p.name_input.value = 'clicked'")
     click_through_comm(notebook.client, comm_ids(cell)[("ButtonModel", "Save")])
@@ -115,11 +118,13 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
     assert job["result"]["name"] == "clicked"
     assert [s["id"] for s in jupyter_server.snapshots(notebook.path)] == [snapshot_id]
 
-    wait_panel(notebook, f"{snapshot_id!r} in p.rows and 'Saved' in p.message.value")
+    wait_panel(notebook, f"{snapshot_id!r} in p.snapshots and 'Saved' in p.message.value")
     state = panel_state(notebook)
     assert "Saved clicked (" in state["message"]
     assert f"Last snapshot: clicked ({snapshot_id})" in state["last"]
-    assert "<b>clicked</b>" in state["labels"][0] and snapshot_id in state["labels"][0]
+    assert "<b>clicked</b>" in state["listing"] and snapshot_id in state["listing"]
+    assert state["choices"] == [snapshot_id] and state["chosen"] == snapshot_id
+    assert state["buttons_disabled"] == [False, False]
     assert state["error"] == ""
 
     # The panel's close button stops the polling and closes every widget's comm.
@@ -199,7 +204,7 @@ def test_panel_follows_a_save_started_elsewhere_while_the_kernel_is_busy(
     assert any(0 < f <= 1 for f in fractions), fractions
     # ... and then its result, all while the cell ran.
     assert saved_at is not None, updates
-    wait_panel(notebook, f"{done['result']['id']!r} in p.rows")
+    wait_panel(notebook, f"{done['result']['id']!r} in p.snapshots")
 
 
 def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
@@ -215,20 +220,30 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     second.ok("origin = 'the second kernel'")
     show_panel(second)
     state = panel_state(second)
-    assert state["rows"] == [by_name["drop"], by_name["damaged"], by_name["keep"]]  # newest first
+    newest_first = [by_name["drop"], by_name["damaged"], by_name["keep"]]
+    assert state["rows"] == state["choices"] == newest_first
+    assert state["chosen"] == by_name["drop"]  # the newest, until one is chosen
 
-    # Delete asks first; the second click deletes.
-    click = f"{PANEL}; p.rows[{by_name['drop']!r}].delete_button.click()"
-    second.ok(click)
+    def choose(snapshot_id: str) -> None:
+        second.ok(f"{PANEL}; p.snapshot_choice.value = {snapshot_id!r}")
+
+    # Delete asks first; the second click deletes. Choosing another asks again.
+    delete = f"{PANEL}; p.delete_button.click()"
+    second.ok(delete)
     state = panel_state(second)
-    assert state["confirming"] == [True, False, False]
-    assert state["delete_labels"][0] == "Really delete?"
+    assert state["confirming"] == by_name["drop"] and state["delete_label"] == "Really delete?"
+    choose(by_name["keep"])
+    assert panel_state(second)["confirming"] is None
+    choose(by_name["drop"])
+    second.ok(delete)
     assert by_name["drop"] in [s["id"] for s in jupyter_server.snapshots(path)]
-    second.ok(click)
+    second.ok(delete)
     assert [s["id"] for s in jupyter_server.snapshots(path)] == [
         by_name["keep"], by_name["damaged"]
     ]
-    assert panel_state(second)["rows"] == [by_name["damaged"], by_name["keep"]]
+    state = panel_state(second)
+    assert state["rows"] == state["choices"] == [by_name["damaged"], by_name["keep"]]
+    assert state["chosen"] == by_name["damaged"] and state["delete_label"] == "Delete"
 
     # Restores that cannot work show their error in the panel; the kernel is unharmed.
     # A damaged image: the server's restore job fails when it checks the files.
@@ -236,7 +251,8 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
                 key=lambda f: f.stat().st_size)
     with open(image, "r+b") as f:
         f.write(b"\0" * 4096)
-    second.ok(f"{PANEL}; p.rows[{by_name['damaged']!r}].restore_button.click()")
+    restore = f"{PANEL}; p.restore_button.click()"
+    second.ok(restore)
     wait_panel(second, "'restore:' in p.error.value")
     error = panel_state(second)["error"]
     assert f"restore: verify failed: image file {image.name} of {by_name['damaged']} does " \
@@ -245,8 +261,10 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     # ports the restored one would listen on.
     assert second.ok("%gpu_snapshot save mine").startswith("Saved snapshot")
     mine = next(s["id"] for s in jupyter_server.snapshots(path) if s["name"] == "mine")
-    wait_panel(second, f"{mine!r} in p.rows", timeout=20)
-    second.ok(f"{PANEL}; p.rows[{mine!r}].restore_button.click()")
+    wait_panel(second, f"{mine!r} in p.snapshots", timeout=20)
+    # The deleted choice gave way to the newest, and the newest is followed from then on.
+    assert panel_state(second)["chosen"] == mine
+    second.ok(restore)
     error = panel_state(second)["error"]
     assert "restore: preflight failed: snapshot " in error, error
     assert "this kernel holds the ports" in error, error
@@ -257,7 +275,8 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
 
     # Restoring the first kernel's snapshot switches the notebook to a new kernel with the
     # first kernel's state; the second kernel is retired, as when one changes kernels.
-    second.ok(f"{PANEL}; p.rows[{by_name['keep']!r}].restore_button.click()")
+    choose(by_name["keep"])
+    second.ok(restore)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         session = jupyter_server.session(second.session_id)

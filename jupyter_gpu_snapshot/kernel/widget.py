@@ -22,6 +22,15 @@ between cells, so a daemon thread polls instead. It cannot deadlock the kernel b
 A save freezes the whole process, this thread included; it resumes where it stopped. In a
 restored copy its first request fails or sees the new incarnation, and the client
 re-resolves which kernel slot it now is.
+
+Why the panel never opens a widget after it is shown
+----------------------------------------------------
+The list of snapshots is one HTML widget and one dropdown, not a row of widgets per
+snapshot. A restored kernel's panel updates itself at once, while JupyterLab may be
+connecting the notebook to the restored kernel: a widget opened then reaches a connection
+that has no widget manager yet, JupyterLab closes its comm, and the row is dead in the
+page. Updates of widgets that exist are only state, which the page reloads from the
+kernel once its widget manager is attached.
 """
 
 from __future__ import annotations
@@ -59,49 +68,6 @@ LIST_EVERY_SECONDS = 10.0
 def _text(value: str, color: str | None = None) -> str:
     style = f' style="color:{color}"' if color else ""
     return f"<span{style}>{html.escape(value)}</span>"
-
-
-class SnapshotRow(w.HBox):  # type: ignore[misc]  # ipywidgets is untyped
-    """One snapshot: what it is, and its Restore and Delete buttons."""
-
-    def __init__(
-        self,
-        summary: Json,
-        on_restore: Callable[[SnapshotRow], None],
-        on_delete: Callable[[SnapshotRow], None],
-    ) -> None:
-        self.summary = summary
-        self.snapshot_id = str(summary["id"])
-        self.label = w.HTML()
-        self.restore_button = w.Button(
-            description="Restore", icon="history", tooltip="Restore into a new kernel and "
-            "switch this notebook to it", layout=w.Layout(width="auto"),
-        )
-        self.delete_button = w.Button(
-            description="Delete", icon="trash", tooltip="Delete this snapshot",
-            layout=w.Layout(width="auto"),
-        )
-        self.confirming = False
-        self.restore_button.on_click(lambda _b: on_restore(self))
-        self.delete_button.on_click(lambda _b: on_delete(self))
-        super().__init__([self.label, self.restore_button, self.delete_button])
-        self.render()
-
-    def render(self) -> None:
-        s = self.summary
-        created = float(s.get("created", 0))
-        self.label.value = (
-            f"<b>{html.escape(str(s.get('name')))}</b> &nbsp;"
-            f"{html.escape(format_age(time.time() - created))} &middot; "
-            f"{html.escape(format_bytes(int(s.get('size_bytes', 0))))} &middot; "
-            f"<code>{html.escape(self.snapshot_id)}</code>"
-        )
-
-    def confirm(self, on: bool) -> None:
-        """First Delete click asks; the second deletes (snapshots cannot be undeleted)."""
-        self.confirming = on
-        self.delete_button.description = "Really delete?" if on else "Delete"
-        self.delete_button.button_style = "danger" if on else ""
 
 
 class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
@@ -172,14 +138,36 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             tooltip="Snapshot this kernel now; it keeps running",
         )
         self.save_button.on_click(lambda _b: self.save())
-        self.snapshot_list = w.VBox()
-        self.rows: dict[str, SnapshotRow] = {}
+        # This notebook's snapshots, newest first: what they are, and which one the
+        # Restore and Delete buttons act on.
+        self.snapshots: dict[str, Json] = {}
+        self.snapshot_list = w.HTML()
+        self.snapshot_choice = w.Dropdown(
+            options=[], value=None, description="Snapshot", layout=w.Layout(width="28em")
+        )
+        self.restore_button = w.Button(
+            description="Restore", icon="history", disabled=True,
+            tooltip="Restore the chosen snapshot into a new kernel and switch this notebook "
+            "to it", layout=w.Layout(width="auto"),
+        )
+        self.restore_button.on_click(lambda _b: self.restore_chosen())
+        self.delete_button = w.Button(
+            description="Delete", icon="trash", disabled=True,
+            tooltip="Delete the chosen snapshot", layout=w.Layout(width="auto"),
+        )
+        self.delete_button.on_click(lambda _b: self.delete_chosen())
+        self.confirming_delete: str | None = None  # the snapshot a second click deletes
+        # Until the user picks one, the newest is chosen, also when a newer one comes.
+        self._user_chose = False
+        self._listing = False  # the list is being updated: a change of choice is ours
+        self.snapshot_choice.observe(self._choice_changed, names="value")
         super().__init__([
             w.HBox([self.title, self.close_button]), self.death_box,
             self.readiness, self.cuda, self.last,
             self.autosave, self.progress_box,
             w.HBox([self.name_input, self.save_button]), self.message, self.error,
             w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
+            w.HBox([self.snapshot_choice, self.restore_button, self.delete_button]),
         ])
         if start:
             self.start()
@@ -335,24 +323,38 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                 self.autosave.value = _text(text)
 
     def _show_snapshots(self, snapshots: list[Json]) -> None:
+        newest_first = {str(summary["id"]): summary for summary in reversed(snapshots)}
+        now = time.time()
         with self._lock:
-            if self._stop.is_set():  # closed meanwhile: open no new widgets
+            if self._stop.is_set():  # closed meanwhile
                 return
-            rows: dict[str, SnapshotRow] = {}
-            for summary in reversed(snapshots):  # newest first
-                sid = str(summary["id"])
-                row = self.rows.get(sid)
-                if row is None:
-                    row = SnapshotRow(summary, self._restore_clicked, self._delete_clicked)
-                else:
-                    row.summary = summary
-                    row.render()
-                rows[sid] = row
-            for sid, row in self.rows.items():
-                if sid not in rows:
-                    row.close()
-            self.rows = rows
-            self.snapshot_list.children = list(rows.values())
+            self.snapshots = newest_first
+            listing = "".join(
+                f"<li>{_snapshot_html(summary, now)}</li>" for summary in newest_first.values()
+            )
+            text = f"<ul>{listing}</ul>" if listing else _text("None yet.")
+            if self.snapshot_list.value != text:  # unchanged text sends nothing
+                self.snapshot_list.value = text
+            options = [
+                (f"{summary.get('name')} ({sid})", sid) for sid, summary in newest_first.items()
+            ]
+            if list(self.snapshot_choice.options) != options:
+                chosen = self.snapshot_choice.value
+                keep = self._user_chose and chosen in newest_first
+                self._user_chose = keep
+                # The one the user chose stays chosen, else the newest; one update reaches
+                # the page. A "Really delete?" asked of a list that changed asks again.
+                self._listing = True
+                try:
+                    with self.snapshot_choice.hold_sync():
+                        self.snapshot_choice.options = options
+                        self.snapshot_choice.value = (
+                            chosen if keep else next(iter(newest_first), None)
+                        )
+                finally:
+                    self._listing = False
+                self._confirm_delete(None)
+            self.restore_button.disabled = self.delete_button.disabled = not newest_first
 
     # -- actions (button handlers run on the shell thread: start a job, never wait) --------
     def _act(self, what: str, action: Callable[[], Json | None]) -> Json | None:
@@ -399,26 +401,55 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
 
         self._act("dismiss", dismiss)
 
-    def _restore_clicked(self, row: SnapshotRow) -> None:
-        self._act(
+    def restore_chosen(self) -> Json | None:
+        """The Restore button: the chosen snapshot, into a new kernel this notebook uses."""
+        chosen = self.snapshot_choice.value
+        if not chosen:
+            return None
+        return self._act(
             "restore",
             lambda: self.client.start_restore(
-                row.snapshot_id, path=self._notebook_path, session_id=self._session_id
+                str(chosen), path=self._notebook_path, session_id=self._session_id
             ),
         )
 
-    def _delete_clicked(self, row: SnapshotRow) -> None:
-        if not row.confirming:
-            for other in self.rows.values():
-                other.confirm(other is row)
+    def delete_chosen(self) -> None:
+        """The Delete button: the first click asks, the second deletes the chosen snapshot
+        (snapshots cannot be undeleted)."""
+        chosen = self.snapshot_choice.value
+        if not chosen:
             return
-        row.confirm(False)
+        if self.confirming_delete != chosen:
+            self._confirm_delete(str(chosen))
+            return
+        self._confirm_delete(None)
 
         def delete() -> None:
-            self.client.delete(row.snapshot_id)
+            self.client.delete(str(chosen))
             self._show_snapshots(self.client.snapshots(self._notebook_path))
 
         self._act("delete", delete)
+
+    def _choice_changed(self, _change: Any) -> None:
+        if not self._listing:
+            self._user_chose = True
+            self._confirm_delete(None)
+
+    def _confirm_delete(self, snapshot_id: str | None) -> None:
+        self.confirming_delete = snapshot_id
+        self.delete_button.description = "Really delete?" if snapshot_id else "Delete"
+        self.delete_button.button_style = "danger" if snapshot_id else ""
+
+
+def _snapshot_html(summary: Json, now: float) -> str:
+    """One snapshot of the list: its name, age, size and id."""
+    created = float(summary.get("created", 0))
+    return (
+        f"<b>{html.escape(str(summary.get('name')))}</b> &nbsp;"
+        f"{html.escape(format_age(now - created))} &middot; "
+        f"{html.escape(format_bytes(int(summary.get('size_bytes', 0))))} &middot; "
+        f"<code>{html.escape(str(summary.get('id')))}</code>"
+    )
 
 
 def _descendants(widget: Any) -> list[Any]:
