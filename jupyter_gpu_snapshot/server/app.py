@@ -111,6 +111,10 @@ class GPUSnapshotApp(ExtensionApp):
             for snapshot_id in recovered:
                 self.service.remote.pending.mark(snapshot_id)
         self.autosave = AutosaveScheduler(self.service, settings, log=self.log)
+        serverapp.event_logger.add_listener(
+            modified=False, schema_id=KERNEL_ACTIONS_EVENT_ID,
+            listener=self.autosave.on_kernel_action,
+        )
         self._watch_deaths(self.service)
         self._tell_kernels_where_we_are()
         self.log.info(

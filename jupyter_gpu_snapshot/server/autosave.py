@@ -341,15 +341,33 @@ class AutosaveScheduler:
             "last_skip": watch.last_skip if watch else None,
         }
 
+    async def on_kernel_action(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        """A listener of jupyter_server's kernel_actions events (the app adds it).
+
+        A kernel that has just started has run nothing: its cells are followed from now,
+        before the server has answered the request that started it, so that no client can
+        run a cell first. The scheduler's own discovery comes later (a look that waits for
+        worker threads on a busy machine), and a cell run before it shows only in the
+        server's ``last_activity``, which the kernel's start-up moves as well.
+        """
+        kernel_id = str(data.get("kernel_id") or "")
+        started = data.get("action") == "start" and data.get("status") == "success"
+        if started and kernel_id and kernel_id not in self._watch:
+            self._follow_from_now(kernel_id)
+
     def note_restored(self, kernel_id: str) -> None:
         """Called by ``GPUSnapshotApp._emit_job`` as a restore job succeeds.
 
         The kernel is its snapshot at this moment: its cells are followed from now, before
         any client hears of it, so the first cell it runs counts.
         """
+        self._forget(kernel_id)
+        self._follow_from_now(kernel_id)
+
+    def _follow_from_now(self, kernel_id: str) -> None:
+        """A watch of the kernel, clean now, following its cells from now on."""
         if kernel_id not in self.service.kernel_manager:
             return
-        self._forget(kernel_id)
         now = time.time()
         watch = self._watch[kernel_id] = KernelWatch(first_seen=now, clean_since=now)
         try:

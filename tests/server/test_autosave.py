@@ -136,6 +136,22 @@ class TestSchedule:
         assert await _autosaves(api, "quiet.ipynb") == []
 
 
+    async def test_a_cell_run_as_soon_as_the_kernel_starts_is_work(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        # The scheduler is not started: it never discovers the kernel by itself, as when it
+        # looks late on a busy machine. Its cells are followed from the kernel's start.
+        kernel_id, ws = await _notebook(api, kernel_socket, "early.ipynb")
+        await ws.execute("state = 1")
+        deadline = time.monotonic() + 10
+        while True:
+            state = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave")
+            if state["unsaved_work"]:
+                break
+            assert time.monotonic() < deadline, state
+            await asyncio.sleep(0.1)
+        assert state["next_autosave"] is not None
+
     async def test_a_restored_kernel_is_clean_until_it_runs_a_cell(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
     ) -> None:
