@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import textwrap
@@ -29,7 +28,7 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.kernel.client import ConnectionProblem, ServerLink, SnapshotClient
 
-from .processes import free_port
+from .processes import free_port, shut_down
 
 SERVER_START_SECONDS = 60.0
 
@@ -187,14 +186,10 @@ class JupyterServer:
     def stop(self) -> None:
         for client in self.clients:
             client.stop_channels()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.send_signal(signal.SIGINT)  # jupyter server asks to confirm the first
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            # SIGTERM stops jupyter server at once. Two SIGINTs sent together can arrive as
+            # one, which only asks for a confirmation and leaves the server running.
+            shut_down(self.proc, 20)
         # Kernels (restored ones included) are ours only if they use our runtime dir.
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = proc.info.get("cmdline") or []
