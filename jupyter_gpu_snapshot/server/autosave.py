@@ -20,9 +20,11 @@ server's ``last_activity`` would be cheaper but moves on any IOPub message (a re
 browser's kernel_info does it), and ``execution_state`` misses short cells between two
 looks. Silent executes (our own allocator release, the env update after a restore) publish
 no ``execute_input``, so a snapshot's ``created`` time is the line between saved and
-unsaved work. New kernels are noticed within 0.1 s and restored ones as their restore
-succeeds; for anything a kernel did before that, the server's ``last_activity`` is read
-generously (a kernel running when the server started counts as unsaved since its start).
+unsaved work. New kernels are followed as they start (jupyter_server's kernel_actions
+event), and once the feed's subscription has taken effect the kernel is asked how many cells
+it ran (a silent request's ``execution_count``), which covers cells run before. Restored
+kernels are followed as their restore succeeds; a kernel the scheduler meets otherwise (one
+running when the server started) is read from the server's ``last_activity``, generously.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 
 import psutil
 from jupyter_client.session import Session
+from jupyter_core.utils import ensure_async
 from traitlets import TraitError
 
 from .._constants import format_bytes
@@ -57,6 +60,9 @@ OVERRIDES_LIMIT = 1 << 20
 STARTUP_SETTLE_SECONDS = 10.0
 # How soon a new kernel's cells are followed.
 DISCOVER_SECONDS = 0.1
+# How long the question to a new kernel waits for its feed to go live before it is sent
+# anyway (its own messages then make the feed live).
+PROBE_NUDGE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,8 @@ class KernelWatch:
     last_autosave: dict[str, Any] | None = None
     last_skip: str | None = None
     noted_jobs: set[str] = field(default_factory=set)
+    # Asks a kernel that has just started whether it ran cells the feed did not see.
+    probe: asyncio.Task[None] | None = None
 
 
 class ExecutionFeed:
@@ -137,6 +145,11 @@ class ExecutionFeed:
         self._running: dict[str, float] = {}
         self.last_work: float | None = None  # the latest start or end of a cell
         self.long_cells: list[float] = []  # durations of cells that ended, until taken
+        # When the first message came: from then on no cell passes unseen. A subscription
+        # takes effect some time after the connect (later still while the kernel starts
+        # and has not bound its socket yet).
+        self.live_at: float | None = None
+        self.live = asyncio.Event()
         self._stream = km.connect_iopub()
         self._stream.on_recv(self._on_message)
 
@@ -146,6 +159,9 @@ class ExecutionFeed:
 
     def _on_message(self, parts: list[bytes]) -> None:
         """Called by the IOPub stream on the server's event loop, for every message."""
+        if self.live_at is None:
+            self.live_at = time.time()
+            self.live.set()
         with contextlib.suppress(Exception):  # a message we cannot read is not a cell
             _idents, fed = self._session.feed_identities(parts)
             msg = self._session.deserialize(fed, content=False)
@@ -353,7 +369,44 @@ class AutosaveScheduler:
         kernel_id = str(data.get("kernel_id") or "")
         started = data.get("action") == "start" and data.get("status") == "success"
         if started and kernel_id and kernel_id not in self._watch:
-            self._follow_from_now(kernel_id)
+            watch = self._follow_from_now(kernel_id)
+            if watch is not None and watch.feed is not None:
+                watch.probe = asyncio.create_task(self._count_unseen_cells(kernel_id, watch))
+
+    async def _count_unseen_cells(self, kernel_id: str, watch: KernelWatch) -> None:
+        """Whether a new kernel ran cells before its feed went live; if so, they are work.
+
+        The feed is made as the kernel starts, but its subscription takes effect only some
+        time later, and a client may run a cell before that. Once the feed is live, one
+        silent execute request (no history, no output, no count) asks the kernel how many
+        cells it has run: its reply's ``execution_count``. A cell run after the request
+        was sent is seen by the feed; one run before is in that count.
+        """
+        assert watch.feed is not None
+        feed = watch.feed
+        client = self.service.kernel_manager.get_kernel(kernel_id).client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(feed.live.wait(), PROBE_NUDGE_SECONDS)
+                sent = time.time()
+                # No time limit: a kernel busy with a cell answers after it, and a request
+                # given up on would still run there.
+                reply = await ensure_async(
+                    client.execute("", silent=True, store_history=False, reply=True)
+                )
+                if feed.live_at is not None and feed.live_at <= sent:
+                    break
+                # The probe's own status messages make the feed live; ask again then.
+            if int(reply["content"].get("execution_count") or 0) > 0:
+                watch.blind_work = time.time()
+        except Exception as exc:  # no answer to read: count the kernel as having worked
+            watch.blind_work = time.time()
+            self.log.info("gpu-snapshot: could not ask kernel %s what it ran: %s",
+                          kernel_id, exc)
+        finally:
+            client.stop_channels()
 
     def note_restored(self, kernel_id: str) -> None:
         """Called by ``GPUSnapshotApp._emit_job`` as a restore job succeeds.
@@ -364,10 +417,10 @@ class AutosaveScheduler:
         self._forget(kernel_id)
         self._follow_from_now(kernel_id)
 
-    def _follow_from_now(self, kernel_id: str) -> None:
+    def _follow_from_now(self, kernel_id: str) -> KernelWatch | None:
         """A watch of the kernel, clean now, following its cells from now on."""
         if kernel_id not in self.service.kernel_manager:
-            return
+            return None
         now = time.time()
         watch = self._watch[kernel_id] = KernelWatch(first_seen=now, clean_since=now)
         try:
@@ -375,6 +428,7 @@ class AutosaveScheduler:
         except Exception as exc:
             self.log.warning("gpu-snapshot: cannot follow the cells of kernel %s: %s",
                              kernel_id, exc)
+        return watch
 
     def work_at_risk(self, kernel_id: str) -> float:
         """Seconds of work since the kernel's newest snapshot; called by the shutdown.
@@ -403,6 +457,8 @@ class AutosaveScheduler:
     # -- the schedule ----------------------------------------------------------------------
     def _forget(self, kernel_id: str) -> None:
         watch = self._watch.pop(kernel_id, None)
+        if watch is not None and watch.probe is not None:
+            watch.probe.cancel()
         if watch is not None and watch.feed is not None:
             watch.feed.close()
 

@@ -152,6 +152,23 @@ class TestSchedule:
             await asyncio.sleep(0.1)
         assert state["next_autosave"] is not None
 
+    @pytest.mark.parametrize("cells", [0, 1])
+    async def test_cells_run_before_the_feed_listened_are_found_by_asking_the_kernel(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, cells: int
+    ) -> None:
+        # A feed made late, as when its subscription takes effect only after a client ran a
+        # cell: the kernel's own count tells whether it ran any.
+        app = _app(jp_serverapp)
+        kernel_id, ws = await _notebook(api, kernel_socket, f"late-{cells}.ipynb")
+        for n in range(cells):
+            await ws.execute(f"state = {n}")
+        app.autosave._forget(kernel_id)
+        start = {"action": "start", "status": "success", "kernel_id": kernel_id}
+        await app.autosave.on_kernel_action(None, "", start)
+        probe = app.autosave._watch[kernel_id].probe
+        await asyncio.wait_for(asyncio.shield(probe), 60)
+        assert (app.autosave.work_at_risk(kernel_id) > 0) == (cells > 0)
+
     async def test_a_restored_kernel_is_clean_until_it_runs_a_cell(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
     ) -> None:
