@@ -67,6 +67,18 @@ def pauses_after_the_dump(seconds: float) -> str:
     return _on_dump('  "{real}" "$@"; status=$?; sleep {seconds}; exit $status', seconds=seconds)
 
 
+def waits_after_the_dump_for(gate: str, limit_seconds: int = 300) -> str:
+    """The real criu dumps and leaves the kernel running, then reports only once the file
+    ``gate`` exists (or after ``limit_seconds``): the save stays under way until the test
+    has seen what it waits for, however slow the machine."""
+    return _on_dump(
+        '  "{real}" "$@"; status=$?\n'
+        "  for i in $(seq {ticks}); do [ -e '{gate}' ] && break; sleep 0.1; done\n"
+        "  exit $status",
+        gate=gate, ticks=limit_seconds * 10,
+    )
+
+
 def kill_saver_while_writing_pages() -> str:
     """SIGKILLs the process that runs criu (the saver, criu's parent) once criu is writing
     pages, then lets criu finish: a server or CLI killed in the middle of a dump."""

@@ -303,6 +303,9 @@ class ServerProcess:
         )
         log.close()
         self.api = Api(self.fetch, f"token {SERVER_TOKEN}")
+        # Closed by ``kill``: a test that fails midway leaves none open for the collector
+        # to warn about during a later test.
+        self.sockets: list[KernelSocket] = []
 
     @property
     def log(self) -> str:
@@ -353,7 +356,9 @@ class ServerProcess:
     async def kernel(self, kernel_id: str) -> KernelSocket:
         url = f"ws://{self.host}:{self.port}/api/kernels/{kernel_id}/channels"
         request = HTTPRequest(url, headers={"Authorization": f"token {SERVER_TOKEN}"})
-        return KernelSocket(await websocket_connect(request))
+        socket = KernelSocket(await websocket_connect(request))
+        self.sockets.append(socket)
+        return socket
 
     async def exited(self, timeout: float = 90.0) -> int:
         deadline = time.monotonic() + timeout
@@ -363,6 +368,8 @@ class ServerProcess:
         return int(self.proc.returncode)
 
     def kill(self) -> None:
+        for socket in self.sockets:
+            socket.close()
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
