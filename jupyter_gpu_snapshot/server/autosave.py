@@ -51,6 +51,7 @@ from ..core import procfs, retention, safe_fs
 from ..core.errors import Busy, InvalidRequest, SnapshotError
 from ..launch.provisioner import root_pid
 from .jobs import Job
+from .kernel_env import shell_client
 from .service import SnapshotService
 
 # Kept in the store's root; dot files there are no snapshots (``snapshot.is_snapshot_id``).
@@ -360,11 +361,12 @@ class AutosaveScheduler:
     async def on_kernel_action(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
         """A listener of jupyter_server's kernel_actions events (the app adds it).
 
-        A kernel that has just started has run nothing: its cells are followed from now,
-        before the server has answered the request that started it, so that no client can
-        run a cell first. The scheduler's own discovery comes later (a look that waits for
-        worker threads on a busy machine), and a cell run before it shows only in the
-        server's ``last_activity``, which the kernel's start-up moves as well.
+        A kernel that has just started is followed from now, before the server has answered
+        the request that started it. The feed's subscription still takes effect a little
+        later, so a client may run a cell before it: ``_count_unseen_cells`` asks the kernel
+        about those. The scheduler's own discovery would come later still (a look that
+        waits for worker threads on a busy machine), and would have only the server's
+        ``last_activity`` for the time before, which the kernel's start-up moves as well.
         """
         kernel_id = str(data.get("kernel_id") or "")
         started = data.get("action") == "start" and data.get("status") == "success"
@@ -384,8 +386,7 @@ class AutosaveScheduler:
         """
         assert watch.feed is not None
         feed = watch.feed
-        client = self.service.kernel_manager.get_kernel(kernel_id).client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        client = shell_client(self.service.kernel_manager.get_kernel(kernel_id))
         try:
             while True:
                 with contextlib.suppress(TimeoutError):

@@ -13,6 +13,14 @@ NOTICES_MODULE = "jupyter_gpu_snapshot.kernel.notices"
 ENV_REFRESH_SECONDS = 10.0
 
 
+def shell_client(km: Any) -> Any:
+    """A started client of the kernel's shell channel alone, for the server's own silent
+    requests; the caller stops its channels."""
+    client = km.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    return client
+
+
 async def refresh_kernel_env(
     km: Any, env: dict[str, str], log: logging.Logger, notice: str = ""
 ) -> bool:
@@ -27,8 +35,7 @@ async def refresh_kernel_env(
     Returns whether the kernel confirmed; failures are logged, never raised.
     """
     try:
-        client = km.client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        client = shell_client(km)
     except Exception as exc:
         log.warning("gpu-snapshot: could not tell the restored kernel its new environment: %s", exc)
         return False
