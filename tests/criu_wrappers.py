@@ -7,6 +7,16 @@ one a wrapper is about goes to the real criu unchanged.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
+
+
+def install(directory: Path, body: str, name: str = "criu-wrapper") -> str:
+    """Writes ``body`` (most often one of the wrappers below) as an executable shell script
+    in ``directory``; its path, for ``--criu`` or ``GPUSnapshot.criu_path``."""
+    script = directory / name
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return str(script)
 
 
 def _real() -> str:

@@ -23,15 +23,12 @@ from jupyter_gpu_snapshot.core.locks import kernel_key, name_key, snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, RestoredTrees, run, start_kernel, stop_kernel
-from .criu_wrappers import slow
+from .criu_wrappers import install, slow
 from .test_cli import cli
 
 
 def _slow_criu(tmp_path: Path, action: str, seconds: float = 3.0) -> str:
-    wrapper = tmp_path / f"criu-slow-{action}"
-    wrapper.write_text("#!/bin/sh\n" + slow(action, seconds))
-    wrapper.chmod(0o755)
-    return str(wrapper)
+    return install(tmp_path, slow(action, seconds), f"criu-slow-{action}")
 
 
 def _cli_in_background(store: SnapshotStore, *args: str) -> subprocess.Popen[str]:

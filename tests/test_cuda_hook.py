@@ -52,6 +52,7 @@ from .conftest import (
 from .criu_wrappers import (
     dies_after_the_dump_completed,
     fails_writing_pages,
+    install,
     kill_while_writing_pages,
 )
 from .gpu.fake_driver import (
@@ -116,10 +117,7 @@ def assert_contract(kernel: KernelHandle, fake: FakeCudaDriver, store: SnapshotS
 
 
 def criu_wrapper(tmp_path: Path, body: str) -> CriuRunner:
-    script = tmp_path / "criu-wrapper"
-    script.write_text("#!/bin/sh\n" + body)
-    script.chmod(0o755)
-    return CriuRunner(str(script))
+    return CriuRunner(install(tmp_path, body))
 
 
 # -- the happy paths ----------------------------------------------------------------------------

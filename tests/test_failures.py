@@ -16,7 +16,7 @@ from jupyter_gpu_snapshot.core.hooks import SaveContext, SaveTarget, SnapshotHoo
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, run, start_kernel, stop_kernel
-from .criu_wrappers import kill_while_writing_pages
+from .criu_wrappers import install, kill_while_writing_pages
 
 
 def _target(kernel: KernelHandle) -> SaveTarget:
@@ -28,13 +28,6 @@ def _assert_contract(kernel: KernelHandle, store: SnapshotStore, listed_before: 
     assert kernel.execute("counter += 1; print(counter)").strip().isdigit()
     assert [s.id for s in store.list()] == listed_before
     assert not any(p.name.startswith(".partial-") for p in store.root.iterdir())
-
-
-def _wrapper(tmp_path: Path, body: str) -> str:
-    script = tmp_path / "criu-wrapper"
-    script.write_text("#!/bin/sh\n" + body)
-    script.chmod(0o755)
-    return str(script)
 
 
 @pytest.fixture
@@ -53,7 +46,7 @@ def test_criu_missing(store, busy_kernel):
 
 
 def test_criu_too_old(store, busy_kernel, tmp_path):
-    old = _wrapper(tmp_path, 'echo "Version: 3.17.1"\n')
+    old = install(tmp_path, 'echo "Version: 3.17.1"\n')
     engine = SnapshotEngine(store, CriuRunner(old))
     with pytest.raises(NotReady, match=r"criu 3\.17\.1 is too old"):
         run(engine.save(_target(busy_kernel)))
@@ -64,7 +57,7 @@ def test_criu_too_old(store, busy_kernel, tmp_path):
 def test_criu_killed_mid_dump(store, busy_kernel, tmp_path):
     good = SnapshotEngine(store)
     earlier = run(good.save(_target(busy_kernel), name="earlier"))
-    killer = _wrapper(tmp_path, kill_while_writing_pages())
+    killer = install(tmp_path, kill_while_writing_pages())
     engine = SnapshotEngine(store, CriuRunner(killer))
     with pytest.raises(SnapshotError) as err:
         run(engine.save(_target(busy_kernel), name="doomed"))
@@ -77,7 +70,7 @@ def test_criu_killed_mid_dump(store, busy_kernel, tmp_path):
 
 
 def test_criu_error_is_explained_from_its_log(store, busy_kernel, tmp_path):
-    failing = _wrapper(
+    failing = install(
         tmp_path,
         'case "$1" in --version) echo "Version: 4.2.1";; '
         'dump) while [ "$1" != "-W" ]; do shift; done; '
@@ -201,7 +194,7 @@ def test_a_hook_refusing_rolls_back_and_the_others_are_told(
 
 
 def test_criu_dying_without_a_log(store, busy_kernel, tmp_path):
-    silent = _wrapper(
+    silent = install(
         tmp_path,
         'case "$1" in --version) echo "Version: 4.2.1";; dump) exit 3;; esac\n',
     )

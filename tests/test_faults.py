@@ -29,7 +29,7 @@ from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
-from .criu_wrappers import kill_saver_while_writing_pages
+from .criu_wrappers import install, kill_saver_while_writing_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,10 +85,7 @@ def kill_saver_at(
     if name:
         argv += ["--name", name]
     if fault.criu_kills_saver:
-        wrapper = tmp_path / "criu-wrapper"
-        wrapper.write_text("#!/bin/sh\n" + kill_saver_while_writing_pages())
-        wrapper.chmod(0o755)
-        argv += ["--criu", str(wrapper)]
+        argv += ["--criu", install(tmp_path, kill_saver_while_writing_pages())]
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from .conftest import start_kernel, stop_kernel
-from .criu_wrappers import waits_after_the_dump_for
+from .criu_wrappers import install, waits_after_the_dump_for
 from .magic_fixtures import (
     Cell,
     JupyterServer,
@@ -358,9 +358,7 @@ def test_interrupting_a_save_only_stops_waiting(tmp_path: Path) -> None:
     # The save stays under way until the cell has answered the interrupt (criu reports only
     # once the gate exists), however slow a loaded machine delivers it.
     gate = tmp_path / "the-cell-stopped-waiting"
-    criu = tmp_path / "criu-waits-after-the-dump"
-    criu.write_text("#!/bin/sh\n" + waits_after_the_dump_for(str(gate)))
-    criu.chmod(0o755)
+    criu = install(tmp_path, waits_after_the_dump_for(str(gate)), "criu-waits-after-the-dump")
     server = JupyterServer(
         tmp_path / "server", options=[f"--GPUSnapshot.criu_path={criu}"]
     )

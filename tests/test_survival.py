@@ -24,7 +24,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 
 from .conftest import KernelHandle, RestoredTrees, execute, run
-from .criu_wrappers import signals_the_kernel_after_the_dump
+from .criu_wrappers import install, signals_the_kernel_after_the_dump
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,7 @@ ROWS = [
 def engine_for(store: SnapshotStore, row: AfterTheDump, tmp_path: Path) -> SnapshotEngine:
     criu = None
     if row.signal is not None:
-        wrapper = tmp_path / "criu-wrapper"
-        wrapper.write_text("#!/bin/sh\n" + signals_the_kernel_after_the_dump(row.signal))
-        wrapper.chmod(0o755)
-        criu = CriuRunner(str(wrapper))
+        criu = CriuRunner(install(tmp_path, signals_the_kernel_after_the_dump(row.signal)))
     engine = SnapshotEngine(store, criu, kernel_answers=kernel_answers)
     engine.kernel_answer_seconds = 3.0
     return engine

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from .criu_wrappers import pauses_after_the_dump
+from .criu_wrappers import install, pauses_after_the_dump
 from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, notebook
 
 __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
@@ -143,9 +143,7 @@ def server_with_a_slow_save(tmp_path: Path) -> Iterator[JupyterServer]:
     """A server whose saves stay under way for 2 s after criu has let the kernel run again,
     so that a panel polling from the kernel surely sees the save running, however fast the
     machine writes (a save of a few hundred MiB can otherwise end between two polls)."""
-    criu = tmp_path / "criu-pauses-after-the-dump"
-    criu.write_text("#!/bin/sh\n" + pauses_after_the_dump(2.0))
-    criu.chmod(0o755)
+    criu = install(tmp_path, pauses_after_the_dump(2.0), "criu-pauses-after-the-dump")
     server = JupyterServer(tmp_path / "server", options=[f"--GPUSnapshot.criu_path={criu}"])
     server.start()
     try:

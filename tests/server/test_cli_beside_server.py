@@ -15,17 +15,14 @@ from typing import Any
 from jupyter_gpu_snapshot.core.locks import kernel_key, snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from ..criu_wrappers import slow
+from ..criu_wrappers import install, slow
 from .conftest import Api, KernelConnector
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")
 
 
 def _slow_criu(tmp_path: Path, action: str) -> str:
-    wrapper = tmp_path / f"criu-slow-{action}"
-    wrapper.write_text("#!/bin/sh\n" + slow(action, 3.0))
-    wrapper.chmod(0o755)
-    return str(wrapper)
+    return install(tmp_path, slow(action, 3.0), f"criu-slow-{action}")
 
 
 def _cli(store_dir: Path, criu: str, *args: str) -> subprocess.Popen[str]:

@@ -18,17 +18,14 @@ import pytest
 
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from ..criu_wrappers import signals_the_kernel_after_the_dump
+from ..criu_wrappers import install, signals_the_kernel_after_the_dump
 from .conftest import Api, Json, KernelConnector
 from .test_kernel_death import wait_death
 
 
 @pytest.fixture
 def criu_path(tmp_path: Path) -> str:
-    wrapper = tmp_path / "criu-wrapper"
-    wrapper.write_text("#!/bin/sh\n" + signals_the_kernel_after_the_dump(signal.SIGSEGV))
-    wrapper.chmod(0o755)
-    return str(wrapper)
+    return install(tmp_path, signals_the_kernel_after_the_dump(signal.SIGSEGV))
 
 
 @pytest.fixture
