@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import GPUSnapshot
+from .core.progress import ProgressFn
 from .core.remote import RemoteSnapshot, RemoteStore, SnapshotCache, load_key
 from .core.snapshot import DAMAGED, Snapshot
 from .core.store import SnapshotStore
@@ -54,6 +55,15 @@ def judge_remote(store: SnapshotStore, remote: RemoteSnapshot) -> Snapshot:
         )
         return Snapshot(remote.id, store.root / remote.id, {}, DAMAGED, cause)
     return store.judge(remote.id, remote.manifest)
+
+
+def upload_whole(
+    store: SnapshotStore, remote: RemoteStore, snapshot: Snapshot, progress: ProgressFn | None
+) -> RemoteSnapshot:
+    """Upload ``snapshot`` as whole files: one kept by content is assembled first, since the
+    remote store keeps whole images. Called by the server's uploads and the CLI's."""
+    with store.opened_images(snapshot) as (directory, _):
+        return remote.upload(directory, progress)
 
 
 def merge_locations(

@@ -20,6 +20,7 @@ from jupyter_gpu_snapshot.core import digest, procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
+from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, execute, run
@@ -110,7 +111,7 @@ def test_save_keep_running_then_kernel_continues(engine, store, kernel, tmp_path
     assert "43" in kernel.execute("print(answer)")
 
     manifest = snap.manifest
-    assert manifest["format"] == 3 and manifest["signature"]["value"]
+    assert manifest["format"] == FORMAT_VERSION and manifest["signature"]["value"]
     assert manifest["name"] == "keep-running"
     assert manifest["kernel"]["connection_info"]["key"]
     assert manifest["versions"]["criu"].startswith("4.")

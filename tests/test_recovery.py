@@ -158,7 +158,7 @@ def test_ownership_holds_until_the_rename(tmp_path: Path):
     assert cleaned == [[]]
     assert [s.id for s in store.list()] == [snapshot_id]
     assert sorted(p.name for p in store.get(snapshot_id).path.iterdir()) == [
-        "manifest.json", "pages-1.img"
+        "manifest.json", "pages-1.img.chunks"
     ]
 
 

@@ -15,7 +15,7 @@ from jupyter_gpu_snapshot.core import digest
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION, ManifestPolicy
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.safe_fs import UnsafeStore
 from jupyter_gpu_snapshot.core.signing import SigningKey
@@ -111,7 +111,7 @@ def test_manifest_is_signed_and_lists_every_file(tmp_path):
     store = _store(tmp_path)
     snapshot = store.get(_commit(store, "m"))
     manifest = _manifest(store, snapshot.id)
-    assert manifest["format"] == 3 and manifest["digest"] == digest.preferred_algorithm()
+    assert manifest["format"] == FORMAT_VERSION and manifest["digest"] == digest.preferred_algorithm()
     assert manifest["files"]["pages-1.img"]["size"] == 1000
     assert manifest["signature"]["algorithm"] == "HMAC-SHA256"
     assert (tmp_path / "keys" / "signing.key").stat().st_mode & 0o777 == 0o600
@@ -252,7 +252,7 @@ ESCAPES = {
     "notebook outside the root": (
         lambda m: m["kernel"].__setitem__("notebook_path", "../../../etc/passwd.ipynb"),
         "notebook_path"),
-    "newer format": (lambda m: m.__setitem__("format", 4), "format"),
+    "newer format": (lambda m: m.__setitem__("format", FORMAT_VERSION + 1), "format"),
     "node file with a relative path": (
         lambda m: m.__setitem__("node", {"mapped_files": {"algorithm": "blake3", "files": [
             {"path": "lib/x.so", "size": 1, "digest": "0" * 64}]}}), "node"),

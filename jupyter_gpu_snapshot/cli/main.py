@@ -39,7 +39,15 @@ from ..core.snapshot import Snapshot, is_snapshot_id
 from ..engines import make_engine, wake_kernel
 from ..gpu.broker import PluginInstall
 from ..gpu.remap import parse_gpu_choice, remap_notice
-from ..remotes import BOTH, LOCAL, REMOTE, judge_remote, make_remote_store, merge_locations
+from ..remotes import (
+    BOTH,
+    LOCAL,
+    REMOTE,
+    judge_remote,
+    make_remote_store,
+    merge_locations,
+    upload_whole,
+)
 from .checks import run_checks
 
 out = Console()
@@ -427,8 +435,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
     snapshot = engine.get(args.snapshot)
     snapshot.require_trusted("upload")
     with _ProgressBar(err.is_terminal) as bar:
-        uploaded = remote.upload(
-            snapshot.path, lambda done, total: bar(EngineProgress("uploading", done, total))
+        uploaded = upload_whole(
+            engine.store, remote, snapshot,
+            lambda done, total: bar(EngineProgress("uploading", done, total)),
         )
     PendingUploads(engine.store).clear(snapshot.id)
     _say(f"uploaded {snapshot.name} ({snapshot.id}) to {uploaded.url}")

@@ -34,6 +34,12 @@ _BLAKE3_STEP = 64 << 20
 Advance = Callable[[int], None]
 
 
+def blake3_hex(data: bytes) -> str:
+    """BLAKE3 of bytes in memory (recipes), on all cores."""
+    assert _blake3 is not None
+    return str(_blake3.blake3(data, max_threads=_blake3.blake3.AUTO).hexdigest())
+
+
 def preferred_algorithm() -> str:
     return BLAKE3 if _blake3 is not None else SHA256_TREE
 

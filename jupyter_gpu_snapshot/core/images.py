@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import digest, safe_fs
+from . import chunks, digest, safe_fs
 from .errors import SnapshotError
 from .manifest import MANIFEST
 from .progress import ProgressFn, byte_counter
@@ -30,21 +30,79 @@ Image = tuple[int, int]
 _ALTERED = "the snapshot is damaged or was altered; delete it"
 
 
-def digest_new(dfd: int, progress: ProgressFn | None = None) -> tuple[str, Files]:
-    """Make the images a save wrote into ``dfd`` private (0600), digest them on all cores and
-    fsync them. Returns the algorithm and the manifest's ``files``.
+def digest_new(
+    dfd: int, progress: ProgressFn | None = None, chunker: chunks.ChunkStore | None = None,
+) -> tuple[str, Files, dict[str, int]]:
+    """Make the images a save wrote into ``dfd`` private (0600) and digest them on all
+    cores. With ``chunker``, large files are kept by content (``core/chunks.py``): their
+    new pages go to the store's packs and a recipe goes beside them; the rest are fsynced.
+    Returns the algorithm, the manifest's ``files`` and its ``stored`` section (the bytes
+    this save added to the store).
 
-    Called by ``SnapshotStore.commit``. Dot files are the save's bookkeeping (owner, draft,
-    dump marker), no image.
+    Called by ``SnapshotStore.commit``, which holds the chunks lock when it passes a
+    chunker. Dot files are the save's bookkeeping (owner, draft, dump marker), no image.
     """
+    for name in os.listdir(dfd):  # recipes of an earlier attempt at this commit
+        if name.endswith(chunks.RECIPE_SUFFIX):
+            os.unlink(name, dir_fd=dfd)
     names = sorted(n for n in os.listdir(dfd) if not n.startswith(".") and n != MANIFEST)
     with _opened(dfd, names, "commit") as opened:
         for fd, _ in opened.values():
             os.fchmod(fd, 0o600)
-        found = _digest(opened, progress)
-        for fd, _ in opened.values():
+        chunked = [n for n, (_, size) in opened.items() if chunker is not None
+                   and chunks.is_chunkable(size)]
+        if digest.preferred_algorithm() != digest.BLAKE3:
+            chunked = []
+        whole = {n: image for n, image in opened.items() if n not in chunked}
+        advance = byte_counter(progress, sum(size for _, size in opened.values()))
+        algorithm, files = _digest(whole, advance)
+        for fd, _ in whole.values():
             os.fsync(fd)
-    return found
+        stored = {"whole_bytes": sum(size for _, size in whole.values())}
+        if chunked:
+            assert chunker is not None
+            results, _ = chunker.chunk_files(dfd, chunked, advance)
+            for name, result in results.items():
+                files[name] = {"size": opened[name][1], "digest": result.digest,
+                               "chunks": digest.blake3_hex(result.recipe)}
+            stored.update(
+                new_page_bytes=sum(r.new_bytes for r in results.values()),
+                recipe_bytes=sum(len(r.recipe) for r in results.values()),
+                zero_page_bytes=sum(r.zero_pages for r in results.values()) * chunks.PAGE,
+            )
+    return algorithm, dict(sorted(files.items())), stored
+
+
+def read_recipe(dfd: int, name: str, entry: dict[str, Any], snapshot_id: str) -> bytes:
+    """The recipe of the chunked file ``name``, once its size and digest match the signed
+    manifest's ``entry``: only then may it say which pages to read."""
+    expected = int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
+    try:
+        fd, size = safe_fs.open_regular(chunks.recipe_name(name), dfd)
+        try:
+            recipe = os.pread(fd, expected + 1, 0) if size == expected else b""
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise SnapshotError("verify", f"the recipe of {name} of {snapshot_id} is unreadable: "
+                            f"{exc}", hint=_ALTERED) from exc
+    if len(recipe) != expected or digest.blake3_hex(recipe) != entry.get("chunks"):
+        raise SnapshotError(
+            "verify", f"the recipe of {name} of {snapshot_id} does not match its manifest",
+            hint=_ALTERED,
+        )
+    return recipe
+
+
+def stored_as_recipes(dfd: int, files: Files) -> list[str]:
+    """The files of a snapshot directory kept as recipes. A chunked file may also be there
+    whole (downloaded from a remote store, or a commit cut off after its rename, before it
+    removed the whole file); the recipe wins, since only it was made durable."""
+    return sorted(
+        name for name, entry in files.items()
+        if isinstance(entry, dict) and "chunks" in entry
+        and safe_fs.entry_kind(chunks.recipe_name(name), dfd) == "file"
+    )
 
 
 @contextlib.contextmanager
@@ -53,7 +111,7 @@ def opened(dfd: int, snapshot: Snapshot) -> Iterator[list[Image]]:
     directory holds exactly the files its manifest lists, each a regular file of the listed
     size. Called by ``SnapshotStore.opened_images``; closed on leaving."""
     files: Files = snapshot.manifest["files"]
-    _require_listed(dfd, files, snapshot.id, "verify")
+    require_listed(dfd, files, snapshot.id, "verify")
     with _opened(dfd, sorted(files), "verify") as opened:
         for name, (_, size) in opened.items():
             if size != files[name]["size"]:
@@ -104,7 +162,7 @@ def redigest_legacy(
     Called by ``SnapshotStore.trust``: the old checksums are the one proof that the images
     are those the unsigned manifest describes.
     """
-    _require_listed(dfd, files, snapshot_id, "trust")
+    require_listed(dfd, files, snapshot_id, "trust")
     with _opened(dfd, sorted(files), "trust") as opened:
         for name, (fd, size) in opened.items():
             entry = files[name]
@@ -116,19 +174,21 @@ def redigest_legacy(
                     f"image file {name} of {snapshot_id} does not match its sha256",
                     hint=_ALTERED,
                 )
-        return _digest(opened, progress)
+        total = sum(size for _, size in opened.values())
+        return _digest(opened, byte_counter(progress, total))
 
 
-def _require_listed(dfd: int, files: Files, snapshot_id: str, step: str) -> None:
+def require_listed(dfd: int, files: Files, snapshot_id: str, step: str) -> None:
     """Refuse a directory that holds other files than the manifest lists, naming one."""
     present = set(os.listdir(dfd)) - {MANIFEST}
-    extra = present - set(files)
+    recipes = {chunks.recipe_name(n) for n in stored_as_recipes(dfd, files)}
+    extra = present - set(files) - recipes
     if extra:
         raise SnapshotError(
             step, f"snapshot {snapshot_id} has unexpected files: {', '.join(sorted(extra))}",
             hint=_ALTERED,
         )
-    missing = set(files) - present
+    missing = set(files) - present - {r.removesuffix(chunks.RECIPE_SUFFIX) for r in recipes}
     if missing:
         raise SnapshotError(
             step, f"image file {sorted(missing)[0]} of {snapshot_id} is missing",
@@ -154,13 +214,10 @@ def _opened(dfd: int, names: list[str], step: str) -> Iterator[dict[str, Image]]
             os.close(fd)
 
 
-def _digest(opened: dict[str, Image], progress: ProgressFn | None) -> tuple[str, Files]:
+def _digest(opened: dict[str, Image], advance: digest.Advance) -> tuple[str, Files]:
     """Digests of ``opened`` with this node's algorithm, as a manifest's ``files``."""
     algorithm = digest.preferred_algorithm()
-    total = sum(size for _, size in opened.values())
-    digests = digest.digest_files(
-        list(opened.values()), algorithm, byte_counter(progress, total)
-    )
+    digests = digest.digest_files(list(opened.values()), algorithm, advance)
     return algorithm, {
         name: {"size": size, "digest": d}
         for (name, (_, size)), d in zip(opened.items(), digests, strict=True)

@@ -42,6 +42,12 @@ class HeldLock:
         self.fd = fd
         self.tidy_directory = tidy_directory
 
+    def __enter__(self) -> HeldLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
     def release(self) -> None:
         if self.fd < 0:
             return

@@ -19,9 +19,10 @@ import jsonschema
 
 from .digest import ALGORITHMS
 
-# 3 added the "node" section (a reader of 2 refuses its unknown field); 2 is still read.
-FORMAT_VERSION = 3
-READABLE_FORMATS = (2, 3)
+# 3 added the "node" section (a reader of 2 refuses its unknown field); 4 added files kept
+# by content ("chunks") and the "stored" section. 2 and 3 are still read.
+FORMAT_VERSION = 4
+READABLE_FORMATS = (2, 3, 4)
 # Written before manifests were signed: read only to be listed as unsigned, and trusted.
 LEGACY_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -75,9 +76,16 @@ SCHEMA: dict[str, Any] = {
             "minProperties": 1,
             "propertyNames": {"pattern": FILE_NAME_PATTERN},
             "additionalProperties": _record(
-                required=["size", "digest"], properties={"size": SIZE, "digest": HEX_DIGEST},
+                required=["size", "digest"], properties={
+                    "size": SIZE,
+                    "digest": HEX_DIGEST,
+                    # kept as a recipe of pages (core/chunks.py): the recipe's BLAKE3
+                    "chunks": HEX_DIGEST,
+                },
             ),
         },
+        # What the save added to the store, in bytes: for sizes people read.
+        "stored": {"type": "object", "additionalProperties": SIZE},
         "kernel": _record(required=["name", "connection_info", "log_files"], properties={
             "name": {"type": "string", "pattern": r"^[A-Za-z0-9._-]{1,128}$"},
             "spec": {"type": ["object", "null"]},

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import locks, procfs
@@ -131,10 +132,17 @@ async def _restore(
     started = time.monotonic()
     report(Progress("preflight"))
     ctx = await _preflight(engine, snapshot, report, gpus, timings)
-    with engine.store.opened_images(ctx.snapshot) as images:
+    t = time.monotonic()
+    # Entered and left in a thread: a chunked snapshot's files are assembled on entering.
+    opened = engine.store.opened_images(ctx.snapshot)
+    images_dir, images = await asyncio.to_thread(opened.__enter__)
+    try:
+        timings["assemble"] = time.monotonic() - t
         await asyncio.to_thread(engine.store.prepare_log_files, ctx.snapshot)
         timings["preflight"] = time.monotonic() - started
-        ctx.root_pid = await _restore_checked(engine, ctx, images, timings)
+        ctx.root_pid = await _restore_checked(engine, ctx, images_dir, images, timings)
+    finally:
+        await asyncio.to_thread(opened.__exit__, None, None, None)
     await _resume(engine, ctx, timings)
     timings["total"] = time.monotonic() - started
     report(Progress("done"))
@@ -171,6 +179,7 @@ async def _preflight(
 async def _restore_checked(
     engine: EngineParts,
     ctx: RestoreContext,
+    images_dir: Path,
     images: list[tuple[int, int]],
     timings: dict[str, float],
 ) -> int:
@@ -204,7 +213,7 @@ async def _restore_checked(
             await hook.before_restore(ctx)
             hooked.append(hook)
         run = await criu.run(
-            criu.restore_argv(snapshot.path, work, pidfile,
+            criu.restore_argv(images_dir, work, pidfile,
                               leave_stopped=ctx.criu.leave_stopped, extras=ctx.criu),
             work / "restore.log", env=ctx.criu.env,
         )

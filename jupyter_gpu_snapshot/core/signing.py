@@ -16,6 +16,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from . import safe_fs
 from .errors import SnapshotError
 
@@ -45,6 +47,11 @@ class SigningKey:
     def key_id(self) -> str:
         """Names the key in manifests without revealing it."""
         return hashlib.sha256(b"jupyter-gpu-snapshot key id\n" + self._secret).hexdigest()[:16]
+
+    def derive(self, context: str) -> bytes:
+        """A 32-byte key for another use (``context`` names it), from which neither this key
+        nor a key of another context can be computed."""
+        return bytes(blake3.blake3(self._secret, derive_key_context=context).digest())
 
     def sign(self, manifest: dict[str, Any]) -> dict[str, Any]:
         value = hmac.new(self._secret, canonical(manifest), hashlib.sha256).hexdigest()

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 
 from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
-from . import images, safe_fs
+from . import chunks, images, safe_fs
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .locks import StoreLocks
 from .locks import name_key as name_lock_key
@@ -52,6 +52,8 @@ from .snapshot import DAMAGED, UNSIGNED, Snapshot, is_snapshot_id, validate_name
 
 PARTIAL_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
+# Whole image files assembled from a chunked snapshot, for criu or an upload to read.
+ASSEMBLED_PREFIX = ".assembled-"
 OWNER_FILE = ".owner"
 # A partial that holds an image nobody could commit; kept for a person to look at.
 UNFINISHED_PREFIX = ".unfinished-"
@@ -60,6 +62,8 @@ DRAFT_FILE = ".manifest-draft.json"
 # Written by criu's post-dump action, once every image file is complete.
 DUMP_COMPLETE_FILE = ".dump-complete"
 LOGS_DIR = "logs"
+# A recipe names 16 bytes per 4 KiB page: this much covers a 1 TiB image file.
+MAX_RECIPE_BYTES = 4 << 30
 KERNEL_LOG_SUBDIR = "gpu_snapshot"
 
 
@@ -98,8 +102,11 @@ class SnapshotStore:
         root: Path | str | None = None,
         key_file: Path | str | None = None,
         policy: ManifestPolicy | None = None,
+        chunk_images: bool = True,
     ) -> None:
         self.root = Path(root) if root is not None else default_store_dir()
+        # Large image files kept by content, each page once per store (core/chunks.py).
+        self.chunk_images = chunk_images
         self.key_file = Path(key_file) if key_file else default_key_file()
         self.policy = policy or ManifestPolicy(kernel_log_dir=default_kernel_log_dir)
         self._key: SigningKey | None = None
@@ -129,6 +136,15 @@ class SnapshotStore:
         # The configured path may be a link (the whole chain was checked); inside, never.
         with safe_fs.opened_dir(os.path.realpath(self.root)) as fd:
             yield fd
+
+    def _chunks(self, root_fd: int) -> chunks.ChunkStore:
+        return chunks.ChunkStore(root_fd, self.locks, self.key.derive(chunks.ID_CONTEXT))
+
+    @contextlib.contextmanager
+    def _holding_chunks(self, root_fd: int, step: str) -> Iterator[chunks.ChunkStore]:
+        store = self._chunks(root_fd)
+        with store.hold(step):
+            yield store
 
     # -- writing ---------------------------------------------------------------------------
     def begin(self, snapshot_id: str) -> Path:
@@ -171,10 +187,19 @@ class SnapshotStore:
         the name is checked again here, right before the rename.
         """
         snapshot_id = manifest["id"]
-        with self._root_fd() as root_fd, safe_fs.opened_dir(partial.name, root_fd) as dfd:
+        with (
+            self._root_fd() as root_fd,
+            safe_fs.opened_dir(partial.name, root_fd) as dfd,
+            contextlib.ExitStack() as stack,
+        ):
             assert root_fd is not None
-            algorithm, files = images.digest_new(dfd, progress)
-            manifest = dict(manifest, format=FORMAT_VERSION, digest=algorithm, files=files)
+            # Held through the rename: the collector must find the recipes, in the partial
+            # or in the snapshot, whenever it looks.
+            chunker = stack.enter_context(self._holding_chunks(root_fd, "commit")) if (
+                self.chunk_images) else None
+            algorithm, files, stored = images.digest_new(dfd, progress, chunker)
+            manifest = dict(manifest, format=FORMAT_VERSION, digest=algorithm, files=files,
+                            stored=stored)
             manifest.pop("verified", None)
             name = manifest.get("name")
             if name and self.find_name(str(name)) is not None:
@@ -193,6 +218,10 @@ class SnapshotStore:
             os.fsync(dfd)
             os.rename(partial.name, snapshot_id, src_dir_fd=root_fd, dst_dir_fd=root_fd)
             os.fsync(root_fd)
+            # The whole files that are now recipes; dropped before most of their pages
+            # ever reach the disk. A crash before this leaves them, and the recipe wins.
+            for chunked in images.stored_as_recipes(dfd, files):
+                os.unlink(chunked, dir_fd=dfd)
         return Snapshot(snapshot_id, self.root / snapshot_id, signed)
 
     def _sign(self, manifest: dict[str, Any], snapshot_id: str, step: str) -> dict[str, Any]:
@@ -330,7 +359,40 @@ class SnapshotStore:
             except FileNotFoundError:
                 raise NotFound("delete", f"snapshot {snapshot.id} was deleted meanwhile") from None
             safe_fs.remove_at(doomed, root_fd)
+        self.collect_garbage()
         return snapshot
+
+    def collect_garbage(self) -> chunks.CollectReport:
+        """Free the pages no snapshot, save in progress or restore needs any more."""
+        with self._root_fd(create=False) as root_fd:
+            if root_fd is None or safe_fs.entry_kind(chunks.CHUNKS_DIR, root_fd) != "dir":
+                return chunks.CollectReport()
+            with self._holding_chunks(root_fd, "collect") as chunk_store:
+                return chunk_store.collect(self._live_recipes(root_fd))
+
+    def _live_recipes(self, root_fd: int) -> builtins.list[bytes]:
+        """Every recipe of the snapshots, of the saves in progress and of the partials kept
+        for a person to look at, read under the chunks lock. A directory that moves while
+        it is read (a recovery keeps a partial aside) makes the whole scan start again:
+        missing one recipe would free pages a snapshot needs."""
+        for _ in range(20):
+            found: builtins.list[bytes] = []
+            try:
+                for name in os.listdir(root_fd):
+                    if not (is_snapshot_id(name) or name.startswith(PARTIAL_PREFIX)
+                            or name.startswith(UNFINISHED_PREFIX)):
+                        continue
+                    if safe_fs.entry_kind(name, root_fd) != "dir":
+                        continue
+                    with safe_fs.opened_dir(name, root_fd) as dfd:
+                        for entry in os.listdir(dfd):
+                            if entry.endswith(chunks.RECIPE_SUFFIX) and not entry.startswith("."):
+                                found.append(safe_fs.read_small(entry, dfd, MAX_RECIPE_BYTES))
+            except FileNotFoundError:
+                continue
+            return found
+        raise SnapshotError("collect", "the store kept changing while its pages were counted",
+                            hint="try again when no save or delete is running")
 
     def rename(self, ref: str, new_name: str) -> Snapshot:
         """Give a trusted snapshot another name: its manifest, re-signed, replaces the old
@@ -401,17 +463,64 @@ class SnapshotStore:
         return fresh
 
     @contextlib.contextmanager
-    def opened_images(self, snapshot: Snapshot) -> Iterator[builtins.list[images.Image]]:
-        """The image files of trusted ``snapshot`` as ``(fd, size)``, checked against its
-        manifest's list and sizes (``images.opened``). Called by the engine's restore, which
-        passes them to criu and to ``check_digests``, and by ``verify``."""
+    def opened_images(
+        self, snapshot: Snapshot
+    ) -> Iterator[tuple[Path, builtins.list[images.Image]]]:
+        """A directory holding the whole image files of trusted ``snapshot``, and those
+        files as ``(fd, size)``, checked against its manifest's list and sizes
+        (``images.opened``). Its own directory when every file is kept whole; else a private
+        directory beside it, where the files kept as recipes are assembled from the store's
+        pages (their recipes checked against the signed manifest first) and the others are
+        hard links; removed on leaving. The files' digests are not checked here: the
+        engine's restore passes the directory to criu and the files to ``check_digests``,
+        and ``verify`` checks them; an upload reads the directory."""
         snapshot.require_trusted()
-        with (
-            self._root_fd() as root_fd,
-            safe_fs.opened_dir(snapshot.id, root_fd) as dfd,
-            images.opened(dfd, snapshot) as opened,
-        ):
-            yield opened
+        with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
+            assert root_fd is not None
+            files = snapshot.manifest["files"]
+            images.require_listed(dfd, files, snapshot.id, "verify")
+            recipes = images.stored_as_recipes(dfd, files)
+            if not recipes:
+                with images.opened(dfd, snapshot) as opened:
+                    yield self.root / snapshot.id, opened
+                return
+            with (
+                self._assembled(root_fd, snapshot, dfd, recipes) as (path, out_fd),
+                images.opened(out_fd, snapshot) as opened,
+            ):
+                yield path, opened
+
+    @contextlib.contextmanager
+    def _assembled(
+        self, root_fd: int, snapshot: Snapshot, dfd: int, recipes: builtins.list[str]
+    ) -> Iterator[tuple[Path, int]]:
+        token = secrets.token_hex(6)
+        outer = f"{ASSEMBLED_PREFIX}{token}"
+        # A lock marks it as in use: a recovery removes only those nobody holds.
+        held = self.locks.acquire(f"assembled-{token}", f"assembled images {token}", "restore")
+        try:
+            os.mkdir(outer, 0o700, dir_fd=root_fd)
+            with safe_fs.opened_dir(outer, root_fd) as outer_fd:
+                os.mkdir(snapshot.id, 0o700, dir_fd=outer_fd)
+                with safe_fs.opened_dir(snapshot.id, outer_fd) as out_fd:
+                    files = snapshot.manifest["files"]
+                    wanted = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
+                              for name in recipes}
+                    # The manifest too: an upload reads the directory as a snapshot.
+                    for name in sorted(set(files) - set(recipes) | {MANIFEST}):
+                        os.link(name, name, src_dir_fd=dfd, dst_dir_fd=out_fd,
+                                follow_symlinks=False)
+                    try:
+                        self._chunks(root_fd).assemble(wanted, out_fd, lambda n: None)
+                    except OSError as exc:
+                        raise SnapshotError(
+                            "restore", f"cannot assemble the images of {snapshot.id}: {exc}",
+                            hint="the snapshot is damaged; delete it",
+                        ) from exc
+                    yield self.root / outer / snapshot.id, out_fd
+        finally:
+            safe_fs.remove_at(outer, root_fd)
+            held.release()
 
     def check_digests(
         self,
@@ -427,7 +536,7 @@ class SnapshotStore:
     def verify(self, snapshot: Snapshot, progress: ProgressFn | None = None) -> None:
         """Check the signature, the file list, every size and every digest."""
         snapshot = self.reload(snapshot)
-        with self.opened_images(snapshot) as opened:
+        with self.opened_images(snapshot) as (_, opened):
             images.check_digests(snapshot, opened, progress)
 
     def prepare_log_files(self, snapshot: Snapshot) -> None:

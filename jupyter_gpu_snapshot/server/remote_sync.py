@@ -23,7 +23,7 @@ from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
 from ..core.snapshot import Snapshot
 from ..core.store import SnapshotStore
-from ..remotes import judge_remote
+from ..remotes import judge_remote, upload_whole
 
 # How long a remote listing is reused; the UI polls every few seconds.
 LISTING_SECONDS = 15.0
@@ -169,7 +169,8 @@ class RemoteSync:
         await asyncio.to_thread(self.pending.mark, snapshot.id)
         progress = _progress(report, "uploading", self.stopping)
         try:
-            uploaded = await asyncio.to_thread(self.remote.upload, snapshot.path, progress)
+            uploaded = await asyncio.to_thread(upload_whole, self.store, self.remote, snapshot,
+                                               progress)
         except SnapshotError as exc:
             self.log.warning(
                 "gpu-snapshot: snapshot %s is saved here, but its upload to %s failed: %s",

@@ -1,0 +1,507 @@
+"""Image files kept by content: each 4 KiB page stored once per store, pages of zeros never.
+
+Two saves of one kernel share most of their memory pages, but seldom at the same offset of
+CRIU's pages images: pages move whenever a mapping grows or a new one comes before them. So a
+large image file is cut into pages, each page is named by its BLAKE3 digest keyed with a key
+derived from the store's signing key (ids of two stores never match, and a copy of the ids
+says nothing about which pages two users share), and only the pages the store lacks are
+written, appended to a new pack. The file itself becomes a recipe: one id per page, the zero
+id for a page of zeros.
+
+Under the store's ``chunks/``:
+
+- ``<pack>.pack``: pages, 4 KiB each, in the order they were added;
+- ``<pack>.ids``: their ids, 16 bytes each. Written, fsynced and renamed into place after the
+  pack is durable, so a pack without ids is one whose save never finished; the collector
+  removes it.
+
+In a snapshot directory, ``<file>.chunks`` is the recipe of ``<file>``. The signed manifest
+lists the recipe's digest and the digest of the whole file, so nothing read from ``chunks/``
+is trusted: a restore assembles the whole files and checks them against the manifest beside
+criu, as it checks files kept whole.
+
+One lock, ``chunks``, keeps the collector away from a save between its choice of which pages
+it need not write and the recipe that keeps them alive, and from a restore while it opens the
+packs it will read (an open pack stays readable after the collector removed it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from . import safe_fs
+from .errors import SnapshotError
+from .locks import HeldLock, StoreLocks
+
+PAGE = 4096
+ID_BYTES = 16
+ZERO_ID = bytes(ID_BYTES)
+CHUNKS_DIR = "chunks"
+RECIPE_SUFFIX = ".chunks"
+PACK_SUFFIX = ".pack"
+IDS_SUFFIX = ".ids"
+# Files smaller than this stay whole: CRIU's small images change at every save anyway.
+MIN_CHUNKED_BYTES = 1 << 20
+# Read this much of an image per step: one BLAKE3 update on all cores, then its pages.
+_STEP = 64 << 20
+_PACK_NAME = re.compile(r"^[0-9a-f]{32}$")
+LOCK_KEY = "chunks"
+# A pack whose live pages fall below this share is rewritten by the collector.
+REPACK_BELOW = 0.5
+ID_CONTEXT = "jupyter-gpu-snapshot 2026-11 page ids"
+
+Ids = npt.NDArray[np.uint8]  # shape (n, 16)
+Advance = Callable[[int], None]
+
+
+def is_chunkable(size: int) -> bool:
+    return size >= MIN_CHUNKED_BYTES and size % PAGE == 0
+
+
+def recipe_name(name: str) -> str:
+    return f"{name}{RECIPE_SUFFIX}"
+
+
+def _as_keys(ids: Ids) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """Each 16-byte id as two integers, for sorting and searching."""
+    words = np.ascontiguousarray(ids).view(np.uint64).reshape(-1, 2)
+    return words[:, 0], words[:, 1]
+
+
+@dataclass
+class PackIndex:
+    """Where each page of the store lives: every pack's ids, sorted for lookups."""
+
+    packs: list[str] = field(default_factory=list)
+    high: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
+    low: npt.NDArray[np.uint64] = field(default_factory=lambda: np.zeros(0, np.uint64))
+    pack_of: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
+    slot_of: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @classmethod
+    def build(cls, packs: list[str], ids: list[Ids]) -> PackIndex:
+        if not packs:
+            return cls()
+        every = np.concatenate(ids) if ids else np.zeros((0, ID_BYTES), np.uint8)
+        high, low = _as_keys(every)
+        pack_of = np.concatenate([np.full(len(a), i, np.int32) for i, a in enumerate(ids)])
+        slot_of = np.concatenate([np.arange(len(a), dtype=np.int64) for a in ids])
+        order = np.lexsort((low, high))
+        return cls(packs, high[order], low[order], pack_of[order], slot_of[order])
+
+    def find(self, ids: Ids) -> npt.NDArray[np.int64]:
+        """For each id, its position in the sorted index, or -1 where the store lacks it."""
+        high, low = _as_keys(ids)
+        n = len(self.high)
+        found = np.full(len(high), -1, np.int64)
+        if n == 0 or len(high) == 0:
+            return found
+        start = np.searchsorted(self.high, high, side="left")
+        end = np.searchsorted(self.high, high, side="right")
+        clipped = np.minimum(start, n - 1)
+        exact = (start < end) & (self.low[clipped] == low)
+        found[exact] = start[exact]
+        # Ids that share their first 8 bytes with another: rare, looked through one by one.
+        for i in np.nonzero((end - start > 1) & ~exact)[0]:
+            for j in range(int(start[i]), int(end[i])):
+                if self.low[j] == low[i]:
+                    found[i] = j
+                    break
+        return found
+
+
+@dataclass
+class ChunkedFile:
+    """What chunking one image file gave: its digest, recipe, and the bytes written."""
+
+    digest: str
+    recipe: bytes
+    new_bytes: int
+    zero_pages: int
+
+
+@dataclass
+class PackWriter:
+    """The one pack a commit appends its new pages to."""
+
+    dfd: int
+    name: str = field(default_factory=lambda: secrets.token_hex(16))
+    fd: int = -1
+    ids: bytearray = field(default_factory=bytearray)
+
+    def append(self, pages: memoryview, new_ids: bytes) -> None:
+        if self.fd < 0:
+            self.fd = os.open(self.name + PACK_SUFFIX,
+                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, dir_fd=self.dfd)
+        view = pages
+        while len(view):
+            n = os.write(self.fd, view)
+            view = view[n:]
+        self.ids += new_ids
+
+    @property
+    def pages(self) -> int:
+        return len(self.ids) // ID_BYTES
+
+    def finish(self) -> None:
+        """Make the pack durable, then its ids: only then is the pack part of the store."""
+        if self.fd < 0:
+            return
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        staged = f".{self.name}{IDS_SUFFIX}.new"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged, dir_fd=self.dfd)
+        safe_fs.write_new(staged, self.dfd, bytes(self.ids))
+        os.rename(staged, self.name + IDS_SUFFIX, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
+        os.fsync(self.dfd)
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.name + PACK_SUFFIX, dir_fd=self.dfd)
+
+
+class ChunkStore:
+    """The ``chunks/`` directory of one snapshot store."""
+
+    def __init__(self, root_fd: int, locks: StoreLocks, id_key: bytes) -> None:
+        self.root_fd = root_fd
+        self.locks = locks
+        self.id_key = id_key
+
+    @contextlib.contextmanager
+    def _dir(self) -> Iterator[int]:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(CHUNKS_DIR, 0o700, dir_fd=self.root_fd)
+        with safe_fs.opened_dir(CHUNKS_DIR, self.root_fd) as dfd:
+            yield dfd
+
+    def hold(self, step: str, timeout: float = 600.0) -> HeldLock:
+        """The chunks lock, waited for (the collector holds it for seconds at most)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            held = self.locks.try_acquire(LOCK_KEY, step)
+            if held is not None:
+                return held
+            if time.monotonic() > deadline:
+                return self.locks.acquire(LOCK_KEY, "the store's page packs", step)
+            time.sleep(0.05)
+
+    # -- reading the index -----------------------------------------------------------------
+    def _packs(self, dfd: int) -> list[str]:
+        """Complete packs (their ids written), in name order."""
+        names = []
+        for entry in os.listdir(dfd):
+            stem = entry.removesuffix(IDS_SUFFIX)
+            if entry.endswith(IDS_SUFFIX) and _PACK_NAME.fullmatch(stem):
+                names.append(stem)
+        return sorted(names)
+
+    def _read_ids(self, dfd: int, pack: str) -> Ids:
+        fd, size = safe_fs.open_regular(pack + IDS_SUFFIX, dfd)
+        try:
+            raw = _read_all(fd, size - size % ID_BYTES)
+        finally:
+            os.close(fd)
+        return np.frombuffer(raw, np.uint8).reshape(-1, ID_BYTES)
+
+    def index(self, dfd: int) -> PackIndex:
+        packs = self._packs(dfd)
+        return PackIndex.build(packs, [self._read_ids(dfd, p) for p in packs])
+
+    # -- saving ----------------------------------------------------------------------------
+    def chunk_files(
+        self, image_dfd: int, names: list[str], advance: Advance, digest_only: Iterable[str] = ()
+    ) -> tuple[dict[str, ChunkedFile], str]:
+        """Cut each of ``names`` (open in ``image_dfd``) into pages, write the pages the
+        store lacks to one new pack, and write ``<name>.chunks`` beside each file. Returns
+        what each file gave and the pack's name (empty when nothing was new).
+
+        The caller holds the chunks lock until the recipes are in the snapshot directory,
+        where the collector finds them.
+        """
+        results: dict[str, ChunkedFile] = {}
+        with self._dir() as dfd:
+            index = self.index(dfd)
+            writer = PackWriter(dfd)
+            try:
+                with mmap.mmap(-1, _STEP) as buffer:
+                    for name in names:
+                        results[name] = self._chunk_one(image_dfd, name, index, writer, buffer,
+                                                        advance)
+                writer.finish()
+            except BaseException:
+                writer.discard()
+                raise
+            for name, chunked in results.items():
+                staged = f".{recipe_name(name)}.new"
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged, dir_fd=image_dfd)
+                safe_fs.write_new(staged, image_dfd, chunked.recipe)
+                os.rename(staged, recipe_name(name), src_dir_fd=image_dfd, dst_dir_fd=image_dfd)
+            os.fsync(image_dfd)
+        return results, writer.name if writer.pages else ""
+
+    def _chunk_one(
+        self, image_dfd: int, name: str, index: PackIndex, writer: PackWriter,
+        buffer: mmap.mmap, advance: Advance,
+    ) -> ChunkedFile:
+        fd, size = safe_fs.open_regular(name, image_dfd)
+        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        recipe = bytearray()
+        new_bytes = zero_pages = 0
+        try:
+            offset = 0
+            with memoryview(buffer) as view:
+                while offset < size:
+                    n = os.preadv(fd, [view[: min(_STEP, size - offset)]], offset)
+                    if n <= 0 or n % PAGE:
+                        raise OSError(f"{name} shrank while it was read")
+                    block = view[:n]
+                    hasher.update(block)
+                    ids, zero = self._page_ids(block)
+                    zero_pages += int(zero.sum())
+                    new_bytes += self._store_new(block, ids, zero, index, writer)
+                    recipe += ids.tobytes()
+                    block.release()
+                    offset += n
+                    advance(n)
+        finally:
+            os.close(fd)
+        return ChunkedFile(hasher.hexdigest(), bytes(recipe), new_bytes, zero_pages)
+
+    def _page_ids(self, block: memoryview) -> tuple[Ids, npt.NDArray[np.bool_]]:
+        pages = len(block) // PAGE
+        words = np.frombuffer(block, np.uint64).reshape(pages, PAGE // 8)
+        zero: npt.NDArray[np.bool_] = np.logical_not(words.any(axis=1))
+        ids = np.zeros((pages, ID_BYTES), np.uint8)
+        key = self.id_key
+        for i in np.nonzero(~zero)[0]:
+            start = int(i) * PAGE
+            digest = blake3.blake3(block[start:start + PAGE], key=key).digest(ID_BYTES)
+            ids[i] = np.frombuffer(digest, np.uint8)
+        return ids, zero
+
+    @staticmethod
+    def _store_new(block: memoryview, ids: Ids, zero: npt.NDArray[np.bool_],
+                   index: PackIndex, writer: PackWriter) -> int:
+        """Append the pages of ``block`` the store lacks (each once) to the pack."""
+        candidates = np.nonzero(~zero)[0]
+        if not len(candidates):
+            return 0
+        missing = candidates[index.find(ids[candidates]) < 0]
+        if not len(missing):
+            return 0
+        _, first = np.unique(ids[missing].view(np.dtype((np.void, ID_BYTES))).ravel(),
+                             return_index=True)
+        fresh = np.sort(missing[first])
+        pages = np.frombuffer(block, np.uint8).reshape(-1, PAGE)[fresh]
+        writer.append(memoryview(pages.tobytes()), ids[fresh].tobytes())
+        return len(fresh) * PAGE
+
+    # -- restoring -------------------------------------------------------------------------
+    def assemble(self, recipes: dict[str, bytes], out_dfd: int, advance: Advance) -> None:
+        """Write each file of ``recipes`` (name → recipe) into ``out_dfd`` from the packs.
+
+        The files are not checked here: the caller checks them against the manifest's
+        digests before any of their code runs. A page the store lacks is an error.
+        """
+        with self._dir() as dfd, self.hold("restore"):
+            index = self.index(dfd)
+            opened: dict[int, int] = {}
+            try:
+                for name, recipe in recipes.items():
+                    ids = np.frombuffer(recipe, np.uint8).reshape(-1, ID_BYTES)
+                    where = index.find(ids)
+                    zero: npt.NDArray[np.bool_] = np.logical_not(ids.any(axis=1))
+                    lacking = np.nonzero((where < 0) & ~zero)[0]
+                    if len(lacking):
+                        raise SnapshotError(
+                            "restore",
+                            f"page {int(lacking[0])} of {name} is in no pack of the store",
+                            hint="the snapshot is damaged; delete it",
+                        )
+                    for p in np.unique(index.pack_of[where[~zero]]):
+                        if int(p) not in opened:
+                            opened[int(p)] = safe_fs.open_regular(
+                                index.packs[int(p)] + PACK_SUFFIX, dfd)[0]
+                    plan = (ids, where, zero)
+                    self._write_file(name, plan, index, opened, out_dfd, advance)
+            finally:
+                for fd in opened.values():
+                    os.close(fd)
+
+    @staticmethod
+    def _write_file(
+        name: str, plan: tuple[Ids, npt.NDArray[np.int64], npt.NDArray[np.bool_]],
+        index: PackIndex, opened: dict[int, int], out_dfd: int, advance: Advance,
+    ) -> None:
+        ids, where, zero = plan
+        pages = len(ids)
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=out_dfd)
+        try:
+            os.ftruncate(out, pages * PAGE)  # pages of zeros stay holes
+            real = np.nonzero(~zero)[0]
+            packs = index.pack_of[where[real]]
+            slots = index.slot_of[where[real]]
+            # Runs of pages that follow each other both in the file and in one pack: one copy.
+            breaks = np.nonzero((np.diff(real) != 1) | (np.diff(packs) != 0)
+                                | (np.diff(slots) != 1))[0] + 1
+            for run in np.split(np.arange(len(real)), breaks):
+                if not len(run):
+                    continue
+                first = int(run[0])
+                length = len(run) * PAGE
+                _copy(opened[int(packs[first])], int(slots[first]) * PAGE, out,
+                      int(real[first]) * PAGE, length)
+                advance(length)
+            advance(int(zero.sum()) * PAGE)
+        finally:
+            os.close(out)
+
+    # -- collecting ------------------------------------------------------------------------
+    def collect(self, live_recipes: Iterable[bytes]) -> CollectReport:
+        """Remove packs no recipe needs, and rewrite those mostly dead. The caller passes
+        every recipe of the store's committed snapshots and of saves in progress, and holds
+        the chunks lock. Each step leaves the store whole if the process dies after it: a
+        rewritten pack is durable before the old one goes, and a pack stops being one when
+        its ids go, before its pages do."""
+        report = CollectReport()
+        with self._dir() as dfd:
+            live = live_ids(live_recipes)
+            for leftover in os.listdir(dfd):
+                stem = leftover.removesuffix(PACK_SUFFIX)
+                if leftover.startswith(".") or (
+                    leftover.endswith(PACK_SUFFIX) and _PACK_NAME.fullmatch(stem)
+                    and safe_fs.entry_kind(stem + IDS_SUFFIX, dfd) == "missing"
+                ):
+                    report.freed_bytes += _size_at(leftover, dfd)
+                    safe_fs.remove_at(leftover, dfd)
+            held = np.zeros(0, _VOID)  # ids kept so far: a second copy of a page is dead
+            for pack in self._packs(dfd):
+                ids = self._read_ids(dfd, pack)
+                as_void = _voids(ids)
+                _, first = np.unique(as_void, return_index=True)
+                wanted = np.zeros(len(ids), bool)
+                wanted[first] = True
+                wanted &= np.isin(as_void, live) & ~np.isin(as_void, held)
+                keep = np.nonzero(wanted)[0]
+                held = np.union1d(held, as_void[keep])
+                if len(keep) == len(ids) or (len(keep) and len(keep) >= REPACK_BELOW * len(ids)):
+                    continue
+                size = _size_at(pack + PACK_SUFFIX, dfd)
+                if len(keep):
+                    self._rewrite(dfd, pack, ids, keep)
+                    report.rewritten += 1
+                os.unlink(pack + IDS_SUFFIX, dir_fd=dfd)  # first: from now on it is no pack
+                os.unlink(pack + PACK_SUFFIX, dir_fd=dfd)
+                report.freed_bytes += size + (len(ids) - len(keep)) * ID_BYTES - len(keep) * PAGE
+                report.removed += 1
+            os.fsync(dfd)
+        return report
+
+    @staticmethod
+    def _rewrite(dfd: int, pack: str, ids: Ids, keep: npt.NDArray[np.intp]) -> None:
+        writer = PackWriter(dfd)
+        fd, _ = safe_fs.open_regular(pack + PACK_SUFFIX, dfd)
+        try:
+            for start in range(0, len(keep), 4096):
+                part = keep[start:start + 4096]
+                data = b"".join(os.pread(fd, PAGE, int(i) * PAGE) for i in part)
+                if len(data) != len(part) * PAGE:
+                    raise OSError(f"pack {pack} is shorter than its ids say")
+                writer.append(memoryview(data), ids[part].tobytes())
+            writer.finish()
+        except BaseException:
+            writer.discard()
+            raise
+        finally:
+            os.close(fd)
+
+    # -- sizes -----------------------------------------------------------------------------
+    def disk_bytes(self) -> int:
+        """What the packs and their ids take on disk."""
+        with self._dir() as dfd:
+            return sum(_size_at(name, dfd) for name in os.listdir(dfd))
+
+
+@dataclass
+class CollectReport:
+    removed: int = 0
+    rewritten: int = 0
+    freed_bytes: int = 0
+
+
+_VOID = np.dtype((np.void, ID_BYTES))
+
+
+def _voids(ids: Ids) -> npt.NDArray[np.void]:
+    return np.ascontiguousarray(ids).view(_VOID).ravel()
+
+
+def recipe_voids(recipe: bytes) -> npt.NDArray[np.void]:
+    """The distinct ids of the pages a recipe needs, sorted, without the zero id."""
+    unique = np.unique(_voids(np.frombuffer(recipe, np.uint8).reshape(-1, ID_BYTES)))
+    needed: npt.NDArray[np.void] = unique[unique != np.frombuffer(ZERO_ID, _VOID)[0]]
+    return needed
+
+
+def live_ids(recipes: Iterable[bytes]) -> npt.NDArray[np.void]:
+    """The distinct ids all of ``recipes`` need, sorted."""
+    parts = [recipe_voids(r) for r in recipes]
+    if not parts:
+        return np.zeros(0, _VOID)
+    every: npt.NDArray[np.void] = np.unique(np.concatenate(parts))
+    return every
+
+
+def _copy(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> None:
+    """In the kernel (a reflink where the filesystem shares blocks), else through memory."""
+    while length:
+        try:
+            n = os.copy_file_range(src, dst, length, src_offset, dst_offset)
+        except OSError:
+            data = os.pread(src, min(length, 8 << 20), src_offset)
+            n = os.pwrite(dst, data, dst_offset) if data else 0
+        if n <= 0:
+            raise OSError("a pack is shorter than its ids say")
+        src_offset += n
+        dst_offset += n
+        length -= n
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    parts = []
+    offset = 0
+    while offset < size:
+        data = os.pread(fd, min(size - offset, 64 << 20), offset)
+        if not data:
+            break
+        parts.append(data)
+        offset += len(data)
+    return b"".join(parts)
+
+
+def _size_at(name: str, dfd: int) -> int:
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return 0
+
