@@ -12,6 +12,7 @@ from traitlets.config import Configurable
 
 from ._constants import (
     DEFAULT_LIBDIR,
+    ENV_CHUNK_IMAGES,
     ENV_CRIU,
     ENV_GROW_GPU_ALLOCATORS,
     ENV_LIBDIR,
@@ -97,14 +98,20 @@ class GPUSnapshot(Configurable):
 
     @default("grow_gpu_allocators")
     def _default_grow_gpu_allocators(self) -> bool:
-        value = os.environ.get(ENV_GROW_GPU_ALLOCATORS, "").strip().lower()
-        if value in ("", "1", "true", "yes", "on"):
-            return True
-        if value in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(
-            f"${ENV_GROW_GPU_ALLOCATORS} is {value!r}: set it to true or false, or unset it"
-        )
+        return _flag(ENV_GROW_GPU_ALLOCATORS)
+
+    chunk_images = Bool(
+        help="""Keep large image files by content: each 4 KiB page once per store, pages of
+        zeros never, so that a save writes only the pages the store lacks (two saves of an
+        inference kernel share most of their pages). Restores assemble the files first. Off,
+        saves write whole image files, as before. Applies to saves made after it changes;
+        either kind of snapshot restores whatever its value. Default:
+        $JUPYTER_GPU_SNAPSHOT_CHUNK_IMAGES (0/false/no/off turn it off), else True.""",
+    ).tag(config=True)
+
+    @default("chunk_images")
+    def _default_chunk_images(self) -> bool:
+        return _flag(ENV_CHUNK_IMAGES)
 
     keep_last = Int(
         0,
@@ -279,3 +286,13 @@ class GPUSnapshot(Configurable):
         (the default) names the files and restores nothing; 'warn' restores with a warning,
         and the kernel reads the new content.""",
     ).tag(config=True)
+
+
+def _flag(variable: str) -> bool:
+    """A true/false environment variable that is true when unset."""
+    value = os.environ.get(variable, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${variable} is {value!r}: set it to true or false, or unset it")

@@ -60,7 +60,8 @@ def make_engine(
     # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.
     cuda = next((h for h in hooks if isinstance(h, CudaCheckpointHook)), None)
     return SnapshotEngine(
-        SnapshotStore(settings.store_dir, settings.signing_key_file, policy),
+        SnapshotStore(settings.store_dir, settings.signing_key_file, policy,
+                      chunk_images=settings.chunk_images),
         CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
         hooks,
         NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
