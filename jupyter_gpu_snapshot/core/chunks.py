@@ -291,11 +291,15 @@ class ChunkStore:
         words = np.frombuffer(block, np.uint64).reshape(pages, PAGE // 8)
         zero: npt.NDArray[np.bool_] = np.logical_not(words.any(axis=1))
         ids = np.zeros((pages, ID_BYTES), np.uint8)
+        real = np.nonzero(~zero)[0]
         key = self.id_key
-        for i in np.nonzero(~zero)[0]:
-            start = int(i) * PAGE
-            digest = blake3.blake3(block[start:start + PAGE], key=key).digest(ID_BYTES)
-            ids[i] = np.frombuffer(digest, np.uint8)
+        # One BLAKE3 per page is the commit's one cost that grows with the image on one core:
+        # about 1.4 GB/s here, so it is kept to the call itself.
+        digests = b"".join([
+            blake3.blake3(block[i * PAGE:(i + 1) * PAGE], key=key).digest(ID_BYTES)
+            for i in real.tolist()
+        ])
+        ids[real] = np.frombuffer(digests, np.uint8).reshape(-1, ID_BYTES)
         return ids, zero
 
     @staticmethod
@@ -364,14 +368,12 @@ class ChunkStore:
             # Runs of pages that follow each other both in the file and in one pack: one copy.
             breaks = np.nonzero((np.diff(real) != 1) | (np.diff(packs) != 0)
                                 | (np.diff(slots) != 1))[0] + 1
-            for run in np.split(np.arange(len(real)), breaks):
-                if not len(run):
-                    continue
-                first = int(run[0])
-                length = len(run) * PAGE
+            starts = np.concatenate(([0], breaks)).astype(np.int64) if len(real) else breaks
+            lengths = np.diff(np.concatenate((starts, [len(real)])))
+            for first, count in zip(starts.tolist(), lengths.tolist(), strict=True):
                 _copy(opened[int(packs[first])], int(slots[first]) * PAGE, out,
-                      int(real[first]) * PAGE, length)
-                advance(length)
+                      int(real[first]) * PAGE, count * PAGE)
+                advance(count * PAGE)
             advance(int(zero.sum()) * PAGE)
         finally:
             os.close(out)
