@@ -34,12 +34,14 @@ from .errors import InvalidRequest
 from .locks import is_locked, snapshot_key
 from .snapshot import Snapshot
 from .store import (
+    ASSEMBLED_PREFIX,
     DELETING_PREFIX,
     DRAFT_FILE,
     DUMP_COMPLETE_FILE,
     PARTIAL_PREFIX,
     UNFINISHED_PREFIX,
     SnapshotStore,
+    assembly_key,
 )
 
 log = logging.getLogger(__name__)
@@ -96,8 +98,26 @@ def recover_store(store: SnapshotStore, wake: Wake = procfs.continue_tree) -> Re
             report.removed.append(entry)
         elif entry.name.startswith(PARTIAL_PREFIX):
             _recover_partial(store, entry, report, wake)
+        elif entry.name.startswith(ASSEMBLED_PREFIX):
+            _remove_unused_assembly(store, entry, report)
+    # Packs of saves killed before their commit, and pages nothing needs any more; left for
+    # the next start when a save or a restore holds the packs now.
+    store.collect_garbage(wait=False)
     store.locks.tidy()
     return report
+
+
+def _remove_unused_assembly(store: SnapshotStore, entry: Path, report: RecoveryReport) -> None:
+    """Whole files assembled for a restore or an upload whose process died."""
+    token = entry.name[len(ASSEMBLED_PREFIX):]
+    held = store.locks.try_acquire(assembly_key(token), "recovery")
+    if held is None:
+        return  # in use
+    try:
+        shutil.rmtree(entry, ignore_errors=True)
+        report.removed.append(entry)
+    finally:
+        held.release()
 
 
 def _recover_partial(

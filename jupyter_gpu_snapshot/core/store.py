@@ -67,6 +67,18 @@ MAX_RECIPE_BYTES = 4 << 30
 KERNEL_LOG_SUBDIR = "gpu_snapshot"
 
 
+def holds_recipes(name: str) -> bool:
+    """Whether the store's entry ``name`` is a directory whose recipes keep pages alive: a
+    snapshot, a save in progress, or a partial kept for a person to look at."""
+    return (is_snapshot_id(name) or name.startswith(PARTIAL_PREFIX)
+            or name.startswith(UNFINISHED_PREFIX))
+
+
+def assembly_key(token: str) -> str:
+    """The lock held while assembled files are in use."""
+    return f"assembled-{token}"
+
+
 def default_store_dir() -> Path:
     """``$JUPYTER_GPU_SNAPSHOT_DIR``, else ``gpu_snapshots`` under the Jupyter data dir."""
     env = os.environ.get(ENV_STORE_DIR)
@@ -136,6 +148,13 @@ class SnapshotStore:
         # The configured path may be a link (the whole chain was checked); inside, never.
         with safe_fs.opened_dir(os.path.realpath(self.root)) as fd:
             yield fd
+
+    @contextlib.contextmanager
+    def opened_root(self) -> Iterator[int | None]:
+        """The store's directory opened (never through a link inside), or None while there
+        is no store; for readers of the whole store, such as ``core/usage.py``."""
+        with self._root_fd(create=False) as root_fd:
+            yield root_fd
 
     def _chunks(self, root_fd: int) -> chunks.ChunkStore:
         return chunks.ChunkStore(root_fd, self.locks, self.key.derive(chunks.ID_CONTEXT))
@@ -362,12 +381,18 @@ class SnapshotStore:
         self.collect_garbage()
         return snapshot
 
-    def collect_garbage(self) -> chunks.CollectReport:
-        """Free the pages no snapshot, save in progress or restore needs any more."""
+    def collect_garbage(self, wait: bool = True) -> chunks.CollectReport:
+        """Free the pages no snapshot, save in progress or restore needs any more. Without
+        ``wait``, nothing is done while another operation holds the packs."""
         with self._root_fd(create=False) as root_fd:
             if root_fd is None or safe_fs.entry_kind(chunks.CHUNKS_DIR, root_fd) != "dir":
                 return chunks.CollectReport()
-            with self._holding_chunks(root_fd, "collect") as chunk_store:
+            chunk_store = self._chunks(root_fd)
+            held = chunk_store.hold("collect") if wait else self.locks.try_acquire(
+                chunks.LOCK_KEY, "collect")
+            if held is None:
+                return chunks.CollectReport()
+            with held:
                 return chunk_store.collect(self._live_recipes(root_fd))
 
     def _live_recipes(self, root_fd: int) -> builtins.list[bytes]:
@@ -379,8 +404,7 @@ class SnapshotStore:
             found: builtins.list[bytes] = []
             try:
                 for name in os.listdir(root_fd):
-                    if not (is_snapshot_id(name) or name.startswith(PARTIAL_PREFIX)
-                            or name.startswith(UNFINISHED_PREFIX)):
+                    if not holds_recipes(name):
                         continue
                     if safe_fs.entry_kind(name, root_fd) != "dir":
                         continue
@@ -497,7 +521,7 @@ class SnapshotStore:
         token = secrets.token_hex(6)
         outer = f"{ASSEMBLED_PREFIX}{token}"
         # A lock marks it as in use: a recovery removes only those nobody holds.
-        held = self.locks.acquire(f"assembled-{token}", f"assembled images {token}", "restore")
+        held = self.locks.acquire(assembly_key(token), f"assembled images {token}", "restore")
         try:
             os.mkdir(outer, 0o700, dir_fd=root_fd)
             with safe_fs.opened_dir(outer, root_fd) as outer_fd:
