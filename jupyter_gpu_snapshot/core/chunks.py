@@ -34,6 +34,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import blake3
@@ -57,6 +58,7 @@ MIN_CHUNKED_BYTES = 1 << 20
 _STEP = 64 << 20
 _PACK_NAME = re.compile(r"^[0-9a-f]{32}$")
 LOCK_KEY = "chunks"
+_ASSEMBLY_WORKERS = min(8, max(2, os.cpu_count() or 2))
 # A pack whose live pages fall below this share is rewritten by the collector.
 REPACK_BELOW = 0.5
 ID_CONTEXT = "jupyter-gpu-snapshot 2026-11 page ids"
@@ -132,6 +134,27 @@ class ChunkedFile:
 
 
 @dataclass
+class _Appended:
+    """The ids a pack writer appended, so that a page seen again later in the same commit
+    (in another file, or past the step that wrote it) is not written twice. Sorted runs,
+    each at least twice the size of the next: a few runs to look through, each id sorted
+    again a few times."""
+
+    runs: list[tuple[Ids, PackIndex]] = field(default_factory=list)
+
+    def lacks(self, ids: Ids) -> npt.NDArray[np.bool_]:
+        lacking = np.ones(len(ids), bool)
+        for _, index in self.runs:
+            lacking &= index.find(ids) < 0
+        return lacking
+
+    def add(self, ids: Ids) -> None:
+        while self.runs and len(self.runs[-1][0]) <= 2 * len(ids):
+            ids = np.concatenate([self.runs.pop()[0], ids])
+        self.runs.append((ids, PackIndex.build([""], [ids])))
+
+
+@dataclass
 class PackWriter:
     """The one pack a commit appends its new pages to."""
 
@@ -139,6 +162,11 @@ class PackWriter:
     name: str = field(default_factory=lambda: secrets.token_hex(16))
     fd: int = -1
     ids: bytearray = field(default_factory=bytearray)
+    appended: _Appended = field(default_factory=_Appended)
+
+    def lacks(self, ids: Ids) -> npt.NDArray[np.bool_]:
+        """Which of ``ids`` this pack does not hold yet."""
+        return self.appended.lacks(ids)
 
     def append(self, pages: memoryview, new_ids: bytes) -> None:
         if self.fd < 0:
@@ -150,6 +178,7 @@ class PackWriter:
             n = os.write(self.fd, view)
             view = view[n:]
         self.ids += new_ids
+        self.appended.add(np.frombuffer(new_ids, np.uint8).reshape(-1, ID_BYTES))
 
     @property
     def pages(self) -> int:
@@ -305,7 +334,8 @@ class ChunkStore:
     @staticmethod
     def _store_new(block: memoryview, ids: Ids, zero: npt.NDArray[np.bool_],
                    index: PackIndex, writer: PackWriter) -> int:
-        """Append the pages of ``block`` the store lacks (each once) to the pack."""
+        """Append the pages of ``block`` that neither the store nor the pack holds yet
+        (each once) to the pack."""
         candidates = np.nonzero(~zero)[0]
         if not len(candidates):
             return 0
@@ -315,6 +345,9 @@ class ChunkStore:
         _, first = np.unique(ids[missing].view(np.dtype((np.void, ID_BYTES))).ravel(),
                              return_index=True)
         fresh = np.sort(missing[first])
+        fresh = fresh[writer.lacks(ids[fresh])]
+        if not len(fresh):
+            return 0
         pages = np.frombuffer(block, np.uint8).reshape(-1, PAGE)[fresh]
         writer.append(memoryview(pages.tobytes()), ids[fresh].tobytes())
         return len(fresh) * PAGE
@@ -370,10 +403,20 @@ class ChunkStore:
                                 | (np.diff(slots) != 1))[0] + 1
             starts = np.concatenate(([0], breaks)).astype(np.int64) if len(real) else breaks
             lengths = np.diff(np.concatenate((starts, [len(real)])))
-            for first, count in zip(starts.tolist(), lengths.tolist(), strict=True):
-                _copy(opened[int(packs[first])], int(slots[first]) * PAGE, out,
-                      int(real[first]) * PAGE, count * PAGE)
-                advance(count * PAGE)
+            pack_fds = [opened.get(i, -1) for i in range(len(index.packs))]
+            runs = np.stack([np.asarray(pack_fds, np.int64)[packs[starts]] if len(starts)
+                             else starts, slots[starts] * PAGE, real[starts] * PAGE,
+                             lengths * PAGE], axis=1)
+
+            def copy_runs(part: npt.NDArray[np.int64]) -> None:
+                for fd, src, dst, length in part.tolist():
+                    _copy(fd, src, out, dst, length)
+                    advance(length)
+
+            # Copies run in the kernel, without the GIL: several at once keep a fast disk's
+            # queue full when the pages are read back from it.
+            with ThreadPoolExecutor(_ASSEMBLY_WORKERS) as pool:
+                list(pool.map(copy_runs, np.array_split(runs, _ASSEMBLY_WORKERS * 4)))
             advance(int(zero.sum()) * PAGE)
         finally:
             os.close(out)
