@@ -91,6 +91,17 @@ class Snapshot:
                    if isinstance(f, dict) and isinstance(f.get("size"), int))
 
     @property
+    def new_bytes(self) -> int:
+        """What this save wrote to the store: the files it kept whole, the pages the store
+        lacked and the recipes (the manifest's ``stored``). A snapshot written before images
+        were chunked has no ``stored``: all of it was written."""
+        stored = self._field("stored")
+        if not isinstance(stored, dict):
+            return self.size_bytes
+        return sum(value for key in ("whole_bytes", "new_page_bytes", "recipe_bytes")
+                   if isinstance(value := stored.get(key), int))
+
+    @property
     def notebook_path(self) -> str | None:
         value = self._field("kernel", "notebook_path")
         return value if isinstance(value, str) and value else None
@@ -135,6 +146,7 @@ class Snapshot:
             "created": self.created,
             "created_iso": datetime.fromtimestamp(self.created, tz=timezone.utc).isoformat(),
             "size_bytes": self.size_bytes,
+            "new_bytes": self.new_bytes,
             "host": shown("host", None),
             "notebook_path": self.notebook_path if self.status != DAMAGED else None,
             "kernel": kernel,
