@@ -83,7 +83,7 @@ def test_human_output_never_cuts_or_wraps_ids_and_paths(
     listing = cli(store, "list", env=narrow).stdout.splitlines()
     assert "…" not in "".join(listing)
     assert listing[0].split() == [
-        "NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "LOCATION", "STATUS",
+        "NAME", "ID", "CREATED", "REASON", "SIZE", "NEW", "NOTEBOOK", "LOCATION", "STATUS",
     ]
     assert listing[1].split()[:2] == [name, snapshot_id]
     out = cli(store, "restore", name, env=narrow).stdout
@@ -262,6 +262,36 @@ def test_unsigned_and_damaged_snapshots_are_listed_and_trust_is_explicit(tmp_pat
     listing = {s["id"]: s for s in json.loads(cli(store.root, "list", "--json", env=key).stdout)}
     assert listing[old]["status"] == "ok"
     assert f"deleted {forged}" in cli(store.root, "rm", forged, env=key).stdout
+
+
+def test_du_says_what_each_snapshot_wrote_and_what_deleting_it_frees(tmp_path: Path):
+    from .test_store_usage import _pages, _save
+    from .test_store_usage import _store as usage_store
+
+    store = usage_store(tmp_path)
+    store.policy = SnapshotStore(store.root).policy  # the CLI's: this runtime dir's logs
+    key = {"JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE": str(store.key_file)}
+    first = _save(store, "first", _pages(*range(1, 301)))
+    second = _save(store, "second", _pages(*range(1, 201), *range(1001, 1101)))
+
+    du = json.loads(cli(store.root, "du", "--json", env=key).stdout)
+    assert du["path"] == str(store.root) and du["disk_bytes"] > du["chunks_bytes"] > 0
+    rows = {s["name"]: s for s in du["snapshots"]}
+    assert [s["id"] for s in du["snapshots"]] == [first, second]
+    assert rows["first"]["new_bytes"] > rows["second"]["new_bytes"]
+    assert rows["second"]["frees_bytes"] > rows["second"]["own_bytes"]
+    listing = {s["name"]: s for s in json.loads(cli(store.root, "list", "--json", env=key).stdout)}
+    assert listing["second"]["new_bytes"] == rows["second"]["new_bytes"]
+
+    human = cli(store.root, "du", env=key).stdout.splitlines()
+    assert human[0].split() == ["NAME", "ID", "SIZE", "NEW", "FREES"]
+    assert human[2].split()[:2] == ["second", second]
+    assert human[-1].startswith("1.6 MiB on disk in ") and "in page packs" in human[-1]
+    row = cli(store.root, "list", env=key).stdout.splitlines()[2].split()
+    assert row[0] == "second" and row[5:9] == ["1.2", "MiB", "405.7", "KiB"]  # size, new
+    cli(store.root, "rm", "first", env=key)
+    cli(store.root, "rm", "second", env=key)
+    assert cli(store.root, "du", env=key).stdout.startswith("0 B on disk in ")
 
 
 def test_check_reports_an_unsafe_store(tmp_path: Path):

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from .._constants import KERNEL_NAME, format_bytes
 from ..config import GPUSnapshot
-from ..core import procfs, retention
+from ..core import procfs, retention, usage
 from ..core.engine import SnapshotEngine
 from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.hooks import Progress as EngineProgress
@@ -223,15 +223,33 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not summaries:
         _say("no snapshots")
         return 0
-    rows = [["NAME", "ID", "CREATED", "REASON", "SIZE", "NOTEBOOK", "LOCATION", "STATUS"]]
+    rows = [["NAME", "ID", "CREATED", "REASON", "SIZE", "NEW", "NOTEBOOK", "LOCATION",
+             "STATUS"]]
     for s in summaries:
         created = datetime.fromtimestamp(s["created"]).strftime("%Y-%m-%d %H:%M:%S")
         status = "ok" if s["status"] == "ok" else f"{s['status']}: {s['problem']}"
         rows.append([
             s["name"], s["id"], created, s["reason"], format_bytes(s["size_bytes"]),
-            s["notebook_path"] or "-", s["location"], status,
+            format_bytes(s["new_bytes"]), s["notebook_path"] or "-", s["location"], status,
         ])
     _say(_columns(rows))
+    return 0
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    """What the local store takes on disk, and what deleting each snapshot would free."""
+    found = usage.store_usage(_engine(args).store)
+    if args.json:
+        _print_json(found.to_dict())
+        return 0
+    rows = [["NAME", "ID", "SIZE", "NEW", "FREES"]]
+    for s in found.snapshots:
+        rows.append([s.name, s.id, format_bytes(s.size_bytes), format_bytes(s.new_bytes),
+                     format_bytes(s.frees_bytes)])
+    if len(rows) > 1:
+        _say(_columns(rows))
+    _say(f"{format_bytes(found.disk_bytes)} on disk in {found.path} "
+         f"({format_bytes(found.chunks_bytes)} of it in page packs)")
     return 0
 
 
@@ -265,7 +283,8 @@ def cmd_trust(args: argparse.Namespace) -> int:
 def _describe(snapshot: Snapshot) -> str:
     t = snapshot.manifest.get("timings", {})
     return (
-        f"saved {snapshot.name} ({snapshot.id}): {format_bytes(snapshot.size_bytes)}, "
+        f"saved {snapshot.name} ({snapshot.id}): {format_bytes(snapshot.size_bytes)} "
+        f"({format_bytes(snapshot.new_bytes)} new), "
         f"kernel paused {t.get('pause', 0):.2f} s, total {t.get('total', 0):.2f} s"
     )
 
@@ -580,6 +599,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the snapshots' summaries as a JSON list (with 'location': "
                    "local, remote or both)")
     p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser(
+        "du", help="the local store's bytes on disk, and what deleting each snapshot frees"
+    )
+    p.add_argument("--json", action="store_true",
+                   help="print the store's disk_bytes and chunks_bytes, and each snapshot's "
+                   "size_bytes, new_bytes, own_bytes, sole_page_bytes and frees_bytes, as JSON")
+    p.set_defaults(func=cmd_du)
 
     p = sub.add_parser("save", help="snapshot a running kernel")
     target = p.add_mutually_exclusive_group(required=True)
