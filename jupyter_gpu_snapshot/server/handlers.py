@@ -182,6 +182,15 @@ class SnapshotsHandler(SnapshotAPIHandler):
         })
 
 
+class UsageHandler(SnapshotAPIHandler):
+    """``GET usage``: the store's bytes on disk, and what deleting each snapshot frees."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.write_json(await self.service.disk_usage())
+
+
 class SnapshotHandler(SnapshotAPIHandler):
     """``GET snapshots/{id}``, ``PATCH snapshots/{id}`` (rename),
     ``DELETE snapshots/{id}[?where=local|remote|both]``."""
@@ -352,6 +361,7 @@ def routes(
     kwargs: dict[str, Any] = {"service": service, "kernel_secret": kernel_secret}
     table: list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]] = [
         (r"snapshots", SnapshotsHandler, kwargs),
+        (r"usage", UsageHandler, kwargs),
         (rf"snapshots/{SNAPSHOT_REF}", SnapshotHandler, kwargs),
         (rf"snapshots/{SNAPSHOT_REF}/restore", RestoreHandler, kwargs),
         (rf"snapshots/{SNAPSHOT_REF}/gpus", SnapshotGpusHandler, kwargs),

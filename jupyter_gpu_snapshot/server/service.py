@@ -21,7 +21,7 @@ from typing import Any
 from jupyter_core.utils import ensure_async
 
 from ..config import GPUSnapshot
-from ..core import procfs, retention
+from ..core import procfs, retention, usage
 from ..core.engine import SnapshotEngine
 from ..core.errors import (
     Busy,
@@ -158,6 +158,12 @@ class SnapshotService:
         except OSError:
             return {"path": str(root), "free_bytes": None}
         return {"path": str(root), "free_bytes": usage.free}
+
+    async def disk_usage(self) -> dict[str, Any]:
+        """The store's bytes on disk and what deleting each snapshot frees; it reads every
+        recipe of the store, so in a worker thread."""
+        found = await asyncio.to_thread(usage.store_usage, self.engine.store)
+        return found.to_dict()
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:
         snapshot, local = await self._find(ref)

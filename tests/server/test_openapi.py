@@ -13,7 +13,7 @@ from jupyter_gpu_snapshot.server import handlers
 from jupyter_gpu_snapshot.server.handlers import SnapshotAPIHandler, routes
 from jupyter_gpu_snapshot.server.jobs import Job
 
-from .conftest import Api
+from .conftest import Api, KernelConnector
 
 SPEC = yaml.safe_load(
     (Path(handlers.__file__).parent / "openapi.yaml").read_text()
@@ -74,3 +74,30 @@ async def test_answers_carry_the_documented_fields(api: Api) -> None:
     assert set(autosave["policy"]) == _properties("AutosavePolicy")
     # That snapshot's kernel served no notebook: nothing offers it back.
     assert await api.snapshots(latest="true") == []
+
+
+async def test_usage_says_what_a_second_save_shares_and_a_delete_frees(
+    api: Api, kernel_socket: KernelConnector
+) -> None:
+    kernel_id = await api.start_kernel()
+    ws = await kernel_socket(kernel_id)
+    await ws.execute("import os; blob = os.urandom(16 << 20)")
+    first = (await api.succeeded(await api.save(kernel_id)))["result"]
+    second = (await api.succeeded(await api.save(kernel_id)))["result"]
+    # The same kernel a moment later: most of its pages are in the store already.
+    assert second["new_bytes"] < second["size_bytes"] / 2 < first["new_bytes"]
+    listing = await api.snapshots()
+    assert [s["new_bytes"] for s in listing] == [first["new_bytes"], second["new_bytes"]]
+
+    usage = await api.ok("GET", "gpu-snapshot", "usage")
+    schema = SPEC["paths"]["/usage"]["get"]["responses"]["200"]["content"][
+        "application/json"]["schema"]
+    assert set(usage) == set(schema["properties"])
+    rows = {s["id"]: s for s in usage["snapshots"]}
+    assert list(rows) == [first["id"], second["id"]]
+    for row in rows.values():
+        assert _required("SnapshotUsage") <= set(row) == _properties("SnapshotUsage")
+    assert usage["disk_bytes"] < first["size_bytes"] + second["size_bytes"]
+    await api.ok("DELETE", "gpu-snapshot", "snapshots", first["id"], expect=204)
+    after = await api.ok("GET", "gpu-snapshot", "usage")
+    assert after["disk_bytes"] == usage["disk_bytes"] - rows[first["id"]]["frees_bytes"]
