@@ -28,13 +28,15 @@ packs it will read (an open pack stays readable after the collector removed it).
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
+import multiprocessing
 import os
 import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import blake3
@@ -44,6 +46,8 @@ import numpy.typing as npt
 from . import safe_fs
 from .errors import SnapshotError
 from .locks import HeldLock, StoreLocks
+
+log = logging.getLogger(__name__)
 
 PAGE = 4096
 ID_BYTES = 16
@@ -58,6 +62,9 @@ MIN_CHUNKED_BYTES = 1 << 20
 _STEP = 64 << 20
 _PACK_NAME = re.compile(r"^[0-9a-f]{32}$")
 LOCK_KEY = "chunks"
+# Files from this size on get their page ids from worker processes.
+PARALLEL_IDS_BYTES = 1 << 30
+MIN_CORES_FOR_WORKERS = 4
 _ASSEMBLY_WORKERS = min(8, max(2, os.cpu_count() or 2))
 # A pack whose live pages fall below this share is rewritten by the collector.
 REPACK_BELOW = 0.5
@@ -151,7 +158,12 @@ class _Appended:
     def add(self, ids: Ids) -> None:
         while self.runs and len(self.runs[-1][0]) <= 2 * len(ids):
             ids = np.concatenate([self.runs.pop()[0], ids])
-        self.runs.append((ids, PackIndex.build([""], [ids])))
+        # Sorted on the first 8 bytes only: all ``PackIndex.find`` needs, and faster.
+        high, low = _as_keys(ids)
+        order = np.argsort(high)
+        none = np.zeros(0, np.int64)
+        self.runs.append((ids, PackIndex([], high[order], low[order], none.astype(np.int32),
+                                         none)))
 
 
 @dataclass
@@ -270,10 +282,10 @@ class ChunkStore:
             index = self.index(dfd)
             writer = PackWriter(dfd)
             try:
-                with mmap.mmap(-1, _STEP) as buffer:
+                with mmap.mmap(-1, _STEP) as buffer, _id_workers(image_dfd, names) as pool:
                     for name in names:
                         results[name] = self._chunk_one(image_dfd, name, index, writer, buffer,
-                                                        advance)
+                                                        advance, pool)
                 writer.finish()
             except BaseException:
                 writer.discard()
@@ -289,47 +301,51 @@ class ChunkStore:
 
     def _chunk_one(
         self, image_dfd: int, name: str, index: PackIndex, writer: PackWriter,
-        buffer: mmap.mmap, advance: Advance,
+        buffer: mmap.mmap, advance: Advance, pool: ProcessPoolExecutor | None,
     ) -> ChunkedFile:
         fd, size = safe_fs.open_regular(name, image_dfd)
         hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         recipe = bytearray()
         new_bytes = zero_pages = 0
+        ahead: list[Future[tuple[bytes, bytes]]] = []
         try:
+            if pool is not None and size >= PARALLEL_IDS_BYTES:
+                # The workers reopen the file this fd holds, never a path in the store.
+                opened_file = f"/proc/{os.getpid()}/fd/{fd}"
+                ahead = [pool.submit(ids_of_range, opened_file, start,
+                                     min(start + _STEP, size), self.id_key)
+                         for start in range(0, size, _STEP)]
             offset = 0
             with memoryview(buffer) as view:
                 while offset < size:
                     n = os.preadv(fd, [view[: min(_STEP, size - offset)]], offset)
                     if n <= 0 or n % PAGE:
                         raise OSError(f"{name} shrank while it was read")
-                    block = view[:n]
-                    hasher.update(block)
-                    ids, zero = self._page_ids(block)
-                    zero_pages += int(zero.sum())
-                    new_bytes += self._store_new(block, ids, zero, index, writer)
-                    recipe += ids.tobytes()
-                    block.release()
+                    with view[:n] as block:
+                        hasher.update(block)
+                        ids, zero = self._ids(ahead, block)
+                        zero_pages += int(zero.sum())
+                        new_bytes += self._store_new(block, ids, zero, index, writer)
+                        recipe += ids.tobytes()
                     offset += n
                     advance(n)
         finally:
+            for pending in ahead:
+                pending.cancel()
             os.close(fd)
         return ChunkedFile(hasher.hexdigest(), bytes(recipe), new_bytes, zero_pages)
 
-    def _page_ids(self, block: memoryview) -> tuple[Ids, npt.NDArray[np.bool_]]:
-        pages = len(block) // PAGE
-        words = np.frombuffer(block, np.uint64).reshape(pages, PAGE // 8)
-        zero: npt.NDArray[np.bool_] = np.logical_not(words.any(axis=1))
-        ids = np.zeros((pages, ID_BYTES), np.uint8)
-        real = np.nonzero(~zero)[0]
-        key = self.id_key
-        # One BLAKE3 per page is the commit's one cost that grows with the image on one core:
-        # about 1.4 GB/s here, so it is kept to the call itself.
-        digests = b"".join([
-            blake3.blake3(block[i * PAGE:(i + 1) * PAGE], key=key).digest(ID_BYTES)
-            for i in real.tolist()
-        ])
-        ids[real] = np.frombuffer(digests, np.uint8).reshape(-1, ID_BYTES)
-        return ids, zero
+    def _ids(self, ahead: list[Future[tuple[bytes, bytes]]],
+             block: memoryview) -> tuple[Ids, npt.NDArray[np.bool_]]:
+        """The block's page ids from the workers, or computed here when there are none or
+        they died (a worker's interpreter that could not start, say)."""
+        if ahead:
+            try:
+                return _decode_ids(ahead.pop(0).result())
+            except BrokenExecutor:
+                log.warning("the page-id workers stopped; the rest is hashed in one process")
+                ahead.clear()
+        return page_ids(block, self.id_key)
 
     @staticmethod
     def _store_new(block: memoryview, ids: Ids, zero: npt.NDArray[np.bool_],
@@ -485,6 +501,61 @@ class ChunkStore:
         """What the packs and their ids take on disk."""
         with self._dir() as dfd:
             return sum(_size_at(name, dfd) for name in os.listdir(dfd))
+
+
+def page_ids(block: memoryview | bytes, key: bytes) -> tuple[Ids, npt.NDArray[np.bool_]]:
+    """The id of each page of ``block`` (the zero id for a page of zeros), and which pages
+    are zeros."""
+    pages = len(block) // PAGE
+    words = np.frombuffer(block, np.uint64).reshape(pages, PAGE // 8)
+    zero: npt.NDArray[np.bool_] = np.logical_not(words.any(axis=1))
+    ids = np.zeros((pages, ID_BYTES), np.uint8)
+    real = np.nonzero(~zero)[0]
+    view = memoryview(block)
+    # One BLAKE3 call per page, about 1.4 GB/s on one core; it holds the GIL, so large files
+    # are spread over processes (ids_of_range).
+    digests = b"".join([
+        blake3.blake3(view[i * PAGE:(i + 1) * PAGE], key=key).digest(ID_BYTES)
+        for i in real.tolist()
+    ])
+    ids[real] = np.frombuffer(digests, np.uint8).reshape(-1, ID_BYTES)
+    return ids, zero
+
+
+def ids_of_range(opened_file: str, start: int, end: int, key: bytes) -> tuple[bytes, bytes]:
+    """In a worker process: ``page_ids`` of bytes ``start`` to ``end`` of a file the saving
+    process holds open (``/proc/PID/fd/N``), encoded for the trip back."""
+    fd = os.open(opened_file, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.pread(fd, end - start, start)
+    finally:
+        os.close(fd)
+    if len(data) != end - start:
+        raise OSError("the file shrank while it was read")
+    ids, zero = page_ids(data, key)
+    return ids.tobytes(), zero.tobytes()
+
+
+def _decode_ids(encoded: tuple[bytes, bytes]) -> tuple[Ids, npt.NDArray[np.bool_]]:
+    ids = np.frombuffer(encoded[0], np.uint8).reshape(-1, ID_BYTES)
+    return ids, np.frombuffer(encoded[1], np.bool_)
+
+
+@contextlib.contextmanager
+def _id_workers(dfd: int, names: list[str]) -> Iterator[ProcessPoolExecutor | None]:
+    """Worker processes for the page ids when a file is large enough to pay for starting
+    them (fresh interpreters: forking a server with threads is unsafe) and cores are free."""
+    cores = len(os.sched_getaffinity(0))
+    large = any(os.stat(n, dir_fd=dfd, follow_symlinks=False).st_size >= PARALLEL_IDS_BYTES
+                for n in names)
+    if cores < MIN_CORES_FOR_WORKERS or not large:
+        yield None
+        return
+    pool = ProcessPoolExecutor(min(cores - 1, 16), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
