@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
+from . import stored_pages
 from .criu_wrappers import install, pauses_after_the_dump
 from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, notebook
 
@@ -120,7 +121,7 @@ def test_panel_shows_the_kernel_and_saves_on_a_click(
 
     wait_panel(notebook, f"{snapshot_id!r} in p.snapshots and 'Saved' in p.message.value")
     state = panel_state(notebook)
-    assert "Saved clicked (" in state["message"]
+    assert "Saved clicked: " in state["message"] and "B" in state["message"]
     assert f"Last snapshot: clicked ({snapshot_id})" in state["last"]
     assert "<b>clicked</b>" in state["listing"] and snapshot_id in state["listing"]
     assert state["choices"] == [snapshot_id] and state["chosen"] == snapshot_id
@@ -244,16 +245,16 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     assert state["chosen"] == by_name["damaged"] and state["delete_label"] == "Delete"
 
     # Restores that cannot work show their error in the panel; the kernel is unharmed.
-    # A damaged image: the server's restore job fails when it checks the files.
-    image = max((jupyter_server.store / by_name["damaged"]).glob("pages-*.img"),
-                key=lambda f: f.stat().st_size)
-    with open(image, "r+b") as f:
-        f.write(b"\0" * 4096)
+    # A damaged image (one of its pages, in the store's pack): the server's restore job
+    # fails when it checks the files.
+    damaged_dir = jupyter_server.store / by_name["damaged"]
+    image = stored_pages.largest_chunked(damaged_dir)
+    stored_pages.flip_page_byte(jupyter_server.store, damaged_dir, image)
     restore = f"{PANEL}; p.restore_button.click()"
     second.ok(restore)
     wait_panel(second, "'restore:' in p.error.value")
     error = panel_state(second)["error"]
-    assert f"restore: verify failed: image file {image.name} of {by_name['damaged']} does " \
+    assert f"restore: verify failed: image file {image} of {by_name['damaged']} does " \
         "not match its" in error, error
     # A snapshot of this very kernel: refused before any job, since this kernel holds the
     # ports the restored one would listen on.
@@ -299,3 +300,14 @@ def _no_leftover_jobs(jupyter_server: JupyterServer) -> Iterator[None]:
         j for j in jupyter_server.get("gpu-snapshot/jobs")["jobs"] if j["status"] == "running"
     ]
     assert running == []
+
+
+def test_sizes_say_what_the_save_wrote_when_pages_were_shared() -> None:
+    from jupyter_gpu_snapshot.kernel.presentation import snapshot_size_text
+
+    gib, mib = 1 << 30, 1 << 20
+    assert snapshot_size_text({"size_bytes": int(1.2 * gib), "new_bytes": 45 * mib}) == (
+        "1.2 GiB (45.0 MiB new)")
+    # All of it written (a first save, a snapshot from before chunking): said once.
+    assert snapshot_size_text({"size_bytes": 3 * mib, "new_bytes": 3 * mib + 768}) == "3.0 MiB"
+    assert snapshot_size_text({"size_bytes": 3 * mib}) == "3.0 MiB"

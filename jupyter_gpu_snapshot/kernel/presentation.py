@@ -140,11 +140,22 @@ def cuda_text(cuda: dict[str, Any] | None) -> str:
     return text + "."
 
 
+def snapshot_size_text(summary: Mapping[str, Any]) -> str:
+    """'1.2 GiB (45.0 MiB new)': the images a restore gets, then what the save wrote to the
+    store when pages it shares with other snapshots made that less (the labextension says
+    the same)."""
+    size = int(summary.get("size_bytes") or 0)
+    new = summary.get("new_bytes")
+    if not isinstance(new, int) or new >= size:
+        return format_bytes(size)
+    return f"{format_bytes(size)} ({format_bytes(new)} new)"
+
+
 def last_snapshot_text(summary: dict[str, Any]) -> str:
     created = float(summary.get("created", 0))
     return (
         f"{summary.get('name')} ({summary.get('id')}), {format_age(time.time() - created)}, "
-        f"{format_bytes(int(summary.get('size_bytes', 0)))}"
+        f"{snapshot_size_text(summary)}"
     )
 
 

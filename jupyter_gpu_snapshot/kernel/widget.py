@@ -43,7 +43,6 @@ from typing import Any
 
 import ipywidgets as w  # type: ignore[import-untyped]
 
-from .._constants import format_bytes
 from .client import ClientError, SnapshotClient
 from .presentation import (
     autosave_text,
@@ -53,6 +52,7 @@ from .presentation import (
     format_age,
     job_progress_text,
     last_snapshot_text,
+    snapshot_size_text,
 )
 
 Json = dict[str, Any]
@@ -275,7 +275,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                 self.error.value = _text(f"{job.get('kind')}: {text}", "#c62828")
             elif job.get("kind") == "save":
                 self.message.value = _text(
-                    f"Saved {result.get('name')} ({format_bytes(int(result.get('size_bytes', 0)))})"
+                    f"Saved {result.get('name')}: {snapshot_size_text(result)}"
                 )
             elif job.get("kind") == "restore":
                 where = (
@@ -447,7 +447,7 @@ def _snapshot_html(summary: Json, now: float) -> str:
     return (
         f"<b>{html.escape(str(summary.get('name')))}</b> &nbsp;"
         f"{html.escape(format_age(now - created))} &middot; "
-        f"{html.escape(format_bytes(int(summary.get('size_bytes', 0))))} &middot; "
+        f"{html.escape(snapshot_size_text(summary))} &middot; "
         f"<code>{html.escape(str(summary.get('id')))}</code>"
     )
 
