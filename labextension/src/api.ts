@@ -27,7 +27,13 @@ export interface ISnapshotSummary {
   /** Seconds since the epoch. */
   created: number;
   created_iso: string;
+  /** The images as a restore gets them. */
   size_bytes: number;
+  /**
+   * What its save wrote to the store (pages shared with other snapshots not counted
+   * again); servers from before the content-addressed store leave it out.
+   */
+  new_bytes?: number;
   host: string | null;
   notebook_path: string | null;
   kernel: { name?: string; kernel_id?: string; [key: string]: unknown };

@@ -12,7 +12,7 @@ import {
   describeGpu,
   describeLocation,
   formatAge,
-  formatBytes,
+  formatSnapshotSize,
   formatTime
 } from './format';
 import { untranslated } from './translation';
@@ -188,7 +188,7 @@ export class SnapshotPicker
           )}
         </td>
         <td title={formatTime(s.created)}>{formatAge(s.created, undefined, trans)}</td>
-        <td>{formatBytes(s.size_bytes, trans)}</td>
+        <td>{formatSnapshotSize(s, trans)}</td>
         <td>{describeGpu(s, trans)}</td>
         <td className="jp-gpu-snapshot-path">{s.notebook_path ?? '—'}</td>
         <td>

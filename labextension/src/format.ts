@@ -180,10 +180,26 @@ interface IGpuSection {
   moved_bytes?: number;
 }
 
+/**
+ * "1.2 GiB (45.0 MiB new)": the images a restore gets, then what the save wrote when pages
+ * it shares with other snapshots made that less (kernel/presentation.py says the same).
+ */
+export function formatSnapshotSize(
+  snapshot: Pick<ISnapshotSummary, 'size_bytes' | 'new_bytes'>,
+  trans = untranslated
+): string {
+  const size = formatBytes(snapshot.size_bytes, trans);
+  const written = snapshot.new_bytes;
+  if (typeof written !== 'number' || written >= snapshot.size_bytes) {
+    return size;
+  }
+  return trans.__('%1 (%2 new)', size, formatBytes(written, trans));
+}
+
 /** "saved 'before-training' (12.3 MiB) in 0.84 s". */
 export function describeSaved(snapshot: ISnapshotSummary, trans = untranslated): string {
   const total = snapshot.timings?.['total'];
-  const size = formatBytes(snapshot.size_bytes, trans);
+  const size = formatSnapshotSize(snapshot, trans);
   return typeof total === 'number'
     ? trans.__(
         "Snapshot saved: '%1', %2 in %3",

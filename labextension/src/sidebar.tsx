@@ -19,6 +19,7 @@ import {
   describeNextAutosave,
   formatAge,
   formatBytes,
+  formatSnapshotSize,
   formatSeconds,
   formatTime
 } from './format';
@@ -374,7 +375,7 @@ export class SnapshotsSidebar extends ReactWidget {
           <span title={formatTime(s.created)}>
             {formatAge(s.created, undefined, trans)}
           </span>
-          <span>{formatBytes(s.size_bytes, trans)}</span>
+          <span>{formatSnapshotSize(s, trans)}</span>
           <span>{describeGpu(s, trans)}</span>
           {where && (
             <span className="jp-gpu-snapshot-location" data-location={s.location}>

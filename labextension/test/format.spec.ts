@@ -12,6 +12,7 @@ import {
   formatBytes,
   formatEta,
   formatSeconds,
+  formatSnapshotSize,
   formatTime,
   jobFraction,
   toastProgress
@@ -32,6 +33,34 @@ describe('formatBytes', () => {
 
   it('stays in TiB beyond its last unit', () => {
     expect(formatBytes(2048 * 1024 * GiB)).toBe('2048.0 TiB');
+  });
+});
+
+describe('formatSnapshotSize', () => {
+  it('adds what the save wrote when shared pages made it less', () => {
+    expect(formatSnapshotSize({ size_bytes: 1.2 * GiB, new_bytes: 45 * MiB })).toBe(
+      '1.2 GiB (45.0 MiB new)'
+    );
+  });
+
+  it('says the size once when all of it was written, or the server does not say', () => {
+    expect(formatSnapshotSize({ size_bytes: 3 * MiB, new_bytes: 3 * MiB + 768 })).toBe(
+      '3.0 MiB'
+    );
+    expect(formatSnapshotSize({ size_bytes: 3 * MiB })).toBe('3.0 MiB');
+  });
+
+  it('is what a save announces', () => {
+    const snapshot = makeSnapshot({ name: 'again', size_bytes: GiB, new_bytes: 2 * MiB });
+    expect(describeSaved(snapshot)).toContain("'again', 1.0 GiB (2.0 MiB new) in");
+  });
+
+  it('is translated as one phrase', () => {
+    const text = formatSnapshotSize(
+      { size_bytes: GiB, new_bytes: MiB },
+      new ShoutingBundle()
+    );
+    expect(text).toBe('1.0 GIB (1.0 MIB NEW)');
   });
 });
 
