@@ -3,7 +3,9 @@
 Run as ``python -m tests.fault_saver STORE PID PHASE [--stop] [--after-bytes N]``. It saves
 like ``jupyter gpu-snapshot save`` (``make_engine`` with the settings' hooks, the GPU hook
 included) and dies, with no chance to roll back, when the engine first reports PHASE with at
-least N bytes done: the way a server dies under ``kill -9`` or a stop timeout.
+least N bytes done: the way a server dies under ``kill -9`` or a stop timeout. With
+``--die-at POINT`` it dies at that point of the commit's work on the page packs instead
+(``tests/fault_points.py``; PHASE is then one the save never reports, such as "none").
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
 from jupyter_gpu_snapshot.engines import make_engine
 
+from . import fault_points
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -27,7 +31,10 @@ def main() -> None:
     parser.add_argument("--after-bytes", type=int, default=0)
     parser.add_argument("--name")
     parser.add_argument("--criu", default="criu")
+    parser.add_argument("--die-at", choices=sorted(fault_points.POINTS))
     args = parser.parse_args()
+    if args.die_at:
+        fault_points.arm(args.die_at)
     engine = make_engine(GPUSnapshot(store_dir=args.store, criu_path=args.criu))
 
     def progress(p: Progress) -> None:

@@ -7,6 +7,13 @@ a server start does, and every run asserts the same contract:
   and checked here), or both, as the row says;
 - nothing partial is listed or left behind;
 - the earlier snapshot is byte-identical.
+
+A second table kills the work on page packs (images kept by content, ``core/chunks.py``) at
+its points (``tests/fault_points.py``): a commit while it writes its pack, after the pack and
+before the recipes, after its rename and before the whole files go; a delete; the delete's
+collector between a rewritten pack and the removal of the old one. After each: nothing
+partial is listed, every earlier snapshot verifies and restores, and a later save and a
+collection leave the packs as the collector's contract says.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core import chunks, procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
@@ -30,6 +38,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from .conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 from .criu_wrappers import install, kill_saver_while_writing_pages
+from .fault_points import POINTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,3 +175,125 @@ def test_a_failed_commit_of_a_stopping_save_keeps_the_image(
 
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, "print(counter)").strip() == "42"
+
+
+@dataclass(frozen=True)
+class PackFault:
+    """One row of work on the page packs: which operation dies, and at which point."""
+
+    operation: str  # "save" (keep-running, through tests/fault_saver.py) or "delete"
+    point: str  # a point of tests/fault_points.py
+    listed_as: str  # what the killed save left listed: "recovered", "committed" or "none"
+
+    @property
+    def id(self) -> str:
+        return f"{self.operation}-{self.point}"
+
+
+PACK_FAULTS = [
+    # A pack without ids: the recovery commits the image again, the collector drops the pack.
+    PackFault("save", "writing-pack", listed_as="recovered"),
+    # Pages in the store that no recipe names yet: the recovery's commit finds them there.
+    PackFault("save", "pack-written", listed_as="recovered"),
+    # Published, its whole files still beside their recipes.
+    PackFault("save", "renamed", listed_as="committed"),
+    PackFault("delete", "deleting", listed_as="none"),
+    PackFault("delete", "pack-rewritten", listed_as="none"),
+]
+assert {f.point for f in PACK_FAULTS} == set(POINTS)
+
+
+def _subprocess(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_packs_whole(store: SnapshotStore) -> None:
+    """What the collector promises once it ran: every pack complete (its ids beside it, one
+    page per id) and at least half live, every page a snapshot needs in a pack, nothing else
+    in ``chunks/``, and each snapshot directory holding its manifest's files only (a file
+    kept as a recipe, never also whole)."""
+    recipes = []
+    for snapshot in store.list():
+        files = snapshot.manifest["files"]
+        present = sorted(p.name for p in snapshot.path.iterdir())
+        expected = sorted(["manifest.json"] + [
+            chunks.recipe_name(name) if "chunks" in entry else name
+            for name, entry in files.items()
+        ])
+        assert present == expected, snapshot.id
+        recipes += [(snapshot.path / chunks.recipe_name(n)).read_bytes()
+                    for n, entry in files.items() if "chunks" in entry]
+    live = chunks.live_ids(recipes)
+    directory = store.root / chunks.CHUNKS_DIR
+    names = sorted(os.listdir(directory))
+    packs = sorted({n.removesuffix(".pack") for n in names if n.endswith(".pack")})
+    assert names == sorted(f"{p}{suffix}" for p in packs for suffix in (".ids", ".pack"))
+    held = []
+    for pack in packs:
+        ids = (directory / f"{pack}.ids").read_bytes()
+        assert (directory / f"{pack}.pack").stat().st_size * chunks.ID_BYTES == (
+            len(ids) * chunks.PAGE)
+        mine = chunks.recipe_voids(ids)
+        assert np.isin(mine, live).sum() >= chunks.REPACK_BELOW * len(mine), pack
+        held.append(mine)
+    assert np.isin(live, np.concatenate(held) if held else live[:0]).all()
+
+
+@pytest.mark.parametrize("fault", PACK_FAULTS, ids=[f.id for f in PACK_FAULTS])
+def test_pack_work_killed(
+    fault: PackFault, store: SnapshotStore, restored: RestoredTrees,
+):
+    kernel = start_kernel()
+    engine = SnapshotEngine(store)
+    try:
+        # "first" holds pages of its own, most of its pack: deleting it rewrites the pack.
+        kernel.execute("import numpy as np; counter = 41; data = np.arange(2_000_000); "
+                       "junk = np.random.default_rng(1).bytes(64 << 20)")
+        first = run(engine.save(SaveTarget(pid=kernel.root_pid), name="first"))
+        kernel.execute("del junk; counter = 42")
+        second = run(engine.save(SaveTarget(pid=kernel.root_pid), name="second"))
+        # New pages for the killed save to write.
+        kernel.execute("counter = 43; fresh = np.random.default_rng(2).bytes(8 << 20)")
+
+        if fault.operation == "save":
+            died = _subprocess(["tests.fault_saver", str(store.root), str(kernel.kernel_pid),
+                                "none", "--die-at", fault.point, "--name", "killed"])
+        else:
+            died = _subprocess(["tests.fault_points", str(store.root), first.id, fault.point])
+        assert died.returncode == -9, died.stderr
+        wait_for_criu_to_finish(store)
+        report = recover_store(store)
+
+        assert report.kept == []
+        assert_nothing_partial(store)
+        listed = {s.name: s for s in store.list()}
+        kept = {"first", "second"} - ({"first"} if fault.operation == "delete" else set())
+        killed = listed.pop("killed", None)
+        assert set(listed) == kept
+        assert (killed is not None) == (fault.listed_as != "none")
+        if killed is not None:
+            assert bool(killed.manifest.get("recovered")) == (fault.listed_as == "recovered")
+            store.verify(killed)
+        for snapshot in listed.values():
+            store.verify(snapshot)
+        assert kernel.execute("counter += 1; print(counter)").strip() == "44"
+
+        later = run(engine.save(SaveTarget(pid=kernel.root_pid), name="later"))
+        store.collect_garbage()
+        assert_packs_whole(store)
+        store.verify(later)
+    finally:
+        stop_kernel(kernel)
+    back = run(engine.restore(second))
+    client = restored.connect(back.connection_info, back.pid)
+    assert execute(client, "print(counter, int(data[-1]))").split() == ["42", "1999999"]
+    if killed is not None:
+        restored.close()  # the same kernel's ports: one restore at a time
+        restored.roots.clear()
+        restored.clients.clear()
+        back = run(engine.restore(killed))
+        client = restored.connect(back.connection_info, back.pid)
+        assert execute(client, "print(counter, len(fresh))").split() == ["43", str(8 << 20)]

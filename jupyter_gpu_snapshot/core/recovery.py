@@ -32,7 +32,7 @@ import psutil
 from . import procfs
 from .errors import InvalidRequest
 from .locks import is_locked, snapshot_key
-from .snapshot import Snapshot
+from .snapshot import Snapshot, is_snapshot_id
 from .store import (
     ASSEMBLED_PREFIX,
     DELETING_PREFIX,
@@ -100,6 +100,9 @@ def recover_store(store: SnapshotStore, wake: Wake = procfs.continue_tree) -> Re
             _recover_partial(store, entry, report, wake)
         elif entry.name.startswith(ASSEMBLED_PREFIX):
             _remove_unused_assembly(store, entry, report)
+        elif is_snapshot_id(entry.name):
+            # A commit cut off after its rename leaves whole files beside their recipes.
+            report.removed += [entry / name for name in store.drop_whole_copies(entry.name)]
     # Packs of saves killed before their commit, and pages nothing needs any more; left for
     # the next start when a save or a restore holds the packs now.
     store.collect_garbage(wait=False)

@@ -360,6 +360,34 @@ class SnapshotStore:
             )
         return found
 
+    def drop_whole_copies(self, snapshot_id: str) -> builtins.list[str]:
+        """Remove the whole image files that a commit cut off after its rename left beside
+        their recipes: a snapshot reads the recipe (``images.stored_as_recipes``), the whole
+        file only takes room. Called by a recovery; a snapshot in use, or not trusted, is
+        left as it is. Returns the names removed."""
+        with self._root_fd(create=False) as root_fd:
+            if root_fd is None or safe_fs.entry_kind(snapshot_id, root_fd) != "dir":
+                return []
+            with safe_fs.opened_dir(snapshot_id, root_fd) as dfd:
+                present = set(os.listdir(dfd))
+                if not any(chunks.recipe_name(name) in present for name in present):
+                    return []
+                snapshot = self._load(root_fd, snapshot_id)
+                if snapshot is None or not snapshot.trusted:
+                    return []
+                held = self.locks.try_acquire(snapshot_lock_key(snapshot_id), "recovery")
+                if held is None:
+                    return []
+                with held:
+                    whole = [name for name in images.stored_as_recipes(
+                        dfd, snapshot.manifest["files"]) if name in present
+                        and safe_fs.entry_kind(name, dfd) == "file"]
+                    for name in whole:
+                        os.unlink(name, dir_fd=dfd)
+                    if whole:
+                        os.fsync(dfd)
+                return whole
+
     def delete(self, ref: str) -> Snapshot:
         """Delete by name (trusted snapshots) or by id (any, damaged ones included).
 
