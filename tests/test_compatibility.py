@@ -32,6 +32,7 @@ from jupyter_gpu_snapshot.core.compatibility import (
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import Incompatible
 from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
+from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION
 from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
@@ -97,7 +98,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
 
 def test_a_save_records_its_node(saved):
     node = saved.snapshot.manifest["node"]
-    assert saved.snapshot.manifest["format"] == 3
+    assert saved.snapshot.manifest["format"] == FORMAT_VERSION
     assert node["cpu"]["arch"] and node["cpu"]["flags"] == compatibility.cpu_facts()["flags"]
     assert node["kernel"] == compatibility.kernel_facts()
     files = {f["path"]: f for f in node["mapped_files"]["files"]}
@@ -225,7 +226,7 @@ def test_a_node_that_cannot_run_the_snapshot_refuses_before_criu(saved, scenario
 
 def test_the_same_node_restores_and_a_format_2_manifest_skips_what_it_cannot_check(saved):
     # Last in the module: the scenarios above must each have left everything as it was.
-    for label in ("format 3", "format 2"):
+    for label in ("current format", "format 2"):
         undo = _claim(_as_format_2)(saved) if label == "format 2" else (lambda: None)
         messages: list[str] = []
         trees = RestoredTrees()

@@ -23,6 +23,7 @@ from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
+from . import stored_pages
 from .conftest import KernelHandle, execute, run
 
 STATE_SETUP = """
@@ -242,14 +243,6 @@ class CriuCalls:
         engine.criu.run = recorded  # type: ignore[method-assign,assignment]
 
 
-def _flip_byte(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_altered_image_is_caught_while_criu_restores_and_never_runs(
     engine, store, kernel, tmp_path, restored
 ):
@@ -258,13 +251,15 @@ def test_altered_image_is_caught_while_criu_restores_and_never_runs(
     snap = _save(engine, kernel, stop=True)
     kernel.km.provisioner.process.wait(timeout=10)
     trigger.touch()  # from now on, any run of the image's code writes the canary
-    pages = max(snap.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    _flip_byte(pages)  # same size: only the digest, checked while criu runs, can tell
+    pages = stored_pages.largest_chunked(snap.path)
+    # A page of the image, in the store's pack: the recipe still matches its manifest and
+    # the assembled file keeps its size; only its digest, checked while criu runs, can tell.
+    page = stored_pages.flip_page_byte(store.root, snap.path, pages)
     calls = CriuCalls(engine)
     with pytest.raises(SnapshotError) as err:
         run(engine.restore(snap.id))
     assert err.value.step == "verify"
-    assert f"image file {pages.name}" in err.value.message and "digest" in err.value.message
+    assert f"image file {pages}" in err.value.message and "digest" in err.value.message
     assert len(calls.argvs) == 1 and "--leave-stopped" in calls.argvs[0]
     assert len(calls.pids) == 1, "criu did not restore the tree"
     deadline = time.monotonic() + 60
@@ -275,7 +270,7 @@ def test_altered_image_is_caught_while_criu_restores_and_never_runs(
     assert procfs.ports_in_use(snap.connection_info) == []
 
     # The same scenario without the alteration does run the image: the canary can appear.
-    _flip_byte(pages)
+    stored_pages.flip_page_byte(store.root, snap.path, pages, page)
     back = run(engine.restore(snap.id))
     restored.roots.append(back.pid)
     deadline = time.monotonic() + 60
@@ -284,7 +279,7 @@ def test_altered_image_is_caught_while_criu_restores_and_never_runs(
     assert canary.read_text() == "the image ran"
     assert back.timings["verify"] > 0 and back.timings["restore"] > 0
 
-    pages.unlink()
+    (snap.path / f"{pages}.chunks").unlink()
     procfs.kill_tree(back.pid)
     with pytest.raises(SnapshotError, match="missing"):
         run(engine.restore(snap.id))
@@ -294,13 +289,15 @@ def test_image_edited_with_its_digest_recomputed_is_refused(engine, store, kerne
     kernel.execute("secret = 41")
     snap = _save(engine, kernel, stop=True)
     kernel.km.provisioner.process.wait(timeout=10)
-    pages = max(snap.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    _flip_byte(pages)
+    pages = stored_pages.largest_chunked(snap.path)
+    stored_pages.flip_page_byte(store.root, snap.path, pages)
+    edited = tmp_path / pages
+    edited.write_bytes(stored_pages.assembled(store.root, snap.path, pages))
     manifest = json.loads((snap.path / "manifest.json").read_text())
-    fd = os.open(pages, os.O_RDONLY)
+    fd = os.open(edited, os.O_RDONLY)
     try:
-        manifest["files"][pages.name]["digest"] = digest.digest_files(
-            [(fd, pages.stat().st_size)], manifest["digest"])[0]
+        manifest["files"][pages]["digest"] = digest.digest_files(
+            [(fd, edited.stat().st_size)], manifest["digest"])[0]
     finally:
         os.close(fd)
     (snap.path / "manifest.json").write_text(json.dumps(manifest))
