@@ -565,9 +565,12 @@ class SnapshotStore:
                     try:
                         self._chunks(root_fd).assemble(wanted, out_fd, lambda n: None)
                     except OSError as exc:
+                        # A full disk says nothing of the snapshot: never ask to delete it.
+                        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
                         raise SnapshotError(
                             "restore", f"cannot assemble the images of {snapshot.id}: {exc}",
-                            hint="the snapshot is damaged; delete it",
+                            hint=("free space on the disk holding the snapshot store, then "
+                                  "try again") if full else "the snapshot is damaged; delete it",
                         ) from exc
                     yield self.root / outer / snapshot.id, out_fd
         finally:

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.restore import RestoredKernel
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.provisioner import SnapshotReadyProvisioner
 
+from .. import stored_pages
 from .conftest import Api, KernelConnector, KernelSocket
 
 # criu as the server runs it, with one fault injected into the next dump when the file
@@ -145,9 +147,17 @@ async def test_disk_fills_during_dump(
     error = job["error"]
     assert error["step"] in ("dump", "commit"), error
     assert "full" in error["message"] or "No space" in error["message"], error
-    await assert_contract(api, ws, kernel_id, store_dir, [earlier["snapshot_id"]])
-    # Once there is room again, saving works again.
+    # Checking the earlier snapshot assembles its images from the store's pages, which
+    # needs room: on the full disk it may fail, but never calls the snapshot damaged.
+    store = SnapshotStore(store_dir)
+    try:
+        await asyncio.to_thread(store.verify, store.get(earlier["snapshot_id"]))
+    except SnapshotError as exc:
+        assert exc.hint and "free space" in exc.hint and "damaged" not in exc.message, exc
+    assert _hidden_entries(store_dir) == []
+    # Once there is room again, the earlier snapshot checks out whole, and saving works.
     await asyncio.to_thread(filler.unlink)
+    await assert_contract(api, ws, kernel_id, store_dir, [earlier["snapshot_id"]])
     await api.succeeded(await api.save(kernel_id))
 
 
@@ -253,7 +263,6 @@ async def test_damaged_snapshot_is_refused_and_named(
 
 
 def _damage_largest_image(snapshot_dir: Path) -> None:
-    image = max(snapshot_dir.glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    with open(image, "r+b") as f:
-        f.seek(4096)
-        f.write(b"\x00" * 4096)
+    """One page of the largest image, in the store's pack: its recipe still matches."""
+    image = stored_pages.largest_chunked(snapshot_dir)
+    stored_pages.flip_page_byte(snapshot_dir.parent, snapshot_dir, image)
