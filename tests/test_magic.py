@@ -35,7 +35,8 @@ __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 
 SAVED = re.compile(
     r"Saved snapshot (?P<id>\d{8}T\d{6}Z-[0-9a-f]{8}) \((?P<name>[^)]+)\) at [\d-]+ [\d:]+: "
-    r"(?P<size>[\d.]+ (?:B|KiB|MiB|GiB)) in (?P<secs>[\d.]+) s \(kernel paused [\d.]+ s\)\."
+    r"(?P<size>[\d.]+ (?:B|KiB|MiB|GiB))(?: \((?P<new>[\d.]+ (?:B|KiB|MiB|GiB)) new\))? "
+    r"in (?P<secs>[\d.]+) s \(kernel paused [\d.]+ s\)\."
 )
 
 

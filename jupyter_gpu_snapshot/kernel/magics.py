@@ -42,7 +42,6 @@ from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .._constants import format_bytes
 from .client import ClientError, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
 from .presentation import (
@@ -51,6 +50,7 @@ from .presentation import (
     job_progress_text,
     local_time,
     saved_line,
+    snapshot_size_text,
     status_lines,
     table,
 )
@@ -245,7 +245,7 @@ class GPUSnapshotMagics(Magics):
                 str(s.get("id", "")),
                 f"{local_time(created)} ({format_age(now - created)})",
                 str(s.get("reason", "user")),
-                format_bytes(int(s.get("size_bytes", 0))),
+                snapshot_size_text(s),
                 str(s.get("notebook_path") or "-"),
             )
             rows.append((*row, str(s.get("location", "local"))) if located else row)

@@ -59,7 +59,7 @@ def saved_line(summary: dict[str, Any], job: dict[str, Any]) -> str:
     created = local_time(float(summary.get("created", time.time())))
     line = (
         f"Saved snapshot {summary.get('id')} ({summary.get('name')}) at {created}: "
-        f"{format_bytes(int(summary.get('size_bytes', 0)))}{took}{pause}."
+        f"{snapshot_size_text(summary)}{took}{pause}."
     )
     # State the image does not hold: a restore would get it wrong, so say so with the save.
     return "\n".join([line, *(f"Warning: {w}" for w in summary.get("warnings") or [])])
