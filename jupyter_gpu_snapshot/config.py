@@ -177,7 +177,9 @@ class GPUSnapshot(Configurable):
     autosave_max_bytes = Int(
         0,
         help="""Skip an autosave (and log why) when the autosaves in the store would take
-        more than this many bytes once it commits (0: no cap but the free-disk margin).""",
+        more than this many bytes once it commits (0: no cap but the free-disk margin). An
+        autosave counts what its save wrote: with chunk_images, the pages it did not share
+        with earlier snapshots.""",
     ).tag(config=True)
 
     autosave_check_seconds = Float(

@@ -104,3 +104,12 @@ def test_shutdown_order_puts_the_most_work_first() -> None:
     assert [k.kernel_id for k in estimate.shutdown_order(kernels)] == [
         "unknown", "trainer", "idle-ish",
     ]
+
+
+def test_autosaves_count_what_their_saves_wrote() -> None:
+    """A chunked autosave takes its new pages on disk, not its whole size; one from before
+    chunking takes its size."""
+    summaries = [snap("a1", 1, size=1000, new_bytes=1000), snap("a2", 2, size=1000,
+                 new_bytes=50), snap("a3", 3, size=700), snap("u1", 4, "user", size=5000)]
+    assert retention.autosave_bytes(summaries) == 1000 + 50 + 700
+    assert retention.reclaimed_by_next_autosave(summaries, "notebook:a.ipynb", 2) == 50 + 1000

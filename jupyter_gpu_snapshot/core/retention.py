@@ -82,8 +82,15 @@ def newest_per_notebook(summaries: Iterable[Summary]) -> list[Summary]:
     return list(newest.values())
 
 
+def stored_bytes(summary: Summary) -> int:
+    """What a snapshot's save wrote to the store (its pages shared with earlier snapshots
+    are not counted again); its size for a summary without that."""
+    written = summary.get("new_bytes")
+    return int(written) if isinstance(written, int) else int(summary.get("size_bytes", 0))
+
+
 def autosave_bytes(summaries: Iterable[Summary]) -> int:
-    return sum(int(s.get("size_bytes", 0)) for s in summaries if s.get("reason") == AUTOSAVE)
+    return sum(stored_bytes(s) for s in summaries if s.get("reason") == AUTOSAVE)
 
 
 @dataclass(frozen=True)
@@ -131,4 +138,4 @@ def reclaimed_by_next_autosave(
         s for s in _newest_first(summaries)
         if group_of(s) == group and s.get("reason") == AUTOSAVE
     ]
-    return sum(int(s.get("size_bytes", 0)) for s in autosaves[keep_autosaves - 1:])
+    return sum(stored_bytes(s) for s in autosaves[keep_autosaves - 1:])
