@@ -34,7 +34,7 @@ from ..gpu_check import no_gpu_reason
 from ..processes import free_port, kernel_processes, kill_kernels
 from ..server.conftest import ServerProcess, server_environment
 from .seaweed import SeaweedServer, serving
-from .snapshots import make_snapshot
+from .snapshots import make_snapshot, upload
 
 BUCKET = "cluster"
 NOTEBOOK = "project/train.ipynb"
@@ -229,7 +229,7 @@ async def _foreign_snapshot_refused(cluster: Cluster) -> None:
     # A well-formed snapshot, signed by a node whose key node B does not share.
     foreign = SnapshotStore(cluster.home / "foreign-store", cluster.home / "foreign.key")
     snapshot = make_snapshot(foreign, {"pages-1.img": 1 << 20}, name="planted")
-    cluster.remote().upload(snapshot.path)
+    upload(foreign, cluster.remote(), snapshot)
 
     node_b = await cluster.start_node_b()
     (found,) = await node_b.api.snapshots()

@@ -13,6 +13,7 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.remotes import upload_whole
 
 from ..conftest import execute, run
 
@@ -37,7 +38,8 @@ def test_saved_on_node_a_restored_on_node_b(kernel, tmp_path, restored, remote_u
     snap = run(engine_a.save(target, name="moving", stop=True))
     kernel.km.provisioner.process.wait(timeout=10)
     assert any(int(f["size"]) > TREE_CHUNK for f in snap.manifest["files"].values())
-    RemoteStore(remote_url, s3_options, part_bytes=8 << 20).upload(snap.path)
+    upload_whole(engine_a.store, RemoteStore(remote_url, s3_options, part_bytes=8 << 20), snap,
+                 None)
 
     node_b = RemoteStore(remote_url, s3_options)
     assert [s.name for s in node_b.list()] == ["moving"]

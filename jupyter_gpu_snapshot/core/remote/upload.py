@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..chunks import RECIPE_SUFFIX
 from ..errors import SnapshotError
 from ..manifest import MANIFEST
 from ..progress import ProgressFn, byte_counter
@@ -85,6 +86,14 @@ def _open_snapshot_files(snapshot_dir: Path) -> tuple[str, list[tuple[str, int, 
             if entry.name.startswith("."):
                 continue
             safe_object_name(entry.name, "upload")
+            if entry.name.endswith(RECIPE_SUFFIX):
+                # The pages it names live in the local store only: the remote copy would
+                # lack the whole file its manifest lists.
+                raise RemoteStoreError(
+                    "upload", f"{snapshot_dir} keeps {entry.name.removesuffix(RECIPE_SUFFIX)} "
+                    "as a recipe of its store's pages; a remote store keeps whole files",
+                    hint="upload it through its snapshot store, which assembles its images",
+                )
             if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
                 raise RemoteStoreError(
                     "upload", f"{entry.path} is not a regular file; snapshots hold only files"
