@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jupyter_gpu_snapshot.core import chunks, safe_fs
+from jupyter_gpu_snapshot.core import store as store_module
 from jupyter_gpu_snapshot.core.chunks import ID_BYTES, PAGE, ZERO_ID
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
@@ -215,15 +216,24 @@ def _split(ids: bytes) -> list[bytes]:
 
 
 # -- restoring -----------------------------------------------------------------------------
-def test_assembled_images_equal_the_originals_with_zero_pages_as_holes(tmp_path):
+@pytest.mark.parametrize("in_memory", [True, False], ids=["in memory", "beside the store"])
+def test_assembled_images_equal_the_originals_with_zero_pages_as_holes(
+    tmp_path, monkeypatch, in_memory
+):
     store = make_store(tmp_path)
     real = pages(64, 1)
     data = bytes(200 * PAGE) + b"".join(real) + bytes(200 * PAGE)
     snapshot = commit(store, {IMAGE: data})
     store.verify(snapshot)
+    if not in_memory:  # as on a machine whose memory cannot hold the files
+        monkeypatch.setattr(store_module, "memory_for_assembly", lambda needed: None)
 
     with store.opened_images(store.reload(snapshot)) as (directory, opened):
-        assert directory.parent.name.startswith(".assembled-")
+        if in_memory:
+            assert directory.parent.parent == store_module.MEMORY_DIR
+            assert directory.parent.name.startswith(store_module.MEMORY_ASSEMBLY_PREFIX)
+        else:
+            assert directory.parent.name.startswith(".assembled-")
         ((fd, size),) = opened
         assert size == len(data) and os.pread(fd, size, 0) == data
         assert os.fstat(fd).st_blocks * 512 < len(data) // 2  # the zero pages take no disk
@@ -232,6 +242,7 @@ def test_assembled_images_equal_the_originals_with_zero_pages_as_holes(tmp_path)
         assert on_disk.read_bytes() == data
         assert (directory / "manifest.json").is_file()
     assert not [p for p in store.root.iterdir() if p.name.startswith(".assembled-")]
+    assert not directory.exists()
 
 
 def test_an_altered_recipe_is_refused_by_name(tmp_path):

@@ -20,7 +20,11 @@ import pytest
 from jupyter_gpu_snapshot.core.locks import snapshot_key
 from jupyter_gpu_snapshot.core.recovery import WORK_LOCK, clean_work_dirs, recover_store
 from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
-from jupyter_gpu_snapshot.core.store import DUMP_COMPLETE_FILE, SnapshotStore
+from jupyter_gpu_snapshot.core.store import (
+    DUMP_COMPLETE_FILE,
+    MEMORY_ASSEMBLY_PREFIX,
+    SnapshotStore,
+)
 
 
 @pytest.fixture
@@ -170,8 +174,12 @@ def test_ownership_holds_until_the_rename(tmp_path: Path):
     ],
     ids=["dead-saver", "no-lock-file"],
 )
-def test_leaked_work_dirs(tmp_path: Path, setup: Callable[[Path], None], removed: bool):
-    work = tmp_path / "jupyter-gpu-snapshot-dump-abc123"
+@pytest.mark.parametrize("prefix", ["jupyter-gpu-snapshot-dump-", MEMORY_ASSEMBLY_PREFIX])
+def test_leaked_work_dirs(tmp_path: Path, setup: Callable[[Path], None], removed: bool,
+                          prefix: str):
+    """criu's work directories, and images assembled in memory for a restore, of a process
+    that died."""
+    work = tmp_path / f"{prefix}abc123"
     work.mkdir()
     (work / "dump.log").write_text("log")
     setup(work)

@@ -426,7 +426,7 @@ class ChunkStore:
 
             def copy_runs(part: npt.NDArray[np.int64]) -> None:
                 for fd, src, dst, length in part.tolist():
-                    _copy(fd, src, out, dst, length)
+                    copy_range(fd, src, out, dst, length)
                     advance(length)
 
             # Copies run in the kernel, without the GIL: several at once keep a fast disk's
@@ -588,7 +588,7 @@ def live_ids(recipes: Iterable[bytes]) -> npt.NDArray[np.void]:
     return every
 
 
-def _copy(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> None:
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> None:
     """In the kernel (a reflink where the filesystem shares blocks), else through memory."""
     while length:
         try:

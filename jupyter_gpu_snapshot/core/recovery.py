@@ -35,9 +35,12 @@ from .locks import is_locked, snapshot_key
 from .snapshot import Snapshot, is_snapshot_id
 from .store import (
     ASSEMBLED_PREFIX,
+    ASSEMBLY_LOCK,
     DELETING_PREFIX,
     DRAFT_FILE,
     DUMP_COMPLETE_FILE,
+    MEMORY_ASSEMBLY_PREFIX,
+    MEMORY_DIR,
     PARTIAL_PREFIX,
     UNFINISHED_PREFIX,
     SnapshotStore,
@@ -47,8 +50,9 @@ from .store import (
 log = logging.getLogger(__name__)
 
 # Work directories of criu runs, in the temp dir; each holds this lock while in use.
-WORK_PREFIXES = ("jupyter-gpu-snapshot-dump-", "jupyter-gpu-snapshot-restore-")
-WORK_LOCK = "owner.lock"
+WORK_PREFIXES = ("jupyter-gpu-snapshot-dump-", "jupyter-gpu-snapshot-restore-",
+                 MEMORY_ASSEMBLY_PREFIX)
+WORK_LOCK = ASSEMBLY_LOCK
 
 
 @dataclass
@@ -182,12 +186,20 @@ def _keep_aside(store: SnapshotStore, partial: Path, report: RecoveryReport, why
 
 
 def clean_work_dirs(directory: Path | None = None) -> list[Path]:
-    """Remove criu work directories (in the temp dir) whose saver or restorer died.
+    """Remove criu work directories (in the temp dir) and directories of assembled images
+    (in memory) whose saver or restorer died.
 
     Only directories that carry our lock file are touched, and only when nobody holds it
     and no criu runs in them; anything else may belong to a save just starting.
     """
-    base = directory or Path(tempfile.gettempdir())
+    bases = [directory] if directory else [Path(tempfile.gettempdir()), MEMORY_DIR]
+    removed: list[Path] = []
+    for base in bases:
+        removed += _clean_work_dirs_in(base)
+    return removed
+
+
+def _clean_work_dirs_in(base: Path) -> list[Path]:
     removed: list[Path] = []
     with contextlib.suppress(OSError):
         for entry in base.iterdir():

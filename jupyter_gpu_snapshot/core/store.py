@@ -22,6 +22,8 @@ import errno
 import json
 import os
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ from typing import Any
 import psutil
 
 from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
-from . import chunks, images, safe_fs
+from . import chunks, images, locks, safe_fs
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .locks import StoreLocks
 from .locks import name_key as name_lock_key
@@ -72,6 +74,49 @@ def holds_recipes(name: str) -> bool:
     snapshot, a save in progress, or a partial kept for a person to look at."""
     return (is_snapshot_id(name) or name.startswith(PARTIAL_PREFIX)
             or name.startswith(UNFINISHED_PREFIX))
+
+
+# Assembled files in memory: a directory of this prefix in MEMORY_DIR, locked by its
+# ASSEMBLY_LOCK while in use (recovery.clean_work_dirs removes those of dead processes).
+MEMORY_DIR = Path("/dev/shm")
+MEMORY_ASSEMBLY_PREFIX = "jupyter-gpu-snapshot-assembled-"
+ASSEMBLY_LOCK = "owner.lock"
+_MEMORY_MARGIN = 2 << 30
+
+
+def memory_for_assembly(needed: int) -> Path | None:
+    """``MEMORY_DIR`` when it can hold ``needed`` bytes and the machine's memory can hold
+    them twice (the files, then the restored kernel) with a margin; else None."""
+    try:
+        room = os.statvfs(MEMORY_DIR)
+    except OSError:
+        return None
+    free = room.f_bavail * room.f_frsize
+    available = psutil.virtual_memory().available
+    if free < needed + _MEMORY_MARGIN or available < 2 * needed + _MEMORY_MARGIN:
+        return None
+    return MEMORY_DIR
+
+
+def _link_or_copy(name: str, src_dfd: int, dst_dfd: int) -> None:
+    """``name`` from one directory into another: a hard link on one filesystem, else a
+    copy; a link in the source is never followed."""
+    try:
+        os.link(name, name, src_dir_fd=src_dfd, dst_dir_fd=dst_dfd, follow_symlinks=False)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    src, size = safe_fs.open_regular(name, src_dfd)
+    try:
+        dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=dst_dfd)
+        try:
+            chunks.copy_range(src, 0, dst, 0, size)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
 
 
 def assembly_key(token: str) -> str:
@@ -546,36 +591,55 @@ class SnapshotStore:
     def _assembled(
         self, root_fd: int, snapshot: Snapshot, dfd: int, recipes: builtins.list[str]
     ) -> Iterator[tuple[Path, int]]:
+        files = snapshot.manifest["files"]
+        wanted = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
+                  for name in recipes}
+        needed = sum(int(files[name]["size"]) for name in recipes)
+        with self._assembly_dir(root_fd, needed) as (outer, outer_fd):
+            os.mkdir(snapshot.id, 0o700, dir_fd=outer_fd)
+            with safe_fs.opened_dir(snapshot.id, outer_fd) as out_fd:
+                # The manifest too: an upload reads the directory as a snapshot.
+                for name in sorted(set(files) - set(recipes) | {MANIFEST}):
+                    _link_or_copy(name, dfd, out_fd)
+                try:
+                    self._chunks(root_fd).assemble(wanted, out_fd, lambda n: None)
+                except OSError as exc:
+                    # A full disk says nothing of the snapshot: never ask to delete it.
+                    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    raise SnapshotError(
+                        "restore", f"cannot assemble the images of {snapshot.id}: {exc}",
+                        hint=("free space on the disk holding the snapshot store, then "
+                              "try again") if full else "the snapshot is damaged; delete it",
+                    ) from exc
+                yield outer / snapshot.id, out_fd
+
+    @contextlib.contextmanager
+    def _assembly_dir(self, root_fd: int, needed: int) -> Iterator[tuple[Path, int]]:
+        """A private directory for assembled files, removed on leaving: in memory when it
+        has room for them and for the kernel they become (criu then reads them at memory
+        speed, and they are never written back to a disk), else beside the snapshots."""
+        memory = memory_for_assembly(needed)
+        if memory is not None:
+            outer = Path(tempfile.mkdtemp(prefix=MEMORY_ASSEMBLY_PREFIX, dir=memory))
+            held = locks.try_lock(outer / ASSEMBLY_LOCK, "assemble")
+            assert held is not None  # nobody else knows the directory yet
+            try:
+                with safe_fs.opened_dir(outer) as outer_fd:
+                    yield outer, outer_fd
+            finally:
+                shutil.rmtree(outer, ignore_errors=True)
+                held.release()
+            return
         token = secrets.token_hex(6)
-        outer = f"{ASSEMBLED_PREFIX}{token}"
+        name = f"{ASSEMBLED_PREFIX}{token}"
         # A lock marks it as in use: a recovery removes only those nobody holds.
-        held = self.locks.acquire(assembly_key(token), f"assembled images {token}", "restore")
-        try:
-            os.mkdir(outer, 0o700, dir_fd=root_fd)
-            with safe_fs.opened_dir(outer, root_fd) as outer_fd:
-                os.mkdir(snapshot.id, 0o700, dir_fd=outer_fd)
-                with safe_fs.opened_dir(snapshot.id, outer_fd) as out_fd:
-                    files = snapshot.manifest["files"]
-                    wanted = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
-                              for name in recipes}
-                    # The manifest too: an upload reads the directory as a snapshot.
-                    for name in sorted(set(files) - set(recipes) | {MANIFEST}):
-                        os.link(name, name, src_dir_fd=dfd, dst_dir_fd=out_fd,
-                                follow_symlinks=False)
-                    try:
-                        self._chunks(root_fd).assemble(wanted, out_fd, lambda n: None)
-                    except OSError as exc:
-                        # A full disk says nothing of the snapshot: never ask to delete it.
-                        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                        raise SnapshotError(
-                            "restore", f"cannot assemble the images of {snapshot.id}: {exc}",
-                            hint=("free space on the disk holding the snapshot store, then "
-                                  "try again") if full else "the snapshot is damaged; delete it",
-                        ) from exc
-                    yield self.root / outer / snapshot.id, out_fd
-        finally:
-            safe_fs.remove_at(outer, root_fd)
-            held.release()
+        with self.locks.hold(assembly_key(token), f"assembled images {token}", "restore"):
+            try:
+                os.mkdir(name, 0o700, dir_fd=root_fd)
+                with safe_fs.opened_dir(name, root_fd) as outer_fd:
+                    yield self.root / name, outer_fd
+            finally:
+                safe_fs.remove_at(name, root_fd)
 
     def check_digests(
         self,
