@@ -102,6 +102,7 @@ TIMED: list[tuple[Any, str, str]] = [
     (chunks.ChunkStore, "_chunk_one", "chunk_one"),  # read + file digest + ids + new pages
     (chunks.ChunkStore, "_page_ids", "page_ids"),  # one keyed BLAKE3 per 4 KiB page
     (chunks, "page_ids", "page_ids"),  # the same, where it is a function of the module
+    (chunks.ChunkStore, "_ids", "page_ids_or_wait"),  # the ids of a block: from workers, or here
     (chunks.ChunkStore, "_store_new", "store_new"),  # lookup, dedup, gather, pack append
     (chunks.PackWriter, "append", "pack_write"),  # write(2) of the new pages
     (chunks.PackWriter, "finish", "pack_fsync"),  # fsync of the pack, ids written
