@@ -180,15 +180,16 @@ class PackWriter:
         """Which of ``ids`` this pack does not hold yet."""
         return self.appended.lacks(ids)
 
-    def append(self, pages: memoryview, new_ids: bytes) -> None:
+    def append(self, pages: memoryview | list[memoryview], new_ids: bytes) -> None:
+        """Add pages (one buffer, or several written in their order) and their ids."""
         if self.fd < 0:
             self.fd = os.open(self.name + PACK_SUFFIX,
                               os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                               0o600, dir_fd=self.dfd)
-        view = pages
-        while len(view):
-            n = os.write(self.fd, view)
-            view = view[n:]
+        for view in [pages] if isinstance(pages, memoryview) else pages:
+            while len(view):
+                n = os.write(self.fd, view)
+                view = view[n:]
         self.ids += new_ids
         self.appended.add(np.frombuffer(new_ids, np.uint8).reshape(-1, ID_BYTES))
 
@@ -364,8 +365,13 @@ class ChunkStore:
         fresh = fresh[writer.lacks(ids[fresh])]
         if not len(fresh):
             return 0
-        pages = np.frombuffer(block, np.uint8).reshape(-1, PAGE)[fresh]
-        writer.append(memoryview(pages.tobytes()), ids[fresh].tobytes())
+        # Straight from the block, a slice per run of pages that follow each other: a save
+        # whose pages are mostly new writes its blocks without copying them.
+        starts = np.concatenate(([0], np.nonzero(np.diff(fresh) != 1)[0] + 1))
+        ends = np.concatenate((starts[1:], [len(fresh)]))
+        runs = [block[int(fresh[a]) * PAGE:(int(fresh[b - 1]) + 1) * PAGE]
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        writer.append(runs, ids[fresh].tobytes())
         return len(fresh) * PAGE
 
     # -- restoring -------------------------------------------------------------------------
