@@ -365,6 +365,8 @@ def test_framework_survives_a_save_and_continues_bitwise_after_restore(
         assert not snapshot.manifest.get("warnings"), snapshot.manifest["warnings"]
         # The row really used the GPU: the driver moved its device memory.
         assert snapshot.manifest["gpu"]["moved_bytes"] > 0
+        # Its pages went into the store's packs, so the restore assembles them.
+        assert any("chunks" in f for f in snapshot.manifest["files"].values())
         assert LibcudaDriver().state(k.kernel_pid) == ProcessState.RUNNING
         reference = measure(k.execute)
     finally:
@@ -380,6 +382,7 @@ def test_framework_survives_a_save_and_continues_bitwise_after_restore(
         save_total_s=snapshot.manifest["timings"]["total"],
         cuda_timings=gpu["timings"],
         image_bytes=snapshot.size_bytes,
+        stored=snapshot.manifest["stored"],
         moved_bytes=gpu["moved_bytes"],
         host_rss_bytes=rss,
         live_device_bytes=reference["live_bytes"],
