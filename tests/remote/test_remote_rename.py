@@ -54,7 +54,7 @@ def test_a_rename_reaches_the_remote_copy_and_node_b_restores_it_by_the_new_name
     before = json.loads(remote_b.fetch_object(snapshot.id, old_remote, MANIFEST))
     assert before["name"] == "before"
     store_b = SnapshotStore(tmp_path / "node-b", tmp_path / "shared.key")
-    remote_b.download(snapshot.id, store_b.root)
+    remote_b.download(snapshot.id, store_b)
     downloaded = store_b.get("after")
     assert downloaded.trusted and downloaded.id == snapshot.id
     store_b.verify(downloaded)
@@ -68,7 +68,7 @@ def test_a_rename_reaches_the_remote_copy_and_node_b_restores_it_by_the_new_name
     assert again is not None and again.name == "again"
     second_object = again.remote_manifest["objects"][MANIFEST]["object"]
     assert _objects(remote_a, snapshot.id) == sorted(
-        [first_object, second_object, "pages-1.img", REMOTE_MANIFEST]
+        [first_object, second_object, "pages-1.img.chunks", REMOTE_MANIFEST]  # its recipe
     )
     assert [s.name for s in remote_b.list()] == ["again"]
 

@@ -164,6 +164,7 @@ class _PageDownload:
         self.snapshot_id = snapshot_id
         self.packs = RemotePacks(store)
         self.stems = [str(s) for s in remote.get("packs", [])]
+        self.packs.require(snapshot_id, self.stems)
         self.local = local
         needed = chunks.live_ids(recipes.values())
         ids = np.ascontiguousarray(needed).view(np.uint8).reshape(-1, chunks.ID_BYTES)

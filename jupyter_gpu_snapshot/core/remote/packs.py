@@ -129,6 +129,13 @@ class RemotePacks:
                 usable.append(stem)
         return usable
 
+    def require(self, snapshot_id: str, stems: list[str]) -> None:
+        """Refuse before any transfer when a pack ``snapshot_id`` needs is missing or cut."""
+        usable = set(self.usable(self.listing()))
+        for stem in stems:
+            if stem not in usable:
+                raise damaged_copy(snapshot_id, f"the remote pack {stem} is missing or cut off")
+
     def read_ids(self, stem: str) -> Ids:
         sealer = self.sealer(stem)
         path = self.path(stem, IDS)
@@ -173,6 +180,11 @@ class RemotePacks:
 
         parts = -(-count // step_pages)
         try:
+            if not self.objects.is_s3:  # a filesystem with real directories
+                directory = f"{self.objects.root}/{PACKS_DIR}"
+                self.objects.fs.makedirs(directory, exist_ok=True)
+                if self.objects.is_local:  # pages are secrets: only the owner may enter
+                    os.chmod(directory, 0o700)
             if self.objects.is_s3 and parts > 1:
                 self._multipart(self.path(stem, PACK), parts, body)
             else:
