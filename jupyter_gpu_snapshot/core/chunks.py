@@ -660,6 +660,18 @@ def live_ids(recipes: Iterable[bytes]) -> npt.NDArray[np.void]:
     return every
 
 
+def ids_in_order(recipes: Iterable[bytes]) -> Ids:
+    """The distinct ids ``recipes`` need, without the zero id, in the order they first
+    appear: pages that follow each other in a file stay together in a pack made from
+    them, so assembling the file later copies long runs."""
+    every = np.concatenate([np.frombuffer(r, np.uint8) for r in recipes] or
+                           [np.zeros(0, np.uint8)]).reshape(-1, ID_BYTES)
+    _, first = np.unique(_voids(every), return_index=True)
+    first.sort()
+    ordered: Ids = every[first]
+    return ordered[ordered.any(axis=1)]
+
+
 def _copy(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> None:
     """In the kernel (a reflink where the filesystem shares blocks), else through memory."""
     while length:

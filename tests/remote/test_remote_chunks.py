@@ -150,6 +150,10 @@ def test_second_upload_sends_only_new_pages_and_node_b_fetches_only_what_it_lack
     fetched = _counting_reads(remote_b)
     remote_b.download(snap1.id, store_b)
     assert _local_pack_pages(store_b) == [1500]
+    # Its new pack holds the pages in the file's order: assembling copies long runs.
+    (ids_file,) = (store_b.root / chunks.CHUNKS_DIR).glob(f"*{chunks.IDS_SUFFIX}")
+    recipe = (snap1.path / "pages-1.img.chunks").read_bytes()
+    assert ids_file.read_bytes() == chunks.ids_in_order([recipe]).tobytes()
     first_fetch = sum(fetched)
     assert _stored(1500, sealed) <= first_fetch <= _stored(1500, sealed) + RECORD_BYTES
     fetched.clear()

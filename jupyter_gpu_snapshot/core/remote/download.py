@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 
 from .. import chunks, digest
@@ -166,8 +165,7 @@ class _PageDownload:
         self.stems = [str(s) for s in remote.get("packs", [])]
         self.packs.require(snapshot_id, self.stems)
         self.local = local
-        needed = chunks.live_ids(recipes.values())
-        ids = np.ascontiguousarray(needed).view(np.uint8).reshape(-1, chunks.ID_BYTES)
+        ids = chunks.ids_in_order(recipes.values())
         with local.chunk_store() as chunk_store:
             self.id_key = chunk_store.id_key
             self.lacking = ids[chunk_store.lacking(ids)] if len(ids) else ids

@@ -282,8 +282,11 @@ class RemotePacks:
             if not np.array_equal(got, wanted[members]):
                 raise damaged_copy(snapshot_id, f"a page of the remote pack {stem} does not "
                                    "match its id")
-            for member, page in zip(members.tolist(), picked, strict=True):
-                _pwrite_all(out_fd, page.tobytes(), member * PAGE)
+            # Members that follow each other in the output: one write.
+            breaks = np.nonzero(np.diff(members) != 1)[0] + 1
+            for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), len(members)],
+                                  strict=True):
+                _pwrite_all(out_fd, picked[start:end].tobytes(), int(members[start]) * PAGE)
             advance(len(members) * PAGE)
 
         with ThreadPoolExecutor(self.objects.workers, thread_name_prefix="pages") as pool:

@@ -182,8 +182,7 @@ class _PageUpload:
         self.packs = RemotePacks(store)
         self.local = local
         self.recipes = recipes
-        needed = chunks.live_ids(recipes.values())
-        ids = np.ascontiguousarray(needed).view(np.uint8).reshape(-1, chunks.ID_BYTES)
+        ids = chunks.ids_in_order(recipes.values())
         index = self.packs.index(self.packs.usable(self.packs.listing()))
         where = index.find(ids)
         self.lacking = ids[where < 0]
