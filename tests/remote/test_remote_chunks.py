@@ -294,3 +294,23 @@ def test_a_page_altered_in_the_bucket_is_refused(remote_url, s3_options, tmp_pat
     assert not (store_b.root / snap1.id).exists()
     assert [p.name for p in store_b.root.iterdir() if p.name.startswith(".partial")] == []
 
+
+
+def test_node_b_fetches_part_of_a_pack_by_range(remote_url, s3_options, tmp_path, key):
+    sealed = key is not None
+    store_a = SnapshotStore(tmp_path / "node-a")
+    first = _pages(1500, seed=1)
+    snap = make_snapshot(store_a, {"pages-1.img": _image(first, 0)})
+    remote = _remote(remote_url, s3_options, key)
+    remote.upload(snap.path, local=store_a)
+    # Node B saved a kernel of its own that holds the first 700 of those pages.
+    store_b = SnapshotStore(tmp_path / "node-b")
+    make_snapshot(store_b, {"pages-1.img": _image(first[:700], 0)})
+    remote_b = _remote(remote_url, s3_options, key)
+    fetched = _counting_reads(remote_b)
+    remote_b.download(snap.id, store_b)
+    assert sorted(_local_pack_pages(store_b)) == [700, 800]
+    # Ranged reads of the one remote pack: the 800 pages, and when sealed the start of the
+    # record the first of them lies in.
+    assert _stored(800, sealed) <= sum(fetched) <= _stored(800, sealed) + RECORD_BYTES
+    assert _assembled(store_b, snap.id) == b"".join(first)

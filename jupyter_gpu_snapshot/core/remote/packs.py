@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import re
 import secrets
@@ -242,16 +243,13 @@ class RemotePacks:
             raise damaged_copy(snapshot_id, "a page it needs is in no remote pack")
         packs, slots = index.pack_of[where], index.slot_of[where]
         order = np.lexsort((slots, packs))
-        jobs: list[tuple[int, npt.NDArray[np.int64]]] = []
-        run: list[int] = []
-        for i in order.tolist():
-            if run and (packs[i] != packs[run[0]] or slots[i] - slots[run[-1]] > GAP_PAGES
-                        or slots[i] - slots[run[0]] >= READ_PAGES):
-                jobs.append((int(packs[run[0]]), np.asarray(run, np.int64)))
-                run = []
-            run.append(i)
-        if run:
-            jobs.append((int(packs[run[0]]), np.asarray(run, np.int64)))
+        in_pack, at = packs[order], slots[order]
+        # A range ends at another pack, at a gap of more than GAP_PAGES, and at each
+        # READ_PAGES boundary of the pack, so that no GET is larger.
+        ends = np.nonzero((np.diff(in_pack) != 0) | (np.diff(at) > GAP_PAGES)
+                          | (np.diff(at // READ_PAGES) != 0))[0] + 1
+        bounds = [0, *ends.tolist(), len(order)]
+        jobs = [(int(in_pack[a]), order[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
         # A sealed record is bound to its pack's plaintext size: the pages its ids count.
         sizes = np.bincount(index.pack_of, minlength=len(index.packs)) * PAGE
 
