@@ -41,11 +41,10 @@ from .objects import (
     remote_store_errors,
     safe_object_name,
 )
-from .packs import RemotePacks
+from .pages import PageDownload
 from .sealing import RECORD_OVERHEAD, ChunkSealer
 
 READ_BYTES = 8 << 20  # one ranged GET: plaintext bytes
-FETCHED_PAGES = ".fetched-pages"  # in the partial directory, until it becomes a pack
 
 
 def _stored_span(sealer: ChunkSealer | None, offset: int, length: int) -> tuple[int, int]:
@@ -122,7 +121,7 @@ def download_snapshot(
             _write_private(partial / MANIFEST, manifest_bytes)
             for name, recipe in recipes.items():
                 _write_private(partial / chunks.recipe_name(name), recipe)
-            pages = _PageDownload(store, snapshot_id, remote, recipes, local or
+            pages = PageDownload(store, snapshot_id, remote, recipes, local or
                                   SnapshotStore(into_dir)) if recipes else None
             download = _Download(store, snapshot_id, sealer, partial, checks, progress,
                                  pages.lacking_bytes if pages else 0)
@@ -153,45 +152,6 @@ def _fetch_recipe(
             or digest.blake3_hex(recipe) != listed["chunks"]):
         raise damaged_copy(snapshot_id, f"the recipe of {name} does not match its manifest")
     return recipe
-
-
-class _PageDownload:
-    """The pages of a chunked remote snapshot that the local store lacks."""
-
-    def __init__(self, store: RemoteObjects, snapshot_id: str, remote: dict[str, Any],
-                 recipes: dict[str, bytes], local: SnapshotStore) -> None:
-        self.snapshot_id = snapshot_id
-        self.packs = RemotePacks(store)
-        self.stems = [str(s) for s in remote.get("packs", [])]
-        self.packs.require(snapshot_id, self.stems)
-        self.local = local
-        ids = chunks.ids_in_order(recipes.values())
-        with local.chunk_store() as chunk_store:
-            self.id_key = chunk_store.id_key
-            self.lacking = ids[chunk_store.lacking(ids)] if len(ids) else ids
-
-    @property
-    def lacking_bytes(self) -> int:
-        return len(self.lacking) * chunks.PAGE
-
-    def fetch(self, partial: Path, advance: Callable[[int], None]) -> None:
-        """Fetch the lacking pages into the partial directory, then make them a pack."""
-        if not len(self.lacking):
-            return
-        index = self.packs.index(self.stems)
-        fd = os.open(partial / FETCHED_PAGES, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                     0o600)
-        try:
-            os.ftruncate(fd, self.lacking_bytes)
-            self.packs.fetch(self.snapshot_id, index, self.lacking, fd, self.id_key, advance)
-        finally:
-            os.close(fd)
-        dfd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            with self.local.chunk_store() as chunk_store, chunk_store.hold("download"):
-                chunk_store.adopt_pack(dfd, FETCHED_PAGES, self.lacking.tobytes())
-        finally:
-            os.close(dfd)
 
 
 def _check_objects_present(

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .. import chunks, digest
 from ..errors import SnapshotError
 from ..manifest import MANIFEST
@@ -46,7 +44,7 @@ from .objects import (
     remote_store_errors,
     safe_object_name,
 )
-from .packs import RemotePacks
+from .pages import PageUpload
 from .sealing import CIPHER
 
 _MAX_PARTS = 10_000  # the S3 limit
@@ -65,7 +63,7 @@ class _File:
 
 
 def _read_exactly(fd: int, offset: int, length: int, name: str) -> bytes:
-    chunks: list[bytes] = []
+    parts: list[bytes] = []
     while length:
         data = os.pread(fd, length, offset)
         if not data:
@@ -73,10 +71,10 @@ def _read_exactly(fd: int, offset: int, length: int, name: str) -> bytes:
                 "upload", f"local file {name} shrank while it was uploaded",
                 hint="the local snapshot changed during the upload; check it with verify",
             )
-        chunks.append(data)
+        parts.append(data)
         offset += len(data)
         length -= len(data)
-    return b"".join(chunks)
+    return b"".join(parts)
 
 
 def _open_snapshot_files(snapshot_dir: Path) -> tuple[str, list[tuple[str, int, int]]]:
@@ -141,7 +139,7 @@ def upload_snapshot(
             local = local or SnapshotStore(snapshot_dir.parent)
             with remote_store_errors("upload", f"uploading {snapshot_id} to {store.url}",
                                      _INTACT):
-                pages = _PageUpload(store, local, recipes)
+                pages = PageUpload(store, local, recipes)
         _Upload(store, snapshot_id, files, progress, pages).run()
     finally:
         for _, fd, _ in opened:
@@ -174,59 +172,6 @@ def _recipes(snapshot_id: str, opened: list[tuple[str, int, int]]) -> dict[str, 
     return recipes
 
 
-class _PageUpload:
-    """The pages of a chunked snapshot that go up: those no usable remote pack holds."""
-
-    def __init__(self, store: RemoteObjects, local: SnapshotStore,
-                 recipes: dict[str, bytes]) -> None:
-        self.packs = RemotePacks(store)
-        self.local = local
-        self.recipes = recipes
-        ids = chunks.ids_in_order(recipes.values())
-        index = self.packs.index(self.packs.usable(self.packs.listing()))
-        where = index.find(ids)
-        self.lacking = ids[where < 0]
-        self.stems = {index.packs[int(p)] for p in np.unique(index.pack_of[where[where >= 0]])}
-        self.new_stem: str | None = None
-
-    @property
-    def new_bytes(self) -> int:
-        return len(self.lacking) * chunks.PAGE
-
-    def send(self, advance: Callable[[int], None]) -> None:
-        """The new pack, before anything else of the snapshot."""
-        if not len(self.lacking):
-            return
-        with self.local.chunk_store(keyed=False) as store, store.reading(self.lacking) as read:
-            self.new_stem = self.packs.put(self.lacking, read, advance)
-        self.stems.add(self.new_stem)
-
-    def check(self, snapshot_id: str) -> None:
-        """Right before the remote manifest: every pack it will name is still there (the
-        remote collector removes only packs no manifest names, after a grace; this catches
-        one that went while this upload ran)."""
-        gone = sorted(self.stems - set(self.packs.usable(self.packs.listing())))
-        if gone:
-            raise RemoteStoreError(
-                "upload", f"the remote pack {gone[0]} that {snapshot_id} needs was removed "
-                "while it was uploaded", hint=_INTACT,
-            )
-
-    def describe(self) -> dict[str, Any]:
-        """What the remote manifest says of the pages."""
-        return {
-            "packs": sorted(self.stems),
-            "chunked": {name: {"size": len(r) // chunks.ID_BYTES * chunks.PAGE,
-                               "recipe": chunks.recipe_name(name)}
-                        for name, r in sorted(self.recipes.items())},
-            "new_page_bytes": self.new_bytes,
-        }
-
-    def undo(self) -> None:
-        if self.new_stem:
-            self.packs.remove(self.new_stem)
-
-
 class _Upload:
     def __init__(
         self,
@@ -234,7 +179,7 @@ class _Upload:
         snapshot_id: str,
         files: list[_File],
         progress: ProgressFn | None,
-        pages: _PageUpload | None = None,
+        pages: PageUpload | None = None,
     ) -> None:
         self.store = store
         self.snapshot_id = snapshot_id
