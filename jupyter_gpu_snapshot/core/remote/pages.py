@@ -22,7 +22,11 @@ FETCHED_PAGES = ".fetched-pages"  # in the partial directory, until it becomes a
 
 
 class PageUpload:
-    """The pages of a chunked snapshot that go up: those no usable remote pack holds."""
+    """The pages of a chunked snapshot that go up: those no usable remote pack holds.
+
+    Made by ``upload.upload_snapshot`` (it reads the remote packs' ids); ``_Upload.run``
+    sends them before any file of the snapshot, checks the packs right before the remote
+    manifest, puts ``describe()`` in it, and calls ``undo`` when the upload fails."""
 
     def __init__(self, store: RemoteObjects, local: SnapshotStore,
                  recipes: dict[str, bytes]) -> None:
@@ -75,7 +79,11 @@ class PageUpload:
 
 
 class PageDownload:
-    """The pages of a chunked remote snapshot that the local store lacks."""
+    """The pages of a chunked remote snapshot that the local store lacks.
+
+    Made by ``download.download_snapshot`` once the recipes are in its partial directory,
+    where they keep alive the pages this store has (the collector reads them there), so
+    those found here stay found; ``fetch`` runs after the snapshot's small files came."""
 
     def __init__(self, store: RemoteObjects, snapshot_id: str, remote: dict[str, Any],
                  recipes: dict[str, bytes], local: SnapshotStore) -> None:
