@@ -23,7 +23,8 @@ each record's nonce and tag cost 0.04 % of the pack; runs of needed pages that l
 in a pack (``GAP_PAGES``) are fetched as one range anyway.
 
 A remote manifest of a chunked snapshot lists the packs it needs (``packs``): the remote
-collector (``RemotePacks.collect``, called by ``RemoteStore.clean_incomplete``) removes a
+collector (``RemotePacks.collect``, called by ``RemoteStore.clean_incomplete`` and after
+``RemoteStore.delete``) removes a
 pack that no remote manifest lists once it is older than the grace given, so an upload in
 progress, whose manifest is not up yet, keeps its new pack.
 """

@@ -10,6 +10,7 @@ All methods block: the server calls them through ``asyncio.to_thread``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,18 @@ from .upload import abort_stale_multipart, upload_snapshot
 class RemoteStore(RemoteObjects):
     """The snapshots under one fsspec URL, e.g. ``s3://bucket/prefix``; see ``RemoteObjects``
     for the options and the encryption key."""
+
+    # A delete collects the packs no remote manifest names that are older than this: an
+    # upload in progress (its manifest not up yet) wrote its pack more recently.
+    pack_grace: float = 3600.0
+
+    def delete(self, snapshot_id: str) -> None:
+        """Remove a remote snapshot (``RemoteObjects.delete``), then the packs that no
+        remote snapshot needs any more, past ``pack_grace``. The snapshot is gone once this
+        returns; a failure to collect only leaves packs for the next delete or clean-up."""
+        super().delete(snapshot_id)
+        with contextlib.suppress(Exception):
+            self.collect_packs(time.time() - self.pack_grace)
 
     def clean_incomplete(self, older_than: float = 3600.0) -> builtins.list[str]:
         """Remove uploads that never completed and are older than ``older_than`` seconds,
