@@ -24,9 +24,9 @@ in a pack (``GAP_PAGES``) are fetched as one range anyway.
 
 A remote manifest of a chunked snapshot lists the packs it needs (``packs``): the remote
 collector (``RemotePacks.collect``, called by ``RemoteStore.clean_incomplete`` and after
-``RemoteStore.delete``) removes a
-pack that no remote manifest lists once it is older than the grace given, so an upload in
-progress, whose manifest is not up yet, keeps its new pack.
+``RemoteStore.delete``) removes a pack that no remote manifest lists once it is older than
+the grace given, so an upload in progress, whose manifest is not up yet, keeps its new
+pack.
 """
 
 from __future__ import annotations
