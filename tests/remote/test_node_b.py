@@ -179,6 +179,9 @@ async def _saved_on_a_restored_on_b(cluster: Cluster) -> None:
     snapshot_id = job["snapshot_id"]
     listed = {s["id"]: s for s in await node_a.api.snapshots()}
     assert listed[snapshot_id]["location"] == "both", listed
+    # Kept by content in the bucket too: node B fetches its pages, not whole images.
+    uploaded = cluster.remote().get(snapshot_id)
+    assert uploaded.chunked and uploaded.remote_manifest["packs"], uploaded.remote_manifest
     node_a.kill()  # node A is gone for good, its kernel with it
     assert kernel_processes(kernel_id) == []
 
