@@ -42,7 +42,9 @@ def test_saved_on_node_a_restored_on_node_b(kernel, tmp_path, restored, remote_u
     node_b = RemoteStore(remote_url, s3_options)
     assert [s.name for s in node_b.list()] == ["moving"]
     store_b = SnapshotStore(tmp_path / "node-b")
-    node_b.download(snap.id, store_b.root)
+    node_b.download(snap.id, store_b)
+    # It came as a chunked snapshot: recipes over a pack of node B's store.
+    assert any(p.name.endswith(".chunks") for p in (store_b.root / snap.id).iterdir())
     back = run(SnapshotEngine(store_b).restore("moving"))
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, "print(hashlib.sha256(weights.tobytes()).hexdigest())").strip() == (
