@@ -315,3 +315,19 @@ def test_node_b_fetches_part_of_a_pack_by_range(remote_url, s3_options, tmp_path
     # record the first of them lies in.
     assert _stored(800, sealed) <= sum(fetched) <= _stored(800, sealed) + RECORD_BYTES
     assert _assembled(store_b, snap.id) == b"".join(first)
+
+
+def test_a_plain_chunked_snapshot_comes_down_on_a_node_with_a_key(
+    remote_url, s3_options, tmp_path
+):
+    store_a = SnapshotStore(tmp_path / "node-a")
+    snap1, snap2, _ = _two_saves(store_a)
+    _remote(remote_url, s3_options, None).upload(snap1.path, local=store_a)
+    # The store turned on encryption after the first upload: the next upload seals its
+    # pages in a pack of its own, and both come down on a node with the key.
+    sealed = _remote(remote_url, s3_options, KEY).upload(snap2.path, local=store_a)
+    assert sealed.remote_manifest["new_page_bytes"] == 1539 * PAGE
+    store_b = SnapshotStore(tmp_path / "node-b")
+    for snap in (snap1, snap2):
+        _remote(remote_url, s3_options, KEY).download(snap.id, store_b)
+        assert _assembled(store_b, snap.id) == _assembled(store_a, snap.id)

@@ -114,15 +114,18 @@ class RemotePacks:
                 packs.setdefault(match[1], {})[match[2]] = info
         return packs
 
-    def usable(self, listing: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
-        """The complete packs this node may add to and read: its own sealing (its key, or
-        plain without one), ids written, and a pack as long as its ids say."""
+    def usable(self, listing: dict[str, dict[str, dict[str, Any]]],
+               reading: bool = False) -> list[str]:
+        """The complete packs (ids written, and a pack as long as its ids say) an upload
+        may name: those of its own sealing (its key, or plain without one), so that a
+        snapshot's pages are sealed as it is. ``reading``: those a download may read, plain
+        ones too (snapshots uploaded before a key was configured)."""
         usable = []
         for stem, kinds in sorted(listing.items()):
             if PACK not in kinds or IDS not in kinds:
                 continue
             _, _, sealed_by = stem.partition(".")
-            if (sealed_by or None) != self.key_id:
+            if (sealed_by or None) != self.key_id and not (reading and not sealed_by):
                 continue
             sealer = self.sealer(stem)
             pages = _plain_size(int(kinds[IDS].get("size", -1)), sealer is not None) // ID_BYTES
@@ -133,7 +136,7 @@ class RemotePacks:
 
     def require(self, snapshot_id: str, stems: list[str]) -> None:
         """Refuse before any transfer when a pack ``snapshot_id`` needs is missing or cut."""
-        usable = set(self.usable(self.listing()))
+        usable = set(self.usable(self.listing(), reading=True))
         for stem in stems:
             if stem not in usable:
                 raise damaged_copy(snapshot_id, f"the remote pack {stem} is missing or cut off")
