@@ -26,6 +26,7 @@ from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
 from jupyter_gpu_snapshot.core.remote import upload as upload_module
 from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.remote.packs import PACKS_DIR, RECORD_BYTES, RemotePacks
+from jupyter_gpu_snapshot.core.remote.pages import PageUpload
 from jupyter_gpu_snapshot.core.remote.sealing import RECORD_OVERHEAD
 from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
@@ -331,3 +332,32 @@ def test_a_plain_chunked_snapshot_comes_down_on_a_node_with_a_key(
     for snap in (snap1, snap2):
         _remote(remote_url, s3_options, KEY).download(snap.id, store_b)
         assert _assembled(store_b, snap.id) == _assembled(store_a, snap.id)
+
+
+def test_a_pack_left_by_an_upload_cut_off_before_its_manifest_serves_the_next_one(
+    remote_url, s3_options, tmp_path, key, monkeypatch
+):
+    """As a kill right before the remote manifest: the new pack and its ids are up, no
+    manifest names them, and nothing took them back."""
+    store_a = SnapshotStore(tmp_path / "node-a")
+    snap1, _, _ = _two_saves(store_a)
+    remote = _remote(remote_url, s3_options, key)
+
+    def cut(self: Any, remote_manifest: dict[str, Any]) -> None:
+        raise KeyboardInterrupt  # no Exception: as a kill, nothing is retried
+
+    monkeypatch.setattr(upload_module._Upload, "_put_remote_manifest", cut)
+    monkeypatch.setattr(PageUpload, "undo", lambda self: None)
+    with pytest.raises(KeyboardInterrupt):
+        remote.upload(snap1.path, local=store_a)
+    monkeypatch.undo()
+    assert remote.list() == []
+    left = {n.rsplit(".", 1)[0] for n in _pack_objects(remote)}
+    assert len(left) == 1
+    # The next upload finds every page in that pack and sends none again.
+    uploaded = remote.upload(snap1.path, local=store_a)
+    assert uploaded.remote_manifest["new_page_bytes"] == 0
+    assert set(uploaded.remote_manifest["packs"]) == left
+    store_b = SnapshotStore(tmp_path / "node-b")
+    remote.download(snap1.id, store_b)
+    assert _assembled(store_b, snap1.id) == _assembled(store_a, snap1.id)
