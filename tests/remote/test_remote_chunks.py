@@ -361,3 +361,30 @@ def test_a_pack_left_by_an_upload_cut_off_before_its_manifest_serves_the_next_on
     store_b = SnapshotStore(tmp_path / "node-b")
     remote.download(snap1.id, store_b)
     assert _assembled(store_b, snap1.id) == _assembled(store_a, snap1.id)
+
+
+def test_an_upload_whose_reused_pack_is_collected_meanwhile_is_not_listed(
+    remote_url, s3_options, tmp_path, key, monkeypatch
+):
+    store_a = SnapshotStore(tmp_path / "node-a")
+    snap1, snap2, _ = _two_saves(store_a)
+    remote = _remote(remote_url, s3_options, key)
+    (old_pack,) = remote.upload(snap1.path, local=store_a).remote_manifest["packs"]
+    put = upload_module._Upload._put_remote_manifest
+
+    def collected_meanwhile(self: Any, remote_manifest: dict[str, Any]) -> None:
+        # Another node deleted snap1 and collected its pack while this upload reused it.
+        RemotePacks(remote).remove(old_pack)
+        put(self, remote_manifest)
+
+    monkeypatch.setattr(upload_module._Upload, "_put_remote_manifest", collected_meanwhile)
+    with pytest.raises(RemoteStoreError, match=f"pack {old_pack} .* was removed"):
+        remote.upload(snap2.path, local=store_a)
+    monkeypatch.undo()
+    assert snap2.id not in [s.id for s in remote.list()]
+    # Uploaded again, it sends the pages it can no longer find.
+    again = remote.upload(snap2.path, local=store_a)
+    assert old_pack not in again.remote_manifest["packs"]
+    store_b = SnapshotStore(tmp_path / "node-b")
+    remote.download(snap2.id, store_b)
+    assert _assembled(store_b, snap2.id) == _assembled(store_a, snap2.id)

@@ -23,7 +23,7 @@ each record's nonce and tag cost 0.04 % of the pack; runs of needed pages that l
 in a pack (``GAP_PAGES``) are fetched as one range anyway.
 
 A remote manifest of a chunked snapshot lists the packs it needs (``packs``): the remote
-collector (``RemotePacks.collect``, called by ``RemoteStore.clean_incomplete`` and after
+collector (``RemoteStore.collect_packs``, called by ``RemoteStore.clean_incomplete`` and after
 ``RemoteStore.delete``) removes a pack that no remote manifest lists once it is older than
 the grace given, so an upload in progress, whose manifest is not up yet, keeps its new
 pack.
@@ -295,19 +295,15 @@ class RemotePacks:
             list(pool.map(job, jobs))
 
     # -- collecting ---------------------------------------------------------------------------
-    def collect(self, referenced: set[str], cutoff: float) -> list[str]:
-        """Remove the packs no remote manifest lists (``referenced``) whose objects are all
-        older than ``cutoff``; a younger one may belong to an upload whose manifest is not
-        up yet. Returns the stems removed."""
-        removed = []
-        for stem, kinds in sorted(self.listing().items()):
-            if stem in referenced:
-                continue
-            if max(modified_time(info) for info in kinds.values()) > cutoff:
-                continue
-            self.remove(stem)
-            removed.append(stem)
-        return removed
+    def garbage(self, referenced: set[str], cutoff: float) -> list[str]:
+        """The packs no remote manifest lists (``referenced``) whose objects are all older
+        than ``cutoff``; a younger one may belong to an upload whose manifest is not up
+        yet. ``RemoteStore.collect_packs`` removes them."""
+        return [
+            stem for stem, kinds in sorted(self.listing().items())
+            if stem not in referenced
+            and max(modified_time(info) for info in kinds.values()) <= cutoff
+        ]
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -53,9 +53,10 @@ class PageUpload:
         self.stems.add(self.new_stem)
 
     def check(self, snapshot_id: str) -> None:
-        """Right before the remote manifest: every pack it will name is still there (the
-        remote collector removes only packs no manifest names, after a grace; this catches
-        one that went while this upload ran)."""
+        """Right before the remote manifest and right after it: every pack it names is
+        still there. The remote collector removes only packs no manifest names, past a
+        grace, and lists the manifests again before it removes; this catches a reused old
+        pack that went while this upload ran."""
         gone = sorted(self.stems - set(self.packs.usable(self.packs.listing())))
         if gone:
             raise RemoteStoreError(

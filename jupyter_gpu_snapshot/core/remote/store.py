@@ -81,15 +81,29 @@ class RemoteStore(RemoteObjects):
     def collect_packs(self, cutoff: float) -> builtins.list[str]:
         """Remove the remote packs no remote manifest names whose objects are all older
         than ``cutoff``; nothing when a remote manifest cannot be read (it might name any).
-        Returns the packs removed."""
-        referenced: set[str] = set()
-        for snapshot_id in self.ids():
-            try:
-                remote = self.read_remote_manifest(snapshot_id)
-            except Exception:  # unreadable: it might name any pack, so keep them all
+        Returns the packs removed.
+
+        The remote manifests are listed again right before the removal: one that went up
+        meanwhile (an upload that reused an old pack) makes the count start over.
+        """
+        packs = RemotePacks(self)
+        for _ in range(3):
+            revisions = self.revisions()
+            referenced: set[str] = set()
+            for snapshot_id in revisions:
+                try:
+                    remote = self.read_remote_manifest(snapshot_id)
+                except Exception:  # unreadable: it might name any pack, so keep them all
+                    return []
+                referenced.update(str(s) for s in (remote or {}).get("packs", []))
+            doomed = packs.garbage(referenced, cutoff)
+            if not doomed:
                 return []
-            referenced.update(str(s) for s in (remote or {}).get("packs", []))
-        return RemotePacks(self).collect(referenced, cutoff)
+            if self.revisions() == revisions:
+                for stem in doomed:
+                    packs.remove(stem)
+                return doomed
+        return []
 
     # -- transfers --------------------------------------------------------------------------
     def upload(

@@ -237,6 +237,10 @@ class _Upload:
                     self.pages.check(self.snapshot_id)
                     remote.update(self.pages.describe(), remote_format=CHUNKED_FORMAT)
                 self._put_remote_manifest(remote)
+                if self.pages is not None:
+                    # A collection that counted before the manifest went up and removed
+                    # after the check above: unlisted again, and the upload fails.
+                    self.pages.check(self.snapshot_id)
             except BaseException:
                 self._undo(multipart)
                 if self.pages is not None:
