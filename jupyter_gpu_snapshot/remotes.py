@@ -57,13 +57,14 @@ def judge_remote(store: SnapshotStore, remote: RemoteSnapshot) -> Snapshot:
     return store.judge(remote.id, remote.manifest)
 
 
-def upload_whole(
+def upload_local(
     store: SnapshotStore, remote: RemoteStore, snapshot: Snapshot, progress: ProgressFn | None
 ) -> RemoteSnapshot:
-    """Upload ``snapshot`` as whole files: one kept by content is assembled first, since the
-    remote store keeps whole images. Called by the server's uploads and the CLI's."""
-    with store.opened_images(snapshot) as (directory, _):
-        return remote.upload(directory, progress)
+    """Upload ``snapshot`` of ``store``: one kept by content goes up chunked, only the pages
+    the remote store lacks (``core/remote/packs.py``). Called by the server's uploads and
+    the CLI's."""
+    snapshot.require_trusted("upload")
+    return remote.upload(snapshot.path, progress, local=store)
 
 
 def merge_locations(

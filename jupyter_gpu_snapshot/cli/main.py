@@ -46,7 +46,7 @@ from ..remotes import (
     judge_remote,
     make_remote_store,
     merge_locations,
-    upload_whole,
+    upload_local,
 )
 from .checks import run_checks
 
@@ -371,7 +371,7 @@ def _fetch_remote(
     cache.evict(set(remote.ids()), (), incoming_bytes=size)
     bar(EngineProgress("downloading", 0, size))
     remote.download(
-        match.id, engine.store.root,
+        match.id, engine.store,
         lambda done, total: bar(EngineProgress("downloading", done, total)),
     )
     cache.touch(match.id)
@@ -454,7 +454,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     snapshot = engine.get(args.snapshot)
     snapshot.require_trusted("upload")
     with _ProgressBar(err.is_terminal) as bar:
-        uploaded = upload_whole(
+        uploaded = upload_local(
             engine.store, remote, snapshot,
             lambda done, total: bar(EngineProgress("uploading", done, total)),
         )

@@ -444,6 +444,78 @@ class ChunkStore:
         finally:
             os.close(out)
 
+    # -- moving pages between stores --------------------------------------------------------
+    def lacking(self, ids: Ids) -> npt.NDArray[np.bool_]:
+        """Which of ``ids`` no pack of the store holds (the zero id never counts as lacking).
+        Called by a remote download, whose recipes are in its partial directory first, so
+        that the pages found here stay alive."""
+        with self._dir() as dfd, self.hold("download"):
+            found = self.index(dfd).find(ids)
+        lacking: npt.NDArray[np.bool_] = (found < 0) & ids.any(axis=1)
+        return lacking
+
+    @contextlib.contextmanager
+    def reading(self, ids: Ids) -> Iterator[Callable[[int, int], bytes]]:
+        """``read(first, count)``: the pages ``ids[first:first + count]`` from the store's
+        packs, for an upload. The packs are opened under the chunks lock (an open pack
+        stays readable after the collector removed it); the caller's snapshot keeps the
+        pages alive. A page the store lacks is an error."""
+        with self._dir() as dfd:
+            with self.hold("upload"):
+                index = self.index(dfd)
+                where = index.find(ids)
+                if (where < 0).any():
+                    raise SnapshotError(
+                        "upload", f"page {int(np.argmax(where < 0))} of the upload is in no "
+                        "pack of the store", hint="the snapshot is damaged; delete it")
+                opened = {int(p): safe_fs.open_regular(index.packs[int(p)] + PACK_SUFFIX, dfd)[0]
+                          for p in np.unique(index.pack_of[where])}
+            try:
+                packs, slots = index.pack_of[where], index.slot_of[where]
+
+                def read(first: int, count: int) -> bytes:
+                    part_packs = packs[first:first + count]
+                    part_slots = slots[first:first + count]
+                    breaks = np.nonzero((np.diff(part_packs) != 0)
+                                        | (np.diff(part_slots) != 1))[0] + 1
+                    starts = np.concatenate(([0], breaks)).tolist()
+                    ends = [*breaks.tolist(), len(part_packs)]
+                    out = []
+                    for start, end in zip(starts, ends, strict=True):
+                        fd = opened[int(part_packs[start])]
+                        length = (end - start) * PAGE
+                        data = _read_range(fd, int(part_slots[start]) * PAGE, length)
+                        if len(data) != length:
+                            raise OSError("a pack is shorter than its ids say")
+                        out.append(data)
+                    return b"".join(out)
+
+                yield read
+            finally:
+                for fd in opened.values():
+                    os.close(fd)
+
+    def adopt_pack(self, src_dfd: int, src_name: str, ids: bytes) -> str:
+        """Make the file ``src_name`` of ``src_dfd`` (pages, in the order of ``ids``; on the
+        store's filesystem) a pack of the store: fsynced, renamed into ``chunks/``, then its
+        ids written. Called with the chunks lock held by a remote download, once its recipes
+        are in its partial directory. Returns the pack's name."""
+        fd, size = safe_fs.open_regular(src_name, src_dfd)
+        try:
+            if size != len(ids) // ID_BYTES * PAGE:
+                raise OSError(f"{src_name} does not hold the pages its ids name")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self._dir() as dfd:
+            writer = PackWriter(dfd)
+            os.rename(src_name, writer.name + PACK_SUFFIX, src_dir_fd=src_dfd, dst_dir_fd=dfd)
+            writer.fd = os.open(writer.name + PACK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW
+                                | os.O_CLOEXEC, dir_fd=dfd)
+            writer.ids += ids
+            writer.finish()
+        return writer.name
+
     # -- collecting ------------------------------------------------------------------------
     def collect(self, live_recipes: Iterable[bytes]) -> CollectReport:
         """Remove packs no recipe needs, and rewrite those mostly dead. The caller passes
@@ -595,6 +667,18 @@ def live_ids(recipes: Iterable[bytes]) -> npt.NDArray[np.void]:
     return every
 
 
+def ids_in_order(recipes: Iterable[bytes]) -> Ids:
+    """The distinct ids ``recipes`` need, without the zero id, in the order they first
+    appear: pages that follow each other in a file stay together in a pack made from
+    them, so assembling the file later copies long runs."""
+    every = np.concatenate([np.frombuffer(r, np.uint8) for r in recipes] or
+                           [np.zeros(0, np.uint8)]).reshape(-1, ID_BYTES)
+    _, first = np.unique(_voids(every), return_index=True)
+    first.sort()
+    ordered: Ids = every[first]
+    return ordered[ordered.any(axis=1)]
+
+
 def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> None:
     """In the kernel (a reflink where the filesystem shares blocks), else through memory."""
     while length:
@@ -608,6 +692,18 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int
         src_offset += n
         dst_offset += n
         length -= n
+
+
+def _read_range(fd: int, offset: int, length: int) -> bytes:
+    parts = []
+    while length > 0:
+        data = os.pread(fd, length, offset)
+        if not data:
+            break
+        parts.append(data)
+        offset += len(data)
+        length -= len(data)
+    return b"".join(parts)
 
 
 def _read_all(fd: int, size: int) -> bytes:

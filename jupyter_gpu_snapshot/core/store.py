@@ -205,6 +205,15 @@ class SnapshotStore:
         return chunks.ChunkStore(root_fd, self.locks, self.key.derive(chunks.ID_CONTEXT))
 
     @contextlib.contextmanager
+    def chunk_store(self, keyed: bool = True) -> Iterator[chunks.ChunkStore]:
+        """The store's page packs, for a remote transfer that reads or adds pages
+        (``core/remote/``): an upload reads the pages a remote lacks (by their ids: it
+        needs no key, ``keyed=False``), a download adds those this store lacks."""
+        with self._root_fd() as root_fd:
+            assert root_fd is not None
+            yield self._chunks(root_fd) if keyed else chunks.ChunkStore(root_fd, self.locks, b"")
+
+    @contextlib.contextmanager
     def _holding_chunks(self, root_fd: int, step: str) -> Iterator[chunks.ChunkStore]:
         store = self._chunks(root_fd)
         with store.hold(step):

@@ -23,7 +23,7 @@ from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
 from ..core.snapshot import Snapshot
 from ..core.store import SnapshotStore
-from ..remotes import judge_remote, upload_whole
+from ..remotes import judge_remote, upload_local
 
 # How long a remote listing is reused; the UI polls every few seconds.
 LISTING_SECONDS = 15.0
@@ -169,7 +169,7 @@ class RemoteSync:
         await asyncio.to_thread(self.pending.mark, snapshot.id)
         progress = _progress(report, "uploading", self.stopping)
         try:
-            uploaded = await asyncio.to_thread(upload_whole, self.store, self.remote, snapshot,
+            uploaded = await asyncio.to_thread(upload_local, self.store, self.remote, snapshot,
                                                progress)
         except SnapshotError as exc:
             self.log.warning(
@@ -235,7 +235,7 @@ class RemoteSync:
             )
         await self.evict(protected, incoming_bytes=remote.size_bytes)
         progress = _progress(report, "downloading", None)
-        await asyncio.to_thread(self.remote.download, snapshot_id, self.store.root, progress)
+        await asyncio.to_thread(self.remote.download, snapshot_id, self.store, progress)
         await asyncio.to_thread(self.cache.touch, snapshot_id)
         self.log.info("gpu-snapshot: downloaded snapshot %s from %s", snapshot_id, self.url)
 

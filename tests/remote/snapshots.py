@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from jupyter_gpu_snapshot.core.progress import ProgressFn
-from jupyter_gpu_snapshot.core.remote import RemoteSnapshot, RemoteStore
 from jupyter_gpu_snapshot.core.snapshot import Snapshot, new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.remotes import upload_whole
 
 from ..manifests import CONNECTION, kernel_section
 
@@ -45,25 +40,3 @@ def make_snapshot(
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
-
-
-@contextlib.contextmanager
-def whole_files(store: SnapshotStore, snapshot: Snapshot) -> Iterator[Path]:
-    """The snapshot's directory with whole image files, as uploads read it: a large file
-    is kept in the store as a recipe of pages, assembled here."""
-    with store.opened_images(snapshot) as (directory, _):
-        yield directory
-
-
-def whole_tree(store: SnapshotStore, snapshot: Snapshot) -> dict[str, bytes]:
-    """``tree_bytes`` of the snapshot as whole files: what a remote copy holds."""
-    with whole_files(store, snapshot) as directory:
-        return tree_bytes(directory)
-
-
-def upload(
-    store: SnapshotStore, remote: RemoteStore, snapshot: Snapshot,
-    progress: ProgressFn | None = None,
-) -> RemoteSnapshot:
-    """Upload as the CLI and the server do: whole files, assembled first."""
-    return upload_whole(store, remote, snapshot, progress)

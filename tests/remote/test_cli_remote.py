@@ -19,7 +19,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 
 from ..conftest import KernelHandle, RestoredTrees, execute
 from .seaweed import SeaweedServer
-from .snapshots import make_snapshot, tree_bytes, upload, whole_tree
+from .snapshots import make_snapshot, tree_bytes
 
 
 def _cli(env: dict[str, str], store: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -95,9 +95,11 @@ def test_cli_restore_downloads_a_remote_only_snapshot_first(
 def test_cli_restore_refuses_a_foreign_remote_snapshot_before_fetching_it(
     seaweed: SeaweedServer, remote_url: str, s3_options: dict[str, Any], tmp_path: Path
 ) -> None:
-    elsewhere = SnapshotStore(tmp_path / "elsewhere", tmp_path / "other.key")
-    foreign = make_snapshot(elsewhere, {"pages-1.img": 1 << 20}, name="planted")
-    upload(elsewhere, RemoteStore(remote_url, s3_options), foreign)
+    foreign = make_snapshot(
+        SnapshotStore(tmp_path / "elsewhere", tmp_path / "other.key"), {"pages-1.img": 1 << 20},
+        name="planted",
+    )
+    RemoteStore(remote_url, s3_options).upload(foreign.path)
     env = _env(seaweed, remote_url, s3_options, tmp_path / "signing.key")
     node_b = tmp_path / "node-b"
 
@@ -119,16 +121,16 @@ def test_cli_download_fetches_into_the_store_without_restoring(
 ) -> None:
     key_file = tmp_path / "signing.key"
     env = _env(seaweed, remote_url, s3_options, key_file)
-    node_a = SnapshotStore(tmp_path / "node-a", key_file)
-    shared = make_snapshot(node_a, {"pages-1.img": 3 << 20}, name="shared")
-    upload(node_a, RemoteStore(remote_url, s3_options), shared)
+    shared = make_snapshot(SnapshotStore(tmp_path / "node-a", key_file),
+                           {"pages-1.img": 3 << 20}, name="shared")
+    RemoteStore(remote_url, s3_options).upload(shared.path)
     node_b = tmp_path / "node-b"
 
     out = _cli(env, node_b, "download", "shared")
 
     assert f"shared ({shared.id}) is in {node_b}" in out.stdout
     assert _locations(env, node_b) == {"shared": "both"}
-    assert tree_bytes(node_b / shared.id) == whole_tree(node_a, shared)
+    assert tree_bytes(node_b / shared.id) == tree_bytes(shared.path)
 
 
 def test_cli_restore_names_a_remote_store_that_does_not_answer(

@@ -34,7 +34,7 @@ from ..gpu_check import no_gpu_reason
 from ..processes import free_port, kernel_processes, kill_kernels
 from ..server.conftest import ServerProcess, server_environment
 from .seaweed import SeaweedServer, serving
-from .snapshots import make_snapshot, upload
+from .snapshots import make_snapshot
 
 BUCKET = "cluster"
 NOTEBOOK = "project/train.ipynb"
@@ -179,6 +179,9 @@ async def _saved_on_a_restored_on_b(cluster: Cluster) -> None:
     snapshot_id = job["snapshot_id"]
     listed = {s["id"]: s for s in await node_a.api.snapshots()}
     assert listed[snapshot_id]["location"] == "both", listed
+    # Kept by content in the bucket too: node B fetches its pages, not whole images.
+    uploaded = cluster.remote().get(snapshot_id)
+    assert uploaded.chunked and uploaded.remote_manifest["packs"], uploaded.remote_manifest
     node_a.kill()  # node A is gone for good, its kernel with it
     assert kernel_processes(kernel_id) == []
 
@@ -229,7 +232,7 @@ async def _foreign_snapshot_refused(cluster: Cluster) -> None:
     # A well-formed snapshot, signed by a node whose key node B does not share.
     foreign = SnapshotStore(cluster.home / "foreign-store", cluster.home / "foreign.key")
     snapshot = make_snapshot(foreign, {"pages-1.img": 1 << 20}, name="planted")
-    upload(foreign, cluster.remote(), snapshot)
+    cluster.remote().upload(snapshot.path)
 
     node_b = await cluster.start_node_b()
     (found,) = await node_b.api.snapshots()

@@ -13,7 +13,6 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.remotes import upload_whole
 
 from ..conftest import execute, run
 
@@ -38,13 +37,14 @@ def test_saved_on_node_a_restored_on_node_b(kernel, tmp_path, restored, remote_u
     snap = run(engine_a.save(target, name="moving", stop=True))
     kernel.km.provisioner.process.wait(timeout=10)
     assert any(int(f["size"]) > TREE_CHUNK for f in snap.manifest["files"].values())
-    upload_whole(engine_a.store, RemoteStore(remote_url, s3_options, part_bytes=8 << 20), snap,
-                 None)
+    RemoteStore(remote_url, s3_options, part_bytes=8 << 20).upload(snap.path)
 
     node_b = RemoteStore(remote_url, s3_options)
     assert [s.name for s in node_b.list()] == ["moving"]
     store_b = SnapshotStore(tmp_path / "node-b")
-    node_b.download(snap.id, store_b.root)
+    node_b.download(snap.id, store_b)
+    # It came as a chunked snapshot: recipes over a pack of node B's store.
+    assert any(p.name.endswith(".chunks") for p in (store_b.root / snap.id).iterdir())
     back = run(SnapshotEngine(store_b).restore("moving"))
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, "print(hashlib.sha256(weights.tobytes()).hexdigest())").strip() == (

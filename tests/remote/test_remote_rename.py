@@ -23,7 +23,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.server.remote_sync import RemoteSync
 
 from .seaweed import SeaweedServer
-from .snapshots import make_snapshot, upload
+from .snapshots import make_snapshot
 
 
 def _objects(remote: RemoteStore, snapshot_id: str) -> list[str]:
@@ -39,7 +39,7 @@ def test_a_rename_reaches_the_remote_copy_and_node_b_restores_it_by_the_new_name
     store_a = SnapshotStore(tmp_path / "node-a", tmp_path / "shared.key")
     remote_a = RemoteStore(remote_url, s3_options, key=key)
     snapshot = make_snapshot(store_a, {"pages-1.img": 3 << 20}, name="before")
-    upload(store_a, remote_a, snapshot)
+    remote_a.upload(snapshot.path)
     old_remote = remote_a.read_remote_manifest(snapshot.id)
     assert old_remote is not None
 
@@ -54,7 +54,7 @@ def test_a_rename_reaches_the_remote_copy_and_node_b_restores_it_by_the_new_name
     before = json.loads(remote_b.fetch_object(snapshot.id, old_remote, MANIFEST))
     assert before["name"] == "before"
     store_b = SnapshotStore(tmp_path / "node-b", tmp_path / "shared.key")
-    remote_b.download(snapshot.id, store_b.root)
+    remote_b.download(snapshot.id, store_b)
     downloaded = store_b.get("after")
     assert downloaded.trusted and downloaded.id == snapshot.id
     store_b.verify(downloaded)
@@ -68,7 +68,7 @@ def test_a_rename_reaches_the_remote_copy_and_node_b_restores_it_by_the_new_name
     assert again is not None and again.name == "again"
     second_object = again.remote_manifest["objects"][MANIFEST]["object"]
     assert _objects(remote_a, snapshot.id) == sorted(
-        [first_object, second_object, "pages-1.img", REMOTE_MANIFEST]
+        [first_object, second_object, "pages-1.img.chunks", REMOTE_MANIFEST]  # its recipe
     )
     assert [s.name for s in remote_b.list()] == ["again"]
 
@@ -147,7 +147,7 @@ def test_cli_rename_with_the_remote_unreachable_renames_here_and_says_what_to_do
     key_file = tmp_path / "signing.key"
     store_a = SnapshotStore(tmp_path / "node-a", key_file)
     snapshot = make_snapshot(store_a, {"pages-1.img": 1 << 20}, name="before")
-    upload(store_a, RemoteStore(remote_url, s3_options), snapshot)
+    RemoteStore(remote_url, s3_options).upload(snapshot.path)
     # Nothing listens on this port: the remote store cannot be reached.
     unreachable = _env(seaweed, remote_url, key_file, endpoint="http://127.0.0.1:9")
 

@@ -24,7 +24,7 @@ from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
 from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from .snapshots import make_snapshot, tree_bytes, upload, whole_files, whole_tree
+from .snapshots import make_snapshot, tree_bytes
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,9 +51,9 @@ def test_round_trip_to_a_second_cache(remote_url, s3_options, cache_a, cache_b):
     snap = make_snapshot(local, {"pages-1.img": 3 * MiB + 17, "core-1.img": 1234, "empty.img": 0})
     ups: list[tuple[int, int]] = []
     remote_a = _store(remote_url, s3_options)
-    uploaded = upload(local, remote_a, snap, progress=lambda d, t: ups.append((d, t)))
+    uploaded = remote_a.upload(snap.path, progress=lambda d, t: ups.append((d, t)))
     assert uploaded.id == snap.id and uploaded.manifest == snap.manifest
-    assert ups[-1][0] == ups[-1][1] == sum(len(b) for b in whole_tree(local, snap).values())
+    assert ups[-1][0] == ups[-1][1] == sum(p.stat().st_size for p in snap.path.iterdir())
 
     # Node B: its own client and an empty cache; it sees the snapshot and brings it back.
     remote_b = _store(remote_url, s3_options)
@@ -64,7 +64,7 @@ def test_round_trip_to_a_second_cache(remote_url, s3_options, cache_a, cache_b):
     downs: list[tuple[int, int]] = []
     path = remote_b.download(snap.id, cache_b, progress=lambda d, t: downs.append((d, t)))
     assert path == cache_b / snap.id
-    assert tree_bytes(path) == whole_tree(local, snap)
+    assert tree_bytes(path) == tree_bytes(snap.path)
     assert downs[-1][0] == downs[-1][1] > 0
     store_b = SnapshotStore(cache_b)
     store_b.verify(store_b.get(snap.id))  # the local store's own check agrees
@@ -72,19 +72,19 @@ def test_round_trip_to_a_second_cache(remote_url, s3_options, cache_a, cache_b):
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in path.iterdir())
     _nothing_partial(cache_b)
     # A second upload of the same snapshot leaves the remote copy as it is.
-    assert upload(local, remote_a, snap).remote_manifest == uploaded.remote_manifest
+    assert remote_a.upload(snap.path).remote_manifest == uploaded.remote_manifest
 
 
 def test_multipart_parts_go_up_in_parallel(remote_url, s3_options, cache_a, cache_b):
     local = SnapshotStore(cache_a)
     snap = make_snapshot(local, {"pages-1.img": 23 * MiB + 5, "pages-2.img": 11 * MiB})
     remote = _store(remote_url, s3_options, part_bytes=5 * MiB, workers=4)
-    upload(local, remote, snap)
+    remote.upload(snap.path)
     info = remote.fs.info(remote.path(snap.id, "pages-1.img"))
     # S3 gives a multipart object an ETag "<md5 of part md5s>-<number of parts>".
     assert info["ETag"].strip('"').endswith("-5"), info
     path = _store(remote_url, s3_options, workers=3).download(snap.id, cache_b)
-    assert tree_bytes(path) == whole_tree(local, snap)
+    assert tree_bytes(path) == tree_bytes(snap.path)
 
 
 UPLOADER = textwrap.dedent(
@@ -102,10 +102,12 @@ UPLOADER = textwrap.dedent(
 
 
 def test_killed_upload_is_never_listed(remote_url, s3_options, cache_a):
-    local = SnapshotStore(cache_a)
+    # Whole files, as snapshots from before the content-addressed store are kept; a killed
+    # chunked upload is in test_remote_chunks.py.
+    local = SnapshotStore(cache_a, chunk_images=False)
     snap = make_snapshot(local, {"pages-1.img": 40 * MiB, "core-1.img": 1000})
-    with whole_files(local, snap) as whole, subprocess.Popen(
-        [sys.executable, "-c", UPLOADER, remote_url, json.dumps(s3_options), str(whole)],
+    with subprocess.Popen(
+        [sys.executable, "-c", UPLOADER, remote_url, json.dumps(s3_options), str(snap.path)],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
     ) as uploader:  # fmt: skip
         assert uploader.stdout is not None
@@ -128,7 +130,7 @@ def test_killed_upload_is_never_listed(remote_url, s3_options, cache_a):
     assert uploads.get("Uploads", []) == []
     # The local snapshot was never touched, and uploads cleanly afterwards.
     local.verify(local.get(snap.id))
-    assert [s.id for s in remote.list()] == [] and upload(local, remote, snap).id == snap.id
+    assert [s.id for s in remote.list()] == [] and remote.upload(snap.path).id == snap.id
 
 
 def _damage_missing(remote: RemoteStore, sid: str) -> str:
@@ -167,10 +169,10 @@ DAMAGES = {
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_damaged_remote_object_is_refused(damage, remote_url, s3_options, cache_a, cache_b):
-    local = SnapshotStore(cache_a)
+    local = SnapshotStore(cache_a, chunk_images=False)  # damage to whole files
     snap = make_snapshot(local, {"pages-1.img": 6 * MiB, "core-1.img": 999})
     remote = _store(remote_url, s3_options, part_bytes=5 * MiB)
-    upload(local, remote, snap)
+    remote.upload(snap.path)
     expected = DAMAGES[damage](remote, snap.id)
     with pytest.raises(RemoteStoreError, match=expected) as caught:
         _store(remote_url, s3_options).download(snap.id, cache_b)
@@ -201,7 +203,6 @@ def test_delete_unlists_first_and_removes_everything(remote_url, s3_options, cac
 def test_blake3_manifest_is_checked_by_its_named_algorithm(remote_url, s3_options, tmp_path):
     from blake3 import blake3
 
-    # Kept whole, as a downloaded snapshot is: its manifest is rewritten by hand below.
     local = SnapshotStore(tmp_path / "a", chunk_images=False)
     snap = make_snapshot(local, {"pages-1.img": 2 * MiB})
     # A manifest of the BLAKE3 kind: the algorithm named once, each file's digest under it.
@@ -255,18 +256,6 @@ def test_symlink_in_local_snapshot_is_not_uploaded(remote_url, s3_options, tmp_p
     assert remote.list() == []
 
 
-def test_a_snapshot_directory_of_recipes_is_not_uploaded(remote_url, s3_options, tmp_path):
-    local = SnapshotStore(tmp_path / "a")
-    snap = make_snapshot(local, {"pages-1.img": 2 * MiB})
-    assert (snap.path / "pages-1.img.chunks").is_file()
-    remote = _store(remote_url, s3_options)
-    # The recipe names pages of this store only: the remote copy would lack the image.
-    with pytest.raises(RemoteStoreError, match=r"pages-1\.img as a recipe"):
-        remote.upload(snap.path)
-    assert remote.list() == []
-    assert upload(local, remote, snap).id == snap.id
-
-
 def test_upload_failure_leaves_local_snapshot_and_names_the_cause(s3_options, tmp_path):
     local = SnapshotStore(tmp_path / "a")
     snap = make_snapshot(local, {"pages-1.img": 6 * MiB})
@@ -274,7 +263,7 @@ def test_upload_failure_leaves_local_snapshot_and_names_the_cause(s3_options, tm
     remote = _store("s3://no-such-bucket-here/prefix", s3_options, attempts=2, retry_delay=0.01)
     started = time.monotonic()
     with pytest.raises(SnapshotError, match=r"upload failed: .*no-such-bucket-here") as caught:
-        upload(local, remote, snap)
+        remote.upload(snap.path)
     assert "local snapshot is intact" in str(caught.value)
     assert time.monotonic() - started < 30
     assert tree_bytes(snap.path) == before
@@ -307,7 +296,7 @@ def test_download_after_a_killed_download_starts_afresh(remote_url, s3_options, 
     local = SnapshotStore(tmp_path / "a")
     snap = make_snapshot(local, {"pages-1.img": 3 * MiB})
     remote = _store(remote_url, s3_options)
-    upload(local, remote, snap)
+    remote.upload(snap.path)
     # What a downloader killed mid-way leaves: its partial directory, owned by a dead pid.
     with subprocess.Popen([sys.executable, "-c", "pass"]) as gone:
         gone.wait()
@@ -316,5 +305,5 @@ def test_download_after_a_killed_download_starts_afresh(remote_url, s3_options, 
     (partial / ".owner").write_text(str(gone.pid))
     (partial / "pages-1.img").write_bytes(b"half")
     path = remote.download(snap.id, tmp_path / "b")
-    assert tree_bytes(path) == whole_tree(local, snap)
+    assert tree_bytes(path) == tree_bytes(snap.path)
     _nothing_partial(tmp_path / "b")

@@ -100,7 +100,8 @@ def test_a_missing_or_truncated_remote_object_is_named_before_the_restore(
 ) -> None:
     async def scenario() -> None:
         node_a, node_b = _sync(tmp_path, "a"), _sync(tmp_path, "b")
-        snapshot = make_snapshot(node_a.store, {"pages-1.img": 1 << 20}, name="cut")
+        # Not a whole number of pages: kept whole, as one object (packs: test_remote_chunks).
+        snapshot = make_snapshot(node_a.store, {"pages-1.img": (1 << 20) + 100}, name="cut")
         await node_a.upload(snapshot, lambda _p: None, ())
         image = tmp_path / "bucket" / snapshot.id / "pages-1.img"
         if damage == "missing":

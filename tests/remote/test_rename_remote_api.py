@@ -15,7 +15,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from ..server.conftest import ServerProcesses
 from .gate import NetworkGate
 from .seaweed import SeaweedServer
-from .snapshots import make_snapshot, upload
+from .snapshots import make_snapshot
 from .test_server_uploads import _on_servers, _server_env
 from .test_upload_retry import _settings_through
 
@@ -33,10 +33,10 @@ def test_rename_over_rest_reaches_the_remote_copy_or_says_it_did_not(
     store = SnapshotStore(tmp_path / "snapshots", key_file)
     remote = RemoteStore(remote_url, s3_options)
     shared = make_snapshot(store, {"pages-1.img": 1 << 20}, name="shared")
-    upload(store, remote, shared)
-    node_b = SnapshotStore(tmp_path / "node-b", key_file)
-    elsewhere = make_snapshot(node_b, {"pages-1.img": 1 << 20}, name="from-node-b")
-    upload(node_b, remote, elsewhere)
+    remote.upload(shared.path)
+    elsewhere = make_snapshot(SnapshotStore(tmp_path / "node-b", key_file),
+                              {"pages-1.img": 1 << 20}, name="from-node-b")
+    remote.upload(elsewhere.path)
     gate.open()
 
     async def scenario(node: ServerProcesses) -> None:

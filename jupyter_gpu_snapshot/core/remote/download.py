@@ -5,6 +5,12 @@ hashed and written with ``pwrite``; large sha256 files split into the store's tr
 which hash independently. Everything goes into a ``.partial-<id>`` directory beside the
 final one and is renamed into place only when every digest matched, so the store never
 lists a partial download.
+
+A chunked remote snapshot (``packs.py``) comes down as a chunked local one: its recipes go
+into the partial directory first (from then on they keep the pages this store has alive),
+then only the pages this store lacks are fetched, each checked against its keyed id, into
+a file there that becomes a new pack of the store (``ChunkStore.adopt_pack``) before the
+rename. A later restore assembles it as any chunked snapshot.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ from typing import Any
 
 import psutil
 
+from .. import chunks, digest
 from ..digest import TREE_CHUNK
 from ..errors import NotFound
 from ..manifest import MANIFEST
 from ..progress import ProgressFn, byte_counter
-from ..store import OWNER_FILE, PARTIAL_PREFIX
+from ..store import OWNER_FILE, PARTIAL_PREFIX, SnapshotStore
 from .digests import FileCheck, Hasher, file_check, sidecar_check
 from .objects import (
     RemoteObjects,
@@ -34,6 +41,7 @@ from .objects import (
     remote_store_errors,
     safe_object_name,
 )
+from .pages import PageDownload
 from .sealing import RECORD_OVERHEAD, ChunkSealer
 
 READ_BYTES = 8 << 20  # one ranged GET: plaintext bytes
@@ -48,13 +56,17 @@ def _stored_span(sealer: ChunkSealer | None, offset: int, length: int) -> tuple[
 
 
 def download_snapshot(
-    store: RemoteObjects, snapshot_id: str, into_dir: Path, progress: ProgressFn | None = None
+    store: RemoteObjects, snapshot_id: str, into: Path | SnapshotStore,
+    progress: ProgressFn | None = None,
 ) -> Path:
-    """Download ``snapshot_id`` to ``into_dir/<id>``; called by ``RemoteStore.download``.
+    """Download ``snapshot_id`` into the store ``into`` (or the store at that path, with the
+    default signing key); called by ``RemoteStore.download``.
 
     Returns the snapshot directory; one already there is returned as it is.
     ``progress(done, total)`` is called from worker threads.
     """
+    local = into if isinstance(into, SnapshotStore) else None
+    into_dir = into.root if isinstance(into, SnapshotStore) else into
     final = into_dir / snapshot_id
     if final.is_dir() and not final.is_symlink():
         return final
@@ -72,12 +84,15 @@ def download_snapshot(
     if not isinstance(manifest, dict) or manifest.get("id") != snapshot_id:
         raise damaged_copy(snapshot_id, "its manifest names another snapshot")
     listed = set(manifest.get("files", {}))
-    missing = sorted(listed - set(objects))
+    chunked: dict[str, dict[str, Any]] = remote.get("chunked", {})
+    missing = sorted(listed - set(objects) - set(chunked))
     if missing:
         raise damaged_copy(snapshot_id, f"image files were never uploaded: {', '.join(missing)}")
+    recipes = {name: _fetch_recipe(store, snapshot_id, remote, manifest, name, entry)
+               for name, entry in sorted(chunked.items())}
     checks: list[FileCheck] = []
     for name, entry in sorted(objects.items()):
-        if name == MANIFEST:
+        if name == MANIFEST or name in {chunks.recipe_name(n) for n in recipes}:
             continue
         safe_object_name(name, "download")
         if name in listed:
@@ -104,7 +119,15 @@ def download_snapshot(
         try:
             (partial / OWNER_FILE).write_text(str(os.getpid()))
             _write_private(partial / MANIFEST, manifest_bytes)
-            _Download(store, snapshot_id, sealer, partial, checks, progress).run()
+            for name, recipe in recipes.items():
+                _write_private(partial / chunks.recipe_name(name), recipe)
+            pages = PageDownload(store, snapshot_id, remote, recipes, local or
+                                  SnapshotStore(into_dir)) if recipes else None
+            download = _Download(store, snapshot_id, sealer, partial, checks, progress,
+                                 pages.lacking_bytes if pages else 0)
+            download.run()
+            if pages is not None:
+                pages.fetch(partial, download.advance)
             (partial / OWNER_FILE).unlink()
             _fsync(partial)
             os.rename(partial, final)
@@ -113,6 +136,22 @@ def download_snapshot(
             shutil.rmtree(partial, ignore_errors=True)
             raise
     return final
+
+
+def _fetch_recipe(
+    store: RemoteObjects, snapshot_id: str, remote: dict[str, Any], manifest: dict[str, Any],
+    name: str, entry: dict[str, Any],
+) -> bytes:
+    """The recipe of the chunked file ``name``, checked against the snapshot's manifest
+    (whose signature the local store checks before any restore)."""
+    listed = manifest.get("files", {}).get(name)
+    recipe = store.fetch_object(snapshot_id, remote, str(entry["recipe"]))
+    if (not isinstance(listed, dict) or "chunks" not in listed
+            or int(listed["size"]) != int(entry["size"])
+            or len(recipe) != int(listed["size"]) // chunks.PAGE * chunks.ID_BYTES
+            or digest.blake3_hex(recipe) != listed["chunks"]):
+        raise damaged_copy(snapshot_id, f"the recipe of {name} does not match its manifest")
+    return recipe
 
 
 def _check_objects_present(
@@ -183,6 +222,7 @@ class _Download:
         into: Path,
         checks: list[FileCheck],
         progress: ProgressFn | None,
+        extra_bytes: int = 0,
     ) -> None:
         if sealer is not None:
             assert TREE_CHUNK % sealer.chunk_bytes == 0 and READ_BYTES % sealer.chunk_bytes == 0
@@ -191,7 +231,7 @@ class _Download:
         self.sealer = sealer
         self.into = into
         self.checks = checks
-        self.advance = byte_counter(progress, sum(c.size for c in checks))
+        self.advance = byte_counter(progress, sum(c.size for c in checks) + extra_bytes)
 
     def run(self) -> None:
         fds: dict[str, int] = {}

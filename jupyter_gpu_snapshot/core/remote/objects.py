@@ -7,6 +7,13 @@ Remote layout, under the configured URL::
     <id>/<image files>           CRIU images and any other file of the snapshot directory
     <id>/remote-manifest.json    what was uploaded: sizes, encryption; written LAST
     <id>/manifest.<n>.json       after a rename: the re-signed manifest (``object`` of its entry)
+    <id>/<file>.chunks           a file kept by content: its recipe (one page id per page)
+    packs/...                    the pages of the snapshots kept by content (``packs.py``)
+
+A snapshot kept by content (``core/chunks.py``) goes up chunked: its remote manifest
+(format 2) names the packs holding its pages (``packs``) and its chunked files with their
+sizes (``chunked``); its ``objects`` are the manifest, the small files and the recipes.
+Whole-file snapshots keep format 1, which every version reads.
 
 A snapshot is listed only when its remote manifest exists, so an upload cut off at any
 point is never listed, and a delete removes the remote manifest first. A rename writes the
@@ -41,8 +48,11 @@ from .sealing import CIPHER, DEFAULT_CHUNK_BYTES, ChunkSealer
 
 REMOTE_MANIFEST = "remote-manifest.json"
 REMOTE_FORMAT = 1
+CHUNKED_FORMAT = 2
+READABLE_FORMATS = (REMOTE_FORMAT, CHUNKED_FORMAT)
 DEFAULT_PART_BYTES = 16 << 20
 DEFAULT_WORKERS = 8
+PACK_STEM = re.compile(r"^[0-9a-f]{32}(?:\.[0-9a-f]{16})?$")  # see packs.py
 _OBJECT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Errors that a second try will not cure.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -133,7 +143,15 @@ class RemoteSnapshot:
     @property
     def size_bytes(self) -> int:
         objects: dict[str, dict[str, Any]] = self.remote_manifest.get("objects", {})
-        return sum(int(o["size"]) for o in objects.values())
+        chunked: dict[str, dict[str, Any]] = self.remote_manifest.get("chunked", {})
+        recipes = {str(c["recipe"]) for c in chunked.values()}
+        return sum(int(o["size"]) for n, o in objects.items() if n not in recipes) + sum(
+            int(c["size"]) for c in chunked.values())
+
+    @property
+    def chunked(self) -> bool:
+        """Whether its large files are kept by content, in the remote store's packs."""
+        return bool(self.remote_manifest.get("chunked"))
 
     @property
     def uploaded(self) -> float:
@@ -257,11 +275,11 @@ class RemoteObjects:
                 "remote", f"the remote manifest of {snapshot_id} names another snapshot",
                 hint="delete the remote snapshot and upload it again",
             )
-        if remote.get("remote_format") != REMOTE_FORMAT:
+        if remote.get("remote_format") not in READABLE_FORMATS:
             raise RemoteStoreError(
                 "remote",
                 f"remote snapshot {snapshot_id} has format {remote.get('remote_format')!r}; "
-                f"this version reads format {REMOTE_FORMAT}",
+                f"this version reads formats {', '.join(map(str, READABLE_FORMATS))}",
                 hint="upgrade jupyter_gpu_snapshot on this node",
             )
         for name, entry in remote.get("objects", {}).items():
@@ -269,6 +287,21 @@ class RemoteObjects:
             for stored_as in (entry.get("object"), entry.get("replaces")):
                 if stored_as is not None:
                     safe_object_name(str(stored_as))
+        for name, entry in remote.get("chunked", {}).items():
+            safe_object_name(name)
+            safe_object_name(str(entry.get("recipe")))
+            if str(entry.get("recipe")) not in remote.get("objects", {}):
+                raise RemoteStoreError(
+                    "remote", f"the remote manifest of {snapshot_id} lists no recipe for {name}",
+                    hint="delete the remote snapshot and upload it again",
+                )
+        if not isinstance(remote.get("packs", []), builtins.list) or not all(
+            PACK_STEM.fullmatch(str(stem)) for stem in remote.get("packs", [])
+        ):
+            raise RemoteStoreError(
+                "remote", f"the remote manifest of {snapshot_id} names packs this version "
+                "did not write", hint="delete the remote snapshot and upload it again",
+            )
         return remote
 
     def check_key(self, snapshot_id: str, remote: dict[str, Any]) -> ChunkSealer | None:

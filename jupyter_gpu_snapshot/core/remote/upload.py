@@ -1,5 +1,10 @@
 """Uploading a committed local snapshot: parallel multipart parts, the remote manifest last.
 
+A snapshot kept by content (recipes beside its manifest, ``core/chunks.py``) goes up
+chunked: first one new remote pack with the pages no usable remote pack holds yet
+(``packs.RemotePacks``), then its small files and its recipes, then the remote manifest,
+which names the packs it needs. A whole-file snapshot goes up as whole files.
+
 Files are read with ``pread`` in parts of ``RemoteObjects.part_bytes`` (sealed on the way when
 a key is configured); on S3 each large file is one multipart upload whose parts go up on
 ``workers`` threads at once, elsewhere each file streams through ``fs.open``. Nothing local
@@ -22,12 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..chunks import RECIPE_SUFFIX
+from .. import chunks, digest
 from ..errors import SnapshotError
 from ..manifest import MANIFEST
 from ..progress import ProgressFn, byte_counter
 from ..snapshot import is_snapshot_id
+from ..store import SnapshotStore
 from .objects import (
+    CHUNKED_FORMAT,
     REMOTE_FORMAT,
     REMOTE_MANIFEST,
     RemoteObjects,
@@ -37,6 +44,7 @@ from .objects import (
     remote_store_errors,
     safe_object_name,
 )
+from .pages import PageUpload
 from .sealing import CIPHER
 
 _MAX_PARTS = 10_000  # the S3 limit
@@ -55,7 +63,7 @@ class _File:
 
 
 def _read_exactly(fd: int, offset: int, length: int, name: str) -> bytes:
-    chunks: list[bytes] = []
+    parts: list[bytes] = []
     while length:
         data = os.pread(fd, length, offset)
         if not data:
@@ -63,10 +71,10 @@ def _read_exactly(fd: int, offset: int, length: int, name: str) -> bytes:
                 "upload", f"local file {name} shrank while it was uploaded",
                 hint="the local snapshot changed during the upload; check it with verify",
             )
-        chunks.append(data)
+        parts.append(data)
         offset += len(data)
         length -= len(data)
-    return b"".join(chunks)
+    return b"".join(parts)
 
 
 def _open_snapshot_files(snapshot_dir: Path) -> tuple[str, list[tuple[str, int, int]]]:
@@ -86,14 +94,6 @@ def _open_snapshot_files(snapshot_dir: Path) -> tuple[str, list[tuple[str, int, 
             if entry.name.startswith("."):
                 continue
             safe_object_name(entry.name, "upload")
-            if entry.name.endswith(RECIPE_SUFFIX):
-                # The pages it names live in the local store only: the remote copy would
-                # lack the whole file its manifest lists.
-                raise RemoteStoreError(
-                    "upload", f"{snapshot_dir} keeps {entry.name.removesuffix(RECIPE_SUFFIX)} "
-                    "as a recipe of its store's pages; a remote store keeps whole files",
-                    hint="upload it through its snapshot store, which assembles its images",
-                )
             if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
                 raise RemoteStoreError(
                     "upload", f"{entry.path} is not a regular file; snapshots hold only files"
@@ -108,13 +108,17 @@ def _open_snapshot_files(snapshot_dir: Path) -> tuple[str, list[tuple[str, int, 
 
 
 def upload_snapshot(
-    store: RemoteObjects, snapshot_dir: Path, progress: ProgressFn | None = None
+    store: RemoteObjects, snapshot_dir: Path, progress: ProgressFn | None = None,
+    local: SnapshotStore | None = None,
 ) -> RemoteSnapshot:
     """Upload ``snapshot_dir``; called by ``RemoteStore.upload``.
 
-    ``progress(done, total)`` (bytes of the local files) is called from worker threads. A
-    snapshot already uploaded is left as it is. Any failure removes what this upload wrote
-    and raises one RemoteStoreError naming the file and the cause.
+    ``local`` is the store that holds the snapshot (by default, the store in its parent
+    directory): a snapshot kept by content reads its pages from that store's packs.
+    ``progress(done, total)`` (bytes of the local files, and of the pages that go up) is
+    called from worker threads. A snapshot already
+    uploaded is left as it is. Any failure removes what this upload wrote and raises one
+    RemoteStoreError naming the file and the cause.
     """
     snapshot_id, opened = _open_snapshot_files(snapshot_dir)
     try:
@@ -123,18 +127,49 @@ def upload_snapshot(
             existing = store.get(snapshot_id, missing_ok=True)
         if existing is not None:
             return existing
+        recipes = _recipes(snapshot_id, opened)
         sealer = store.sealer(snapshot_id)
         files = [
             _File(name, fd, size, sealer.stored_size(size) if sealer else size)
-            for name, fd, size in opened
+            for name, fd, size in opened if name not in recipes
         ]
-        _Upload(store, snapshot_id, files, progress).run()
+        pages = None
+        if recipes:
+            # A committed snapshot lies in its store's directory.
+            local = local or SnapshotStore(snapshot_dir.parent)
+            with remote_store_errors("upload", f"uploading {snapshot_id} to {store.url}",
+                                     _INTACT):
+                pages = PageUpload(store, local, recipes)
+        _Upload(store, snapshot_id, files, progress, pages).run()
     finally:
         for _, fd, _ in opened:
             os.close(fd)
     snapshot = store.get(snapshot_id)
     assert snapshot is not None
     return snapshot
+
+
+def _recipes(snapshot_id: str, opened: list[tuple[str, int, int]]) -> dict[str, bytes]:
+    """The recipes of the files kept by content (name → recipe), each checked against
+    the signed manifest: its size and its digest."""
+    by_name = {name: (fd, size) for name, fd, size in opened}
+    fd, size = by_name[MANIFEST]
+    files = json.loads(_read_exactly(fd, 0, size, MANIFEST)).get("files", {})
+    recipes: dict[str, bytes] = {}
+    for name, entry in sorted(files.items()):
+        recipe_file = chunks.recipe_name(name)
+        if not isinstance(entry, dict) or "chunks" not in entry or recipe_file not in by_name:
+            continue
+        fd, size = by_name[recipe_file]
+        recipe = _read_exactly(fd, 0, size, recipe_file)
+        if (size != int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
+                or digest.blake3_hex(recipe) != entry["chunks"]):
+            raise RemoteStoreError(
+                "upload", f"the recipe of {name} of {snapshot_id} does not match its manifest",
+                hint="the snapshot is damaged; check it with verify",
+            )
+        recipes[name] = recipe
+    return recipes
 
 
 class _Upload:
@@ -144,12 +179,15 @@ class _Upload:
         snapshot_id: str,
         files: list[_File],
         progress: ProgressFn | None,
+        pages: PageUpload | None = None,
     ) -> None:
         self.store = store
         self.snapshot_id = snapshot_id
         self.files = files
+        self.pages = pages
         self.sealer = store.sealer(snapshot_id)
-        self.advance = byte_counter(progress, sum(f.size for f in files))
+        total = sum(f.size for f in files) + (pages.new_bytes if pages else 0)
+        self.advance = byte_counter(progress, total)
 
     def part_bytes(self, f: _File) -> int:
         step = self.store.part_bytes
@@ -173,6 +211,8 @@ class _Upload:
         ):
             try:
                 remote = self._remote_manifest()  # checks the manifest before anything goes up
+                if self.pages is not None:  # the pages first: a manifest never names less
+                    self.pages.send(self.advance)
                 if not self.store.is_s3:  # a filesystem with real directories
                     directory = self.store.path(self.snapshot_id)
                     self.store.fs.makedirs(directory, exist_ok=True)
@@ -193,9 +233,18 @@ class _Upload:
                     parts = [{"PartNumber": n, "ETag": f.etags[n]} for n in sorted(f.etags)]
                     self._s3("complete_multipart_upload", f, MultipartUpload={"Parts": parts})
                     f.upload_id = None
+                if self.pages is not None:
+                    self.pages.check(self.snapshot_id)
+                    remote.update(self.pages.describe(), remote_format=CHUNKED_FORMAT)
                 self._put_remote_manifest(remote)
+                if self.pages is not None:
+                    # A collection that counted before the manifest went up and removed
+                    # after the check above: unlisted again, and the upload fails.
+                    self.pages.check(self.snapshot_id)
             except BaseException:
                 self._undo(multipart)
+                if self.pages is not None:
+                    self.pages.undo()
                 raise
 
     def _run_jobs(self, jobs: list[tuple[_File, Callable[[], None]]]) -> None:
