@@ -183,16 +183,29 @@ class PackWriter:
 
     def append(self, pages: memoryview | list[memoryview], new_ids: bytes) -> None:
         """Add pages (one buffer, or several written in their order) and their ids."""
-        if self.fd < 0:
-            self.fd = os.open(self.name + PACK_SUFFIX,
-                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              0o600, dir_fd=self.dfd)
+        self._open()
         for view in [pages] if isinstance(pages, memoryview) else pages:
             while len(view):
                 n = os.write(self.fd, view)
                 view = view[n:]
         self.ids += new_ids
         self.appended.add(np.frombuffer(new_ids, np.uint8).reshape(-1, ID_BYTES))
+
+    def copy_from(self, src: int, runs: list[tuple[int, int]], new_ids: bytes) -> None:
+        """Add runs of pages (first page, count) of another pack, copied in the kernel."""
+        self._open()
+        offset = self.pages * PAGE
+        for first, count in runs:
+            copy_range(src, first * PAGE, self.fd, offset, count * PAGE)
+            offset += count * PAGE
+        self.ids += new_ids
+        self.appended.add(np.frombuffer(new_ids, np.uint8).reshape(-1, ID_BYTES))
+
+    def _open(self) -> None:
+        if self.fd < 0:
+            self.fd = os.open(self.name + PACK_SUFFIX,
+                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, dir_fd=self.dfd)
 
     @property
     def pages(self) -> int:
@@ -525,7 +538,6 @@ class ChunkStore:
         its ids go, before its pages do."""
         report = CollectReport()
         with self._dir() as dfd:
-            live = live_ids(live_recipes)
             for leftover in os.listdir(dfd):
                 stem = leftover.removesuffix(PACK_SUFFIX)
                 if leftover.startswith(".") or (
@@ -534,16 +546,18 @@ class ChunkStore:
                 ):
                     report.freed_bytes += _size_at(leftover, dfd)
                     safe_fs.remove_at(leftover, dfd)
-            held = np.zeros(0, _VOID)  # ids kept so far: a second copy of a page is dead
+            # Liveness by the first 8 bytes of each id: an id of a dead page that shares
+            # them with a live one keeps its page (harmless, and as likely as a collision
+            # of 64-bit digests); a page is never dropped for it.
+            live_high = _live_high(live_recipes)
+            held = PackIndex()  # ids kept so far: a second copy of a page is dead
             for pack in self._packs(dfd):
                 ids = self._read_ids(dfd, pack)
-                as_void = _voids(ids)
-                _, first = np.unique(as_void, return_index=True)
-                wanted = np.zeros(len(ids), bool)
-                wanted[first] = True
-                wanted &= np.isin(as_void, live) & ~np.isin(as_void, held)
+                high, _ = _as_keys(ids)
+                wanted = _first_of_each(ids) & _members(high, live_high)
+                wanted &= held.find(ids) < 0
                 keep = np.nonzero(wanted)[0]
-                held = np.union1d(held, as_void[keep])
+                held = PackIndex.build([""], [np.concatenate([_ids_of(held), ids[keep]])])
                 if len(keep) == len(ids) or (len(keep) and len(keep) >= REPACK_BELOW * len(ids)):
                     continue
                 size = _size_at(pack + PACK_SUFFIX, dfd)
@@ -559,15 +573,18 @@ class ChunkStore:
 
     @staticmethod
     def _rewrite(dfd: int, pack: str, ids: Ids, keep: npt.NDArray[np.intp]) -> None:
+        """A new pack of the ``keep`` pages of ``pack``, durable, copied run by run in the
+        kernel."""
         writer = PackWriter(dfd)
-        fd, _ = safe_fs.open_regular(pack + PACK_SUFFIX, dfd)
+        fd, size = safe_fs.open_regular(pack + PACK_SUFFIX, dfd)
         try:
-            for start in range(0, len(keep), 4096):
-                part = keep[start:start + 4096]
-                data = b"".join(os.pread(fd, PAGE, int(i) * PAGE) for i in part)
-                if len(data) != len(part) * PAGE:
-                    raise OSError(f"pack {pack} is shorter than its ids say")
-                writer.append(memoryview(data), ids[part].tobytes())
+            if size < len(ids) * PAGE:
+                raise OSError(f"pack {pack} is shorter than its ids say")
+            starts = np.concatenate(([0], np.nonzero(np.diff(keep) != 1)[0] + 1))
+            ends = np.concatenate((starts[1:], [len(keep)]))
+            runs = [(int(keep[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist(),
+                                                                strict=True)]
+            writer.copy_from(fd, runs, ids[keep].tobytes())
             writer.finish()
         except BaseException:
             writer.discard()
@@ -656,6 +673,47 @@ def recipe_voids(recipe: bytes) -> npt.NDArray[np.void]:
     unique = np.unique(_voids(np.frombuffer(recipe, np.uint8).reshape(-1, ID_BYTES)))
     needed: npt.NDArray[np.void] = unique[unique != np.frombuffer(ZERO_ID, _VOID)[0]]
     return needed
+
+
+def _live_high(recipes: Iterable[bytes]) -> npt.NDArray[np.uint64]:
+    """The first 8 bytes of every id ``recipes`` need, sorted, distinct."""
+    parts = [_as_keys(np.frombuffer(r, np.uint8).reshape(-1, ID_BYTES))[0] for r in recipes]
+    if not parts:
+        return np.zeros(0, np.uint64)
+    highs = np.sort(np.concatenate(parts))
+    distinct: npt.NDArray[np.uint64] = highs[np.concatenate(([True], highs[1:] != highs[:-1]))]
+    return distinct
+
+
+def _members(values: npt.NDArray[np.uint64],
+             sorted_set: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+    """Which of ``values`` are in ``sorted_set`` (sorted, distinct)."""
+    if not len(sorted_set):
+        return np.zeros(len(values), bool)
+    at = np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)
+    found: npt.NDArray[np.bool_] = sorted_set[at] == values
+    return found
+
+
+def _first_of_each(ids: Ids) -> npt.NDArray[np.bool_]:
+    """True at the first place each distinct id of ``ids`` appears."""
+    high, low = _as_keys(ids)
+    order = np.argsort(high, kind="stable")
+    same_high = high[order][1:] == high[order][:-1]
+    if np.all(low[order][1:][same_high] == low[order][:-1][same_high]):
+        # Equal first halves are equal ids (the usual case): the first of each run.
+        first = np.ones(len(ids), bool)
+        first[order[1:][same_high]] = False
+        return first
+    _, index = np.unique(_voids(ids), return_index=True)
+    exact = np.zeros(len(ids), bool)
+    exact[index] = True
+    return exact
+
+
+def _ids_of(index: PackIndex) -> Ids:
+    """The ids of an index, as 16-byte rows."""
+    return np.stack([index.high, index.low], axis=1).view(np.uint8).reshape(-1, ID_BYTES)
 
 
 def live_ids(recipes: Iterable[bytes]) -> npt.NDArray[np.void]:
