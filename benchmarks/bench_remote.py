@@ -12,13 +12,14 @@ no digest check). Shared machines are noisy; the comparison within one run is wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,19 @@ def machine_info() -> dict[str, Any]:
     return {**host_facts(), "fsspec": fsspec.__version__, "s3fs": s3fs.__version__}
 
 
+@contextlib.contextmanager
+def seaweed_bucket(work: Path, bucket: str = "bench") -> Iterator[dict[str, Any]]:
+    """A SeaweedFS server on loopback, its data under ``work``, with one empty bucket;
+    yields the s3fs storage options that reach it. The server stops on the way out."""
+    server = SeaweedServer(work / "seaweed")
+    try:
+        server.start()
+        server.make_bucket(bucket)
+        yield dict(server.storage_options(), skip_instance_cache=True)
+    finally:
+        server.stop()
+
+
 def timed(action: Callable[[], object]) -> float:
     settle()
     started = time.monotonic()
@@ -59,11 +73,9 @@ def main() -> None:
     load_before = os.getloadavg()
 
     work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
-    server = SeaweedServer(work / "seaweed")
+    stack = contextlib.ExitStack()  # the server, stopped before the work directory goes
     try:
-        server.start()
-        server.make_bucket("bench")
-        options = dict(server.storage_options(), skip_instance_cache=True)
+        options = stack.enter_context(seaweed_bucket(work))
         local = SnapshotStore(work / "local")
         total = int(args.gib * (1 << 30))
         # One big pages image, as CRIU writes it, and the small files beside it.
@@ -138,7 +150,7 @@ def main() -> None:
             },
         }
     finally:
-        server.stop()
+        stack.close()
         shutil.rmtree(work, ignore_errors=True)
     out = args.out or Path(__file__).parent / "results" / (
         f"remote-{datetime.now(timezone.utc):%Y%m%d}.json"
