@@ -1,4 +1,4 @@
-"""Whether a kernel answers: one ``kernel_info_request`` on its control channel.
+"""Whether a kernel answers: a ``kernel_info_request`` on its control channel.
 
 The control channel is served by its own thread in ipykernel, so a kernel busy with a long
 cell answers too. Called by the engine after every keep-running save
@@ -13,6 +13,21 @@ import time
 from queue import Empty
 from typing import Any, cast
 
+ASK_AGAIN_SECONDS = 2.0
+
+
+async def _reply_to(client: Any, asked: set[str], timeout: float) -> bool:
+    """Whether a reply to one of the ``asked`` requests came within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            reply = await client.control_channel.get_msg(timeout=left)
+        except (Empty, asyncio.TimeoutError):
+            return False
+        if reply.get("parent_header", {}).get("msg_id") in asked:
+            return True
+    return False
+
 
 async def kernel_answers(connection_info: dict[str, Any], timeout: float) -> bool:
     """True once the kernel at ``connection_info`` replied within ``timeout`` seconds."""
@@ -25,15 +40,16 @@ async def kernel_answers(connection_info: dict[str, Any], timeout: float) -> boo
     try:
         client.load_connection_info(cast("KernelConnectionInfo", connection_info))
         client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
-        request = client.session.msg("kernel_info_request")
-        client.control_channel.send(request)
+        asked: set[str] = set()
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            try:
-                reply = await client.control_channel.get_msg(timeout=left)
-            except (Empty, asyncio.TimeoutError):
-                return False
-            if reply.get("parent_header", {}).get("msg_id") == request["header"]["msg_id"]:
+            # Asked again every few seconds: a kernel that has only just started can leave
+            # a request unanswered for good (seen under load: a kernel the server had
+            # reported ready left one unanswered for 30 s), and asking costs one message.
+            request = client.session.msg("kernel_info_request")
+            client.control_channel.send(request)
+            asked.add(request["header"]["msg_id"])
+            if await _reply_to(client, asked, min(left, ASK_AGAIN_SECONDS)):
                 return True
         return False
     finally:

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import shutil
-import time
 import uuid
 from typing import Any
-
-from jupyter_core.utils import ensure_async
 
 from ..config import GPUSnapshot
 from ..core import procfs, retention, usage
@@ -35,6 +31,7 @@ from ..core.hooks import SaveTarget
 from ..core.snapshot import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
 from ..gpu.remap import describe_choice, parse_gpu_choice
+from ..launch.liveness import kernel_answers
 from ..launch.provisioner import root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .deaths import KernelDeaths
@@ -400,21 +397,8 @@ class SnapshotService:
         back as a process that never answers; the server lists a kernel as soon as its
         process runs. The control channel answers even while a cell runs.
         """
-        client = km.client()
-        client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
-        try:
-            request = client.session.msg("kernel_info_request")
-            client.control_channel.send(request)
-            deadline = time.monotonic() + KERNEL_ANSWER_SECONDS
-            while (left := deadline - time.monotonic()) > 0:
-                try:
-                    reply = await ensure_async(client.control_channel.get_msg(timeout=left))
-                except queue.Empty:
-                    break
-                if reply.get("parent_header", {}).get("msg_id") == request["header"]["msg_id"]:
-                    return
-        finally:
-            client.stop_channels()
+        if await kernel_answers(km.get_connection_info(), KERNEL_ANSWER_SECONDS):
+            return
         raise NotReady(
             "preflight",
             f"kernel {kernel_id} did not answer within {KERNEL_ANSWER_SECONDS:.0f} s",
