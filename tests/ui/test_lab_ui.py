@@ -208,7 +208,8 @@ def test_snapshot_then_restore_through_the_dialog(
     phases = r"Snapshot of state\.ipynb: (checking|pausing|writing memory|resuming|committing)"
     assert any(re.match(phases, text) for text in seen["save_toasts"]), seen["save_toasts"]
     assert re.fullmatch(
-        r"Snapshot saved: '[\w.-]+', [\d.]+ (B|KiB|MiB|GiB) in [\d.]+ s", seen["saved_toast"]
+        r"Snapshot saved: '[\w.-]+', [\d.]+ (B|KiB|MiB|GiB)"
+        r"( \([\d.]+ (B|KiB|MiB|GiB) new\))? in [\d.]+ s", seen["saved_toast"]
     ), seen["saved_toast"]
     assert re.fullmatch(r"Snapshot (just now|\d+ min ago)", seen["status_item"]), seen
     # The success notification closed by itself, after its few seconds.
