@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from .. import chunks, digest
+from .. import chunks, digest, safe_fs
 from ..digest import TREE_CHUNK
 from ..errors import NotFound
 from ..manifest import MANIFEST
@@ -297,7 +297,7 @@ class _Download:
                     index = position // self.sealer.chunk_bytes
                     data = self.sealer.open_run(check.name, index, check.size, stored)
                 hasher.update(data)
-                _pwrite_all(fd, data, position)
+                safe_fs.pwrite_all(fd, data, position)
                 self.advance(len(data))
                 if end == 0:
                     break
@@ -306,10 +306,3 @@ class _Download:
 
         return job
 
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import chunks
+from .. import chunks, safe_fs
 from ..chunks import ID_BYTES, PAGE, Ids, PackIndex
 from .objects import RemoteObjects, RemoteStoreError, damaged_copy, modified_time
 from .sealing import RECORD_OVERHEAD, ChunkSealer, key_id
@@ -288,7 +288,7 @@ class RemotePacks:
             breaks = np.nonzero(np.diff(members) != 1)[0] + 1
             for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), len(members)],
                                   strict=True):
-                _pwrite_all(out_fd, picked[start:end].tobytes(), int(members[start]) * PAGE)
+                safe_fs.pwrite_all(out_fd, picked[start:end].tobytes(), int(members[start]) * PAGE)
             advance(len(members) * PAGE)
 
         with ThreadPoolExecutor(self.objects.workers, thread_name_prefix="pages") as pool:
@@ -305,10 +305,3 @@ class RemotePacks:
             and max(modified_time(info) for info in kinds.values()) <= cutoff
         ]
 
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
