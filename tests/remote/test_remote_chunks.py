@@ -8,13 +8,6 @@ Each scenario runs with encryption off and on.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,11 +24,10 @@ from jupyter_gpu_snapshot.core.remote.sealing import RECORD_OVERHEAD
 from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from .snapshots import make_snapshot
+from .snapshots import kill_upload_midway, make_snapshot
 
 PAGE = chunks.PAGE
 KEY = bytes(range(32))
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER = b"PLAINTEXT-MARKER-0123456789abcdef"
 
 
@@ -207,37 +199,13 @@ def test_a_failure_before_the_manifest_leaves_nothing_listed(
     assert [s.id for s in remote.list()] == [snap1.id, snap2.id]
 
 
-UPLOADER = textwrap.dedent(
-    """
-    import sys, json
-    from jupyter_gpu_snapshot.core.remote import RemoteStore
-    url, options, path, key = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
-    store = RemoteStore(url, options, key=bytes.fromhex(key) if key else None,
-                        part_bytes=5 << 20, workers=1)
-    def progress(done, total):
-        print(done, total, flush=True)
-    store.upload(path, progress=progress)
-    print("finished", flush=True)
-    """
-)
-
-
 def test_a_killed_chunked_upload_is_never_listed_and_breaks_no_later_one(
     remote_url, s3_options, tmp_path, key
 ):
     store_a = SnapshotStore(tmp_path / "node-a")
     rng = np.random.default_rng(5)
     snap = make_snapshot(store_a, {"pages-1.img": rng.bytes(40 << 20), "core-1.img": 99})
-    with subprocess.Popen(
-        [sys.executable, "-c", UPLOADER, remote_url, json.dumps(s3_options), str(snap.path),
-         key.hex() if key else ""],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
-    ) as uploader:  # fmt: skip
-        assert uploader.stdout is not None
-        done, total = (int(x) for x in uploader.stdout.readline().split())
-        assert 0 < done < total, "the uploader finished before it could be killed"
-        os.kill(uploader.pid, signal.SIGKILL)
-        uploader.wait(timeout=10)
+    kill_upload_midway(remote_url, s3_options, snap.path, key)
 
     remote = _remote(remote_url, s3_options, key)
     assert remote.list() == []

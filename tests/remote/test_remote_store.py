@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -24,10 +22,9 @@ from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
 from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 
-from .snapshots import make_snapshot, tree_bytes
+from .snapshots import kill_upload_midway, make_snapshot, tree_bytes
 
 MiB = 1 << 20
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _store(url: str, options: dict[str, Any], **kwargs: Any) -> RemoteStore:
@@ -87,34 +84,12 @@ def test_multipart_parts_go_up_in_parallel(remote_url, s3_options, cache_a, cach
     assert tree_bytes(path) == tree_bytes(snap.path)
 
 
-UPLOADER = textwrap.dedent(
-    """
-    import sys, json
-    from jupyter_gpu_snapshot.core.remote import RemoteStore
-    url, options, path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    store = RemoteStore(url, options, part_bytes=5 << 20, workers=1)
-    def progress(done, total):
-        print(done, total, flush=True)
-    store.upload(path, progress=progress)
-    print("finished", flush=True)
-    """
-)
-
-
 def test_killed_upload_is_never_listed(remote_url, s3_options, cache_a):
     # Whole files, as snapshots from before the content-addressed store are kept; a killed
     # chunked upload is in test_remote_chunks.py.
     local = SnapshotStore(cache_a, chunk_images=False)
     snap = make_snapshot(local, {"pages-1.img": 40 * MiB, "core-1.img": 1000})
-    with subprocess.Popen(
-        [sys.executable, "-c", UPLOADER, remote_url, json.dumps(s3_options), str(snap.path)],
-        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
-    ) as uploader:  # fmt: skip
-        assert uploader.stdout is not None
-        done, total = (int(x) for x in uploader.stdout.readline().split())
-        assert 0 < done < total, "the uploader finished before it could be killed"
-        os.kill(uploader.pid, signal.SIGKILL)
-        uploader.wait(timeout=10)
+    kill_upload_midway(remote_url, s3_options, snap.path)
 
     remote = _store(remote_url, s3_options)
     assert _keys(remote, snap.id), "nothing was uploaded before the kill"
