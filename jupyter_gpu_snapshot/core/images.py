@@ -86,12 +86,20 @@ def read_recipe(dfd: int, name: str, entry: dict[str, Any], snapshot_id: str) ->
     except OSError as exc:
         raise SnapshotError("verify", f"the recipe of {name} of {snapshot_id} is unreadable: "
                             f"{exc}", hint=_ALTERED) from exc
-    if len(recipe) != expected or digest.blake3_hex(recipe) != entry.get("chunks"):
+    if not recipe_matches(recipe, entry):
         raise SnapshotError(
             "verify", f"the recipe of {name} of {snapshot_id} does not match its manifest",
             hint=_ALTERED,
         )
     return recipe
+
+
+def recipe_matches(recipe: bytes, entry: dict[str, Any]) -> bool:
+    """Whether ``recipe`` is the one a manifest's ``files`` entry names: an id per page of
+    the file's size, and the entry's BLAKE3 of the recipe. Checked before a recipe says
+    which pages to read or send (here, and by the remote store's upload and download)."""
+    return (len(recipe) == int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
+            and digest.blake3_hex(recipe) == entry.get("chunks"))
 
 
 def stored_as_recipes(dfd: int, files: Files) -> list[str]:

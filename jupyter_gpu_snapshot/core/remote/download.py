@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from .. import chunks, digest, safe_fs
+from .. import chunks, images, safe_fs
 from ..digest import TREE_CHUNK
 from ..errors import NotFound
 from ..manifest import MANIFEST
@@ -148,8 +148,7 @@ def _fetch_recipe(
     recipe = store.fetch_object(snapshot_id, remote, str(entry["recipe"]))
     if (not isinstance(listed, dict) or "chunks" not in listed
             or int(listed["size"]) != int(entry["size"])
-            or len(recipe) != int(listed["size"]) // chunks.PAGE * chunks.ID_BYTES
-            or digest.blake3_hex(recipe) != listed["chunks"]):
+            or not images.recipe_matches(recipe, listed)):
         raise damaged_copy(snapshot_id, f"the recipe of {name} does not match its manifest")
     return recipe
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import chunks, digest
+from .. import chunks, images
 from ..errors import SnapshotError
 from ..manifest import MANIFEST
 from ..progress import ProgressFn, byte_counter
@@ -162,8 +162,7 @@ def _recipes(snapshot_id: str, opened: list[tuple[str, int, int]]) -> dict[str, 
             continue
         fd, size = by_name[recipe_file]
         recipe = _read_exactly(fd, 0, size, recipe_file)
-        if (size != int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
-                or digest.blake3_hex(recipe) != entry["chunks"]):
+        if not images.recipe_matches(recipe, entry):
             raise RemoteStoreError(
                 "upload", f"the recipe of {name} of {snapshot_id} does not match its manifest",
                 hint="the snapshot is damaged; check it with verify",
