@@ -226,7 +226,7 @@ def assert_packs_whole(store: SnapshotStore) -> None:
         assert present == expected, snapshot.id
         recipes += [(snapshot.path / chunks.recipe_name(n)).read_bytes()
                     for n, entry in files.items() if "chunks" in entry]
-    live = chunks.live_ids(recipes)
+    live = np.unique(np.concatenate([chunks.recipe_voids(r) for r in recipes]))
     directory = store.root / chunks.CHUNKS_DIR
     names = sorted(os.listdir(directory))
     packs = sorted({n.removesuffix(".pack") for n in names if n.endswith(".pack")})

@@ -716,15 +716,6 @@ def _ids_of(index: PackIndex) -> Ids:
     return np.stack([index.high, index.low], axis=1).view(np.uint8).reshape(-1, ID_BYTES)
 
 
-def live_ids(recipes: Iterable[bytes]) -> npt.NDArray[np.void]:
-    """The distinct ids all of ``recipes`` need, sorted."""
-    parts = [recipe_voids(r) for r in recipes]
-    if not parts:
-        return np.zeros(0, _VOID)
-    every: npt.NDArray[np.void] = np.unique(np.concatenate(parts))
-    return every
-
-
 def ids_in_order(recipes: Iterable[bytes]) -> Ids:
     """The distinct ids ``recipes`` need, without the zero id, in the order they first
     appear: pages that follow each other in a file stay together in a pack made from
