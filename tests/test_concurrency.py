@@ -5,10 +5,14 @@ the kernel stays alive and the snapshot intact."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -31,14 +35,28 @@ def _slow_criu(tmp_path: Path, action: str, seconds: float = 3.0) -> str:
     return install(tmp_path, slow(action, seconds), f"criu-slow-{action}")
 
 
-def _cli_in_background(store: SnapshotStore, *args: str) -> subprocess.Popen[str]:
-    import os
-    import sys
+CliStarter = Callable[..., "subprocess.Popen[str]"]
 
-    return subprocess.Popen(
-        [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "--store", str(store.root), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
-    )
+
+@pytest.fixture
+def cli_in_background(store: SnapshotStore) -> Iterator[CliStarter]:
+    """Starts the CLI on ``store`` without waiting; whatever a failed test left running is
+    killed and reaped at teardown, so that it cannot spill into the next test."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "--store", str(store.root), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def _until_held(store: SnapshotStore, key: str, proc: subprocess.Popen[str]) -> None:
@@ -49,24 +67,31 @@ def _until_held(store: SnapshotStore, key: str, proc: subprocess.Popen[str]) -> 
         time.sleep(0.02)
 
 
+def _command_lines(pid: int) -> list[str]:
+    """The command lines of ``pid``'s descendants; one that ends or turns zombie while it is
+    read (criu's short `--version` and `check` calls do) is skipped."""
+    lines = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            lines.append(" ".join(child.cmdline()))
+    return lines
+
+
 def _until_running(proc: subprocess.Popen[str], command: str) -> None:
     """Until a descendant of ``proc`` runs ``command``."""
     deadline = time.monotonic() + 60
-    while not any(
-        command in " ".join(child.cmdline())
-        for child in psutil.Process(proc.pid).children(recursive=True)
-    ):
+    while not any(command in line for line in _command_lines(proc.pid)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"{command} never ran"
         time.sleep(0.02)
 
 
 def test_cli_save_and_engine_save_of_one_kernel(
-    store: SnapshotStore, kernel: KernelHandle, tmp_path: Path
+    store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, cli_in_background: CliStarter
 ):
     kernel.execute("counter = 0; blob = b'x' * (20 << 20)")
-    first = _cli_in_background(
-        store, "--criu", _slow_criu(tmp_path, "dump"), "save", "--pid", str(kernel.kernel_pid),
+    first = cli_in_background(
+        "--criu", _slow_criu(tmp_path, "dump"), "save", "--pid", str(kernel.kernel_pid),
         "--json",
     )
     _until_held(store, kernel_key(kernel.root_pid), first)
@@ -80,11 +105,13 @@ def test_cli_save_and_engine_save_of_one_kernel(
     assert kernel.execute("counter += 1; print(counter)").strip() == "1"
 
 
-def test_two_saves_under_one_name(store: SnapshotStore, kernel: KernelHandle, tmp_path: Path):
+def test_two_saves_under_one_name(
+    store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, cli_in_background: CliStarter
+):
     other = start_kernel()
     try:
-        first = _cli_in_background(
-            store, "--criu", _slow_criu(tmp_path, "dump"), "save",
+        first = cli_in_background(
+            "--criu", _slow_criu(tmp_path, "dump"), "save",
             "--pid", str(kernel.kernel_pid), "--name", "mine", "--json",
         )
         _until_held(store, name_key("mine"), first)
@@ -128,21 +155,19 @@ def test_cli_rm_during_a_restore(
     store.verify(store.get(snapshot.id))
 
 
-def test_delete_during_a_cli_restore(store: SnapshotStore, kernel: KernelHandle, tmp_path: Path):
+def test_delete_during_a_cli_restore(
+    store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, cli_in_background: CliStarter
+):
     snapshot = run(SnapshotEngine(store).save(SaveTarget(pid=kernel.root_pid), stop=True))
-    restoring = _cli_in_background(
-        store, "--criu", _slow_criu(tmp_path, "restore", 2.0), "restore", snapshot.id, "--json"
+    restoring = cli_in_background(
+        "--criu", _slow_criu(tmp_path, "restore", 2.0), "restore", snapshot.id, "--json"
     )
-    try:
-        _until_held(store, snapshot_key(snapshot.id), restoring)
-        with pytest.raises(Busy, match="is busy"):
-            store.delete(snapshot.id)
-        out, stderr = restoring.communicate(timeout=120)
-        assert restoring.returncode == 0, stderr
-        result = json.loads(out)
-    finally:
-        if restoring.poll() is None:
-            restoring.kill()
+    _until_held(store, snapshot_key(snapshot.id), restoring)
+    with pytest.raises(Busy, match="is busy"):
+        store.delete(snapshot.id)
+    out, stderr = restoring.communicate(timeout=120)
+    assert restoring.returncode == 0, stderr
+    result = json.loads(out)
     try:
         assert procfs.tree_alive(result["pid"])
         store.verify(store.get(snapshot.id))
@@ -161,12 +186,13 @@ def test_kept_criu_logs_have_unique_names(store: SnapshotStore, tmp_path: Path):
 
 @pytest.mark.parametrize("stop", [False, True], ids=["keep-running", "stop"])
 def test_ctrl_c_during_a_cli_save(
-    store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, stop: bool
+    store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, stop: bool,
+    cli_in_background: CliStarter,
 ):
     """Ctrl-C waits for criu, then rolls back; a stopping dump that completed is kept."""
     kernel.execute("counter = 0; blob = b'x' * (20 << 20)")
-    saving = _cli_in_background(
-        store, "--criu", _slow_criu(tmp_path, "dump", 2.0), "save",
+    saving = cli_in_background(
+        "--criu", _slow_criu(tmp_path, "dump", 2.0), "save",
         "--pid", str(kernel.kernel_pid), "--name", "interrupted", *(["--stop"] if stop else []),
     )
     # Into the dump, where criu's wrapper sleeps 2 s; not its `--version` call at preflight.
