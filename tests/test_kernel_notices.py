@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from jupyter_gpu_snapshot.server.kernel_env import refresh_kernel_env
+from jupyter_gpu_snapshot.server.kernel_env import refresh_kernel_env, shell_client
 
 from .conftest import KernelHandle, execute
 
@@ -45,3 +45,18 @@ def test_no_notice_leaves_cells_alone(kernel: KernelHandle):
     assert asyncio.run(refresh_kernel_env(kernel.km, {"X_GPU_SNAPSHOT_TEST": "1"}, log))
     assert _streams(kernel, "import os; print(os.environ['X_GPU_SNAPSHOT_TEST'])") == [
         ("stdout", "1\n")]
+
+
+def test_two_silent_requests_of_the_server_at_once_are_both_answered(kernel: KernelHandle):
+    """The server's silent requests overlap (a restored kernel is told its slot while the
+    autosave probes it): each client is answered, and neither takes the other's reply."""
+    first, second = shell_client(kernel.km), shell_client(kernel.km)
+    try:
+        assert second.execute("second = 2", silent=True, reply=True, timeout=20)[
+            "content"]["status"] == "ok"
+        assert first.execute("first = 1", silent=True, reply=True, timeout=20)[
+            "content"]["status"] == "ok"
+    finally:
+        first.stop_channels()
+        second.stop_channels()
+    assert execute(kernel.client, "print(first + second)").strip() == "3"

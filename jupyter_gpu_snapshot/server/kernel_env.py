@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from jupyter_client.session import new_id
 from jupyter_core.utils import ensure_async
 
 NOTICES_MODULE = "jupyter_gpu_snapshot.kernel.notices"
@@ -15,8 +16,17 @@ ENV_REFRESH_SECONDS = 10.0
 
 def shell_client(km: Any) -> Any:
     """A started client of the kernel's shell channel alone, for the server's own silent
-    requests; the caller stops its channels."""
-    client = km.client()
+    requests; the caller stops its channels.
+
+    Each has a session id of its own. A client takes its socket's routing id from its
+    session, and ``km.client()`` would share the kernel manager's: ipykernel's shell socket
+    hands a routing id over to its newest connection, so a second client connecting (the
+    autosave's probe of a new kernel, while a restored kernel is told its slot) would drop
+    the first one's unread request and receive its reply.
+    """
+    session = km.session.clone()
+    session.session = new_id()
+    client = km.client(session=session)
     client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
     return client
 
