@@ -293,6 +293,19 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     assert f"Kernel {new_kernel}: ready" in ok(restored, "%gpu_snapshot status")
 
 
+def test_a_job_the_server_forgot_stops_no_poll(
+    jupyter_server: JupyterServer, notebook: NotebookKernel
+) -> None:
+    """A copy saved while its panel followed a job, restored after the server restarted,
+    follows a job id the server no longer knows: the panel drops it and goes on."""
+    show_panel(notebook)
+    notebook.ok(f"{PANEL}; p._tracked['no-such-job'] = {{'id': 'no-such-job'}}; p.refresh(True)")
+    state = panel_state(notebook)
+    assert state["error"] == "", state["error"]
+    assert "Snapshot-ready" in state["readiness"]
+    assert notebook.ok(f"{PANEL}; print(sorted(p._tracked))").strip() == "[]"
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_jobs(jupyter_server: JupyterServer) -> Iterator[None]:
     yield

@@ -43,7 +43,7 @@ from typing import Any
 
 import ipywidgets as w  # type: ignore[import-untyped]
 
-from .client import ClientError, SnapshotClient
+from .client import ApiError, ClientError, SnapshotClient
 from .presentation import (
     autosave_text,
     cuda_text,
@@ -236,7 +236,15 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         jobs = {str(j["id"]): j for j in self.client.jobs(kernel_id)}
         for job_id in list(self._tracked):
             if job_id not in jobs:  # e.g. a restore, filed under the new kernel
-                jobs[job_id] = self.client.job(job_id)
+                try:
+                    jobs[job_id] = self.client.job(job_id)
+                except ApiError as exc:
+                    if exc.status != 404:
+                        raise
+                    # Forgotten by the server (restarted since this copy was saved, or the
+                    # job ended long ago): nothing left to follow, and asking again would
+                    # stop every later poll at this job.
+                    del self._tracked[job_id]
         first_poll = self._finished is None
         finished = self._finished if self._finished is not None else set()
         ended = False
