@@ -26,6 +26,8 @@ interface IWidgetModel {
 
 interface IWidgetManager {
   _models: Record<string, Promise<IWidgetModel>>;
+  /** True while the manager's own reload from the kernel runs. */
+  _kernelRestoreInProgress?: boolean;
   restoreWidgets(
     notebook: unknown,
     options: { loadKernel: boolean; loadNotebook: boolean }
@@ -110,10 +112,12 @@ async function rebind(panel: NotebookPanel): Promise<void> {
       delete manager._models[id];
     }
   }
+  await ownReloadSettled(manager);
   await manager.restoreWidgets(panel.context.model, {
     loadKernel: true,
     loadNotebook: false
   });
+  await ownReloadSettled(manager);
   await requestStatesAgain(manager, kernel);
   // Outputs drawn before (an error, or a view of a forgotten model) are drawn afresh.
   for (const cell of panel.content.widgets) {
@@ -124,6 +128,24 @@ async function rebind(panel: NotebookPanel): Promise<void> {
         outputs.set(index, output.toJSON());
       }
     }
+  }
+}
+
+/** How long a reload the manager started itself may delay the rebinding. */
+const OWN_RELOAD_WAIT_MS = 30_000;
+const OWN_RELOAD_POLL_MS = 100;
+
+/**
+ * The manager reloads from the kernel by itself when the connection comes up. That reload
+ * reads the states first and applies them when it ends, to models that exist by then too:
+ * ending after our fresh states were asked for, it would put older ones back. On a busy
+ * machine it can take seconds (the manager falls back to asking widget by widget after 4 s
+ * without an answer). So wait until it has ended, before loading and before asking again.
+ */
+async function ownReloadSettled(manager: IWidgetManager): Promise<void> {
+  const deadline = Date.now() + OWN_RELOAD_WAIT_MS;
+  while (manager._kernelRestoreInProgress && Date.now() < deadline) {
+    await new Promise(resolve => setTimeout(resolve, OWN_RELOAD_POLL_MS));
   }
 }
 
