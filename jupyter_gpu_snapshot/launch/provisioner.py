@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,7 +29,7 @@ import psutil
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.local_provisioner import LocalProvisioner
 from jupyter_core.paths import jupyter_runtime_dir
-from traitlets import Unicode
+from traitlets import TraitError, Unicode
 
 from .._constants import (
     ENV_KERNEL_ID,
@@ -135,6 +136,23 @@ class AdoptedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _mark_activity_from_start(km: Any) -> None:
+    """Give a kernel jupyter_server's ``last_activity`` from its start on.
+
+    jupyter_server lists a kernel as soon as jupyter_client has added it, and marks its
+    activity only one event-loop step later. A listing in between (``/api/kernels``,
+    ``/api/status``) fails with a 500 on the unset trait. A busy machine, and the kernels a
+    server adopts while its first requests arrive, make that step likely. The server
+    overwrites the mark right after.
+    """
+    if km is None or not km.has_trait("last_activity"):
+        return
+    try:
+        km.last_activity  # noqa: B018  # reading an unset Instance trait raises
+    except TraitError:
+        km.last_activity = datetime.now(timezone.utc)
+
+
 class SnapshotReadyProvisioner(LocalProvisioner):
     """Launches snapshot-ready kernels; adopts restored ones.
 
@@ -198,6 +216,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         """Called by ``KernelManager.pre_start_kernel()`` before every (re)start."""
+        _mark_activity_from_start(self.parent)
         adoption = kwargs.pop(ADOPT_KWARG, None)
         # A restart after an adoption starts a fresh kernel, not the old tree again.
         if isinstance(adoption, Adoption) and not self._adoption_used:
