@@ -52,13 +52,20 @@ class Server:
              f"--GPUSnapshot.store_dir={tmp_path / 'store'}", *options],
             env=env, stdout=subprocess.DEVNULL, stderr=self.log,
         )
+        try:
+            self._until_listening(tmp_path / "server.log")
+        except BaseException:
+            self.stop()  # a server that never came up must not outlive its test
+            raise
+
+    def _until_listening(self, log: Path) -> None:
         deadline = time.monotonic() + 60
         while True:
             try:
                 self.call("GET", "api/status")
                 break
             except OSError:
-                assert self.proc.poll() is None, (tmp_path / "server.log").read_text()
+                assert self.proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.2)
 
