@@ -18,14 +18,14 @@ def test_a_starting_kernel_is_listed_at_every_step(tmp_path: Path) -> None:
     async def start_while_listing() -> list[dict[str, object]]:
         started = asyncio.ensure_future(manager.start_kernel(kernel_name=KERNEL_NAME))
         listings = []
-        while not started.done():  # one listing per turn of the loop
-            listings.append(manager.list_kernels())
-            await asyncio.sleep(0)
-        kernel_id = await started
         try:
-            return [k for listing in listings for k in listing if k["id"] == kernel_id]
+            while not started.done():  # one listing per turn of the loop
+                listings.append(manager.list_kernels())
+                await asyncio.sleep(0)
         finally:
+            kernel_id = await started
             await manager.shutdown_kernel(kernel_id, now=True)
+        return [k for listing in listings for k in listing if k["id"] == kernel_id]
 
     seen = asyncio.run(start_while_listing())
     assert seen, "the kernel was never listed while it started"
