@@ -40,6 +40,8 @@ EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "job-v1.yaml"
 JOB_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/job/v1"
 DEATH_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "kernel-death-v1.yaml"
 DEATH_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/kernel-death/v1"
+# How long a stopping server waits to learn whether just-started kernels ran cells.
+PROBE_WAIT_AT_SHUTDOWN = 5.0
 
 
 def kernel_facing_url(serverapp: ServerApp) -> str:
@@ -321,6 +323,8 @@ class GPUSnapshotApp(ExtensionApp):
                 remote.stopping.set()
             rates = await self.save_rates()
             self.log.info("gpu-snapshot: shutdown save rates %s", rates.to_dict())
+            if self.autosave is not None:
+                await self.autosave.probes_settled(min(PROBE_WAIT_AT_SHUTDOWN, budget / 4))
             service = self.service
             self.last_shutdown = await snapshot_kernels_on_shutdown(
                 service.kernel_manager,

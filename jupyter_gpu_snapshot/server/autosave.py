@@ -231,6 +231,14 @@ class AutosaveScheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    async def probes_settled(self, timeout: float) -> None:
+        """Until each new kernel has said whether it ran cells before its feed listened, or
+        ``timeout`` s: a server stopped right after a kernel started and ran a cell would
+        otherwise find no work to save. A kernel still unsure after that counts as work."""
+        pending = [w.probe for w in self._watch.values() if w.probe and not w.probe.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+
     def close(self) -> None:
         """Called by ``GPUSnapshotApp.stop_extension`` once the shutdown saves are done."""
         for kernel_id in list(self._watch):
@@ -439,6 +447,9 @@ class AutosaveScheduler:
         """
         watch = self._watch.get(kernel_id)
         if watch is None or watch.feed is None:
+            return float("inf")
+        if watch.probe is not None and not watch.probe.done():
+            # Whether it ran cells before its feed listened is not known yet.
             return float("inf")
         self._note_jobs(kernel_id, watch)
         if watch.feed.running_since is not None:

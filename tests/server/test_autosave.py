@@ -169,6 +169,22 @@ class TestSchedule:
         await asyncio.wait_for(asyncio.shield(probe), 60)
         assert (app.autosave.work_at_risk(kernel_id) > 0) == (cells > 0)
 
+    async def test_a_kernel_not_yet_asked_counts_as_work_at_shutdown(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    ) -> None:
+        # A server stopped right after a kernel started and ran a cell: the feed may have
+        # missed the cell, and the kernel's answer is still on its way.
+        app = _app(jp_serverapp)
+        kernel_id, _ws = await _notebook(api, kernel_socket, "unasked.ipynb")
+        watch = app.autosave._watch[kernel_id]
+        await asyncio.wait_for(asyncio.shield(watch.probe), 60)
+        answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        watch.probe = answer  # an answer not yet in
+        assert app.autosave.work_at_risk(kernel_id) == float("inf")
+        await app.autosave.probes_settled(0.2)  # bounded: the shutdown goes on
+        answer.set_result(None)
+        assert app.autosave.work_at_risk(kernel_id) == 0
+
     async def test_a_restored_kernel_is_clean_until_it_runs_a_cell(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
     ) -> None:
@@ -179,6 +195,7 @@ class TestSchedule:
         await ws.execute("kept = 1")
         new_id = await api.saved_and_restored(kernel_id)
         await app.autosave.tick()
+        await app.autosave.probes_settled(60)  # until then its work is not known
         assert app.autosave.work_at_risk(new_id) == 0
         ws = await kernel_socket(new_id)
         await ws.execute("kept = 2")
