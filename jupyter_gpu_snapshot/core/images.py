@@ -76,7 +76,7 @@ def digest_new(
 def read_recipe(dfd: int, name: str, entry: dict[str, Any], snapshot_id: str) -> bytes:
     """The recipe of the chunked file ``name``, once its size and digest match the signed
     manifest's ``entry``: only then may it say which pages to read."""
-    expected = int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
+    expected = recipe_bytes(entry)
     try:
         fd, size = safe_fs.open_regular(chunks.recipe_name(name), dfd)
         try:
@@ -94,12 +94,16 @@ def read_recipe(dfd: int, name: str, entry: dict[str, Any], snapshot_id: str) ->
     return recipe
 
 
+def recipe_bytes(entry: dict[str, Any]) -> int:
+    """The length of the recipe of a manifest's ``files`` entry: one id per page."""
+    return int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
+
+
 def recipe_matches(recipe: bytes, entry: dict[str, Any]) -> bool:
     """Whether ``recipe`` is the one a manifest's ``files`` entry names: an id per page of
     the file's size, and the entry's BLAKE3 of the recipe. Checked before a recipe says
     which pages to read or send (here, and by the remote store's upload and download)."""
-    return (len(recipe) == int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
-            and digest.blake3_hex(recipe) == entry.get("chunks"))
+    return len(recipe) == recipe_bytes(entry) and digest.blake3_hex(recipe) == entry.get("chunks")
 
 
 def stored_as_recipes(dfd: int, files: Files) -> list[str]:
