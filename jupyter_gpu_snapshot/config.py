@@ -189,6 +189,28 @@ class GPUSnapshot(Configurable):
         how closely the length of a long cell is measured.""",
     ).tag(config=True)
 
+    hibernate_after_minutes = Float(
+        0.0,
+        help="""Hibernate a snapshot-ready kernel that has been idle this many minutes: save
+        it, end its process so that its GPU and host memory are free, and keep its kernel
+        id, session and notebook. The next message that needs it (a cell, a widget, a
+        completion) restores it first. Idle: no cell running and no output for that long
+        (and no client connected, with hibernate_only_without_clients). 0 turns it off.
+        Fractions are allowed.""",
+    ).tag(config=True)
+
+    hibernate_min_gpu_bytes = Int(
+        0,
+        help="""Hibernate only idle kernels that hold at least this many bytes of GPU memory
+        (0: any idle snapshot-ready kernel).""",
+    ).tag(config=True)
+
+    hibernate_only_without_clients = Bool(
+        False,
+        help="""Hibernate only idle kernels that no client (a browser tab, a console) is
+        connected to. Off, a notebook left open in a browser overnight hibernates too.""",
+    ).tag(config=True)
+
     save_gpu_rate = Float(
         0.0,
         help="""Bytes per second at which the driver moves GPU memory to the host, for the

@@ -136,6 +136,37 @@ class AdoptedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+class HibernatedProcess:
+    """Popen-like stand-in for a hibernated kernel: its tree ended after a snapshot, and
+    the kernel manager must go on seeing a live kernel (the restarter would otherwise start
+    a blank one, and the server would drop the slot). Signals other than the ones that end
+    a kernel reach nobody; those end the stand-in, so a shutdown completes at once."""
+
+    stdin = stdout = stderr = None
+    pid = None
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired("hibernated kernel", timeout or 0)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if signum in (signal.SIGTERM, signal.SIGKILL):
+            self.returncode = -signum
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _mark_activity_from_start(km: Any) -> None:
     """Give a kernel jupyter_server's ``last_activity`` from its start on.
 
@@ -253,13 +284,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         """Called by ``KernelManager._launch_kernel()`` with the command from ``pre_launch``."""
         if self._pending_adoption is not None:
             adoption = self._pending_adoption
-            # A restored tree writes the log of the kernel it was saved from, not this
-            # slot's; nsinit's stderr says which.
-            found = await asyncio.to_thread(procfs.stderr_file, adoption.pid)
-            if found is not None:
-                self.log_path = Path(found)
-            assert self.log_path is not None
-            self.log_start = await asyncio.to_thread(log_size, self.log_path)
+            await self._take_log_of(adoption)
             return self._adopt(adoption)
         assert self.log_path is not None
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -272,6 +297,52 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         assert self.process is not None
         self.root_pid = await asyncio.to_thread(wait_for_namespace_init, self.process.pid)
         return info
+
+    async def _take_log_of(self, adoption: Adoption) -> None:
+        """Follow the log a restored tree writes: the one of the kernel it was saved from,
+        not this slot's; nsinit's stderr says which."""
+        found = await asyncio.to_thread(procfs.stderr_file, adoption.pid)
+        if found is not None:
+            self.log_path = Path(found)
+        assert self.log_path is not None
+        self.log_start = await asyncio.to_thread(log_size, self.log_path)
+
+    # -- hibernation -----------------------------------------------------------------------
+    @property
+    def hibernated(self) -> bool:
+        return isinstance(self.process, HibernatedProcess)
+
+    async def hibernate(self) -> None:
+        """The kernel's tree ended after its hibernation snapshot: keep the slot alive.
+
+        The launcher (``unshare``, our child) exits with the tree; it is reaped here, since
+        nobody polls it once the stand-in replaces it.
+        """
+        ended = None if self.hibernated else self.process
+        if ended is not None:
+            try:
+                await asyncio.to_thread(ended.wait, _INIT_WAIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                ended.kill()
+                await asyncio.to_thread(ended.wait)
+        self.process = cast("subprocess.Popen[bytes]", HibernatedProcess())
+        self.root_pid = None
+        self.pid = None
+        self.pgid = None
+
+    async def wake(self, adoption: Adoption) -> None:
+        """The kernel's restored tree takes the slot back, with the slot's connection info
+        (a hibernated kernel is restored from a snapshot of this very slot)."""
+        await self._take_log_of(adoption)
+        self._adopt(adoption)
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        """Called by ``KernelManager.request_shutdown()``: a hibernated kernel has no process
+        to ask, so its shutdown completes now rather than after the manager's wait."""
+        if self.hibernated:
+            assert self.process is not None
+            self.process.kill()
+        await super().shutdown_requested(restart)
 
     def _adopt(self, adoption: Adoption) -> KernelConnectionInfo:
         self._pending_adoption = None
