@@ -308,9 +308,9 @@ def test_restore_switches_the_notebook_to_the_restored_kernel(
     a = jupyter_server.open_notebook("restore-a.ipynb")
     a.ok("origin = 'notebook a'")
     assert SAVED.search(a.ok("%gpu_snapshot save from-a"))
-    jupyter_server.shutdown_kernel(a.kernel_id)  # frees the ports the restored copy needs
-
+    # b starts while a still holds its ports, so b's can never be the ones a frees.
     b = jupyter_server.open_notebook("restore-b.ipynb")
+    jupyter_server.shutdown_kernel(a.kernel_id)  # frees the ports the restored copy needs
     b.ok("origin = 'notebook b'")
     # The server retires b's kernel once the notebook is switched, so this cell never
     # answers; its announcement comes first.
