@@ -14,6 +14,7 @@ import urllib.parse
 from pathlib import Path
 
 from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.gateway.gateway_client import GatewayClient
 from jupyter_server.serverapp import ServerApp
 from traitlets.config import Config
 
@@ -29,8 +30,10 @@ from ..launch.provisioner import SnapshotReadyProvisioner
 from ..remotes import make_remote_store
 from .adoption import KernelRecord, adopt_orphans
 from .autosave import AutosaveScheduler
+from .connections import HibernationAwareConnection
 from .deaths import KERNEL_ACTIONS_EVENT_ID, KernelDeath, KernelDeaths
 from .handlers import routes
+from .hibernation import Hibernation
 from .jobs import Job, JobRunner
 from .remote_sync import RemoteSync
 from .service import SnapshotService
@@ -40,6 +43,8 @@ EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "job-v1.yaml"
 JOB_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/job/v1"
 DEATH_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "kernel-death-v1.yaml"
 DEATH_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/kernel-death/v1"
+HIBERNATION_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "hibernation-v1.yaml"
+HIBERNATION_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/hibernation/v1"
 # How long a stopping server waits to learn whether just-started kernels ran cells.
 PROBE_WAIT_AT_SHUTDOWN = 5.0
 
@@ -77,6 +82,7 @@ class GPUSnapshotApp(ExtensionApp):
 
     service: SnapshotService | None = None
     autosave: AutosaveScheduler | None = None
+    hibernation: Hibernation | None = None
     gpu_settings: GPUSnapshot | None = None
     last_shutdown: ShutdownReport | None = None
     _stopping: asyncio.Future[None] | None = None
@@ -96,6 +102,7 @@ class GPUSnapshotApp(ExtensionApp):
         assert serverapp.event_logger is not None
         serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
         serverapp.event_logger.register_event_schema(DEATH_EVENT_SCHEMA)
+        serverapp.event_logger.register_event_schema(HIBERNATION_EVENT_SCHEMA)
         jobs = JobRunner(on_change=self._emit_job, log=self.log)
         self.service = SnapshotService(
             engine,
@@ -117,6 +124,14 @@ class GPUSnapshotApp(ExtensionApp):
             modified=False, schema_id=KERNEL_ACTIONS_EVENT_ID,
             listener=self.autosave.on_kernel_action,
         )
+        self.hibernation = Hibernation(
+            self.service, settings, log=self.log, emit=self._emit_hibernation
+        )
+        serverapp.event_logger.add_listener(
+            modified=False, schema_id=KERNEL_ACTIONS_EVENT_ID,
+            listener=self.hibernation.on_kernel_action,
+        )
+        HibernationAwareConnection.hibernation = self.hibernation
         self._watch_deaths(self.service)
         self._tell_kernels_where_we_are()
         self.log.info(
@@ -127,6 +142,17 @@ class GPUSnapshotApp(ExtensionApp):
             "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
         )
         self.log.info("gpu-snapshot: %s", self._recovery_settings())
+
+    def _link_jupyter_server_extension(self, serverapp: ServerApp) -> None:
+        """Called before the server makes its web application: hibernated kernels need
+        their clients' messages held (``connections``), unless the operator chose another
+        websocket connection class (then only REST and the CLI wake them)."""
+        super()._link_jupyter_server_extension(serverapp)
+        chosen = "kernel_websocket_connection_class" in serverapp.config.get("ServerApp", {})
+        # The same instance the server configures its gateway from, a little later.
+        gateway = GatewayClient.instance(parent=serverapp)
+        if not chosen and not gateway.gateway_enabled:
+            serverapp.kernel_websocket_connection_class = HibernationAwareConnection
 
     def _watch_deaths(self, service: SnapshotService) -> None:
         """Follow every kernel that starts from now on (restored and adopted ones too),
@@ -215,7 +241,10 @@ class GPUSnapshotApp(ExtensionApp):
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
         assert self.service is not None and self.autosave is not None
-        self.handlers.extend(routes(self.service, self.autosave, self.kernel_token_secret))
+        assert self.hibernation is not None
+        self.handlers.extend(
+            routes(self.service, self.autosave, self.kernel_token_secret, self.hibernation)
+        )
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         """Called once the server listens: the port is final only now (port retries).
@@ -229,6 +258,8 @@ class GPUSnapshotApp(ExtensionApp):
             await self._adopt_orphans(serverapp)
         if self.autosave is not None:
             self.autosave.start()
+        if self.hibernation is not None:
+            self.hibernation.start()
         if self.service is not None and self.service.uploads is not None:
             # Snapshots whose upload did not complete before this start go up now.
             self.service.uploads.start_retries()
@@ -276,9 +307,14 @@ class GPUSnapshotApp(ExtensionApp):
 
     def _emit_job(self, job: Job) -> None:
         assert self.serverapp is not None and self.serverapp.event_logger is not None
-        if job.kind == "restore" and job.status == "succeeded" and self.autosave is not None:
+        woke = job.kind in ("restore", "wake") and job.status == "succeeded"
+        if woke and self.autosave is not None:
             self.autosave.note_restored(str(job.kernel_id))
         self.serverapp.event_logger.emit(schema_id=JOB_EVENT_ID, data=job.to_dict())
+
+    def _emit_hibernation(self, data: dict[str, object]) -> None:
+        assert self.serverapp is not None and self.serverapp.event_logger is not None
+        self.serverapp.event_logger.emit(schema_id=HIBERNATION_EVENT_ID, data=data)
 
     def _emit_death(self, kernel_id: str, death: KernelDeath) -> None:
         assert self.serverapp is not None and self.serverapp.event_logger is not None
@@ -313,6 +349,8 @@ class GPUSnapshotApp(ExtensionApp):
             return
         if self.autosave is not None:
             await self.autosave.stop()
+        if self.hibernation is not None:
+            await self.hibernation.stop()
         budget = float(self.gpu_settings.shutdown_budget)
         deadline = asyncio.get_running_loop().time() + budget
         remote = self.service.remote

@@ -34,6 +34,7 @@ from ..core.errors import (
 )
 from ..launch.kernel_token import kernel_of_token
 from .autosave import POLICY_FIELDS, AutosaveScheduler
+from .hibernation import Hibernation
 from .jobs import JOB_ID_PATTERN
 from .service import SnapshotService
 
@@ -330,6 +331,50 @@ class KernelAutosaveHandler(SnapshotAPIHandler):
         self.write_json(await self.autosave.set_override(kernel_id, body))
 
 
+class HibernationAPIHandler(SnapshotAPIHandler):
+    hibernation: Hibernation
+
+    def initialize(  # type: ignore[override]
+        self, service: SnapshotService, hibernation: Hibernation, kernel_secret: str = ""
+    ) -> None:
+        super().initialize(service, kernel_secret)
+        self.hibernation = hibernation
+
+
+class HibernationHandler(HibernationAPIHandler):
+    """``GET hibernation``: the hibernated kernels (a kernel's credential sees its own)."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        kernels = self.hibernation.listing()
+        if self.kernel_scope is not None:
+            kernels = [k for k in kernels if k["kernel_id"] == self.kernel_scope]
+        self.write_json({"kernels": kernels})
+
+
+class KernelHibernateHandler(HibernationAPIHandler):
+    """``POST kernels/{kernel_id}/hibernate`` with ``{when_idle?}``."""
+
+    @web.authenticated
+    @authorized_to_execute
+    async def post(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
+        body = self.json_body({"when_idle": bool})
+        state = await self.hibernation.request(kernel_id, when_idle=bool(body.get("when_idle")))
+        self.write_json(state, status=202)
+
+
+class KernelWakeHandler(HibernationAPIHandler):
+    """``POST kernels/{kernel_id}/wake``."""
+
+    @web.authenticated
+    @authorized_to_execute
+    async def post(self, kernel_id: str) -> None:
+        self.require_kernel(kernel_id)
+        self.write_json(await self.hibernation.wake(kernel_id), status=202)
+
+
 class JobsHandler(SnapshotAPIHandler):
     """``GET jobs[?kernel_id=K]``."""
 
@@ -352,7 +397,10 @@ class JobHandler(SnapshotAPIHandler):
 
 
 def routes(
-    service: SnapshotService, autosave: AutosaveScheduler, kernel_secret: str = ""
+    service: SnapshotService,
+    autosave: AutosaveScheduler,
+    kernel_secret: str = "",
+    hibernation: Hibernation | None = None,
 ) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
     """URL patterns relative to the server's base_url (the extension app prepends it).
 
@@ -371,6 +419,10 @@ def routes(
         (rf"kernels/{KERNEL_ID}/session", KernelSessionHandler, kwargs),
         (rf"kernels/{KERNEL_ID}/autosave", KernelAutosaveHandler,
          {**kwargs, "autosave": autosave}),
+        (r"hibernation", HibernationHandler, {**kwargs, "hibernation": hibernation}),
+        (rf"kernels/{KERNEL_ID}/hibernate", KernelHibernateHandler,
+         {**kwargs, "hibernation": hibernation}),
+        (rf"kernels/{KERNEL_ID}/wake", KernelWakeHandler, {**kwargs, "hibernation": hibernation}),
         (r"jobs", JobsHandler, kwargs),
         (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler, kwargs),
     ]

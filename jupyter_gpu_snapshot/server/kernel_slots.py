@@ -185,7 +185,7 @@ class KernelSlots:
                     "adopt", f"the kernel manager could not adopt the restored kernel: {exc}"
                 ) from exc
             raise
-        self._tell_new_slot(kernel_id, remap_notice(restored.notes.get("gpu_remap")))
+        self.tell_new_slot(kernel_id, remap_notice(restored.notes.get("gpu_remap")))
         try:
             return await self._attach(kernel_id, session, path)
         except Exception as exc:
@@ -213,7 +213,7 @@ class KernelSlots:
         # With pending kernels, start_kernel returns before the adoption has run.
         await self.kernel_manager.get_kernel(kernel_id).ready
 
-    def _tell_new_slot(self, kernel_id: str, notice: str = "") -> None:
+    def tell_new_slot(self, kernel_id: str, notice: str = "") -> None:
         """Give the restored kernel this slot's environment, without waiting for it.
 
         Its ``os.environ`` still names the slot and server it was saved from, so

@@ -44,6 +44,8 @@ from .uploads import Uploads
 
 # How long a save waits for a kernel that is still starting to answer.
 KERNEL_ANSWER_SECONDS = 30.0
+# The reason of a save that hibernates its kernel: the slot outlives the process.
+HIBERNATE = "hibernate"
 
 
 class SnapshotService:
@@ -51,6 +53,8 @@ class SnapshotService:
 
     # Set by the app: the kernels that died, answered in their status.
     deaths: KernelDeaths | None = None
+    # The snapshots hibernated kernels wake from: neither retention nor a delete takes them.
+    held_for_wake: set[str]
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class SnapshotService:
         self.remote = remote
         self.uploads = Uploads(engine, remote, self.jobs, self.log) if remote is not None else None
         self.tree_facts = TreeFacts(engine.criu)
+        self.held_for_wake = set()
 
     # -- snapshots -------------------------------------------------------------------------
     # The engine reads and removes files: every call of it runs in a worker thread, so the
@@ -189,7 +194,13 @@ class SnapshotService:
         return await hook.gpu_choice(snapshot, chosen)
 
     def _refuse_while_in_use(self, snapshot_id: str, step: str) -> None:
-        """Busy when a job (a restore, an upload) holds the snapshot."""
+        """Busy when a job (a restore, an upload) holds the snapshot, or a hibernated
+        kernel wakes from it."""
+        if snapshot_id in self.held_for_wake:
+            raise Busy(
+                step, f"snapshot {snapshot_id} holds a hibernated kernel, which wakes from it",
+                hint="wake the kernel or shut it down first",
+            )
         holder = self.jobs.busy_with(snapshot_key(snapshot_id))
         if holder is not None:
             raise Busy(
@@ -372,7 +383,11 @@ class SnapshotService:
                 km.start_restarter()
             raise
         job.snapshot_id = snapshot.id
-        if stop:
+        if stop and reason == HIBERNATE:
+            # The slot, its session and its clients stay; the kernel wakes from the snapshot.
+            self.held_for_wake.add(snapshot.id)
+            await km.provisioner.hibernate()
+        elif stop:
             await self.slots.shutdown_quietly(kernel_id)
         if self.uploads is not None:
             # Until its upload completes, the snapshot is owed to the remote store; held by
@@ -420,6 +435,8 @@ class SnapshotService:
         )
         deleted: list[str] = []
         for snapshot_id in doomed:
+            if snapshot_id in self.held_for_wake:
+                continue
             if self.jobs.busy_with(snapshot_key(snapshot_id)) is not None:
                 continue
             try:

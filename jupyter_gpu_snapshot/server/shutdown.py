@@ -120,6 +120,8 @@ async def snapshot_kernels_on_shutdown(
 
 async def _not_ready(km: Any) -> str | None:
     """Why the kernel cannot be saved (quietly skipped), or None."""
+    if getattr(getattr(km, "provisioner", None), "hibernated", False):
+        return "it is hibernated: its hibernation snapshot holds its state"
     root = root_pid(km)
     if root is None:
         return "it has no running process"

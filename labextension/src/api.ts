@@ -77,7 +77,7 @@ export interface IRestoreResult {
 export interface IJob {
   id: string;
   /** 'upload': a retried upload of a saved snapshot; it has no kernel, so no panel shows it. */
-  kind: 'save' | 'restore' | 'upload';
+  kind: 'save' | 'restore' | 'upload' | 'wake';
   kernel_id: string | null;
   snapshot_id: string | null;
   status: 'running' | 'succeeded' | 'failed';

@@ -1,0 +1,118 @@
+"""The kernels' websocket connections, as hibernation needs them.
+
+jupyter_server's ``ZMQChannelsWebsocketConnection`` passes each client message straight to
+the kernel's ZMQ sockets. This subclass first offers it to ``Hibernation.receive``, which
+holds the messages of a hibernating or hibernated kernel (and wakes it) until the kernel
+is awake again, then hands them back through ``deliver``. A client that connects to a
+hibernated kernel is not made to wait for a kernel that is not there: its kernel_info
+comes from the kernel's earlier answer, and its channels re-join the kernel when it wakes
+(``rejoin``). The extension installs the class as ``ServerApp.kernel_websocket_connection_class``
+unless the operator chose another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from jupyter_client.jsonutil import json_default
+from jupyter_server.services.kernels.connection.base import (
+    deserialize_binary_message,
+    deserialize_msg_from_ws_v1,
+    serialize_msg_to_ws_v1,
+)
+from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+
+if TYPE_CHECKING:
+    from .hibernation import Hibernation
+
+WS_V1 = "v1.kernel.websocket.jupyter.org"
+
+
+class HibernationAwareConnection(ZMQChannelsWebsocketConnection):
+    """A kernel websocket whose messages wait while the kernel hibernates."""
+
+    # Set by the extension when it loads; None: plain jupyter_server behaviour.
+    hibernation: ClassVar[Hibernation | None] = None
+
+    def _hibernating(self) -> bool:
+        return self.hibernation is not None and self.hibernation.state(self.kernel_id) is not None
+
+    # -- connecting to a kernel that is not there ------------------------------------------
+    async def prepare(self) -> None:
+        if not self._hibernating():
+            await super().prepare()  # type: ignore[no-untyped-call]
+            return
+        await self._register_session()  # type: ignore[no-untyped-call]
+        self.session.key = self.kernel_manager.session.key
+        self._finish_kernel_info(self.kernel_info() or {})  # type: ignore[no-untyped-call]
+
+    def nudge(self) -> asyncio.Future[None]:
+        if not self._hibernating():
+            return super().nudge()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def rejoin(self) -> None:
+        """Called once the kernel is awake: wait until this client's IOPub subscription
+        reaches the woken kernel (jupyter_server's nudge), then read its channels again."""
+        if not self.channels:
+            return
+        await super().nudge()
+        # The nudge took the IOPub stream's callback for itself and dropped it.
+        for stream in self.channels.values():
+            if not stream.closed():
+                stream.on_recv_stream(self.handle_outgoing_message)
+
+    def kernel_info(self) -> dict[str, Any] | None:
+        """What the kernel answered to the server's kernel_info request before, if any."""
+        cached = getattr(self.kernel_manager, "_kernel_info_future", None)
+        if cached is None or not cached.done() or cached.cancelled() or cached.exception():
+            return None
+        info = cached.result()
+        return dict(info) if isinstance(info, dict) and "protocol_version" in info else None
+
+    # -- messages ---------------------------------------------------------------------------
+    def handle_incoming_message(self, incoming_msg: Any) -> None:
+        if self.hibernation is None or not self.channels:
+            super().handle_incoming_message(incoming_msg)
+            return
+        channel, header = self._read_envelope(incoming_msg)
+        if not self.hibernation.receive(self, incoming_msg, channel, header):
+            super().handle_incoming_message(incoming_msg)
+
+    def deliver(self, raw: Any) -> None:
+        """Send a message that hibernation held to the kernel, as it would have gone."""
+        super().handle_incoming_message(raw)
+
+    def _read_envelope(self, incoming_msg: Any) -> tuple[str, dict[str, Any]]:
+        """The channel and header of a client message, whichever websocket protocol."""
+        try:
+            if self.subprotocol == WS_V1:
+                channel, msg_list = deserialize_msg_from_ws_v1(  # type: ignore[no-untyped-call]
+                    incoming_msg)
+                header = self.session.unpack(msg_list[0])
+            else:
+                msg = (
+                    deserialize_binary_message(incoming_msg)  # type: ignore[no-untyped-call]
+                    if isinstance(incoming_msg, bytes) else json.loads(incoming_msg)
+                )
+                channel, header = msg.get("channel"), msg.get("header")
+        except Exception:  # the base class logs and drops what it cannot read
+            return "shell", {}
+        return str(channel or "shell"), dict(header or {})
+
+    def answer(
+        self, channel: str, msg_type: str, content: dict[str, Any], parent: dict[str, Any]
+    ) -> None:
+        """Send the client a message of the server's own, as if from the kernel."""
+        msg = self.session.msg(msg_type, content, parent=parent)
+        if self.subprotocol == WS_V1:
+            packed = serialize_msg_to_ws_v1(  # type: ignore[no-untyped-call]
+                msg, channel, self.session.pack)
+            self.write_message(packed, binary=True)
+        else:
+            msg["channel"] = channel
+            self.write_message(json.dumps(msg, default=json_default))

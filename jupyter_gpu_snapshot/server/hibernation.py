@@ -1,0 +1,509 @@
+"""Hibernation: an idle kernel gives its GPU back, and wakes on the next message that
+needs it, under the same kernel id.
+
+Hibernating is a stopping save with reason ``hibernate`` that keeps the kernel slot: the
+provisioner puts a stand-in for the ended tree (``HibernatedProcess``), so the kernel stays
+in /api/kernels and /api/sessions, the restarter (stopped for the save) never sees a death,
+and the notebook's websocket stays open. Its execution state reads ``hibernated``.
+
+From the moment a hibernation starts until the kernel is awake again, every message a
+client sends over the websocket is held here, per kernel, in arrival order
+(``HibernationAwareConnection`` hands them in). A message that needs the kernel (a cell, a
+comm message, a completion: anything but a kernel_info request, answered from what the
+kernel said before, and the requests a reconnecting client makes by itself) starts the
+wake; a message that arrives while the hibernation's save still runs waits for it, and
+wakes the kernel right after. The wake restores the snapshot into the same slot (onto
+whatever GPUs are free, as any restore), each held client re-joins the kernel's channels,
+and the held messages go out once, in order. A wake that fails leaves the kernel
+hibernated with its snapshot, and answers each held cell with the cause.
+
+Idle kernels are found by a loop every ``autosave_check_seconds``: a snapshot-ready kernel
+idle (no cell running, no output) for ``hibernate_after_minutes``, holding at least
+``hibernate_min_gpu_bytes`` of GPU memory, and with no client connected when
+``hibernate_only_without_clients``. Events go out as
+``https://events.jupyter.org/jupyter_gpu_snapshot/hibernation/v1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .._constants import format_bytes
+from ..config import GPUSnapshot
+from ..core import procfs
+from ..core.errors import Busy, InvalidRequest, NotReady, SnapshotError
+from ..core.hooks import Progress
+from ..gpu.remap import remap_notice
+from ..launch.provisioner import Adoption, SnapshotReadyProvisioner, root_pid
+from .autosave import last_activity
+from .jobs import Job, kernel_key, snapshot_key
+from .service import HIBERNATE, SnapshotService
+
+HIBERNATING = "hibernating"
+HIBERNATED = "hibernated"
+WAKING = "waking"
+# Requests a client makes by itself when it (re)connects: held until the kernel wakes,
+# but they do not wake it. A kernel_info request is answered from the kernel's own
+# earlier answer.
+PASSIVE_REQUESTS = frozenset({"comm_info_request", "history_request"})
+# How often a waking kernel's held cells are told how far the restore is.
+PROGRESS_EVERY_SECONDS = 0.5
+
+
+class HeldClient(Protocol):
+    """What hibernation needs of a client's websocket connection
+    (``connections.HibernationAwareConnection``)."""
+
+    @property
+    def kernel_id(self) -> str: ...
+
+    def deliver(self, raw: Any) -> None: ...
+    def answer(self, channel: str, msg_type: str, content: dict[str, Any],
+               parent: dict[str, Any]) -> None: ...
+    def kernel_info(self) -> dict[str, Any] | None: ...
+    async def rejoin(self) -> None: ...
+
+
+@dataclass
+class HeldMessage:
+    client: HeldClient
+    raw: Any
+    channel: str
+    header: dict[str, Any]
+
+
+@dataclass
+class SleepingKernel:
+    """A kernel from the start of its hibernation until it is awake again."""
+
+    kernel_id: str
+    state: str
+    notebook_path: str | None
+    gpu_bytes: int
+    host_bytes: int
+    requested: float = field(default_factory=time.time)
+    since: float | None = None  # when its process ended
+    snapshot_id: str | None = None
+    job_id: str | None = None
+    error: dict[str, Any] | None = None
+    wake_when_saved: bool = False
+    held: list[HeldMessage] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kernel_id": self.kernel_id,
+            "state": self.state,
+            "notebook_path": self.notebook_path,
+            "gpu_bytes_freed": self.gpu_bytes if self.since is not None else 0,
+            "gpu_bytes": self.gpu_bytes,
+            "host_bytes": self.host_bytes,
+            "since": self.since,
+            "snapshot_id": self.snapshot_id,
+            "job_id": self.job_id,
+            "last_wake_error": self.error,
+            "held_messages": len(self.held),
+        }
+
+
+class Hibernation:
+    """The server's hibernated kernels; made and started by ``GPUSnapshotApp``."""
+
+    def __init__(
+        self,
+        service: SnapshotService,
+        settings: GPUSnapshot,
+        log: logging.Logger | None = None,
+        emit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.service = service
+        self.settings = settings
+        self.log = log or logging.getLogger(__name__)
+        self._emit = emit or (lambda _data: None)
+        self._kernels: dict[str, SleepingKernel] = {}
+        # Kernels asked to hibernate once their running cell ends (%gpu_snapshot hibernate).
+        self._when_idle: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.Task[None] | None = None
+
+    # -- what the API shows ----------------------------------------------------------------
+    def state(self, kernel_id: str) -> str | None:
+        sleeper = self._kernels.get(kernel_id)
+        return sleeper.state if sleeper is not None else None
+
+    def describe(self, kernel_id: str) -> dict[str, Any] | None:
+        sleeper = self._kernels.get(kernel_id)
+        if sleeper is not None:
+            return sleeper.to_dict()
+        if kernel_id in self._when_idle:
+            return {"kernel_id": kernel_id, "state": "requested"}
+        return None
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [s.to_dict() for s in self._kernels.values()]
+
+    # -- hibernating -----------------------------------------------------------------------
+    async def request(self, kernel_id: str, when_idle: bool = False) -> dict[str, Any]:
+        """Hibernate the kernel now, or (``when_idle``) once its running cell has ended;
+        called by ``POST kernels/{id}/hibernate``. Raises for a kernel that cannot."""
+        km = self.service.kernel(kernel_id)
+        if not isinstance(getattr(km, "provisioner", None), SnapshotReadyProvisioner):
+            raise InvalidRequest(
+                "hibernate", f"kernel {kernel_id} is not snapshot-ready",
+                hint="only kernels of a snapshot-ready kernelspec (python3-snapshot) hibernate",
+            )
+        if kernel_id in self._kernels:
+            return self._kernels[kernel_id].to_dict()
+        if getattr(km, "execution_state", None) == "busy" and not when_idle:
+            raise Busy(
+                "hibernate", f"kernel {kernel_id} is running a cell",
+                hint="a kernel with a running cell never hibernates; ask again once it is "
+                "idle, or with when_idle",
+            )
+        if when_idle and getattr(km, "execution_state", None) != "idle":
+            self._when_idle.add(kernel_id)
+            return {"kernel_id": kernel_id, "state": "requested"}
+        return (await self._hibernate(kernel_id, "on request")).to_dict()
+
+    async def _hibernate(self, kernel_id: str, why: str) -> SleepingKernel:
+        self._when_idle.discard(kernel_id)
+        km = self.service.kernel(kernel_id)
+        root = root_pid(km)
+        if root is None:
+            raise NotReady("hibernate", f"kernel {kernel_id} has no running process")
+        # Clients' messages are held from now on: none starts a cell under the save.
+        sleeper = SleepingKernel(kernel_id, HIBERNATING, None, 0, 0)
+        self._kernels[kernel_id] = sleeper
+        try:
+            sleeper.host_bytes = await asyncio.to_thread(procfs.tree_rss, root)
+            cuda = await self.service.cuda_state(root)
+            sleeper.gpu_bytes = int((cuda or {}).get("memory_bytes") or 0)
+            sleeper.notebook_path = await self.service.slots.notebook_path(kernel_id)
+            if getattr(km, "execution_state", None) == "busy":
+                raise Busy("hibernate", f"kernel {kernel_id} started a cell",
+                           hint="a kernel with a running cell never hibernates")
+            job = await self.service.start_save(kernel_id, stop=True, reason=HIBERNATE)
+        except BaseException:
+            self._release(sleeper)
+            raise
+        sleeper.job_id = job.id
+        self.log.info("gpu-snapshot: hibernating kernel %s (%s): %s", kernel_id,
+                      sleeper.notebook_path or "no notebook", why)
+        self._event(sleeper, "hibernating", reason=why)
+        self._spawn(self._finish_hibernation(sleeper, job))
+        return sleeper
+
+    def _release(self, sleeper: SleepingKernel) -> None:
+        """The kernel did not hibernate and runs on: what its clients sent goes to it."""
+        self._kernels.pop(sleeper.kernel_id, None)
+        held, sleeper.held = sleeper.held, []
+        for message in held:
+            message.client.deliver(message.raw)
+
+    async def _finish_hibernation(self, sleeper: SleepingKernel, job: Job) -> None:
+        await self.service.jobs.wait(job)
+        kernel_id = sleeper.kernel_id
+        if job.status != "succeeded":
+            # The save rolled back: the kernel runs on.
+            error = job.error or {}
+            self.log.warning("gpu-snapshot: kernel %s did not hibernate: %s", kernel_id,
+                             error.get("message"))
+            self._release(sleeper)
+            self._event(sleeper, "failed", message=str(error.get("message") or ""))
+            return
+        sleeper.state, sleeper.since, sleeper.snapshot_id = HIBERNATED, time.time(), job.snapshot_id
+        if kernel_id in self.service.kernel_manager:
+            self.service.kernel_manager.get_kernel(kernel_id).execution_state = HIBERNATED
+        self.log.info(
+            "gpu-snapshot: kernel %s hibernated as %s; %s of GPU memory freed", kernel_id,
+            job.snapshot_id, format_bytes(sleeper.gpu_bytes),
+        )
+        self._event(sleeper, "hibernated")
+        if sleeper.wake_when_saved:
+            self._start_wake(sleeper)
+
+    # -- messages from clients -------------------------------------------------------------
+    def receive(self, client: HeldClient, raw: Any, channel: str, header: dict[str, Any]) -> bool:
+        """Called by the websocket connection for each message a client sends; True when
+        hibernation took it (held or answered), False when it goes to the kernel as usual."""
+        sleeper = self._kernels.get(client.kernel_id)
+        if sleeper is None:
+            return False
+        kind = str(header.get("msg_type") or "")
+        if kind == "kernel_info_request":
+            info = client.kernel_info()
+            if info:
+                client.answer(channel, "kernel_info_reply", info, header)
+                return True
+        sleeper.held.append(HeldMessage(client, raw, channel, header))
+        if kind in PASSIVE_REQUESTS:
+            return True
+        if kind == "execute_request":
+            self._show_waking(client, header, sleeper)
+        if sleeper.state == HIBERNATED:
+            self._start_wake(sleeper)
+        elif sleeper.state == HIBERNATING:
+            sleeper.wake_when_saved = True
+        return True
+
+    def _show_waking(self, client: HeldClient, parent: dict[str, Any], sleeper: SleepingKernel,
+                     text: str | None = None, update: bool = False) -> None:
+        """A line in the held cell's output saying that the kernel wakes, and how far."""
+        size = sleeper.host_bytes + sleeper.gpu_bytes
+        content = {
+            "data": {"text/plain": text or f"Waking the kernel (restoring {format_bytes(size)})…"},
+            "metadata": {},
+            "transient": {"display_id": f"gpu-snapshot-wake-{parent.get('msg_id')}"},
+        }
+        if not update:
+            client.answer("iopub", "status", {"execution_state": "busy"}, parent)
+        client.answer("iopub", "update_display_data" if update else "display_data", content,
+                      parent)
+
+    # -- waking ----------------------------------------------------------------------------
+    async def wake(self, kernel_id: str) -> dict[str, Any]:
+        """Called by ``POST kernels/{id}/wake`` (and the CLI); the wake job."""
+        self.service.kernel(kernel_id)
+        sleeper = self._kernels.get(kernel_id)
+        if sleeper is None:
+            raise InvalidRequest("wake", f"kernel {kernel_id} is not hibernated")
+        if sleeper.state == HIBERNATING:
+            sleeper.wake_when_saved = True
+            return sleeper.to_dict()
+        self._start_wake(sleeper)
+        return sleeper.to_dict()
+
+    def _start_wake(self, sleeper: SleepingKernel) -> None:
+        if sleeper.state != HIBERNATED:
+            return
+        assert sleeper.snapshot_id is not None
+        kernel_id = sleeper.kernel_id
+        job = Job("wake", kernel_id, sleeper.snapshot_id, reason=HIBERNATE)
+        self.service.jobs.start(
+            job, [kernel_key(kernel_id), snapshot_key(sleeper.snapshot_id)],
+            lambda j: self._wake(j, sleeper),
+        )
+        sleeper.state, sleeper.job_id = WAKING, job.id
+        self.log.info("gpu-snapshot: waking kernel %s from %s", kernel_id, sleeper.snapshot_id)
+        self._event(sleeper, "waking")
+        self._spawn(self._finish_wake(sleeper, job))
+
+    async def _wake(self, job: Job, sleeper: SleepingKernel) -> dict[str, Any]:
+        """The wake job: restore the snapshot, and give the tree to the same slot."""
+        assert sleeper.snapshot_id is not None
+        service = self.service
+        km = service.kernel(sleeper.kernel_id)
+        snapshot = await asyncio.to_thread(service.engine.get, sleeper.snapshot_id)
+        restored = await service.engine.restore(
+            snapshot, self._wake_progress(job, sleeper), gpus=None
+        )
+        try:
+            ours = {k: v for k, v in restored.connection_info.items() if k.endswith("_port")}
+            slot = {k: v for k, v in km.get_connection_info().items() if k.endswith("_port")}
+            if ours != slot:
+                raise SnapshotError("adopt", "the restored kernel listens on other ports "
+                                    "than its slot")
+            await km.provisioner.wake(
+                Adoption(restored.pid, restored.connection_info, snapshot.id)
+            )
+        except BaseException:
+            await asyncio.to_thread(procfs.kill_tree, restored.pid)
+            raise
+        km.execution_state = "idle"
+        km.start_restarter()
+        remap = restored.notes.get("gpu_remap")
+        if remap:
+            service.slots.tell_new_slot(sleeper.kernel_id, remap_notice(remap))
+        return {"kernel_id": sleeper.kernel_id, "snapshot_id": snapshot.id, "gpu_remap": remap}
+
+    def _wake_progress(self, job: Job, sleeper: SleepingKernel) -> Callable[[Progress], None]:
+        """The job's progress, also shown in the held cells' outputs now and then."""
+        report = self.service.jobs.progress(job)
+        shown = [0.0]
+
+        def progress(p: Progress) -> None:
+            report(p)
+            now = time.monotonic()
+            if now - shown[0] < PROGRESS_EVERY_SECONDS or not p.total:
+                return
+            shown[0] = now
+            size = sleeper.host_bytes + sleeper.gpu_bytes
+            text = (f"Waking the kernel (restoring {format_bytes(size)}): {p.phase} "
+                    f"{format_bytes(p.done)} of {format_bytes(p.total)}…")
+            for held in list(sleeper.held):
+                if held.header.get("msg_type") == "execute_request":
+                    with contextlib.suppress(Exception):
+                        self._show_waking(held.client, held.header, sleeper, text, update=True)
+
+        return progress
+
+    async def _finish_wake(self, sleeper: SleepingKernel, job: Job) -> None:
+        await self.service.jobs.wait(job)
+        kernel_id = sleeper.kernel_id
+        if job.status != "succeeded":
+            error = job.error or {"message": "the wake failed"}
+            sleeper.state, sleeper.error = HIBERNATED, error
+            self.log.warning("gpu-snapshot: kernel %s did not wake: %s", kernel_id,
+                             error.get("message"))
+            self._event(sleeper, "wake_failed", message=str(error.get("message") or ""))
+            unanswered, sleeper.held = sleeper.held, []
+            for message in unanswered:
+                self._refuse(message, sleeper, error)
+            return
+        seconds = (job.finished or time.time()) - job.started
+        clients = list({id(h.client): h.client for h in sleeper.held}.values())
+        # Each client's subscription to the kernel's output must be live again before its
+        # held requests go out, or the first outputs would be lost.
+        await asyncio.gather(*(c.rejoin() for c in clients), return_exceptions=True)
+        # From here on, nothing awaits: messages arriving meanwhile are held until this
+        # loop step hands them all out, in order, and later ones go straight to the kernel.
+        self._kernels.pop(kernel_id, None)
+        if sleeper.snapshot_id:
+            self.service.held_for_wake.discard(sleeper.snapshot_id)
+        size = sleeper.host_bytes + sleeper.gpu_bytes
+        for held in sleeper.held:
+            if held.header.get("msg_type") == "execute_request":
+                with contextlib.suppress(Exception):
+                    self._show_waking(
+                        held.client, held.header, sleeper,
+                        f"Woke the kernel in {seconds:.1f} s (restored {format_bytes(size)}).",
+                        update=True,
+                    )
+            held.client.deliver(held.raw)
+        self.log.info("gpu-snapshot: kernel %s woke in %.1f s; %d held messages delivered",
+                      kernel_id, seconds, len(sleeper.held))
+        self._event(sleeper, "woken", seconds=seconds)
+
+    def _refuse(self, held: HeldMessage, sleeper: SleepingKernel, error: dict[str, Any]) -> None:
+        """Answer a held cell whose kernel could not wake; other held requests get no
+        answer (a client gives up on them by itself)."""
+        if held.header.get("msg_type") != "execute_request":
+            return
+        text = (
+            f"The kernel could not wake from its hibernation snapshot {sleeper.snapshot_id} "
+            f"(step {error.get('step', 'wake')}): {error.get('message')}. "
+            + (f"{error['hint']}. " if error.get("hint") else "")
+            + "The snapshot is kept: run the cell again to retry, or restore it from the "
+            "snapshot list."
+        )
+        content = {"ename": "KernelWakeError", "evalue": text, "traceback": [text]}
+        with contextlib.suppress(Exception):
+            held.client.answer("iopub", "error", content, held.header)
+            held.client.answer(held.channel, "execute_reply",
+                               {"status": "error", "execution_count": None, **content},
+                               held.header)
+            held.client.answer("iopub", "status", {"execution_state": "idle"}, held.header)
+
+    # -- the server's kernels --------------------------------------------------------------
+    async def on_kernel_action(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        """A listener of jupyter_server's kernel_actions events: a hibernated kernel shut
+        down or restarted is no longer hibernated; its snapshot stays, like any other."""
+        kernel_id = str(data.get("kernel_id") or "")
+        if data.get("action") in ("shutdown", "restart") and data.get("status") == "success":
+            self.forget(kernel_id)
+
+    def forget(self, kernel_id: str) -> None:
+        self._when_idle.discard(kernel_id)
+        sleeper = self._kernels.get(kernel_id)
+        if sleeper is None or sleeper.state == HIBERNATING:
+            return
+        del self._kernels[kernel_id]
+        if sleeper.snapshot_id:
+            self.service.held_for_wake.discard(sleeper.snapshot_id)
+        self._event(sleeper, "forgotten")
+
+    # -- finding idle kernels --------------------------------------------------------------
+    def start(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad round must not end hibernation for good
+                self.log.exception("gpu-snapshot: the hibernation check failed a round")
+            await asyncio.sleep(float(self.settings.autosave_check_seconds))
+
+    async def tick(self) -> None:
+        """Hibernate the kernels that asked to once idle, and those idle long enough."""
+        kernel_manager = self.service.kernel_manager
+        for kernel_id in list(self._when_idle):
+            if kernel_id not in kernel_manager:
+                self._when_idle.discard(kernel_id)
+            elif await self._idle_for(kernel_id) is not None:
+                await self._try(kernel_id, "asked to hibernate once idle")
+        after = float(self.settings.hibernate_after_minutes) * 60
+        if after <= 0:
+            return
+        for kernel_id in list(kernel_manager.list_kernel_ids()):
+            idle = await self._idle_for(kernel_id)
+            if idle is None or idle < after or not await self._eligible(kernel_id):
+                continue
+            await self._try(kernel_id, f"idle for {idle / 60:.1f} min")
+
+    async def _try(self, kernel_id: str, why: str) -> None:
+        try:
+            await self._hibernate(kernel_id, why)
+        except SnapshotError as exc:
+            self.log.info("gpu-snapshot: not hibernating kernel %s: %s", kernel_id, exc.message)
+
+    async def _idle_for(self, kernel_id: str) -> float | None:
+        """Seconds since the kernel's last output, or None if it is not idle now."""
+        if kernel_id in self._kernels or kernel_id not in self.service.kernel_manager:
+            return None
+        km = self.service.kernel_manager.get_kernel(kernel_id)
+        if not isinstance(getattr(km, "provisioner", None), SnapshotReadyProvisioner):
+            return None
+        if getattr(km, "execution_state", None) != "idle" or root_pid(km) is None:
+            return None
+        if self.service.running_job(kernel_id) is not None:
+            return None
+        last = last_activity(km)
+        return None if last is None else max(0.0, time.time() - last)
+
+    async def _eligible(self, kernel_id: str) -> bool:
+        if self.settings.hibernate_only_without_clients:
+            connections = getattr(self.service.kernel_manager, "_kernel_connections", {})
+            if int(connections.get(kernel_id, 0)) > 0:
+                return False
+        least = int(self.settings.hibernate_min_gpu_bytes)
+        if least > 0:
+            root = root_pid(self.service.kernel_manager.get_kernel(kernel_id))
+            cuda = await self.service.cuda_state(root)
+            if int((cuda or {}).get("memory_bytes") or 0) < least:
+                return False
+        return True
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _event(self, sleeper: SleepingKernel, action: str, **extra: Any) -> None:
+        try:
+            self._emit({
+                "action": action,
+                "kernel_id": sleeper.kernel_id,
+                "notebook_path": sleeper.notebook_path,
+                "snapshot_id": sleeper.snapshot_id,
+                "gpu_bytes": sleeper.gpu_bytes,
+                **extra,
+            })
+        except Exception:  # a broken event sink must not break hibernation
+            self.log.exception("gpu-snapshot: could not emit a hibernation event")
