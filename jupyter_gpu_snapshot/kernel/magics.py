@@ -80,7 +80,7 @@ def _display(*objs: Any, **kwargs: Any) -> Any:
     return display(*objs, **kwargs)  # type: ignore[no-untyped-call]
 
 
-COMMANDS = ("save", "list", "status", "rm", "restore", "widget", "autosave")
+COMMANDS = ("save", "list", "status", "rm", "restore", "widget", "autosave", "hibernate")
 _TAKES_NAME = {
     "save": "optional", "rm": "required", "restore": "required", "autosave": "optional",
 }
@@ -128,7 +128,8 @@ class GPUSnapshotMagics(Magics):
         help="save: snapshot this kernel; list: this notebook's snapshots; status: readiness, "
         "CUDA state and the running job; rm: delete a snapshot; restore: restore a snapshot "
         "into a new kernel and switch this notebook to it; widget: a live panel; autosave: "
-        "this notebook's autosave policy (on, off, every 10m, status).",
+        "this notebook's autosave policy (on, off, every 10m, status); hibernate: free "
+        "this kernel's GPU once this cell ends, and wake it at the next cell.",
     )
     @argument("name", nargs="?", help="snapshot name (save: optional; rm, restore: name or id)")
     @argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -163,6 +164,7 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot widget
             %gpu_snapshot list --latest        # what a restart would offer back
             %gpu_snapshot autosave every 10m   # also: on, off, status
+            %gpu_snapshot hibernate            # free the GPU now; the next cell wakes it
         """
         args = parse_argstring(self.gpu_snapshot, line)
         args.name = _unquoted(args.name)
@@ -303,6 +305,13 @@ class GPUSnapshotMagics(Magics):
     def _autosave(self, client: SnapshotClient, changes: dict[str, Any] | None) -> None:
         state = client.autosave(changes)
         print("\n".join(autosave_lines(state, time.time())))
+
+    def _hibernate(self, client: SnapshotClient, args: Any) -> None:
+        # This cell is running, and a kernel never hibernates under a running cell: the
+        # server does it as soon as this cell has ended.
+        client.hibernate_when_idle()
+        print("This kernel hibernates once this cell ends: its process stops and its GPU "
+              "memory is freed. The next cell you run wakes it, with everything in place.")
 
     def _widget(self, client: SnapshotClient, args: Any) -> None:
         from .widget import SnapshotPanel  # ipywidgets only when asked for
