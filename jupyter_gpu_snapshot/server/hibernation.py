@@ -319,7 +319,10 @@ class Hibernation:
         remap = restored.notes.get("gpu_remap")
         if remap:
             service.slots.tell_new_slot(sleeper.kernel_id, remap_notice(remap))
-        return {"kernel_id": sleeper.kernel_id, "snapshot_id": snapshot.id, "gpu_remap": remap}
+        return {
+            "kernel_id": sleeper.kernel_id, "snapshot_id": snapshot.id, "gpu_remap": remap,
+            "timings": restored.timings,
+        }
 
     def _wake_progress(self, job: Job, sleeper: SleepingKernel) -> Callable[[Progress], None]:
         """The job's progress, also shown in the held cells' outputs now and then."""
