@@ -132,6 +132,7 @@ class GPUSnapshotApp(ExtensionApp):
             listener=self.hibernation.on_kernel_action,
         )
         HibernationAwareConnection.hibernation = self.hibernation
+        self.service.hibernation_of = self.hibernation.describe
         self._watch_deaths(self.service)
         self._tell_kernels_where_we_are()
         self.log.info(

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import shutil
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ..config import GPUSnapshot
@@ -55,6 +56,8 @@ class SnapshotService:
     deaths: KernelDeaths | None = None
     # The snapshots hibernated kernels wake from: neither retention nor a delete takes them.
     held_for_wake: set[str]
+    # Set by the app: a kernel's hibernation as GET hibernation lists it, or None.
+    hibernation_of: Callable[[str], dict[str, Any] | None] | None = None
 
     def __init__(
         self,
@@ -280,7 +283,7 @@ class SnapshotService:
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
         """Readiness, CUDA state, last snapshot and running job of a kernel."""
         km = self.kernel(kernel_id)
-        return await describe_kernel(
+        status = await describe_kernel(
             kernel_id,
             km.kernel_name,
             root_pid(km),
@@ -291,6 +294,8 @@ class SnapshotService:
             self.log,
             self.deaths.get(kernel_id) if self.deaths is not None else None,
         )
+        status["hibernation"] = self.hibernation_of(kernel_id) if self.hibernation_of else None
+        return status
 
     def dismiss_death(self, kernel_id: str) -> None:
         """Called by ``DELETE kernels/{id}/death``: the user has read of the death."""

@@ -228,7 +228,11 @@ async def test_a_client_that_connects_to_a_hibernated_kernel_is_not_kept_waiting
     late = await kernel_socket(kernel_id)
     assert time.monotonic() - started < 10
     assert (await hibernation(api))[kernel_id]["state"] == "hibernated"
+    status = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "status")
+    assert status["hibernation"]["state"] == "hibernated" and not status["ready"], status
     assert await late.execute("print(z)") == "5\n"
+    status = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "status")
+    assert status["hibernation"] is None and status["ready"], status
 
 
 async def test_a_running_cell_is_never_hibernated_and_when_idle_waits_for_it(
