@@ -143,6 +143,22 @@ export interface IKernelDeath {
   snapshot: { id: string; name: string; created: number } | null;
 }
 
+/** A kernel's hibernation (openapi.yaml, Hibernation). */
+export interface IHibernation {
+  kernel_id: string;
+  state: 'requested' | 'hibernating' | 'hibernated' | 'waking';
+  notebook_path?: string | null;
+  /** GPU memory the kernel held, free since it hibernated (0 before). */
+  gpu_bytes_freed?: number;
+  gpu_bytes?: number;
+  host_bytes?: number;
+  /** When its process ended, seconds since the epoch. */
+  since?: number | null;
+  snapshot_id?: string | null;
+  job_id?: string | null;
+  last_wake_error?: IJobError | null;
+}
+
 export interface IKernelStatus {
   kernel_id: string;
   ready: boolean;
@@ -153,6 +169,8 @@ export interface IKernelStatus {
   job: IJob | null;
   /** The slot's last kernel death the user has not dismissed; older servers leave it out. */
   death?: IKernelDeath | null;
+  /** The kernel's hibernation, while there is one; older servers leave it out. */
+  hibernation?: IHibernation | null;
 }
 
 /** An error answer of the API, carrying the server's own message and error object. */
@@ -213,6 +231,17 @@ export class SnapshotAPI {
     await this._request(`kernels/${encodeURIComponent(kernelId)}/death`, {
       method: 'DELETE'
     });
+  }
+
+  /** Hibernate the kernel once its running cell has ended (POST kernels/{id}/hibernate). */
+  hibernate(kernelId: string): Promise<IHibernation> {
+    return this._request<IHibernation>(
+      `kernels/${encodeURIComponent(kernelId)}/hibernate`,
+      {
+        method: 'POST',
+        body: JSON.stringify({ when_idle: true })
+      }
+    );
   }
 
   async deleteSnapshot(id: string): Promise<void> {

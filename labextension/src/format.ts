@@ -7,6 +7,7 @@
 import type {
   IAutosavePolicy,
   IAutosaveState,
+  IHibernation,
   IJob,
   IKernelStatus,
   ISnapshotSummary
@@ -285,6 +286,51 @@ export function describeLocation(
  * so right after an autosave the status may not list it yet; the autosave's own record then
  * speaks, rather than a passing "No snapshot yet".
  */
+/**
+ * The status bar's words for a kernel's hibernation, or null when it has none: it is the
+ * first thing the notebook's user needs to know of the kernel.
+ */
+export function describeHibernation(
+  hibernation: IHibernation | null | undefined,
+  trans = untranslated
+): { text: string; title: string } | null {
+  if (!hibernation) {
+    return null;
+  }
+  const size = formatBytes(hibernation.gpu_bytes_freed ?? 0, trans);
+  switch (hibernation.state) {
+    case 'requested':
+      return {
+        text: trans.__('Hibernates after this cell'),
+        title: trans.__('The kernel hibernates as soon as its running cell ends')
+      };
+    case 'hibernating':
+      return {
+        text: trans.__('Hibernating…'),
+        title: trans.__(
+          'The kernel is being saved; its process then ends and frees the GPU'
+        )
+      };
+    case 'waking':
+      return {
+        text: trans.__('Waking the kernel…'),
+        title: trans.__('The kernel is restored from its hibernation snapshot')
+      };
+    default: {
+      const error = hibernation.last_wake_error?.message;
+      const title = trans.__(
+        'The kernel is hibernated since %1: its process ended and %2 of GPU memory are free. The next cell you run wakes it, with everything in place.',
+        hibernation.since ? formatTime(hibernation.since) : '?',
+        size
+      );
+      return {
+        text: trans.__('Hibernated: %1 of GPU memory freed', size),
+        title: error ? trans.__('%1 The last wake failed: %2', title, error) : title
+      };
+    }
+  }
+}
+
 export function describeLastSnapshot(
   status: IKernelStatus,
   autosave: IAutosaveState | null,

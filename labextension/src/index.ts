@@ -30,10 +30,15 @@ import { TRANSLATION_DOMAIN } from './translation';
 
 const PLUGIN_ID = 'jupyter-gpu-snapshot:plugin';
 
+/** The server's hibernation events (server/event_schemas/hibernation-v1.yaml), any version. */
+const HIBERNATION_EVENT_PREFIX =
+  'https://events.jupyter.org/jupyter_gpu_snapshot/hibernation/';
+
 export namespace CommandIDs {
   export const save = 'gpu-snapshot:save';
   export const saveNamed = 'gpu-snapshot:save-named';
   export const restore = 'gpu-snapshot:restore';
+  export const hibernate = 'gpu-snapshot:hibernate';
 }
 
 /** The store's rule for names (core/store.py, NAME_PATTERN), checked before asking. */
@@ -148,6 +153,29 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
+    app.commands.addCommand(CommandIDs.hibernate, {
+      label: trans.__('Hibernate Kernel'),
+      caption: trans.__(
+        'Save the kernel and end its process so that its GPU memory is free; the next cell wakes it with everything in place'
+      ),
+      isEnabled: () => controller.saveAvailability(current()).enabled,
+      execute: async () => {
+        const kernelId = controller.kernelId(current());
+        if (!kernelId) {
+          return;
+        }
+        try {
+          await controller.api.hibernate(kernelId);
+        } catch (error) {
+          Notification.error(
+            trans.__('Could not hibernate the kernel: %1', (error as Error).message),
+            { autoClose: false }
+          );
+        }
+        await controller.refresh(kernelId);
+      }
+    });
+
     controller.changeKernel = panel => {
       void panel.sessionContext.ready.then(() =>
         app.commands.execute('notebook:change-kernel')
@@ -158,6 +186,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       app.commands.notifyCommandChanged(CommandIDs.save);
       app.commands.notifyCommandChanged(CommandIDs.saveNamed);
       app.commands.notifyCommandChanged(CommandIDs.restore);
+      app.commands.notifyCommandChanged(CommandIDs.hibernate);
     };
     controller.changed.connect(notify);
     tracker.currentChanged.connect(notify);
@@ -167,6 +196,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       palette.addItem({ command: CommandIDs.save, category });
       palette.addItem({ command: CommandIDs.saveNamed, category });
       palette.addItem({ command: CommandIDs.restore, category });
+      palette.addItem({ command: CommandIDs.hibernate, category });
     }
 
     toolbarRegistry.addFactory<NotebookPanel>(
@@ -220,6 +250,18 @@ const plugin: JupyterFrontEndPlugin<void> = {
       app.serviceManager.events ?? null,
       trans
     );
+
+    // A kernel that hibernated or woke: its notebook's status bar says so at once.
+    app.serviceManager.events?.stream.connect((_, event) => {
+      const kernelId = (event as unknown as { kernel_id?: unknown }).kernel_id;
+      if (
+        event.schema_id?.startsWith(HIBERNATION_EVENT_PREFIX) &&
+        typeof kernelId === 'string' &&
+        tracker.find(panel => controller.kernelId(panel) === kernelId)
+      ) {
+        void controller.refresh(kernelId);
+      }
+    });
 
     const offer = new ShutdownOffer(controller, stateDB, trans);
     let offerAfterShutdown = true;

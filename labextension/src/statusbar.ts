@@ -7,7 +7,7 @@ import type { TranslationBundle } from '@jupyterlab/translation';
 import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 import type { SnapshotController } from './controller';
-import { describeLastSnapshot, jobFraction } from './format';
+import { describeHibernation, describeLastSnapshot, jobFraction } from './format';
 import { KernelWatch } from './watch';
 
 /** How often the current kernel's status is asked again (settings: statusRefreshSeconds). */
@@ -92,6 +92,23 @@ export class SnapshotStatusItem extends Widget {
           : trans.__('An autosave of this kernel is under way')
       };
     }
+    if (job && job.kind === 'save' && job.reason === 'hibernate') {
+      return {
+        text: trans.__('Hibernating…'),
+        title: trans.__('Hibernating: %1', this._controller.describeJob(job))
+      };
+    }
+    if (job && job.kind === 'wake') {
+      const fraction = jobFraction(job);
+      const percent = fraction === undefined ? null : Math.round(fraction * 100);
+      return {
+        text:
+          percent === null
+            ? trans.__('Waking the kernel…')
+            : trans.__('Waking the kernel %1%%', percent),
+        title: trans.__('Waking: %1', this._controller.describeJob(job))
+      };
+    }
     if (job) {
       const fraction = jobFraction(job);
       const percent = fraction === undefined ? null : Math.round(fraction * 100);
@@ -126,6 +143,10 @@ export class SnapshotStatusItem extends Widget {
     }
     if (!status) {
       return { text: '', title: '' };
+    }
+    const hibernation = describeHibernation(status.hibernation, trans);
+    if (hibernation) {
+      return hibernation;
     }
     return describeLastSnapshot(status, autosave ?? null, trans);
   }

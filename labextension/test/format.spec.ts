@@ -4,6 +4,7 @@
 import {
   PHASE_LABELS,
   describeGpu,
+  describeHibernation,
   describeLastSnapshot,
   describeProgress,
   describeSaved,
@@ -387,5 +388,49 @@ describe('describeLastSnapshot', () => {
     expect(
       describeLastSnapshot({ ...status(null), ready: false }, null, undefined, now)
     ).toEqual({ text: '', title: '' });
+  });
+});
+
+describe('describeHibernation', () => {
+  it('is null for a kernel that is not hibernated, so the last snapshot speaks', () => {
+    expect(describeHibernation(null)).toBeNull();
+    expect(describeHibernation(undefined)).toBeNull();
+  });
+
+  it('says how much GPU memory a hibernated kernel freed, and that a cell wakes it', () => {
+    const words = describeHibernation({
+      kernel_id: 'k',
+      state: 'hibernated',
+      gpu_bytes_freed: 16.1 * GiB,
+      since: 1764000000
+    });
+    expect(words?.text).toBe('Hibernated: 16.1 GiB of GPU memory freed');
+    expect(words?.title).toContain('The next cell you run wakes it');
+  });
+
+  it('adds the cause of a failed wake', () => {
+    const words = describeHibernation({
+      kernel_id: 'k',
+      state: 'hibernated',
+      gpu_bytes_freed: 0,
+      last_wake_error: {
+        step: 'preflight',
+        cause: 'shell port 5 of 127.0.0.1 in use',
+        message: 'preflight failed: shell port 5 of 127.0.0.1 in use'
+      }
+    });
+    expect(words?.title).toContain('The last wake failed: preflight failed');
+  });
+
+  it('names each step on the way', () => {
+    expect(describeHibernation({ kernel_id: 'k', state: 'requested' })?.text).toBe(
+      'Hibernates after this cell'
+    );
+    expect(describeHibernation({ kernel_id: 'k', state: 'hibernating' })?.text).toBe(
+      'Hibernating…'
+    );
+    expect(describeHibernation({ kernel_id: 'k', state: 'waking' })?.text).toBe(
+      'Waking the kernel…'
+    );
   });
 });

@@ -220,7 +220,8 @@ def test_snapshot_then_restore_through_the_dialog(
     assert seen["status_after_shutdown"] == "Snapshots"  # still there to click
     # Title Case like JupyterLab's own entries; the keyboard shortcut shows beside its entry.
     assert seen["kernel_menu"] == [
-        "Snapshot Kernel\tCtrl+Alt+S", "Snapshot Kernel As…", "Restore Kernel from Snapshot…"
+        "Snapshot Kernel\tCtrl+Alt+S", "Snapshot Kernel As…", "Restore Kernel from Snapshot…",
+        "Hibernate Kernel",
     ]
     assert len(seen["dialog_rows"]) == 1
     assert seen["dialog_selected"] == seen["dialog_rows"]
@@ -414,6 +415,30 @@ def test_autosave_shows_in_the_status_bar_and_the_sidebar_overrides_it(
     # Where a snapshot is kept, from servers that say (the field is added in the browser).
     assert seen["sidebar_location"] == "remote only", seen
     assert seen["dialog_location"] == "remote only", seen
+    assert seen["console_errors"] == []
+
+
+def test_a_hibernated_notebook_says_so_and_its_next_cell_wakes_it(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab("hibernate", {"state.ipynb": "python3-snapshot"})
+    seen = run_scenario(ui_tools, server, "hibernate", "state.ipynb")
+    secret, next_random = expected_state()
+
+    assert seen["state_output"] == f"state set: {secret}"
+    assert re.fullmatch(
+        r"Hibernated: [\d.]+ (B|KiB|MiB|GiB) of GPU memory freed", seen["status_hibernated"]
+    ), seen["status_hibernated"]
+    assert "The next cell you run wakes it" in seen["status_title"], seen["status_title"]
+    assert seen["listed_state"] == "hibernated"
+    # The cell woke the kernel in its own slot, said so, then ran with the old state.
+    assert seen["kernel_after"] == seen["kernel_before"]
+    output = seen["after_wake_output"]
+    assert re.search(r"Woke the kernel in [\d.]+ s \(restored [\d.]+ (B|KiB|MiB|GiB)\)\.",
+                     output), output
+    assert f"state now: {secret} next random: {next_random}" in output, output
+    assert not seen["status_after_wake"].startswith(("Hibernated", "Waking"))
+    assert server.get("gpu-snapshot/hibernation")["kernels"] == []
     assert seen["console_errors"] == []
 
 

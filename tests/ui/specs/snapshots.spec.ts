@@ -628,3 +628,32 @@ test('after-restart', async ({ lab, page }) => {
     .sort();
   seen.kernels = (await lab.kernelIds()).sort();
 });
+
+// Hibernate the kernel from the Kernel menu: the status bar says so; the next cell wakes
+// it in the same kernel slot, and its output shows the state from before.
+test('hibernate', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  seen.kernel_before = await lab.kernelOf();
+
+  const item = await lab.kernelMenu('gpu-snapshot:hibernate');
+  await lab.screenshot('kernel-menu-hibernate');
+  await item.click();
+  const status = page.locator('.jp-gpu-snapshot-status');
+  await expect(status).toHaveText(/^Hibernated: /, { timeout: STEP_TIMEOUT });
+  seen.status_hibernated = await status.innerText();
+  seen.status_title = await status.getAttribute('title');
+  seen.listed_state = ((await lab.api('api/kernels')) as any[]).find(
+    k => k.id === seen.kernel_before
+  )?.execution_state;
+  await lab.screenshot('hibernated');
+
+  seen.after_wake_output = await lab.runCell(1);
+  seen.kernel_after = await lab.kernelOf();
+  await lab.screenshot('woken');
+  await expect(status).not.toHaveText(/^(Hibernated|Waking)/, { timeout: STEP_TIMEOUT });
+  seen.status_after_wake = await status.innerText();
+  await lab.screenshot('status-after-wake');
+});
