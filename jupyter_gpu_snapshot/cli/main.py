@@ -49,6 +49,7 @@ from ..remotes import (
     upload_local,
 )
 from .checks import run_checks
+from .servers import chosen_servers
 
 out = Console()
 err = Console(stderr=True)
@@ -519,6 +520,55 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return 1 if report.kept else 0
 
 
+def cmd_hibernation(args: argparse.Namespace) -> int:
+    """The hibernated kernels of the running servers (or of the one --url names)."""
+    kernels: list[dict[str, Any]] = []
+    for server in chosen_servers(args.url, args.token):
+        listing = server.call("GET", "hibernation", step="list")
+        kernels += [{**k, "server": server.url} for k in listing["kernels"]]
+    if args.json:
+        _print_json(kernels)
+        return 0
+    if not kernels:
+        _say("no hibernated kernels")
+        return 0
+    rows = [["KERNEL", "STATE", "NOTEBOOK", "GPU FREED", "SINCE", "SNAPSHOT", "SERVER"]]
+    for k in kernels:
+        since = datetime.fromtimestamp(k["since"]).strftime("%Y-%m-%d %H:%M:%S") \
+            if k.get("since") else "-"
+        rows.append([
+            k["kernel_id"], k["state"], k.get("notebook_path") or "-",
+            format_bytes(k.get("gpu_bytes_freed") or 0), since, k.get("snapshot_id") or "-",
+            k["server"],
+        ])
+    _say(_columns(rows))
+    return 0
+
+
+def _server_of(args: argparse.Namespace) -> Any:
+    """The running server that has kernel ``args.kernel_id``."""
+    for server in chosen_servers(args.url, args.token):
+        with contextlib.suppress(SnapshotError):
+            server.call("GET", f"kernels/{args.kernel_id}/status", step="lookup")
+            return server
+    raise NotFound("lookup", f"no running server has kernel {args.kernel_id!r}",
+                   hint="'jupyter gpu-snapshot hibernation' lists the hibernated kernels")
+
+
+def cmd_hibernate(args: argparse.Namespace) -> int:
+    state = _server_of(args).call(
+        "POST", f"kernels/{args.kernel_id}/hibernate", {"when_idle": True}, step="hibernate")
+    _say(f"kernel {args.kernel_id}: {state['state']}"
+         + (" (once its running cell ends)" if state["state"] == "requested" else ""))
+    return 0
+
+
+def cmd_wake(args: argparse.Namespace) -> int:
+    state = _server_of(args).call("POST", f"kernels/{args.kernel_id}/wake", step="wake")
+    _say(f"kernel {args.kernel_id}: {state['state']} (job {state.get('job_id') or '-'})")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     kernel = procfs.inspect_kernel(args.pid)
     data = {
@@ -675,6 +725,26 @@ def build_parser() -> argparse.ArgumentParser:
         "server start does)",
     )
     p.set_defaults(func=cmd_recover)
+
+    def server_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", help="the Jupyter server's URL (default: every running server "
+                       "of this user, from the Jupyter runtime directory)")
+        p.add_argument("--token", help="the server's token, with --url")
+
+    p = sub.add_parser("hibernation", help="list the hibernated kernels of the running servers")
+    server_options(p)
+    p.add_argument("--json", action="store_true", help="print them as JSON")
+    p.set_defaults(func=cmd_hibernation)
+
+    p = sub.add_parser("hibernate", help="hibernate a server's kernel (once its cell ends)")
+    p.add_argument("kernel_id", help="the kernel's id (GET /api/kernels)")
+    server_options(p)
+    p.set_defaults(func=cmd_hibernate)
+
+    p = sub.add_parser("wake", help="wake a hibernated kernel of a server")
+    p.add_argument("kernel_id", help="the kernel's id (jupyter gpu-snapshot hibernation)")
+    server_options(p)
+    p.set_defaults(func=cmd_wake)
 
     p = sub.add_parser("status", help="say whether a kernel process is snapshot-ready")
     p.add_argument("--pid", type=int, required=True, help="process id of the kernel")

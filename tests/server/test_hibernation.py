@@ -340,3 +340,31 @@ class TestStoppingTheServer:
         latest = await api.snapshots(latest="true")
         assert [s["id"] for s in latest if s["notebook_path"] == NOTEBOOK] == [
             found["snapshot_id"]]
+
+
+async def test_the_cli_lists_hibernated_kernels_and_wakes_one(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from jupyter_gpu_snapshot.cli.main import main as cli
+
+    kernel_id, sock = await notebook_kernel(api, kernel_socket)
+    await sock.execute("c = 'cli'")
+    found = await hibernated(api, kernel_id)
+    server = ["--url", jp_serverapp.connection_url,
+              "--token", jp_serverapp.identity_provider.token]
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli, ["hibernation", "--json", *server]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(k["kernel_id"], k["state"], k["snapshot_id"]) for k in listed] == [
+        (kernel_id, "hibernated", found["snapshot_id"])]
+    assert await asyncio.to_thread(cli, ["hibernation", *server]) == 0
+    table = capsys.readouterr().out
+    assert kernel_id in table and NOTEBOOK in table
+    assert await asyncio.to_thread(cli, ["wake", kernel_id, *server]) == 0
+    assert "waking" in capsys.readouterr().out
+    await until_state(api, kernel_id, None)
+    assert await sock.execute("print(c)") == "cli\n"
+    # A kernel that is not hibernated: one line naming the step and the cause.
+    assert await asyncio.to_thread(cli, ["wake", kernel_id, *server]) == 2
+    assert "is not hibernated" in capsys.readouterr().err
