@@ -48,6 +48,18 @@ def incarnation() -> str:
     return f"{boot}:{os.getpid()}:{start}"
 
 
+# The incarnation in which the server last told this process its slot (``slot_told``). A
+# kernel woken from hibernation is a restored copy that keeps its kernel id, so the id in
+# the environment alone cannot say whether the server has told it yet.
+_told_in: str | None = None
+
+
+def slot_told() -> None:
+    """Called by the server's message that tells a restored kernel its slot."""
+    global _told_in
+    _told_in = incarnation()
+
+
 class KernelIdentity:
     """Which kernel slot of the server this process is, across restores.
 
@@ -69,6 +81,9 @@ class KernelIdentity:
         told = env.get(ENV_KERNEL_ID, "").strip()
         if not self.changed():
             return self.kernel_id
+        if told and told == self.kernel_id and _told_in == incarnation():
+            self.incarnation = _told_in  # woken in its own slot, and told so
+            return told
         if not told or told == self.kernel_id:
             raise IdentityUnknown(
                 "this kernel was restored from a snapshot, and the server has not yet told "

@@ -83,7 +83,9 @@ def _display(*objs: Any, **kwargs: Any) -> Any:
 COMMANDS = ("save", "list", "status", "rm", "restore", "widget", "autosave", "hibernate")
 _TAKES_NAME = {
     "save": "optional", "rm": "required", "restore": "required", "autosave": "optional",
+    "hibernate": "optional",
 }
+HIBERNATE_USAGE = "%gpu_snapshot hibernate [after 30m|never|default]"
 AUTOSAVE_USAGE = "%gpu_snapshot autosave [on|off|every 10m|status]"
 _UNIT_MINUTES = {"s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0}
 
@@ -165,20 +167,25 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot list --latest        # what a restart would offer back
             %gpu_snapshot autosave every 10m   # also: on, off, status
             %gpu_snapshot hibernate            # free the GPU now; the next cell wakes it
+            %gpu_snapshot hibernate after 30m  # when idle that long; also: never, default
         """
         args = parse_argstring(self.gpu_snapshot, line)
         args.name = _unquoted(args.name)
         command: str = args.command
         _check_usage(command, args.name, args.stop, args.all_notebooks)
-        if args.rest and command != "autosave":
+        if args.rest and command not in ("autosave", "hibernate"):
             raise UsageError(f"unrecognized arguments: {' '.join(args.rest)}")
         if args.latest and command != "list":
             raise UsageError("--latest only applies to %gpu_snapshot list")
         changes = _autosave_changes(args.name, args.rest) if command == "autosave" else None
+        if command == "hibernate":
+            changes = _hibernate_changes(args.name, args.rest)
         try:
             client = self.client()
             if command == "autosave":
                 self._autosave(client, changes)
+            elif command == "hibernate":
+                self._hibernate(client, changes)
             else:
                 getattr(self, f"_{command}")(client, args)
         except ClientError as exc:
@@ -306,7 +313,13 @@ class GPUSnapshotMagics(Magics):
         state = client.autosave(changes)
         print("\n".join(autosave_lines(state, time.time())))
 
-    def _hibernate(self, client: SnapshotClient, args: Any) -> None:
+    def _hibernate(self, client: SnapshotClient, changes: dict[str, Any] | None) -> None:
+        if changes is not None:
+            minutes = client.autosave(changes)["policy"].get("hibernate_after_minutes") or 0
+            after = f"{minutes:g} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
+            print(f"This notebook's kernel hibernates after {after} idle."
+                  if minutes else "This notebook's kernel never hibernates by itself.")
+            return
         # This cell is running, and a kernel never hibernates under a running cell: the
         # server does it as soon as this cell has ended.
         client.hibernate_when_idle()
@@ -347,6 +360,20 @@ def _autosave_changes(word: str | None, rest: list[str]) -> dict[str, Any] | Non
     if len(words) == 2 and words[0] == "every":
         return {"enabled": True, "interval_minutes": parse_minutes(words[1])}
     raise UsageError(f"usage: {AUTOSAVE_USAGE}")
+
+
+def _hibernate_changes(word: str | None, rest: list[str]) -> dict[str, Any] | None:
+    """The policy change ``%gpu_snapshot hibernate WORD REST`` asks for; None: now."""
+    words = [w.lower() for w in ([word] if word else []) + rest]
+    if not words:
+        return None
+    if words == ["never"]:
+        return {"hibernate_after_minutes": 0}
+    if words == ["default"]:
+        return {"hibernate_after_minutes": None}
+    if len(words) == 2 and words[0] == "after":
+        return {"hibernate_after_minutes": parse_minutes(words[1])}
+    raise UsageError(f"usage: {HIBERNATE_USAGE}")
 
 
 def parse_minutes(text: str) -> float:

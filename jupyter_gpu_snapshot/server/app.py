@@ -125,7 +125,8 @@ class GPUSnapshotApp(ExtensionApp):
             listener=self.autosave.on_kernel_action,
         )
         self.hibernation = Hibernation(
-            self.service, settings, log=self.log, emit=self._emit_hibernation
+            self.service, settings, log=self.log, emit=self._emit_hibernation,
+            hibernate_after=self._hibernate_after,
         )
         serverapp.event_logger.add_listener(
             modified=False, schema_id=KERNEL_ACTIONS_EVENT_ID,
@@ -143,6 +144,13 @@ class GPUSnapshotApp(ExtensionApp):
             "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
         )
         self.log.info("gpu-snapshot: %s", self._recovery_settings())
+
+    async def _hibernate_after(self, kernel_id: str) -> float:
+        """Minutes of idleness after which the kernel hibernates: its notebook's policy."""
+        assert self.service is not None and self.autosave is not None
+        notebook = await self.service.slots.notebook_path(kernel_id)
+        key = self.autosave.policy_key(kernel_id, notebook)
+        return self.autosave.policy(key).hibernate_after_minutes
 
     def _link_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         """Called before the server makes its web application: hibernated kernels need

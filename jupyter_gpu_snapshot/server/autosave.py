@@ -74,6 +74,9 @@ class AutosavePolicy:
     interval_minutes: float
     after_cell_minutes: float
     during_cell: bool
+    # Not autosave, but the same kind of per-notebook choice: when an idle kernel of the
+    # notebook hibernates (``hibernation``); 0 never.
+    hibernate_after_minutes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +88,7 @@ POLICY_FIELDS: Mapping[str, tuple[type, ...]] = {
     "interval_minutes": (int, float),
     "after_cell_minutes": (int, float),
     "during_cell": (bool,),
+    "hibernate_after_minutes": (int, float),
 }
 
 
@@ -289,6 +293,7 @@ class AutosaveScheduler:
         return AutosavePolicy(
             bool(s.autosave), float(s.autosave_interval_minutes),
             float(s.autosave_after_cell_minutes), bool(s.autosave_during_cell),
+            float(s.hibernate_after_minutes),
         )
 
     def policy(self, key: str) -> AutosavePolicy:

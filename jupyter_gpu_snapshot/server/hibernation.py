@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -120,11 +120,15 @@ class Hibernation:
         settings: GPUSnapshot,
         log: logging.Logger | None = None,
         emit: Callable[[dict[str, Any]], None] | None = None,
+        hibernate_after: Callable[[str], Awaitable[float]] | None = None,
     ) -> None:
         self.service = service
         self.settings = settings
         self.log = log or logging.getLogger(__name__)
         self._emit = emit or (lambda _data: None)
+        # Minutes of idleness after which a kernel hibernates: its notebook's choice
+        # (``%gpu_snapshot hibernate after 30m``), else the server's setting.
+        self._hibernate_after = hibernate_after
         self._kernels: dict[str, SleepingKernel] = {}
         # Kernels asked to hibernate once their running cell ends (%gpu_snapshot hibernate).
         self._when_idle: set[str] = set()
@@ -317,8 +321,9 @@ class Hibernation:
         km.execution_state = "idle"
         km.start_restarter()
         remap = restored.notes.get("gpu_remap")
-        if remap:
-            service.slots.tell_new_slot(sleeper.kernel_id, remap_notice(remap))
+        # A restored kernel asks to be told its slot before %gpu_snapshot works in it, even
+        # in the slot it was saved from; the held cells go out after this.
+        await service.slots.tell_slot(sleeper.kernel_id, remap_notice(remap))
         return {
             "kernel_id": sleeper.kernel_id, "snapshot_id": snapshot.id, "gpu_remap": remap,
             "timings": restored.timings,
@@ -450,14 +455,19 @@ class Hibernation:
                 self._when_idle.discard(kernel_id)
             elif await self._idle_for(kernel_id) is not None:
                 await self._try(kernel_id, "asked to hibernate once idle")
-        after = float(self.settings.hibernate_after_minutes) * 60
-        if after <= 0:
-            return
         for kernel_id in list(kernel_manager.list_kernel_ids()):
             idle = await self._idle_for(kernel_id)
-            if idle is None or idle < after or not await self._eligible(kernel_id):
+            if idle is None:
+                continue
+            after = await self._after_seconds(kernel_id)
+            if after <= 0 or idle < after or not await self._eligible(kernel_id):
                 continue
             await self._try(kernel_id, f"idle for {idle / 60:.1f} min")
+
+    async def _after_seconds(self, kernel_id: str) -> float:
+        if self._hibernate_after is not None:
+            return await self._hibernate_after(kernel_id) * 60
+        return float(self.settings.hibernate_after_minutes) * 60
 
     async def _try(self, kernel_id: str, why: str) -> None:
         try:

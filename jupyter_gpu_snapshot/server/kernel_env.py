@@ -9,6 +9,7 @@ from jupyter_client.session import new_id
 from jupyter_core.utils import ensure_async
 
 NOTICES_MODULE = "jupyter_gpu_snapshot.kernel.notices"
+IDENTITY_MODULE = "jupyter_gpu_snapshot.kernel.identity"
 # How long the message telling a restored kernel its new slot waits for a reply; the
 # kernel runs it after a running cell even when nobody waits any more.
 ENV_REFRESH_SECONDS = 10.0
@@ -51,6 +52,9 @@ async def refresh_kernel_env(
         return False
     try:
         code = f"__import__('os').environ.update({env!r})"
+        # Marks this incarnation as told: a kernel woken in its own slot keeps its id.
+        code += (f"\ntry:\n    __import__({IDENTITY_MODULE!r}, fromlist=['_']).slot_told()"
+                 "\nexcept ImportError:\n    pass")
         if notice:
             notices = f"__import__({NOTICES_MODULE!r}, fromlist=['_'])"
             code += f"\n{notices}.show_at_next_cell({notice!r})"

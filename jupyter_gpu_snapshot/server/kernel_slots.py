@@ -221,13 +221,18 @@ class KernelSlots:
         cell answers only after that cell. ``notice`` (a GPU remap) is shown by the kernel
         at the start of its next cell.
         """
+        task = asyncio.ensure_future(self.tell_slot(kernel_id, notice))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def tell_slot(self, kernel_id: str, notice: str = "") -> bool:
+        """``tell_new_slot``, awaited: whether the kernel confirmed. A woken kernel is told
+        before the messages held for it go out, so its first cell already knows its slot."""
         km = self.kernel_manager.get_kernel(kernel_id)
         env = km.provisioner.server_env() if hasattr(km.provisioner, "server_env") else {}
         if not env and not notice:
-            return
-        task = asyncio.ensure_future(refresh_kernel_env(km, env, self.log, notice))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            return True
+        return await refresh_kernel_env(km, env, self.log, notice)
 
     def _forget_failed_start(self, kernel_id: str) -> None:
         """Drop what the kernel manager keeps of a kernel whose start failed.

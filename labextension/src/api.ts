@@ -98,6 +98,8 @@ export interface IAutosavePolicy {
   interval_minutes: number;
   after_cell_minutes: number;
   during_cell: boolean;
+  /** Minutes of idleness after which the kernel hibernates (0: never); newer servers. */
+  hibernate_after_minutes?: number;
 }
 
 /** What a notebook overrides; null puts a field back to the server's setting. */

@@ -368,3 +368,19 @@ async def test_the_cli_lists_hibernated_kernels_and_wakes_one(
     # A kernel that is not hibernated: one line naming the step and the cause.
     assert await asyncio.to_thread(cli, ["wake", kernel_id, *server]) == 2
     assert "is not hibernated" in capsys.readouterr().err
+
+
+async def test_a_notebook_chooses_when_its_kernel_hibernates(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+) -> None:
+    extension(jp_serverapp).hibernation.start()  # the server's own setting: never
+    kernel_id, sock = await notebook_kernel(api, kernel_socket)
+    out = await sock.execute("%gpu_snapshot hibernate after 2s")
+    assert out == "This notebook's kernel hibernates after 2 s idle.\n"
+    await until_state(api, kernel_id, "hibernated")
+    policy = (await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave"))["policy"]
+    assert policy["hibernate_after_minutes"] == pytest.approx(2 / 60)
+    out = await sock.execute("%gpu_snapshot hibernate never")  # this cell wakes it
+    assert out == "This notebook's kernel never hibernates by itself.\n"
+    await asyncio.sleep(4)
+    assert await hibernation(api) == {}
