@@ -235,6 +235,18 @@ export class SnapshotAPI {
     });
   }
 
+  /** The server's hibernated kernels (GET hibernation). */
+  async hibernation(): Promise<IHibernation[]> {
+    return (await this._request<{ kernels: IHibernation[] }>('hibernation')).kernels;
+  }
+
+  /** Wake a hibernated kernel now (POST kernels/{id}/wake). */
+  wake(kernelId: string): Promise<IHibernation> {
+    return this._request<IHibernation>(`kernels/${encodeURIComponent(kernelId)}/wake`, {
+      method: 'POST'
+    });
+  }
+
   /** Hibernate the kernel once its running cell has ended (POST kernels/{id}/hibernate). */
   hibernate(kernelId: string): Promise<IHibernation> {
     return this._request<IHibernation>(

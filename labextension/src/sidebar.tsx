@@ -9,12 +9,18 @@ import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
-import type { AutosaveOverride, IAutosaveState, ISnapshotSummary } from './api';
+import type {
+  AutosaveOverride,
+  IAutosaveState,
+  IHibernation,
+  ISnapshotSummary
+} from './api';
 import { DeleteButtons } from './confirm';
 import type { SnapshotController } from './controller';
 import {
   describeAutosavePolicy,
   describeGpu,
+  describeHibernation,
   describeLocation,
   describeNextAutosave,
   formatAge,
@@ -41,7 +47,8 @@ function reasonLabel(reason: string, trans: TranslationBundle): string {
   const labels: { [reason: string]: string } = {
     user: trans.__('saved by hand'),
     autosave: trans.__('autosave'),
-    shutdown: trans.__('before shutdown')
+    shutdown: trans.__('before shutdown'),
+    hibernate: trans.__('hibernation')
   };
   return labels[reason] ?? reason;
 }
@@ -97,6 +104,8 @@ export class SnapshotsSidebar extends ReactWidget {
       this._autosave = kernelId
         ? await this._controller.api.autosave(kernelId).catch(() => null)
         : null;
+      // Servers without hibernation answer 404: the section is left out.
+      this._hibernated = await this._controller.api.hibernation().catch(() => []);
       this._listingError = null;
     } catch (error) {
       this._listingError = (error as Error).message;
@@ -182,6 +191,7 @@ export class SnapshotsSidebar extends ReactWidget {
           <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>
         ) : (
           <>
+            {this._hibernationSection()}
             {path && this._autosaveSection()}
             {path &&
               this._section(trans.__('This notebook: %1', path), own, panel, 'own')}
@@ -195,6 +205,77 @@ export class SnapshotsSidebar extends ReactWidget {
         )}
       </div>
     );
+  }
+
+  /** The server's hibernated kernels, each with the memory it freed and a way to wake it. */
+  private _hibernationSection(): JSX.Element | null {
+    const trans = this._trans;
+    if (this._hibernated.length === 0) {
+      return null;
+    }
+    return (
+      <section className="jp-gpu-snapshot-sidebar-section" data-section="hibernated">
+        <h3>{trans.__('Hibernated kernels')}</h3>
+        <ul>
+          {this._hibernated.map(k => (
+            <li
+              key={k.kernel_id}
+              className="jp-gpu-snapshot-item"
+              data-kernel-id={k.kernel_id}
+            >
+              <div className="jp-gpu-snapshot-item-title">
+                <span className="jp-gpu-snapshot-name" title={k.kernel_id}>
+                  {k.notebook_path ?? k.kernel_id}
+                </span>
+              </div>
+              <div className="jp-gpu-snapshot-item-facts">
+                {k.state === 'hibernated' ? (
+                  <>
+                    <span>
+                      {trans.__(
+                        '%1 of GPU memory freed',
+                        formatBytes(k.gpu_bytes_freed ?? 0, trans)
+                      )}
+                    </span>
+                    {k.since && (
+                      <span title={formatTime(k.since)}>
+                        {trans.__('hibernated %1', formatAge(k.since, undefined, trans))}
+                      </span>
+                    )}
+                  </>
+                ) : (
+                  <span>{describeHibernation(k, trans)?.text}</span>
+                )}
+              </div>
+              {k.state === 'hibernated' && (
+                <div className="jp-gpu-snapshot-item-actions">
+                  <button
+                    className="jp-Button jp-mod-styled jp-mod-accept jp-gpu-snapshot-wake"
+                    title={trans.__('Restore the kernel now, in its own kernel slot')}
+                    onClick={() => void this._wake(k)}
+                  >
+                    {trans.__('Wake')}
+                  </button>
+                </div>
+              )}
+            </li>
+          ))}
+        </ul>
+      </section>
+    );
+  }
+
+  private async _wake(kernel: IHibernation): Promise<void> {
+    try {
+      await this._controller.api.wake(kernel.kernel_id);
+      this._error = null;
+    } catch (error) {
+      this._error = this._trans.__(
+        'Could not wake the kernel: %1',
+        (error as Error).message
+      );
+    }
+    await this.reload();
   }
 
   /** The current notebook's autosave: policy, last and next autosave, and its override. */
@@ -483,6 +564,7 @@ export class SnapshotsSidebar extends ReactWidget {
   private _snapshots: ISnapshotSummary[] = [];
   private _freeBytes: number | null = null;
   private _autosave: IAutosaveState | null = null;
+  private _hibernated: IHibernation[] = [];
   private _search = '';
   private _sort: SortKey = 'newest';
   private readonly _deleteButtons = new DeleteButtons(() => this.update());

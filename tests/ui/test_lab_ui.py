@@ -431,6 +431,11 @@ def test_a_hibernated_notebook_says_so_and_its_next_cell_wakes_it(
     ), seen["status_hibernated"]
     assert "The next cell you run wakes it" in seen["status_title"], seen["status_title"]
     assert seen["listed_state"] == "hibernated"
+    # The sidebar lists it with the notebook and what it freed, and forgets it once awake.
+    assert seen["sidebar_hibernated"].startswith("state.ipynb"), seen["sidebar_hibernated"]
+    assert "of GPU memory freed" in seen["sidebar_hibernated"]
+    assert "Wake" in seen["sidebar_hibernated"]
+    assert seen["sidebar_after_wake"] == 0
     # The cell woke the kernel in its own slot, said so, then ran with the old state.
     assert seen["kernel_after"] == seen["kernel_before"]
     output = seen["after_wake_output"]

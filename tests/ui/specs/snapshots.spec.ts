@@ -649,6 +649,13 @@ test('hibernate', async ({ lab, page }) => {
     k => k.id === seen.kernel_before
   )?.execution_state;
   await lab.screenshot('hibernated');
+  const sidebar = await lab.openSidebar();
+  const listed = sidebar.locator(
+    `[data-section="hibernated"] [data-kernel-id="${seen.kernel_before}"]`
+  );
+  await listed.waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_hibernated = await listed.innerText();
+  await lab.screenshot('sidebar-hibernated');
 
   seen.after_wake_output = await lab.runCell(1);
   seen.kernel_after = await lab.kernelOf();
@@ -656,4 +663,9 @@ test('hibernate', async ({ lab, page }) => {
   await expect(status).not.toHaveText(/^(Hibernated|Waking)/, { timeout: STEP_TIMEOUT });
   seen.status_after_wake = await status.innerText();
   await lab.screenshot('status-after-wake');
+  await sidebar
+    .locator('[data-section="hibernated"]')
+    .waitFor({ state: 'detached', timeout: STEP_TIMEOUT })
+    .catch(() => undefined);
+  seen.sidebar_after_wake = await sidebar.locator('[data-section="hibernated"]').count();
 });
