@@ -88,6 +88,18 @@ def snapshot_kernelspec(jp_kernel_dir: Path) -> Path:
     return spec_dir
 
 
+# -- events ----------------------------------------------------------------------------------
+def recorded_events(jp_serverapp: Any, schema_id: str) -> list[Json]:
+    """A list that receives every event of ``schema_id`` the server emits from now on."""
+    seen: list[Json] = []
+
+    async def listener(logger: Any, schema_id: str, data: Json) -> None:
+        seen.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=schema_id, listener=listener)
+    return seen
+
+
 # -- REST ------------------------------------------------------------------------------------
 class Api:
     """Calls to the server under test; returns (status, JSON or None) without raising."""

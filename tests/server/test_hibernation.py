@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from .conftest import JOB_TIMEOUT, Api, Json, KernelConnector, KernelSocket
+from .conftest import JOB_TIMEOUT, Api, Json, KernelConnector, KernelSocket, recorded_events
 
 NOTEBOOK = "sleepy.ipynb"
 HIBERNATION_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/hibernation/v1"
@@ -29,13 +29,7 @@ def snapshot_config() -> Json:
 
 @pytest.fixture
 def events(jp_serverapp: Any) -> list[Json]:
-    seen: list[Json] = []
-
-    async def listener(logger: Any, schema_id: str, data: Json) -> None:
-        seen.append(dict(data))
-
-    jp_serverapp.event_logger.add_listener(schema_id=HIBERNATION_EVENT_ID, listener=listener)
-    return seen
+    return recorded_events(jp_serverapp, HIBERNATION_EVENT_ID)
 
 
 # -- a client that sends several requests before reading ------------------------------------

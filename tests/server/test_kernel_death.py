@@ -19,7 +19,7 @@ import pytest
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.server.app import DEATH_EVENT_ID
 
-from .conftest import Api, Json, KernelConnector
+from .conftest import Api, Json, KernelConnector, recorded_events
 
 # Deaths are noticed by the restarter's poll, then the blank kernel must start: slow on a
 # busy two-core machine.
@@ -35,13 +35,7 @@ def server_config() -> Json:
 @pytest.fixture
 def death_events(jp_serverapp: Any) -> list[Json]:
     """Every kernel-death event the server emits during the test."""
-    seen: list[Json] = []
-
-    async def listener(logger: Any, schema_id: str, data: Json) -> None:
-        seen.append(dict(data))
-
-    jp_serverapp.event_logger.add_listener(schema_id=DEATH_EVENT_ID, listener=listener)
-    return seen
+    return recorded_events(jp_serverapp, DEATH_EVENT_ID)
 
 
 async def status(api: Api, kernel_id: str) -> Json:
