@@ -193,6 +193,7 @@ export class SnapshotsSidebar extends ReactWidget {
           <>
             {this._hibernationSection()}
             {path && this._autosaveSection()}
+            {path && this._idleSection()}
             {path &&
               this._section(trans.__('This notebook: %1', path), own, panel, 'own')}
             {this._section(
@@ -288,8 +289,9 @@ export class SnapshotsSidebar extends ReactWidget {
     ) {
       return null;
     }
-    const overridden = Object.values(state.override).some(
-      v => v !== null && v !== undefined
+    // The notebook's hibernation time rides in the same policy; it has its own section.
+    const overridden = Object.entries(state.override).some(
+      ([k, v]) => k !== 'hibernate_after_minutes' && v !== null && v !== undefined
     );
     const mode = !overridden ? 'default' : state.policy.enabled ? 'on' : 'off';
     const last = state.last_autosave;
@@ -374,6 +376,107 @@ export class SnapshotsSidebar extends ReactWidget {
         </form>
       </section>
     );
+  }
+
+  /** When the current notebook's kernel hibernates once idle, and its own choice of it. */
+  private _idleSection(): JSX.Element | null {
+    const trans = this._trans;
+    const state = this._autosave;
+    const minutes = state?.policy.hibernate_after_minutes;
+    if (
+      !state ||
+      minutes === undefined ||
+      state.kernel_id !== this._controller.kernelId(this._tracker.currentWidget)
+    ) {
+      return null; // older servers do not hibernate
+    }
+    const own = typeof state.override.hibernate_after_minutes === 'number';
+    const mode = !own ? 'default' : minutes > 0 ? 'after' : 'never';
+    const policy =
+      minutes > 0
+        ? trans.__('hibernates after %1 min idle', minutes)
+        : trans.__('never hibernates by itself');
+    let modeInput: HTMLSelectElement | null = null;
+    let minutesInput: HTMLInputElement | null = null;
+    return (
+      <section className="jp-gpu-snapshot-sidebar-section" data-section="hibernate">
+        <h3>{trans.__('Hibernation')}</h3>
+        <div className="jp-gpu-snapshot-hibernate-policy">
+          {own
+            ? trans.__("%1 (this notebook's setting)", policy)
+            : trans.__("%1 (the server's setting)", policy)}
+        </div>
+        <form
+          key={`${state.kernel_id}:${minutes}:${mode}`}
+          className="jp-gpu-snapshot-autosave-form"
+          onSubmit={event => {
+            event.preventDefault();
+            void this._applyHibernation(
+              modeInput?.value ?? mode,
+              Number(minutesInput?.value)
+            );
+          }}
+        >
+          <select
+            className="jp-gpu-snapshot-hibernate-mode"
+            aria-label={trans.__('Hibernation for this notebook')}
+            defaultValue={mode}
+            ref={node => {
+              modeInput = node;
+            }}
+          >
+            <option value="default">{trans.__('Server setting')}</option>
+            <option value="after">{trans.__('After')}</option>
+            <option value="never">{trans.__('Never')}</option>
+          </select>
+          <label>
+            <input
+              type="number"
+              className="jp-gpu-snapshot-hibernate-minutes"
+              aria-label={trans.__('Minutes idle before the kernel hibernates')}
+              min="0.1"
+              step="any"
+              defaultValue={minutes > 0 ? minutes : 30}
+              ref={node => {
+                minutesInput = node;
+              }}
+            />{' '}
+            {trans.__('min idle')}
+          </label>
+          <button type="submit" className="jp-Button jp-mod-styled jp-mod-accept">
+            {trans.__('Apply')}
+          </button>
+        </form>
+      </section>
+    );
+  }
+
+  /** Called by the hibernation form: PUT the notebook's choice, show the new state. */
+  private async _applyHibernation(mode: string, minutes: number): Promise<void> {
+    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    if (!kernelId) {
+      return;
+    }
+    if (mode === 'after' && !(minutes > 0)) {
+      this._error = this._trans.__(
+        'The idle time before hibernation must be a number of minutes above 0.'
+      );
+      this.update();
+      return;
+    }
+    const value = mode === 'default' ? null : mode === 'never' ? 0 : minutes;
+    try {
+      this._autosave = await this._controller.setAutosave(kernelId, {
+        hibernate_after_minutes: value
+      });
+      this._error = null;
+    } catch (error) {
+      this._error = this._trans.__(
+        'Could not change hibernation: %1',
+        (error as Error).message
+      );
+    }
+    this.update();
   }
 
   /** Called by the autosave form: PUT the notebook's override, show the new state. */

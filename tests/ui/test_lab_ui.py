@@ -436,6 +436,10 @@ def test_a_hibernated_notebook_says_so_and_its_next_cell_wakes_it(
     assert "of GPU memory freed" in seen["sidebar_hibernated"]
     assert "Wake" in seen["sidebar_hibernated"]
     assert seen["sidebar_after_wake"] == 0
+    # The notebook's own hibernation time, set in the sidebar, is the server's policy.
+    assert seen["idle_policy_before"] == "never hibernates by itself (the server's setting)"
+    assert seen["idle_policy"] == "never hibernates by itself (this notebook's setting)"
+    assert seen["server_idle"] == {"hibernate_after_minutes": 0}
     # The cell woke the kernel in its own slot, said so, then ran with the old state.
     assert seen["kernel_after"] == seen["kernel_before"]
     output = seen["after_wake_output"]

@@ -668,4 +668,19 @@ test('hibernate', async ({ lab, page }) => {
     .waitFor({ state: 'detached', timeout: STEP_TIMEOUT })
     .catch(() => undefined);
   seen.sidebar_after_wake = await sidebar.locator('[data-section="hibernated"]').count();
+
+  // This notebook's own choice: never hibernate by itself.
+  const idle = sidebar.locator('[data-section="hibernate"]');
+  seen.idle_policy_before = await idle.locator('.jp-gpu-snapshot-hibernate-policy').innerText();
+  await idle.locator('.jp-gpu-snapshot-hibernate-mode').selectOption('never');
+  await idle.locator('button[type="submit"]').click();
+  await expect(idle.locator('.jp-gpu-snapshot-hibernate-policy')).toHaveText(
+    /this notebook's setting/,
+    { timeout: STEP_TIMEOUT }
+  );
+  seen.idle_policy = await idle.locator('.jp-gpu-snapshot-hibernate-policy').innerText();
+  seen.server_idle = (
+    await lab.api(`gpu-snapshot/kernels/${seen.kernel_before}/autosave`)
+  ).override;
+  await lab.screenshot('sidebar-hibernation-never');
 });
