@@ -8,6 +8,7 @@ click handlers inside the kernel, and check the effects through the server's RES
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -324,3 +325,45 @@ def test_sizes_say_what_the_save_wrote_when_pages_were_shared() -> None:
     # All of it written (a first save, a snapshot from before chunking): said once.
     assert snapshot_size_text({"size_bytes": 3 * mib, "new_bytes": 3 * mib + 768}) == "3.0 MiB"
     assert snapshot_size_text({"size_bytes": 3 * mib}) == "3.0 MiB"
+
+
+def _hibernation_state(server: JupyterServer, kernel_id: str) -> str | None:
+    listed = {k["kernel_id"]: k for k in server.get("gpu-snapshot/hibernation")["kernels"]}
+    return (listed.get(kernel_id) or {}).get("state")
+
+
+def test_the_panel_sets_the_notebooks_hibernation_and_hibernates_the_kernel(
+    jupyter_server: JupyterServer,
+) -> None:
+    notebook = jupyter_server.open_notebook("idle-panel.ipynb")
+    notebook.ok("kept = 'by the panel'")
+    show_panel(notebook)
+    wait_panel(notebook, "'never by itself (the server' in p.hibernation.value")
+    notebook.ok(f"{PANEL}; p.hibernate_mode.value = 'after'; p.hibernate_minutes.value = 45;"
+                " p.hibernate_apply.click()")
+    wait_panel(notebook, "'after 45 min idle (this notebook' in p.hibernation.value")
+    policy = jupyter_server.get(f"gpu-snapshot/kernels/{notebook.kernel_id}/autosave")
+    assert policy["override"] == {"hibernate_after_minutes": 45}
+
+    # Hibernate now: once the click's handling has ended, the kernel's process ends.
+    notebook.ok(f"{PANEL}; p.hibernate_button.click(); print(p.message.value)")
+    deadline = time.monotonic() + 60
+    while _hibernation_state(jupyter_server, notebook.kernel_id) != "hibernated":
+        assert time.monotonic() < deadline, "the kernel did not hibernate"
+        time.sleep(0.2)
+    # This test's client talks to the kernel's ports directly, past the server's websocket:
+    # it wakes the kernel through the API, then finds its state.
+    code, _ = jupyter_server.request(
+        "POST", f"gpu-snapshot/kernels/{notebook.kernel_id}/wake")
+    assert code == 202
+    while _hibernation_state(jupyter_server, notebook.kernel_id) is not None:
+        assert time.monotonic() < deadline, "the kernel did not wake"
+        time.sleep(0.2)
+    # Its IOPub subscription reaches the woken kernel a moment after the kernel answers
+    # (JupyterLab's websocket is re-joined by the server); until then a cell's output is lost.
+    for _ in range(10):
+        with contextlib.suppress(TimeoutError):
+            assert notebook.ok("print(kept)", timeout=5) == "by the panel\n"
+            break
+    else:
+        raise AssertionError("the woken kernel's output never arrived")

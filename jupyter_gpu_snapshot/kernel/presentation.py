@@ -239,6 +239,21 @@ def autosave_lines(state: dict[str, Any], now: float) -> list[str]:
     return lines
 
 
+def hibernation_text(state: dict[str, Any]) -> str:
+    """One line for the panel: when this notebook's kernel hibernates once idle; empty
+    from a server that does not hibernate."""
+    policy = state.get("policy") or {}
+    minutes = policy.get("hibernate_after_minutes")
+    if minutes is None:
+        return ""
+    whose = ("this notebook's setting"
+             if (state.get("override") or {}).get("hibernate_after_minutes") is not None
+             else "the server's setting")
+    if not minutes:
+        return f"Hibernation: never by itself ({whose})."
+    return f"Hibernation: after {_minutes(float(minutes))} idle ({whose})."
+
+
 def autosave_text(state: dict[str, Any], now: float) -> str:
     """One line for the panel: the notebook's policy, the last autosave, the next one."""
     policy = state.get("policy") or {}

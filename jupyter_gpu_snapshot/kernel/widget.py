@@ -50,6 +50,7 @@ from .presentation import (
     death_text,
     estimate_text,
     format_age,
+    hibernation_text,
     job_progress_text,
     last_snapshot_text,
     snapshot_size_text,
@@ -130,6 +131,27 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, bar_style="info")
         self.progress_box = w.HBox([self.progress, self.phase])
         self.progress_box.layout.display = "none"
+        # When this notebook's kernel hibernates once idle, and a way to hibernate it now.
+        self.hibernation = w.HTML()
+        self.hibernate_mode = w.Dropdown(
+            options=[("Server setting", "default"), ("After", "after"), ("Never", "never")],
+            value="default", description="Hibernate", layout=w.Layout(width="16em"),
+        )
+        self.hibernate_minutes = w.BoundedFloatText(
+            value=30.0, min=0.1, max=10080.0, description="min idle",
+            layout=w.Layout(width="12em"),
+        )
+        self.hibernate_apply = w.Button(
+            description="Apply", tooltip="Set when this notebook's kernel hibernates once idle",
+            layout=w.Layout(width="auto"),
+        )
+        self.hibernate_apply.on_click(lambda _b: self.set_hibernation())
+        self.hibernate_button = w.Button(
+            description="Hibernate now", icon="moon",
+            tooltip="Save this kernel and end its process so that its GPU memory is free; "
+            "the next cell wakes it", layout=w.Layout(width="auto"),
+        )
+        self.hibernate_button.on_click(lambda _b: self.hibernate())
         self.message = w.HTML()
         self.error = w.HTML()
         self.name_input = w.Text(placeholder="name (optional)", layout=w.Layout(width="14em"))
@@ -164,7 +186,10 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         super().__init__([
             w.HBox([self.title, self.close_button]), self.death_box,
             self.readiness, self.cuda, self.last,
-            self.autosave, self.progress_box,
+            self.autosave, self.hibernation,
+            w.HBox([self.hibernate_mode, self.hibernate_minutes, self.hibernate_apply,
+                    self.hibernate_button]),
+            self.progress_box,
             w.HBox([self.name_input, self.save_button]), self.message, self.error,
             w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
             w.HBox([self.snapshot_choice, self.restore_button, self.delete_button]),
@@ -326,9 +351,12 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
 
     def _show_autosave(self, state: Json) -> None:
         text = autosave_text(state, time.time())
+        idle = hibernation_text(state)
         with self._lock:
             if self.autosave.value != _text(text):  # unchanged text sends nothing
                 self.autosave.value = _text(text)
+            if self.hibernation.value != _text(idle):
+                self.hibernation.value = _text(idle) if idle else ""
 
     def _show_snapshots(self, snapshots: list[Json]) -> None:
         newest_first = {str(summary["id"]): summary for summary in reversed(snapshots)}
@@ -387,6 +415,28 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         if job is not None:
             self.name_input.value = ""
         return job
+
+    def set_hibernation(self) -> Json | None:
+        """The hibernation Apply button: this notebook's idle time before hibernating."""
+        mode = self.hibernate_mode.value
+        minutes = None if mode == "default" else 0 if mode == "never" else (
+            float(self.hibernate_minutes.value))
+        state = self._act(
+            "hibernation", lambda: self.client.autosave({"hibernate_after_minutes": minutes})
+        )
+        if state is not None:
+            self._show_autosave(state)
+        return state
+
+    def hibernate(self) -> Json | None:
+        """The Hibernate now button: the server hibernates the kernel once this click's
+        handling has ended (a kernel never hibernates while it runs something)."""
+        state = self._act("hibernate", self.client.hibernate_when_idle)
+        if state is not None:
+            with self._lock:
+                self.message.value = _text(
+                    "Hibernating: the GPU memory is freed; the next cell wakes the kernel.")
+        return state
 
     def restore_after_death(self) -> Json | None:
         """The death notice's Restore: the dead kernel's newest snapshot, into this notebook."""
