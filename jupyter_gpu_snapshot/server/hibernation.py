@@ -248,7 +248,9 @@ class Hibernation:
         if kind in PASSIVE_REQUESTS:
             return True
         if kind == "execute_request":
-            self._show_waking(client, header, sleeper)
+            # A client whose websocket is closing cannot be told; the wake goes on.
+            with contextlib.suppress(Exception):
+                self._show_waking(client, header, sleeper)
         if sleeper.state == HIBERNATED:
             self._start_wake(sleeper)
         elif sleeper.state == HIBERNATING:
