@@ -46,6 +46,8 @@ class HibernationAwareConnection(ZMQChannelsWebsocketConnection):
             return
         await self._register_session()  # type: ignore[no-untyped-call]
         self.session.key = self.kernel_manager.session.key
+        assert self.hibernation is not None
+        self.hibernation.connected(self)
         self._finish_kernel_info(self.kernel_info() or {})  # type: ignore[no-untyped-call]
 
     def nudge(self) -> asyncio.Future[None]:

@@ -94,6 +94,9 @@ class SleepingKernel:
     error: dict[str, Any] | None = None
     wake_when_saved: bool = False
     held: list[HeldMessage] = field(default_factory=list)
+    # Clients that connected while the kernel had no process: they re-join it on waking
+    # even if they sent nothing meanwhile.
+    joined: list[HeldClient] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -232,6 +235,12 @@ class Hibernation:
             self._start_wake(sleeper)
 
     # -- messages from clients -------------------------------------------------------------
+    def connected(self, client: HeldClient) -> None:
+        """Called by a websocket connection that opens while the kernel hibernates."""
+        sleeper = self._kernels.get(client.kernel_id)
+        if sleeper is not None:
+            sleeper.joined.append(client)
+
     def receive(self, client: HeldClient, raw: Any, channel: str, header: dict[str, Any]) -> bool:
         """Called by the websocket connection for each message a client sends; True when
         hibernation took it (held or answered), False when it goes to the kernel as usual."""
@@ -366,7 +375,8 @@ class Hibernation:
                 self._refuse(message, sleeper, error)
             return
         seconds = (job.finished or time.time()) - job.started
-        clients = list({id(h.client): h.client for h in sleeper.held}.values())
+        every = [*(h.client for h in sleeper.held), *sleeper.joined]
+        clients = list({id(c): c for c in every}.values())
         # Each client's subscription to the kernel's output must be live again before its
         # held requests go out, or the first outputs would be lost.
         await asyncio.gather(*(c.rejoin() for c in clients), return_exceptions=True)

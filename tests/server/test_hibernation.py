@@ -224,6 +224,10 @@ async def test_a_client_that_connects_to_a_hibernated_kernel_is_not_kept_waiting
     assert (await hibernation(api))[kernel_id]["state"] == "hibernated"
     status = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "status")
     assert status["hibernation"]["state"] == "hibernated" and not status["ready"], status
+    # Woken through the API: the client that connected meanwhile sent nothing to be held,
+    # and still re-joins the kernel's output before its first cell.
+    await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "wake", expect=202)
+    await until_state(api, kernel_id, None)
     assert await late.execute("print(z)") == "5\n"
     status = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "status")
     assert status["hibernation"] is None and status["ready"], status
