@@ -404,7 +404,7 @@ test('widget-after-restore', async ({ lab, page }) => {
   };
   /** A save with the widget's own form; what the widget shows once it lists ``name``. */
   const saveFromWidget = async (name: string) => {
-    await widgetOutput().locator('input').first().fill(name);
+    await widgetOutput().getByPlaceholder('name (optional)').fill(name);
     await widgetOutput().locator('button', { hasText: 'Save' }).click();
     await panelShows(name).catch(() => undefined);
     return widgetText();
