@@ -47,6 +47,7 @@ from .identity import KernelIdentity
 from .presentation import (
     autosave_lines,
     format_age,
+    format_minutes,
     job_progress_text,
     local_time,
     saved_line,
@@ -316,8 +317,7 @@ class GPUSnapshotMagics(Magics):
     def _hibernate(self, client: SnapshotClient, changes: dict[str, Any] | None) -> None:
         if changes is not None:
             minutes = client.autosave(changes)["policy"].get("hibernate_after_minutes") or 0
-            after = f"{minutes:g} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
-            print(f"This notebook's kernel hibernates after {after} idle."
+            print(f"This notebook's kernel hibernates after {format_minutes(minutes)} idle."
                   if minutes else "This notebook's kernel never hibernates by itself.")
             return
         # This cell is running, and a kernel never hibernates under a running cell: the

@@ -194,7 +194,7 @@ def table(rows: list[tuple[str, ...]]) -> str:
     )
 
 
-def _minutes(value: float) -> str:
+def format_minutes(value: float) -> str:
     return f"{round(value, 1):g} min" if value >= 1 else f"{round(value * 60):g} s"
 
 
@@ -207,9 +207,9 @@ def autosave_lines(state: dict[str, Any], now: float) -> list[str]:
     else:
         after = float(policy.get("after_cell_minutes") or 0)
         head = (
-            f"Autosave of {where}: every {_minutes(float(policy['interval_minutes']))} "
+            f"Autosave of {where}: every {format_minutes(float(policy['interval_minutes']))} "
             "when cells ran"
-            + (f", and after any cell of {_minutes(after)} or more" if after > 0 else "")
+            + (f", and after any cell of {format_minutes(after)} or more" if after > 0 else "")
             + (", also while a cell runs." if policy.get("during_cell") else ", between cells.")
         )
     if state.get("override"):
@@ -231,7 +231,7 @@ def autosave_lines(state: dict[str, Any], now: float) -> list[str]:
     if next_at is not None and policy.get("enabled"):
         left = float(next_at) - now
         lines.append("Next autosave: " + (
-            f"in {_minutes(left / 60)}"
+            f"in {format_minutes(left / 60)}"
             if left > 0 else "at the next look (once the running cell ends)"
         ) + ".")
     elif policy.get("enabled"):
@@ -251,7 +251,7 @@ def hibernation_text(state: dict[str, Any]) -> str:
              else "the server's setting")
     if not minutes:
         return f"Hibernation: never by itself ({whose})."
-    return f"Hibernation: after {_minutes(float(minutes))} idle ({whose})."
+    return f"Hibernation: after {format_minutes(float(minutes))} idle ({whose})."
 
 
 def autosave_text(state: dict[str, Any], now: float) -> str:
@@ -259,7 +259,7 @@ def autosave_text(state: dict[str, Any], now: float) -> str:
     policy = state.get("policy") or {}
     if not policy.get("enabled"):
         return "Autosave: off for this notebook."
-    text = f"Autosave: every {_minutes(float(policy['interval_minutes']))}"
+    text = f"Autosave: every {format_minutes(float(policy['interval_minutes']))}"
     if state.get("autosaving"):
         return f"{text}; autosaving now…"
     last = state.get("last_autosave")
