@@ -134,6 +134,7 @@ class GPUSnapshotApp(ExtensionApp):
         )
         HibernationAwareConnection.hibernation = self.hibernation
         self.service.hibernation_of = self.hibernation.describe
+        self.service.wakes_from = self.hibernation.wakes_from
         self._watch_deaths(self.service)
         self._tell_kernels_where_we_are()
         self.log.info(

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from .._constants import format_bytes
 from ..config import GPUSnapshot
 from ..core import procfs
-from ..core.errors import Busy, InvalidRequest, NotReady, SnapshotError
+from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.hooks import Progress
 from ..gpu.remap import remap_notice
 from ..launch.provisioner import Adoption, SnapshotReadyProvisioner, root_pid
@@ -153,6 +153,19 @@ class Hibernation:
 
     def listing(self) -> list[dict[str, Any]]:
         return [s.to_dict() for s in self._kernels.values()]
+
+    def wakes_from(self) -> set[str]:
+        """The snapshots the kernels hibernating or hibernated now wake from; one whose
+        save has just committed counts before its hibernation has ended."""
+        held: set[str] = set()
+        for sleeper in self._kernels.values():
+            snapshot_id = sleeper.snapshot_id
+            if snapshot_id is None and sleeper.job_id is not None:
+                with contextlib.suppress(NotFound):
+                    snapshot_id = self.service.jobs.get(sleeper.job_id).snapshot_id
+            if snapshot_id:
+                held.add(snapshot_id)
+        return held
 
     # -- hibernating -----------------------------------------------------------------------
     async def request(self, kernel_id: str, when_idle: bool = False) -> dict[str, Any]:
@@ -383,8 +396,6 @@ class Hibernation:
         # From here on, nothing awaits: messages arriving meanwhile are held until this
         # loop step hands them all out, in order, and later ones go straight to the kernel.
         self._kernels.pop(kernel_id, None)
-        if sleeper.snapshot_id:
-            self.service.held_for_wake.discard(sleeper.snapshot_id)
         size = sleeper.host_bytes + sleeper.gpu_bytes
         for held in sleeper.held:
             if held.header.get("msg_type") == "execute_request":
@@ -433,8 +444,6 @@ class Hibernation:
         if sleeper is None or sleeper.state == HIBERNATING:
             return
         del self._kernels[kernel_id]
-        if sleeper.snapshot_id:
-            self.service.held_for_wake.discard(sleeper.snapshot_id)
         self._event(sleeper, "forgotten")
 
     # -- finding idle kernels --------------------------------------------------------------

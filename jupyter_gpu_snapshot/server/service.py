@@ -54,8 +54,9 @@ class SnapshotService:
 
     # Set by the app: the kernels that died, answered in their status.
     deaths: KernelDeaths | None = None
-    # The snapshots hibernated kernels wake from: neither retention nor a delete takes them.
-    held_for_wake: set[str]
+    # Set by the app: the snapshots hibernated kernels wake from, which neither retention
+    # nor a delete takes.
+    wakes_from: Callable[[], set[str]] | None = None
     # Set by the app: a kernel's hibernation as GET hibernation lists it, or None.
     hibernation_of: Callable[[str], dict[str, Any] | None] | None = None
 
@@ -83,7 +84,6 @@ class SnapshotService:
         self.remote = remote
         self.uploads = Uploads(engine, remote, self.jobs, self.log) if remote is not None else None
         self.tree_facts = TreeFacts(engine.criu)
-        self.held_for_wake = set()
 
     # -- snapshots -------------------------------------------------------------------------
     # The engine reads and removes files: every call of it runs in a worker thread, so the
@@ -196,10 +196,13 @@ class SnapshotService:
             return describe_choice(snapshot.id, None, (), chosen, False)
         return await hook.gpu_choice(snapshot, chosen)
 
+    def _held_for_wake(self) -> set[str]:
+        return self.wakes_from() if self.wakes_from is not None else set()
+
     def _refuse_while_in_use(self, snapshot_id: str, step: str) -> None:
         """Busy when a job (a restore, an upload) holds the snapshot, or a hibernated
         kernel wakes from it."""
-        if snapshot_id in self.held_for_wake:
+        if snapshot_id in self._held_for_wake():
             raise Busy(
                 step, f"snapshot {snapshot_id} holds a hibernated kernel, which wakes from it",
                 hint="wake the kernel or shut it down first",
@@ -390,7 +393,6 @@ class SnapshotService:
         job.snapshot_id = snapshot.id
         if stop and reason == HIBERNATE:
             # The slot, its session and its clients stay; the kernel wakes from the snapshot.
-            self.held_for_wake.add(snapshot.id)
             await km.provisioner.hibernate()
         elif stop:
             await self.slots.shutdown_quietly(kernel_id)
@@ -439,8 +441,9 @@ class SnapshotService:
             keep_last=int(self.settings.keep_last),
         )
         deleted: list[str] = []
+        held = self._held_for_wake()
         for snapshot_id in doomed:
-            if snapshot_id in self.held_for_wake:
+            if snapshot_id in held:
                 continue
             if self.jobs.busy_with(snapshot_key(snapshot_id)) is not None:
                 continue
