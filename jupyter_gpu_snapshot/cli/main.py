@@ -559,7 +559,7 @@ def cmd_hibernate(args: argparse.Namespace) -> int:
     state = _server_of(args).call(
         "POST", f"kernels/{args.kernel_id}/hibernate", {"when_idle": True}, step="hibernate")
     _say(f"kernel {args.kernel_id}: {state['state']}"
-         + (" (once its running cell ends)" if state["state"] == "requested" else ""))
+         + (" (as soon as it is idle)" if state["state"] == "requested" else ""))
     return 0
 
 

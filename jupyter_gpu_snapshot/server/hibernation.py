@@ -185,13 +185,14 @@ class Hibernation:
                 hint="a kernel with a running cell never hibernates; ask again once it is "
                 "idle, or with when_idle",
             )
-        if when_idle and getattr(km, "execution_state", None) != "idle":
+        if when_idle:
+            # The server learns that a cell started a moment after it did (the magic asks
+            # from inside its own cell): the next look hibernates the kernel once idle.
             self._when_idle.add(kernel_id)
             return {"kernel_id": kernel_id, "state": "requested"}
         return (await self._hibernate(kernel_id, "on request")).to_dict()
 
     async def _hibernate(self, kernel_id: str, why: str) -> SleepingKernel:
-        self._when_idle.discard(kernel_id)
         km = self.service.kernel(kernel_id)
         root = root_pid(km)
         if root is None:
@@ -212,6 +213,9 @@ class Hibernation:
             self._release(sleeper)
             raise
         sleeper.job_id = job.id
+        # A request to hibernate once idle is done only now: one refused (a cell started)
+        # stays for the next look.
+        self._when_idle.discard(kernel_id)
         self.log.info("gpu-snapshot: hibernating kernel %s (%s): %s", kernel_id,
                       sleeper.notebook_path or "no notebook", why)
         self._event(sleeper, "hibernating", reason=why)
