@@ -47,6 +47,38 @@ class GPUSnapshot(Configurable):
     def _default_signing_key_file(self) -> str:
         return str(default_key_file())
 
+    use_agent = Enum(
+        ["auto", "always", "never"], default_value="auto",
+        help="""Whether snapshots go through the node agent (``jupyter gpu-snapshot agent``,
+        run by root once per node; see docs/cluster.md). ``auto``: when this process is not
+        root and the agent's socket exists. ``always``: every save, restore and kernel launch
+        goes through it. ``never``: this process runs criu itself (it must be root).
+        Default: $JUPYTER_GPU_SNAPSHOT_USE_AGENT, else auto.""",
+    ).tag(config=True)
+
+    @default("use_agent")
+    def _default_use_agent(self) -> str:
+        value = os.environ.get("JUPYTER_GPU_SNAPSHOT_USE_AGENT", "auto")
+        return value if value in ("auto", "always", "never") else "auto"
+
+    agent_socket = Unicode(
+        help="""The node agent's Unix socket. Default: $JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET, else
+        /run/jupyter-gpu-snapshot/agent.sock.""",
+    ).tag(config=True)
+
+    @default("agent_socket")
+    def _default_agent_socket(self) -> str:
+        return os.environ.get(
+            "JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET", "/run/jupyter-gpu-snapshot/agent.sock")
+
+    def through_agent(self) -> bool:
+        """Whether this process reaches the engine through the node agent."""
+        if self.use_agent == "always":
+            return True
+        if self.use_agent == "never":
+            return False
+        return os.geteuid() != 0 and os.path.exists(self.agent_socket)
+
     criu_path = Unicode(
         help="""The criu executable (name on PATH or absolute path); version 4.2 or newer.
         Default: $JUPYTER_GPU_SNAPSHOT_CRIU, else 'criu'.""",

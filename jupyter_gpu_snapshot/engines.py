@@ -7,6 +7,7 @@ nothing of settings or of the GPU layer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from ._constants import PROVISIONER_NAME
@@ -50,11 +51,14 @@ def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
 
 
 def make_engine(
-    settings: GPUSnapshot | None = None, hooks: list[SnapshotHook] | None = None
+    settings: GPUSnapshot | None = None,
+    hooks: list[SnapshotHook] | None = None,
+    kernel_log_dir: Callable[[], Path] = default_kernel_log_dir,
 ) -> SnapshotEngine:
+    """``kernel_log_dir``: where the kernels' logs live; the node agent names each user's."""
     settings = settings or GPUSnapshot()
     policy = ManifestPolicy(
-        kernel_log_dir=default_kernel_log_dir, kernel_allowed=is_snapshot_ready_kernel
+        kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernel
     )
     hooks = hooks if hooks is not None else default_hooks(settings)
     # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.

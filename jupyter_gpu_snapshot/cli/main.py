@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
+import os
 import signal
 import sys
 import uuid
@@ -25,6 +27,10 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColum
 from rich.table import Table
 
 from .._constants import KERNEL_NAME, format_bytes
+from ..agent.daemon import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR, NodeAgent
+from ..agent_client.client import AgentClient
+from ..agent_client.protocol import DEFAULT_SOCKET
+from ..agent_client.remote_engine import AgentEngine
 from ..config import GPUSnapshot
 from ..core import procfs, retention, usage
 from ..core.engine import SnapshotEngine
@@ -36,6 +42,7 @@ from ..core.remote import RemoteStoreError, SnapshotCache
 from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
 from ..core.snapshot import Snapshot, is_snapshot_id
+from ..core.store import SnapshotStore
 from ..engines import make_engine, wake_kernel
 from ..gpu.broker import PluginInstall
 from ..gpu.remap import parse_gpu_choice, remap_notice
@@ -112,7 +119,12 @@ def _settings(args: argparse.Namespace) -> GPUSnapshot:
 
 
 def _engine(args: argparse.Namespace) -> SnapshotEngine:
-    return make_engine(_settings(args))
+    settings = _settings(args)
+    if settings.through_agent():
+        # Not root: the node agent saves and restores for this user (docs/cluster.md).
+        return AgentEngine(AgentClient(settings.agent_socket),
+                           SnapshotStore(settings.store_dir, settings.signing_key_file))
+    return make_engine(settings)
 
 
 def _remote_snapshots(
@@ -172,7 +184,41 @@ def _kernel_pid_from_id(kernel_id: str) -> tuple[int, Path]:
     )
 
 
+def _agent_report(settings: GPUSnapshot) -> tuple[bool, list[str]]:
+    """Whether the node agent answers this user, and what it allows them, in lines."""
+    client = AgentClient(settings.agent_socket)
+    try:
+        hello = client.call_sync("hello")
+    except SnapshotError as exc:
+        return False, [f"MISSING\tnode agent\t{exc.message}"]
+    user, limits = hello["user"], hello["limits"]
+    quota = limits["disk_quota_bytes"]
+    return True, [
+        f"ok\tnode agent\t{client.socket_path} answers (version {hello['agent_version']})",
+        f"ok\tyou\t{user['name']} (uid {user['uid']}, gid {user['gid']}), as the kernel "
+        "says of this process",
+        f"ok\tyour store\t{hello['store']} (root's; only you can list, restore, rename or "
+        "delete its snapshots)",
+        f"ok\tyour kernel logs\t{hello['log_dir']}",
+        f"ok\tyou may\t{', '.join(hello['operations'])}",
+        f"ok\tlimits\t{limits['max_operations']} saves or restores at once; disk "
+        + (f"{format_bytes(limits['used_bytes'])} used of {format_bytes(quota)}" if quota
+           else f"{format_bytes(limits['used_bytes'])} used, no quota"),
+    ]
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if settings.through_agent() or (os.geteuid() != 0 and settings.use_agent != "never"):
+        reachable, lines = _agent_report(settings)
+        if args.json:
+            _print_json({"agent": reachable, "lines": lines})
+        else:
+            for line in lines:
+                _say(line)
+            if not reachable:
+                _say("Without root, snapshots need the node agent (docs/cluster.md).")
+        return 0 if reachable else 1
     engine = _engine(args)
     plugin = PluginInstall(Path(_settings(args).libdir))
     checks = run_checks(engine.criu, engine.store, plugin=plugin)
@@ -194,6 +240,31 @@ def cmd_check(args: argparse.Namespace) -> int:
         names = ", ".join(c.name for c in failed)
         err.print(f"[red]{len(failed)} requirement(s) missing:[/] {names}", soft_wrap=True)
     return 1 if failed else 0
+
+
+def parse_bytes(text: str) -> int:
+    """``200G``, ``512M``, ``1T`` or plain bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        raise InvalidRequest("agent", "the node agent runs as root",
+                             hint="start it with systemd or by hand as root (docs/cluster.md)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    agent = NodeAgent(
+        socket_path=Path(args.socket), state_dir=Path(args.state_dir),
+        run_dir=Path(args.run_dir), socket_mode=args.socket_mode,
+        socket_group=args.socket_group, max_operations=args.max_operations,
+        disk_quota_bytes=parse_bytes(args.disk_quota), settings=_settings(args),
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(agent.serve_forever())
+    return 0
 
 
 def cmd_kernelspec(args: argparse.Namespace) -> int:
@@ -628,6 +699,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print the checks as a JSON list instead of lines")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser(
+        "agent", help="run the node agent (as root): snapshots for users without root")
+    p.add_argument("--socket", default=str(DEFAULT_SOCKET), help="Unix socket to listen on")
+    p.add_argument("--socket-mode", default="0666", type=lambda v: int(v, 8),
+                   help="the socket's mode, octal (default 0666: every local user)")
+    p.add_argument("--socket-group", help="the socket's group (with --socket-mode 0660)")
+    p.add_argument("--state-dir", default=str(DEFAULT_STATE_DIR),
+                   help="where each user's store and signing key live (root's alone)")
+    p.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR),
+                   help="where each user's kernel logs live")
+    p.add_argument("--max-operations", type=int, default=2,
+                   help="saves and restores one user may have under way at once")
+    p.add_argument("--disk-quota", default="0",
+                   help="bytes of snapshots per user before saves are refused (e.g. 200G; "
+                   "0: none)")
+    p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("kernelspec", help=f"manage the {KERNEL_NAME} kernelspec")
     ks = p.add_subparsers(dest="action", required=True)

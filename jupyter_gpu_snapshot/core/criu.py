@@ -115,9 +115,20 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 class CriuRunner:
     """Builds criu command lines and runs them without blocking the event loop."""
 
-    def __init__(self, criu_path: str = "criu", ghost_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        criu_path: str = "criu",
+        ghost_limit: int | None = None,
+        dump_as: list[str] | None = None,
+        restore_as: list[str] | None = None,
+    ) -> None:
         self.criu_path = criu_path
         self.ghost_limit = ghost_limit
+        # Commands that ``criu dump`` and ``criu restore`` run under, with the credentials
+        # the node agent gives criu for one user's kernel (``agent/criu_credentials``); a
+        # dump under other uids runs in criu's --unprivileged mode.
+        self.dump_as = list(dump_as or [])
+        self.restore_as = list(restore_as or [])
         self._version: tuple[int, ...] | None = None
 
     def executable(self) -> str:
@@ -163,7 +174,8 @@ class CriuRunner:
         extras: CriuExtras | None = None,
     ) -> list[str]:
         argv = [
-            self.executable(), "dump", "-t", str(pid), "-D", str(images), "-W", str(work),
+            *self.dump_as, self.executable(), "dump", "-t", str(pid), "-D", str(images),
+            "-W", str(work),
             "-o", "dump.log", "-v4",
             # Established ZMQ connections are closed; clients reconnect with the same
             # connection file. --tcp-established would need a network lock.
@@ -177,6 +189,8 @@ class CriuRunner:
             # inherited are recorded as external and bound back at restore.
             "--external", "mnt[]",
         ]
+        if self.dump_as:
+            argv.append("--unprivileged")
         if leave_running:
             argv.append("--leave-running")
         if action_script is not None:
@@ -190,7 +204,7 @@ class CriuRunner:
         extras: CriuExtras | None = None,
     ) -> list[str]:
         argv = [
-            self.executable(), "restore", "-D", str(images), "-W", str(work),
+            *self.restore_as, self.executable(), "restore", "-D", str(images), "-W", str(work),
             "-o", "restore.log", "-v4", "--tcp-close", "--file-locks",
             "--restore-detached", "--pidfile", str(pidfile),
             # The counterpart of --external mnt[] at dump: bind the host's mounts back.

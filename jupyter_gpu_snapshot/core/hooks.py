@@ -96,6 +96,8 @@ class RestoreContext:
     criu: CriuExtras = field(default_factory=CriuExtras)
     images_verified: asyncio.Future[float] | None = None
     criu_version: str = ""
+    # The directory criu will read the images from, set before ``before_restore``.
+    images_dir: Path | None = None
 
 
 class SnapshotHook:

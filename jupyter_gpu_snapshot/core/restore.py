@@ -208,6 +208,7 @@ async def _restore_checked(
     pidfile = work / "restore.pid"
     root_pid = 0
     hooked: list[SnapshotHook] = []
+    ctx.images_dir = images_dir
     try:
         for hook in engine.hooks:
             await hook.before_restore(ctx)

@@ -169,6 +169,10 @@ class SnapshotStore:
         self._key: SigningKey | None = None
         self._key_lock = threading.Lock()
         self.locks = StoreLocks(self.root)
+        # (uid, gid) of the user whose kernels this store holds, when that is not the
+        # process running the engine (the node agent): the logs a restore recreates are
+        # theirs.
+        self.log_owner: tuple[int, int] | None = None
 
     @property
     def key(self) -> SigningKey:
@@ -677,7 +681,11 @@ class SnapshotStore:
             with safe_fs.opened_dir(parent) as dfd:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
                              | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-                os.close(fd)
+                try:
+                    if self.log_owner is not None:
+                        _give_log_to(fd, path, self.log_owner)
+                finally:
+                    os.close(fd)
 
     # -- trust -----------------------------------------------------------------------------
     def trust(self, snapshot_id: str, progress: ProgressFn | None = None) -> Snapshot:
@@ -732,3 +740,19 @@ class SnapshotStore:
 
 def _encode(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, indent=2, sort_keys=True).encode()
+
+
+def _give_log_to(fd: int, path: str, owner: tuple[int, int]) -> None:
+    """Hand a kernel log that a restore created to the kernel's user; one that is already
+    theirs stays so. Anything else (another owner, a second link to the file) is refused:
+    a user who placed it there could otherwise be handed a file that is not theirs."""
+    facts = os.fstat(fd)
+    if facts.st_uid == owner[0] and facts.st_nlink == 1:
+        return
+    if facts.st_uid == os.geteuid() and facts.st_nlink == 1 and facts.st_size == 0:
+        os.fchown(fd, *owner)
+        return
+    raise SnapshotError(
+        "preflight", f"the kernel log {path} is not the kernel user's own file",
+        hint="remove it and restore again",
+    )

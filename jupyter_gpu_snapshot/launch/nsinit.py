@@ -1,13 +1,20 @@
 """The init of a snapshot-ready kernel's PID namespace.
 
-Run as ``unshare --pid --fork python -I -S nsinit.py --log FILE -- KERNEL-ARGV...``. It
-becomes PID 1 of a fresh PID namespace, so CRIU can dump the whole tree and restore it into
-a new namespace where its PIDs can never clash with the host's. It:
+Run as ``unshare --pid --fork python -I -S nsinit.py --log FILE [--as UID:GID:GROUPS]
+[--cwd DIR] [--env-stdin] -- KERNEL-ARGV...``. It becomes PID 1 of a fresh PID namespace,
+so CRIU can dump the whole tree and restore it into a new namespace where its PIDs can
+never clash with the host's. It:
 
 - starts its own session inside the namespace (CRIU refuses a session leader outside it);
 - gives the namespace its own mount namespace with a fresh /proc: with the host's /proc,
   /proc/self/task/<tid> names host thread ids while gettid() returns namespace ones, and
   libcuda fails its initialisation on that mismatch (cuInit: CUDA_ERROR_OPERATING_SYSTEM);
+- with ``--as`` (the node agent launching for an unprivileged user), drops to that user's
+  uid, gid and groups once the namespace is set up, before it opens the log or changes to
+  ``--cwd``: the user's own permissions decide what it may open, and every process of the
+  tree is the user's. ``--env-stdin`` reads the kernel's environment (JSON) from stdin:
+  the launcher itself runs with a clean one, since the user's could make root load a
+  library of theirs (LD_PRELOAD);
 - points stdin at /dev/null and stdout/stderr at an append-only log file, because pipes to
   the launching server do not survive a restore, and CRIU skips the size check only for
   files opened write-only with O_APPEND;
@@ -65,11 +72,48 @@ def _own_proc() -> str | None:
     return None
 
 
+USAGE = ("usage: nsinit.py --log FILE [--as UID:GID:GROUPS] [--cwd DIR] [--env-stdin] "
+         "-- COMMAND...\n")
+PR_SET_DUMPABLE = 4
+
+
+def _parse(argv: list[str]) -> tuple[dict[str, str], list[str]] | None:
+    """The options before ``--`` and the command after it; None when malformed."""
+    options: dict[str, str] = {}
+    rest = list(argv)
+    while rest and rest[0] != "--":
+        if rest[0] == "--env-stdin":
+            options[rest[0]] = ""
+            rest = rest[1:]
+            continue
+        if len(rest) < 2 or rest[0] not in ("--log", "--as", "--cwd"):
+            return None
+        options[rest[0]] = rest[1]
+        rest = rest[2:]
+    if not rest or "--log" not in options or len(rest) < 2:
+        return None
+    return options, rest[1:]
+
+
+def _drop_to(user: str) -> None:
+    """Become ``UID:GID:G1,G2`` for good (real, effective and saved ids)."""
+    uid_text, gid_text, groups_text = user.split(":")
+    groups = [int(g) for g in groups_text.split(",") if g]
+    os.setgroups(groups)
+    os.setresgid(int(gid_text), int(gid_text), int(gid_text))
+    os.setresuid(int(uid_text), int(uid_text), int(uid_text))
+    # Changing ids made this process undumpable, which would hide its /proc files from
+    # the user who owns it; it holds nothing privileged any more.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 4 or argv[0] != "--log" or argv[2] != "--":
-        sys.stderr.write("usage: nsinit.py --log FILE -- COMMAND...\n")
+    parsed = _parse(argv)
+    if parsed is None:
+        sys.stderr.write(USAGE)
         return 2
-    log_path, command = argv[1], argv[3:]
+    options, command = parsed
+    log_path = options["--log"]
     problem = None
     if os.environ.pop(_PROC_READY, None) is None:
         problem = _own_proc()
@@ -78,9 +122,18 @@ def main(argv: list[str]) -> int:
             # libraries) refers to the host's mounts, which CRIU cannot resolve inside.
             os.environ[_PROC_READY] = "1"
             os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__), *argv])
+    kernel_env = None
+    if "--env-stdin" in options:
+        import json
+
+        kernel_env = {str(k): str(v) for k, v in json.loads(sys.stdin.read() or "{}").items()}
+    if "--as" in options:
+        _drop_to(options["--as"])
     with contextlib.suppress(OSError):  # already a session leader
         os.setsid()
     _redirect_stdio(log_path)
+    if "--cwd" in options:
+        os.chdir(options["--cwd"])
     if problem is not None:
         # CPU kernels still work; CUDA will not initialise in this namespace.
         sys.stderr.write(f"nsinit: no private /proc ({problem}); CUDA will not work here\n")
@@ -92,7 +145,10 @@ def main(argv: list[str]) -> int:
         for signum in FORWARDED:
             signal.signal(signum, signal.SIG_DFL)
         try:
-            os.execvp(command[0], command)
+            if kernel_env is None:
+                os.execvp(command[0], command)
+            else:
+                os.execvpe(command[0], command, kernel_env)
         finally:
             os._exit(127)
 

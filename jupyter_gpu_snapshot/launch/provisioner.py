@@ -38,6 +38,7 @@ from .._constants import (
     GROWING_ALLOCATOR_ENV,
     KERNEL_ENV_NAMES,
 )
+from ..agent_client.client import AgentClient
 from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.kernel_log import log_size
@@ -231,6 +232,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     adopted_snapshot: str | None = None
     _pending_adoption: Adoption | None = None
     _adoption_used = False
+    # The node agent, when this server launches through it (not root).
+    _agent: AgentClient | None = None
 
     def server_env(self) -> dict[str, str]:
         """The variables that tell a kernel which server and kernel slot it belongs to."""
@@ -273,6 +276,11 @@ class SnapshotReadyProvisioner(LocalProvisioner):
             for key, value in GROWING_ALLOCATOR_ENV.items():
                 env.setdefault(key, value)
         kwargs["env"] = env
+        settings = GPUSnapshot(parent=self)
+        self._agent = AgentClient(settings.agent_socket) if settings.through_agent() else None
+        if self._agent is not None:
+            # The node agent starts the tree (unshare needs root) and names its log.
+            return kwargs
         log_dir = Path(self.log_dir) if self.log_dir else kernel_log_dir()
         log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = log_dir / f"kernel-{self.kernel_id}.log"
@@ -286,6 +294,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
             adoption = self._pending_adoption
             await self._take_log_of(adoption)
             return self._adopt(adoption)
+        if self._agent is not None:
+            return await self._launch_through_agent(self._agent, cmd, kwargs)
         assert self.log_path is not None
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -297,6 +307,23 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         assert self.process is not None
         self.root_pid = await asyncio.to_thread(wait_for_namespace_init, self.process.pid)
         return info
+
+    async def _launch_through_agent(
+        self, agent: AgentClient, cmd: list[str], kwargs: dict[str, Any]
+    ) -> KernelConnectionInfo:
+        """Have the node agent start the kernel's tree as this user; the tree is no child
+        of ours, so it is held as a restored one is."""
+        started = await agent.call("launch", {
+            "argv": cmd, "env": dict(kwargs.get("env") or {}),
+            "cwd": str(kwargs.get("cwd") or os.getcwd()), "kernel_id": str(self.kernel_id),
+        })
+        self.log_path = Path(started["log_path"])
+        self.log_start = await asyncio.to_thread(log_size, self.log_path)
+        self.root_pid = int(started["pid"])
+        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(self.root_pid))
+        self.pid = self.root_pid
+        self.pgid = None
+        return self.connection_info
 
     async def _take_log_of(self, adoption: Adoption) -> None:
         """Follow the log a restored tree writes: the one of the kernel it was saved from,

@@ -1,0 +1,457 @@
+"""The node agent: ``jupyter gpu-snapshot agent``, run by root once per node.
+
+It listens on a Unix socket and serves unprivileged users' servers, CLIs and magics. Each
+connection's caller is the uid the kernel reports for the peer (``SO_PEERCRED``), their
+groups the user database's. Every caller gets a realm of their own:
+
+- a store, ``STATE/users/UID/snapshots``, and a signing key beside it, both root's alone:
+  the caller can neither write an image root will restore nor sign one, and lists,
+  restores, renames and deletes only their own snapshots;
+- a log directory, ``RUN/users/UID/logs``, theirs, where the kernels the agent launches
+  for them write (the agent chooses the name; the kernel opens it as the caller);
+- the kernels the agent launched or restored for them (``launched.json``).
+
+What each operation checks is in ``_Session``; what a tree must be to be dumped is in
+``ownership``, what an image must be to be restored in ``image_creds``. Limits: at most
+``max_operations`` saves or restores of one user at once, and no save while their store
+holds ``disk_quota_bytes`` or more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import grp
+import json
+import logging
+import os
+import pwd
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .._version import __version__
+from ..agent_client.protocol import (
+    DEFAULT_SOCKET,
+    MAX_LINE_BYTES,
+    OPERATIONS,
+    Refused,
+    decode,
+    encode,
+    snapshot_fields,
+)
+from ..config import GPUSnapshot
+from ..core import safe_fs, usage
+from ..core.engine import SnapshotEngine
+from ..core.errors import InvalidRequest, SnapshotError
+from ..core.hooks import Progress, RestoreContext, SaveTarget, SnapshotHook
+from ..engines import make_engine
+from ..launch.provisioner import NSINIT, wait_for_namespace_init
+from . import criu_credentials, image_creds
+from .ownership import Caller, require_own_tree
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = Path("/var/lib/jupyter-gpu-snapshot")
+DEFAULT_RUN_DIR = Path("/run/jupyter-gpu-snapshot")
+_KERNEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# What the launcher (root until nsinit drops to the caller) runs with: nothing of the
+# caller's environment, which could name libraries for root to load (LD_PRELOAD).
+_LAUNCHER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+
+
+def peer_caller(sock: socket.socket) -> Caller:
+    """The user at the other end of ``sock``, as the kernel says (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, gid = struct.unpack("3i", raw)
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:  # a uid with no name (a container's arbitrary uid): its gid alone
+        return Caller(uid, gid, frozenset({gid}), str(uid))
+    groups = frozenset(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    return Caller(uid, entry.pw_gid, groups, entry.pw_name)
+
+
+class CallerCredentials(SnapshotHook):
+    """Refuses, before criu runs, an image whose processes would not be the caller's own
+    unprivileged ones: CRIU restores credentials from the image."""
+
+    def __init__(self, caller: Caller) -> None:
+        self.caller = caller
+
+    async def before_restore(self, ctx: RestoreContext) -> None:
+        assert ctx.images_dir is not None
+        await asyncio.to_thread(
+            image_creds.check_image_credentials, ctx.images_dir,
+            image_creds.Caller(self.caller.uid, self.caller.gid, self.caller.groups))
+
+
+@dataclasses.dataclass
+class Realm:
+    """One user's share of the agent: their store, logs, kernels and running operations."""
+
+    caller: Caller
+    engine: SnapshotEngine
+    log_dir: Path
+    launched_file: Path
+    operations: int = 0
+
+    def launched(self) -> dict[int, float]:
+        """The roots of the trees the agent launched or restored for this user that still
+        run: pid -> start time (a pid reused by another process does not count)."""
+        try:
+            recorded = json.loads(self.launched_file.read_text())
+        except (OSError, ValueError):
+            recorded = {}
+        alive: dict[int, float] = {}
+        for pid_text, started in recorded.items():
+            with contextlib.suppress(psutil.Error, ValueError):
+                if abs(psutil.Process(int(pid_text)).create_time() - float(started)) < 0.01:
+                    alive[int(pid_text)] = float(started)
+        return alive
+
+    def remember(self, pid: int) -> None:
+        kernels = self.launched()
+        kernels[pid] = psutil.Process(pid).create_time()
+        tmp = self.launched_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({str(p): t for p, t in kernels.items()}))
+        os.replace(tmp, self.launched_file)
+
+    def root_of(self, pid: int) -> int:
+        """The launched tree that process ``pid`` belongs to; refused if none."""
+        roots = self.launched()
+        if pid in roots:
+            return pid
+        with contextlib.suppress(psutil.Error):
+            for parent in psutil.Process(pid).parents():
+                if parent.pid in roots:
+                    return parent.pid
+        raise Refused(
+            "save", f"process {pid} is not a kernel the node agent launched or restored "
+            f"for you ({self.caller.name})",
+            hint="start the kernel from a server that uses the agent, then save it",
+        )
+
+
+class NodeAgent:
+    """The agent's state: settings, each user's realm, and the socket server."""
+
+    def __init__(
+        self,
+        socket_path: Path = DEFAULT_SOCKET,
+        state_dir: Path = DEFAULT_STATE_DIR,
+        run_dir: Path = DEFAULT_RUN_DIR,
+        socket_mode: int = 0o666,
+        socket_group: str | None = None,
+        max_operations: int = 2,
+        disk_quota_bytes: int = 0,
+        settings: GPUSnapshot | None = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.state_dir = state_dir
+        self.run_dir = run_dir
+        self.socket_mode = socket_mode
+        self.socket_group = socket_group
+        self.max_operations = max_operations
+        self.disk_quota_bytes = disk_quota_bytes
+        self.settings = settings or GPUSnapshot()
+        self._realms: dict[int, Realm] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._launchers: set[asyncio.Task[Any]] = set()
+
+    def reap(self, launcher: asyncio.subprocess.Process) -> None:
+        """Wait for a kernel's launcher in the background, reading what it says."""
+        async def reaped() -> None:
+            assert launcher.stderr is not None
+            await launcher.stderr.read()
+            await launcher.wait()
+
+        task = asyncio.ensure_future(reaped())
+        self._launchers.add(task)
+        task.add_done_callback(self._launchers.discard)
+
+    # -- realms ----------------------------------------------------------------------------
+    def realm(self, caller: Caller) -> Realm:
+        realm = self._realms.get(caller.uid)
+        if realm is None:
+            realm = self._realms[caller.uid] = self._make_realm(caller)
+        return realm
+
+    def _make_realm(self, caller: Caller) -> Realm:
+        home = self.state_dir / "users" / str(caller.uid)
+        safe_fs.make_private_dirs(home)
+        # The users' log directories: the parents are root's, so no user can swap one
+        # for a link; each user's own directory is theirs alone.
+        users_run = self.run_dir / "users"
+        users_run.mkdir(parents=True, exist_ok=True, mode=0o755)
+        os.chmod(users_run, 0o755)
+        own_run = users_run / str(caller.uid)
+        own_run.mkdir(exist_ok=True, mode=0o755)
+        log_dir = own_run / "logs"
+        log_dir.mkdir(exist_ok=True, mode=0o700)
+        if log_dir.is_symlink() or not log_dir.is_dir():
+            raise SnapshotError("agent", f"{log_dir} is not a directory")
+        os.chown(log_dir, caller.uid, caller.gid, follow_symlinks=False)
+        os.chmod(log_dir, 0o700, follow_symlinks=False)
+        settings = GPUSnapshot(
+            parent=None, config=self.settings.config,
+            store_dir=str(home / "snapshots"), signing_key_file=str(home / "signing.key"),
+        )
+        engine = make_engine(settings, kernel_log_dir=lambda: log_dir)
+        engine.criu.dump_as = criu_credentials.dump_command(caller)
+        engine.criu.restore_as = criu_credentials.restore_command(caller)
+        engine.hooks.append(CallerCredentials(caller))
+        engine.store.log_owner = (caller.uid, caller.gid)
+        return Realm(caller, engine, log_dir, home / "launched.json")
+
+    # -- the socket ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        self._server = await asyncio.start_unix_server(
+            self._serve, str(self.socket_path), limit=MAX_LINE_BYTES)
+        if self.socket_group:
+            os.chown(self.socket_path, -1, grp.getgrnam(self.socket_group).gr_gid)
+        os.chmod(self.socket_path, self.socket_mode)
+        log.info("jupyter-gpu-snapshot agent %s listening on %s (mode %o%s)", __version__,
+                 self.socket_path, self.socket_mode,
+                 f", group {self.socket_group}" if self.socket_group else "")
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        assert self._server is not None
+        try:
+            await self._server.serve_forever()
+        finally:
+            await self.stop()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            caller = peer_caller(writer.get_extra_info("socket"))
+            line = await reader.readline()
+            request = decode(line)
+            op, args = request.get("op"), request.get("args") or {}
+            if op not in OPERATIONS or not isinstance(args, dict):
+                raise InvalidRequest("agent", f"unknown operation {op!r}",
+                                     hint=f"one of {', '.join(OPERATIONS)}")
+            session = _Session(self, caller, writer)
+            work = asyncio.ensure_future(session.run(str(op), args))
+            gone = asyncio.ensure_future(reader.read(1))
+            # A client that closes its end asks the operation to stop: the engine rolls
+            # back as for a Ctrl-C.
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                log.info("%s closed the connection: stopping %s", caller.name, op)
+                work.cancel()
+            gone.cancel()
+            result = await work
+            writer.write(encode({"result": result}))
+        except asyncio.CancelledError:
+            pass
+        except SnapshotError as exc:
+            writer.write(encode({"error": exc.to_dict()}))
+        except Exception as exc:  # one clear message, never a dropped connection
+            log.exception("agent: request failed")
+            writer.write(encode({"error": SnapshotError(
+                "agent", f"{type(exc).__name__}: {exc}").to_dict()}))
+        finally:
+            with contextlib.suppress(OSError, ConnectionError):
+                await writer.drain()
+                writer.close()
+
+
+class _Session:
+    """One request of one caller."""
+
+    def __init__(self, agent: NodeAgent, caller: Caller, writer: asyncio.StreamWriter) -> None:
+        self.agent = agent
+        self.caller = caller
+        self.writer = writer
+
+    def progress(self, p: Progress) -> None:
+        with contextlib.suppress(OSError, ConnectionError, RuntimeError):
+            self.writer.write(encode({"progress": dataclasses.asdict(p)}))
+
+    async def run(self, op: str, args: dict[str, Any]) -> Any:
+        realm = await asyncio.to_thread(self.agent.realm, self.caller)
+        handler: Callable[[Realm, dict[str, Any]], Any] = getattr(self, f"op_{op}")
+        return await handler(realm, args)
+
+    # -- queries ---------------------------------------------------------------------------
+    async def op_hello(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        used = await asyncio.to_thread(_used_bytes, realm)
+        return {
+            "agent_version": __version__,
+            "user": {"uid": self.caller.uid, "gid": self.caller.gid, "name": self.caller.name,
+                     "groups": sorted(self.caller.groups)},
+            "store": str(realm.engine.store.root),
+            "log_dir": str(realm.log_dir),
+            "operations": list(OPERATIONS),
+            "limits": {"max_operations": self.agent.max_operations,
+                       "disk_quota_bytes": self.agent.disk_quota_bytes,
+                       "used_bytes": used},
+        }
+
+    async def op_list(self, realm: Realm, args: dict[str, Any]) -> list[dict[str, Any]]:
+        found = await asyncio.to_thread(realm.engine.list, args.get("notebook_path"))
+        return [snapshot_fields(s) for s in found]
+
+    async def op_catalog(self, realm: Realm, args: dict[str, Any]) -> list[dict[str, Any]]:
+        found = await asyncio.to_thread(realm.engine.catalog, args.get("notebook_path"))
+        return [snapshot_fields(s) for s in found]
+
+    async def op_get(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        return snapshot_fields(await asyncio.to_thread(realm.engine.get, _text(args, "ref")))
+
+    async def op_find_name(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any] | None:
+        found = await asyncio.to_thread(realm.engine.find_name, _text(args, "name"))
+        return snapshot_fields(found) if found else None
+
+    async def op_delete(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        return snapshot_fields(await asyncio.to_thread(realm.engine.delete, _text(args, "ref")))
+
+    async def op_rename(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        renamed = await asyncio.to_thread(
+            realm.engine.rename, _text(args, "ref"), _text(args, "name"))
+        return snapshot_fields(renamed)
+
+    async def op_usage(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        found = await asyncio.to_thread(usage.store_usage, realm.engine.store)
+        return dataclasses.asdict(found)
+
+    # -- launching -------------------------------------------------------------------------
+    async def op_launch(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        """Start a kernel tree for the caller: ``unshare`` and nsinit as root, then nsinit
+        drops to the caller before it opens anything or runs the kernel."""
+        argv = args.get("argv")
+        env = args.get("env") or {}
+        kernel_id = _text(args, "kernel_id")
+        cwd = str(args.get("cwd") or pwd_home(self.caller))
+        if (not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv)
+                or not isinstance(env, dict)
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise InvalidRequest("launch", "argv must be a list of strings and env a mapping "
+                                 "of strings")
+        if not _KERNEL_ID.match(kernel_id):
+            raise InvalidRequest("launch", f"kernel_id {kernel_id!r} is not a plain name")
+        if not os.path.isabs(cwd):
+            raise InvalidRequest("launch", f"cwd {cwd!r} is not an absolute path")
+        log_path = realm.log_dir / f"kernel-{kernel_id}.log"
+        command = [
+            shutil.which("unshare") or "unshare", "--pid", "--fork", "--",
+            sys.executable, "-I", "-S", str(NSINIT), "--log", str(log_path),
+            "--as", self.caller.id_spec, "--cwd", cwd, "--env-stdin", "--", *argv,
+        ]
+        launcher = await asyncio.create_subprocess_exec(
+            *command, env=_LAUNCHER_ENV, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, start_new_session=True,
+        )
+        assert launcher.stdin is not None and launcher.stderr is not None
+        # The kernel's environment reaches nsinit on a pipe and is applied only once it
+        # runs as the caller.
+        launcher.stdin.write(json.dumps(env).encode())
+        await launcher.stdin.drain()
+        launcher.stdin.close()
+        try:
+            root = await asyncio.to_thread(wait_for_namespace_init, launcher.pid)
+        except RuntimeError as exc:
+            with contextlib.suppress(ProcessLookupError):
+                launcher.kill()
+            said = (await launcher.stderr.read()).decode(errors="replace").strip()[-500:]
+            await launcher.wait()
+            raise SnapshotError("launch", f"the kernel did not start: {said or exc}",
+                                hint=f"see {log_path}") from exc
+        # The launcher ends with the tree; reaped then.
+        self.agent.reap(launcher)
+        await asyncio.to_thread(realm.remember, root)
+        log.info("launched kernel %s for %s: pid %d", kernel_id, self.caller.name, root)
+        return {"pid": root, "log_path": str(log_path)}
+
+    # -- save and restore ------------------------------------------------------------------
+    async def op_save(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        target_fields = args.get("target")
+        if not isinstance(target_fields, dict) or not isinstance(target_fields.get("pid"), int):
+            raise InvalidRequest("save", "target must name the kernel's pid")
+        known = {f.name for f in dataclasses.fields(SaveTarget)}
+        target = SaveTarget(**{k: v for k, v in target_fields.items() if k in known})
+        root = await asyncio.to_thread(realm.root_of, target.pid)
+        await asyncio.to_thread(require_own_tree, root, self.caller)
+        quota = self.agent.disk_quota_bytes
+        if quota:
+            used = await asyncio.to_thread(_used_bytes, realm)
+            if used >= quota:
+                raise Refused(
+                    "preflight", f"your snapshots use {used} bytes of your {quota}",
+                    hint="delete snapshots you no longer need (jupyter gpu-snapshot delete)")
+        target.pid = root
+        with self._operation(realm):
+            snapshot = await realm.engine.save(
+                target, name=args.get("name"), stop=bool(args.get("stop")),
+                progress=self.progress)
+        return snapshot_fields(snapshot)
+
+    async def op_restore(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        gpus = args.get("gpus")
+        with self._operation(realm):
+            restored = await realm.engine.restore(_text(args, "ref"), self.progress, gpus)
+        await asyncio.to_thread(realm.remember, restored.pid)
+        return {
+            "pid": restored.pid,
+            "connection_info": restored.connection_info,
+            "snapshot": snapshot_fields(restored.snapshot),
+            "timings": restored.timings,
+            "notes": restored.notes,
+        }
+
+    @contextlib.contextmanager
+    def _operation(self, realm: Realm) -> Any:
+        """One of the caller's at most ``max_operations`` saves or restores at once."""
+        if realm.operations >= self.agent.max_operations:
+            raise Refused(
+                "preflight", f"you already have {realm.operations} snapshot operations "
+                f"under way, the most this node allows one user",
+                hint="wait for one to end, then ask again")
+        realm.operations += 1
+        try:
+            yield
+        finally:
+            realm.operations -= 1
+
+
+def pwd_home(caller: Caller) -> str:
+    try:
+        return pwd.getpwuid(caller.uid).pw_dir
+    except KeyError:
+        return "/"
+
+
+def _text(args: dict[str, Any], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest("agent", f"{key} must be a non-empty string")
+    return value
+
+
+def _used_bytes(realm: Realm) -> int:
+    found = usage.store_usage(realm.engine.store)
+    return found.disk_bytes + found.chunks_bytes
+
+
+__all__ = ["NodeAgent", "peer_caller"]

@@ -1,0 +1,87 @@
+"""Whose a process tree is: the checks the node agent makes before it dumps a tree for a
+caller.
+
+A caller may have dumped only a tree whose every process is theirs and unprivileged:
+- every uid (real, effective, saved, filesystem) is the caller's, every gid the caller's
+  primary group, and every supplementary group one the caller has;
+- no capability in the inheritable, permitted, effective or ambient set;
+- the kernel still lets its owner look inside it (``/proc/PID/environ`` owned by the
+  caller): a process that changed its credentials (a setuid program, a daemon that
+  dropped root) is marked undumpable, since its memory may hold what its owner must not
+  read, and a snapshot of it would give its owner exactly that.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from ..agent_client.protocol import Refused
+from ..core import procfs
+
+_CAPABILITY_SETS = ("CapInh", "CapPrm", "CapEff", "CapAmb")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A user at the other end of the agent's socket, as the kernel and the user database
+    say; nothing of it comes from the request."""
+
+    uid: int
+    gid: int
+    groups: frozenset[int]
+    name: str
+
+    @property
+    def id_spec(self) -> str:
+        """``UID:GID:G1,G2`` for ``nsinit --as``."""
+        return f"{self.uid}:{self.gid}:{','.join(str(g) for g in sorted(self.groups))}"
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def process_problem(pid: int, caller: Caller) -> str | None:
+    """Why process ``pid`` is not the caller's own unprivileged process, or None."""
+    try:
+        status = _status(pid)
+        owner = os.stat(f"/proc/{pid}/environ").st_uid
+    except (FileNotFoundError, ProcessLookupError):
+        return f"process {pid} has ended"
+    uids = {int(u) for u in status.get("Uid", "").split()}
+    gids = {int(g) for g in status.get("Gid", "").split()}
+    groups = {int(g) for g in status.get("Groups", "").split()}
+    name = status.get("Name", "?")
+    if uids != {caller.uid}:
+        return f"process {pid} ({name}) runs as uid {sorted(uids)}, not as you ({caller.uid})"
+    if gids != {caller.gid}:
+        return f"process {pid} ({name}) runs with gid {sorted(gids)}, not yours ({caller.gid})"
+    if not groups <= caller.groups | {caller.gid}:
+        return f"process {pid} ({name}) holds groups {sorted(groups - caller.groups)} you lack"
+    for key in _CAPABILITY_SETS:
+        if int(status.get(key, "0"), 16):
+            return f"process {pid} ({name}) holds capabilities ({key} {status[key]})"
+    if owner != caller.uid:
+        return (f"process {pid} ({name}) is marked undumpable by the kernel (it changed its "
+                "credentials, as a setuid program does, or asked to be)")
+    return None
+
+
+def require_own_tree(root_pid: int, caller: Caller) -> None:
+    """Refuse unless every process of the tree under ``root_pid`` is the caller's own."""
+    try:
+        pids = [p.pid for p in procfs.tree(root_pid)]
+    except psutil.NoSuchProcess as exc:
+        raise Refused("save", f"process {root_pid} has ended") from exc
+    for pid in pids:
+        problem = process_problem(pid, caller)
+        if problem is not None:
+            raise Refused(
+                "save", problem,
+                hint="the node agent saves only kernels whose every process is your own "
+                "and unprivileged",
+            )

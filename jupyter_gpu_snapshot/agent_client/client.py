@@ -1,0 +1,91 @@
+"""Calls to the node agent, for the user's server, CLI and launcher.
+
+``AgentClient.call`` sends one request and returns its result, passing progress reports
+to a callback; an error of the agent is raised as the same ``SnapshotError`` class. An
+agent that cannot be reached is a ``NotReady`` naming the socket and what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import NotReady, SnapshotError
+from ..core.hooks import Progress
+from .protocol import DEFAULT_SOCKET, MAX_LINE_BYTES, decode, encode, error_from
+
+ENV_SOCKET = "JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET"
+
+
+def agent_socket(configured: str | os.PathLike[str] | None = None) -> Path:
+    """The socket to reach the agent at: configured, else $JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET,
+    else /run/jupyter-gpu-snapshot/agent.sock."""
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET)
+
+
+def privileged() -> bool:
+    """Whether this process may run the engine itself (root): else it needs the agent."""
+    return os.geteuid() == 0
+
+
+class AgentClient:
+    """One node agent, reached through its Unix socket."""
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
+        self.socket_path = agent_socket(socket_path)
+
+    def reachable(self) -> bool:
+        return self.socket_path.is_socket()
+
+    async def call(
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        progress: Callable[[Progress], None] | None = None,
+    ) -> Any:
+        try:
+            reader, writer = await asyncio.open_unix_connection(
+                str(self.socket_path), limit=MAX_LINE_BYTES)
+        except OSError as exc:
+            raise NotReady(
+                "agent", f"the node agent at {self.socket_path} cannot be reached: "
+                f"{exc.strerror or exc}",
+                hint="ask the machine's administrator to start it (jupyter gpu-snapshot "
+                "agent, see docs/cluster.md), or run as root",
+            ) from exc
+        try:
+            writer.write(encode({"op": op, "args": args or {}}))
+            await writer.drain()
+            while True:
+                line = await reader.readline()
+                if not line:
+                    raise SnapshotError(
+                        op, "the node agent closed the connection without an answer",
+                        hint="see the agent's log (journalctl -u jupyter-gpu-snapshot-agent)")
+                message = decode(line)
+                if "progress" in message:
+                    if progress is not None:
+                        progress(Progress(**message["progress"]))
+                    continue
+                if "error" in message:
+                    raise error_from(message["error"])
+                return message.get("result")
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await writer.wait_closed()
+
+    def call_sync(
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        progress: Callable[[Progress], None] | None = None,
+    ) -> Any:
+        """``call`` from code without an event loop (the CLI)."""
+        return asyncio.run(self.call(op, args, progress))
