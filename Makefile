@@ -16,6 +16,7 @@ install: system criu venv kernelspec
 system:
 	@bash scripts/install-system-deps.sh
 	@bash scripts/install-ui-deps.sh
+	@bash scripts/install-hub-deps.sh
 
 criu: system
 	@bash scripts/install-criu.sh
