@@ -29,10 +29,12 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,7 @@ from ..config import GPUSnapshot
 from ..core import safe_fs, usage
 from ..core.engine import SnapshotEngine
 from ..core.errors import InvalidRequest, SnapshotError
-from ..core.hooks import Progress, RestoreContext, SaveTarget, SnapshotHook
+from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
 from ..engines import make_engine
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
 from . import criu_credentials, image_creds
@@ -82,11 +84,18 @@ def peer_caller(sock: socket.socket) -> Caller:
 
 
 class CallerCredentials(SnapshotHook):
-    """Refuses, before criu runs, an image whose processes would not be the caller's own
-    unprivileged ones: CRIU restores credentials from the image."""
+    """Refuses, right before criu runs, a tree or an image whose processes are not (or would
+    not be) the caller's own unprivileged ones: CRIU restores credentials from the image.
+
+    The check before a dump repeats the one ``op_save`` made before the engine's preflight,
+    closer to the moment criu freezes the tree (the hook runs last); what is left of the
+    window is said in ``ownership``."""
 
     def __init__(self, caller: Caller) -> None:
         self.caller = caller
+
+    async def before_dump(self, ctx: SaveContext) -> None:
+        await asyncio.to_thread(require_own_tree, ctx.root_pid, self.caller)
 
     async def before_restore(self, ctx: RestoreContext) -> None:
         assert ctx.images_dir is not None
@@ -101,9 +110,23 @@ class Realm:
 
     caller: Caller
     engine: SnapshotEngine
+    checks: CallerCredentials
     log_dir: Path
     launched_file: Path
     operations: int = 0
+    # launched.json's writers: launches and restores of one user run at once, each in a
+    # thread (asyncio.to_thread).
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def act_as(self, caller: Caller) -> None:
+        """Give criu and the checks of the engine ``caller``'s credentials, as the user
+        database says now: their gid and groups may have changed since the realm was made
+        (the uid, its key, cannot). Called only while no save or restore of theirs runs."""
+        self.caller = caller
+        self.checks.caller = caller
+        self.engine.criu.dump_as = criu_credentials.dump_command(caller)
+        self.engine.criu.restore_as = criu_credentials.restore_command(caller)
+        self.engine.store.log_owner = (caller.uid, caller.gid)
 
     def launched(self) -> dict[int, float]:
         """The roots of the trees the agent launched or restored for this user that still
@@ -120,11 +143,12 @@ class Realm:
         return alive
 
     def remember(self, pid: int) -> None:
-        kernels = self.launched()
-        kernels[pid] = psutil.Process(pid).create_time()
-        tmp = self.launched_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({str(p): t for p, t in kernels.items()}))
-        os.replace(tmp, self.launched_file)
+        with self.lock:
+            kernels = self.launched()
+            kernels[pid] = psutil.Process(pid).create_time()
+            tmp = self.launched_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({str(p): t for p, t in kernels.items()}))
+            os.replace(tmp, self.launched_file)
 
     def root_of(self, pid: int) -> int:
         """The launched tree that process ``pid`` belongs to; refused if none."""
@@ -165,6 +189,9 @@ class NodeAgent:
         self.disk_quota_bytes = disk_quota_bytes
         self.settings = settings or GPUSnapshot()
         self._realms: dict[int, Realm] = {}
+        # Two first requests of one user at once must make one realm, not two (each with
+        # its own count of operations).
+        self._realms_lock = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
         self._launchers: set[asyncio.Task[Any]] = set()
 
@@ -180,10 +207,12 @@ class NodeAgent:
         task.add_done_callback(self._launchers.discard)
 
     # -- realms ----------------------------------------------------------------------------
-    def realm(self, caller: Caller) -> Realm:
-        realm = self._realms.get(caller.uid)
-        if realm is None:
-            realm = self._realms[caller.uid] = self._make_realm(caller)
+    async def realm(self, caller: Caller) -> Realm:
+        async with self._realms_lock:
+            realm = self._realms.get(caller.uid)
+            if realm is None:
+                realm = await asyncio.to_thread(self._make_realm, caller)
+                self._realms[caller.uid] = realm
         return realm
 
     def _make_realm(self, caller: Caller) -> Realm:
@@ -207,14 +236,30 @@ class NodeAgent:
             store_dir=str(home / "snapshots"), signing_key_file=str(home / "signing.key"),
         )
         engine = make_engine(settings, kernel_log_dir=lambda: log_dir)
-        engine.criu.dump_as = criu_credentials.dump_command(caller)
-        engine.criu.restore_as = criu_credentials.restore_command(caller)
-        engine.hooks.append(CallerCredentials(caller))
-        engine.store.log_owner = (caller.uid, caller.gid)
-        return Realm(caller, engine, log_dir, home / "launched.json")
+        # Last: its check before the dump is the one nearest to criu.
+        checks = CallerCredentials(caller)
+        engine.hooks.append(checks)
+        realm = Realm(caller, engine, checks, log_dir, home / "launched.json")
+        realm.act_as(caller)
+        return realm
+
+    def require_private_state_dir(self) -> None:
+        """Refuse a state directory that someone but root could change: what root restores
+        and the keys it signs with live there. Its ``users`` directory is made (0700) and
+        checked with every parent up to /."""
+        users = self.state_dir / "users"
+        safe_fs.make_private_dirs(users)
+        problems = safe_fs.chain_problems(users)
+        if problems:
+            raise SnapshotError(
+                "agent", f"the state directory {self.state_dir} is not root's alone: "
+                f"{'; '.join(problems)}",
+                hint="use a directory that only root can change (--state-dir), such as "
+                f"the default {DEFAULT_STATE_DIR}")
 
     # -- the socket ------------------------------------------------------------------------
     async def start(self) -> None:
+        self.require_private_state_dir()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -253,7 +298,7 @@ class NodeAgent:
                                      hint=f"one of {', '.join(OPERATIONS)}")
             session = _Session(self, caller, writer)
             work = asyncio.ensure_future(session.run(str(op), args))
-            gone = asyncio.ensure_future(reader.read(1))
+            gone = asyncio.ensure_future(_closed(reader))
             # A client that closes its end asks the operation to stop: the engine rolls
             # back as for a Ctrl-C.
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -290,7 +335,7 @@ class _Session:
             self.writer.write(encode({"progress": dataclasses.asdict(p)}))
 
     async def run(self, op: str, args: dict[str, Any]) -> Any:
-        realm = await asyncio.to_thread(self.agent.realm, self.caller)
+        realm = await self.agent.realm(self.caller)
         handler: Callable[[Realm, dict[str, Any]], Any] = getattr(self, f"op_{op}")
         return await handler(realm, args)
 
@@ -363,6 +408,26 @@ class _Session:
             *command, env=_LAUNCHER_ENV, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, start_new_session=True,
         )
+        try:
+            root = await self._started(launcher, env, log_path)
+            await asyncio.to_thread(realm.remember, root)
+        except BaseException:
+            # A launch that does not end with its kernel recorded leaves no kernel behind,
+            # whatever stopped it. Above all a client that closed the connection (this task
+            # cancelled): no one learns the kernel's pid, so no one would shut it down or
+            # save it, and it would hold its memory (its GPU's too) for nothing.
+            if launcher.returncode is None:  # else its pid may be another's by now
+                _kill_launch(launcher.pid)
+            raise
+        finally:
+            # The launcher ends with the tree; reaped then.
+            self.agent.reap(launcher)
+        log.info("launched kernel %s for %s: pid %d", kernel_id, self.caller.name, root)
+        return {"pid": root, "log_path": str(log_path)}
+
+    async def _started(self, launcher: asyncio.subprocess.Process, env: dict[str, str],
+                       log_path: Path) -> int:
+        """The host pid of the launched tree's namespace init, once it runs."""
         assert launcher.stdin is not None and launcher.stderr is not None
         # The kernel's environment reaches nsinit on a pipe and is applied only once it
         # runs as the caller.
@@ -370,7 +435,7 @@ class _Session:
         await launcher.stdin.drain()
         launcher.stdin.close()
         try:
-            root = await asyncio.to_thread(wait_for_namespace_init, launcher.pid)
+            return await asyncio.to_thread(wait_for_namespace_init, launcher.pid)
         except RuntimeError as exc:
             with contextlib.suppress(ProcessLookupError):
                 launcher.kill()
@@ -378,11 +443,6 @@ class _Session:
             await launcher.wait()
             raise SnapshotError("launch", f"the kernel did not start: {said or exc}",
                                 hint=f"see {log_path}") from exc
-        # The launcher ends with the tree; reaped then.
-        self.agent.reap(launcher)
-        await asyncio.to_thread(realm.remember, root)
-        log.info("launched kernel %s for %s: pid %d", kernel_id, self.caller.name, root)
-        return {"pid": root, "log_path": str(log_path)}
 
     # -- save and restore ------------------------------------------------------------------
     async def op_save(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
@@ -422,17 +482,46 @@ class _Session:
 
     @contextlib.contextmanager
     def _operation(self, realm: Realm) -> Any:
-        """One of the caller's at most ``max_operations`` saves or restores at once."""
+        """One of the caller's at most ``max_operations`` saves or restores at once, run with
+        this connection's credentials (``Realm.act_as``)."""
+        if realm.operations and realm.caller != self.caller:
+            # The engine has one set of credentials at a time, those of the operations
+            # under way: this request's differ (the user database changed in between).
+            raise Refused(
+                "preflight", "your groups changed while a snapshot operation of yours was "
+                "under way", hint="wait for it to end, then ask again")
         if realm.operations >= self.agent.max_operations:
             raise Refused(
                 "preflight", f"you already have {realm.operations} snapshot operations "
                 f"under way, the most this node allows one user",
                 hint="wait for one to end, then ask again")
+        realm.act_as(self.caller)
         realm.operations += 1
         try:
             yield
         finally:
             realm.operations -= 1
+
+
+async def _closed(reader: asyncio.StreamReader) -> None:
+    """Returns once the client has closed its end (EOF); what it sends after its request
+    line is read and ignored."""
+    while await reader.read(1 << 16):
+        pass
+
+
+def _kill_launch(launcher_pid: int) -> None:
+    """SIGKILL a launcher and the tree under it. The launcher is stopped first, so that it
+    forks nothing once its children are listed; its child is the namespace's init, whose
+    death takes every process of the namespace with it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(launcher_pid, signal.SIGSTOP)
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(launcher_pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(launcher_pid, signal.SIGKILL)
 
 
 def pwd_home(caller: Caller) -> str:

@@ -9,6 +9,21 @@ A caller may have dumped only a tree whose every process is theirs and unprivile
   caller): a process that changed its credentials (a setuid program, a daemon that
   dropped root) is marked undumpable, since its memory may hold what its owner must not
   read, and a snapshot of it would give its owner exactly that.
+
+When: before the engine's save starts, and again right before ``criu dump`` (the daemon's
+``CallerCredentials.before_dump``, the last hook). The tree runs until criu seizes it, so
+a process can still exec a setuid program between the second check and the freeze; no
+hook runs inside criu, where the tree is frozen. What that leaves:
+
+- criu dumping as the caller (``criu_credentials.dump_command``'s ``--unprivileged``
+  mode) cannot seize such a process: the dump fails;
+- criu dumping as root writes its memory into the store, which is root's alone: the
+  caller cannot read the image, only ask for a restore, and the restore refuses every
+  image with a thread that was not running as the caller, unprivileged
+  (``image_creds``): a setuid-root program frozen mid-way is refused there;
+- not caught: a setuid program that went back to exactly the caller's ids and dropped
+  every capability before the freeze (its memory may still hold what it read as root).
+  The image records no "undumpable" mark that the restore could check.
 """
 
 from __future__ import annotations

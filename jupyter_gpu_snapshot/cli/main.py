@@ -252,15 +252,29 @@ def parse_bytes(text: str) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    from traitlets.config import Config
+    from traitlets.config.loader import ConfigFileNotFound, PyFileConfigLoader
+
     if os.geteuid() != 0:
         raise InvalidRequest("agent", "the node agent runs as root",
                              hint="start it with systemd or by hand as root (docs/cluster.md)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # The realms' settings are built from this config, not from the GPUSnapshot object:
+    # --criu goes into it too.
+    config = Config()
+    if args.config:
+        path = Path(args.config).absolute()
+        try:
+            config = PyFileConfigLoader(path.name, str(path.parent)).load_config()
+        except ConfigFileNotFound as exc:
+            raise InvalidRequest("agent", f"no config file {path}") from exc
+    if args.criu:
+        config.GPUSnapshot.criu_path = args.criu
     agent = NodeAgent(
         socket_path=Path(args.socket), state_dir=Path(args.state_dir),
         run_dir=Path(args.run_dir), socket_mode=args.socket_mode,
         socket_group=args.socket_group, max_operations=args.max_operations,
-        disk_quota_bytes=parse_bytes(args.disk_quota), settings=_settings(args),
+        disk_quota_bytes=parse_bytes(args.disk_quota), settings=GPUSnapshot(config=config),
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(agent.serve_forever())
@@ -715,6 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-quota", default="0",
                    help="bytes of snapshots per user before saves are refused (e.g. 200G; "
                    "0: none)")
+    p.add_argument("--config", help="a Jupyter config file (Python) with the c.GPUSnapshot "
+                   "settings for every user's saves and restores, e.g. "
+                   "/etc/jupyter/jupyter_gpu_snapshot_agent_config.py; root runs it, so "
+                   "only root may be able to change it")
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("kernelspec", help=f"manage the {KERNEL_NAME} kernelspec")

@@ -9,10 +9,13 @@ The table (docs/cluster.md, "What each check defends against"), one test per row
 own kernel saved and restored; Bob asking for Alice's processes and snapshots; an image
 claiming root though signed; paths out of Alice's realm and a library in her environment;
 two saves of hers at once, and her quota, neither holding Bob up; a client gone mid-save.
+Then the agent's own footing: a request with bytes after it, a user whose groups changed,
+its config file, and a state directory others could write.
 """
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import stat
@@ -20,9 +23,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import pytest
 from traitlets.config import Config
 
 from jupyter_gpu_snapshot.agent_client.protocol import decode, encode
@@ -50,8 +55,9 @@ def listed(user: UnixUser, agent: Agent) -> list[dict[str, object]]:
     return json.loads(cli(user, agent, "list", "--json").stdout)  # type: ignore[no-any-return]
 
 
-def raw_call(user: UnixUser, agent: Agent, op: str, args: dict[str, object]) -> list[dict]:
-    """One request sent by hand as ``user``: the agent's every reply line."""
+def raw_call(user: UnixUser, agent: Agent, op: str, args: dict[str, object],
+             after: bytes = b"") -> list[dict]:
+    """One request sent by hand as ``user``, then ``after``: the agent's every reply line."""
     code = textwrap.dedent(f"""
         import socket, sys
         s = socket.socket(socket.AF_UNIX); s.connect({str(agent.socket)!r})
@@ -59,7 +65,7 @@ def raw_call(user: UnixUser, agent: Agent, op: str, args: dict[str, object]) -> 
         sys.stdout.buffer.write(s.makefile("rb").read())
     """)
     done = subprocess.run(
-        [sys.executable, "-c", code], input=encode({"op": op, "args": args}),
+        [sys.executable, "-c", code], input=encode({"op": op, "args": args}) + after,
         user=user.uid, group=user.gid, capture_output=True, timeout=120, check=True)
     return [decode(line) for line in done.stdout.splitlines()]
 
@@ -350,3 +356,79 @@ def test_check_says_when_no_agent_answers(unix_users, user_paths, tmp_path):
     done = as_user(alice, gone, [*CLI, "check"], check=False)
     assert done.returncode == 1
     assert "cannot be reached" in done.stdout and "docs/cluster.md" in done.stdout
+
+
+def test_bytes_sent_after_the_request_do_not_stop_it(agent, unix_users):
+    """Only the end of the connection asks the agent to stop; more bytes are ignored."""
+    alice, _ = unix_users
+    replies = raw_call(alice, agent, "hello", {}, after=b"more\n")
+    assert replies[-1]["result"]["user"]["uid"] == alice.uid
+
+
+EXTRA_GROUP = "jgs-agent-extra"
+
+
+@pytest.fixture
+def extra_group() -> Iterator[int]:
+    """A group of no one's, removed (with every membership in it) at the end."""
+    subprocess.run(["groupdel", EXTRA_GROUP], capture_output=True, check=False)
+    subprocess.run(["groupadd", EXTRA_GROUP], capture_output=True, check=True)
+    try:
+        yield grp.getgrnam(EXTRA_GROUP).gr_gid
+    finally:
+        subprocess.run(["groupdel", EXTRA_GROUP], capture_output=True, check=False)
+
+
+def test_a_user_who_joined_a_group_saves_and_restores_with_it(agent, unix_users, extra_group):
+    """Each request is served with its caller's groups as the user database says then, not
+    as it said at their first request: Alice joins a group after the agent met her, and
+    her kernel, launched with it, comes back with it."""
+    alice, _ = unix_users
+    cli(alice, agent, "check")
+    subprocess.run(["usermod", "-aG", EXTRA_GROUP, alice.name], capture_output=True,
+                   check=True)
+    kernel = start_user_kernel(alice, agent)
+    assert extra_group in _groups(kernel.root_pid)
+    saved = json.loads(cli(alice, agent, "save", "--pid", str(kernel.root_pid), "--name",
+                           "grouped", "--json").stdout)
+    procfs.kill_tree(kernel.root_pid)
+    restored = json.loads(cli(alice, agent, "restore", saved["id"], "--json").stdout)
+    assert extra_group in _groups(restored["pid"])
+    assert ask_kernel(alice, agent, restored["connection_file"], "x + 1") == "42"
+
+
+def _groups(pid: int) -> set[int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("Groups:"))
+    return {int(g) for g in line.split()[1:]}
+
+
+def test_the_agent_reads_its_config_file(start_agent, agent_root, unix_users):
+    alice, _ = unix_users
+    config = agent_root / "agent_config.py"
+    config.write_text('c.GPUSnapshot.criu_path = "/nonexistent/criu-from-config"\n')
+    configured = start_agent("configured", "--config", str(config))
+    launched = raw_call(alice, configured, "launch", {
+        "argv": ["/bin/sleep", "300"], "kernel_id": "configured"})[-1]["result"]
+    # Saved once nsinit runs the kernel, as Alice.
+    deadline = time.monotonic() + 60
+    while tree_uids(launched["pid"]) != {(alice.uid,) * 3} or len(
+            procfs.tree(launched["pid"])) < 2:
+        assert time.monotonic() < deadline, "the kernel did not start"
+        time.sleep(0.2)
+    refused = raw_call(alice, configured, "save", {"target": {"pid": launched["pid"]}})[-1]
+    assert "/nonexistent/criu-from-config" in refused["error"]["message"], refused
+
+
+def test_the_agent_refuses_a_state_dir_others_may_write(agent_root):
+    shared = agent_root / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    done = subprocess.run(
+        [*CLI, "agent", "--socket", str(shared / "agent.sock"), "--state-dir",
+         str(shared / "state"), "--run-dir", str(shared / "run")],
+        capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2, done
+    assert f"the state directory {shared / 'state'} is not root's alone" in done.stderr
+    assert f"{shared} is writable by group and others (mode 777)" in done.stderr
+    assert not (shared / "agent.sock").exists()
