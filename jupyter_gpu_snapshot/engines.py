@@ -1,7 +1,9 @@
 """The engine every caller uses, built from ``c.GPUSnapshot``: the store, criu and the GPU hook.
 
-The server, the CLI and the benchmarks all call ``make_engine``; the core itself knows
-nothing of settings or of the GPU layer.
+The server and the CLI call ``process_engine``: ``make_engine``'s engine where the process
+may run criu itself (root), else the node agent's (``agent_client.remote_engine``). The
+agent and the benchmarks call ``make_engine``; the core itself knows nothing of settings or
+of the GPU layer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ._constants import PROVISIONER_NAME
+from .agent_client.client import AgentClient
+from .agent_client.remote_engine import AgentEngine
 from .config import GPUSnapshot
 from .core import procfs
 from .core.compatibility import NodeCompatibility
@@ -71,6 +75,18 @@ def make_engine(
         NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
         kernel_answers=kernel_answers,
     )
+
+
+def process_engine(settings: GPUSnapshot | None = None) -> SnapshotEngine:
+    """The engine this process uses: its own where it may run criu (root), else the node
+    agent's (``GPUSnapshot.through_agent``). The server and the CLI call this."""
+    settings = settings or GPUSnapshot()
+    if settings.through_agent():
+        # The user's own directory keeps what the server writes beside its snapshots
+        # (the notebooks' autosave choices); the snapshots are the agent's.
+        own = SnapshotStore(settings.store_dir, settings.signing_key_file)
+        return AgentEngine(AgentClient(settings.agent_socket), own)
+    return make_engine(settings)
 
 
 def wake_kernel(root_pid: int) -> list[str]:

@@ -20,6 +20,7 @@ from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.restore import RestoredKernel
 from ..core.snapshot import Snapshot
 from ..core.store import SnapshotStore
+from ..core.usage import SnapshotUsage, StoreUsage
 from .client import AgentClient
 from .protocol import snapshot_from
 
@@ -31,8 +32,14 @@ class AgentEngine(SnapshotEngine):
         super().__init__(store=store, hooks=(), compatibility=NodeCompatibility(gpus=None))
         self.client = client
 
-    def describe_store(self) -> str:
+    @property
+    def location(self) -> str:
         return f"the node agent's store for you ({self.client.socket_path})"
+
+    def store_usage(self) -> StoreUsage:
+        found = self.client.call_sync("usage")
+        return StoreUsage(found["path"], found["disk_bytes"], found["chunks_bytes"],
+                          [SnapshotUsage(**s) for s in found["snapshots"]])
 
     # -- queries (called in worker threads, like the engine's) ------------------------------
     def list(self, notebook_path: str | None = None) -> builtins.list[Snapshot]:
@@ -65,7 +72,8 @@ class AgentEngine(SnapshotEngine):
         progress: ProgressCallback | None = None,
     ) -> Snapshot:
         fields = await self.client.call(
-            "save", {"target": dataclasses.asdict(target), "name": name, "stop": stop},
+            "save", {"target": _jsonable(dataclasses.asdict(target)), "name": name,
+                     "stop": stop},
             progress)
         return snapshot_from(fields)
 
@@ -93,3 +101,14 @@ class AgentEngine(SnapshotEngine):
     ) -> None:
         """The agent's restore checks the node itself, with root's view of the files the
         kernel mapped; a check here could only read less."""
+
+
+def _jsonable(value: Any) -> Any:
+    """What JSON carries: jupyter_client keeps a connection's key as bytes."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -30,9 +30,8 @@ from .._constants import KERNEL_NAME, format_bytes
 from ..agent.daemon import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR, NodeAgent
 from ..agent_client.client import AgentClient
 from ..agent_client.protocol import DEFAULT_SOCKET
-from ..agent_client.remote_engine import AgentEngine
 from ..config import GPUSnapshot
-from ..core import procfs, retention, usage
+from ..core import procfs, retention
 from ..core.engine import SnapshotEngine
 from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.hooks import Progress as EngineProgress
@@ -42,8 +41,7 @@ from ..core.remote import RemoteStoreError, SnapshotCache
 from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
 from ..core.snapshot import Snapshot, is_snapshot_id
-from ..core.store import SnapshotStore
-from ..engines import make_engine, wake_kernel
+from ..engines import process_engine, wake_kernel
 from ..gpu.broker import PluginInstall
 from ..gpu.remap import parse_gpu_choice, remap_notice
 from ..remotes import (
@@ -119,12 +117,8 @@ def _settings(args: argparse.Namespace) -> GPUSnapshot:
 
 
 def _engine(args: argparse.Namespace) -> SnapshotEngine:
-    settings = _settings(args)
-    if settings.through_agent():
-        # Not root: the node agent saves and restores for this user (docs/cluster.md).
-        return AgentEngine(AgentClient(settings.agent_socket),
-                           SnapshotStore(settings.store_dir, settings.signing_key_file))
-    return make_engine(settings)
+    # Not root: the node agent saves and restores for this user (docs/cluster.md).
+    return process_engine(_settings(args))
 
 
 def _remote_snapshots(
@@ -324,7 +318,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_du(args: argparse.Namespace) -> int:
     """What the local store takes on disk, and what deleting each snapshot would free."""
-    found = usage.store_usage(_engine(args).store)
+    found = _engine(args).store_usage()
     if args.json:
         _print_json(found.to_dict())
         return 0
@@ -432,7 +426,7 @@ def _fetch_remote(
     except Exception as exc:  # the remote store did not answer
         raise RemoteStoreError(
             "lookup",
-            f"no snapshot {ref!r} in {engine.store.root}, and {remote.url} could not be "
+            f"no snapshot {ref!r} in {engine.location}, and {remote.url} could not be "
             f"asked: {describe(exc)}",
             hint="check the remote store's address and credentials, then try again",
         ) from exc
@@ -440,7 +434,7 @@ def _fetch_remote(
     match = next((s for s in judged if ref == s.id or (s.trusted and ref == s.name)), None)
     if match is None:
         raise NotFound(
-            "lookup", f"no snapshot {ref!r} in {engine.store.root} nor in {remote.url}",
+            "lookup", f"no snapshot {ref!r} in {engine.location} nor in {remote.url}",
             hint="'jupyter gpu-snapshot list' shows the snapshots there are",
         )
     if not match.trusted:
@@ -472,7 +466,7 @@ def cmd_download(args: argparse.Namespace) -> int:
         raise NotFound("download", "there is no remote store", hint="set c.GPUSnapshot.remote_url")
     with _ProgressBar(err.is_terminal) as bar:
         snapshot = _fetch_remote(args, engine, args.snapshot, bar)
-    _say(f"{snapshot.name} ({snapshot.id}) is in {engine.store.root}")
+    _say(f"{snapshot.name} ({snapshot.id}) is in {engine.location}")
     return 0
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import usage
 from .compatibility import NodeCompatibility
 from .criu import CriuRunner
 from .hooks import Progress, ProgressCallback, SaveTarget, SnapshotHook
@@ -53,6 +54,15 @@ class SnapshotEngine:
         # Also caches the digests of mapped files across saves and restores.
         self.compatibility = compatibility or NodeCompatibility()
         self.index = SnapshotIndex(self.store)
+
+    @property
+    def location(self) -> str:
+        """Where the snapshots are, as messages name it."""
+        return str(self.store.root)
+
+    def store_usage(self) -> usage.StoreUsage:
+        """The store's bytes on disk (``core.usage``); it reads every recipe: in a thread."""
+        return usage.store_usage(self.store)
 
     # -- queries ---------------------------------------------------------------------------
     # These read the disk: callers on an event loop run them in a thread.

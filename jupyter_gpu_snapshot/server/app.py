@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import secrets
+import signal
+import sys
+import threading
 import urllib.parse
 from pathlib import Path
 
@@ -19,13 +22,14 @@ from jupyter_server.serverapp import ServerApp
 from traitlets.config import Config
 
 from .._constants import API_PREFIX
+from ..agent_client.remote_engine import AgentEngine
 from ..config import GPUSnapshot
 from ..core.errors import SnapshotError
 from ..core.estimate import SaveRates, learn_rates
 from ..core.recovery import clean_work_dirs, recover_store
 from ..core.remote import SnapshotCache
 from ..core.store import SnapshotStore
-from ..engines import make_engine, wake_kernel
+from ..engines import process_engine, wake_kernel
 from ..launch.provisioner import SnapshotReadyProvisioner
 from ..remotes import make_remote_store
 from .adoption import KernelRecord, adopt_orphans
@@ -97,8 +101,10 @@ class GPUSnapshotApp(ExtensionApp):
         serverapp = self.serverapp
         self.gpu_settings = settings = GPUSnapshot(parent=self)
         self.kernel_token_secret = secrets.token_hex(32)
-        engine = make_engine(settings)
-        recovered = self._recover(engine.store)
+        engine = process_engine(settings)
+        through_agent = isinstance(engine, AgentEngine)
+        # Through the agent, the agent recovers the user's store; this one holds no snapshot.
+        recovered = [] if through_agent else self._recover(engine.store)
         assert serverapp.event_logger is not None
         serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
         serverapp.event_logger.register_event_schema(DEATH_EVENT_SCHEMA)
@@ -113,8 +119,12 @@ class GPUSnapshotApp(ExtensionApp):
             kernel_spec_manager=serverapp.kernel_spec_manager,
             jobs=jobs,
             log=self.log,
-            remote=self._remote_sync(engine.store),
+            remote=None if through_agent else self._remote_sync(engine.store),
         )
+        if through_agent and settings.remote_url:
+            self.log.error(
+                "gpu-snapshot: snapshots go through the node agent, which keeps them on this "
+                "node: c.GPUSnapshot.remote_url (%s) is not used", settings.remote_url)
         if self.service.remote is not None:
             # Saves that a killed server left committed here never uploaded: they owe it.
             for snapshot_id in recovered:
@@ -136,15 +146,28 @@ class GPUSnapshotApp(ExtensionApp):
         self.service.hibernation_of = self.hibernation.describe
         self.service.wakes_from = self.hibernation.wakes_from
         self._watch_deaths(self.service)
+        self._stop_on_sigint(serverapp)
         self._tell_kernels_where_we_are()
         self.log.info(
             "gpu-snapshot: API at %s%s/, snapshots in %s, snapshot on shutdown %s",
             serverapp.base_url,
             API_PREFIX,
-            engine.store.root,
+            engine.location,
             "on" if settings.snapshot_on_shutdown else "off (c.GPUSnapshot.snapshot_on_shutdown)",
         )
         self.log.info("gpu-snapshot: %s", self._recovery_settings())
+
+    def _stop_on_sigint(self, serverapp: ServerApp) -> None:
+        """Stop on SIGINT as on SIGTERM when the server has no terminal to confirm it with.
+
+        Without a terminal, jupyter_server leaves SIGINT to Python, whose KeyboardInterrupt
+        ends the server without stopping its extensions: the kernels would not be saved.
+        JupyterHub's LocalProcessSpawner stops servers with SIGINT first.
+        """
+        no_terminal = not (sys.stdin and sys.stdin.isatty())
+        if (no_terminal and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, serverapp._signal_stop)
 
     async def _hibernate_after(self, kernel_id: str) -> float:
         """Minutes of idleness after which the kernel hibernates: its notebook's policy."""

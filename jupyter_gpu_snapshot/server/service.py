@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import GPUSnapshot
-from ..core import procfs, retention, usage
+from ..core import procfs, retention
 from ..core.engine import SnapshotEngine
 from ..core.errors import (
     Busy,
@@ -150,7 +150,7 @@ class SnapshotService:
                 return snapshot, False
         raise NotFound(
             "lookup",
-            f"no snapshot {ref!r} in {self.engine.store.root} nor in {self.remote.url}"
+            f"no snapshot {ref!r} in {self.engine.location} nor in {self.remote.url}"
             + (f" ({listing.error})" if listing.error else ""),
             hint="'jupyter gpu-snapshot list' shows the snapshots there are",
         )
@@ -167,7 +167,7 @@ class SnapshotService:
     async def disk_usage(self) -> dict[str, Any]:
         """The store's bytes on disk and what deleting each snapshot frees; it reads every
         recipe of the store, so in a worker thread."""
-        found = await asyncio.to_thread(usage.store_usage, self.engine.store)
+        found = await asyncio.to_thread(self.engine.store_usage)
         return found.to_dict()
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:

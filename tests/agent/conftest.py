@@ -92,7 +92,7 @@ class UserKernel:
     log: str
 
 
-def _start_agent(directory: Path, *options: str) -> Agent:
+def start_node_agent(directory: Path, *options: str) -> Agent:
     # The agent's state is root's; the users reach only the socket and their log dirs.
     directory.mkdir(mode=0o711, exist_ok=True)
     os.chmod(directory, 0o711)
@@ -114,7 +114,7 @@ def _start_agent(directory: Path, *options: str) -> Agent:
     return agent
 
 
-def _stop_agent(agent: Agent) -> None:
+def stop_node_agent(agent: Agent) -> None:
     agent.process.send_signal(signal.SIGINT)
     try:
         agent.process.wait(timeout=30)
@@ -137,12 +137,12 @@ def agent_root() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def agent(agent_root: Path, unix_users: tuple[UnixUser, UnixUser],
           user_paths: dict[Path, int]) -> Iterator[Agent]:
-    running = _start_agent(agent_root / "main", "--max-operations", "1")
+    running = start_node_agent(agent_root / "main", "--max-operations", "1")
     try:
         yield running
     finally:
-        _kill_users_kernels(unix_users)
-        _stop_agent(running)
+        kill_users_kernels(unix_users)
+        stop_node_agent(running)
 
 
 @pytest.fixture
@@ -151,18 +151,18 @@ def start_agent(agent_root: Path, unix_users: tuple[UnixUser, UnixUser],
     started: list[Agent] = []
 
     def start(name: str, *options: str) -> Agent:
-        started.append(_start_agent(agent_root / name, *options))
+        started.append(start_node_agent(agent_root / name, *options))
         return started[-1]
 
     try:
         yield start
     finally:
-        _kill_users_kernels(unix_users)
+        kill_users_kernels(unix_users)
         for running in started:
-            _stop_agent(running)
+            stop_node_agent(running)
 
 
-def _kill_users_kernels(users: tuple[UnixUser, ...]) -> None:
+def kill_users_kernels(users: tuple[UnixUser, ...]) -> None:
     _release_holders()
     uids = {u.uid for u in users}
     for proc in psutil.process_iter(["uids"]):

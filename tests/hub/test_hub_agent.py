@@ -1,0 +1,171 @@
+"""A shared node as JupyterHub runs one: a root hub, two users whose servers run as
+themselves without privileges, and the node agent (root) doing their snapshots.
+
+Everything is real and goes the way a user's does: the notebook's kernel is started by the
+user's server (its provisioner asks the agent), cells run over the kernel's websocket
+through the hub's proxy, saves and restores go through the user's REST API and the
+``%gpu_snapshot`` magic, and the hub stops a server as its idle culler does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
+
+from ..agent.conftest import Agent, start_node_agent, stop_node_agent
+from ..conftest import run
+from ..server.conftest import KernelSocket
+from .conftest import Hub, UnixUser
+
+KERNEL = "python3-snapshot"
+JOB_SECONDS = 240.0
+
+
+@pytest.fixture(scope="module")
+def node_agent(unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int]
+               ) -> Iterator[Agent]:
+    directory = Path(tempfile.mkdtemp(prefix="jgs-hub-agent-"))
+    os.chmod(directory, 0o711)
+    agent = start_node_agent(directory / "agent")
+    try:
+        yield agent
+    finally:
+        stop_node_agent(agent)
+        subprocess.run(["rm", "-rf", str(directory)], check=False)
+
+
+@pytest.fixture(scope="module")
+def hub_environment(node_agent: Agent) -> dict[str, str]:
+    return {"JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET": str(node_agent.socket)}
+
+
+class UserServer:
+    """One user's server, reached through the hub's proxy with their token."""
+
+    def __init__(self, hub: Hub, user: UnixUser) -> None:
+        self.hub = hub
+        self.user = user
+        self.token = hub.user_token(user)
+
+    def call(self, method: str, path: str, body: Any = None, expect: int = 200) -> Any:
+        response = self.hub.user_api(self.user, method, path, json=body, token=self.token)
+        assert response.status_code == expect, (
+            f"{method} {path} as {self.user.name}: {response.status_code} {response.text}")
+        return response.json() if response.content else None
+
+    def open_notebook(self, path: str) -> str:
+        session = self.call("POST", "api/sessions", {
+            "path": path, "type": "notebook", "name": path, "kernel": {"name": KERNEL}},
+            expect=201)
+        return str(session["kernel"]["id"])
+
+    def kernel_of(self, path: str) -> str:
+        sessions = self.call("GET", "api/sessions")
+        return next(str(s["kernel"]["id"]) for s in sessions if s["path"] == path)
+
+    def execute(self, kernel_id: str, code: str, timeout: float = 120.0) -> str:
+        url = (self.hub.url.replace("http", "ws", 1)
+               + f"/user/{self.user.name}/api/kernels/{kernel_id}/channels")
+
+        async def go() -> str:
+            ws = await websocket_connect(HTTPRequest(
+                url, headers={"Authorization": f"token {self.token}"}, request_timeout=60))
+            socket = KernelSocket(ws)
+            try:
+                return await socket.execute(code, timeout)
+            finally:
+                socket.close()
+
+        return run(go())
+
+    def job(self, job: dict[str, Any]) -> dict[str, Any]:
+        deadline = time.monotonic() + JOB_SECONDS
+        while job["status"] == "running":
+            assert time.monotonic() < deadline, f"job did not end: {job}"
+            time.sleep(0.2)
+            job = self.call("GET", f"gpu-snapshot/jobs/{job['id']}")
+        assert job["status"] == "succeeded", job.get("error")
+        return job
+
+    def snapshots(self, **params: str) -> list[dict[str, Any]]:
+        query = "&".join(f"{k}={v}" for k, v in params.items())
+        return list(self.call("GET", f"gpu-snapshot/snapshots?{query}")["snapshots"])
+
+
+def test_each_user_saves_and_restores_their_notebook_through_the_agent(
+        hub: Hub, node_agent: Agent, unix_users: tuple[UnixUser, UnixUser]):
+    alice, bob = unix_users
+    servers = {}
+    for user, value in ((alice, 41), (bob, 7)):
+        hub.start_server(user)
+        server = servers[user.name] = UserServer(hub, user)
+        kernel_id = server.open_notebook("work.ipynb")
+        assert server.execute(kernel_id, f"x = {value}; import os; print(os.getuid())"
+                              ).strip() == str(user.uid)
+        # REST: a save that ends the kernel, then a restore into the notebook, which gets
+        # the restored kernel.
+        saved = server.job(server.call(
+            "POST", f"gpu-snapshot/kernels/{kernel_id}/snapshots", {"name": "rest", "stop": True},
+            202))
+        restored = server.job(server.call(
+            "POST", f"gpu-snapshot/snapshots/{saved['snapshot_id']}/restore",
+            {"path": "work.ipynb"}, 202))
+        new_kernel = restored["result"]["kernel_id"]
+        assert server.kernel_of("work.ipynb") == new_kernel
+        assert server.execute(new_kernel, "print(x + 1)").strip() == str(value + 1)
+        # The magic, from the restored kernel itself.
+        said = server.execute(new_kernel, "%gpu_snapshot save magic")
+        assert "magic" in said, said
+        names = {s["name"] for s in server.snapshots()}
+        assert {"rest", "magic"} <= names
+
+    alices = {s["id"] for s in servers[alice.name].snapshots()}
+    bobs = {s["id"] for s in servers[bob.name].snapshots()}
+    assert alices and bobs and not alices & bobs
+    # Bob's token on Alice's server is refused by her server; Bob's server asked for one of
+    # Alice's snapshots answers from Bob's store, where it is not.
+    refused = hub.user_api(alice, "GET", "gpu-snapshot/snapshots",
+                           token=servers[bob.name].token)
+    assert refused.status_code == 403
+    one_of_alices = next(iter(alices))
+    missing = hub.user_api(bob, "POST", f"gpu-snapshot/snapshots/{one_of_alices}/restore",
+                           json={"path": "work.ipynb"}, token=servers[bob.name].token)
+    assert missing.status_code == 404, missing.text
+    # Each user's kernels run as that user, started by the agent (not their server's child).
+    for user in (alice, bob):
+        for kernel in servers[user.name].call("GET", "api/kernels"):
+            status = servers[user.name].call(
+                "GET", f"gpu-snapshot/kernels/{kernel['id']}/status")
+            assert status.get("snapshot_ready", True), status
+
+
+def test_a_server_the_hub_stops_saves_its_kernels_and_its_next_start_restores_them(
+        hub: Hub, node_agent: Agent, unix_users: tuple[UnixUser, UnixUser]):
+    alice, _ = unix_users
+    if hub.server(alice) is None:
+        hub.start_server(alice)
+    server = UserServer(hub, alice)
+    kernel_id = server.open_notebook("long-run.ipynb")
+    server.execute(kernel_id, "state = 'kept across the cull'")
+    hub.stop_server(alice)  # as jupyterhub-idle-culler does
+    hub.start_server(alice)
+    server = UserServer(hub, alice)
+    offered = [s for s in server.snapshots(notebook_path="long-run.ipynb")
+               if s["reason"] == "shutdown"]
+    assert offered, server.snapshots()
+    restored = server.job(server.call(
+        "POST", f"gpu-snapshot/snapshots/{offered[-1]['id']}/restore",
+        {"path": "long-run.ipynb"}, 202))
+    assert server.execute(restored["result"]["kernel_id"], "print(state)").strip() == (
+        "kept across the cull")
+    agent_log = node_agent.log()
+    assert f"for {alice.name}" in agent_log
