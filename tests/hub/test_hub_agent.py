@@ -169,3 +169,27 @@ def test_a_server_the_hub_stops_saves_its_kernels_and_its_next_start_restores_th
         "kept across the cull")
     agent_log = node_agent.log()
     assert f"for {alice.name}" in agent_log
+
+
+def test_a_kernel_hibernates_and_wakes_through_the_agent(
+        hub: Hub, node_agent: Agent, unix_users: tuple[UnixUser, UnixUser]):
+    _, bob = unix_users
+    if hub.server(bob) is None:
+        hub.start_server(bob)
+    server = UserServer(hub, bob)
+    kernel_id = server.open_notebook("idle.ipynb")
+    server.execute(kernel_id, "y = 5")
+    server.call("POST", f"gpu-snapshot/kernels/{kernel_id}/hibernate", {}, expect=202)
+    deadline = time.monotonic() + JOB_SECONDS
+    while True:
+        sleeping = {k["kernel_id"]: k for k in server.call("GET", "gpu-snapshot/hibernation")
+                    ["kernels"]}
+        if sleeping.get(kernel_id, {}).get("state") == "hibernated":
+            break
+        assert time.monotonic() < deadline, sleeping
+        time.sleep(0.2)
+    kernels = {k["id"]: k for k in server.call("GET", "api/kernels")}
+    assert kernels[kernel_id]["execution_state"] == "hibernated"
+    # The next cell wakes it, restored by the agent into the same kernel id.
+    assert server.execute(kernel_id, "print(y * 2)").strip() == "10"
+    assert f"for {bob.name}" in node_agent.log()
