@@ -31,6 +31,10 @@ _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"No space left on device"), "the disk holding the snapshot store is full"),
     (re.compile(r"has bad size|bad size"),
      "a file the kernel had open has changed size since the snapshot"),
+    (re.compile(r"Can't get rlimit \d+: Operation not permitted"),
+     "criu may not read another user's process limits here (this root lacks "
+     "CAP_SYS_RESOURCE, as some sandboxes' does); the node agent saves such kernels as "
+     "their user (jupyter gpu-snapshot agent, docs/cluster.md)"),
     (re.compile(r"Operation not permitted|Permission denied|CAP_"),
      "criu lacks privileges; run as root or grant CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN"),
     (re.compile(r"handle_device_vma plugin failed|Can't handle non-regular mapping"),

@@ -168,3 +168,19 @@ def test_a_tree_that_is_no_longer_the_callers_is_refused_right_before_the_dump(n
         assert [s.name for s in realm.engine.catalog()] == []
     finally:
         stop_kernel(kernel)
+
+
+def test_a_dump_refused_another_users_limits_names_the_capability_and_the_agent(tmp_path):
+    """The line criu logs when root lacks CAP_SYS_RESOURCE and the process is another
+    user's (seen on this project's CI and GPU machines): the message points at the agent,
+    not at privileges root already has."""
+    from jupyter_gpu_snapshot.core.criu import explain_log
+
+    log = tmp_path / "dump.log"
+    log.write_text(
+        "(00.038320) dumping /proc/22847/oom_score_adj\n"
+        "(00.038330) Error (criu/cr-dump.c:389): Can't get rlimit 0: Operation not permitted\n"
+        "(00.039192) Error (criu/cr-dump.c:1975): Dumping FAILED.\n")
+    said = explain_log(log, 1)
+    assert "CAP_SYS_RESOURCE" in said and "node agent" in said
+    assert "run as root" not in said
