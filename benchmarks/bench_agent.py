@@ -125,24 +125,14 @@ raise SystemExit(rc)
 def ask_kernel(connection_file: str, code: str = DIGEST_CELL, timeout: float = 600) -> str:
     """What a cell prints in the kernel of ``connection_file``; raises on an error."""
     from jupyter_client.blocking import BlockingKernelClient
+    from server_process import run_cell
 
     kc = BlockingKernelClient(connection_file=connection_file)
     kc.load_connection_file()
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=timeout)
-        printed: list[str] = []
-
-        def hook(msg: dict[str, Any]) -> None:
-            if msg["msg_type"] == "stream":
-                printed.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                printed.append("\n".join(msg["content"]["traceback"]))
-
-        reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-        if reply["content"]["status"] != "ok":
-            raise RuntimeError(f"the cell failed: {''.join(printed)[-3000:]}")
-        return "".join(printed)
+        return run_cell(kc, code, timeout)
     finally:
         kc.stop_channels()
 
