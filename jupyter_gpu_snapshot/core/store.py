@@ -679,8 +679,15 @@ class SnapshotStore:
             parent, name = os.path.split(path)
             safe_fs.make_private_dirs(Path(parent))
             with safe_fs.opened_dir(parent) as dfd:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+                try:
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+                except OSError as exc:
+                    why = "is a link" if exc.errno == errno.ELOOP else exc.strerror
+                    raise SnapshotError(
+                        "preflight", f"the kernel log {path} {why}: it is never followed",
+                        hint="remove it and restore again",
+                    ) from exc
                 try:
                     if self.log_owner is not None:
                         _give_log_to(fd, path, self.log_owner)

@@ -432,3 +432,27 @@ def test_the_agent_refuses_a_state_dir_others_may_write(agent_root):
     assert f"the state directory {shared / 'state'} is not root's alone" in done.stderr
     assert f"{shared} is writable by group and others (mode 777)" in done.stderr
     assert not (shared / "agent.sock").exists()
+
+
+def test_a_link_planted_at_a_kernel_log_is_never_followed_by_root(agent, unix_users):
+    """Before a restore, root recreates the kernel's log in the user's log directory: a
+    link Alice put there in its place (to /etc/passwd) is refused, never followed."""
+    alice, _ = unix_users
+    kernel = start_user_kernel(alice, agent)
+    saved = json.loads(cli(alice, agent, "save", "--pid", str(kernel.root_pid), "--stop",
+                           "--json").stdout)
+    deadline = time.monotonic() + 60
+    while procfs.tree_alive(kernel.root_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    target = Path("/etc/passwd")
+    before = (target.stat(), target.read_bytes())
+    log = Path(kernel.log)
+    as_user(alice, agent, ["rm", "-f", str(log)])
+    as_user(alice, agent, ["ln", "-s", str(target), str(log)])
+    refused = cli(alice, agent, "restore", saved["id"], check=False)
+    assert refused.returncode == 2, refused.stdout
+    assert f"preflight failed: the kernel log {log} is a link" in refused.stderr, refused.stderr
+    after = (target.stat(), target.read_bytes())
+    assert (before[0].st_uid, before[0].st_mode, before[1]) == (
+        after[0].st_uid, after[0].st_mode, after[1])
+    assert log.is_symlink()
