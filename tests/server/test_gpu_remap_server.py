@@ -37,7 +37,7 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> FakeGpus:
                                   criu_env=FORCE_CUDA_PLUGIN)
         return make_engine(settings, hooks=[*default_hooks(settings)[:-1], cuda])
 
-    monkeypatch.setattr(server_app, "make_engine", engine_with_fake_cuda)
+    monkeypatch.setattr(server_app, "process_engine", engine_with_fake_cuda)
     return gpus
 
 
