@@ -280,11 +280,23 @@ class NodeAgent:
             self.socket_path.unlink()
 
     async def serve_forever(self) -> None:
+        """Serve until SIGTERM (systemd's stop) or SIGINT, then close the socket. The
+        kernels the agent started keep running: they are the users', not the agent's.
+        The handlers are set here because a process started in the background by a shell
+        inherits SIGINT ignored, and Python's default would not stop it either way."""
         await self.start()
         assert self._server is not None
+        serving = asyncio.ensure_future(self._server.serve_forever())
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, serving.cancel)
         try:
-            await self._server.serve_forever()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+            log.info("jupyter-gpu-snapshot agent stopping")
         finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
             await self.stop()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -115,7 +115,7 @@ def start_node_agent(directory: Path, *options: str) -> Agent:
 
 
 def stop_node_agent(agent: Agent) -> None:
-    agent.process.send_signal(signal.SIGINT)
+    agent.process.send_signal(signal.SIGTERM)
     try:
         agent.process.wait(timeout=30)
     except subprocess.TimeoutExpired:
