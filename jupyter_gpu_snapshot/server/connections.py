@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 WS_V1 = "v1.kernel.websocket.jupyter.org"
 
 
+# How long a client re-joining a woken kernel waits for the server to read it idle.
+REJOIN_IDLE_SECONDS = 10.0
+REJOIN_POLL_SECONDS = 0.05
+
+
 class HibernationAwareConnection(ZMQChannelsWebsocketConnection):
     """A kernel websocket whose messages wait while the kernel hibernates."""
 
@@ -62,6 +67,14 @@ class HibernationAwareConnection(ZMQChannelsWebsocketConnection):
         reaches the woken kernel (jupyter_server's nudge), then read its channels again."""
         if not self.channels:
             return
+        # jupyter_server skips its nudge for a kernel it reads as busy, and the message that
+        # told the woken kernel its slot leaves it busy for a moment: the held cell's first
+        # outputs were then sent before this client's subscription reached the kernel.
+        # The server sets the state from the kernel's messages; there is nothing to await.
+        for _ in range(int(REJOIN_IDLE_SECONDS / REJOIN_POLL_SECONDS)):
+            if self.kernel_manager.execution_state != "busy":
+                break
+            await asyncio.sleep(REJOIN_POLL_SECONDS)
         await super().nudge()
         # The nudge took the IOPub stream's callback for itself and dropped it.
         for stream in self.channels.values():
