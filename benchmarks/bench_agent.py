@@ -167,9 +167,10 @@ def user_call(op: str, args_json: str, connection_dir: str) -> None:
     """As the user: one agent call, timed around the call alone; after a restore, the
     restored kernel's digest (untimed)."""
     from jupyter_gpu_snapshot.agent_client.client import AgentClient
+    from jupyter_gpu_snapshot.config import GPUSnapshot
 
     args = json.loads(args_json)
-    client = AgentClient()
+    client = AgentClient(GPUSnapshot().agent_socket)
     t = time.perf_counter()
     result = client.call_sync(op, args)
     seconds = time.perf_counter() - t

@@ -19,6 +19,7 @@ from ._constants import (
     ENV_REMOTE_KEY_FILE,
     ENV_REMOTE_URL,
 )
+from .agent_client.protocol import DEFAULT_SOCKET
 from .core.store import default_key_file, default_store_dir
 
 
@@ -68,8 +69,7 @@ class GPUSnapshot(Configurable):
 
     @default("agent_socket")
     def _default_agent_socket(self) -> str:
-        return os.environ.get(
-            "JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET", "/run/jupyter-gpu-snapshot/agent.sock")
+        return os.environ.get("JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET", str(DEFAULT_SOCKET))
 
     def through_agent(self) -> bool:
         """Whether this process reaches the engine through the node agent."""

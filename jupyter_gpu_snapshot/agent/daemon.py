@@ -52,7 +52,7 @@ from ..agent_client.protocol import (
     snapshot_fields,
 )
 from ..config import GPUSnapshot
-from ..core import safe_fs, usage
+from ..core import safe_fs
 from ..core.engine import SnapshotEngine
 from ..core.errors import InvalidRequest, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
@@ -100,8 +100,7 @@ class CallerCredentials(SnapshotHook):
     async def before_restore(self, ctx: RestoreContext) -> None:
         assert ctx.images_dir is not None
         await asyncio.to_thread(
-            image_creds.check_image_credentials, ctx.images_dir,
-            image_creds.Caller(self.caller.uid, self.caller.gid, self.caller.groups))
+            image_creds.check_image_credentials, ctx.images_dir, self.caller)
 
 
 @dataclasses.dataclass
@@ -390,8 +389,8 @@ class _Session:
         return snapshot_fields(renamed)
 
     async def op_usage(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
-        found = await asyncio.to_thread(usage.store_usage, realm.engine.store)
-        return dataclasses.asdict(found)
+        found = await asyncio.to_thread(realm.engine.store_usage)
+        return found.to_dict()
 
     # -- launching -------------------------------------------------------------------------
     async def op_launch(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
@@ -551,7 +550,7 @@ def _text(args: dict[str, Any], key: str) -> str:
 
 
 def _used_bytes(realm: Realm) -> int:
-    found = usage.store_usage(realm.engine.store)
+    found = realm.engine.store_usage()
     return found.disk_bytes + found.chunks_bytes
 
 

@@ -35,18 +35,17 @@ import psutil
 
 from ..agent_client.protocol import Refused
 from ..core import procfs
+from . import image_creds
 
 _CAPABILITY_SETS = ("CapInh", "CapPrm", "CapEff", "CapAmb")
 
 
 @dataclass(frozen=True)
-class Caller:
+class Caller(image_creds.Caller):
     """A user at the other end of the agent's socket, as the kernel and the user database
-    say; nothing of it comes from the request."""
+    say; nothing of it comes from the request. The credentials an image must hold are its
+    own (``image_creds.Caller``); the name is for messages."""
 
-    uid: int
-    gid: int
-    groups: frozenset[int]
     name: str
 
     @property

@@ -16,32 +16,15 @@ from typing import Any
 
 from ..core.errors import NotReady, SnapshotError
 from ..core.hooks import Progress
-from .protocol import DEFAULT_SOCKET, MAX_LINE_BYTES, decode, encode, error_from
-
-ENV_SOCKET = "JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET"
-
-
-def agent_socket(configured: str | os.PathLike[str] | None = None) -> Path:
-    """The socket to reach the agent at: configured, else $JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET,
-    else /run/jupyter-gpu-snapshot/agent.sock."""
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET)
-
-
-def privileged() -> bool:
-    """Whether this process may run the engine itself (root): else it needs the agent."""
-    return os.geteuid() == 0
+from .protocol import MAX_LINE_BYTES, decode, encode, error_from
 
 
 class AgentClient:
     """One node agent, reached through its Unix socket."""
 
-    def __init__(self, socket_path: str | os.PathLike[str] | None = None) -> None:
-        self.socket_path = agent_socket(socket_path)
-
-    def reachable(self) -> bool:
-        return self.socket_path.is_socket()
+    def __init__(self, socket_path: str | os.PathLike[str]) -> None:
+        # Where it is configured: ``GPUSnapshot.agent_socket``.
+        self.socket_path = Path(socket_path)
 
     async def call(
         self,

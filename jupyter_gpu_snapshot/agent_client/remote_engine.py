@@ -18,6 +18,7 @@ from ..core.compatibility import NodeCompatibility
 from ..core.engine import SnapshotEngine
 from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.restore import RestoredKernel
+from ..core.save import connection_info_json
 from ..core.snapshot import Snapshot
 from ..core.store import SnapshotStore
 from ..core.usage import SnapshotUsage, StoreUsage
@@ -72,8 +73,9 @@ class AgentEngine(SnapshotEngine):
         progress: ProgressCallback | None = None,
     ) -> Snapshot:
         fields = await self.client.call(
-            "save", {"target": _jsonable(dataclasses.asdict(target)), "name": name,
-                     "stop": stop},
+            "save", {"target": {**dataclasses.asdict(target), "connection_info":
+                                connection_info_json(target.connection_info)},
+                     "name": name, "stop": stop},
             progress)
         return snapshot_from(fields)
 
@@ -102,13 +104,3 @@ class AgentEngine(SnapshotEngine):
         """The agent's restore checks the node itself, with root's view of the files the
         kernel mapped; a check here could only read less."""
 
-
-def _jsonable(value: Any) -> Any:
-    """What JSON carries: jupyter_client keeps a connection's key as bytes."""
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value

@@ -119,20 +119,14 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 class CriuRunner:
     """Builds criu command lines and runs them without blocking the event loop."""
 
-    def __init__(
-        self,
-        criu_path: str = "criu",
-        ghost_limit: int | None = None,
-        dump_as: list[str] | None = None,
-        restore_as: list[str] | None = None,
-    ) -> None:
+    def __init__(self, criu_path: str = "criu", ghost_limit: int | None = None) -> None:
         self.criu_path = criu_path
         self.ghost_limit = ghost_limit
         # Commands that ``criu dump`` and ``criu restore`` run under, with the credentials
         # the node agent gives criu for one user's kernel (``agent/criu_credentials``); a
         # dump under other uids runs in criu's --unprivileged mode.
-        self.dump_as = list(dump_as or [])
-        self.restore_as = list(restore_as or [])
+        self.dump_as: list[str] = []
+        self.restore_as: list[str] = []
         self._version: tuple[int, ...] | None = None
 
     def executable(self) -> str:

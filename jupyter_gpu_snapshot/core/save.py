@@ -445,7 +445,8 @@ class _Save:
                 "name": kernel_name,
                 "spec": target.kernel_spec,
                 "kernel_id": target.kernel_id,
-                "connection_info": _jsonable(target.connection_info or ctx.kernel.connection_info),
+                "connection_info": connection_info_json(
+                    target.connection_info or ctx.kernel.connection_info),
                 "notebook_path": target.notebook_path,
                 "pid": ctx.kernel.kernel_pid,
                 "root_pid": ctx.kernel.root_pid,
@@ -521,7 +522,7 @@ def _mark_complete_script(work: Path, images: Path) -> Path:
     return script
 
 
-def _jsonable(info: dict[str, Any] | None) -> dict[str, Any] | None:
+def connection_info_json(info: dict[str, Any] | None) -> dict[str, Any] | None:
     """Connection info as JSON: jupyter_client hands out the HMAC key as bytes."""
     if info is None:
         return None

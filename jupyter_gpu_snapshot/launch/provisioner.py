@@ -272,11 +272,11 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         # and an installed kernelspec is a file that c.GPUSnapshot cannot switch. The env
         # already holds the server's environment (or the env the kernel is started with)
         # and the kernelspec's, so setdefault leaves every value the user chose.
-        if GPUSnapshot(parent=self).grow_gpu_allocators:
+        settings = GPUSnapshot(parent=self)
+        if settings.grow_gpu_allocators:
             for key, value in GROWING_ALLOCATOR_ENV.items():
                 env.setdefault(key, value)
         kwargs["env"] = env
-        settings = GPUSnapshot(parent=self)
         self._agent = AgentClient(settings.agent_socket) if settings.through_agent() else None
         if self._agent is not None:
             # The node agent starts the tree (unshare needs root) and names its log.
