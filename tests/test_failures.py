@@ -3,6 +3,8 @@ the kernel alive and answering, nothing partial listed, earlier snapshots untouc
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -115,6 +117,58 @@ def test_disk_filling_during_dump(small_fs, busy_kernel, monkeypatch):
     assert err.value.step in ("dump", "commit")
     assert "full" in err.value.message or "No space" in err.value.message
     _assert_contract(busy_kernel, store, [])
+
+
+class FillsTheDiskAfterTheDump(SnapshotHook):
+    """Takes all but a sliver of the store's file system once the dump is written: the
+    commit, which packs the image's new pages into the store, then runs out of room."""
+
+    def __init__(self, filler: Path) -> None:
+        self.filler = filler
+
+    async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+        if error is None:
+            free = shutil.disk_usage(self.filler.parent).free
+            await asyncio.to_thread(
+                subprocess.run, ["fallocate", "-l", str(free - (1 << 20)), str(self.filler)],
+                check=True)
+
+
+@pytest.fixture
+def roomy_fs(tmp_path: Path):
+    """A file system with room for a snapshot and the next one's dump, filled at will."""
+    mount = tmp_path / "roomy"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_filling_during_commit_names_the_full_disk(roomy_fs, kernel):
+    """The dump fits, the disk fills before the commit has packed the new pages: the error
+    names the full disk (and not what closing the page buffer said after it)."""
+    store = SnapshotStore(roomy_fs / "store")
+    kernel.execute("import os; counter = 0")
+    earlier = run(SnapshotEngine(store).save(_target(kernel), name="earlier"))
+    # Pages no snapshot holds yet: the commit has tens of MiB to write.
+    kernel.execute("noise = os.urandom(64 << 20)")
+    filler = roomy_fs / "filler"
+    engine = SnapshotEngine(store, hooks=[FillsTheDiskAfterTheDump(filler)])
+    with pytest.raises(SnapshotError) as err:
+        run(engine.save(_target(kernel)))
+    failed = err.value
+    assert failed.step == "commit", failed
+    assert f"could not write the snapshot to {store.root}: its disk is full" in failed.cause
+    assert "No space left on device" in failed.cause, failed
+    assert failed.hint and "free space" in failed.hint, failed
+    assert "BufferError" not in str(failed)
+    _assert_contract(kernel, store, [earlier.id])
+    assert not [p for p in (store.root / "chunks").iterdir() if p.name.endswith(".pack")
+                and not (p.parent / (p.name[:-len(".pack")] + ".ids")).exists()]
+    filler.unlink()
+    store.verify(store.get("earlier"))
 
 
 def test_kernel_not_snapshot_ready(store):

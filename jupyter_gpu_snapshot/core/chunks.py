@@ -185,9 +185,11 @@ class PackWriter:
         """Add pages (one buffer, or several written in their order) and their ids."""
         self._open()
         for view in [pages] if isinstance(pages, memoryview) else pages:
-            while len(view):
-                n = os.write(self.fd, view)
-                view = view[n:]
+            written = 0
+            while written < len(view):
+                # Released on leaving, error or not: see ``_store_new``.
+                with view[written:] as rest:
+                    written += os.write(self.fd, rest)
         self.ids += new_ids
         self.appended.add(np.frombuffer(new_ids, np.uint8).reshape(-1, ID_BYTES))
 
@@ -385,7 +387,15 @@ class ChunkStore:
         ends = np.concatenate((starts[1:], [len(fresh)]))
         runs = [block[int(fresh[a]) * PAGE:(int(fresh[b - 1]) + 1) * PAGE]
                 for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
-        writer.append(runs, ids[fresh].tobytes())
+        try:
+            writer.append(runs, ids[fresh].tobytes())
+        finally:
+            # Released now, not when the garbage collector gets to them: an error's
+            # traceback keeps this frame, and a slice alive keeps the page buffer (an mmap)
+            # from closing. Its BufferError would then replace the error itself, such as
+            # the full disk that stopped the write.
+            for run in runs:
+                run.release()
         return len(fresh) * PAGE
 
     # -- restoring -------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import platform
@@ -363,22 +364,28 @@ class _Save:
                 lambda done, total: self.report(Progress("commit", done, total)),
             )
         except Exception as exc:
+            full = _disk_full(exc)
             if self.ctx.stop and not await asyncio.to_thread(
                 procfs.tree_alive, self.ctx.root_pid
             ):
                 # The image is all that is left of the kernel: the next start commits it.
                 raise SnapshotError(
                     "commit",
-                    f"could not write the snapshot to {self.store.root}: {exc}",
-                    hint="the complete image stays in the store; the next server start "
+                    f"could not write the snapshot to {self.store.root}: {full or exc}",
+                    hint=("free space on that disk; then " if full else "")
+                    + "the complete image stays in the store; the next server start "
                     "(or 'jupyter gpu-snapshot recover') commits it",
                 ) from exc
             await asyncio.to_thread(self.store.abort, self.partial)
             if isinstance(exc, SnapshotError):
                 raise
-            cause = exc.strerror if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+            cause = full or (exc.strerror if isinstance(exc, OSError)
+                             else f"{type(exc).__name__}: {exc}")
             raise SnapshotError(
-                "commit", f"could not write the snapshot to {self.store.root}: {cause}"
+                "commit", f"could not write the snapshot to {self.store.root}: {cause}",
+                hint="free space on that disk (or delete snapshots you no longer need), then "
+                "save again; the kernel runs on and the other snapshots are intact"
+                if full else None,
             ) from exc
         self.timings["commit"] = time.monotonic() - t
         self.timings["total"] = time.monotonic() - self.started
@@ -497,6 +504,14 @@ async def _describe_death(snapshot: Snapshot, dump_ended: float) -> str:
     died = await asyncio.to_thread(_mtime, logs[0])
     after = f" {max(0.0, died - dump_ended):.1f} s" if died else ""
     return f"the kernel died{after} after its dump: {cause}"
+
+
+def _disk_full(exc: BaseException) -> str | None:
+    """'its disk is full (No space left on device)' when ``exc`` says so, else None."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "is full" if exc.errno == errno.ENOSPC else "is over its quota"
+        return f"its disk {what} ({exc.strerror})"
+    return None
 
 
 def _add_warning(manifest: dict[str, Any], warning: str) -> None:
