@@ -20,6 +20,8 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +52,24 @@ _INIT_WAIT_SECONDS = 10.0
 # The keyword argument of ``KernelManager.start_kernel`` that asks for an adoption; it must
 # never reach Popen, and a restart finds it again in the manager's launch arguments.
 ADOPT_KWARG = "adopt"
+
+
+# What a server does once one of its kernels has a running tree (``on_kernel_tree``).
+TreeListener = Callable[["SnapshotReadyProvisioner"], Awaitable[None]]
+# By the server's kernel manager (the MultiKernelManager each kernel's manager is a child
+# of), so that two servers in one process never hear of each other's kernels.
+_TREE_LISTENERS: weakref.WeakKeyDictionary[Any, TreeListener] = weakref.WeakKeyDictionary()
+
+
+def on_kernel_tree(kernel_manager: Any, listener: TreeListener | None) -> None:
+    """Have ``listener`` awaited whenever a kernel of ``kernel_manager`` gets a running tree
+    (launched, restarted, adopted, woken), before that launch or wake returns, so before
+    anyone learns of it; None removes it. The server extension records its kernels there
+    (``server/adoption.py``)."""
+    if listener is None:
+        _TREE_LISTENERS.pop(kernel_manager, None)
+    else:
+        _TREE_LISTENERS[kernel_manager] = listener
 
 
 def kernel_log_dir() -> Path:
@@ -293,20 +313,34 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         if self._pending_adoption is not None:
             adoption = self._pending_adoption
             await self._take_log_of(adoption)
-            return self._adopt(adoption)
-        if self._agent is not None:
-            return await self._launch_through_agent(self._agent, cmd, kwargs)
-        assert self.log_path is not None
-        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            self.log_start = os.fstat(log_fd).st_size
-            kwargs.update(stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd)
-            info = await super().launch_kernel(cmd, **kwargs)
-        finally:
-            os.close(log_fd)
-        assert self.process is not None
-        self.root_pid = await asyncio.to_thread(wait_for_namespace_init, self.process.pid)
+            info = self._adopt(adoption)
+        elif self._agent is not None:
+            info = await self._launch_through_agent(self._agent, cmd, kwargs)
+        else:
+            assert self.log_path is not None
+            log_fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                self.log_start = os.fstat(log_fd).st_size
+                kwargs.update(stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd)
+                info = await super().launch_kernel(cmd, **kwargs)
+            finally:
+                os.close(log_fd)
+            assert self.process is not None
+            self.root_pid = await asyncio.to_thread(wait_for_namespace_init, self.process.pid)
+        await self._tree_runs()
         return info
+
+    async def _tree_runs(self) -> None:
+        """Tell the server's listener (``on_kernel_tree``) that this kernel's tree runs."""
+        server_manager = getattr(self.parent, "parent", None)
+        # A kernel manager of its own (jupyter_client used directly) has no server's.
+        listener = None if server_manager is None else _TREE_LISTENERS.get(server_manager)
+        if listener is None:
+            return
+        try:
+            await listener(self)
+        except Exception as exc:  # the kernel runs all the same
+            self.log.warning("gpu-snapshot: kernel %s: %s", self.kernel_id, exc)
 
     async def _launch_through_agent(
         self, agent: AgentClient, cmd: list[str], kwargs: dict[str, Any]
@@ -362,6 +396,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         (a hibernated kernel is restored from a snapshot of this very slot)."""
         await self._take_log_of(adoption)
         self._adopt(adoption)
+        await self._tree_runs()
 
     async def shutdown_requested(self, restart: bool = False) -> None:
         """Called by ``KernelManager.request_shutdown()``: a hibernated kernel has no process

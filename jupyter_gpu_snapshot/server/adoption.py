@@ -7,6 +7,12 @@ keeps a record of its snapshot-ready kernels and their sessions in the runtime d
 records of servers that no longer run are read: live kernels are adopted under the same
 kernel ids, with the same sessions for their notebooks; the connection files of dead ones
 are removed; then the record goes.
+
+The record follows the kernels every ``RECORD_SECONDS``, and also at once whenever a
+kernel's tree starts to run (a launch, a restart, a restore's or an orphan's adoption, a
+wake), before that start is reported to anyone: a server SIGKILLed right after it answered
+a kernel's start still leaves that kernel in its record (``SnapshotReadyProvisioner``'s
+``on_kernel_tree`` hook).
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from tornado import web
 
 from ..core import procfs
 from ..core.recovery import read_json_object, same_process
-from ..launch.provisioner import ADOPT_KWARG, Adoption, SnapshotReadyProvisioner
+from ..launch.provisioner import (
+    ADOPT_KWARG,
+    Adoption,
+    SnapshotReadyProvisioner,
+    on_kernel_tree,
+)
 from .kernel_env import refresh_kernel_env
 
 # How often the record follows the server's kernels and sessions.
@@ -58,11 +69,15 @@ def _write_private(path: Path, data: dict[str, Any]) -> None:
     fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
+    # Complete once replaced: a SIGKILLed server loses nothing the page cache holds. No
+    # fsync: a node that goes down takes the kernels with it, and an fsync behind a save's
+    # gigabytes would hold up every kernel start for seconds.
     os.replace(staged, path)
 
 
 class KernelRecord:
-    """Keeps this server's record current while it runs; started and stopped by the app."""
+    """Keeps this server's record current while it runs; made, started and stopped by the
+    app. Made before the server takes requests, it records each kernel tree as it starts."""
 
     def __init__(
         self,
@@ -80,19 +95,31 @@ class KernelRecord:
         self._last: dict[str, Any] | None = None
         self._started: dict[int, float | None] = {}  # root pid -> start time, read once
         self._task: asyncio.Task[None] | None = None
+        # Kernels whose tree runs but which the kernel manager lists only once their start
+        # has completed (jupyter_client adds a kernel after its launch returns).
+        self._starting: dict[str, Any] = {}  # kernel id -> its kernel manager
+        # One update at a time: an older view written after a newer one would drop a
+        # kernel that has just been recorded.
+        self._writing = asyncio.Lock()
+        on_kernel_tree(kernel_manager, self.tree_runs)
 
     async def snapshot(self) -> dict[str, Any]:
         """This server's snapshot-ready kernels and their sessions, as the record holds them."""
         sessions: list[dict[str, Any]] = []
         if self.session_manager is not None:
             sessions = list(await ensure_async(self.session_manager.list_sessions()))
+        listed = list(self.kernel_manager.list_kernel_ids())
+        managers = {kernel_id: self.kernel_manager.get_kernel(kernel_id) for kernel_id in listed}
+        for kernel_id, km in list(self._starting.items()):
+            if kernel_id in managers or not _running_tree(km):
+                del self._starting[kernel_id]  # listed now, or its start failed
+            else:
+                managers[kernel_id] = km
         kernels: dict[str, Any] = {}
-        for kernel_id in list(self.kernel_manager.list_kernel_ids()):
-            km = self.kernel_manager.get_kernel(kernel_id)
-            provisioner = getattr(km, "provisioner", None)
-            if not isinstance(provisioner, SnapshotReadyProvisioner) or not provisioner.root_pid:
+        for kernel_id, km in managers.items():
+            root = _running_tree(km)
+            if root is None:
                 continue
-            root = int(provisioner.root_pid)
             info = {k: v.decode() if isinstance(v, bytes) else v
                     for k, v in km.get_connection_info(session=False).items()}
             kernels[kernel_id] = {
@@ -114,10 +141,21 @@ class KernelRecord:
         return self._started[root]
 
     async def update(self) -> None:
-        data = await self.snapshot()
-        if data != self._last:
-            await asyncio.to_thread(_write_private, self.path, data)
-            self._last = data
+        async with self._writing:
+            data = await self.snapshot()
+            if data != self._last:
+                await asyncio.to_thread(_write_private, self.path, data)
+                self._last = data
+
+    async def tree_runs(self, provisioner: SnapshotReadyProvisioner) -> None:
+        """Called by the provisioner once a kernel's tree runs, before its launch returns:
+        the record holds the kernel before anyone learns that it started."""
+        self._starting[str(provisioner.kernel_id)] = provisioner.parent
+        try:
+            await self.update()
+        except Exception as exc:  # the kernel runs all the same; the next update retries
+            self.log.warning("gpu-snapshot: could not record kernel %s in %s: %s",
+                             provisioner.kernel_id, self.path, exc)
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._follow())
@@ -132,9 +170,19 @@ class KernelRecord:
 
     def stop(self) -> None:
         """Called by the app as the server stops: its kernels stop with it."""
+        on_kernel_tree(self.kernel_manager, None)
         if self._task is not None:
             self._task.cancel()
         self.path.unlink(missing_ok=True)
+
+
+def _running_tree(km: Any) -> int | None:
+    """The root pid of a snapshot-ready kernel's running tree; None for other kernels and
+    for a hibernated one."""
+    provisioner = getattr(km, "provisioner", None)
+    if not isinstance(provisioner, SnapshotReadyProvisioner) or not provisioner.root_pid:
+        return None
+    return int(provisioner.root_pid)
 
 
 async def adopt_orphans(

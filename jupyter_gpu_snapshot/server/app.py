@@ -146,6 +146,12 @@ class GPUSnapshotApp(ExtensionApp):
         self.service.hibernation_of = self.hibernation.describe
         self.service.wakes_from = self.hibernation.wakes_from
         self._watch_deaths(self.service)
+        if settings.adopt_orphaned_kernels:
+            # Made now, before the server takes requests: it records each kernel as it
+            # starts, before the start is answered.
+            self.kernel_record = KernelRecord(
+                serverapp.kernel_manager, serverapp.session_manager, self.log
+            )
         self._stop_on_sigint(serverapp)
         self._tell_kernels_where_we_are()
         self.log.info(
@@ -286,9 +292,8 @@ class GPUSnapshotApp(ExtensionApp):
         that the notebooks' sessions find them; then this server's record starts.
         """
         self._tell_kernels_where_we_are()
-        assert self.gpu_settings is not None
-        if self.gpu_settings.adopt_orphaned_kernels:
-            await self._adopt_orphans(serverapp)
+        if self.kernel_record is not None:
+            await self._adopt_orphans(serverapp, self.kernel_record)
         if self.autosave is not None:
             self.autosave.start()
         if self.hibernation is not None:
@@ -297,8 +302,10 @@ class GPUSnapshotApp(ExtensionApp):
             # Snapshots whose upload did not complete before this start go up now.
             self.service.uploads.start_retries()
 
-    async def _adopt_orphans(self, serverapp: ServerApp) -> None:
-        """Take back the kernels a killed server left running; then record this server's."""
+    async def _adopt_orphans(self, serverapp: ServerApp, record: KernelRecord) -> None:
+        """Take back the kernels a killed server left running; then follow this server's.
+
+        Each adopted kernel is in ``record`` before the dead server's record goes."""
         report = await adopt_orphans(serverapp.kernel_manager, serverapp.session_manager, self.log)
         for kernel_id in report.adopted:
             self.log.info("gpu-snapshot: adopted kernel %s, left running by a killed server",
@@ -308,10 +315,7 @@ class GPUSnapshotApp(ExtensionApp):
                           kernel_id)
         for kernel_id, why in report.failed.items():
             self.log.warning("gpu-snapshot: could not adopt kernel %s: %s", kernel_id, why)
-        self.kernel_record = KernelRecord(
-            serverapp.kernel_manager, serverapp.session_manager, self.log
-        )
-        self.kernel_record.start()
+        record.start()
 
     def _tell_kernels_where_we_are(self) -> None:
         """Hand the URL and token to the provisioner through the kernel manager's config.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
@@ -23,6 +25,7 @@ from tornado.websocket import websocket_connect
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.recovery import WORK_LOCK
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
+from jupyter_gpu_snapshot.launch.provisioner import NSINIT
 
 from ..conftest import run
 from ..processes import free_port, shut_down
@@ -254,3 +257,50 @@ def test_server_killed_during_shutdown_saves(
             kernel_id = job["result"]["kernel_id"]
         printed = run(_execute(second, kernel_id, "print(state, len(blob) >> 20)"))
         assert printed == f"{{'notebook': {nb!r}, 'step': {i}}} 60\n"
+
+
+def _kernel_roots(runtime: Path) -> dict[str, int]:
+    """Kernel id -> host pid of its namespace init, for every snapshot-ready kernel tree
+    launched with a connection file in ``runtime``, listed by a server or not."""
+    roots = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if str(NSINIT) not in cmdline:
+            continue
+        found = re.search(rf"{re.escape(str(runtime))}/kernel-([-0-9a-f]+)\.json",
+                          " ".join(cmdline))
+        if found:
+            roots[found.group(1)] = proc.pid
+    return roots
+
+
+def test_a_kernel_started_just_before_a_kill_is_adopted(
+    tmp_path: Path, trees: list[int], servers: list[Server]
+):
+    """The server records a kernel before it answers the kernel's start: SIGKILLed right
+    after that answer, it leaves nothing for the next server to miss."""
+    first = Server(tmp_path)
+    servers.append(first)
+    kernel_id = first.call("POST", "api/kernels", {"name": KERNEL_NAME})["id"]
+    first.proc.send_signal(signal.SIGKILL)  # at once: no record update comes in between
+    first.proc.wait()
+    roots = _kernel_roots(first.runtime)
+    trees.extend(roots.values())
+    assert list(roots) == [kernel_id]
+
+    second = Server(tmp_path)
+    servers.append(second)
+    # The new server removes a dead server's record once it has adopted its kernels.
+    record = first.runtime / "gpu_snapshot" / "servers" / f"server-{first.proc.pid}.json"
+    deadline = time.monotonic() + 60
+    while record.exists():
+        assert time.monotonic() < deadline, "the new server never took up the record"
+        time.sleep(0.2)
+    listed = [k["id"] for k in second.call("GET", "api/kernels")]
+    unlisted = set(_kernel_roots(second.runtime)) - set(listed)
+    assert not unlisted, f"kernels running, listed by no server: {sorted(unlisted)}"
+    assert listed == [kernel_id]
+    # The very tree the first server started, not a fresh one in its slot, and it answers.
+    adopted = _record(second.runtime, second.proc.pid)["kernels"][kernel_id]
+    assert adopted["root_pid"] == roots[kernel_id]
+    assert run(_execute(second, kernel_id, "print(6 * 7)")) == "42\n"
