@@ -41,11 +41,12 @@ def is_snapshot_ready_kernel(name: str) -> bool:
     return bool(provisioner.get("provisioner_name") == PROVISIONER_NAME)
 
 
-def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
+def default_hooks(settings: GPUSnapshot, follow_links: bool = True) -> list[SnapshotHook]:
     """The hooks every engine runs: the open-files check, and the GPU layer (inert for kernels
     without CUDA state)."""
     return [
-        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files),
+        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files,
+                      follow_links=follow_links),
         CudaCheckpointHook(
             lock_timeout=settings.cuda_lock_timeout,
             drop_caches=settings.drop_allocator_caches,
@@ -58,13 +59,16 @@ def make_engine(
     settings: GPUSnapshot | None = None,
     hooks: list[SnapshotHook] | None = None,
     kernel_log_dir: Callable[[], Path] = default_kernel_log_dir,
+    follow_links: bool = True,
 ) -> SnapshotEngine:
-    """``kernel_log_dir``: where the kernels' logs live; the node agent names each user's."""
+    """``kernel_log_dir``: where the kernels' logs live; the node agent names each user's.
+    ``follow_links`` false: the kernels' files are another user's, and the checks of them
+    follow no link (the node agent's)."""
     settings = settings or GPUSnapshot()
     policy = ManifestPolicy(
         kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernel
     )
-    hooks = hooks if hooks is not None else default_hooks(settings)
+    hooks = hooks if hooks is not None else default_hooks(settings, follow_links)
     # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.
     cuda = next((h for h in hooks if isinstance(h, CudaCheckpointHook)), None)
     return SnapshotEngine(
@@ -72,7 +76,7 @@ def make_engine(
                       chunk_images=settings.chunk_images),
         CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
         hooks,
-        NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
+        NodeCompatibility(gpus=cuda.node_gpus if cuda else None, follow_links=follow_links),
         kernel_answers=kernel_answers,
     )
 

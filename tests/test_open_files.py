@@ -160,3 +160,20 @@ def test_anonymous_memory_files_are_no_ghosts(
     back = run(engine.restore(snapshot))
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, "print(os.fstat(fd).st_size)").strip() == str(3 << 20)
+
+
+def test_checks_for_another_user_follow_no_link_on_the_way(tmp_path):
+    """The node agent's checks read a user's files as root: a link anywhere on the path (the
+    file, or a directory above it) reads as the file being gone, never as its target."""
+    from jupyter_gpu_snapshot.core.open_files import describe_file
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "data").write_bytes(b"theirs")
+    (tmp_path / "secret").write_bytes(b"root's")
+    (tmp_path / "linked-dir").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "linked-file").symlink_to(tmp_path / "secret")
+    found = describe_file(str(tmp_path / "real" / "data"), follow_links=False)
+    assert found is not None and found["size"] == 6
+    for through_a_link in (tmp_path / "linked-dir" / "data", tmp_path / "real" / "linked-file"):
+        assert describe_file(str(through_a_link), follow_links=False) is None
+        assert describe_file(str(through_a_link)) is not None  # root's own engine follows

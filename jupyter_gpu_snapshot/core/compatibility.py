@@ -37,6 +37,7 @@ from typing import Any
 
 from . import digest
 from .errors import Incompatible
+from .safe_fs import open_without_links
 
 # Named in a message; the rest of a long list is counted.
 SHOWN = 5
@@ -104,8 +105,11 @@ class FileDigests:
     engine (a server's lifetime); thread-safe.
     """
 
-    def __init__(self, max_entries: int = 20000) -> None:
+    def __init__(self, max_entries: int = 20000, follow_links: bool = True) -> None:
         self.max_entries = max_entries
+        # False where the files are another user's (the node agent's): a link planted on
+        # the way is not followed, so root never digests a file of its own for them.
+        self.follow_links = follow_links
         self._cache: dict[tuple[object, ...], str] = {}
         self._lock = threading.Lock()
         self.hits = 0
@@ -119,8 +123,9 @@ class FileDigests:
         none. A ``recorded`` entry (from an authenticated manifest) whose identity and size
         the file still has gives its digest without reading the file, as a cache hit does:
         a server started after the save restores without digesting every library again."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = os.open(path, flags) if self.follow_links else open_without_links(path, flags)
         except OSError:
             return None
         try:
@@ -269,9 +274,9 @@ class NodeCompatibility:
     that hold CUDA state. ``digests`` caches file digests across saves and restores.
     """
 
-    def __init__(self, gpus: GpuReader | None = None) -> None:
+    def __init__(self, gpus: GpuReader | None = None, follow_links: bool = True) -> None:
         self._gpus = gpus or (lambda: None)
-        self.digests = FileDigests()
+        self.digests = FileDigests(follow_links=follow_links)
 
     def record_files(
         self, paths: Sequence[str], cancel: threading.Event | None = None

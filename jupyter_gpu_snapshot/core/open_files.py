@@ -25,7 +25,6 @@ import hashlib
 import os
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .._constants import format_bytes
@@ -33,6 +32,7 @@ from . import procfs
 from .dev_shm import DEV_SHM, ShmFiles
 from .errors import NotReady
 from .hooks import Progress, RestoreContext, SaveContext, SnapshotHook
+from .safe_fs import open_without_links
 
 # Files up to this size also get a digest: a same-size, same-mtime change is then caught.
 DIGEST_LIMIT = 1 << 20
@@ -131,25 +131,30 @@ def inspect_files(root_pid: int) -> KernelFiles:
     return found
 
 
-def describe_file(path: str) -> dict[str, Any] | None:
-    """Size, mtime and (for small files) sha256 of a file, or None when it is gone."""
+def describe_file(path: str, follow_links: bool = True) -> dict[str, Any] | None:
+    """Size, mtime and (for small files) sha256 of a file, or None when it is gone (or,
+    with ``follow_links`` false, reached through a link)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        info = os.stat(path)
+        fd = os.open(path, flags) if follow_links else open_without_links(path, flags)
     except OSError:
         return None
-    entry: dict[str, Any] = {"path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
-    if info.st_size <= DIGEST_LIMIT:
-        with contextlib.suppress(OSError):
-            entry["sha256"] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        entry: dict[str, Any] = {
+            "path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+        if stat.S_ISREG(info.st_mode) and info.st_size <= DIGEST_LIMIT:
+            with contextlib.suppress(OSError):
+                entry["sha256"] = hashlib.sha256(file.read(DIGEST_LIMIT + 1)).hexdigest()
     return entry
 
 
-def changes(recorded: list[dict[str, Any]]) -> list[str]:
+def changes(recorded: list[dict[str, Any]], follow_links: bool = True) -> list[str]:
     """How each recorded file differs now; empty when all are as they were."""
     found = []
     for entry in recorded:
         path = str(entry.get("path"))
-        now = describe_file(path)
+        now = describe_file(path, follow_links)
         if now is None:
             found.append(f"{path} is missing")
         elif now["size"] != entry.get("size"):
@@ -166,9 +171,13 @@ class OpenFilesHook(SnapshotHook):
 
     name = "open-files"
 
-    def __init__(self, ghost_limit: int = 1 << 20, changed_files: str = "refuse") -> None:
+    def __init__(self, ghost_limit: int = 1 << 20, changed_files: str = "refuse",
+                 follow_links: bool = True) -> None:
         self.ghost_limit = ghost_limit
         self.changed_files = changed_files
+        # False where the kernels are another user's (the node agent's): root then reads
+        # no file through a link that user planted (``safe_fs.open_without_links``).
+        self.follow_links = follow_links
 
     async def preflight_save(self, ctx: SaveContext) -> None:
         """Called by ``SnapshotEngine.save`` before anything touches the kernel."""
@@ -192,9 +201,9 @@ class OpenFilesHook(SnapshotHook):
                 f"criu carries deleted files only up to {format_bytes(self.ghost_limit)}",
                 hint="close the file in the kernel, or raise c.GPUSnapshot.ghost_limit",
             )
-        recorded = await asyncio.to_thread(
-            lambda: [e for p in sorted(files.recorded) if (e := describe_file(p)) is not None]
-        )
+        recorded = await asyncio.to_thread(lambda: [
+            e for p in sorted(files.recorded)
+            if (e := describe_file(p, self.follow_links)) is not None])
         warnings = files.warnings()
         ctx.manifest["open_files"] = recorded
         ctx.manifest["warnings"] = [*ctx.manifest.get("warnings", []), *warnings]
@@ -206,7 +215,8 @@ class OpenFilesHook(SnapshotHook):
         recorded = ctx.snapshot.manifest.get("open_files") or []
         if not isinstance(recorded, list):
             return
-        changed = await asyncio.to_thread(changes, [e for e in recorded if isinstance(e, dict)])
+        changed = await asyncio.to_thread(
+            changes, [e for e in recorded if isinstance(e, dict)], self.follow_links)
         if not changed:
             return
         what = "; ".join(changed)
