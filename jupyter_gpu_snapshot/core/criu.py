@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -49,16 +50,28 @@ _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
 class CriuExtras:
     """What hooks add to one criu run: a plugin directory (``--libdir``), variables for its
     environment, a longer ``--timeout`` (seconds criu allows for seizing the tree), and,
-    at restore, whether the tasks stay stopped for the engine to continue them."""
+    at restore, whether the tasks stay stopped for the engine to continue them, and files
+    already opened that criu restores instead of opening their paths (``--inherit-fd``;
+    by criu's name for each: the path without its leading slash)."""
 
     libdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     timeout: int | None = None
     leave_stopped: bool = True
+    inherited_fds: dict[str, int] = field(default_factory=dict)
 
     def argv(self) -> list[str]:
         argv = ["--libdir", self.libdir] if self.libdir else []
+        for key, fd in self.inherited_fds.items():
+            argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         return argv + (["--timeout", str(self.timeout)] if self.timeout else [])
+
+    def close_inherited(self) -> None:
+        """Close the inherited descriptors: criu has its own copies once it ran."""
+        fds, self.inherited_fds = list(self.inherited_fds.values()), {}
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True)
