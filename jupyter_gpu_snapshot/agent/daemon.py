@@ -58,7 +58,7 @@ from ..core.errors import InvalidRequest, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
 from ..engines import make_engine
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
-from . import criu_credentials, image_creds
+from . import caller_files, criu_credentials, image_creds, reopened_files
 from .ownership import Caller, require_own_tree
 
 log = logging.getLogger(__name__)
@@ -97,10 +97,27 @@ class CallerCredentials(SnapshotHook):
     async def before_dump(self, ctx: SaveContext) -> None:
         await asyncio.to_thread(require_own_tree, ctx.root_pid, self.caller)
 
+    async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
+        # An image the agent could never restore is refused now, while the kernel still
+        # runs (the save rolls back), not at the restore. A stopping dump has ended the
+        # kernel: its image is kept, and the restore names what it cannot reopen.
+        if error is None and not ctx.stop:
+            try:
+                await asyncio.to_thread(reopened_files.plan_openings, ctx.images_dir)
+            except InvalidRequest as refused:
+                raise InvalidRequest(
+                    "save", f"the node agent could not restore this kernel: {refused.cause}",
+                    hint=refused.hint) from None
+
     async def before_restore(self, ctx: RestoreContext) -> None:
         assert ctx.images_dir is not None
         await asyncio.to_thread(
             image_creds.check_image_credentials, ctx.images_dir, self.caller)
+        # criu, root, opens none of the paths of the caller's files: they are opened as
+        # the caller and handed to it (caller_files).
+        openings = await asyncio.to_thread(reopened_files.plan_openings, ctx.images_dir)
+        ctx.criu.inherited_fds = await asyncio.to_thread(
+            caller_files.open_for_criu, openings, self.caller)
 
 
 @dataclasses.dataclass
@@ -234,7 +251,7 @@ class NodeAgent:
             parent=None, config=self.settings.config,
             store_dir=str(home / "snapshots"), signing_key_file=str(home / "signing.key"),
         )
-        engine = make_engine(settings, kernel_log_dir=lambda: log_dir)
+        engine = make_engine(settings, kernel_log_dir=lambda: log_dir, follow_links=False)
         # Last: its check before the dump is the one nearest to criu.
         checks = CallerCredentials(caller)
         engine.hooks.append(checks)
