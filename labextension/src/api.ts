@@ -1,5 +1,5 @@
 /**
- * The server extension's REST API (docs/api-contract.md), typed.
+ * The server extension's REST API (jupyter_gpu_snapshot/server/openapi.yaml), typed.
  *
  * Every call goes through ServerConnection, so the token, the XSRF cookie and the
  * server's base URL are handled the way the rest of JupyterLab handles them.
