@@ -14,7 +14,10 @@ groups the user database's. Every caller gets a realm of their own:
 What each operation checks is in ``_Session``; what a tree must be to be dumped is in
 ``ownership``, what an image must be to be restored in ``image_creds``. Limits: at most
 ``max_operations`` saves or restores of one user at once, and no save while their store
-holds ``disk_quota_bytes`` or more.
+holds ``disk_quota_bytes`` or more; at most ``max_connections``
+connections of one user open at once, each sending its request within
+``request_timeout`` seconds and ``MAX_REQUEST_BYTES``, so that no user can take the
+agent's file descriptors or memory from the others.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import logging
 import os
 import pwd
 import re
+import resource
+import select
 import shutil
 import signal
 import socket
@@ -35,19 +40,20 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from .._constants import format_bytes
 from .._version import __version__
 from ..agent_client.protocol import (
     DEFAULT_SOCKET,
-    MAX_LINE_BYTES,
+    MAX_REQUEST_BYTES,
     OPERATIONS,
     Refused,
-    decode,
     encode,
     snapshot_fields,
 )
@@ -65,16 +71,43 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = Path("/var/lib/jupyter-gpu-snapshot")
 DEFAULT_RUN_DIR = Path("/run/jupyter-gpu-snapshot")
-_KERNEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# Matched whole (fullmatch): "$" would also let a name end in a newline.
+_KERNEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# Connections one user may hold open at once: their server's and CLIs' requests, each
+# save or restore for as long as it runs. Far more than any one user needs; the unit's
+# LimitNOFILE= leaves room for this many from each of the node's users.
+DEFAULT_MAX_CONNECTIONS = 64
+# Seconds a client has, once connected, to send its request line (a client sends it at
+# once); an idle connection is closed after that.
+DEFAULT_REQUEST_TIMEOUT = 10.0
+# Seconds a client has to read a reply before its connection is dropped.
+REPLY_TIMEOUT = 60.0
+# Descriptors the agent needs besides its connections (its store, criu's pipes and logs,
+# worker threads' files), and the fewest users whose connections at the cap must fit.
+FD_HEADROOM = 256
+FEW_USERS = 8
+# How often an operation whose client half-closed the connection checks that the client
+# is still there to read the answer (``_client_gone``).
+HANGUP_POLL_SECONDS = 0.5
+# One log line per user and kind of client error in this many seconds: a client that
+# floods the agent with bad connections must not flood its log too.
+CLIENT_ERROR_LOG_SECONDS = 60.0
 # What the launcher (root until nsinit drops to the caller) runs with: nothing of the
 # caller's environment, which could name libraries for root to load (LD_PRELOAD).
 _LAUNCHER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 
 
-def peer_caller(sock: socket.socket) -> Caller:
-    """The user at the other end of ``sock``, as the kernel says (``SO_PEERCRED``)."""
+def peer_ids(sock: socket.socket) -> tuple[int, int]:
+    """The uid and gid of the process at the other end of ``sock``, as the kernel says
+    (``SO_PEERCRED``): one system call, for the connection count of ``_serve``."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, gid = struct.unpack("3i", raw)
+    return uid, gid
+
+
+def caller_of(uid: int, gid: int) -> Caller:
+    """The caller ``uid`` with their groups as the user database says now (it may ask a
+    directory server: called in a thread)."""
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:  # a uid with no name (a container's arbitrary uid): its gid alone
@@ -195,6 +228,8 @@ class NodeAgent:
         max_operations: int = 2,
         disk_quota_bytes: int = 0,
         settings: GPUSnapshot | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     ) -> None:
         self.socket_path = socket_path
         self.state_dir = state_dir
@@ -203,7 +238,12 @@ class NodeAgent:
         self.socket_group = socket_group
         self.max_operations = max_operations
         self.disk_quota_bytes = disk_quota_bytes
+        self.max_connections = max_connections
+        self.request_timeout = request_timeout
         self.settings = settings or GPUSnapshot()
+        # Open connections by the peer's uid (``_serve``).
+        self._connections: dict[int, int] = {}
+        self._client_errors = _QuietLog(CLIENT_ERROR_LOG_SECONDS)
         self._realms: dict[int, Realm] = {}
         # Two first requests of one user at once must make one realm, not two (each with
         # its own count of operations).
@@ -279,14 +319,45 @@ class NodeAgent:
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        asyncio.get_running_loop().set_exception_handler(self._on_loop_error)
         self._server = await asyncio.start_unix_server(
-            self._serve, str(self.socket_path), limit=MAX_LINE_BYTES)
+            self._serve, str(self.socket_path), limit=MAX_REQUEST_BYTES)
         if self.socket_group:
             os.chown(self.socket_path, -1, grp.getgrnam(self.socket_group).gr_gid)
         os.chmod(self.socket_path, self.socket_mode)
-        log.info("jupyter-gpu-snapshot agent %s listening on %s (mode %o%s)", __version__,
+        log.info("jupyter-gpu-snapshot agent %s listening on %s (mode %o%s); at most %d "
+                 "connections per user, each with %g s to send its request", __version__,
                  self.socket_path, self.socket_mode,
-                 f", group {self.socket_group}" if self.socket_group else "")
+                 f", group {self.socket_group}" if self.socket_group else "",
+                 self.max_connections, self.request_timeout)
+        self._warn_of_few_descriptors()
+
+    def _warn_of_few_descriptors(self) -> None:
+        """Say so when the descriptor limit would let a handful of users at their
+        connection cap shut every other user out (systemd's default soft limit is 1,024;
+        the unit sets more)."""
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        users = (soft - FD_HEADROOM) // max(self.max_connections, 1)
+        if soft != resource.RLIM_INFINITY and users < FEW_USERS:
+            log.warning(
+                "only %d open files allowed (RLIMIT_NOFILE): %d users at their %d connections "
+                "each would leave none for the others; raise it (LimitNOFILE= in the unit) or "
+                "lower --max-connections", soft, max(users, 0), self.max_connections)
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio logs each failed accept with a traceback and tries again a second
+        later: out of descriptors, that is a traceback a second for as long as it lasts.
+        One line a minute says as much."""
+        error = context.get("exception")
+        if isinstance(error, OSError) and "accept" in str(context.get("message")):
+            soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            self._client_errors.note(
+                "the agent", "failed accepts", f"cannot accept connections: {error.strerror} "
+                f"({len(self._connections)} users connected, {sum(self._connections.values())} "
+                f"connections; RLIMIT_NOFILE {soft}); trying again every second",
+                level=logging.WARNING)
+            return
+        loop.default_exception_handler(context)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -316,17 +387,47 @@ class NodeAgent:
             await self.stop()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection: at most ``max_connections`` of one uid open at once, the others
+        refused at once, before anything is read."""
         try:
-            caller = peer_caller(writer.get_extra_info("socket"))
-            line = await reader.readline()
-            request = decode(line)
-            op, args = request.get("op"), request.get("args") or {}
-            if op not in OPERATIONS or not isinstance(args, dict):
-                raise InvalidRequest("agent", f"unknown operation {op!r}",
-                                     hint=f"one of {', '.join(OPERATIONS)}")
+            uid, gid = peer_ids(writer.get_extra_info("socket"))
+        except OSError:  # gone already
+            writer.transport.abort()
+            return
+        open_now = self._connections.get(uid, 0)
+        if open_now >= self.max_connections:
+            self._client_errors.note(f"uid {uid}", "connections over the cap", (
+                f"uid {uid}: connection refused, {open_now} open already (--max-connections)"))
+            _say_and_close(writer, Refused(
+                "agent", f"you have {open_now} connections open with the node agent, the "
+                "most it allows one user",
+                hint="close the connections you no longer use, or wait for your saves and "
+                "restores under way to end"))
+            return
+        self._connections[uid] = open_now + 1
+        try:
+            await self._answer(reader, writer, uid, gid)
+        finally:
+            self._connections[uid] -= 1
+            if not self._connections[uid]:
+                del self._connections[uid]
+            await _finish(writer)
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      uid: int, gid: int) -> None:
+        """Read the request line, run it, write its answer; errors the client caused are
+        answered, and logged in one short line at most (``_QuietLog``), never with a
+        traceback."""
+        op = "?"
+        try:
+            line = await self._request_line(reader)
+            if not line:  # connected and closed without a word: no one to answer
+                return
+            op, args = _parse_request(line)
+            caller = await asyncio.to_thread(caller_of, uid, gid)
             session = _Session(self, caller, writer)
-            work = asyncio.ensure_future(session.run(str(op), args))
-            gone = asyncio.ensure_future(_closed(reader))
+            work = asyncio.ensure_future(session.run(op, args))
+            gone = asyncio.ensure_future(_client_gone(reader, writer))
             # A client that closes its end asks the operation to stop: the engine rolls
             # back as for a Ctrl-C.
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -338,16 +439,101 @@ class NodeAgent:
             writer.write(encode({"result": result}))
         except asyncio.CancelledError:
             pass
+        except InvalidRequest as exc:
+            if exc.step == "agent":  # the request itself, not what it asked for
+                self._client_errors.note(f"uid {uid}", "bad requests",
+                                         f"uid {uid}: {exc.message}")
+            writer.write(encode({"error": exc.to_dict()}))
         except SnapshotError as exc:
             writer.write(encode({"error": exc.to_dict()}))
         except Exception as exc:  # one clear message, never a dropped connection
-            log.exception("agent: request failed")
+            log.exception("agent: %s of uid %d failed", op, uid)
             writer.write(encode({"error": SnapshotError(
                 "agent", f"{type(exc).__name__}: {exc}").to_dict()}))
-        finally:
-            with contextlib.suppress(OSError, ConnectionError):
-                await writer.drain()
-                writer.close()
+
+    async def _request_line(self, reader: asyncio.StreamReader) -> bytes:
+        """The request line, within ``request_timeout`` and ``MAX_REQUEST_BYTES``; b"" if
+        the client closed without sending anything."""
+        try:
+            return await asyncio.wait_for(reader.readline(), self.request_timeout)
+        except asyncio.TimeoutError:
+            raise InvalidRequest(
+                "agent", f"no request line within {self.request_timeout:g} s of connecting",
+                hint="send the request right after connecting, as one JSON line") from None
+        except ValueError:  # the StreamReader's limit: no newline in MAX_REQUEST_BYTES
+            raise InvalidRequest(
+                "agent", f"the request line is longer than "
+                f"{format_bytes(MAX_REQUEST_BYTES)}, the most the node agent reads",
+                hint="send one JSON object on one line; a launch's environment must be "
+                "smaller") from None
+        except (ConnectionError, OSError):
+            return b""
+
+
+def _parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
+    """The operation and arguments of a request line; InvalidRequest naming what is wrong."""
+    shape = 'send {"op": NAME, "args": {...}} on one line'
+    try:
+        request = json.loads(line)
+    except ValueError as exc:  # not UTF-8 or not JSON
+        raise InvalidRequest("agent", f"the request is not JSON: {exc}", hint=shape) from None
+    if not isinstance(request, dict):
+        raise InvalidRequest(
+            "agent", f"the request is a JSON {type(request).__name__}, not an object",
+            hint=shape)
+    op, args = request.get("op"), request.get("args")
+    if op not in OPERATIONS:
+        raise InvalidRequest("agent", f"unknown operation {op!r}",
+                             hint=f"one of {', '.join(OPERATIONS)}")
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise InvalidRequest("agent", f"args must be a JSON object, not {type(args).__name__}",
+                             hint=f'send {{"op": "{op}", "args": {{...}}}}')
+    return str(op), args
+
+
+def _say_and_close(writer: asyncio.StreamWriter, error: SnapshotError) -> None:
+    """One error line, then the connection closed, without waiting: a client that does not
+    read it (its buffer full) is cut off rather than holding a descriptor."""
+    with contextlib.suppress(OSError, ConnectionError, RuntimeError):
+        writer.write(encode({"error": error.to_dict()}))
+    if writer.transport.get_write_buffer_size():
+        writer.transport.abort()
+    else:
+        writer.close()
+
+
+async def _finish(writer: asyncio.StreamWriter) -> None:
+    """Send what is left of the answer, within ``REPLY_TIMEOUT``, and close."""
+    try:
+        await asyncio.wait_for(writer.drain(), REPLY_TIMEOUT)
+    except (OSError, ConnectionError, asyncio.TimeoutError):
+        writer.transport.abort()
+        return
+    writer.close()
+
+
+class _QuietLog:
+    """Errors logged at most once per origin and kind every ``seconds``, with the number
+    of those left unsaid since: enough to see who does what, never a line per connection
+    of a client that opens thousands."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        # (who, kind) -> (when it was last logged, how many since)
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def note(self, who: str, kind: str, line: str, level: int = logging.INFO) -> None:
+        now = time.monotonic()
+        last, unsaid = self._last.get((who, kind), (-self.seconds, 0))
+        if now - last < self.seconds:
+            self._last[(who, kind)] = (last, unsaid + 1)
+            return
+        self._last[(who, kind)] = (now, 0)
+        if unsaid:
+            line += f" ({unsaid} more {kind} of {who} unlogged before this)"
+        log.log(level, "%s", line)
 
 
 class _Session:
@@ -379,7 +565,8 @@ class _Session:
             "operations": list(OPERATIONS),
             "limits": {"max_operations": self.agent.max_operations,
                        "disk_quota_bytes": self.agent.disk_quota_bytes,
-                       "used_bytes": used},
+                       "used_bytes": used,
+                       "max_connections": self.agent.max_connections},
         }
 
     async def op_list(self, realm: Realm, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -422,7 +609,7 @@ class _Session:
                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise InvalidRequest("launch", "argv must be a list of strings and env a mapping "
                                  "of strings")
-        if not _KERNEL_ID.match(kernel_id):
+        if not _KERNEL_ID.fullmatch(kernel_id):
             raise InvalidRequest("launch", f"kernel_id {kernel_id!r} is not a plain name")
         if not os.path.isabs(cwd):
             raise InvalidRequest("launch", f"cwd {cwd!r} is not an absolute path")
@@ -531,11 +718,29 @@ class _Session:
             realm.operations -= 1
 
 
-async def _closed(reader: asyncio.StreamReader) -> None:
-    """Returns once the client has closed its end (EOF); what it sends after its request
-    line is read and ignored."""
-    while await reader.read(1 << 16):
-        pass
+async def _client_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Returns once no one is left to read the answer; what the client sends after its
+    request line is read and ignored.
+
+    The end of what the client sends (EOF) is not enough: a client may shut down only its
+    writing side once it has sent its request (``shutdown(SHUT_WR)``, ``nc -N``) and still
+    wait for the answer. So after EOF the socket itself is asked: a Unix socket reports
+    POLLHUP once the peer has shut down both sides or closed it (Linux sets POLLHUP when
+    both directions are shut, POLLRDHUP alone for a half-close), and POLLERR on a reset. A
+    write that failed (a progress report to a closed socket) closes the transport, which
+    counts too. Polled every ``HANGUP_POLL_SECONDS``, only while such a client's operation
+    runs: the event loop's own selector would report the readable EOF without end."""
+    with contextlib.suppress(ConnectionError, OSError):
+        while await reader.read(1 << 16):
+            pass
+    sock = writer.get_extra_info("socket")
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLHUP)
+    while not writer.transport.is_closing():
+        if any(events & (select.POLLHUP | select.POLLERR | select.POLLNVAL)
+               for _fd, events in poller.poll(0)):
+            return
+        await asyncio.sleep(HANGUP_POLL_SECONDS)
 
 
 def _kill_launch(launcher_pid: int) -> None:
@@ -571,4 +776,4 @@ def _used_bytes(realm: Realm) -> int:
     return found.disk_bytes + found.chunks_bytes
 
 
-__all__ = ["NodeAgent", "peer_caller"]
+__all__ = ["NodeAgent", "caller_of", "peer_ids"]

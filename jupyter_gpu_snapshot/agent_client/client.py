@@ -14,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import NotReady, SnapshotError
+from .._constants import format_bytes
+from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress
-from .protocol import MAX_LINE_BYTES, decode, encode, error_from
+from .protocol import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, decode, encode, error_from
 
 
 class AgentClient:
@@ -32,9 +33,18 @@ class AgentClient:
         args: dict[str, Any] | None = None,
         progress: Callable[[Progress], None] | None = None,
     ) -> Any:
+        request = encode({"op": op, "args": args or {}})
+        if len(request) > MAX_REQUEST_BYTES:
+            # The agent would refuse it after reading that much: say why here, and what.
+            raise InvalidRequest(
+                op, f"the request to the node agent takes {format_bytes(len(request))}, more "
+                f"than the {format_bytes(MAX_REQUEST_BYTES)} it reads",
+                hint="a launch sends the kernel's environment and command line: leave out "
+                "large variables",
+            )
         try:
             reader, writer = await asyncio.open_unix_connection(
-                str(self.socket_path), limit=MAX_LINE_BYTES)
+                str(self.socket_path), limit=MAX_REPLY_BYTES)
         except OSError as exc:
             raise NotReady(
                 "agent", f"the node agent at {self.socket_path} cannot be reached: "
@@ -43,7 +53,7 @@ class AgentClient:
                 "agent, see docs/cluster.md), or run as root",
             ) from exc
         try:
-            writer.write(encode({"op": op, "args": args or {}}))
+            writer.write(request)
             await writer.drain()
             while True:
                 line = await reader.readline()

@@ -22,8 +22,15 @@ from ..core.errors import SnapshotError
 from ..core.snapshot import Snapshot
 
 DEFAULT_SOCKET = Path("/run/jupyter-gpu-snapshot/agent.sock")
-# A request or a reply line; a snapshot listing of a big store stays far below this.
-MAX_LINE_BYTES = 16 << 20
+# A request line. The largest a client sends is a launch: the kernel's argv and its whole
+# environment, a few KiB usually, some tens of KiB with a module system's or a conda
+# environment's variables. Linux caps one variable at 128 KiB (MAX_ARG_STRLEN). The agent
+# holds up to this much (twice, with its read buffer) for each open connection, so it stays
+# small: 1,000 connections cost at most half a GiB, not the 16 GiB of a reply's limit.
+MAX_REQUEST_BYTES = 256 << 10
+# A reply line; a snapshot listing of a big store stays far below this. Only clients read
+# replies, each its own.
+MAX_REPLY_BYTES = 16 << 20
 
 # The operations a caller may ask for; ``hello`` also says which the agent allows them.
 OPERATIONS = (

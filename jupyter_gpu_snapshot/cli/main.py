@@ -27,7 +27,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColum
 from rich.table import Table
 
 from .._constants import KERNEL_NAME, format_bytes
-from ..agent.daemon import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR, NodeAgent
+from ..agent.daemon import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_RUN_DIR,
+    DEFAULT_STATE_DIR,
+    NodeAgent,
+)
 from ..agent_client.client import AgentClient
 from ..agent_client.protocol import DEFAULT_SOCKET
 from ..config import GPUSnapshot
@@ -269,6 +275,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         run_dir=Path(args.run_dir), socket_mode=args.socket_mode,
         socket_group=args.socket_group, max_operations=args.max_operations,
         disk_quota_bytes=parse_bytes(args.disk_quota), settings=GPUSnapshot(config=config),
+        max_connections=args.max_connections, request_timeout=args.request_timeout,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(agent.serve_forever())
@@ -723,6 +730,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-quota", default="0",
                    help="bytes of snapshots per user before saves are refused (e.g. 200G; "
                    "0: none)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="connections one user may hold open at once; more are refused "
+                   f"(default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                   help="seconds a client has to send its request once connected "
+                   f"(default {DEFAULT_REQUEST_TIMEOUT:g})")
     p.add_argument("--config", help="a Jupyter config file (Python) with the c.GPUSnapshot "
                    "settings for every user's saves and restores, e.g. "
                    "/etc/jupyter/jupyter_gpu_snapshot_agent_config.py; root runs it, so "
