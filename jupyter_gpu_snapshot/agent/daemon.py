@@ -13,8 +13,8 @@ groups the user database's. Every caller gets a realm of their own:
 
 What each operation checks is in ``_Session``; what a tree must be to be dumped is in
 ``ownership``, what an image must be to be restored in ``image_creds``. Limits: at most
-``max_operations`` saves or restores of one user at once, and no save while their store
-holds ``disk_quota_bytes`` or more; at most ``max_connections``
+``max_operations`` saves or restores of one user at once, and no save while their store and
+their saves under way take ``disk_quota_bytes`` or more; at most ``max_connections``
 connections of one user open at once, each sending its request within
 ``request_timeout`` seconds and ``MAX_REQUEST_BYTES``, so that no user can take the
 agent's file descriptors or memory from the others.
@@ -58,7 +58,7 @@ from ..agent_client.protocol import (
     snapshot_fields,
 )
 from ..config import GPUSnapshot
-from ..core import safe_fs
+from ..core import procfs, safe_fs
 from ..core.engine import SnapshotEngine
 from ..core.errors import InvalidRequest, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
@@ -166,6 +166,11 @@ class Realm:
     # launched.json's writers: launches and restores of one user run at once, each in a
     # thread (asyncio.to_thread).
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # The quota's admission: what the user's saves under way may still write (each one's
+    # estimate, until it ends), and one check at a time, so that two saves asked for at
+    # once cannot both see the room only one of them has.
+    reserved_bytes: int = 0
+    quota_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     def act_as(self, caller: Caller) -> None:
         """Give criu and the checks of the engine ``caller``'s credentials, as the user
@@ -668,19 +673,41 @@ class _Session:
         target = SaveTarget(**{k: v for k, v in target_fields.items() if k in known})
         root = await asyncio.to_thread(realm.root_of, target.pid)
         await asyncio.to_thread(require_own_tree, root, self.caller)
-        quota = self.agent.disk_quota_bytes
-        if quota:
-            used = await asyncio.to_thread(_used_bytes, realm)
-            if used >= quota:
-                raise Refused(
-                    "preflight", f"your snapshots use {used} bytes of your {quota}",
-                    hint="delete snapshots you no longer need (jupyter gpu-snapshot delete)")
         target.pid = root
         with self._operation(realm):
-            snapshot = await realm.engine.save(
-                target, name=args.get("name"), stop=bool(args.get("stop")),
-                progress=self.progress)
+            reserved = await self._admit_under_quota(realm, root)
+            try:
+                snapshot = await realm.engine.save(
+                    target, name=args.get("name"), stop=bool(args.get("stop")),
+                    progress=self.progress)
+            finally:
+                realm.reserved_bytes -= reserved
         return snapshot_fields(snapshot)
+
+    async def _admit_under_quota(self, realm: Realm, root: int) -> int:
+        """Refuse a save while the user's store and their saves under way take their quota
+        or more; else reserve what this one may write (the tree's resident memory, which
+        its image cannot exceed on the host's side) until it ends, and return that.
+
+        One check at a time per user: of two saves asked for at once, the second counts
+        the first's reservation. A save admitted may still end above the quota."""
+        quota = self.agent.disk_quota_bytes
+        if not quota:
+            return 0
+        async with realm.quota_lock:
+            used = await asyncio.to_thread(_used_bytes, realm)
+            pending = realm.reserved_bytes
+            if used + pending >= quota:
+                under_way = (f" and your saves under way up to {format_bytes(pending)} more"
+                             if pending else "")
+                raise Refused(
+                    "preflight", f"your snapshots use {format_bytes(used)}{under_way}, of "
+                    f"your {format_bytes(quota)}",
+                    hint="delete snapshots you no longer need (jupyter gpu-snapshot rm "
+                    "NAME)" + (", or wait for your saves under way to end" if pending else ""))
+            estimate = await asyncio.to_thread(procfs.tree_rss, root)
+            realm.reserved_bytes += estimate
+            return estimate
 
     async def op_restore(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
         gpus = args.get("gpus")
@@ -772,8 +799,9 @@ def _text(args: dict[str, Any], key: str) -> str:
 
 
 def _used_bytes(realm: Realm) -> int:
-    found = realm.engine.store_usage()
-    return found.disk_bytes + found.chunks_bytes
+    """The bytes the user's store takes on disk: ``StoreUsage.disk_bytes`` already counts
+    the page packs (``chunks_bytes`` is their share of it)."""
+    return realm.engine.store_usage().disk_bytes
 
 
 __all__ = ["NodeAgent", "caller_of", "peer_ids"]

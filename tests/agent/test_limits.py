@@ -7,7 +7,8 @@ users Alice and Bob, whose clients are small scripts run as them over the agent'
 - connections: Alice holding more open than her cap, idle, while Bob is served; request
   lines that never end; a client that shuts down only its writing side;
 - requests: malformed JSON, ``args`` that are not an object, a kernel id ending in a
-  newline.
+  newline;
+- the disk quota: counted as ``du`` counts the store, and two saves asked for at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from jupyter_gpu_snapshot.agent_client.protocol import MAX_REQUEST_BYTES, encode
 from jupyter_gpu_snapshot.core import procfs
 
 from ..unix_users import UnixUser
-from .conftest import Agent, user_env
+from .conftest import Agent, as_user, cli, start_user_kernel, user_env
 
 # Generous: these machines may be busy; nothing below waits this long when all is well.
 ANSWER_SECONDS = 30.0
@@ -265,3 +267,71 @@ def test_malformed_requests_are_invalid_requests_without_a_traceback(agent, unix
         assert expected in error["message"], (data, error)
     assert not (agent.run_dir / "users" / str(alice.uid) / "logs" / "kernel-k1\n.log").exists()
     assert "Traceback" not in log_since(agent, log_start)
+
+
+# -- the disk quota --------------------------------------------------------------------------
+def test_the_quota_counts_the_store_as_du_does(start_agent, unix_users):
+    """The bytes a quota counts are those the store takes: its page packs once."""
+    alice, _ = unix_users
+    agent = start_agent("quota-du", "--disk-quota", "100G")
+    kernel = start_user_kernel(alice, agent)
+    cli(alice, agent, "save", "--pid", str(kernel.root_pid), "--name", "one")
+    used = send(alice, agent, encode({"op": "hello", "args": {}}))[-1]["result"]["limits"][
+        "used_bytes"]
+    du = subprocess.run(["du", "-sb", str(agent.store_of(alice))], capture_output=True,
+                        text=True, check=True)
+    on_disk = int(du.stdout.split()[0])
+    # du also counts the directories themselves (a few KiB).
+    assert abs(used - on_disk) <= on_disk // 50 + (64 << 10), (used, on_disk)
+
+
+# Run as the user: saves kernel argv[2] and, the moment the agent reports it under way,
+# kernel argv[3]; prints every reply of both.
+SAVE_TWO_KERNELS = """
+import json, socket, sys
+
+def save(pid, name):
+    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
+    s.sendall(json.dumps({"op": "save", "args": {"target": {"pid": pid}, "name": name}}
+                         ).encode() + b"\\n")
+    return s.makefile("rb")
+
+big = save(int(sys.argv[2]), "big")
+said = {"big": [json.loads(big.readline())]}
+said["small"] = [json.loads(line) for line in save(int(sys.argv[3]), "small")]
+said["big"] += [json.loads(line) for line in big]
+print(json.dumps(said))
+"""
+
+BIG_CELL = """
+import sys
+from jupyter_client.blocking import BlockingKernelClient
+kc = BlockingKernelClient(connection_file=sys.argv[1]); kc.load_connection_file()
+kc.start_channels(); kc.wait_for_ready(timeout=120)
+reply = kc.execute_interactive("import os; blob = os.urandom(300 << 20)", timeout=300)
+assert reply["content"]["status"] == "ok", reply
+kc.stop_channels()
+"""
+
+
+def test_two_saves_at_once_cannot_both_pass_the_quota(start_agent, unix_users):
+    """Alice's store is empty and her quota 200 MiB; she saves a kernel of 300 MiB and,
+    while it runs, another: the second counts what the first may write, and is refused,
+    with the command that makes room."""
+    alice, _ = unix_users
+    agent = start_agent("quota-twice", "--disk-quota", "200M", "--max-operations", "2")
+    big = start_user_kernel(alice, agent)
+    small = start_user_kernel(alice, agent)
+    as_user(alice, agent, [sys.executable, "-c", BIG_CELL, big.connection_file])
+    said = json.loads(as_user(alice, agent, [
+        sys.executable, "-c", textwrap.dedent(SAVE_TWO_KERNELS), str(agent.socket),
+        str(big.root_pid), str(small.root_pid)]).stdout)
+    assert "result" in said["big"][-1], said["big"][-1]
+    error = said["small"][-1]["error"]
+    assert error["code"] == "refused", error
+    assert "your saves under way" in error["message"] and "of your 200.0 MiB" in (
+        error["message"]), error
+    assert "jupyter gpu-snapshot rm" in error["hint"], error
+    names = [s["name"] for s in json.loads(cli(alice, agent, "list", "--json").stdout)]
+    assert names == ["big"]
+    assert procfs.tree_alive(small.root_pid)
