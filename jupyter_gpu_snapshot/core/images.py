@@ -206,6 +206,17 @@ def require_listed(dfd: int, files: Files, snapshot_id: str, step: str) -> None:
             step, f"image file {sorted(missing)[0]} of {snapshot_id} is missing",
             hint="the snapshot is damaged; delete it",
         )
+    # Named here, before anything copies or links the files: a link would otherwise fail
+    # deep in an assembly with the system's bare "Too many levels of symbolic links".
+    for name in sorted(present):
+        kind = safe_fs.entry_kind(name, dfd)
+        if kind != "file":
+            what = {"symlink": "a symbolic link", "dir": "a directory", "missing": "gone",
+                    "other": "a FIFO, socket or device"}[kind]
+            raise SnapshotError(
+                step, f"image file {name} of {snapshot_id} is {what}, not a regular file",
+                hint=_ALTERED,
+            )
 
 
 @contextlib.contextmanager

@@ -8,13 +8,15 @@ users Alice and Bob, whose clients are small scripts run as them over the agent'
   lines that never end; a client that shuts down only its writing side;
 - requests: malformed JSON, ``args`` that are not an object, a kernel id ending in a
   newline;
-- the disk quota: counted as ``du`` counts the store, and two saves asked for at once.
+- the disk quota: counted as ``du`` counts the store, and two saves asked for at once;
+- a snapshot whose image file was replaced by a link.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,7 +30,7 @@ from jupyter_gpu_snapshot.agent_client.protocol import MAX_REQUEST_BYTES, encode
 from jupyter_gpu_snapshot.core import procfs
 
 from ..unix_users import UnixUser
-from .conftest import Agent, as_user, cli, start_user_kernel, user_env
+from .conftest import COMMAND_SECONDS, Agent, as_user, cli, start_user_kernel, user_env
 
 # Generous: these machines may be busy; nothing below waits this long when all is well.
 ANSWER_SECONDS = 30.0
@@ -266,6 +268,30 @@ def test_malformed_requests_are_invalid_requests_without_a_traceback(agent, unix
         assert error["code"] == "invalid_request", (data, error)
         assert expected in error["message"], (data, error)
     assert not (agent.run_dir / "users" / str(alice.uid) / "logs" / "kernel-k1\n.log").exists()
+    assert "Traceback" not in log_since(agent, log_start)
+
+
+def test_an_image_file_replaced_by_a_link_is_refused_by_name(agent, unix_users, tmp_path):
+    """A snapshot's image file that is a link (the store altered behind the agent's back)
+    is refused before anything reads it, naming the file, with what to do."""
+    alice, _ = unix_users
+    kernel = start_user_kernel(alice, agent)
+    saved = json.loads(cli(alice, agent, "save", "--pid", str(kernel.root_pid), "--stop",
+                           "--json").stdout)
+    snapshot = agent.store_of(alice) / saved["id"]
+    image = snapshot / "core-1.img"
+    shutil.copy2(image, tmp_path / image.name)
+    image.unlink()
+    image.symlink_to(tmp_path / image.name)
+    deadline = time.monotonic() + COMMAND_SECONDS
+    while procfs.tree_alive(kernel.root_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log_start = agent.log_path.stat().st_size
+    refused = cli(alice, agent, "restore", saved["id"], check=False)
+    assert refused.returncode == 2, refused
+    assert (f"image file core-1.img of {saved['id']} is a symbolic link, not a regular file"
+            in refused.stderr), refused.stderr
+    assert "delete it" in refused.stderr
     assert "Traceback" not in log_since(agent, log_start)
 
 
