@@ -619,16 +619,7 @@ def main() -> None:
             setup = STATES[name].format(n=n if name != "numpy" else GIB // 16)
             case = Case(name, setup, user, agent, base, loop, args.direct_dump)
             try:
-                try:
-                    case.run(args.saves, args.restores, args.warmup)
-                except RuntimeError as exc:
-                    if "save" in case.result or not str(exc).startswith(
-                            ("the kernel did not start", "the state was not built")):
-                        raise
-                    # The first CUDA process after a restore may fail: once more.
-                    case.result["first_start_failed"] = str(exc)[-2000:]
-                    case.clean()
-                    case.run(args.saves, args.restores, args.warmup)
+                case.run(args.saves, args.restores, args.warmup)
                 result["cases"][name] = case.result
             except Exception as exc:  # one case's failure is a result too
                 case.result["error"] = f"{type(exc).__name__}: {exc}"[-4000:]

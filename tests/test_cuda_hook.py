@@ -131,7 +131,7 @@ def test_keep_running_save_suspends_then_resumes_cuda(store, fake, gpus, gpu_ker
     gpu = snapshot.manifest["gpu"]
     assert gpu["driver_version"] == "580.159.04"
     assert gpu["devices"][0]["name"] == "NVIDIA Fake H100 80GB HBM3"
-    assert gpu["processes"] == [{"pid": pid, "ns_pid": 2, "gpu_bytes": TWO_GIB,
+    assert gpu["processes"] == [{"pid": pid, "ns_pid": procfs.ns_pid(pid), "gpu_bytes": TWO_GIB,
                                  "devices": {gpus.devices[0][1]: TWO_GIB},
                                  "visible": [gpus.devices[0][1]]}]
     assert gpu["visible"] == [gpus.devices[0][1]]
@@ -149,6 +149,7 @@ def test_stop_save_then_restore_resumes_cuda_in_the_restored_process(
     engine = make_engine(store, fake, gpus)
     gpu_kernel.execute("marker = 'before the snapshot'")
     old_pid = gpu_kernel.kernel_pid
+    old_ns_pid = procfs.ns_pid(old_pid)
     snapshot = run(engine.save(target(gpu_kernel), name="stopped", stop=True))
     assert fake.ops(old_pid) == ["lock", "checkpoint"]  # the image holds it checkpointed
     assert not procfs.tree_alive(gpu_kernel.root_pid)
@@ -163,7 +164,7 @@ def test_stop_save_then_restore_resumes_cuda_in_the_restored_process(
     assert fake.protocol_breaches() == []
     # Same pid inside its namespace, same variables.
     assert execute(client, "import os; print(os.getpid(), marker)").split(maxsplit=1) == [
-        "2", "before the snapshot\n"]
+        str(old_ns_pid), "before the snapshot\n"]
 
 
 def test_kernel_without_cuda_passes_through(store, fake, gpus, kernel):
@@ -181,7 +182,7 @@ def test_kernel_namespace_has_its_own_proc(kernel):
         "import os, threading\n"
         "print(os.getpid(), open(f'/proc/self/task/{threading.get_native_id()}/comm').read())"
     )
-    assert out.split()[0] == "2"
+    assert out.split()[0] == str(procfs.ns_pid(kernel.kernel_pid))
 
 
 # -- failures at each CUDA step, as data ---------------------------------------------------------

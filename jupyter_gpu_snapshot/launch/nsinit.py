@@ -9,6 +9,11 @@ never clash with the host's. It:
 - gives the namespace its own mount namespace with a fresh /proc: with the host's /proc,
   /proc/self/task/<tid> names host thread ids while gettid() returns namespace ones, and
   libcuda fails its initialisation on that mismatch (cuInit: CUDA_ERROR_OPERATING_SYSTEM);
+- starts the kernel at a pid of the namespace drawn from ``KERNEL_PIDS``, above every pid
+  that a restored process's CUDA socket claims for this namespace (``kernel_pid``):
+  libcuda names a socket after the namespace's number and the pid, a restored process
+  keeps the name its original had, and Linux gives namespace numbers out again (see
+  docs/gpu.md, "Kernels in their own PID namespace");
 - with ``--as`` (the node agent launching for an unprivileged user), drops to that user's
   uid, gid and groups once the namespace is set up, before it opens the log or changes to
   ``--cwd``: the user's own permissions decide what it may open, and every process of the
@@ -72,6 +77,71 @@ def _own_proc() -> str | None:
     return None
 
 
+# At cuInit, libcuda (driver 580) binds a listening abstract Unix socket named after the
+# process's PID namespace, by its inode number, and its pid there: "\0cuda-uvmfd-I-P\0",
+# which /proc/net/unix lists as "@cuda-uvmfd-I-P@". If the name is taken, cuInit fails with
+# CUDA_ERROR_OPERATING_SYSTEM. CRIU binds the name again in a restored process, whose
+# namespace has another number by then, and Linux gives the old number to a namespace
+# created later: that namespace's process of the same pid cannot initialise CUDA.
+CUDA_SOCKET_PREFIX = "@cuda-uvmfd-"
+# The range the kernel's pid is drawn from, so that a kernel whose namespace gets the number
+# of a saved kernel's is unlikely to get its pid too (had every kernel the same pid, each
+# one would). Well below 32768, the smallest pid_max, so that a restore on any machine can
+# recreate the pids of the kernel and its threads.
+KERNEL_PIDS = (1000, 24576)
+
+
+def claimed_pids(namespace_inode: int, unix_table: str) -> set[int]:
+    """The pids that live CUDA sockets claim for the PID namespace ``namespace_inode``,
+    read from ``unix_table`` (the text of /proc/net/unix)."""
+    prefix = f"{CUDA_SOCKET_PREFIX}{namespace_inode}-"
+    claimed = set()
+    for line in unix_table.splitlines()[1:]:
+        fields = line.split()
+        name = fields[7] if len(fields) > 7 else ""
+        if name.startswith(prefix) and name.endswith("@") and name[len(prefix):-1].isdigit():
+            claimed.add(int(name[len(prefix):-1]))
+    return claimed
+
+
+def kernel_pid(claimed: set[int], draw: int) -> int:
+    """The kernel's pid in its namespace: from ``KERNEL_PIDS`` by ``draw``, or above every
+    claimed pid at or over it (the kernel's threads and children take the pids after it)."""
+    low, high = KERNEL_PIDS
+    pid = low + draw % (high - low)
+    return max(claimed) + 1 if claimed and max(claimed) >= pid else pid
+
+
+def _start_pids_at(pid: int) -> str | None:
+    """Make ``pid`` the next pid of this namespace; what went wrong, or None."""
+    try:
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+    except OSError as exc:
+        return f"cannot set the namespace's next pid ({exc.strerror})"
+    return None
+
+
+def _choose_kernel_pid() -> str | None:
+    """Pick and set the kernel's pid (with root's rights, before any ``--as``); a line
+    for the log when there is something to say."""
+    try:
+        inode = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/net/unix") as f:
+            claimed = claimed_pids(inode, f.read())
+    except OSError:
+        inode, claimed = 0, set()
+    pid = kernel_pid(claimed, int.from_bytes(os.urandom(4), "little"))
+    problem = _start_pids_at(pid)
+    if problem is not None:
+        return (f"{problem}; the kernel is pid 2, where CUDA fails if a restored process "
+                "claims that pid for this namespace")
+    if claimed:
+        return (f"pids {sorted(claimed)} of PID namespace {inode} are claimed by a restored "
+                f"CUDA process; the kernel is pid {pid}")
+    return None
+
+
 USAGE = ("usage: nsinit.py --log FILE [--as UID:GID:GROUPS] [--cwd DIR] [--env-stdin] "
          "-- COMMAND...\n")
 PR_SET_DUMPABLE = 4
@@ -122,6 +192,7 @@ def main(argv: list[str]) -> int:
             # libraries) refers to the host's mounts, which CRIU cannot resolve inside.
             os.environ[_PROC_READY] = "1"
             os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__), *argv])
+    pid_note = _choose_kernel_pid()
     kernel_env = None
     if "--env-stdin" in options:
         import json
@@ -137,6 +208,8 @@ def main(argv: list[str]) -> int:
     if problem is not None:
         # CPU kernels still work; CUDA will not initialise in this namespace.
         sys.stderr.write(f"nsinit: no private /proc ({problem}); CUDA will not work here\n")
+    if pid_note is not None:
+        sys.stderr.write(f"nsinit: {pid_note}\n")
     # No descriptor of the launcher may leak into the dumped tree.
     os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024)
 
