@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,9 @@ class KernelRecord:
         self._last: dict[str, Any] | None = None
         self._started: dict[int, float | None] = {}  # root pid -> start time, read once
         self._task: asyncio.Task[None] | None = None
+        # The record's own thread for its file work: a kernel's start waits for the record,
+        # never behind a save's reads and writes in the loop's shared worker threads.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-snapshot-record")
         # Kernels whose tree runs but which the kernel manager lists only once their start
         # has completed (jupyter_client adds a kernel after its launch returns).
         self._starting: dict[str, Any] = {}  # kernel id -> its kernel manager
@@ -137,14 +141,16 @@ class KernelRecord:
 
     async def _start_time(self, root: int) -> float | None:
         if root not in self._started:
-            self._started[root] = await asyncio.to_thread(procfs.start_time, root)
+            self._started[root] = await asyncio.get_running_loop().run_in_executor(
+                self._io, procfs.start_time, root)
         return self._started[root]
 
     async def update(self) -> None:
         async with self._writing:
             data = await self.snapshot()
             if data != self._last:
-                await asyncio.to_thread(_write_private, self.path, data)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._io, _write_private, self.path, data)
                 self._last = data
 
     async def tree_runs(self, provisioner: SnapshotReadyProvisioner) -> None:
@@ -173,6 +179,7 @@ class KernelRecord:
         on_kernel_tree(self.kernel_manager, None)
         if self._task is not None:
             self._task.cancel()
+        self._io.shutdown(wait=False)
         self.path.unlink(missing_ok=True)
 
 
