@@ -13,6 +13,9 @@ ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
 ENV_TOKEN = "JUPYTER_GPU_SNAPSHOT_TOKEN"
 ENV_KERNEL_ID = "JUPYTER_GPU_SNAPSHOT_KERNEL_ID"
 KERNEL_ENV_NAMES = (ENV_URL, ENV_TOKEN, ENV_KERNEL_ID)
+# How a kernel's own credential in ENV_TOKEN begins (launch/kernel_token.py); the magic
+# tells it from a server token an operator gave the kernels by it.
+KERNEL_TOKEN_PREFIX = "gpusnap-kernel"
 
 # Fallbacks of the c.GPUSnapshot settings that operators set without a config file.
 ENV_STORE_DIR = "JUPYTER_GPU_SNAPSHOT_DIR"

@@ -305,31 +305,44 @@ def _gone(server: JupyterServer, kernel_id: str, timeout: float = 20) -> bool:
 def test_restore_switches_the_notebook_to_the_restored_kernel(
     jupyter_server: JupyterServer,
 ) -> None:
-    a = jupyter_server.open_notebook("restore-a.ipynb")
-    a.ok("origin = 'notebook a'")
-    assert SAVED.search(a.ok("%gpu_snapshot save from-a"))
-    # b starts while a still holds its ports, so b's can never be the ones a frees.
-    b = jupyter_server.open_notebook("restore-b.ipynb")
-    jupyter_server.shutdown_kernel(a.kernel_id)  # frees the ports the restored copy needs
-    b.ok("origin = 'notebook b'")
-    # The server retires b's kernel once the notebook is switched, so this cell never
-    # answers; its announcement comes first.
+    first = jupyter_server.open_notebook("restore-switch.ipynb")
+    first.ok("origin = 'first kernel'")
+    assert SAVED.search(first.ok("%gpu_snapshot save first-kernel"))
+    # The notebook changes kernel (Kernel > Change Kernel): the second kernel starts while
+    # the first still holds its ports, so its own can never be the ones the first frees,
+    # and the server then shuts the first down, which frees the ports the restore needs.
+    status, session = jupyter_server.request(
+        "PATCH", f"api/sessions/{first.session_id}", {"kernel": {"name": "python3-snapshot"}})
+    assert status == 200, (status, session)
+    second_id = session["kernel"]["id"]
+    assert _gone(jupyter_server, first.kernel_id)
+    second = jupyter_server.connect(second_id)
+    ok(second, "origin = 'second kernel'")
+    # Another notebook's kernel does not reach this notebook's snapshots.
+    other = jupyter_server.open_notebook("restore-other.ipynb")
+    line = one_line_error(other.run("%gpu_snapshot restore first-kernel"))
+    assert line.startswith(
+        f"%gpu_snapshot restore: kernel {other.kernel_id}'s own credential reaches the "
+        "snapshots of its notebook (restore-other.ipynb) and of this kernel only"), line
+    jupyter_server.shutdown_kernel(other.kernel_id)
+    # The server retires the second kernel once the notebook is switched, so this cell
+    # never answers; its announcement comes first.
     said: list[str] = []
-    b.client.execute("%gpu_snapshot restore from-a")
+    second.execute("%gpu_snapshot restore first-kernel")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not said:
-        msg = b.client.get_iopub_msg(timeout=60)
+        msg = second.get_iopub_msg(timeout=60)
         if msg["msg_type"] == "stream":
             said.append(msg["content"]["text"])
     assert said and said[0].startswith("Restoring snapshot "), said
-    assert "restore-b.ipynb switches to it and this kernel shuts down." in said[0]
+    assert "restore-switch.ipynb switches to it and this kernel shuts down." in said[0]
 
-    assert _gone(jupyter_server, b.kernel_id)
-    session = jupyter_server.session(b.session_id)
+    assert _gone(jupyter_server, second_id)
+    session = jupyter_server.session(first.session_id)
     new_kernel = session["kernel"]["id"]
-    assert new_kernel not in (a.kernel_id, b.kernel_id)
+    assert new_kernel not in (first.kernel_id, second_id)
     restored = jupyter_server.connect(new_kernel)
-    assert ok(restored, "print(origin)") == "notebook a\n"
+    assert ok(restored, "print(origin)") == "first kernel\n"
 
 
 def test_loading_the_extension_never_waits_for_a_server(tmp_path: Path) -> None:

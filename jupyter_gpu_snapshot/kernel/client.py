@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._constants import API_PREFIX, ENV_KERNEL_ID, ENV_TOKEN, ENV_URL
+from .._constants import API_PREFIX, ENV_KERNEL_ID, ENV_TOKEN, ENV_URL, KERNEL_TOKEN_PREFIX
 from .identity import (
     IdentityUnknown,
     KernelIdentity,
@@ -179,6 +179,13 @@ class SnapshotClient:
     @property
     def link(self) -> ServerLink:
         return self._link if self._link is not None else ServerLink.from_env()
+
+    @property
+    def own_credential(self) -> bool:
+        """Whether this kernel calls with a credential of its own, which reaches its own
+        kernel and its notebook's snapshots only (rather than with a server token an
+        operator gave the kernels)."""
+        return self.link.token.startswith(f"{KERNEL_TOKEN_PREFIX}.")
 
     # -- plumbing --------------------------------------------------------------------------
     def exchange(

@@ -145,7 +145,8 @@ class GPUSnapshotMagics(Magics):
         "--all",
         action="store_true",
         dest="all_notebooks",
-        help="list only: every snapshot in the store, not just this notebook's",
+        help="list only: every snapshot in the store, not just this notebook's (with a "
+        "server token only: a kernel's own credential reaches its notebook's snapshots)",
     )
     @argument(
         "--latest",
@@ -234,6 +235,14 @@ class GPUSnapshotMagics(Magics):
 
     def _list(self, client: SnapshotClient, args: Any) -> None:
         path = None
+        if args.all_notebooks and client.own_credential:
+            # The server would list this notebook's alone, under a heading for the store.
+            message = (
+                "--all lists every notebook's snapshots, and this kernel's own credential "
+                "reaches its own notebook's only. JupyterLab's snapshot panel and "
+                "'jupyter gpu-snapshot list' show them all"
+            )
+            raise ClientError("list", message, message=message)
         if not args.all_notebooks:
             session = client.session()
             path = session.get("path") if session else None

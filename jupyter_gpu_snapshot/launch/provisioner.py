@@ -44,7 +44,7 @@ from ..agent_client.client import AgentClient
 from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.kernel_log import log_size
-from .kernel_token import kernel_token
+from .kernel_token import new_kernel_token, same_token
 
 NSINIT = Path(__file__).with_name("nsinit.py")
 # Kernel start must fail loudly, not hang, if the namespace init never shows up.
@@ -122,6 +122,10 @@ class Adoption:
     pid: int  # host pid of the tree's root (the namespace init)
     connection_info: dict[str, Any]  # ports and HMAC key the kernel listens with
     snapshot_id: str | None
+    # The credential the restored tree holds in its memory: the one of the kernel it was
+    # saved from, when this server made it. Accepted as the adopting kernel's until the
+    # server has told the tree its own (``SnapshotReadyProvisioner.inherited_credential``).
+    credential: str | None = None
 
 
 class AdoptedProcess:
@@ -239,10 +243,19 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     kernel_token_secret = Unicode(
         "",
         config=True,
-        help="""Secret (hex) from which each kernel's own credential is derived
+        help="""Secret (hex) from which each launch of a kernel derives its own credential
         (launch/kernel_token.py); it never enters a kernel. Set by the server extension when
         it loads. When set, kernels get that credential instead of server_token.""",
     )
+
+    # This launch's own credential, given to the kernel as $JUPYTER_GPU_SNAPSHOT_TOKEN (with
+    # kernel_token_secret); None once the launch's tree has ended. The server accepts a
+    # kernel's credential only while its provisioner holds it (server/kernel_credentials.py).
+    kernel_credential: str | None = None
+    # A restored tree's credential from the kernel it was saved from (``Adoption``), until
+    # the server has told the tree this kernel's own: a copy restored in the middle of a
+    # cell calls the server with it until that cell ends.
+    inherited_credential: str | None = None
 
     root_pid: int | None = None
     # The log the running tree writes, and its size when this kernel began: what nsinit
@@ -261,7 +274,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
             return {}
         token = self.server_token
         if self.kernel_token_secret:
-            token = kernel_token(self.kernel_token_secret, str(self.kernel_id))
+            token = self.kernel_credential or ""
         return {
             ENV_URL: self.server_url,
             ENV_TOKEN: token,
@@ -281,6 +294,13 @@ class SnapshotReadyProvisioner(LocalProvisioner):
                 km.cache_ports = False
             self._pending_adoption = adoption
         kwargs = await super().pre_launch(**kwargs)
+        # Every launch, restarts included, gets a credential of its own: the one before
+        # dies with the tree that held it.
+        self.inherited_credential = None
+        self.kernel_credential = (
+            new_kernel_token(self.kernel_token_secret, str(self.kernel_id))
+            if self.kernel_token_secret else None
+        )
         env = dict(kwargs.get("env") or os.environ)
         env.pop("JPY_PARENT_PID", None)
         # Values inherited from a server that itself runs inside a kernel would be wrong.
@@ -410,12 +430,34 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         self._pending_adoption = None
         self._adoption_used = True
         self.adopted_snapshot = adoption.snapshot_id
+        self.inherited_credential = adoption.credential
         self.root_pid = adoption.pid
         # LocalProvisioner only polls, waits for and signals its process: duck typing works.
         self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(adoption.pid))
         self.pid = adoption.pid
         self.pgid = None
         return self.connection_info
+
+    # -- the kernel's credential -----------------------------------------------------------
+    def holds_credential(self, token: str) -> bool:
+        """Whether ``token`` is the credential of this kernel's running tree."""
+        return same_token(self.kernel_credential, token) or same_token(
+            self.inherited_credential, token)
+
+    def told_own_credential(self) -> None:
+        """The server has told the restored tree this kernel's own credential."""
+        self.inherited_credential = None
+
+    def _revoke_credentials(self) -> None:
+        self.kernel_credential = self.inherited_credential = None
+
+    async def poll(self) -> int | None:
+        """Called by the restarter (``KernelManager.is_alive``): a tree found ended takes
+        its credential with it, whether a restart follows or not."""
+        ended: int | None = await super().poll()
+        if ended is not None and self.process is not None:
+            self._revoke_credentials()
+        return ended
 
     async def send_signal(self, signum: int) -> None:
         """Called by ``KernelManager.signal_kernel()``; nsinit forwards it to the kernel."""
@@ -435,7 +477,9 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         await self.send_signal(signal.SIGTERM)
 
     async def cleanup(self, restart: bool = False) -> None:
-        """Called by ``KernelManager.cleanup_resources()``; nothing may outlive the kernel."""
+        """Called by ``KernelManager.cleanup_resources()``; nothing may outlive the kernel,
+        its credential neither."""
+        self._revoke_credentials()
         if self.root_pid is not None and procfs.tree_alive(self.root_pid):
             await asyncio.to_thread(procfs.kill_tree, self.root_pid)
         self.root_pid = None

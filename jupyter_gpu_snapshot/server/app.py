@@ -282,7 +282,7 @@ class GPUSnapshotApp(ExtensionApp):
         assert self.service is not None and self.autosave is not None
         assert self.hibernation is not None
         self.handlers.extend(
-            routes(self.service, self.autosave, self.kernel_token_secret, self.hibernation)
+            routes(self.service, self.autosave, self.hibernation)
         )
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:

@@ -5,7 +5,8 @@ core's errors become HTTP statuses in one place, ``SnapshotAPIHandler.write_erro
 Every handler is authenticated and authorized against the ``kernels`` resource, so the
 server's own authorizer decides; saving and restoring count as ``execute``. POST and
 DELETE need an XSRF token when the request is authenticated by cookie (the server's
-default check).
+default check). A request with a kernel's own credential is further limited to what that
+kernel reaches (``kernel_credentials.KernelReach``), checked by the handlers' ``reach``.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
-from ..launch.kernel_token import kernel_of_token
 from .autosave import POLICY_FIELDS, AutosaveScheduler
 from .hibernation import Hibernation
 from .jobs import JOB_ID_PATTERN
+from .kernel_credentials import KernelReach, OutOfReach
 from .service import SnapshotService
 
 # The same pattern the server's own kernel handlers accept.
@@ -47,6 +48,7 @@ AUTH_RESOURCE = "kernels"
 _TOKEN_HEADER = re.compile(r"(?:token|bearer)\s+(.+)", re.IGNORECASE)
 
 STATUS_OF: tuple[tuple[type[SnapshotError], int], ...] = (
+    (OutOfReach, 403),
     (InvalidRequest, 400),
     (NotFound, 404),
     (Busy, 409),
@@ -70,8 +72,9 @@ class KernelScopedIdentity:
     """The server's identity provider, plus the credentials of snapshot-ready kernels.
 
     A kernel's credential (``launch/kernel_token.py``) is accepted here only, by the
-    extension's handlers; the handler then limits it to that kernel (``require_kernel``).
-    Everything else goes to the server's own provider.
+    extension's handlers, while its kernel runs; the handler then limits it to what that
+    kernel reaches (``SnapshotAPIHandler.reach``). Everything else goes to the server's own
+    provider.
     """
 
     def __init__(self, inner: Any, handler: SnapshotAPIHandler) -> None:
@@ -82,6 +85,8 @@ class KernelScopedIdentity:
         return getattr(self._inner, name)
 
     async def get_user(self, handler: Any) -> User | None:
+        if self._handler.refused_credential is not None:
+            raise self._handler.refused_credential
         kernel_id = self._handler.kernel_scope
         if kernel_id is not None:
             return User(username=f"kernel-{kernel_id}", name=f"kernel {kernel_id}")
@@ -100,12 +105,18 @@ class SnapshotAPIHandler(APIHandler):
     service: SnapshotService
     # The kernel whose own credential authenticated this request, if one did.
     kernel_scope: str | None = None
+    # A kernel's credential that no running kernel holds: answered when authenticating.
+    refused_credential: OutOfReach | None = None
+    _reach: KernelReach | None = None
 
-    def initialize(self, service: SnapshotService, kernel_secret: str = "") -> None:
+    def initialize(self, service: SnapshotService) -> None:
         self.service = service
         match = _TOKEN_HEADER.match(self.request.headers.get("Authorization", ""))
-        if match and kernel_secret:
-            self.kernel_scope = kernel_of_token(kernel_secret, match.group(1).strip())
+        if match and service is not None:
+            try:
+                self.kernel_scope = service.credentials.kernel_of(match.group(1).strip())
+            except OutOfReach as exc:
+                self.refused_credential = exc
 
     @property
     def identity_provider(self) -> Any:
@@ -119,10 +130,31 @@ class SnapshotAPIHandler(APIHandler):
             return
         super().check_xsrf_cookie()
 
-    def require_kernel(self, kernel_id: str | None) -> None:
+    async def reach(self) -> KernelReach | None:
+        """What the kernel whose credential authenticated this request reaches; None for
+        any other request, which the server's authorizer alone decides."""
+        if self.kernel_scope is None:
+            return None
+        if self._reach is None:
+            self._reach = await self.service.credentials.reach(self.kernel_scope)
+        return self._reach
+
+    async def require_kernel(self, kernel_id: str | None) -> None:
         """Refuse a kernel's credential for anything but its own kernel's routes."""
-        if self.kernel_scope is not None and kernel_id != self.kernel_scope:
-            raise web.HTTPError(403, "a kernel's credential is valid for its own kernel only")
+        reach = await self.reach()
+        if reach is not None:
+            reach.require_kernel(kernel_id)
+
+    async def reachable_snapshot(self, ref: str) -> str:
+        """The id of snapshot ``ref`` (an id or a name) for a kernel's credential that
+        reaches it, so that the operation acts on the snapshot checked; ``ref`` itself for
+        other requests."""
+        reach = await self.reach()
+        if reach is None:
+            return ref
+        summary = await self.service.get_snapshot(ref)
+        reach.require_snapshot(summary)
+        return str(summary["id"])
 
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -180,10 +212,15 @@ class SnapshotsHandler(SnapshotAPIHandler):
         latest = self.get_query_argument("latest", "false").lower()
         if latest not in ("true", "false", "1", "0"):
             raise InvalidRequest("request", f"latest must be true or false, not {latest!r}")
+        reach = await self.reach()
+        if reach is not None:
+            reach.require_listing(notebook_path)
         if latest in ("true", "1"):
             found = await self.service.latest_snapshots(notebook_path)
         else:
             found = await self.service.list_snapshots(notebook_path, with_remote=True)
+        if reach is not None:
+            found = reach.snapshots(found)
         self.write_json({
             "snapshots": found,
             "store": await self.service.store_usage(),
@@ -197,6 +234,9 @@ class UsageHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
+        reach = await self.reach()
+        if reach is not None:
+            reach.require_store("the store's usage")
         self.write_json(await self.service.disk_usage())
 
 
@@ -207,7 +247,11 @@ class SnapshotHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def get(self, ref: str) -> None:
-        self.write_json(await self.service.get_snapshot(ref))
+        summary = await self.service.get_snapshot(ref)
+        reach = await self.reach()
+        if reach is not None:
+            reach.require_snapshot(summary)
+        self.write_json(summary)
 
     @web.authenticated
     @authorized
@@ -216,11 +260,13 @@ class SnapshotHandler(SnapshotAPIHandler):
         if not isinstance(body.get("name"), str):
             raise InvalidRequest("rename", "the request names no new name",
                                  hint='send {"name": "new-name"}')
+        ref = await self.reachable_snapshot(ref)
         self.write_json(await self.service.rename_snapshot(ref, body["name"]))
 
     @web.authenticated
     @authorized
     async def delete(self, ref: str) -> None:
+        ref = await self.reachable_snapshot(ref)
         await self.service.delete_snapshot(ref, self.get_query_argument("where", "both"))
         self.set_status(204)
         self.finish()
@@ -233,6 +279,7 @@ class SnapshotGpusHandler(SnapshotAPIHandler):
     @authorized
     async def get(self, ref: str) -> None:
         gpus = self.get_query_argument("gpus", None)  # as the CLI takes it: 1,0
+        ref = await self.reachable_snapshot(ref)
         self.write_json(await self.service.gpu_choice(ref, gpus))
 
 
@@ -254,13 +301,15 @@ class RestoreHandler(JobCreatingHandler):
             # A kernel may switch its own notebook to a restored kernel, never another's.
             session_id, path = body.get("session_id"), body.get("path")
             if session_id:
-                self.require_kernel(await self.service.slots.session_kernel_id(session_id))
+                await self.require_kernel(
+                    await self.service.slots.session_kernel_id(session_id))
             elif path:
                 owner = await self.service.slots.session_kernel_id_at(path)
-                self.require_kernel(owner or self.kernel_scope)
+                await self.require_kernel(owner or self.kernel_scope)
+            ref = await self.reachable_snapshot(ref)
         job = await self.service.start_restore(
             ref, path=body.get("path") or None, session_id=body.get("session_id") or None,
-            gpus=body.get("gpus"),
+            gpus=body.get("gpus"), requested_by=self.kernel_scope,
         )
         self.accepted(job.to_dict())
 
@@ -271,7 +320,7 @@ class KernelSnapshotsHandler(JobCreatingHandler):
     @web.authenticated
     @authorized_to_execute
     async def post(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         body = self.json_body({"name": str, "stop": bool})
         job = await self.service.start_save(
             kernel_id, name=body.get("name") or None, stop=bool(body.get("stop"))
@@ -285,7 +334,7 @@ class KernelStatusHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         self.write_json(await self.service.kernel_status(kernel_id))
 
 
@@ -295,7 +344,7 @@ class KernelDeathHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def delete(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         self.service.dismiss_death(kernel_id)
         self.set_status(204)
         self.finish()
@@ -310,7 +359,7 @@ class KernelSessionHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         self.write_json({"session": await self.service.slots.session_of_kernel(kernel_id)})
 
 
@@ -320,21 +369,21 @@ class KernelAutosaveHandler(SnapshotAPIHandler):
     autosave: AutosaveScheduler
 
     def initialize(  # type: ignore[override]
-        self, service: SnapshotService, autosave: AutosaveScheduler, kernel_secret: str = ""
+        self, service: SnapshotService, autosave: AutosaveScheduler
     ) -> None:
-        super().initialize(service, kernel_secret)
+        super().initialize(service)
         self.autosave = autosave
 
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         self.write_json(await self.autosave.describe(kernel_id))
 
     @web.authenticated
     @authorized_to_execute
     async def put(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         body = self.json_body({k: (*kinds, type(None)) for k, kinds in POLICY_FIELDS.items()})
         self.write_json(await self.autosave.set_override(kernel_id, body))
 
@@ -343,9 +392,9 @@ class HibernationAPIHandler(SnapshotAPIHandler):
     hibernation: Hibernation
 
     def initialize(  # type: ignore[override]
-        self, service: SnapshotService, hibernation: Hibernation, kernel_secret: str = ""
+        self, service: SnapshotService, hibernation: Hibernation
     ) -> None:
-        super().initialize(service, kernel_secret)
+        super().initialize(service)
         self.hibernation = hibernation
 
 
@@ -356,8 +405,9 @@ class HibernationHandler(HibernationAPIHandler):
     @authorized
     async def get(self) -> None:
         kernels = self.hibernation.listing()
-        if self.kernel_scope is not None:
-            kernels = [k for k in kernels if k["kernel_id"] == self.kernel_scope]
+        reach = await self.reach()
+        if reach is not None:
+            kernels = [k for k in kernels if reach.reaches_kernel(k["kernel_id"])]
         self.write_json({"kernels": kernels})
 
 
@@ -367,7 +417,7 @@ class KernelHibernateHandler(HibernationAPIHandler):
     @web.authenticated
     @authorized_to_execute
     async def post(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         body = self.json_body({"when_idle": bool})
         state = await self.hibernation.request(kernel_id, when_idle=bool(body.get("when_idle")))
         self.write_json(state, status=202)
@@ -379,7 +429,7 @@ class KernelWakeHandler(HibernationAPIHandler):
     @web.authenticated
     @authorized_to_execute
     async def post(self, kernel_id: str) -> None:
-        self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         self.write_json(await self.hibernation.wake(kernel_id), status=202)
 
 
@@ -390,8 +440,7 @@ class JobsHandler(SnapshotAPIHandler):
     @authorized
     async def get(self) -> None:
         kernel_id = self.get_query_argument("kernel_id", None)
-        if self.kernel_scope is not None:
-            self.require_kernel(kernel_id)
+        await self.require_kernel(kernel_id)
         self.write_json({"jobs": [j.to_dict() for j in self.service.jobs.recent(kernel_id)]})
 
 
@@ -401,20 +450,20 @@ class JobHandler(SnapshotAPIHandler):
     @web.authenticated
     @authorized
     async def get(self, job_id: str) -> None:
-        self.write_json(self.service.jobs.get(job_id).to_dict())
+        job = self.service.jobs.get(job_id)
+        reach = await self.reach()
+        if reach is not None:
+            reach.require_job(job)
+        self.write_json(job.to_dict())
 
 
 def routes(
     service: SnapshotService,
     autosave: AutosaveScheduler,
-    kernel_secret: str = "",
     hibernation: Hibernation | None = None,
 ) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
-    """URL patterns relative to the server's base_url (the extension app prepends it).
-
-    ``kernel_secret`` derives the kernels' own credentials (``launch/kernel_token.py``).
-    """
-    kwargs: dict[str, Any] = {"service": service, "kernel_secret": kernel_secret}
+    """URL patterns relative to the server's base_url (the extension app prepends it)."""
+    kwargs: dict[str, Any] = {"service": service}
     table: list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]] = [
         (r"snapshots", SnapshotsHandler, kwargs),
         (r"usage", UsageHandler, kwargs),

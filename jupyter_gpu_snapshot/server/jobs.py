@@ -55,6 +55,9 @@ class Job:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     reason: str = "user"
+    # The kernel whose own credential asked for the job, if one did: it may follow the job
+    # (a restore's kernel_id is the new kernel's). Not part of the API's Job.
+    requested_by: str | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -27,7 +27,7 @@ from ..core.errors import InvalidRequest, NotFound, SnapshotError
 from ..core.restore import RestoredKernel
 from ..core.snapshot import Snapshot
 from ..gpu.remap import remap_notice
-from ..launch.provisioner import ADOPT_KWARG, Adoption
+from ..launch.provisioner import ADOPT_KWARG, Adoption, SnapshotReadyProvisioner
 from .kernel_env import refresh_kernel_env
 
 
@@ -164,16 +164,18 @@ class KernelSlots:
         ours: Collection[str],
         session: dict[str, Any] | None,
         path: str | None,
+        credential: str | None = None,
     ) -> str | None:
         """Make the restored tree the kernel of slot ``kernel_id`` and point the session at
-        it; returns the session's id (None without a session or path).
+        it; returns the session's id (None without a session or path). ``credential`` is
+        the one the tree holds (of the kernel it was saved from), if known.
 
         Called by the restore job once the engine restored the tree. A failure undoes what
         it did: a tree the kernel manager could not adopt is killed, a kernel no session
         could take is shut down.
         """
         try:
-            await self._adopt(kernel_id, restored, ours, path)
+            await self._adopt(kernel_id, restored, ours, path, credential)
         except BaseException as exc:
             # Nothing half-adopted may linger holding the snapshot's ports.
             await asyncio.to_thread(procfs.kill_tree, restored.pid)
@@ -196,11 +198,18 @@ class KernelSlots:
             ) from exc
 
     async def _adopt(
-        self, kernel_id: str, restored: RestoredKernel, ours: Collection[str], path: str | None
+        self,
+        kernel_id: str,
+        restored: RestoredKernel,
+        ours: Collection[str],
+        path: str | None,
+        credential: str | None,
     ) -> None:
         """Start the kernel slot ``kernel_id`` on the restored tree (plain data only)."""
         kernel_name = self.restore_kernel_name(restored.snapshot, ours)
-        adoption = Adoption(restored.pid, restored.connection_info, restored.snapshot.id)
+        adoption = Adoption(
+            restored.pid, restored.connection_info, restored.snapshot.id, credential
+        )
         launch: dict[str, Any] = {ADOPT_KWARG: adoption}
         if path:
             # Only a later restart uses these: it starts a fresh kernel beside the notebook.
@@ -229,10 +238,15 @@ class KernelSlots:
         """``tell_new_slot``, awaited: whether the kernel confirmed. A woken kernel is told
         before the messages held for it go out, so its first cell already knows its slot."""
         km = self.kernel_manager.get_kernel(kernel_id)
-        env = km.provisioner.server_env() if hasattr(km.provisioner, "server_env") else {}
+        provisioner = km.provisioner
+        env = provisioner.server_env() if isinstance(provisioner, SnapshotReadyProvisioner) else {}
         if not env and not notice:
             return True
-        return await refresh_kernel_env(km, env, self.log, notice)
+        told = await refresh_kernel_env(km, env, self.log, notice)
+        if told and isinstance(provisioner, SnapshotReadyProvisioner):
+            # The tree calls with this kernel's own credential from now on.
+            provisioner.told_own_credential()
+        return told
 
     def _forget_failed_start(self, kernel_id: str) -> None:
         """Drop what the kernel manager keeps of a kernel whose start failed.

@@ -37,6 +37,7 @@ from ..launch.provisioner import root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
 from .deaths import KernelDeaths
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, kernel_key, snapshot_key
+from .kernel_credentials import KernelCredentials
 from .kernel_slots import KernelSlots
 from .remote_sync import RemoteListing, RemoteSync
 from .status import TreeFacts, cuda_status, newest_snapshot
@@ -80,6 +81,8 @@ class SnapshotService:
         self.slots = KernelSlots(
             kernel_manager, session_manager, contents_manager, kernel_spec_manager, self.log
         )
+        # Which kernel a kernel's own credential speaks for, and what it may reach.
+        self.credentials = KernelCredentials(kernel_manager, self.slots)
         # With c.GPUSnapshot.remote_url: saves upload, restores download, listings merge.
         self.remote = remote
         self.uploads = Uploads(engine, remote, self.jobs, self.log) if remote is not None else None
@@ -378,6 +381,9 @@ class SnapshotService:
             reason=reason,
         )
         await self._until_answering(km, kernel_id)
+        # The credential in the kernel's memory, which the snapshot keeps: a tree restored
+        # from it may call with it until it is told its new kernel's own.
+        credential = getattr(km.provisioner, "kernel_credential", None)
         if stop:
             # criu ends the tree after a stopping dump; the restarter would then start an
             # empty kernel in this slot. It watches again if the kernel survives.
@@ -391,6 +397,7 @@ class SnapshotService:
                 km.start_restarter()
             raise
         job.snapshot_id = snapshot.id
+        self.credentials.saved(snapshot.id, credential)
         if stop and reason == HIBERNATE:
             # The slot, its session and its clients stay; the kernel wakes from the snapshot.
             await km.provisioner.hibernate()
@@ -467,11 +474,13 @@ class SnapshotService:
         path: str | None = None,
         session_id: str | None = None,
         gpus: list[Any] | None = None,
+        requested_by: str | None = None,
     ) -> Job:
         """Validate the request and start a restore job into a new kernel slot.
 
         ``gpus``: the GPUs of this node for the process's devices (see ``gpu.remap``).
         A snapshot that exists only remotely is downloaded by the job first.
+        ``requested_by``: the kernel whose own credential asks, which may follow the job.
         """
         chosen = parse_gpu_choice(gpus) if gpus is not None else None
         snapshot, local = await self._find(ref)
@@ -481,7 +490,7 @@ class SnapshotService:
         if session is not None:
             # Its kernel is replaced at the end; no other operation may hold it meanwhile.
             keys.append(kernel_key(session["kernel"]["id"]))
-        job = Job("restore", new_kernel_id, snapshot.id)
+        job = Job("restore", new_kernel_id, snapshot.id, requested_by=requested_by)
         return self.jobs.start(
             job, keys, lambda j: self._restore(j, snapshot, session, path, local, chosen)
         )
@@ -515,13 +524,21 @@ class SnapshotService:
                 snapshot.id, self.jobs.progress(job), self.jobs.claimed(SNAPSHOT_KEY_PREFIX)
             )
             snapshot = await asyncio.to_thread(self.engine.get, snapshot.id)
+        # The tree runs as soon as criu has restored it, before the kernel manager adopts
+        # it: from then on, the credential in its memory speaks for the new kernel.
+        credential = self.credentials.restoring(snapshot.id, kernel_id)
         try:
-            restored = await self.engine.restore(snapshot, self.jobs.progress(job), gpus=gpus)
-        except PortsInUse as exc:
-            # Name the kernel that holds the ports, so a client offers to shut down that one.
-            exc.details.update(await self.slots.port_holder(snapshot, kernel_id))
-            raise
-        session_id = await self.slots.put_restored(kernel_id, restored, ours, session, path)
+            try:
+                restored = await self.engine.restore(
+                    snapshot, self.jobs.progress(job), gpus=gpus)
+            except PortsInUse as exc:
+                # Name the kernel that holds the ports, so a client offers to shut that one.
+                exc.details.update(await self.slots.port_holder(snapshot, kernel_id))
+                raise
+            session_id = await self.slots.put_restored(
+                kernel_id, restored, ours, session, path, credential)
+        finally:
+            self.credentials.restore_ended(kernel_id)
         return {
             "kernel_id": kernel_id, "session_id": session_id,
             "gpu_remap": restored.notes.get("gpu_remap"),

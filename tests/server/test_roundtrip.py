@@ -6,7 +6,6 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpu_snapshot.launch.kernel_token import kernel_token
 from jupyter_gpu_snapshot.server.app import JOB_EVENT_ID
 
 from .conftest import Api, KernelConnector
@@ -32,6 +31,13 @@ def _private(store_dir: Path) -> bool:
     )
 
 
+def _credential(jp_serverapp: Any, kernel_id: str) -> str:
+    """The credential the kernel's provisioner made for its launch."""
+    credential = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.kernel_credential
+    assert credential and credential.startswith(f"gpusnap-kernel.{kernel_id}."), credential
+    return str(credential)
+
+
 async def test_save_shutdown_restore_keeps_state(
     api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, store_dir: Path
 ) -> None:
@@ -50,9 +56,7 @@ async def test_save_shutdown_restore_keeps_state(
     )
     url = f"http://localhost:{jp_serverapp.port}{jp_serverapp.base_url}"
     # The kernel's own credential, never the server's token.
-    ext = jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]
-    (app,) = tuple(ext)
-    assert env.split() == [kernel_id, url, kernel_token(app.kernel_token_secret, kernel_id)]
+    assert env.split() == [kernel_id, url, _credential(jp_serverapp, kernel_id)]
     assert jp_serverapp.identity_provider.token not in env
     # What a cell after the snapshot prints, the restored kernel must print too.
     expected = await ws.execute("import copy; _rng = random.getstate(); " + CHECK)
@@ -94,7 +98,7 @@ async def test_save_shutdown_restore_keeps_state(
     assert (await restored.execute(
         "print(os.environ['JUPYTER_GPU_SNAPSHOT_KERNEL_ID'], "
         "os.environ['JUPYTER_GPU_SNAPSHOT_TOKEN'])"
-    )).split() == [new_id, kernel_token(app.kernel_token_secret, new_id)]
+    )).split() == [new_id, _credential(jp_serverapp, new_id)]
     status = await api.ok("GET", "gpu-snapshot", "kernels", new_id, "status")
     assert status["ready"], status["reasons"]
     assert status["last_snapshot"] is None or status["last_snapshot"]["id"] == summary["id"]
