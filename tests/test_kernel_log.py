@@ -7,13 +7,16 @@ slot's restarts do.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
 
+from jupyter_gpu_snapshot._constants import KERNEL_DEATH_PREFIX
 from jupyter_gpu_snapshot.core.kernel_log import KernelEnd, kernel_death_cause, log_size
 from jupyter_gpu_snapshot.launch.provisioner import namespaced_command, wait_for_namespace_init
 
@@ -71,3 +74,30 @@ def test_no_log_no_cause(tmp_path: Path) -> None:
     assert kernel_death_cause(plain) is None
     assert KernelEnd.parse(None).code == "unknown"
 
+
+def test_a_log_that_is_no_regular_file_is_neither_waited_on_nor_followed(
+    tmp_path: Path,
+) -> None:
+    """The node agent reads a kernel's log as root, in a directory the kernel's user
+    writes: a FIFO put there must not hold the reading thread, and a link must not make
+    root read the file it points to."""
+    fifo = tmp_path / "kernel-fifo.log"
+    os.mkfifo(fifo)
+    causes: list[str | None] = []
+    reader = threading.Thread(target=lambda: causes.append(kernel_death_cause(fifo)),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    waited = reader.is_alive()
+    if waited:  # a writer lets the blocked open return, so that the thread ends
+        with open(fifo, "wb"):
+            pass
+        reader.join(timeout=30)
+    assert not waited, "reading a FIFO at the kernel's log waited for a writer"
+    assert causes == [None]
+
+    elsewhere = tmp_path / "not-a-log"
+    elsewhere.write_text(f"{KERNEL_DEATH_PREFIX}killed by signal 9 (SIGKILL)\n")
+    link = tmp_path / "kernel-link.log"
+    link.symlink_to(elsewhere)
+    assert kernel_death_cause(link) is None

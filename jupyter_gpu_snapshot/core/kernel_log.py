@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from .._constants import KERNEL_DEATH_PREFIX
 # The end of the log is enough: nsinit's line is the last the dead kernel's tree writes; a
 # kernel restarted into the same slot appends only its start-up lines before anyone reads.
 TAIL_BYTES = 64 * 1024
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _SIGNAL = re.compile(r"killed by signal (\d+)(?: \((\w+)\))?")
 _EXIT = re.compile(r"exited with status (-?\d+)")
@@ -29,17 +31,25 @@ def kernel_death_cause(log_path: str | os.PathLike[str], start: int = 0) -> str 
     The last such line written at or after byte ``start`` of the log counts (a slot's log
     holds every kernel that ran in it; ``start`` is where the current one began). None when
     the log is missing or unreadable, or holds no such line: the init itself was killed
-    (SIGKILL to the whole tree), or the kernel was not launched by nsinit. Blocks: call it
-    off the event loop.
+    (SIGKILL to the whole tree), or the kernel was not launched by nsinit; also when it is
+    no regular file: the log's directory is its user's, and the node agent reads it as root,
+    so it is opened without following a link and without waiting (a FIFO would hold the
+    open forever). Reads the disk: call it off the event loop.
     """
     try:
-        with open(log_path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            offset = max(start, size - TAIL_BYTES, 0)
-            f.seek(offset)
-            tail = f.read(size - offset if size > offset else 0)
+        fd = os.open(log_path, _READ_FLAGS)
     except OSError:
         return None
+    try:
+        facts = os.fstat(fd)
+        if not stat.S_ISREG(facts.st_mode):
+            return None
+        offset = max(start, facts.st_size - TAIL_BYTES, 0)
+        tail = os.pread(fd, max(facts.st_size - offset, 0), offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     prefix = KERNEL_DEATH_PREFIX.encode()
     for line in reversed(tail.splitlines()):
         if line.startswith(prefix):
