@@ -171,6 +171,18 @@ def entry_kind(name: str, dir_fd: int) -> str:
     return "file" if stat.S_ISREG(mode) else "other"
 
 
+_KINDS = {
+    stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a link",
+    stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a Unix socket",
+    stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+}  # fmt: skip
+
+
+def kind_of(mode: int) -> str:
+    """What a file of ``st_mode`` is, for messages: 'a FIFO (named pipe)', 'a link'..."""
+    return _KINDS.get(stat.S_IFMT(mode), "a file of another type")
+
+
 def remove_at(name: str, dir_fd: int) -> None:
     """Remove a directory tree, a file or a link (the link itself, never its target)."""
     if entry_kind(name, dir_fd) == "dir":

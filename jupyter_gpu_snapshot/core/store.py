@@ -23,6 +23,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -671,28 +672,49 @@ class SnapshotStore:
         with self.opened_images(snapshot) as (_, opened):
             images.check_digests(snapshot, opened, progress)
 
-    def prepare_log_files(self, snapshot: Snapshot) -> None:
-        """Create the kernel's log files that CRIU will reopen, in the kernel-log directory
-        only (the manifest's check put them there), never through a link."""
+    def open_log_files(self, snapshot: Snapshot) -> dict[str, int]:
+        """The kernel's log files, each opened for appending (path -> descriptor; the caller
+        closes them). criu gives the restored kernel these very descriptors
+        (``restore.inherit_kernel_logs``) and reopens no log by its path: what was checked
+        here is what the kernel writes to.
+
+        Each is in the kernel-log directory only (the manifest's check put it there), a
+        directory its user may write. So each is opened without following a link and
+        without waiting (a FIFO would hold root's open, and the restore, forever), and must
+        be a regular file of the kernel's user, linked once. A missing one is created anew
+        (``O_EXCL``) and handed to that user. Anything else is refused, naming what it is.
+        """
         snapshot.require_trusted()
-        for path in snapshot.manifest["kernel"]["log_files"]:
-            parent, name = os.path.split(path)
-            safe_fs.make_private_dirs(Path(parent))
-            with safe_fs.opened_dir(parent) as dfd:
+        opened: dict[str, int] = {}
+        try:
+            for path in snapshot.manifest["kernel"]["log_files"]:
+                opened[path] = self._open_log_file(path)
+        except BaseException:
+            for fd in opened.values():
+                os.close(fd)
+            raise
+        return opened
+
+    def _open_log_file(self, path: str) -> int:
+        parent, name = os.path.split(path)
+        safe_fs.make_private_dirs(Path(parent))
+        with safe_fs.opened_dir(parent) as dfd:
+            try:
                 try:
-                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
-                                 | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-                except OSError as exc:
-                    why = "is a link" if exc.errno == errno.ELOOP else exc.strerror
-                    raise SnapshotError(
-                        "preflight", f"the kernel log {path} {why}: it is never followed",
-                        hint="remove it and restore again",
-                    ) from exc
-                try:
-                    if self.log_owner is not None:
-                        _give_log_to(fd, path, self.log_owner)
-                finally:
-                    os.close(fd)
+                    fd, created = os.open(name, _LOG_FLAGS, dir_fd=dfd), False
+                except FileNotFoundError:
+                    fd, created = os.open(name, _LOG_FLAGS | os.O_CREAT | os.O_EXCL, 0o600,
+                                          dir_fd=dfd), True
+            except OSError as exc:
+                raise _log_refused(path, name, dfd, exc) from exc
+            try:
+                _require_own_log(fd, path, created, self.log_owner)
+                # Blocking again, as the kernel had its log: it is a regular file.
+                os.set_blocking(fd, True)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
 
     # -- trust -----------------------------------------------------------------------------
     def trust(self, snapshot_id: str, progress: ProgressFn | None = None) -> Snapshot:
@@ -749,14 +771,48 @@ def _encode(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, indent=2, sort_keys=True).encode()
 
 
-def _give_log_to(fd: int, path: str, owner: tuple[int, int]) -> None:
-    """Hand a kernel log that a restore created to the kernel's user; one that is already
-    theirs stays so. Anything else (another owner, a second link to the file) is refused:
-    a user who placed it there could otherwise be handed a file that is not theirs."""
+# Root opens a kernel log in a directory its user may write: never through a link, never
+# waiting (a FIFO or a device there must not hold the restore).
+_LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NOT_A_LOG_HINT = "remove it and restore again: the restore creates the kernel's log anew"
+
+
+def _log_refused(path: str, name: str, dfd: int, exc: OSError) -> SnapshotError:
+    """The error for a kernel log that could not be opened, naming what is there instead:
+    a FIFO with no reader and a socket both fail with ENXIO."""
+    if exc.errno == errno.ELOOP:
+        return SnapshotError("preflight", f"the kernel log {path} is a link: it is never "
+                             "followed", hint="remove it and restore again")
+    with contextlib.suppress(OSError):
+        mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            return _not_a_regular_log(path, mode)
+    return SnapshotError("preflight", f"the kernel log {path} cannot be opened: {exc.strerror}",
+                         hint=_NOT_A_LOG_HINT)
+
+
+def _not_a_regular_log(path: str, mode: int) -> SnapshotError:
+    return SnapshotError(
+        "preflight", f"the kernel log {path} is {safe_fs.kind_of(mode)}, not a regular file",
+        hint=_NOT_A_LOG_HINT)
+
+
+def _require_own_log(fd: int, path: str, created: bool, owner: tuple[int, int] | None) -> None:
+    """A kernel log must be a regular file of the kernel's user (``owner``; without one,
+    ours), linked once. One this restore created is handed to that user; so is an empty one
+    of root's, linked once (an earlier restore that stopped before it handed it over).
+    Anything else is refused: a user who placed it there could otherwise be handed, or
+    have root write to, a file that is not theirs."""
     facts = os.fstat(fd)
-    if facts.st_uid == owner[0] and facts.st_nlink == 1:
+    if not stat.S_ISREG(facts.st_mode):
+        raise _not_a_regular_log(path, facts.st_mode)
+    uid = owner[0] if owner is not None else os.geteuid()
+    if facts.st_nlink == 1 and (created or facts.st_uid == uid):
+        if owner is not None and facts.st_uid != uid:
+            os.fchown(fd, *owner)
         return
-    if facts.st_uid == os.geteuid() and facts.st_nlink == 1 and facts.st_size == 0:
+    if (owner is not None and facts.st_uid == os.geteuid() and facts.st_nlink == 1
+            and facts.st_size == 0):
         os.fchown(fd, *owner)
         return
     raise SnapshotError(
