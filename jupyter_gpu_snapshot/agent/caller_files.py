@@ -1,4 +1,4 @@
-"""Opening, as the caller, every file criu would reopen for their restore.
+"""Opening, as the caller, every file criu needs for their restore.
 
 The node agent's criu runs as root. So that no path the caller controls is ever resolved
 with root's privileges, the agent runs ``open_as_caller`` as the caller (their uid, gid
@@ -6,10 +6,9 @@ and groups, no capabilities), which opens each file of the plan (``reopened_file
 sends the descriptors back; criu gets them as ``--inherit-fd`` and opens none of those
 paths itself. The caller's own permissions decide, links and every directory of the path
 included: a link to a root-only file fails as it would for the caller. Nothing is checked
-first and opened later, so there is no race between a check and criu's open.
-
-What criu checks when it opens a file itself, the agent checks on the descriptor: the
-file's type and, where the image recorded it, its size.
+first and opened later, so there is no race between a check and criu's open. Each is
+opened with the access its every use needs, so criu's reopening of it, with one use's
+flags, asks for nothing the caller was not granted.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import contextlib
 import json
 import os
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -33,17 +31,6 @@ OPENER = Path(__file__).with_name("open_as_caller.py")
 # opener is killed and the restore refused, so no root thread waits on the caller.
 OPEN_DEADLINE_SECONDS = 60.0
 _ANSWER_BYTES = 4096
-
-_KINDS = {
-    stat.S_IFREG: "regular file", stat.S_IFDIR: "directory", stat.S_IFCHR: "character device",
-    stat.S_IFBLK: "block device", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket",
-    stat.S_IFLNK: "link",
-}  # fmt: skip
-
-
-def _kind(mode: int) -> str:
-    return _KINDS.get(stat.S_IFMT(mode), "file of another type")
-
 
 def open_for_criu(openings: list[Opening], caller: Caller,
                   deadline_seconds: float = OPEN_DEADLINE_SECONDS) -> dict[str, int]:
@@ -67,8 +54,7 @@ def open_for_criu(openings: list[Opening], caller: Caller,
             assert opener.stdin is not None
             with opener.stdin:
                 opener.stdin.write(json.dumps(
-                    [{"path": o.path, "flags": o.flags, "pos": o.pos} for o in openings]
-                ).encode())
+                    [{"path": o.path, "flags": o.flags} for o in openings]).encode())
             ends = time.monotonic() + deadline_seconds
             for opening in openings:
                 opened[opening.key] = _receive(ours, opening, opener, ends, deadline_seconds)
@@ -114,25 +100,4 @@ def _receive(channel: socket.socket, opening: Opening, opener: subprocess.Popen[
             "by you")
     if len(fds) != 1:
         raise SnapshotError("restore", f"no descriptor came back for {opening.path}")
-    fd = fds[0]
-    try:
-        _check(opening, os.fstat(fd))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _check(opening: Opening, found: os.stat_result) -> None:
-    """What criu checks when it opens a file itself: the type, and the size if recorded."""
-    if opening.mode is not None and stat.S_IFMT(found.st_mode) != stat.S_IFMT(opening.mode):
-        raise InvalidRequest(
-            "restore", f"{opening.path} is now a {_kind(found.st_mode)}; the kernel had a "
-            f"{_kind(opening.mode)} open there",
-            hint="put the file back as it was, then restore again")
-    if (opening.size is not None and stat.S_ISREG(found.st_mode)
-            and found.st_size != opening.size):
-        raise InvalidRequest(
-            "restore", f"a file the kernel had open has changed size since the snapshot: "
-            f"{opening.path} holds {found.st_size} bytes, not {opening.size}",
-            hint="put the file back as it was, then restore again")
+    return fds[0]

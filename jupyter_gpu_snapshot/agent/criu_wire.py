@@ -21,6 +21,7 @@ IMG_COMMON_MAGIC = 0x54564319
 CORE_MAGIC = 0x55053847
 FILES_MAGIC = 0x56303138
 MM_MAGIC = 0x57492820
+FS_MAGIC = 0x51403912
 REMAP_FPATH_MAGIC = 0x59133954
 
 # Protobuf wire types. 3 and 4 (groups) appear in no CRIU message: they are refused.

@@ -64,13 +64,15 @@ from ..core.errors import InvalidRequest, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
 from ..engines import make_engine
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
-from . import caller_files, criu_credentials, image_creds, reopened_files
+from . import caller_files, criu_credentials, external_files, image_creds, reopened_files
 from .ownership import Caller, require_own_tree
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = Path("/var/lib/jupyter-gpu-snapshot")
 DEFAULT_RUN_DIR = Path("/run/jupyter-gpu-snapshot")
+# The manifest's section of the files dumped as external: criu's key -> path.
+EXTERNAL_FILES = "external_files"
 # Matched whole (fullmatch): "$" would also let a name end in a newline.
 _KERNEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # Connections one user may hold open at once: their server's and CLIs' requests, each
@@ -129,6 +131,11 @@ class CallerCredentials(SnapshotHook):
 
     async def before_dump(self, ctx: SaveContext) -> None:
         await asyncio.to_thread(require_own_tree, ctx.root_pid, self.caller)
+        # Every file of the tree dumped as external: the restore then opens none by its
+        # path as root (external_files, reopened_files).
+        found = await asyncio.to_thread(external_files.external_files, ctx.root_pid)
+        ctx.criu.externals = sorted(found)
+        ctx.manifest[EXTERNAL_FILES] = found
 
     async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
         # An image the agent could never restore is refused now, while the kernel still
@@ -136,7 +143,8 @@ class CallerCredentials(SnapshotHook):
         # kernel: its image is kept, and the restore names what it cannot reopen.
         if error is None and not ctx.stop:
             try:
-                await asyncio.to_thread(reopened_files.plan_openings, ctx.images_dir)
+                await asyncio.to_thread(reopened_files.plan_openings, ctx.images_dir,
+                                        ctx.manifest.get(EXTERNAL_FILES) or {})
             except InvalidRequest as refused:
                 raise InvalidRequest(
                     "save", f"the node agent could not restore this kernel: {refused.cause}",
@@ -148,9 +156,17 @@ class CallerCredentials(SnapshotHook):
             image_creds.check_image_credentials, ctx.images_dir, self.caller)
         # criu, root, opens none of the paths of the caller's files: they are opened as
         # the caller and handed to it (caller_files).
-        openings = await asyncio.to_thread(reopened_files.plan_openings, ctx.images_dir)
-        ctx.criu.inherited_fds = await asyncio.to_thread(
-            caller_files.open_for_criu, openings, self.caller)
+        recorded = ctx.snapshot.manifest.get(EXTERNAL_FILES)
+        openings = await asyncio.to_thread(
+            reopened_files.plan_openings, ctx.images_dir,
+            recorded if isinstance(recorded, dict) else {})
+        opened = await asyncio.to_thread(caller_files.open_for_criu, openings, self.caller)
+        for key, fd in opened.items():
+            # The caller's opening stands for the file, whoever else offered one.
+            replaced = ctx.criu.inherited_fds.pop(key, None)
+            if replaced is not None:
+                os.close(replaced)
+            ctx.criu.inherited_fds[key] = fd
 
 
 @dataclasses.dataclass

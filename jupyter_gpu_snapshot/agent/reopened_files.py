@@ -1,35 +1,39 @@
-"""What ``criu restore`` would open by path, read from an image, and whether the node agent
-can hand each to criu opened as the caller instead.
+"""What ``criu restore`` would open for an image, and how the node agent hands it over.
 
-CRIU reopens a restored process's regular files, mappings, working directory, root and
-executable by the paths they had at the dump, and it follows links. Run as root for a user,
-that resolves paths the user controls with root's privileges: a file of the user's swapped
-for a link to a root-only file between the save and the restore comes back open, readable
-and writable (docs/cluster.md). So the agent resolves none of them as root: it opens every
-one as the caller (``open_as_caller``) and hands criu the descriptors (``--inherit-fd``,
-keyed by the path criu would have opened, which CRIU consults before it opens anything).
+criu opens a restored process's files and mappings again, and follows links. Run as root
+for a user, opening a path the user controls would let a file of theirs swapped for a link
+to a root-only file come back open, readable and writable (docs/cluster.md). So the agent
+has criu dump every regular file and directory of the tree as external
+(``external_files``): the image holds criu's key for it, ``file[MNT:INODE]``, the signed
+manifest its path. Before a restore, ``plan_openings`` lists what criu will need: one
+opening per key, with the access its every use needs, which a helper running as the caller
+makes (``caller_files``) and criu takes through ``--inherit-fd``, reopening it through
+``/proc`` with each file's own flags and position.
 
-Everything else in an image that criu would create or open by path as root is refused here,
-before criu runs:
+What criu may still open by path, as root: the working directory, the root and the
+executable (a directory or executable swapped for a link grants nothing: every lookup and
+reopen through them is checked against the process's own permissions), device files under
+``/dev`` (no user can create one) and the kernel's own ``/proc`` (criu mounts it afresh for
+the restored PID namespace). Anything else named by its path is refused, as is what criu
+would create or open by path as root:
 
 - deleted files kept open (ghost files and link remaps): criu creates them again, as root,
   in the directory the file was in;
 - Unix sockets bound to or connected by a path: criu binds and connects by that path;
 - FIFOs, terminals and files of other types that criu opens by path.
-
-Files on the kernel's own /proc are left to criu: that /proc is the one criu mounts for the
-restored PID namespace, where the caller can plant nothing.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import InvalidRequest
 from .criu_wire import (
     FILES_MAGIC,
+    FS_MAGIC,
     MM_MAGIC,
     REMAP_FPATH_MAGIC,
     VARINT,
@@ -59,9 +63,11 @@ _FD_TYPES_REFUSED = {
 }  # fmt: skip
 
 # images/regfile.proto
-_REG_ID, _REG_FLAGS, _REG_POS, _REG_NAME, _REG_MNT_ID, _REG_SIZE, _REG_MODE = 1, 2, 3, 6, 7, 8, 10
+_REG_ID, _REG_FLAGS, _REG_NAME, _REG_EXT, _REG_MODE = 1, 2, 6, 9, 10
+# images/fs.proto
+_FS_CWD_ID, _FS_ROOT_ID = 1, 2
 # images/mm.proto and vma.proto, and criu/include/image.h's VMA status bits
-_MM_VMAS = 14
+_MM_EXE_FILE_ID, _MM_VMAS = 12, 14
 _VMA_SHMID, _VMA_PROT, _VMA_FLAGS, _VMA_STATUS, _VMA_FDFLAGS = 4, 5, 6, 7, 10
 _VMA_AREA_REGULAR, _VMA_FILE_PRIVATE, _VMA_FILE_SHARED = 1 << 0, 1 << 6, 1 << 7
 _VMA_AREA_MEMFD, _VMA_EXT_PLUGIN = 1 << 14, 1 << 27
@@ -74,41 +80,24 @@ _HINT_CLOSE = "close it in the kernel (or let the kernel open it again after the
 
 @dataclass(frozen=True)
 class ReopenedFile:
-    """One regular file (or directory) of the image that criu would open by path."""
+    """One regular file (or directory) of the image that criu would open."""
 
     id: int
-    path: str  # absolute, as the dump recorded it
+    name: str  # the path as the dump recorded it, or criu's key of an external file
+    external: bool
     flags: int  # the open(2) flags it had
-    pos: int
-    size: int | None  # where recorded: criu refuses a file whose size changed
     mode: int | None  # st_mode at the dump, where recorded
-
-    @property
-    def criu_key(self) -> str:
-        """The name criu looks the file up by in its ``--inherit-fd`` list: the path without
-        its leading slash, ``.`` for the root directory (criu's ``collect_one_regfile``)."""
-        return self.path[1:] or "."
 
 
 def files_to_reopen(images_dir: Path) -> list[ReopenedFile]:
-    """Every file criu would open by path to restore the image in ``images_dir``.
+    """Every regular file of the image in ``images_dir`` that criu would open.
 
     Raises :class:`InvalidRequest` if the image holds anything else criu would create or
     open by path as root, or cannot be read as CRIU writes it."""
-    try:
-        _refuse_remaps(images_dir)
-        data = read_image(images_dir / "files.img", _MAX_FILES_IMAGE_BYTES)
-        entries = image_entries(data, FILES_MAGIC, "files")
-        found = [f for f in (_file(entry) for entry in entries) if f is not None]
-    except MalformedImage as error:
-        raise InvalidRequest(
-            "restore", f"files.img {error}",
-            hint="the snapshot's images are damaged; restore another snapshot") from None
-    return [f for f in found if not _on_own_proc(f.path)]
-
-
-def _on_own_proc(path: str) -> bool:
-    return path == "/proc" or path.startswith("/proc/")
+    _refuse_remaps(images_dir)
+    data = read_image(images_dir / "files.img", _MAX_FILES_IMAGE_BYTES)
+    entries = image_entries(data, FILES_MAGIC, "files")
+    return [f for f in (_file(entry) for entry in entries) if f is not None]
 
 
 def _file(entry: bytes) -> ReopenedFile | None:
@@ -144,20 +133,20 @@ def _regular_file(message: bytes) -> ReopenedFile:
             if not isinstance(value, bytes):
                 raise MalformedImage("has a file name in the wrong encoding")
             name = value
-        elif number in (_REG_ID, _REG_FLAGS, _REG_POS, _REG_SIZE, _REG_MODE, _REG_MNT_ID):
+        elif number in (_REG_ID, _REG_FLAGS, _REG_EXT, _REG_MODE):
             if wire_type != VARINT or isinstance(value, bytes):
                 raise MalformedImage(f"has reg_file_entry field {number} in the wrong encoding")
             scalars[number] = value
     if name is None or _REG_ID not in scalars or _REG_FLAGS not in scalars:
         raise MalformedImage("has a regular file entry without its id, flags or name")
-    path = name.decode("utf-8", errors="surrogateescape")
-    if not path.startswith("/") or "\0" in path:
-        raise MalformedImage(f"has a file name that is no absolute path: {path!r}")
+    text = name.decode("utf-8", errors="surrogateescape")
+    external = bool(scalars.get(_REG_EXT))
+    if "\0" in text or not text.startswith("file[" if external else "/"):
+        raise MalformedImage(f"has a file name criu would not write: {text!r}")
     mode = scalars.get(_REG_MODE)
     return ReopenedFile(
-        id=uint32(scalars[_REG_ID]), path=path, flags=uint32(scalars[_REG_FLAGS]),
-        pos=scalars.get(_REG_POS, 0), size=scalars.get(_REG_SIZE),
-        mode=None if mode is None else uint32(mode),
+        id=uint32(scalars[_REG_ID]), name=text, external=external,
+        flags=uint32(scalars[_REG_FLAGS]), mode=None if mode is None else uint32(mode),
     )
 
 
@@ -190,80 +179,97 @@ def _refuse_remaps(images_dir: Path) -> None:
 
 @dataclass(frozen=True)
 class Opening:
-    """One file the agent opens as the caller and hands to criu under ``key``: every file
-    of the image with that path is restored from this one opening."""
+    """One file the agent opens as the caller and hands to criu under ``key``, criu's name
+    of an external file; criu reopens it for each of its uses with that use's own flags."""
 
     key: str
     path: str
     flags: int
-    pos: int | None  # None: no position to restore (O_PATH, or mapped only)
-    size: int | None
-    mode: int | None
 
 
-# Flags that say nothing about how a file must be opened again.
-_NOT_COMPARED = os.O_CLOEXEC | getattr(os, "O_LARGEFILE", 0)
-_WRITE_ACCESS = (os.O_WRONLY, os.O_RDWR)
+_READS, _WRITES = (os.O_RDONLY, os.O_RDWR), (os.O_WRONLY, os.O_RDWR)
 
 
-def plan_openings(images_dir: Path) -> list[Opening]:
-    """The openings that stand for every file criu would open by path for this image.
+def plan_openings(images_dir: Path, external_paths: dict[str, str]) -> list[Opening]:
+    """The openings criu needs for the image in ``images_dir``; ``external_paths`` maps
+    criu's key of each external file to its path (the signed manifest's).
 
-    CRIU looks inherited files up by path, so all the files of one path share an opening:
-    allowed where they were opened alike (every task's working directory, say) or only
-    mapped; refused where they had different modes or positions, which one opening
-    cannot restore."""
-    files = files_to_reopen(images_dir)
-    mapped = _mapping_access(images_dir)
-    by_key: dict[str, list[ReopenedFile]] = {}
+    Raises :class:`InvalidRequest` for what the agent does not restore: a file named by a
+    path criu would open as root, an external file without a recorded path, and what
+    ``files_to_reopen`` refuses."""
+    try:
+        files = files_to_reopen(images_dir)
+        mapped = _mapping_access(images_dir)
+        by_path_harmless = _directories_and_executables(images_dir)
+    except MalformedImage as error:
+        raise InvalidRequest(
+            "restore", f"an image file {error}",
+            hint="the snapshot's images are damaged; restore another snapshot") from None
+    needs: dict[str, list[int]] = {}
     for found in files:
-        by_key.setdefault(found.criu_key, []).append(found)
-    return [_opening(key, entries, mapped) for key, entries in by_key.items()]
+        if not found.external:
+            if found.id not in by_path_harmless and not _left_to_criu(found):
+                raise InvalidRequest(
+                    "restore", f"the image names {found.name} by its path, which criu "
+                    "would open as root; the node agent has criu open only what you can",
+                    hint="save the kernel again (a file it opened during the save itself "
+                    "is named so), then restore that snapshot")
+            continue
+        access = mapped.get(found.id, found.flags)
+        needs.setdefault(found.name, []).append(access)
+    openings = []
+    for key, accesses in needs.items():
+        path = external_paths.get(key)
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidRequest(
+                "restore", f"the snapshot does not record which file {key} was",
+                hint="the snapshot's manifest is incomplete; restore another snapshot")
+        openings.append(Opening(key, path, _widest(accesses)))
+    return openings
 
 
-def _opening(key: str, entries: list[ReopenedFile], mapped: dict[int, int]) -> Opening:
-    path = entries[0].path
-    opened = {(f.flags & ~_NOT_COMPARED, f.pos) for f in entries if f.id not in mapped}
-    needs_write = any(mapped[f.id] & os.O_ACCMODE in _WRITE_ACCESS
-                      for f in entries if f.id in mapped)
-    if len(opened) > 1:
-        raise _cannot_share(path, f"open {len(opened)} ways (different modes or positions)")
-    if opened:
-        ((flags, pos),) = opened
-        access = flags & os.O_ACCMODE
-        if len(opened) < len(entries) and (
-                flags & os.O_PATH or access == os.O_WRONLY
-                or (needs_write and access != os.O_RDWR)):
-            raise _cannot_share(path, "both open and mapped, with different access")
-        position: int | None = None if flags & os.O_PATH else pos
-    else:
-        flags, position = (os.O_RDWR if needs_write else os.O_RDONLY), None
-    size = next((f.size for f in entries if f.size is not None), None)
-    mode = next((f.mode for f in entries if f.mode is not None), None)
-    return Opening(key, path, flags & ~os.O_CLOEXEC, position, size, mode)
+def _widest(accesses: list[int]) -> int:
+    """One opening that every use may be reopened from: all of them need its access."""
+    if all(a & os.O_PATH for a in accesses):
+        return os.O_PATH
+    modes = {a & os.O_ACCMODE for a in accesses if not a & os.O_PATH}
+    reads, writes = bool(modes & set(_READS)), bool(modes & set(_WRITES))
+    return os.O_RDWR if reads and writes else os.O_WRONLY if writes else os.O_RDONLY
 
 
-def _cannot_share(path: str, how: str) -> InvalidRequest:
-    return InvalidRequest(
-        "restore", f"the kernel had {path} {how}; the node agent restores each file "
-        "through one opening made as you",
-        hint="close the extra openings of that file in the kernel, then save it again")
+def _left_to_criu(found: ReopenedFile) -> bool:
+    """Opened by criu by its path, as root, harmlessly: the kernel's own /proc (mounted
+    afresh by criu), and device files under /dev, which no user can create."""
+    path = found.name
+    if path == "/proc" or path.startswith("/proc/"):
+        return True
+    is_device = found.mode is not None and (stat.S_ISCHR(found.mode) or stat.S_ISBLK(found.mode))
+    return is_device and path.startswith("/dev/")
+
+
+def _directories_and_executables(images_dir: Path) -> set[int]:
+    """The file ids of every task's working directory, root and executable."""
+    ids: set[int] = set()
+    for fs_image in sorted(images_dir.glob("fs-*.img")):
+        for entry in image_entries(read_image(fs_image, _MAX_FILES_IMAGE_BYTES), FS_MAGIC, "fs"):
+            ids |= {uint32(v) for n, t, v in fields(entry)
+                    if n in (_FS_CWD_ID, _FS_ROOT_ID) and t == VARINT}
+    for mm_image in sorted(images_dir.glob("mm-*.img")):
+        for entry in image_entries(read_image(mm_image, _MAX_FILES_IMAGE_BYTES), MM_MAGIC, "mm"):
+            ids |= {uint32(v) for n, t, v in fields(entry)
+                    if n == _MM_EXE_FILE_ID and t == VARINT}
+    return ids
 
 
 def _mapping_access(images_dir: Path) -> dict[int, int]:
     """The file ids of the image's file mappings, each with the access criu opens it with
     (the mapping's own flags, or criu's guess where the image has none)."""
     access: dict[int, int] = {}
-    try:
-        for mm_image in sorted(images_dir.glob("mm-*.img")):
-            data = read_image(mm_image, _MAX_FILES_IMAGE_BYTES)
-            for entry in image_entries(data, MM_MAGIC, "mm"):
-                for vma in messages(entry, _MM_VMAS):
-                    _add_mapping(vma, access)
-    except MalformedImage as error:
-        raise InvalidRequest(
-            "restore", f"an mm image {error}",
-            hint="the snapshot's images are damaged; restore another snapshot") from None
+    for mm_image in sorted(images_dir.glob("mm-*.img")):
+        data = read_image(mm_image, _MAX_FILES_IMAGE_BYTES)
+        for entry in image_entries(data, MM_MAGIC, "mm"):
+            for vma in messages(entry, _MM_VMAS):
+                _add_mapping(vma, access)
     return access
 
 
@@ -286,5 +292,5 @@ def _add_mapping(vma: bytes, access: dict[int, int]) -> None:
     else:
         flags = os.O_RDONLY
     file_id = values.get(_VMA_SHMID, -1)
-    previous = access.get(file_id, os.O_RDONLY)
-    access[file_id] = os.O_RDWR if os.O_RDWR in (flags & os.O_ACCMODE, previous) else flags
+    previous = access.get(file_id, flags)
+    access[file_id] = _widest([previous, flags])

@@ -59,9 +59,13 @@ class CriuExtras:
     timeout: int | None = None
     leave_stopped: bool = True
     inherited_fds: dict[str, int] = field(default_factory=dict)
+    # At dump: files criu writes as external (``file[MNT:INODE]``), not as their paths.
+    externals: list[str] = field(default_factory=list)
 
     def argv(self) -> list[str]:
         argv = ["--libdir", self.libdir] if self.libdir else []
+        for external in self.externals:
+            argv += ["--external", external]
         for key, fd in self.inherited_fds.items():
             argv += ["--inherit-fd", f"fd[{fd}]:{key}"]
         return argv + (["--timeout", str(self.timeout)] if self.timeout else [])

@@ -120,6 +120,12 @@ SCHEMA: dict[str, Any] = {
         "versions": {"type": "object", "additionalProperties": {"type": "string"}},
         "timings": {"type": "object", "additionalProperties": {"type": "number"}},
         "gpu": {"type": ["object", "null"]},
+        # Files criu dumped as external (the node agent's saves): criu's key -> path.
+        "external_files": {
+            "type": "object", "maxProperties": 65536,
+            "propertyNames": {"pattern": r"^file\[[0-9a-f]+:[0-9a-f]+\]$"},
+            "additionalProperties": ABSOLUTE_PATH,
+        },
         # The node that saved it, compared at restore (core/compatibility.py).
         "node": _record({
             "hostname": _string(255),

@@ -36,7 +36,6 @@ from typing import Any
 from . import locks, procfs
 from .background import run_in_background
 from .compatibility import NodeCompatibility, refusal
-from .criu import CriuExtras
 from .errors import InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .hooks import Progress, ProgressCallback, RestoreContext, SnapshotHook
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
@@ -140,14 +139,13 @@ async def _restore(
     images_dir, images = await asyncio.to_thread(opened.__enter__)
     try:
         timings["assemble"] = time.monotonic() - t
+        # Checked (and a missing one made) before criu runs; criu reopens them, through the
+        # node agent from descriptors its user opened (agent/external_files.py).
         logs = await asyncio.to_thread(engine.store.open_log_files, ctx.snapshot)
-        try:
-            timings["preflight"] = time.monotonic() - started
-            ctx.root_pid = await _restore_checked(engine, ctx, images_dir, images, timings,
-                                                  logs)
-        finally:
-            for fd in logs.values():
-                os.close(fd)
+        for fd in logs.values():
+            os.close(fd)
+        timings["preflight"] = time.monotonic() - started
+        ctx.root_pid = await _restore_checked(engine, ctx, images_dir, images, timings)
     finally:
         await asyncio.to_thread(opened.__exit__, None, None, None)
     await _resume(engine, ctx, timings)
@@ -189,7 +187,6 @@ async def _restore_checked(
     images_dir: Path,
     images: list[tuple[int, int]],
     timings: dict[str, float],
-    logs: dict[str, int],
 ) -> int:
     """Run ``criu restore`` while the digests are checked on all cores.
 
@@ -221,7 +218,6 @@ async def _restore_checked(
         for hook in engine.hooks:
             await hook.before_restore(ctx)
             hooked.append(hook)
-        inherit_kernel_logs(ctx.criu, logs)
         run = await criu.run(
             criu.restore_argv(images_dir, work, pidfile,
                               leave_stopped=ctx.criu.leave_stopped, extras=ctx.criu),
@@ -264,19 +260,6 @@ async def _restore_checked(
         await asyncio.to_thread(shutil.rmtree, work, True)
         work_lock.release()
     return root_pid
-
-
-def inherit_kernel_logs(extras: CriuExtras, logs: dict[str, int]) -> None:
-    """Have criu give the restored kernel the logs that ``open_log_files`` opened and
-    checked (path -> descriptor), instead of reopening their paths: the kernel's user may
-    have put something else there since, which root's criu would follow, or wait on forever
-    (a FIFO). A log a hook has opened already (the node agent opens every file of the image
-    as the caller) keeps that hook's descriptor. The copies are criu's to close."""
-    for path, fd in logs.items():
-        # criu's name for a file: its path without the leading slash (collect_one_regfile).
-        key = path[1:]
-        if key not in extras.inherited_fds:
-            extras.inherited_fds[key] = os.dup(fd)
 
 
 async def _resume(engine: EngineParts, ctx: RestoreContext, timings: dict[str, float]) -> None:

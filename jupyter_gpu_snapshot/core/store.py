@@ -674,9 +674,8 @@ class SnapshotStore:
 
     def open_log_files(self, snapshot: Snapshot) -> dict[str, int]:
         """The kernel's log files, each opened for appending (path -> descriptor; the caller
-        closes them). criu gives the restored kernel these very descriptors
-        (``restore.inherit_kernel_logs``) and reopens no log by its path: what was checked
-        here is what the kernel writes to.
+        closes them), checked before criu reopens them: through the node agent, from a
+        descriptor the kernel's user opened, never by root following the path.
 
         Each is in the kernel-log directory only (the manifest's check put it there), a
         directory its user may write. So each is opened without following a link and

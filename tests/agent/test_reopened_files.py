@@ -2,8 +2,9 @@
 kernel: every file criu would reopen is opened as her and handed to criu.
 
 The attack, tried for each kind of object a restore reopens: Alice's kernel holds a file of
-hers (read-only, write-only, read-write, mapped) or sits in a directory of hers; she saves
-it, and swaps the file or directory for a link to a root-only one of the same size and mode.
+hers (read-only, write-only, read-write, mapped); she saves it, and swaps the file for a
+link to a root-only one of the same size and mode. criu opens a working directory by its
+path, as root: one swapped for a link to root's directory must grant her nothing.
 
 Two flavours, a table as zdtm keeps one:
 - ``before``: the link is there when she asks for the restore. The restore is refused,
@@ -12,7 +13,7 @@ Two flavours, a table as zdtm keeps one:
   runs (a criu wrapper swaps it, as Alice, at that moment: the race a check-then-open
   loses). The restore goes on, and the kernel holds her own file, not root's.
 
-Either way the root-only object is untouched and no process of hers holds it.
+Either way the root-only file is untouched and no process of hers holds it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ class Held:
 
     kind: str
     code: str
-    directory: bool = False
     # What refuses the ``before`` flavour: the opening as Alice, or a check before it that
     # reads the object without following links (read-only files and mappings are checked
     # for changes since the save).
@@ -64,7 +64,6 @@ HELD = [
          "ctypes.c_int, ctypes.c_int, ctypes.c_long]; fd = os.open({path!r}, os.O_RDONLY); "
          "held = libc.mmap(None, 4096, 1, 2, fd, 0); os.close(fd)",
          refused="file(s) the kernel had mapped are missing here"),
-    Held("working directory", "import os; os.chdir({path!r})", directory=True),
 ]
 FLAVOURS = ["before", "at criu"]
 
@@ -129,18 +128,18 @@ def test_a_link_swapped_in_for_a_reopened_object_never_gives_root_s_object(
     agent, hook = swapping_agent
     alice, _ = unix_users
     slug = re.sub(r"\W+", "-", f"{held.kind}-{flavour}")
-    # Root's object: a file 0600 or a directory 0700 in a directory only root may list.
+    # Root's file, 0600, in a directory only root may list.
     secret_dir = agent_root / f"secret-{slug}"
     secret_dir.mkdir(mode=0o700)
     (secret_dir / "secret").write_bytes(SECRET)
     os.chmod(secret_dir / "secret", 0o600)
-    target = secret_dir if held.directory else secret_dir / "secret"
+    target = secret_dir / "secret"
     # Alice's, of the same size and mode: criu's own checks cannot tell them apart.
     mine = alice.home / f"reopen-{slug}"
     subprocess.run(_as(alice, f"rm -rf {mine} && mkdir -m 700 {mine} && "
                               f"printf %s {shlex.quote(OWN.decode())} > {mine}/secret && "
                               f"chmod 600 {mine}/secret"), shell=True, check=True)
-    path = mine if held.directory else mine / "secret"
+    path = mine / "secret"
     own_inode = (path.stat().st_dev, path.stat().st_ino)
     target_inode = (target.stat().st_dev, target.stat().st_ino)
 
@@ -191,10 +190,6 @@ class Unrestorable:
 
 
 UNRESTORABLE = [
-    Unrestorable("a file open two ways",
-                 "import os; open({dir!r} + '/f', 'w').write('abc'); "
-                 "reader = open({dir!r} + '/f'); writer = open({dir!r} + '/f', 'a')",
-                 "open 2 ways (different modes or positions)"),
     Unrestorable("a deleted file", "import tempfile; held = tempfile.TemporaryFile(dir={dir!r}); "
                  "held.write(b'x' * 100); held.flush()", "held a deleted file open"),
     Unrestorable("a Unix socket with a path",
@@ -226,3 +221,68 @@ def test_a_kernel_the_agent_could_not_restore_is_refused_at_its_save(
     assert ask_kernel(alice, agent, kernel.connection_file, "x + 1") == "42"
     assert cli(alice, agent, "list").stdout == before
     procfs.kill_tree(kernel.root_pid)
+
+
+def test_a_restored_kernel_saves_again_and_each_opening_keeps_its_own_offset(
+        swapping_agent, unix_users):
+    """Files reach the restored kernel from descriptors opened outside its mount namespace;
+    its next save and restore must work all the same, with one file open twice (a reader
+    part-way through it, a writer appending) keeping two offsets."""
+    agent, _ = swapping_agent
+    alice, _ = unix_users
+    data = alice.home / "two-openings.txt"
+    subprocess.run(_as(alice, f"printf abcdef > {data}"), shell=True, check=True)
+    kernel = start_user_kernel(alice, agent)
+    code = f"reader = open({str(data)!r}); reader.read(2); writer = open({str(data)!r}, 'a')"
+    ask_kernel(alice, agent, kernel.connection_file, f"exec({code!r}) or 'held'")
+    pid, connection = kernel.root_pid, kernel.connection_file
+    for generation in (1, 2):
+        saved = json.loads(cli(alice, agent, "save", "--pid", str(pid), "--json").stdout)
+        procfs.kill_tree(pid)
+        restored = json.loads(cli(alice, agent, "restore", saved["id"], "--json").stdout)
+        pid, connection = restored["pid"], restored["connection_file"]
+        assert ask_kernel(alice, agent, connection, "reader.tell(), x") == "2 41"
+        ask_kernel(alice, agent, connection, f"writer.write('{generation}') and writer.flush()")
+    assert data.read_text() == "abcdef12"
+    assert ask_kernel(alice, agent, connection, "reader.read()") == "cdef12"
+    procfs.kill_tree(pid)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_working_directory_swapped_for_root_s_grants_nothing(
+        swapping_agent, agent_root, unix_users, flavour):
+    """criu enters each working directory by its path, as root: the restored kernel may then
+    sit in root's directory, but every lookup from there is checked against Alice's own
+    permissions, so she can neither list it nor open what is in it."""
+    agent, hook = swapping_agent
+    alice, _ = unix_users
+    slug = re.sub(r"\W+", "-", flavour)
+    secret_dir = agent_root / f"secret-cwd-{slug}"
+    secret_dir.mkdir(mode=0o700)
+    (secret_dir / "secret").write_bytes(SECRET)
+    mine = alice.home / f"reopen-cwd-{slug}"
+    subprocess.run(_as(alice, f"rm -rf {mine} && mkdir -m 700 {mine}"), shell=True, check=True)
+    kernel = start_user_kernel(alice, agent)
+    ask_kernel(alice, agent, kernel.connection_file, f"__import__('os').chdir({str(mine)!r})")
+    saved = json.loads(cli(alice, agent, "save", "--pid", str(kernel.root_pid),
+                           "--json").stdout)
+    procfs.kill_tree(kernel.root_pid)
+    swap = _as(alice, f"mv {mine} {mine}.real && ln -s {secret_dir} {mine}")
+    if flavour == "before":
+        subprocess.run(swap, shell=True, check=True)
+    else:
+        hook.write_text(f"#!/bin/sh\n{swap}\nrm -f {hook}\n")
+        hook.chmod(0o755)
+    try:
+        restored = json.loads(cli(alice, agent, "restore", saved["id"], "--json").stdout)
+    finally:
+        hook.unlink(missing_ok=True)
+    assert mine.is_symlink(), "the link was not swapped in"
+    connection = restored["connection_file"]
+    for attempt in ("os.listdir('.')", "open('secret', 'rb').read()"):
+        code = (f"import os\ntry:\n    {attempt}\n    seen = 'read'\n"
+                "except PermissionError:\n    seen = 'denied'")
+        assert ask_kernel(alice, agent, connection, f"exec({code!r}) or seen") == "denied"
+    assert ask_kernel(alice, agent, connection, "x + 1") == "42"
+    procfs.kill_tree(restored["pid"])
+    assert (secret_dir / "secret").read_bytes() == SECRET
