@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import SnapshotError
+from ..core.errors import InvalidRequest
 from ..launch.kernel_token import kernel_id_of_token, same_token
 from ..launch.provisioner import SnapshotReadyProvisioner
 from .jobs import Job
@@ -46,18 +46,11 @@ ELSEWHERE = ("JupyterLab's snapshot panel, 'jupyter gpu-snapshot' or the REST AP
              "server's token reach every notebook's")
 
 
-class OutOfReach(SnapshotError):
-    """A kernel's credential asked for what it does not reach, or is no longer valid."""
+class OutOfReach(InvalidRequest):
+    """A kernel's credential asked for what it does not reach, or is no longer valid:
+    refused before any step ran, as a wrong request is, but answered 403."""
 
     code = "forbidden"
-
-    @property
-    def message(self) -> str:
-        # Nothing ran: the request was refused before any step.
-        text = self.cause
-        if self.hint:
-            text += f". {self.hint[:1].upper()}{self.hint[1:]}"
-        return text
 
 
 @dataclass(frozen=True)
