@@ -121,6 +121,21 @@ def _inodes(pids: list[int]) -> set[tuple[int, int]]:
     return found
 
 
+def _swap_then_restore(alice: UnixUser, agent: Agent, hook: Path, swap: str, flavour: str,
+                       snapshot_id: str) -> subprocess.CompletedProcess[str]:
+    """Restore ``snapshot_id`` as Alice, with ``swap`` run as her before she asks
+    (``before``) or by the criu wrapper right before criu runs (``at criu``)."""
+    if flavour == "before":
+        subprocess.run(swap, shell=True, check=True)
+    else:
+        hook.write_text(f"#!/bin/sh\n{swap}\nrm -f {hook}\n")
+        hook.chmod(0o755)
+    try:
+        return cli(alice, agent, "restore", snapshot_id, "--json", check=False)
+    finally:
+        hook.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("held", HELD, ids=[h.kind for h in HELD])
 def test_a_link_swapped_in_for_a_reopened_object_never_gives_root_s_object(
@@ -152,15 +167,7 @@ def test_a_link_swapped_in_for_a_reopened_object_never_gives_root_s_object(
     procfs.kill_tree(kernel.root_pid)
 
     swap = _as(alice, f"mv {path} {path}.real && ln -s {target} {path}")
-    if flavour == "before":
-        subprocess.run(swap, shell=True, check=True)
-    else:
-        hook.write_text(f"#!/bin/sh\n{swap}\nrm -f {hook}\n")
-        hook.chmod(0o755)
-    try:
-        done = cli(alice, agent, "restore", saved["id"], "--json", check=False)
-    finally:
-        hook.unlink(missing_ok=True)
+    done = _swap_then_restore(alice, agent, hook, swap, flavour, saved["id"])
     assert path.is_symlink(), "the link was not swapped in"
 
     if flavour == "before":
@@ -268,15 +275,9 @@ def test_a_working_directory_swapped_for_root_s_grants_nothing(
                            "--json").stdout)
     procfs.kill_tree(kernel.root_pid)
     swap = _as(alice, f"mv {mine} {mine}.real && ln -s {secret_dir} {mine}")
-    if flavour == "before":
-        subprocess.run(swap, shell=True, check=True)
-    else:
-        hook.write_text(f"#!/bin/sh\n{swap}\nrm -f {hook}\n")
-        hook.chmod(0o755)
-    try:
-        restored = json.loads(cli(alice, agent, "restore", saved["id"], "--json").stdout)
-    finally:
-        hook.unlink(missing_ok=True)
+    done = _swap_then_restore(alice, agent, hook, swap, flavour, saved["id"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    restored = json.loads(done.stdout)
     assert mine.is_symlink(), "the link was not swapped in"
     connection = restored["connection_file"]
     for attempt in ("os.listdir('.')", "open('secret', 'rb').read()"):
