@@ -27,6 +27,9 @@ _BENIGN = re.compile(r"Can't setup RLIMIT_NOFILE|"
 
 # What a cause in CRIU's log means for the user, first match wins.
 _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"unix: Can't bind.*Address already in use"),
+     "a Unix socket name the kernel listened on is taken by another process (libcuda's "
+     "socket of a CUDA process started since the save, say)"),
     (re.compile(r"Address already in use"),
      "a port of the kernel is in use; is the original kernel (or another restore) still running?"),
     (re.compile(r"No space left on device"), "the disk holding the snapshot store is full"),
