@@ -38,7 +38,7 @@ def incarnation() -> str:
 
     The boot id and the process's start time (clock ticks after boot): CRIU restores
     memory, pids and namespaces, not the kernel's record of when a process was created.
-    The pid alone would not do: a kernel is pid 2 of its own namespace, and so is its copy.
+    The pid alone would not do: a restored copy has the same pid in its own namespace.
     """
     boot = _read_small("/proc/sys/kernel/random/boot_id").strip()
     stat = _read_small("/proc/self/stat")
