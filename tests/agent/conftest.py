@@ -65,6 +65,19 @@ print("".join(out).strip())
 """
 
 
+# Run as the user: a cell that makes the kernel 300 MiB bigger, so that its save takes a
+# while (a second request can arrive during it).
+BIG_CELL = """
+import sys
+from jupyter_client.blocking import BlockingKernelClient
+kc = BlockingKernelClient(connection_file=sys.argv[1]); kc.load_connection_file()
+kc.start_channels(); kc.wait_for_ready(timeout=120)
+reply = kc.execute_interactive("import os; blob = os.urandom(300 << 20)", timeout=300)
+assert reply["content"]["status"] == "ok", reply
+kc.stop_channels()
+"""
+
+
 @dataclass
 class Agent:
     process: subprocess.Popen[bytes]
@@ -241,3 +254,13 @@ def ask_kernel(user: UnixUser, agent: Agent, connection_file: str, expression: s
 def tree_uids(root_pid: int) -> set[tuple[int, ...]]:
     """Every process's (real, effective, saved) uids in the tree."""
     return {tuple(p.uids()) for p in procfs.tree(root_pid)}
+
+
+def save_and_stop(user: UnixUser, agent: Agent, kernel: UserKernel) -> dict[str, Any]:
+    """Save ``kernel`` with --stop, as its user; the snapshot's fields, once the tree ended."""
+    saved: dict[str, Any] = json.loads(cli(user, agent, "save", "--pid", str(kernel.root_pid),
+                                           "--stop", "--json").stdout)
+    deadline = time.monotonic() + 60
+    while procfs.tree_alive(kernel.root_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return saved

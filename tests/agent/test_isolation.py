@@ -41,11 +41,13 @@ from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from ..conftest import run, start_kernel, stop_kernel
 from ..unix_users import UnixUser
 from .conftest import (
+    BIG_CELL,
     CLI,
     Agent,
     as_user,
     ask_kernel,
     cli,
+    save_and_stop,
     start_user_kernel,
     tree_uids,
 )
@@ -263,15 +265,6 @@ def test_the_launcher_runs_none_of_the_users_libraries(agent, unix_users, tmp_pa
         procfs.kill_tree(pid)
 
 
-BIG_CELL = """
-import sys
-from jupyter_client.blocking import BlockingKernelClient
-kc = BlockingKernelClient(connection_file=sys.argv[1]); kc.load_connection_file()
-kc.start_channels(); kc.wait_for_ready(timeout=120)
-reply = kc.execute_interactive("import os; blob = os.urandom(300 << 20)", timeout=300)
-assert reply["content"]["status"] == "ok", reply
-kc.stop_channels()
-"""
 
 # Run as the user: a save, and a second one sent the moment the agent reports the first
 # under way; prints every reply of both.
@@ -439,11 +432,7 @@ def test_a_link_planted_at_a_kernel_log_is_never_followed_by_root(agent, unix_us
     link Alice put there in its place (to /etc/passwd) is refused, never followed."""
     alice, _ = unix_users
     kernel = start_user_kernel(alice, agent)
-    saved = json.loads(cli(alice, agent, "save", "--pid", str(kernel.root_pid), "--stop",
-                           "--json").stdout)
-    deadline = time.monotonic() + 60
-    while procfs.tree_alive(kernel.root_pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    saved = save_and_stop(alice, agent, kernel)
     target = Path("/etc/passwd")
     before = (target.stat(), target.read_bytes())
     log = Path(kernel.log)

@@ -20,7 +20,7 @@ from pathlib import Path
 from jupyter_gpu_snapshot.core import procfs
 
 from ..unix_users import UnixUser
-from .conftest import CLI, Agent, as_user, ask_kernel, cli, start_user_kernel
+from .conftest import CLI, Agent, as_user, ask_kernel, cli, save_and_stop, start_user_kernel
 
 # A refusal comes in seconds; a restore held by what is at the log never comes, and the
 # client gives up after this long (generous: a busy machine's restore takes seconds too).
@@ -67,11 +67,7 @@ def test_a_log_that_is_no_regular_file_is_refused_at_once(start_agent, unix_user
     # One operation at a time per user: a restore still held would refuse the next one.
     agent = start_agent("planted-logs", "--max-operations", "1")
     kernel = start_user_kernel(alice, agent)
-    saved = json.loads(cli(alice, agent, "save", "--pid", str(kernel.root_pid), "--stop",
-                           "--json").stdout)
-    deadline = time.monotonic() + 60
-    while procfs.tree_alive(kernel.root_pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    saved = save_and_stop(alice, agent, kernel)
     bobs = _listed_ids(bob, agent)
     log = Path(kernel.log)
 

@@ -30,7 +30,15 @@ from jupyter_gpu_snapshot.agent_client.protocol import MAX_REQUEST_BYTES, encode
 from jupyter_gpu_snapshot.core import procfs
 
 from ..unix_users import UnixUser
-from .conftest import COMMAND_SECONDS, Agent, as_user, cli, start_user_kernel, user_env
+from .conftest import (
+    BIG_CELL,
+    COMMAND_SECONDS,
+    Agent,
+    as_user,
+    cli,
+    start_user_kernel,
+    user_env,
+)
 
 # Generous: these machines may be busy; nothing below waits this long when all is well.
 ANSWER_SECONDS = 30.0
@@ -328,17 +336,6 @@ said["small"] = [json.loads(line) for line in save(int(sys.argv[3]), "small")]
 said["big"] += [json.loads(line) for line in big]
 print(json.dumps(said))
 """
-
-BIG_CELL = """
-import sys
-from jupyter_client.blocking import BlockingKernelClient
-kc = BlockingKernelClient(connection_file=sys.argv[1]); kc.load_connection_file()
-kc.start_channels(); kc.wait_for_ready(timeout=120)
-reply = kc.execute_interactive("import os; blob = os.urandom(300 << 20)", timeout=300)
-assert reply["content"]["status"] == "ok", reply
-kc.stop_channels()
-"""
-
 
 def test_two_saves_at_once_cannot_both_pass_the_quota(start_agent, unix_users):
     """Alice's store is empty and her quota 200 MiB; she saves a kernel of 300 MiB and,
