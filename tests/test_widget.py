@@ -363,7 +363,10 @@ def test_the_panel_sets_the_notebooks_hibernation_and_hibernates_the_kernel(
     # (JupyterLab's websocket is re-joined by the server); until then a cell's output is lost.
     for _ in range(10):
         with contextlib.suppress(TimeoutError):
-            assert notebook.ok("print(kept)", timeout=5) == "by the panel\n"
+            said = notebook.ok("print(kept)", timeout=5)
+            if said == "":  # the reply came, its output went out before the re-join
+                continue
+            assert said == "by the panel\n"
             break
     else:
         raise AssertionError("the woken kernel's output never arrived")
