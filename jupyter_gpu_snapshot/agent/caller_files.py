@@ -32,12 +32,14 @@ OPENER = Path(__file__).with_name("open_as_caller.py")
 OPEN_DEADLINE_SECONDS = 60.0
 _ANSWER_BYTES = 4096
 
+
 def open_for_criu(openings: list[Opening], caller: Caller,
                   deadline_seconds: float = OPEN_DEADLINE_SECONDS) -> dict[str, int]:
     """The descriptors of ``openings``, opened as ``caller``, by criu's name for each.
 
-    Raises :class:`InvalidRequest` naming the first file the caller cannot open, or that is
-    not what the image recorded; the descriptors opened so far are closed then."""
+    Raises :class:`InvalidRequest` naming the first file the caller cannot open, or when the
+    opening takes longer than ``deadline_seconds``; the descriptors opened so far are
+    closed then."""
     opened: dict[str, int] = {}
     if not openings:
         return opened
