@@ -27,8 +27,7 @@ import stat
 import psutil
 
 from ..core import procfs
-
-DELETED = " (deleted)"
+from ..core.open_files import DELETED
 
 
 def ext_id(mnt_id: int, inode: int) -> str:
