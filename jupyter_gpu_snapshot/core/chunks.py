@@ -235,6 +235,49 @@ class PackWriter:
             os.unlink(self.name + PACK_SUFFIX, dir_fd=self.dfd)
 
 
+@dataclass
+class PagePlan:
+    """Where the bytes of one chunked file are: runs of (pack fd, offset in the pack,
+    offset in the file, length), in the file's order. Bytes in no run are zeros."""
+
+    size: int
+    runs: npt.NDArray[np.int64]  # shape (n, 4)
+
+    @classmethod
+    def of(cls, where: npt.NDArray[np.int64], zero: npt.NDArray[np.bool_], index: PackIndex,
+           opened: dict[int, int]) -> PagePlan:
+        """The plan of a file whose pages are at ``where`` in ``index`` (``zero``: pages of
+        zeros), with the packs' fds in ``opened``."""
+        real = np.nonzero(~zero)[0]
+        packs = index.pack_of[where[real]]
+        slots = index.slot_of[where[real]]
+        # Runs of pages that follow each other both in the file and in one pack: one read.
+        breaks = np.nonzero((np.diff(real) != 1) | (np.diff(packs) != 0)
+                            | (np.diff(slots) != 1))[0] + 1
+        starts = np.concatenate(([0], breaks)).astype(np.int64) if len(real) else breaks
+        lengths = np.diff(np.concatenate((starts, [len(real)])))
+        fds = np.asarray([opened.get(i, -1) for i in range(len(index.packs))], np.int64)
+        runs = np.stack([fds[packs[starts]] if len(starts) else starts,
+                         slots[starts] * PAGE, real[starts] * PAGE, lengths * PAGE], axis=1)
+        return cls(len(zero) * PAGE, runs.astype(np.int64).reshape(-1, 4))
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the file's bytes from ``offset`` on, zeros included."""
+        end = offset + len(view)
+        starts, lengths = self.runs[:, 2], self.runs[:, 3]
+        first = int(np.searchsorted(starts + lengths, offset, side="right"))
+        last = int(np.searchsorted(starts, end, side="left"))
+        parts = []
+        for fd, src, dst, length in self.runs[first:last].tolist():
+            lo, hi = max(dst, offset), min(dst + length, end)
+            parts.append((fd, src + lo - dst, lo - offset, hi - lo))
+        if sum(p[3] for p in parts) < len(view):
+            np.frombuffer(view, np.uint8).fill(0)
+        for fd, src, at, length in parts:
+            with view[at:at + length] as part:
+                pread_exactly(fd, part, src, "a pack is shorter than its ids say")
+
+
 class ChunkStore:
     """The ``chunks/`` directory of one snapshot store."""
 
@@ -399,16 +442,20 @@ class ChunkStore:
         return len(fresh) * PAGE
 
     # -- restoring -------------------------------------------------------------------------
-    def assemble(self, recipes: dict[str, bytes], out_dfd: int, advance: Advance) -> None:
-        """Write each file of ``recipes`` (name → recipe) into ``out_dfd`` from the packs.
+    @contextlib.contextmanager
+    def opened_pages(self, recipes: dict[str, bytes], step: str) -> Iterator[dict[str, PagePlan]]:
+        """Where the bytes of each file of ``recipes`` (name → recipe) are: the packs it
+        needs, opened under the chunks lock (an open pack stays readable after the collector
+        removed it), and its runs of pages. Closed on leaving.
 
-        The files are not checked here: the caller checks them against the manifest's
-        digests before any of their code runs. A page the store lacks is an error.
+        Nothing read through a plan is checked here: the caller compares each file with its
+        manifest digest before any of its code runs. A page the store lacks is an error.
         """
-        with self._dir() as dfd, self.hold("restore"):
-            index = self.index(dfd)
-            opened: dict[int, int] = {}
-            try:
+        opened: dict[int, int] = {}
+        try:
+            with self._dir() as dfd, self.hold(step):
+                index = self.index(dfd)
+                plans = {}
                 for name, recipe in recipes.items():
                     ids = np.frombuffer(recipe, np.uint8).reshape(-1, ID_BYTES)
                     where = index.find(ids)
@@ -416,56 +463,27 @@ class ChunkStore:
                     lacking = np.nonzero((where < 0) & ~zero)[0]
                     if len(lacking):
                         raise SnapshotError(
-                            "restore",
+                            step,
                             f"page {int(lacking[0])} of {name} is in no pack of the store",
                             hint="the snapshot is damaged; delete it",
                         )
-                    for p in np.unique(index.pack_of[where[~zero]]):
-                        if int(p) not in opened:
-                            opened[int(p)] = safe_fs.open_regular(
-                                index.packs[int(p)] + PACK_SUFFIX, dfd)[0]
-                    plan = (ids, where, zero)
-                    self._write_file(name, plan, index, opened, out_dfd, advance)
-            finally:
-                for fd in opened.values():
-                    os.close(fd)
-
-    @staticmethod
-    def _write_file(
-        name: str, plan: tuple[Ids, npt.NDArray[np.int64], npt.NDArray[np.bool_]],
-        index: PackIndex, opened: dict[int, int], out_dfd: int, advance: Advance,
-    ) -> None:
-        ids, where, zero = plan
-        pages = len(ids)
-        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600, dir_fd=out_dfd)
-        try:
-            os.ftruncate(out, pages * PAGE)  # pages of zeros stay holes
-            real = np.nonzero(~zero)[0]
-            packs = index.pack_of[where[real]]
-            slots = index.slot_of[where[real]]
-            # Runs of pages that follow each other both in the file and in one pack: one copy.
-            breaks = np.nonzero((np.diff(real) != 1) | (np.diff(packs) != 0)
-                                | (np.diff(slots) != 1))[0] + 1
-            starts = np.concatenate(([0], breaks)).astype(np.int64) if len(real) else breaks
-            lengths = np.diff(np.concatenate((starts, [len(real)])))
-            pack_fds = [opened.get(i, -1) for i in range(len(index.packs))]
-            runs = np.stack([np.asarray(pack_fds, np.int64)[packs[starts]] if len(starts)
-                             else starts, slots[starts] * PAGE, real[starts] * PAGE,
-                             lengths * PAGE], axis=1)
-
-            def copy_runs(part: npt.NDArray[np.int64]) -> None:
-                for fd, src, dst, length in part.tolist():
-                    copy_range(fd, src, out, dst, length)
-                    advance(length)
-
-            # Copies run in the kernel, without the GIL: several at once keep a fast disk's
-            # queue full when the pages are read back from it.
-            with ThreadPoolExecutor(_ASSEMBLY_WORKERS) as pool:
-                list(pool.map(copy_runs, np.array_split(runs, _ASSEMBLY_WORKERS * 4)))
-            advance(int(zero.sum()) * PAGE)
+                    for p in np.unique(index.pack_of[where[~zero]]).tolist():
+                        if p not in opened:
+                            opened[p] = safe_fs.open_regular(index.packs[p] + PACK_SUFFIX,
+                                                             dfd)[0]
+                    plans[name] = PagePlan.of(where, zero, index, opened)
+            yield plans
         finally:
-            os.close(out)
+            for fd in opened.values():
+                os.close(fd)
+
+    def assemble(self, recipes: dict[str, bytes], out_dfd: int, advance: Advance) -> None:
+        """Write each file of ``recipes`` (name → recipe) into ``out_dfd`` from the packs,
+        for a check of the whole snapshot or an upload (a restore streams them instead:
+        ``core/image_server.py``). The files are not checked here."""
+        with self.opened_pages(recipes, "restore") as plans:
+            for name, plan in plans.items():
+                _write_file(name, plan, out_dfd, advance)
 
     # -- moving pages between stores --------------------------------------------------------
     def lacking(self, ids: Ids) -> npt.NDArray[np.bool_]:
@@ -736,6 +754,37 @@ def ids_in_order(recipes: Iterable[bytes]) -> Ids:
     first.sort()
     ordered: Ids = every[first]
     return ordered[ordered.any(axis=1)]
+
+
+def _write_file(name: str, plan: PagePlan, out_dfd: int, advance: Advance) -> None:
+    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                  0o600, dir_fd=out_dfd)
+    try:
+        os.ftruncate(out, plan.size)  # pages of zeros stay holes
+
+        def copy_runs(part: npt.NDArray[np.int64]) -> None:
+            for fd, src, dst, length in part.tolist():
+                copy_range(fd, src, out, dst, length)
+                advance(length)
+
+        # Copies run in the kernel, without the GIL: several at once keep a fast disk's
+        # queue full when the pages are read back from it.
+        with ThreadPoolExecutor(_ASSEMBLY_WORKERS) as pool:
+            list(pool.map(copy_runs, np.array_split(plan.runs, _ASSEMBLY_WORKERS * 4)))
+        advance(plan.size - int(plan.runs[:, 3].sum()))
+    finally:
+        os.close(out)
+
+
+def pread_exactly(fd: int, view: memoryview, offset: int, short: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``; ``short`` is the error when it ends first."""
+    done = 0
+    while done < len(view):
+        with view[done:] as rest:
+            n = os.preadv(fd, [rest], offset + done)
+        if n <= 0:
+            raise OSError(short)
+        done += n
 
 
 def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, length: int) -> None:

@@ -219,7 +219,7 @@ class CriuRunner:
 
     def restore_argv(
         self, images: Path, work: Path, pidfile: Path, *, leave_stopped: bool = False,
-        extras: CriuExtras | None = None,
+        extras: CriuExtras | None = None, stream: bool = False,
     ) -> list[str]:
         argv = [
             *self.restore_as, self.executable(), "restore", "-D", str(images), "-W", str(work),
@@ -228,6 +228,9 @@ class CriuRunner:
             # The counterpart of --external mnt[] at dump: bind the host's mounts back.
             "--ext-mount-map", "auto", "--root", "/",
         ]
+        if stream:
+            # The images come from an ImageServer listening in ``images``, not from files.
+            argv.append("--stream")
         if leave_stopped:
             # The tasks stay stopped: no code of the image runs until the caller continues
             # them, so the images can be checked while criu reads them.

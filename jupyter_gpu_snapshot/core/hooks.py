@@ -9,8 +9,7 @@ manifest and to the criu run, and reports progress. The GPU layer's hook
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +93,7 @@ class RestoreContext:
     # tasks run at its end (the GPU layer's plugin, once CUDA is back) and gates that on
     # ``images_verified``, which resolves once every digest of the images matched.
     criu: CriuExtras = field(default_factory=CriuExtras)
-    images_verified: asyncio.Future[float] | None = None
+    images_verified: Awaitable[float] | None = None
     criu_version: str = ""
     # The directory criu will read the images from, set before ``before_restore``.
     images_dir: Path | None = None

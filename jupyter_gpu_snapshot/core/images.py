@@ -122,10 +122,18 @@ def opened(dfd: int, snapshot: Snapshot) -> Iterator[list[Image]]:
     """The images of trusted ``snapshot`` in ``dfd``, in the order of their names, once the
     directory holds exactly the files its manifest lists, each a regular file of the listed
     size. Called by ``SnapshotStore.opened_images``; closed on leaving."""
+    require_listed(dfd, snapshot.manifest["files"], snapshot.id, "verify")
+    with opened_whole(dfd, snapshot, sorted(snapshot.manifest["files"])) as whole:
+        yield list(whole.values())
+
+
+@contextlib.contextmanager
+def opened_whole(dfd: int, snapshot: Snapshot, names: list[str]) -> Iterator[dict[str, Image]]:
+    """``names``, files of trusted ``snapshot`` kept whole in ``dfd``, opened (never through
+    a link) once each is a regular file of the size its manifest lists; closed on leaving."""
     files: Files = snapshot.manifest["files"]
-    require_listed(dfd, files, snapshot.id, "verify")
-    with _opened(dfd, sorted(files), "verify") as opened:
-        for name, (_, size) in opened.items():
+    with _opened(dfd, names, "verify") as whole:
+        for name, (_, size) in whole.items():
             if size != files[name]["size"]:
                 raise SnapshotError(
                     "verify",
@@ -133,7 +141,17 @@ def opened(dfd: int, snapshot: Snapshot) -> Iterator[list[Image]]:
                     f"the manifest says {files[name]['size']}",
                     hint=_ALTERED,
                 )
-        yield list(opened.values())
+        yield whole
+
+
+def mismatch(snapshot: Snapshot, name: str) -> SnapshotError:
+    """The error for an image file whose digest differs from its manifest's."""
+    return SnapshotError(
+        "verify",
+        f"image file {name} of {snapshot.id} does not match its "
+        f"{snapshot.manifest['digest']} digest",
+        hint=_ALTERED,
+    )
 
 
 def check_digests(
@@ -158,11 +176,7 @@ def check_digests(
         ) from exc
     for name, got in zip(names, actual, strict=True):
         if files[name]["digest"] != got:
-            raise SnapshotError(
-                "verify",
-                f"image file {name} of {snapshot.id} does not match its {algorithm} digest",
-                hint=_ALTERED,
-            )
+            raise mismatch(snapshot, name)
 
 
 def redigest_legacy(

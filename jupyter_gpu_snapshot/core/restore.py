@@ -26,11 +26,9 @@ import contextlib
 import logging
 import os
 import shutil
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import locks, procfs
@@ -38,6 +36,8 @@ from .background import run_in_background
 from .compatibility import NodeCompatibility, refusal
 from .errors import InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .hooks import Progress, ProgressCallback, RestoreContext, SnapshotHook
+from .image_server import ImageFile, ImageServer
+from .progress import byte_counter
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
 from .snapshot import Snapshot
 
@@ -133,21 +133,18 @@ async def _restore(
     started = time.monotonic()
     report(Progress("preflight"))
     ctx = await _preflight(engine, snapshot, report, gpus, timings)
-    t = time.monotonic()
-    # Entered and left in a thread: a chunked snapshot's files are assembled on entering.
-    opened = engine.store.opened_images(ctx.snapshot)
-    images_dir, images = await asyncio.to_thread(opened.__enter__)
+    # Entered and left in a thread: the store's packs are opened on entering.
+    served = engine.store.served_images(ctx.snapshot)
+    files = await asyncio.to_thread(served.__enter__)
     try:
-        timings["assemble"] = time.monotonic() - t
         # Checked (and a missing one made) before criu runs; criu reopens them, through the
         # node agent from descriptors its user opened (agent/external_files.py).
         logs = await asyncio.to_thread(engine.store.open_log_files, ctx.snapshot)
         for fd in logs.values():
             os.close(fd)
-        timings["preflight"] = time.monotonic() - started
-        ctx.root_pid = await _restore_checked(engine, ctx, images_dir, images, timings)
+        ctx.root_pid = await _restore_checked(engine, ctx, files, timings, started)
     finally:
-        await asyncio.to_thread(opened.__exit__, None, None, None)
+        await asyncio.to_thread(served.__exit__, None, None, None)
     await _resume(engine, ctx, timings)
     timings["total"] = time.monotonic() - started
     report(Progress("done"))
@@ -184,43 +181,43 @@ async def _preflight(
 async def _restore_checked(
     engine: EngineParts,
     ctx: RestoreContext,
-    images_dir: Path,
-    images: list[tuple[int, int]],
+    files: dict[str, ImageFile],
     timings: dict[str, float],
+    started: float,
 ) -> int:
-    """Run ``criu restore`` while the digests are checked on all cores.
+    """Run ``criu restore --stream``, its images served from the store and checked against
+    their digests as criu reads them (``ImageServer``).
 
-    Returns the root pid of the restored tree once both succeeded: still stopped with
-    ``ctx.criu.leave_stopped``, else let run by criu's plugin after the digests matched.
-    If either fails, the tree is killed before any of its code ran.
+    Returns the root pid of the restored tree once criu and every digest succeeded: still
+    stopped with ``ctx.criu.leave_stopped``, else let run by criu's plugin after the digests
+    matched. If either fails, the tree is killed before any of its code ran.
     """
     snapshot, report, store, criu = ctx.snapshot, ctx.report, engine.store, engine.criu
     total = snapshot.size_bytes
     report(Progress("restore", 0, total))
-    cancel = threading.Event()
-    t = time.monotonic()
-
-    def check() -> float:
-        store.check_digests(
-            snapshot, images, lambda d, n: report(Progress("restore", d, n)), cancel
-        )
-        return time.monotonic() - t
-
-    # At a lower priority than the event loop; criu and the digests share the rest.
-    verifying = asyncio.ensure_future(run_in_background(check))
-    ctx.images_verified = verifying
     work, work_lock = work_dir("restore")
+    images_dir = work / "images"
+    images_dir.mkdir(mode=0o700)
     pidfile = work / "restore.pid"
     root_pid = 0
     hooked: list[SnapshotHook] = []
-    ctx.images_dir = images_dir
+    server = ImageServer(snapshot, files, images_dir, byte_counter(
+        lambda done, whole: report(Progress("restore", min(done, whole), whole)), total))
+    t = time.monotonic()
+    verifying = _Gate(lambda: run_in_background(server.verify_all))
     try:
+        await asyncio.to_thread(server.prepare)
+        timings["images_checked_first"] = time.monotonic() - t
+        timings["preflight"] = time.monotonic() - started
+        t = time.monotonic()
+        ctx.images_verified = verifying
+        ctx.images_dir = images_dir
         for hook in engine.hooks:
             await hook.before_restore(ctx)
             hooked.append(hook)
         run = await criu.run(
-            criu.restore_argv(images_dir, work, pidfile,
-                              leave_stopped=ctx.criu.leave_stopped, extras=ctx.criu),
+            criu.restore_argv(images_dir, work, pidfile, leave_stopped=ctx.criu.leave_stopped,
+                              extras=ctx.criu, stream=True),
             work / "restore.log", env=ctx.criu.env,
             pass_fds=tuple(ctx.criu.inherited_fds.values()),
         )
@@ -245,10 +242,10 @@ async def _restore_checked(
         timings["verify"] = await verifying
         timings["verify_wait"] = time.monotonic() - t_wait
     except BaseException as exc:
-        cancel.set()
+        await asyncio.to_thread(server.close)
         if root_pid > 0:
             await asyncio.to_thread(procfs.kill_tree, root_pid)
-        if not verifying.done():
+        if verifying.started:
             with contextlib.suppress(BaseException):
                 await verifying
         for hook in reversed(hooked):
@@ -256,10 +253,31 @@ async def _restore_checked(
                 await hook.restore_failed(ctx, exc)
         raise
     finally:
+        await asyncio.to_thread(server.close)
+        ctx.notes["images"] = server.stats.as_dict()
         ctx.criu.close_inherited()
         await asyncio.to_thread(shutil.rmtree, work, True)
         work_lock.release()
     return root_pid
+
+
+class _Gate:
+    """The check of every digest, started when first awaited: by criu's CUDA plugin once
+    criu read the tree's memory, else by the restore once criu ended. Started earlier, it
+    would read itself the files criu is about to ask for."""
+
+    def __init__(self, start: Callable[[], Awaitable[float]]) -> None:
+        self._start = start
+        self._task: asyncio.Future[float] | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    def __await__(self) -> Generator[Any, None, float]:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._start())
+        return self._task.__await__()
 
 
 async def _resume(engine: EngineParts, ctx: RestoreContext, timings: dict[str, float]) -> None:

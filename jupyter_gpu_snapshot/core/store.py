@@ -36,6 +36,7 @@ import psutil
 from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
 from . import chunks, images, locks, safe_fs
 from .errors import InvalidRequest, NotFound, SnapshotError
+from .image_server import ImageFile
 from .locks import StoreLocks
 from .locks import name_key as name_lock_key
 from .locks import snapshot_key as snapshot_lock_key
@@ -600,6 +601,37 @@ class SnapshotStore:
                 images.opened(out_fd, snapshot) as opened,
             ):
                 yield path, opened
+
+    @contextlib.contextmanager
+    def served_images(self, snapshot: Snapshot) -> Iterator[dict[str, ImageFile]]:
+        """Every image file of trusted ``snapshot``, ready to be read where it is: files
+        kept whole opened in its directory, files kept as recipes planned onto the store's
+        packs (their recipes checked against the signed manifest first). Nothing is
+        assembled or checked here: a restore's ``ImageServer`` hands the bytes to criu and
+        compares each file with its manifest digest as it goes. Closed on leaving."""
+        snapshot.require_trusted()
+        with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
+            assert root_fd is not None
+            files = snapshot.manifest["files"]
+            images.require_listed(dfd, files, snapshot.id, "verify")
+            recipes = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
+                       for name in images.stored_as_recipes(dfd, files)}
+            whole_names = sorted(set(files) - set(recipes))
+            with contextlib.ExitStack() as stack:
+                try:
+                    whole = stack.enter_context(images.opened_whole(dfd, snapshot, whole_names))
+                    plans = stack.enter_context(
+                        self._chunks(root_fd).opened_pages(recipes, "restore"))
+                except OSError as exc:
+                    raise SnapshotError(
+                        "restore", f"cannot open the page packs of {snapshot.id}: {exc}",
+                        hint="the snapshot is damaged; delete it") from exc
+                served = {name: ImageFile.whole(name, fd, files[name]["size"],
+                                                   files[name]["digest"])
+                          for name, (fd, _) in whole.items()}
+                served.update({name: ImageFile(name, plan.size, files[name]["digest"],
+                                               plan.read_into) for name, plan in plans.items()})
+                yield dict(sorted(served.items()))
 
     @contextlib.contextmanager
     def _assembled(

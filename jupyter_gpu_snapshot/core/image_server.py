@@ -1,0 +1,415 @@
+"""A restore's images handed to criu where they lie in the store, through criu's image-streamer
+protocol (``criu restore --stream``): nothing is assembled or copied before criu runs.
+
+Why this way, and not packs laid out for criu to read in place, is in docs/architecture.md
+("Restoring from the packs").
+
+The protocol (criu's ``img-streamer.c``): criu connects once to ``<images dir>/SOCKET_NAME``;
+its restoring processes share that connection, one request at a time. A request is a
+length-prefixed protobuf naming one image file; the answer says whether it exists; if it
+does, criu passes the write end of a pipe over the socket and reads the file from the other
+end, in order.
+
+Every byte criu gets is checked against the signed manifest:
+
+- a file of up to ``CHECKED_FIRST_BYTES`` (every image but the large pages images) is read
+  whole and compared with its digest before criu gets a byte of it, so criu parses nothing
+  unchecked. These checked copies are also written to the images directory, for the hooks
+  that read an image before criu runs (the node agent's checks);
+- a larger file is hashed as its bytes go to criu, and compared when its last byte went;
+  criu only copies those bytes into the tree's memory. ``verify_all`` returns once every
+  file matched, and no code of the tree runs before it returned: criu's CUDA plugin waits
+  for it (the broker's gate), and without the plugin the tree stays stopped until then.
+  A large file asked for after that is refused, so criu fails rather than read it
+  unchecked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import digest
+from .chunks import pread_exactly
+from .errors import SnapshotError
+from .images import mismatch
+from .snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "streamer-serve.sock"
+CHECKED_FIRST_BYTES = 16 << 20
+# Read from the store this much at a time, the next block while the last goes to criu.
+BLOCK_BYTES = 16 << 20
+# criu's pipes hold 64 KiB; a wider one lets criu copy more per read.
+PIPE_BYTES = 8 << 20
+_MAX_REQUEST_BYTES = 4096
+_SUN_PATH_MAX = 107
+_DAMAGED = "the snapshot is damaged; delete it"
+
+ReadInto = Callable[[memoryview, int], None]
+
+
+@dataclass(frozen=True)
+class ImageFile:
+    """One image file of a snapshot as a restore reads it: ``read_into(view, offset)``
+    fills ``view`` with its bytes from ``offset`` on, from wherever the store keeps them."""
+
+    name: str
+    size: int
+    digest: str
+    read_into: ReadInto
+
+    @classmethod
+    def whole(cls, name: str, fd: int, size: int, expected: str) -> ImageFile:
+        def read_into(view: memoryview, offset: int) -> None:
+            pread_exactly(fd, view, offset, f"{name} shrank while it was read")
+
+        return cls(name, size, expected, read_into)
+
+
+@dataclass
+class ServeStats:
+    """Where a restore's image time went, for the benchmarks."""
+
+    checked_first_bytes: int = 0
+    streamed_bytes: int = 0
+    checked_after_bytes: int = 0
+    read_seconds: float = 0.0  # reading the store (packs or whole files)
+    hash_seconds: float = 0.0
+    pipe_seconds: float = 0.0  # handing bytes to criu, waiting while it is busy
+    requests: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ImageServer:
+    """Serves ``files`` of ``snapshot`` to one ``criu restore --stream -D directory``."""
+
+    def __init__(self, snapshot: Snapshot, files: dict[str, ImageFile], directory: Path,
+                 advance: Callable[[int], None]) -> None:
+        self.snapshot = snapshot
+        self.files = files
+        self.directory = directory
+        self.stats = ServeStats()
+        self._advance = advance
+        self._algorithm = str(snapshot.manifest["digest"])
+        self._checked_first: dict[str, bytes] = {}
+        self._verified: set[str] = set()
+        self._failure: SnapshotError | None = None
+        self._gate_passed = False
+        self._active = 0
+        self._lock = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        self._closing = threading.Event()
+
+    # -- before criu -----------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Check every small file, write the checked copies to the directory, and listen.
+        Runs in a thread, before the hooks' ``before_restore``."""
+        for name, image in self.files.items():
+            if image.size > CHECKED_FIRST_BYTES:
+                continue
+            data = self._read_checked(image)
+            self._checked_first[name] = data
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd())
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+            self._verified.add(name)
+            self.stats.checked_first_bytes += image.size
+        path = os.fsencode(self.directory / SOCKET_NAME)
+        if len(path) > _SUN_PATH_MAX:
+            raise SnapshotError(
+                "restore", f"the path of criu's image socket is too long: {path.decode()}",
+                hint="set TMPDIR to a shorter directory")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.bind(path)
+        listener.listen(4)
+        self._listener = listener
+        self._start(self._accept, "accept")
+
+    def _dir_fd(self) -> int:
+        if not hasattr(self, "_dfd"):
+            self._dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                | os.O_CLOEXEC)
+        return self._dfd
+
+    # -- while criu runs -------------------------------------------------------------------
+    def _start(self, target: Callable[..., None], label: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True,
+                                  name=f"image-server-{label}")
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            self._start(self._serve, "connection", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Answer one connection's requests until criu closes it."""
+        with conn:
+            try:
+                while (name := _read_request(conn)) is not None:
+                    image = self._servable(name)
+                    conn.sendall(_reply(image is not None))
+                    if image is None:
+                        continue
+                    _, fds, _, _ = socket.recv_fds(conn, 1, 4)
+                    if not fds:
+                        raise ProtocolError(f"no pipe came with the request for {name}")
+                    for extra in fds[1:]:
+                        os.close(extra)
+                    with self._lock:
+                        self._active += 1
+                        self.stats.requests += 1
+                    self._start(self._send, name, image, fds[0])
+            except (OSError, ProtocolError) as exc:
+                if not self._closing.is_set():
+                    log.warning("criu's image connection ended: %s", exc)
+
+    def _servable(self, name: str) -> ImageFile | None:
+        image = self.files.get(name)
+        with self._lock:
+            if image is not None and self._gate_passed and name not in self._checked_first:
+                # Every digest was checked already; bytes read now would not be.
+                log.warning("criu asked for %s after the images were checked; refused", name)
+                return None
+        return image
+
+    def _send(self, image: ImageFile, pipe: int) -> None:
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(pipe, fcntl.F_SETPIPE_SZ, _pipe_bytes())
+            checked = self._checked_first.get(image.name)
+            if checked is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    _write_all(pipe, checked)
+            else:
+                self._check(image, pipe)
+        except SnapshotError as exc:
+            self._fail(exc)
+        except OSError as exc:
+            self._fail(self._unreadable(image, exc))
+        finally:
+            os.close(pipe)
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
+    def _check(self, image: ImageFile, pipe: int | None) -> None:
+        """Hash ``image`` block by block, handing each block to ``pipe`` (criu's) if given
+        and while criu reads; compare with the manifest at the end."""
+        hasher = digest.Incremental(self._algorithm)
+        for block in self._blocks(image):
+            t = time.monotonic()
+            hasher.update(block)
+            t_hash = time.monotonic()
+            if pipe is not None:
+                try:
+                    _write_all(pipe, block)
+                except BrokenPipeError:
+                    pipe = None  # criu stopped reading; the rest is still checked
+            t_pipe = time.monotonic()
+            with self._lock:
+                self.stats.hash_seconds += t_hash - t
+                self.stats.pipe_seconds += t_pipe - t_hash
+                if pipe is not None:
+                    self.stats.streamed_bytes += len(block)
+            self._advance(len(block))
+        if hasher.hexdigest() != image.digest:
+            raise mismatch(self.snapshot, image.name)
+        with self._lock:
+            self._verified.add(image.name)
+
+    def _blocks(self, image: ImageFile) -> Iterator[memoryview]:
+        """``image`` in blocks, each next one read while the last is used."""
+        buffers = [mmap.mmap(-1, BLOCK_BYTES), mmap.mmap(-1, BLOCK_BYTES)]
+
+        def read(i: int, offset: int) -> memoryview:
+            view = memoryview(buffers[i])[: min(BLOCK_BYTES, image.size - offset)]
+            t = time.monotonic()
+            image.read_into(view, offset)
+            with self._lock:
+                self.stats.read_seconds += time.monotonic() - t
+            return view
+
+        with ThreadPoolExecutor(1, thread_name_prefix="image-read") as pool:
+            offsets = range(0, image.size, BLOCK_BYTES)
+            ahead: Future[memoryview] | None = pool.submit(read, 0, 0) if offsets else None
+            for k, offset in enumerate(offsets):
+                if self._closing.is_set():
+                    raise SnapshotError("restore", "the restore was stopped")
+                assert ahead is not None
+                block = ahead.result()
+                following = offset + BLOCK_BYTES
+                ahead = pool.submit(read, (k + 1) % 2, following) \
+                    if following < image.size else None
+                yield block
+
+    def _read_checked(self, image: ImageFile) -> bytes:
+        data = bytearray(image.size)
+        try:
+            image.read_into(memoryview(data), 0)
+        except OSError as exc:
+            raise self._unreadable(image, exc) from exc
+        hasher = digest.Incremental(self._algorithm)
+        hasher.update(data)
+        if hasher.hexdigest() != image.digest:
+            raise mismatch(self.snapshot, image.name)
+        self._advance(image.size)
+        return bytes(data)
+
+    def _unreadable(self, image: ImageFile, exc: OSError) -> SnapshotError:
+        return SnapshotError(
+            "verify", f"cannot read image file {image.name} of {self.snapshot.id}: {exc}",
+            hint=_DAMAGED)
+
+    def _fail(self, exc: SnapshotError) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+
+    # -- the gate --------------------------------------------------------------------------
+    def verify_all(self) -> float:
+        """Wait for the files criu is reading, then check those it never asked for; raise
+        the first mismatch. Returns the seconds it waited and checked. Blocks: call it in
+        a thread, once criu read the tree's memory (the CUDA plugin's restore, or criu's
+        end)."""
+        started = time.monotonic()
+        with self._lock:
+            while self._active and not self._closing.is_set():
+                self._lock.wait(0.2)
+            if self._failure is not None:
+                raise self._failure
+            unchecked = [image for name, image in self.files.items()
+                         if name not in self._verified]
+        for image in unchecked:
+            try:
+                self._check(image, None)
+            except OSError as exc:
+                raise self._unreadable(image, exc) from exc
+            self.stats.checked_after_bytes += image.size
+        with self._lock:
+            self._gate_passed = True
+            if self._failure is not None:
+                raise self._failure
+        return time.monotonic() - started
+
+    def close(self) -> None:
+        """Stop serving: criu has ended (or will fail reading)."""
+        self._closing.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=10)
+        if hasattr(self, "_dfd"):
+            os.close(self._dfd)
+            del self._dfd
+
+    def __enter__(self) -> ImageServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ProtocolError(Exception):
+    """criu sent what its image-streamer protocol does not."""
+
+
+def _read_request(conn: socket.socket) -> str | None:
+    """The file name of criu's next request, or None once criu closed the connection."""
+    header = _recv_exactly(conn, 4)
+    if header is None:
+        return None
+    (size,) = struct.unpack("=I", header)
+    if size > _MAX_REQUEST_BYTES:
+        raise ProtocolError(f"a request of {size} bytes")
+    body = _recv_exactly(conn, size)
+    if body is None:
+        raise ProtocolError("the connection ended inside a request")
+    # img_streamer_request_entry: field 1 (filename), length-delimited, nothing else.
+    if not body or body[0] != 0x0A:
+        raise ProtocolError("a request without a file name")
+    length, at = _varint(body, 1)
+    if at + length != len(body):
+        raise ProtocolError("a request with more than a file name")
+    return body[at:].decode("utf-8", "surrogateescape")
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while at < len(data) and shift < 35:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+    raise ProtocolError("a malformed length in a request")
+
+
+def _reply(exists: bool) -> bytes:
+    # img_streamer_reply_entry: field 1 (exists), a varint.
+    body = bytes([0x08, int(exists)])
+    return struct.pack("=I", len(body)) + body
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        part = conn.recv(size - len(data))
+        if not part:
+            if data:
+                raise ProtocolError("the connection ended inside a message")
+            return None
+        data += part
+    return data
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    with view:
+        done = 0
+        while done < len(view):
+            with view[done:] as rest:
+                done += os.write(fd, rest)
+
+
+def _pipe_bytes() -> int:
+    """``PIPE_BYTES``, or the most an unprivileged process may ask for when less."""
+    if os.geteuid() == 0:
+        return PIPE_BYTES
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            return min(PIPE_BYTES, int(f.read()))
+    except (OSError, ValueError):
+        return 1 << 20
+
