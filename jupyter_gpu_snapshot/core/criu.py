@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from .errors import NotReady, SnapshotError
 
 MIN_VERSION = (4, 2)
@@ -89,6 +91,22 @@ class CriuRun:
     returncode: int
     seconds: float
     log_path: Path
+    # With ``track_children``: criu's children seen while it ran (pid → start time).
+    children: dict[int, float] = field(default_factory=dict)
+
+
+# How often a restore's criu is looked at for new children: criu forks the tree's init in
+# its first moments, then reads the pages for seconds.
+_CHILD_TICK_EARLY = 0.01
+_CHILD_EARLY_SECONDS = 2.0
+_CHILD_TICK = 0.05
+
+
+def _children(pid: int) -> dict[int, float]:
+    with contextlib.suppress(psutil.Error):
+        return {child.pid: child.create_time()
+                for child in psutil.Process(pid).children(recursive=True)}
+    return {}
 
 
 def describe_exit(returncode: int) -> str:
@@ -246,8 +264,13 @@ class CriuRunner:
         tick_seconds: float = 0.2,
         pass_fds: tuple[int, ...] = (),
         env: dict[str, str] | None = None,
+        track_children: bool = False,
     ) -> CriuRun:
-        """Run criu to completion, calling ``on_tick`` while it runs (for progress)."""
+        """Run criu to completion, calling ``on_tick`` while it runs (for progress).
+
+        ``track_children`` notes criu's children as they appear: a restore's tree hangs
+        below them, and a criu that dies midway leaves them orphaned for the caller to
+        kill (``CriuRun.children``)."""
         started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -261,8 +284,14 @@ class CriuRunner:
             env={**os.environ, **env} if env else None,
         )
         wait = asyncio.ensure_future(proc.communicate())
+        children: dict[int, float] = {}
         while True:
-            done, _ = await asyncio.wait({wait}, timeout=tick_seconds)
+            if track_children:
+                children.update(await asyncio.to_thread(_children, proc.pid))
+            early = time.monotonic() - started < _CHILD_EARLY_SECONDS
+            done, _ = await asyncio.wait(
+                {wait}, timeout=(_CHILD_TICK_EARLY if early else min(tick_seconds, _CHILD_TICK))
+                if track_children else tick_seconds)
             if done:
                 break
             if on_tick:
@@ -270,7 +299,8 @@ class CriuRunner:
         _, stderr = wait.result()
         if stderr and proc.returncode:
             await asyncio.to_thread(_append, log_path, b"\n-- criu stderr --\n" + stderr[-4000:])
-        return CriuRun(argv, proc.returncode or 0, time.monotonic() - started, log_path)
+        return CriuRun(argv, proc.returncode or 0, time.monotonic() - started, log_path,
+                       children)
 
     def check_output(self) -> tuple[bool, str]:
         out = subprocess.run(

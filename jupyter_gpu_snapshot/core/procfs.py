@@ -179,6 +179,42 @@ def kill_tree(root: int) -> None:
         psutil.wait_procs(procs, timeout=5)
 
 
+def ports_closing(ports: list[int]) -> bool:
+    """Whether ``ports`` are held only by connections in TIME_WAIT: no process has them,
+    the system frees them within a minute (a criu restore killed midway leaves these)."""
+    states = {c.status for c in psutil.net_connections(kind="tcp")
+              if c.laddr and c.laddr.port in ports}
+    return states == {psutil.CONN_TIME_WAIT}
+
+
+def kill_orphans(children: dict[int, float], connection_info: dict[str, Any],
+                 since: float) -> list[int]:
+    """Kill what a criu restore that died midway left: the trees of its children (pid →
+    start time, as ``CriuRun.children`` saw them) still alive, and the orphaned tree of
+    another PID namespace, started since ``since`` (criu's start, wall clock), that holds
+    the restored kernel's ports (a child criu forked between two looks). Returns the roots
+    killed."""
+    roots = []
+    for pid, started in children.items():
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).create_time() == started:
+                roots.append(pid)
+    ports = {int(connection_info[f"{c}_port"]) for c in
+             ("shell", "iopub", "stdin", "control", "hb") if connection_info.get(f"{c}_port")}
+    with contextlib.suppress(psutil.Error):
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.pid and conn.status == psutil.CONN_LISTEN and conn.laddr \
+                    and conn.laddr.port in ports:
+                with contextlib.suppress(OSError, psutil.Error):
+                    init = namespace_init(conn.pid)
+                    if init is not None and psutil.Process(init).ppid() == 1 \
+                            and psutil.Process(init).create_time() >= since:
+                        roots.append(init)
+    for root in dict.fromkeys(roots):
+        kill_tree(root)
+    return list(dict.fromkeys(roots))
+
+
 def tree_maps_library(root: int, library: str) -> bool:
     """Whether any process of the tree has a library mapped, e.g. ``libcuda.so``.
 

@@ -87,6 +87,16 @@ async def check_ports(snapshot: Snapshot) -> None:
     """
     info = snapshot.connection_info
     busy = await asyncio.to_thread(procfs.ports_in_use, info)
+    ports = [int(name.rsplit(" ", 1)[1]) for name in busy]
+    closing = bool(busy) and await asyncio.to_thread(procfs.ports_closing, ports)
+    if closing:
+        raise PortsInUse(
+            "preflight",
+            f"{', '.join(busy)} of {info.get('ip', '127.0.0.1')} are still held by the "
+            "closing connections of an interrupted restore",
+            hint="the system frees them within a minute; try again then",
+            details={"ports": busy},
+        )
     if busy:
         raise PortsInUse(
             "preflight",
@@ -219,9 +229,18 @@ async def _restore_checked(
             criu.restore_argv(images_dir, work, pidfile, leave_stopped=ctx.criu.leave_stopped,
                               extras=ctx.criu, stream=True),
             work / "restore.log", env=ctx.criu.env,
-            pass_fds=tuple(ctx.criu.inherited_fds.values()),
+            pass_fds=tuple(ctx.criu.inherited_fds.values()), track_children=True,
         )
         timings["restore"] = time.monotonic() - t
+        if run.returncode != 0:
+            # A criu that died midway leaves its half-restored tree running on, orphaned,
+            # holding the kernel's ports: nothing would restore the snapshot again.
+            left = await asyncio.to_thread(procfs.kill_orphans, run.children,
+                                           snapshot.connection_info,
+                                           time.time() - run.seconds - 5)
+            if left:
+                log.warning("restore of %s: killed the tree criu left (pids %s)",
+                            snapshot.id, left)
         if run.returncode == 0:
             with contextlib.suppress(OSError, ValueError):
                 root_pid = int(pidfile.read_text().strip())
