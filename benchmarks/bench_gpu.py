@@ -101,8 +101,10 @@ def rate(copy):
         start.record(); copy(); end.record(); end.synchronize()
         best = max(best, n / (start.elapsed_time(end) / 1e3))
     return best
+pageable = torch.ones(n, dtype=torch.uint8)
 print(json.dumps({"h2d_bytes_per_s": rate(lambda: dev.copy_(host, non_blocking=True)),
-                  "d2h_bytes_per_s": rate(lambda: host.copy_(dev, non_blocking=True))}))
+                  "d2h_bytes_per_s": rate(lambda: host.copy_(dev, non_blocking=True)),
+                  "h2d_pageable_bytes_per_s": rate(lambda: dev.copy_(pageable))}))
 """
 
 

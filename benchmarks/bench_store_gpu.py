@@ -7,8 +7,10 @@ is deleted before the next layout starts (the GPU machine's disk is 64 GB):
   saved, runs one forward pass, and is saved again. For the second save: the bytes written
   (chunked: the manifest's ``stored``; whole: the image), the pause, save -> durable (the
   commit done), then, the kernel killed and the page cache dropped, restore -> first cell
-  output, with its ``assemble`` part. One kernel serves both layouts: the chunked layout
-  starts from the kernel the whole layout restored.
+  output, cold (page cache dropped) and warm, with the image server's parts (bytes and
+  rate of the store reads, hashing and criu's pipes) beside the machine's own floors
+  measured in the same run (``common.machine_floors``). One kernel serves both layouts:
+  the chunked layout starts from the kernel the whole layout restored.
 - ``training``: a smaller Llama-shaped model (fp32 weights, about 1.5 GiB) with AdamW, saved
   four times with one optimizer step between saves; the same figures for each save, the
   disk the four snapshots hold (``du`` of the store, packs included), and each snapshot
@@ -38,11 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_gpu import LLAMA_8B, STATE_CHECK, Kernel, first_cell, machine_info
-from common import settle
+from bench_gpu import LLAMA_8B, STATE_CHECK, Kernel, first_cell, machine_info, pcie_rates
+from common import machine_floors, settle
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
-from jupyter_gpu_snapshot.core import chunks, images, procfs
+from jupyter_gpu_snapshot.core import chunks, image_server, images, procfs
 from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
@@ -106,8 +108,7 @@ TIMED: list[tuple[Any, str, str]] = [
     (chunks.ChunkStore, "_store_new", "store_new"),  # lookup, dedup, gather, pack append
     (chunks.PackWriter, "append", "pack_write"),  # write(2) of the new pages
     (chunks.PackWriter, "finish", "pack_fsync"),  # fsync of the pack, ids written
-    (chunks.ChunkStore, "assemble", "assemble"),  # restore: whole files from the packs
-    (chunks.ChunkStore, "_write_file", "assemble_copy"),  # copy_file_range of the runs
+    (image_server.ImageServer, "prepare", "images_checked_first"),  # restore: small files
     (chunks.ChunkStore, "collect", "collect"),  # delete: packs no recipe needs
 ]
 
@@ -235,11 +236,14 @@ def kill(k: Kernel) -> None:
         time.sleep(0.1)
 
 
-def restore(engine: SnapshotEngine, k: Kernel, snap: Snapshot, expect: str) -> dict[str, Any]:
-    """Kill the kernel, drop the page cache, restore ``snap``: seconds to the first cell's
-    output, which must be ``expect``. The restored kernel is ``k`` from here on."""
+def restore(engine: SnapshotEngine, k: Kernel, snap: Snapshot, expect: str,
+            cold: bool = True) -> dict[str, Any]:
+    """Kill the kernel, drop the page cache (``cold``, as after a reboot), restore ``snap``:
+    seconds to the first cell's output, which must be ``expect``. The restored kernel is
+    ``k`` from here on. Where the image time went: the image server's figures, each with
+    its bytes and rate."""
     kill(k)
-    settle(cold=True)
+    settle(cold=cold)
     with Measured() as m:
         started = time.monotonic()
         back = asyncio.run(engine.restore(snap.id))
@@ -248,9 +252,22 @@ def restore(engine: SnapshotEngine, k: Kernel, snap: Snapshot, expect: str) -> d
         cell_s, printed = first_cell(k.info, STATE_CHECK)
         to_cell = time.monotonic() - started
     assert printed == expect, f"restored state differs: {printed!r} != {expect!r}"
-    return {"restore_to_first_cell_s": to_cell, "restore_s": restored_s,
-            "first_cell_s": cell_s, "assemble_s": back.timings.get("assemble", 0.0),
+    images = dict(back.notes.get("images") or {})
+    streamed = images.get("streamed_bytes", 0)
+    for part in ("read", "hash", "pipe"):
+        seconds = images.get(f"{part}_seconds", 0.0)
+        images[f"{part}_bytes_per_s"] = round(streamed / seconds) if seconds else None
+    criu_s = back.timings.get("restore", 0.0)
+    images["criu_bytes_per_s"] = round(snap.size_bytes / criu_s) if criu_s else None
+    return {"cold": cold, "restore_to_first_cell_s": to_cell, "restore_s": restored_s,
+            "first_cell_s": cell_s, "image_bytes": snap.size_bytes, "images": images,
             "timings": back.timings, "state_equal": True, **m.figures()}
+
+
+def store_files(engine: SnapshotEngine, snap: Snapshot) -> list[Path]:
+    """What a restore of ``snap`` reads: its packs where it is chunked, else its files."""
+    packs = sorted((engine.store.root / chunks.CHUNKS_DIR).glob(f"*{chunks.PACK_SUFFIX}"))
+    return packs or sorted(p for p in snap.path.iterdir() if p.is_file())
 
 
 def run_cell(k: Kernel, code: str) -> str:
@@ -280,6 +297,8 @@ def inference(k: Kernel, layout: str, work: Path, criu: CriuRunner) -> dict[str,
         engine.store.delete(first.id)
     result["delete_first"] = {"delete_s": m.wall_s, **m.figures()}
     result["restore_2"] = restore(engine, k, second, k.checksum)
+    result["restore_2_warm"] = restore(engine, k, second, k.checksum, cold=False)
+    result["floors"] = machine_floors(store_files(engine, second))
     result["drop"] = drop_store(engine, [second])
     return result
 
@@ -320,7 +339,7 @@ def fmt_save(r: dict[str, Any]) -> str:
 
 def fmt_restore(r: dict[str, Any]) -> str:
     return (f"restore->first cell {r['restore_to_first_cell_s']:.2f}s "
-            f"(assemble {r['assemble_s']:.2f}s)")
+            f"(criu {r['timings'].get('restore', 0.0):.2f}s)")
 
 
 def main() -> None:
@@ -341,6 +360,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "benchmark": "store-whole-vs-chunked",
         "machine": machine_info(criu, driver),
+        "pcie": pcie_rates(),
         "commit": os.environ.get("JGS_BENCH_COMMIT", head),
         "small": args.small,
         "cases": {},
@@ -415,7 +435,11 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                 "save_to_durable_s": r["save_2"]["save_to_durable_s"],
                 "commit_s": r["save_2"]["commit_s"],
                 "restore_to_first_cell_s": r["restore_2"]["restore_to_first_cell_s"],
-                "assemble_s": r["restore_2"]["assemble_s"],
+                "restore_s": r["restore_2"]["restore_s"],
+                "warm_restore_to_first_cell_s": r["restore_2_warm"]["restore_to_first_cell_s"],
+                "images": r["restore_2"]["images"],
+                "warm_images": r["restore_2_warm"]["images"],
+                "floors": r["floors"],
             }
             for layout, r in (("whole", w), ("chunked", c))
         }
@@ -423,8 +447,11 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         s["targets"] = {
             "written_le_10pct_of_image": cs["written_over_image"] <= 0.10,
             "durable_le_pause_plus_1s": cs["save_to_durable_s"] <= cs["pause_s"] + 1.0,
-            "restore_not_slower_than_whole": c["restore_2"]["restore_to_first_cell_s"]
-            <= w["restore_2"]["restore_to_first_cell_s"],
+            "chunked_within_0_5s_of_whole": c["restore_2"]["restore_to_first_cell_s"]
+            <= w["restore_2"]["restore_to_first_cell_s"] + 0.5,
+            "warm_restore_to_first_cell_le_10s":
+                c["restore_2_warm"]["restore_to_first_cell_s"] <= 10.0,
+            "durable_le_pause_plus_5s": cs["save_to_durable_s"] <= cs["pause_s"] + 5.0,
         }
     tr = result["cases"].get("training", {})
     if "whole" in tr and "chunked" in tr:
@@ -435,7 +462,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
                 "save_to_durable_s": [r["save_to_durable_s"] for r in tr[layout]["saves"]],
                 "restore_to_first_cell_s": [r["restore_to_first_cell_s"]
                                             for r in tr[layout]["restores"]],
-                "assemble_s": [r["assemble_s"] for r in tr[layout]["restores"]],
+                "criu_s": [r["timings"].get("restore") for r in tr[layout]["restores"]],
                 "store_du_bytes": tr[layout]["store_du_bytes"],
                 "images_sum_bytes": tr[layout]["images_sum_bytes"],
             }

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import platform
+import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 def settle(cold: bool = False) -> None:
@@ -37,4 +42,63 @@ def host_facts() -> dict[str, Any]:
         "memory_gib": round(mem_kb / (1 << 20), 1),
         "linux": platform.release(),
         "python": platform.python_version(),
+    }
+
+
+def read_rate(paths: list[Path], cold: bool) -> dict[str, float]:
+    """Bytes per second of reading ``paths`` in order, 16 MiB at a time, one thread: the
+    store's sequential read, from the disk (``cold``: caches dropped first) or the page
+    cache."""
+    settle(cold=cold)
+    total = 0
+    started = time.monotonic()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while chunk := os.read(fd, 16 << 20):
+                total += len(chunk)
+        finally:
+            os.close(fd)
+    seconds = time.monotonic() - started
+    return {"bytes": total, "seconds": round(seconds, 3),
+            "bytes_per_s": round(total / seconds) if seconds else 0}
+
+
+def population_rate(huge: bool, size: int = 4 << 30) -> dict[str, float]:
+    """Bytes per second of first-touching fresh anonymous memory, one thread, with 4 KiB
+    pages or transparent huge pages asked for (``MADV_HUGEPAGE``): what filling a restored
+    process's memory costs before any byte is copied."""
+    area = mmap.mmap(-1, size)
+    try:
+        if huge:
+            area.madvise(mmap.MADV_HUGEPAGE)
+        pages = np.frombuffer(area, np.uint8)
+        started = time.monotonic()
+        pages[::4096] = 1
+        seconds = time.monotonic() - started
+        del pages
+    finally:
+        area.close()
+    return {"bytes": size, "seconds": round(seconds, 3), "bytes_per_s": round(size / seconds)}
+
+
+def copy_rate(size: int = 4 << 30) -> dict[str, float]:
+    """Bytes per second of one memcpy between two populated buffers, one thread."""
+    src = np.ones(size, np.uint8)
+    dst = np.zeros(size, np.uint8)
+    started = time.monotonic()
+    np.copyto(dst, src)
+    seconds = time.monotonic() - started
+    return {"bytes": size, "seconds": round(seconds, 3), "bytes_per_s": round(size / seconds)}
+
+
+def machine_floors(store_files: list[Path]) -> dict[str, Any]:
+    """The machine's own limits, measured in the run they are compared with."""
+    return {
+        "store_read_cold": read_rate(store_files, cold=True),
+        "store_read_warm": read_rate(store_files, cold=False),
+        "populate_4k": population_rate(huge=False),
+        "populate_thp": population_rate(huge=True),
+        "memcpy": copy_rate(),
+        "thp_setting": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip(),
     }
