@@ -199,7 +199,12 @@ def _image(name: str, data: bytes, recorded: bytes | None = None) -> ImageFile:
     def read_into(view: memoryview, offset: int) -> None:
         view[:] = data[offset:offset + len(view)]
 
-    return ImageFile(name, len(data), hasher.hexdigest(), read_into)
+    def splice_into(pipe: int, offset: int, length: int) -> None:
+        view = memoryview(data)[offset:offset + length]
+        while len(view):
+            view = view[os.write(pipe, view):]
+
+    return ImageFile(name, len(data), hasher.hexdigest(), read_into, splice_into)
 
 
 def _served(tmp_path: Path, images: list[ImageFile]) -> ImageServer:

@@ -630,7 +630,8 @@ class SnapshotStore:
                                                    files[name]["digest"])
                           for name, (fd, _) in whole.items()}
                 served.update({name: ImageFile(name, plan.size, files[name]["digest"],
-                                               plan.read_into) for name, plan in plans.items()})
+                                               plan.read_into, plan.splice_into)
+                               for name, plan in plans.items()})
                 yield dict(sorted(served.items()))
 
     @contextlib.contextmanager
