@@ -142,10 +142,20 @@ async def _restore(
     timings: dict[str, float] = {}
     started = time.monotonic()
     report(Progress("preflight"))
-    ctx = await _preflight(engine, snapshot, report, gpus, timings)
-    # Entered and left in a thread: the store's packs are opened on entering.
-    served = engine.store.served_images(ctx.snapshot)
-    files = await asyncio.to_thread(served.__enter__)
+    # Read again from disk: nothing of a snapshot is used before its signature matched.
+    snapshot = await asyncio.to_thread(engine.store.reload, snapshot)
+    # Entered and left in a thread: the store's packs are opened and the pages of each
+    # recipe found (a second for an 8B model's 4 million pages) while the checks run.
+    served = engine.store.served_images(snapshot)
+    opening = asyncio.ensure_future(asyncio.to_thread(served.__enter__))
+    try:
+        ctx = await _preflight(engine, snapshot, report, gpus, timings)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            await opening
+            await asyncio.to_thread(served.__exit__, None, None, None)
+        raise
+    files = await opening
     try:
         # Checked (and a missing one made) before criu runs; criu reopens them, through the
         # node agent from descriptors its user opened (agent/external_files.py).
@@ -170,9 +180,8 @@ async def _preflight(
     gpus: list[str] | None,
     timings: dict[str, float],
 ) -> RestoreContext:
-    """Refuse what cannot be restored here, before criu runs; the context for the hooks."""
-    # Read again from disk: nothing of a snapshot is used before its signature matched.
-    snapshot = await asyncio.to_thread(engine.store.reload, snapshot)
+    """Refuse what cannot be restored here, before criu runs; the context for the hooks.
+    ``snapshot`` was read again from disk and authenticated."""
     await check_ports(snapshot)
     await check_compatibility(engine.compatibility, snapshot, report, timings)
     criu_version = await asyncio.to_thread(engine.criu.require_version)
