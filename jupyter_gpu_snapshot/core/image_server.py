@@ -14,8 +14,8 @@ Every byte criu gets is checked against the signed manifest:
 
 - a file of up to ``CHECKED_FIRST_BYTES`` (every image but the large pages images) is read
   whole and compared with its digest before criu gets a byte of it, so criu parses nothing
-  unchecked. These checked copies are also written to the images directory, for the hooks
-  that read an image before criu runs (the node agent's checks);
+  unchecked. Checked copies of those but the pages images are also written to the images
+  directory, for the hooks that read an image before criu runs (the node agent's checks);
 - a larger file (a pages image) is spliced into criu's pipe from the page cache, without a
   copy, while a thread beside hashes the same pages and compares the digest at the end;
   criu only copies those bytes into the tree's memory. ``verify_all`` returns once every
@@ -52,6 +52,7 @@ from .snapshot import Snapshot
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "streamer-serve.sock"
+PAGES_PREFIX = "pages-"
 CHECKED_FIRST_BYTES = 16 << 20
 # Read from the store this much at a time, the next block while the last goes to criu.
 BLOCK_BYTES = 16 << 20
@@ -135,15 +136,17 @@ class ImageServer:
             if image.size > CHECKED_FIRST_BYTES:
                 continue
             data = self._read_checked(image)
+            self._verified.add(name)
+            self.stats.checked_first_bytes += image.size
             self._checked_first[name] = data
+            if name.startswith(PAGES_PREFIX):
+                continue  # the kernel's memory: criu's alone, never a file of ours
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd())
             try:
                 _write_all(fd, data)
             finally:
                 os.close(fd)
-            self._verified.add(name)
-            self.stats.checked_first_bytes += image.size
         path = os.fsencode(self.directory / SOCKET_NAME)
         if len(path) > _SUN_PATH_MAX:
             raise SnapshotError(

@@ -54,6 +54,17 @@ WORK_PREFIXES = ("jupyter-gpu-snapshot-dump-", "jupyter-gpu-snapshot-restore-",
                  MEMORY_ASSEMBLY_PREFIX)
 WORK_LOCK = ASSEMBLY_LOCK
 
+# "<base>/jupyter-gpu-snapshot-restore-XXXXXXXX/images/streamer-serve.sock" within 107 bytes.
+MAX_WORK_BASE_BYTES = 40
+SHORT_BASE = Path("/tmp")
+
+
+def work_base() -> Path:
+    """Where work directories go: the temp directory, or ``SHORT_BASE`` when its path is
+    too long for the Unix socket criu's restore connects to in one (108 bytes at most)."""
+    base = Path(tempfile.gettempdir())
+    return base if len(os.fsencode(base)) <= MAX_WORK_BASE_BYTES else SHORT_BASE
+
 
 @dataclass
 class RecoveryReport:
@@ -192,7 +203,8 @@ def clean_work_dirs(directory: Path | None = None) -> list[Path]:
     Only directories that carry our lock file are touched, and only when nobody holds it
     and no criu runs in them; anything else may belong to a save just starting.
     """
-    bases = [directory] if directory else [Path(tempfile.gettempdir()), MEMORY_DIR]
+    bases = [directory] if directory else list(dict.fromkeys(
+        [Path(tempfile.gettempdir()), work_base(), MEMORY_DIR]))
     removed: list[Path] = []
     for base in bases:
         removed += _clean_work_dirs_in(base)

@@ -18,7 +18,7 @@ from .criu import CriuRunner
 from .errors import SnapshotError
 from .hooks import SnapshotHook
 from .locks import HeldLock
-from .recovery import WORK_LOCK
+from .recovery import WORK_LOCK, work_base
 from .store import SnapshotStore
 
 # Asks a kernel (by its connection info) for kernel_info within a timeout, in seconds.
@@ -50,7 +50,7 @@ class EngineParts(Protocol):
 
 def work_dir(kind: str) -> tuple[Path, HeldLock]:
     """A private temp directory for one criu run, locked while in use (see recovery)."""
-    work = Path(tempfile.mkdtemp(prefix=f"jupyter-gpu-snapshot-{kind}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"jupyter-gpu-snapshot-{kind}-", dir=work_base()))
     held = locks.try_lock(work / WORK_LOCK, kind)
     assert held is not None  # nobody else knows the directory yet
     return work, held
