@@ -91,6 +91,31 @@ def test_a_store_on_another_file_system_restores_from_its_packs(
     assert not [p for p in store.root.iterdir() if p.name.startswith(".assembled-")]
 
 
+def test_a_snapshot_kept_whole_is_read_in_place_and_checked_beside(tmp_path, kernel, restored):
+    store = SnapshotStore(tmp_path / "store", chunk_images=False)
+    engine = SnapshotEngine(store, kernel_answers=kernel_answers)
+    expected = kernel.execute(STATE).strip()
+    snap = _save(engine, kernel, "whole")
+    assert not any(p.name.endswith(".chunks") for p in snap.path.iterdir())
+
+    back = run(engine.restore(snap.id))
+    _same_state(restored.connect(back.connection_info, back.pid), expected)
+    # criu read the files where they are: nothing went through the server's pipes.
+    assert back.notes["images"]["streamed_bytes"] == 0
+    procfs.kill_tree(back.pid)
+
+    pages = max(snap.path.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(pages.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(SnapshotError) as err:
+        run(engine.restore(snap.id))
+    assert err.value.step == "verify" and f"image file {pages.name}" in err.value.message
+    assert procfs.ports_in_use(snap.connection_info) == []
+
+
 def _kill_criu_once_it_reads_pages() -> str:
     """A wrapper that SIGKILLs the real criu restore once its log shows it reading pages
     from the stream, so criu dies with its pipes half read."""

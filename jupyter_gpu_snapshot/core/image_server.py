@@ -10,7 +10,9 @@ length-prefixed protobuf naming one image file; the answer says whether it exist
 does, criu passes the write end of a pipe over the socket and reads the file from the other
 end, in order.
 
-Every byte criu gets is checked against the signed manifest:
+A snapshot whose files are all kept whole is not served: criu reads them in place (faster
+than through pipes, see docs/performance.md) while ``verify_all``'s check runs beside from
+the start. Otherwise every byte criu gets is checked against the signed manifest:
 
 - a file of up to ``CHECKED_FIRST_BYTES`` (every image but the large pages images) is read
   whole and compared with its digest before criu gets a byte of it, so criu parses nothing
@@ -77,6 +79,7 @@ class ImageFile:
     digest: str
     read_into: ReadInto
     splice_into: SpliceInto
+    kept_whole: bool = False  # a file of the snapshot's directory, criu may read in place
 
     @classmethod
     def whole(cls, name: str, fd: int, size: int, expected: str) -> ImageFile:
@@ -88,7 +91,7 @@ class ImageFile:
         def splice_into(pipe: int, offset: int, length: int) -> None:
             splice_exactly(fd, pipe, offset, length, short)
 
-        return cls(name, size, expected, read_into, splice_into)
+        return cls(name, size, expected, read_into, splice_into, kept_whole=True)
 
 
 @dataclass
@@ -129,9 +132,22 @@ class ImageServer:
         self._closing = threading.Event()
 
     # -- before criu -----------------------------------------------------------------------
+    @property
+    def streams(self) -> bool:
+        """Whether criu gets the images through this server (``--stream``): else every file
+        is kept whole and criu reads them in place, faster than through pipes, while this
+        server checks them beside it from the start, as before the store kept pages."""
+        return not all(image.kept_whole for image in self.files.values())
+
     def prepare(self) -> None:
-        """Check every small file, write the checked copies to the directory, and listen.
-        Runs in a thread, before the hooks' ``before_restore``."""
+        """Check every small file, write the checked copies to the directory, and listen;
+        where criu reads the files in place, start checking them all. Runs in a thread,
+        before the hooks' ``before_restore``."""
+        if not self.streams:
+            with self._lock:
+                self._active += 1
+            self._start(self._check_in_place, "check")
+            return
         for name, image in self.files.items():
             if image.size > CHECKED_FIRST_BYTES:
                 continue
@@ -250,6 +266,20 @@ class ImageServer:
             with self._lock:
                 self.stats.pipe_seconds += time.monotonic() - t
                 self.stats.streamed_bytes += length
+
+    def _check_in_place(self) -> None:
+        try:
+            for image in self.files.values():
+                try:
+                    self._check(image)
+                except OSError as exc:
+                    raise self._unreadable(image, exc) from exc
+        except SnapshotError as exc:
+            self._fail(exc)
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
 
     def _check_beside(self, image: ImageFile) -> None:
         try:

@@ -215,13 +215,14 @@ async def _restore_checked(
     total = snapshot.size_bytes
     report(Progress("restore", 0, total))
     work, work_lock = work_dir("restore")
-    images_dir = work / "images"
-    images_dir.mkdir(mode=0o700)
+    served_dir = work / "images"
+    served_dir.mkdir(mode=0o700)
     pidfile = work / "restore.pid"
     root_pid = 0
     hooked: list[SnapshotHook] = []
-    server = ImageServer(snapshot, files, images_dir, byte_counter(
+    server = ImageServer(snapshot, files, served_dir, byte_counter(
         lambda done, whole: report(Progress("restore", min(done, whole), whole)), total))
+    images_dir = served_dir if server.streams else snapshot.path
     t = time.monotonic()
     verifying = _Gate(lambda: run_in_background(server.verify_all))
     try:
@@ -236,7 +237,7 @@ async def _restore_checked(
             hooked.append(hook)
         run = await criu.run(
             criu.restore_argv(images_dir, work, pidfile, leave_stopped=ctx.criu.leave_stopped,
-                              extras=ctx.criu, stream=True),
+                              extras=ctx.criu, stream=server.streams),
             work / "restore.log", env=ctx.criu.env,
             pass_fds=tuple(ctx.criu.inherited_fds.values()), track_children=True,
         )

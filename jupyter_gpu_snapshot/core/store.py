@@ -630,7 +630,8 @@ class SnapshotStore:
                                                    files[name]["digest"])
                           for name, (fd, _) in whole.items()}
                 served.update({name: ImageFile(name, plan.size, files[name]["digest"],
-                                               plan.read_into, plan.splice_into)
+                                               plan.read_into, plan.splice_into,
+                                               kept_whole=False)
                                for name, plan in plans.items()})
                 yield dict(sorted(served.items()))
 
