@@ -135,7 +135,8 @@ class GPUSnapshot(Configurable):
     chunk_images = Bool(
         help="""Keep large image files by content: each 4 KiB page once per store, pages of
         zeros never, so that a save writes only the pages the store lacks (two saves of an
-        inference kernel share most of their pages). Restores assemble the files first. Off,
+        inference kernel share most of their pages). Restores read the pages from the store
+        through criu's image-streamer protocol, a few seconds slower than whole files. Off,
         saves write whole image files, as before. Applies to saves made after it changes;
         either kind of snapshot restores whatever its value. Default:
         $JUPYTER_GPU_SNAPSHOT_CHUNK_IMAGES (0/false/no/off turn it off), else True.""",

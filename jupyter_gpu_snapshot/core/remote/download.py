@@ -10,7 +10,7 @@ A chunked remote snapshot (``packs.py``) comes down as a chunked local one: its 
 into the partial directory first (from then on they keep the pages this store has alive),
 then only the pages this store lacks are fetched, each checked against its keyed id, into
 a file there that becomes a new pack of the store (``ChunkStore.adopt_pack``) before the
-rename. A later restore assembles it as any chunked snapshot.
+rename. A later restore reads it from the packs as any chunked snapshot.
 """
 
 from __future__ import annotations
