@@ -303,3 +303,20 @@ def test_files_criu_never_asked_for_are_checked_at_the_gate_and_refused_after(
         # Once the gate opened, a large file would reach criu unchecked: refused.
         assert criu.open("pages-2.img") is None
         criu.close()
+
+
+def test_the_gate_never_waits_for_criu_to_read(tmp_path, small_limits):
+    pages = os.urandom(3 * image_server.PIPE_BYTES)  # more than criu's pipe holds
+    with _served(tmp_path, [_image("pages-1.img", pages)]) as server:
+        server.prepare()
+        criu = CriuSide(tmp_path / "images" / image_server.SOCKET_NAME)
+        fd = criu.open("pages-1.img")
+        assert fd is not None
+        # criu holds the pipe unread (it may be waiting for the gate itself): the check
+        # beside still ends, and the gate opens.
+        gate = threading.Thread(target=server.verify_all)
+        gate.start()
+        gate.join(timeout=30)
+        assert not gate.is_alive(), "the gate waited for criu to read"
+        assert _read_all(fd) == pages
+        criu.close()

@@ -125,7 +125,7 @@ class ImageServer:
         self._verified: set[str] = set()
         self._failure: SnapshotError | None = None
         self._gate_passed = False
-        self._active = 0
+        self._checking = 0  # checks under way; the gate waits for them, not for criu's reads
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -145,7 +145,7 @@ class ImageServer:
         before the hooks' ``before_restore``."""
         if not self.streams:
             with self._lock:
-                self._active += 1
+                self._checking += 1
             self._start(self._check_in_place, "check")
             return
         for name, image in self.files.items():
@@ -212,8 +212,14 @@ class ImageServer:
                     for extra in fds[1:]:
                         os.close(extra)
                     with self._lock:
-                        self._active += 1
                         self.stats.requests += 1
+                        beside = name not in self._checked_first
+                        if beside:
+                            self._checking += 1
+                    if beside:
+                        # Checked beside criu, not in its way: the hash reads the same
+                        # page cache, ahead of criu.
+                        self._start(self._check_beside, f"check-{name}", image)
                     self._start(self._send, name, image, fds[0])
             except (OSError, ProtocolError) as exc:
                 if not self._closing.is_set():
@@ -237,10 +243,6 @@ class ImageServer:
                 with contextlib.suppress(BrokenPipeError):
                     _write_all(pipe, checked)
             else:
-                # Checked beside criu, not in its way: the hash reads the same page cache.
-                with self._lock:
-                    self._active += 1
-                self._start(self._check_beside, f"check-{image.name}", image)
                 self._splice(image, pipe)
         except SnapshotError as exc:
             self._fail(exc)
@@ -248,9 +250,6 @@ class ImageServer:
             self._fail(self._unreadable(image, exc))
         finally:
             os.close(pipe)
-            with self._lock:
-                self._active -= 1
-                self._lock.notify_all()
 
     def _splice(self, image: ImageFile, pipe: int) -> None:
         """Move ``image`` into criu's pipe block by block, until criu stops reading."""
@@ -277,9 +276,7 @@ class ImageServer:
         except SnapshotError as exc:
             self._fail(exc)
         finally:
-            with self._lock:
-                self._active -= 1
-                self._lock.notify_all()
+            self._checked_one()
 
     def _check_beside(self, image: ImageFile) -> None:
         try:
@@ -289,9 +286,12 @@ class ImageServer:
         except OSError as exc:
             self._fail(self._unreadable(image, exc))
         finally:
-            with self._lock:
-                self._active -= 1
-                self._lock.notify_all()
+            self._checked_one()
+
+    def _checked_one(self) -> None:
+        with self._lock:
+            self._checking -= 1
+            self._lock.notify_all()
 
     def _check(self, image: ImageFile) -> None:
         """Hash ``image`` block by block; compare with the manifest at the end."""
@@ -357,13 +357,14 @@ class ImageServer:
 
     # -- the gate --------------------------------------------------------------------------
     def verify_all(self) -> float:
-        """Wait for the files criu is reading, then check those it never asked for; raise
-        the first mismatch. Returns the seconds it waited and checked. Blocks: call it in
-        a thread, once criu read the tree's memory (the CUDA plugin's restore, or criu's
-        end)."""
+        """Wait for the checks of the files criu asked for, then check those it never
+        asked for; raise the first mismatch. Returns the seconds it waited and checked.
+        Blocks: call it in a thread, once criu read the tree's memory (the CUDA plugin's
+        restore, or criu's end). It never waits for criu to read: criu may be waiting
+        for it."""
         started = time.monotonic()
         with self._lock:
-            while self._active and not self._closing.is_set():
+            while self._checking and not self._closing.is_set():
                 self._lock.wait(0.2)
             if self._failure is not None:
                 raise self._failure
