@@ -8,14 +8,21 @@ plain Python, as libcuda binds them (SOCK_SEQPACKET, listening), so it all runs 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
+import psutil
+import pytest
+
 from jupyter_gpu_snapshot.core import procfs
+from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+from jupyter_gpu_snapshot.core.errors import NotFound
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.launch import nsinit
+from jupyter_gpu_snapshot.server.status import TreeFacts
 
 from .conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 
@@ -129,3 +136,22 @@ def test_a_kernel_started_after_a_restore_can_bind_its_cuda_socket(
             stop_kernel(other)
     assert execute(client, "print(cuda_socket.getsockname())").strip() == repr(
         stale.replace("@", "\0").encode())
+
+
+def test_a_kernel_that_exits_while_it_is_inspected_is_not_found(monkeypatch):
+    """A kernel killed while its status is asked for: its /proc entries go between two reads
+    (seen as a 500 from GET kernels/{id}/status in a full run)."""
+
+    def gone(pid: int) -> int:
+        raise FileNotFoundError(f"/proc/{pid}/ns/pid")
+
+    monkeypatch.setattr(procfs, "namespace_init", gone)
+    with pytest.raises(NotFound, match="has exited"):
+        procfs.inspect_kernel(os.getpid())
+
+    def vanished(pid: int) -> procfs.KernelProcess:
+        raise psutil.NoSuchProcess(pid)
+
+    monkeypatch.setattr(procfs, "inspect_kernel", vanished)
+    reasons, cuda = TreeFacts(CriuRunner()).get(os.getpid())
+    assert "the kernel has no running process" in reasons and cuda is False

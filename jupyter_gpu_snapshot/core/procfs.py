@@ -259,7 +259,10 @@ def _fd_kind(pid: int, fd: int) -> str:
     if stat.S_ISSOCK(mode):
         return "socket"
     if stat.S_ISCHR(mode):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            return "closed"  # closed, or the process exited, since the stat
         return "null" if target == "/dev/null" else "tty"
     return "file"
 
@@ -340,17 +343,20 @@ def inspect_kernel(pid: int) -> KernelProcess:
     if not psutil.pid_exists(pid):
         raise NotFound("preflight", f"no process with pid {pid}")
     problems: list[str] = []
-    init = namespace_init(pid)
+    try:
+        init = namespace_init(pid)
+        kernel = psutil.Process(pid)
+    except (OSError, psutil.Error):
+        # It exited meanwhile: a kernel killed while its status is asked for, say.
+        raise NotFound("preflight", f"process {pid} has exited") from None
     if init is None:
         root = pid
-        kernel = psutil.Process(pid)
         problems.append(
             "it shares the host's PID namespace, so its PIDs could clash at restore; "
             "start it with the 'Python 3 (snapshots)' kernel (python3-snapshot)"
         )
     else:
         root = init
-        kernel = psutil.Process(pid)
     # One walk of the host's process table (psutil reads every /proc/N/stat for it).
     try:
         procs = tree(root)

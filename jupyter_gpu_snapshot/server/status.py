@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 from ..core import procfs
 from ..core.criu import CriuRunner
 from ..core.errors import SnapshotError
@@ -66,6 +68,9 @@ class TreeFacts:
                 reasons.extend(procfs.inspect_kernel(root).problems)
             except SnapshotError as exc:
                 reasons.append(exc.cause)
+            except (OSError, psutil.Error):
+                # It exited while it was read: a kernel killed as its status is asked for.
+                reasons.append("the kernel has no running process")
             cuda = procfs.tree_maps_library(root, "libcuda.so")
         try:
             self.criu.require_version()
