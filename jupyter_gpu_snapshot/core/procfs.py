@@ -179,9 +179,10 @@ def kill_tree(root: int) -> None:
         psutil.wait_procs(procs, timeout=5)
 
 
-def ports_closing(ports: list[int]) -> bool:
-    """Whether ``ports`` are held only by connections in TIME_WAIT: no process has them,
-    the system frees them within a minute (a criu restore killed midway leaves these)."""
+def ports_closing(connection_info: dict[str, Any]) -> bool:
+    """Whether the kernel's ports are held only by connections in TIME_WAIT: no process has
+    them, the system frees them within a minute (a criu restore killed midway leaves these)."""
+    ports = set(kernel_ports(connection_info).values())
     states = {c.status for c in psutil.net_connections(kind="tcp")
               if c.laddr and c.laddr.port in ports}
     return states == {psutil.CONN_TIME_WAIT}
@@ -199,8 +200,7 @@ def kill_orphans(children: dict[int, float], connection_info: dict[str, Any],
         with contextlib.suppress(psutil.Error):
             if psutil.Process(pid).create_time() == started:
                 roots.append(pid)
-    ports = {int(connection_info[f"{c}_port"]) for c in
-             ("shell", "iopub", "stdin", "control", "hb") if connection_info.get(f"{c}_port")}
+    ports = set(kernel_ports(connection_info).values())
     with contextlib.suppress(psutil.Error):
         for conn in psutil.net_connections(kind="tcp"):
             if conn.pid and conn.status == psutil.CONN_LISTEN and conn.laddr \
@@ -304,16 +304,20 @@ def connection_file_of(pid: int) -> Path | None:
     return None
 
 
+def kernel_ports(connection_info: dict[str, Any]) -> dict[str, int]:
+    """The TCP port of each of the kernel's channels that has one, by channel."""
+    return {channel: int(connection_info[f"{channel}_port"])
+            for channel in ("shell", "iopub", "stdin", "control", "hb")
+            if connection_info.get(f"{channel}_port")}
+
+
 def ports_in_use(connection_info: dict[str, Any]) -> list[str]:
     """Names of the kernel's channels whose TCP port cannot be bound now."""
     if connection_info.get("transport", "tcp") != "tcp":
         return []
     ip = connection_info.get("ip", "127.0.0.1")
     busy = []
-    for channel in ("shell", "iopub", "stdin", "control", "hb"):
-        port = connection_info.get(f"{channel}_port")
-        if not port:
-            continue
+    for channel, port in kernel_ports(connection_info).items():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:

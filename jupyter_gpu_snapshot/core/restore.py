@@ -87,8 +87,7 @@ async def check_ports(snapshot: Snapshot) -> None:
     """
     info = snapshot.connection_info
     busy = await asyncio.to_thread(procfs.ports_in_use, info)
-    ports = [int(name.rsplit(" ", 1)[1]) for name in busy]
-    closing = bool(busy) and await asyncio.to_thread(procfs.ports_closing, ports)
+    closing = bool(busy) and await asyncio.to_thread(procfs.ports_closing, info)
     if closing:
         raise PortsInUse(
             "preflight",
