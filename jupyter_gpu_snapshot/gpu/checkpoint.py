@@ -166,13 +166,13 @@ def _read(path: str) -> str:
 def _task_state(pid: int, tid: int) -> str:
     """One-letter state of a thread, found by host tid or by its tid inside the namespace."""
     states = procfs.thread_states(pid)
-    for candidate in _host_tids(pid, tid):
+    for candidate in host_tids(pid, tid):
         if candidate in states:
             return states[candidate]
     return ""
 
 
-def _host_tids(pid: int, tid: int) -> list[int]:
+def host_tids(pid: int, tid: int) -> list[int]:
     if os.path.exists(f"/proc/{pid}/task/{tid}"):
         return [tid]
     found = []

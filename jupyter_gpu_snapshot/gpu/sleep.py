@@ -1,0 +1,245 @@
+"""The first tier of hibernation: a kernel's GPU released, its process kept.
+
+``GpuSleep.release`` locks the CUDA processes of a kernel tree while they run, has a holder
+process (``gpu/holder.py``) stop every thread but the driver's restore threads, then
+checkpoints them: the device memory moves into each process's own host memory and the GPU
+is free. Nothing is written to disk; the kernel keeps its pid, its sockets and its clients.
+``GpuSleep.wake`` restores and unlocks them, then the holder lets the threads run.
+
+Every step that fails puts back what the steps before it did: a release that fails leaves
+the kernel running with CUDA unlocked, a wake that fails (most often for want of GPU
+memory) leaves it asleep, its GPU free again, with nothing lost. The holder outlives the
+server that asked (a restarted server finds it by the kernel's pid: ``asleep``); should it
+die, the kernel dies with it (``PTRACE_O_EXITKILL``), never left running on checkpointed CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core import procfs
+from ..core.errors import InvalidRequest, NotFound, NotReady
+from .checkpoint import CudaCheckpoint, CudaProcess, error_hint, host_tids
+from .driver import CheckpointDriver, CudaError, DriverCallError, ProcessState
+
+# How long a holder may take to stop a tree's threads before the release gives up.
+HOLD_TIMEOUT_SECONDS = 30.0
+ANSWER_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass
+class SleepReport:
+    """What a release or a wake did, for the API and the benchmarks."""
+
+    pids: list[int]
+    gpu_bytes: int = 0  # the GPU memory the processes held when the release started
+    held_threads: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pids": self.pids, "gpu_bytes": self.gpu_bytes,
+                "held_threads": self.held_threads,
+                "timings": {k: round(v, 4) for k, v in self.timings.items()}}
+
+
+def holders_dir(base: Path) -> Path:
+    """The directory of the holders' sockets under ``base``: made here, ours alone."""
+    directory = base / f"jgs-holders-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    found = os.lstat(directory)
+    if not os.path.isdir(directory) or os.path.islink(directory) or \
+            found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise NotReady("hold", f"{directory} is not a private directory of this user",
+                       hint="remove it; it is made again")
+    return directory
+
+
+class Holder:
+    """The engine's end of one holder process, found by the root pid of its tree."""
+
+    def __init__(self, root: int, directory: Path) -> None:
+        self.root = root
+        self.socket_path = directory / f"{root}.sock"
+
+    def start(self, keep_running: list[int], note: dict[str, Any]) -> int:
+        """Start the holder and wait until it holds the tree; the number of threads held.
+        ``note`` comes back in its status, for a server started later."""
+        command = [sys.executable, "-m", "jupyter_gpu_snapshot.gpu.holder",
+                   "--root", str(self.root), "--socket", str(self.socket_path),
+                   "--timeout", str(HOLD_TIMEOUT_SECONDS), "--note", json.dumps(note)]
+        for tid in keep_running:
+            command += ["--keep-running", str(tid)]
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        with proc.stdout, proc.stderr:
+            # The holder gives up by itself after HOLD_TIMEOUT_SECONDS; this is a backstop.
+            ready, _, _ = select.select([proc.stdout], [], [], HOLD_TIMEOUT_SECONDS + 5)
+            line = proc.stdout.readline() if ready else b""
+            proc.wait()  # the first process only: it forks the holder and ends
+            try:
+                told = json.loads(line or b"{}")
+            except ValueError:
+                told = {}
+            if "held" in told:
+                return int(told["held"])
+            err = ""
+            if not told and select.select([proc.stderr], [], [], 1.0)[0]:  # it crashed
+                err = os.read(proc.stderr.fileno(), 65536).decode(errors="replace")
+        why = str(told.get("error") or (err.strip().splitlines() or ["it said nothing"])[-1])
+        raise NotReady("hold", f"cannot stop the threads of kernel tree {self.root}: {why}",
+                       hint="stopping another user's threads needs root (or the node agent)")
+
+    def ask(self, op: str) -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(ANSWER_TIMEOUT_SECONDS)
+            conn.connect(str(self.socket_path))
+            conn.sendall(json.dumps({"op": op}).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        answer = json.loads(data or b"{}")
+        if not isinstance(answer, dict) or "error" in answer:
+            raise NotReady("hold", f"the holder of kernel tree {self.root} answered "
+                           f"{answer.get('error') if isinstance(answer, dict) else answer!r}")
+        return answer
+
+    def status(self) -> dict[str, Any] | None:
+        """The holder's status, or None when no holder holds this tree."""
+        try:
+            answer = self.ask("status")
+        except (OSError, ValueError):
+            return None
+        return answer if answer.get("root") == self.root else None
+
+    def release(self) -> None:
+        self.ask("release")
+
+
+class GpuSleep:
+    """Releases and gives back the GPU of kernel trees through the driver's checkpoint."""
+
+    def __init__(self, driver: CheckpointDriver, holders: Path, lock_timeout: float,
+                 gpu_bytes_of: Callable[[list[int]], int] = lambda _pids: 0) -> None:
+        self.driver = driver
+        # The GPU memory the given processes hold now (the node's GPU inventory).
+        self.gpu_bytes_of = gpu_bytes_of
+        self.cuda = CudaCheckpoint(driver)
+        self.holders = holders
+        self.lock_timeout = lock_timeout
+
+    def holder(self, root: int) -> Holder:
+        return Holder(root, self.holders)
+
+    def asleep(self, root: int) -> dict[str, Any] | None:
+        """The holder's status when the tree sleeps in the first tier, else None."""
+        return self.holder(root).status()
+
+    def release(self, root: int, note: dict[str, Any] | None = None) -> SleepReport:
+        """Lock, hold, checkpoint: the GPU is free and the kernel sleeps. Blocks.
+        ``note``: what ``asleep`` tells of this sleep later (JSON)."""
+        holder = self.holder(root)
+        if holder.status() is not None:
+            raise InvalidRequest("release the GPU", f"kernel tree {root} sleeps already")
+        procs = self.cuda.holders([p.pid for p in procfs.tree(root)])
+        if not procs:
+            raise NotReady("release the GPU", f"kernel tree {root} holds no CUDA state, so "
+                           "it has no GPU to give back",
+                           hint="hibernate it to disk instead, which frees its host memory")
+        for proc in procs:
+            if proc.state != ProcessState.RUNNING:
+                raise CudaError("release the GPU", f"the CUDA state of pid {proc.pid} is "
+                                f"{proc.state.value}, not running")
+        report = SleepReport([p.pid for p in procs])
+        report.gpu_bytes = self.gpu_bytes_of(report.pids)
+        self._lock_all(procs, report)
+        try:
+            started = time.monotonic()
+            keep = [tid for p in procs for tid in self._restore_threads(p.pid)]
+            report.held_threads = holder.start(
+                keep, {**(note or {}), "gpu_bytes": report.gpu_bytes})
+            report.timings["hold"] = time.monotonic() - started
+        except BaseException:
+            self._unlock_all(procs)
+            raise
+        try:
+            for proc in procs:
+                self._step(proc, report, "checkpoint", self.driver.checkpoint, proc.pid)
+        except DriverCallError as exc:
+            problems = self.cuda.resume_all(procs)
+            with contextlib.suppress(NotReady, OSError, ValueError):
+                holder.release()
+            raise CudaError("release the GPU", f"{exc}" + (
+                f"; and {'; '.join(problems)}" if problems else
+                "; the kernel runs on with its GPU"), hint=error_hint(exc)) from exc
+        return report
+
+    def wake(self, root: int) -> SleepReport:
+        """Restore, unlock, let the threads run. A wake that fails leaves the kernel asleep."""
+        holder = self.holder(root)
+        if holder.status() is None:
+            raise NotFound("wake", f"kernel tree {root} is not sleeping in host memory")
+        procs = [p for p in self.cuda.holders([p.pid for p in procfs.tree(root)])
+                 if p.state != ProcessState.RUNNING]
+        report = SleepReport([p.pid for p in procs])
+        woken: list[CudaProcess] = []
+        try:
+            for proc in procs:
+                self.cuda.resume(proc)
+                woken.append(proc)
+        except CudaError as exc:
+            # Give back what was restored, so that the GPU is as free as before the wake.
+            for proc in woken:
+                with contextlib.suppress(DriverCallError):
+                    self.driver.lock(proc.pid, int(self.lock_timeout * 1000))
+                    self.driver.checkpoint(proc.pid)
+            exc.cause += "; the kernel sleeps on, its state in host memory"
+            raise
+        for proc in procs:
+            for step, seconds in proc.timings.items():
+                report.timings[step] = report.timings.get(step, 0.0) + seconds
+        started = time.monotonic()
+        holder.release()
+        report.timings["run"] = time.monotonic() - started
+        return report
+
+    def _restore_threads(self, pid: int) -> list[int]:
+        tid = self.driver.restore_thread_id(pid)
+        return host_tids(pid, tid) if tid is not None else []
+
+    def _lock_all(self, procs: list[CudaProcess], report: SleepReport) -> None:
+        locked: list[CudaProcess] = []
+        try:
+            for proc in procs:
+                self._step(proc, report, "lock", self.driver.lock, proc.pid,
+                           int(self.lock_timeout * 1000))
+                locked.append(proc)
+        except DriverCallError as exc:
+            self._unlock_all(locked)
+            raise CudaError("release the GPU", str(exc), hint=error_hint(exc)) from exc
+
+    def _unlock_all(self, procs: list[CudaProcess]) -> None:
+        for proc in procs:
+            with contextlib.suppress(DriverCallError):
+                self.driver.unlock(proc.pid)
+
+    @staticmethod
+    def _step(proc: CudaProcess, report: SleepReport, step: str, fn: Any, *args: Any) -> None:
+        started = time.monotonic()
+        fn(*args)
+        report.timings[step] = report.timings.get(step, 0.0) + time.monotonic() - started
