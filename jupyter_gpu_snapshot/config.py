@@ -232,6 +232,16 @@ class GPUSnapshot(Configurable):
         Fractions are allowed.""",
     ).tag(config=True)
 
+    release_gpu_after_minutes = Float(
+        10.0,
+        help="""Release the GPU of a snapshot-ready kernel that has been idle this many
+        minutes, keeping its process (hibernation's gpu tier): its GPU memory moves into
+        its own host memory, its threads are held, and the GPU is free for others. The next
+        message that needs it brings the memory back in seconds. Nothing is written to
+        disk. Only kernels holding GPU memory are released; hibernate_after_minutes, when
+        it comes first, saves the kernel to disk instead. 0 turns it off.""",
+    ).tag(config=True)
+
     hibernate_min_gpu_bytes = Int(
         0,
         help="""Hibernate only idle kernels that hold at least this many bytes of GPU memory

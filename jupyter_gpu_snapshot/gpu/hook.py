@@ -37,6 +37,7 @@ from ..core.compatibility import NodeGpus
 from ..core.criu import CriuExtras
 from ..core.errors import NotReady
 from ..core.hooks import Progress, RestoreContext, SaveContext, SnapshotHook
+from ..core.recovery import work_base
 from ..core.snapshot import Snapshot
 from .allocator_caches import CacheRelease, release_in_kernel
 from .broker import CheckpointBroker, PluginInstall, uninterruptible
@@ -51,6 +52,7 @@ from .driver import (
 )
 from .inventory import GpuInventory, host_memory_available, read_inventory
 from .remap import GpuPlan, describe_choice, plan_targets, saved_gpus, visible_uuids
+from .sleep import GpuSleep, holders_dir
 
 CacheReleaser = Callable[[SaveContext], Awaitable[CacheRelease]]
 # The manifest's ``gpu.protocol`` of snapshots whose CUDA state CRIU's plugin took.
@@ -142,6 +144,21 @@ class CudaCheckpointHook(SnapshotHook):
         if self._status is None:
             self._status = self._load_driver()
         return self._status
+
+    def gpu_sleep(self) -> GpuSleep:
+        """Releases kernels' GPUs in place (hibernation's gpu tier), with this driver."""
+        status = self.driver_status()
+        if status.driver is None:
+            raise NotReady("hibernate", f"no GPU to release: {status.problem}",
+                           hint="hibernate in the process tier instead")
+        def gpu_bytes_of(pids: list[int]) -> int:
+            inventory = self._read_inventory()
+            if inventory is None:
+                return 0
+            return sum(sum(inventory.process_memory.get(pid, {}).values()) for pid in pids)
+
+        return GpuSleep(status.driver, holders_dir(work_base()), self.lock_timeout,
+                        gpu_bytes_of)
 
     # -- save ------------------------------------------------------------------------------
     async def preflight_save(self, ctx: SaveContext) -> None:

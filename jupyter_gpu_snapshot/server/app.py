@@ -297,6 +297,7 @@ class GPUSnapshotApp(ExtensionApp):
         if self.autosave is not None:
             self.autosave.start()
         if self.hibernation is not None:
+            await self.hibernation.find_sleepers()
             self.hibernation.start()
         if self.service is not None and self.service.uploads is not None:
             # Snapshots whose upload did not complete before this start go up now.

@@ -34,7 +34,7 @@ from ..core.errors import (
     SnapshotError,
 )
 from .autosave import POLICY_FIELDS, AutosaveScheduler
-from .hibernation import Hibernation
+from .hibernation import PROCESS_TIER, Hibernation
 from .jobs import JOB_ID_PATTERN
 from .kernel_credentials import KernelReach, OutOfReach
 from .service import SnapshotService
@@ -412,14 +412,17 @@ class HibernationHandler(HibernationAPIHandler):
 
 
 class KernelHibernateHandler(HibernationAPIHandler):
-    """``POST kernels/{kernel_id}/hibernate`` with ``{when_idle?}``."""
+    """``POST kernels/{kernel_id}/hibernate`` with ``{when_idle?, tier?}``."""
 
     @web.authenticated
     @authorized_to_execute
     async def post(self, kernel_id: str) -> None:
         await self.require_kernel(kernel_id)
-        body = self.json_body({"when_idle": bool})
-        state = await self.hibernation.request(kernel_id, when_idle=bool(body.get("when_idle")))
+        body = self.json_body({"when_idle": bool, "tier": str})
+        state = await self.hibernation.request(
+            kernel_id, when_idle=bool(body.get("when_idle")),
+            tier=str(body.get("tier") or PROCESS_TIER),
+        )
         self.write_json(state, status=202)
 
 

@@ -1,10 +1,18 @@
 """Hibernation: an idle kernel gives its GPU back, and wakes on the next message that
-needs it, under the same kernel id.
+needs it, under the same kernel id. It sleeps in one of two tiers:
 
-Hibernating is a stopping save with reason ``hibernate`` that keeps the kernel slot: the
-provisioner puts a stand-in for the ended tree (``HibernatedProcess``), so the kernel stays
-in /api/kernels and /api/sessions, the restarter (stopped for the save) never sees a death,
-and the notebook's websocket stays open. Its execution state reads ``hibernated``.
+- ``gpu``, the GPU released and the process kept (``gpu/sleep.py``): its CUDA state moves
+  into its own host memory and a holder process keeps its threads stopped. Nothing is
+  written; the wake brings the device memory back and lets the threads run, in seconds.
+  The holder outlives a restart of the server, which finds such kernels asleep again.
+- ``process``, the process saved and ended, described below: host memory is freed too,
+  and the wake is a restore.
+
+Hibernating in the process tier is a stopping save with reason ``hibernate`` that keeps the
+kernel slot: the provisioner puts a stand-in for the ended tree (``HibernatedProcess``), so
+the kernel stays in /api/kernels and /api/sessions, the restarter (stopped for the save)
+never sees a death, and the notebook's websocket stays open. Its execution state reads
+``hibernated``.
 
 From the moment a hibernation starts until the kernel is awake again, every message a
 client sends over the websocket is held here, per kernel, in arrival order
@@ -45,6 +53,9 @@ from .autosave import last_activity
 from .jobs import Job, kernel_key, snapshot_key
 from .service import HIBERNATE, SnapshotService
 
+GPU_TIER = "gpu"
+PROCESS_TIER = "process"
+TIERS = (GPU_TIER, PROCESS_TIER)
 HIBERNATING = "hibernating"
 HIBERNATED = "hibernated"
 WAKING = "waking"
@@ -87,6 +98,8 @@ class SleepingKernel:
     notebook_path: str | None
     gpu_bytes: int
     host_bytes: int
+    tier: str = PROCESS_TIER
+    root_pid: int | None = None  # the sleeping tree's, in the gpu tier
     requested: float = field(default_factory=time.time)
     since: float | None = None  # when its process ended
     snapshot_id: str | None = None
@@ -102,8 +115,11 @@ class SleepingKernel:
         return {
             "kernel_id": self.kernel_id,
             "state": self.state,
+            "tier": self.tier,
             "notebook_path": self.notebook_path,
             "gpu_bytes_freed": self.gpu_bytes if self.since is not None else 0,
+            "host_bytes_freed": (self.host_bytes if self.since is not None
+                                 and self.tier == PROCESS_TIER else 0),
             "gpu_bytes": self.gpu_bytes,
             "host_bytes": self.host_bytes,
             "since": self.since,
@@ -133,8 +149,9 @@ class Hibernation:
         # (``%gpu_snapshot hibernate after 30m``), else the server's setting.
         self._hibernate_after = hibernate_after
         self._kernels: dict[str, SleepingKernel] = {}
-        # Kernels asked to hibernate once their running cell ends (%gpu_snapshot hibernate).
-        self._when_idle: set[str] = set()
+        # Kernels asked to hibernate once their running cell ends (%gpu_snapshot hibernate),
+        # and the tier each asked for.
+        self._when_idle: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None
 
@@ -148,7 +165,8 @@ class Hibernation:
         if sleeper is not None:
             return sleeper.to_dict()
         if kernel_id in self._when_idle:
-            return {"kernel_id": kernel_id, "state": "requested"}
+            return {"kernel_id": kernel_id, "state": "requested",
+                    "tier": self._when_idle[kernel_id]}
         return None
 
     def listing(self) -> list[dict[str, Any]]:
@@ -168,9 +186,14 @@ class Hibernation:
         return held
 
     # -- hibernating -----------------------------------------------------------------------
-    async def request(self, kernel_id: str, when_idle: bool = False) -> dict[str, Any]:
-        """Hibernate the kernel now, or (``when_idle``) once its running cell has ended;
-        called by ``POST kernels/{id}/hibernate``. Raises for a kernel that cannot."""
+    async def request(self, kernel_id: str, when_idle: bool = False,
+                      tier: str = PROCESS_TIER) -> dict[str, Any]:
+        """Hibernate the kernel in ``tier`` now, or (``when_idle``) once its running cell
+        has ended; called by ``POST kernels/{id}/hibernate``. Raises for a kernel that cannot."""
+        if tier not in TIERS:
+            raise InvalidRequest("hibernate", f"unknown tier {tier!r}",
+                                 hint="gpu (the GPU released, the process kept) or process "
+                                 "(the process saved and ended)")
         km = self.service.kernel(kernel_id)
         if not isinstance(getattr(km, "provisioner", None), SnapshotReadyProvisioner):
             raise InvalidRequest(
@@ -188,17 +211,18 @@ class Hibernation:
         if when_idle:
             # The server learns that a cell started a moment after it did (the magic asks
             # from inside its own cell): the next look hibernates the kernel once idle.
-            self._when_idle.add(kernel_id)
-            return {"kernel_id": kernel_id, "state": "requested"}
-        return (await self._hibernate(kernel_id, "on request")).to_dict()
+            self._when_idle[kernel_id] = tier
+            return {"kernel_id": kernel_id, "state": "requested", "tier": tier}
+        return (await self._hibernate(kernel_id, "on request", tier)).to_dict()
 
-    async def _hibernate(self, kernel_id: str, why: str) -> SleepingKernel:
+    async def _hibernate(self, kernel_id: str, why: str,
+                         tier: str = PROCESS_TIER) -> SleepingKernel:
         km = self.service.kernel(kernel_id)
         root = root_pid(km)
         if root is None:
             raise NotReady("hibernate", f"kernel {kernel_id} has no running process")
         # Clients' messages are held from now on: none starts a cell under the save.
-        sleeper = SleepingKernel(kernel_id, HIBERNATING, None, 0, 0)
+        sleeper = SleepingKernel(kernel_id, HIBERNATING, None, 0, 0, tier=tier, root_pid=root)
         self._kernels[kernel_id] = sleeper
         try:
             sleeper.host_bytes = await asyncio.to_thread(procfs.tree_rss, root)
@@ -208,19 +232,36 @@ class Hibernation:
             if getattr(km, "execution_state", None) == "busy":
                 raise Busy("hibernate", f"kernel {kernel_id} started a cell",
                            hint="a kernel with a running cell never hibernates")
-            job = await self.service.start_save(kernel_id, stop=True, reason=HIBERNATE)
+            if tier == GPU_TIER:
+                job = self._start_release(sleeper, root)
+            else:
+                job = await self.service.start_save(kernel_id, stop=True, reason=HIBERNATE)
         except BaseException:
             self._release(sleeper)
             raise
         sleeper.job_id = job.id
         # A request to hibernate once idle is done only now: one refused (a cell started)
         # stays for the next look.
-        self._when_idle.discard(kernel_id)
-        self.log.info("gpu-snapshot: hibernating kernel %s (%s): %s", kernel_id,
-                      sleeper.notebook_path or "no notebook", why)
+        self._when_idle.pop(kernel_id, None)
+        self.log.info("gpu-snapshot: hibernating kernel %s (%s) in the %s tier: %s", kernel_id,
+                      sleeper.notebook_path or "no notebook", tier, why)
         self._event(sleeper, "hibernating", reason=why)
         self._spawn(self._finish_hibernation(sleeper, job))
         return sleeper
+
+    def _start_release(self, sleeper: SleepingKernel, root: int) -> Job:
+        """The job of the gpu tier: the GPU released, the process kept."""
+        gpu_sleep = self.service.gpu_sleep()
+        job = Job("hibernate", sleeper.kernel_id, reason=HIBERNATE)
+
+        async def release(_job: Job) -> dict[str, Any]:
+            note = {"kernel_id": sleeper.kernel_id}
+            report = await asyncio.to_thread(gpu_sleep.release, root, note)
+            sleeper.gpu_bytes = max(sleeper.gpu_bytes, report.gpu_bytes)
+            return {"kernel_id": sleeper.kernel_id, "tier": GPU_TIER, **report.to_dict()}
+
+        self.service.jobs.start(job, [kernel_key(sleeper.kernel_id)], release)
+        return job
 
     def _release(self, sleeper: SleepingKernel) -> None:
         """The kernel did not hibernate and runs on: what its clients sent goes to it."""
@@ -244,8 +285,8 @@ class Hibernation:
         if kernel_id in self.service.kernel_manager:
             self.service.kernel_manager.get_kernel(kernel_id).execution_state = HIBERNATED
         self.log.info(
-            "gpu-snapshot: kernel %s hibernated as %s; %s of GPU memory freed", kernel_id,
-            job.snapshot_id, format_bytes(sleeper.gpu_bytes),
+            "gpu-snapshot: kernel %s hibernated (%s); %s of GPU memory freed", kernel_id,
+            job.snapshot_id or "its process kept", format_bytes(sleeper.gpu_bytes),
         )
         self._event(sleeper, "hibernated")
         if sleeper.wake_when_saved:
@@ -286,9 +327,8 @@ class Hibernation:
     def _show_waking(self, client: HeldClient, parent: dict[str, Any], sleeper: SleepingKernel,
                      text: str | None = None, update: bool = False) -> None:
         """A line in the held cell's output saying that the kernel wakes, and how far."""
-        size = sleeper.host_bytes + sleeper.gpu_bytes
         content = {
-            "data": {"text/plain": text or f"Waking the kernel (restoring {format_bytes(size)})…"},
+            "data": {"text/plain": text or f"Waking the kernel ({_moving(sleeper)})…"},
             "metadata": {},
             "transient": {"display_id": f"gpu-snapshot-wake-{parent.get('msg_id')}"},
         }
@@ -313,17 +353,31 @@ class Hibernation:
     def _start_wake(self, sleeper: SleepingKernel) -> None:
         if sleeper.state != HIBERNATED:
             return
-        assert sleeper.snapshot_id is not None
         kernel_id = sleeper.kernel_id
         job = Job("wake", kernel_id, sleeper.snapshot_id, reason=HIBERNATE)
-        self.service.jobs.start(
-            job, [kernel_key(kernel_id), snapshot_key(sleeper.snapshot_id)],
-            lambda j: self._wake(j, sleeper),
-        )
+        if sleeper.tier == GPU_TIER:
+            self.service.jobs.start(job, [kernel_key(kernel_id)],
+                                    lambda j: self._wake_gpu(j, sleeper))
+        else:
+            assert sleeper.snapshot_id is not None
+            self.service.jobs.start(
+                job, [kernel_key(kernel_id), snapshot_key(sleeper.snapshot_id)],
+                lambda j: self._wake(j, sleeper),
+            )
         sleeper.state, sleeper.job_id = WAKING, job.id
-        self.log.info("gpu-snapshot: waking kernel %s from %s", kernel_id, sleeper.snapshot_id)
+        self.log.info("gpu-snapshot: waking kernel %s from %s", kernel_id,
+                      sleeper.snapshot_id or "host memory")
         self._event(sleeper, "waking")
         self._spawn(self._finish_wake(sleeper, job))
+
+    async def _wake_gpu(self, job: Job, sleeper: SleepingKernel) -> dict[str, Any]:
+        """The wake job of the gpu tier: device memory back, the threads running."""
+        assert sleeper.root_pid is not None
+        gpu_sleep = self.service.gpu_sleep()
+        self.service.jobs.progress(job)(Progress("waking", 0, sleeper.gpu_bytes))
+        report = await asyncio.to_thread(gpu_sleep.wake, sleeper.root_pid)
+        self.service.kernel(sleeper.kernel_id).execution_state = "idle"
+        return {"kernel_id": sleeper.kernel_id, "tier": GPU_TIER, **report.to_dict()}
 
     async def _wake(self, job: Job, sleeper: SleepingKernel) -> dict[str, Any]:
         """The wake job: restore the snapshot, and give the tree to the same slot."""
@@ -368,8 +422,7 @@ class Hibernation:
             if now - shown[0] < PROGRESS_EVERY_SECONDS or not p.total:
                 return
             shown[0] = now
-            size = sleeper.host_bytes + sleeper.gpu_bytes
-            text = (f"Waking the kernel (restoring {format_bytes(size)}): {p.phase} "
+            text = (f"Waking the kernel ({_moving(sleeper)}): {p.phase} "
                     f"{format_bytes(p.done)} of {format_bytes(p.total)}…")
             for held in list(sleeper.held):
                 if held.header.get("msg_type") == "execute_request":
@@ -400,13 +453,12 @@ class Hibernation:
         # From here on, nothing awaits: messages arriving meanwhile are held until this
         # loop step hands them all out, in order, and later ones go straight to the kernel.
         self._kernels.pop(kernel_id, None)
-        size = sleeper.host_bytes + sleeper.gpu_bytes
         for held in sleeper.held:
             if held.header.get("msg_type") == "execute_request":
                 with contextlib.suppress(Exception):
                     self._show_waking(
                         held.client, held.header, sleeper,
-                        f"Woke the kernel in {seconds:.1f} s (restored {format_bytes(size)}).",
+                        f"Woke the kernel in {seconds:.1f} s ({_moved(sleeper)}).",
                         update=True,
                     )
             held.client.deliver(held.raw)
@@ -419,12 +471,16 @@ class Hibernation:
         answer (a client gives up on them by itself)."""
         if held.header.get("msg_type") != "execute_request":
             return
+        source = (f"from its hibernation snapshot {sleeper.snapshot_id}"
+                  if sleeper.tier == PROCESS_TIER else "from host memory")
+        kept = ("The snapshot is kept: run the cell again to retry, or restore it from the "
+                "snapshot list." if sleeper.tier == PROCESS_TIER else
+                "It sleeps on with nothing lost: run the cell again to retry.")
         text = (
-            f"The kernel could not wake from its hibernation snapshot {sleeper.snapshot_id} "
+            f"The kernel could not wake {source} "
             f"(step {error.get('step', 'wake')}): {error.get('message')}. "
             + (f"{error['hint']}. " if error.get("hint") else "")
-            + "The snapshot is kept: run the cell again to retry, or restore it from the "
-            "snapshot list."
+            + kept
         )
         content = {"ename": "KernelWakeError", "evalue": text, "traceback": [text]}
         with contextlib.suppress(Exception):
@@ -443,7 +499,7 @@ class Hibernation:
             self.forget(kernel_id)
 
     def forget(self, kernel_id: str) -> None:
-        self._when_idle.discard(kernel_id)
+        self._when_idle.pop(kernel_id, None)
         sleeper = self._kernels.get(kernel_id)
         if sleeper is None or sleeper.state == HIBERNATING:
             return
@@ -454,6 +510,33 @@ class Hibernation:
     def start(self) -> None:
         if self._loop is None:
             self._loop = asyncio.create_task(self._run())
+
+    async def find_sleepers(self) -> list[str]:
+        """Kernels that sleep in the gpu tier under a holder that outlived the server
+        before this one: called once their slots are adopted, before clients connect."""
+        try:
+            gpu_sleep = self.service.gpu_sleep()
+        except SnapshotError:
+            return []
+        found = []
+        for kernel_id in list(self.service.kernel_manager.list_kernel_ids()):
+            km = self.service.kernel_manager.get_kernel(kernel_id)
+            root = root_pid(km)
+            if root is None or kernel_id in self._kernels:
+                continue
+            status = await asyncio.to_thread(gpu_sleep.asleep, root)
+            if status is None:
+                continue
+            sleeper = SleepingKernel(
+                kernel_id, HIBERNATED, await self.service.slots.notebook_path(kernel_id),
+                int(status.get("gpu_bytes") or 0), 0, tier=GPU_TIER, root_pid=root,
+                since=float(status.get("since") or time.time()),
+            )
+            self._kernels[kernel_id] = sleeper
+            km.execution_state = HIBERNATED
+            found.append(kernel_id)
+            self.log.info("gpu-snapshot: kernel %s sleeps on with its GPU released", kernel_id)
+        return found
 
     async def stop(self) -> None:
         loop, self._loop = self._loop, None
@@ -475,28 +558,31 @@ class Hibernation:
     async def tick(self) -> None:
         """Hibernate the kernels that asked to once idle, and those idle long enough."""
         kernel_manager = self.service.kernel_manager
-        for kernel_id in list(self._when_idle):
+        for kernel_id, tier in list(self._when_idle.items()):
             if kernel_id not in kernel_manager:
-                self._when_idle.discard(kernel_id)
+                self._when_idle.pop(kernel_id, None)
             elif await self._idle_for(kernel_id) is not None:
-                await self._try(kernel_id, "asked to hibernate once idle")
+                await self._try(kernel_id, "asked to hibernate once idle", tier)
+        release_after = float(self.settings.release_gpu_after_minutes) * 60
         for kernel_id in list(kernel_manager.list_kernel_ids()):
             idle = await self._idle_for(kernel_id)
             if idle is None:
                 continue
             after = await self._after_seconds(kernel_id)
-            if after <= 0 or idle < after or not await self._eligible(kernel_id):
-                continue
-            await self._try(kernel_id, f"idle for {idle / 60:.1f} min")
+            why = f"idle for {idle / 60:.1f} min"
+            if 0 < after <= idle and await self._eligible(kernel_id):
+                await self._try(kernel_id, why)
+            elif 0 < release_after <= idle and await self._holds_gpu(kernel_id):
+                await self._try(kernel_id, why, GPU_TIER)
 
     async def _after_seconds(self, kernel_id: str) -> float:
         if self._hibernate_after is not None:
             return await self._hibernate_after(kernel_id) * 60
         return float(self.settings.hibernate_after_minutes) * 60
 
-    async def _try(self, kernel_id: str, why: str) -> None:
+    async def _try(self, kernel_id: str, why: str, tier: str = PROCESS_TIER) -> None:
         try:
-            await self._hibernate(kernel_id, why)
+            await self._hibernate(kernel_id, why, tier)
         except SnapshotError as exc:
             self.log.info("gpu-snapshot: not hibernating kernel %s: %s", kernel_id, exc.message)
 
@@ -514,11 +600,26 @@ class Hibernation:
         last = last_activity(km)
         return None if last is None else max(0.0, time.time() - last)
 
+    async def _holds_gpu(self, kernel_id: str) -> bool:
+        """Whether the kernel's GPU can be released: it holds GPU memory, and this server
+        has the driver to release it with (quietly no for a server without)."""
+        if self.settings.hibernate_only_without_clients and self._has_clients(kernel_id):
+            return False
+        try:
+            self.service.gpu_sleep()
+        except SnapshotError:
+            return False
+        root = root_pid(self.service.kernel_manager.get_kernel(kernel_id))
+        cuda = await self.service.cuda_state(root)
+        return int((cuda or {}).get("memory_bytes") or 0) > 0
+
+    def _has_clients(self, kernel_id: str) -> bool:
+        connections = getattr(self.service.kernel_manager, "_kernel_connections", {})
+        return int(connections.get(kernel_id, 0)) > 0
+
     async def _eligible(self, kernel_id: str) -> bool:
-        if self.settings.hibernate_only_without_clients:
-            connections = getattr(self.service.kernel_manager, "_kernel_connections", {})
-            if int(connections.get(kernel_id, 0)) > 0:
-                return False
+        if self.settings.hibernate_only_without_clients and self._has_clients(kernel_id):
+            return False
         least = int(self.settings.hibernate_min_gpu_bytes)
         if least > 0:
             root = root_pid(self.service.kernel_manager.get_kernel(kernel_id))
@@ -538,6 +639,7 @@ class Hibernation:
             self._emit({
                 "action": action,
                 "kernel_id": sleeper.kernel_id,
+                "tier": sleeper.tier,
                 "notebook_path": sleeper.notebook_path,
                 "snapshot_id": sleeper.snapshot_id,
                 "gpu_bytes": sleeper.gpu_bytes,
@@ -545,3 +647,16 @@ class Hibernation:
             })
         except Exception:  # a broken event sink must not break hibernation
             self.log.exception("gpu-snapshot: could not emit a hibernation event")
+
+
+def _moving(sleeper: SleepingKernel) -> str:
+    """What a wake moves, in words that fit its tier."""
+    if sleeper.tier == GPU_TIER:
+        return f"bringing back {format_bytes(sleeper.gpu_bytes)} of GPU memory"
+    return f"restoring {format_bytes(sleeper.host_bytes + sleeper.gpu_bytes)}"
+
+
+def _moved(sleeper: SleepingKernel) -> str:
+    if sleeper.tier == GPU_TIER:
+        return f"brought back {format_bytes(sleeper.gpu_bytes)} of GPU memory"
+    return f"restored {format_bytes(sleeper.host_bytes + sleeper.gpu_bytes)}"

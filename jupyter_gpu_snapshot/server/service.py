@@ -32,6 +32,7 @@ from ..core.hooks import SaveTarget
 from ..core.snapshot import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
 from ..gpu.remap import describe_choice, parse_gpu_choice
+from ..gpu.sleep import GpuSleep
 from ..launch.liveness import kernel_answers
 from ..launch.provisioner import root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
@@ -194,10 +195,25 @@ class SnapshotService:
                 "preflight", f"snapshot {snapshot.id} is {snapshot.status}: {snapshot.problem}",
                 hint="only trusted snapshots are restored",
             )
-        hook = next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
+        hook = self._cuda_hook()
         if hook is None:
             return describe_choice(snapshot.id, None, (), chosen, False)
         return await hook.gpu_choice(snapshot, chosen)
+
+    def _cuda_hook(self) -> CudaCheckpointHook | None:
+        return next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
+
+    def gpu_sleep(self) -> GpuSleep:
+        """What releases a kernel's GPU and keeps its process (hibernation's gpu tier)."""
+        hook = self._cuda_hook()
+        if hook is None:
+            raise NotReady(
+                "hibernate", "this server has no CUDA checkpoint hook"
+                + (": the node agent does not release GPUs in place yet"
+                   if self.engine.store is not None and not self.engine.hooks else ""),
+                hint="hibernate in the process tier instead",
+            )
+        return hook.gpu_sleep()
 
     def _held_for_wake(self) -> set[str]:
         return self.wakes_from() if self.wakes_from is not None else set()
@@ -350,6 +366,11 @@ class SnapshotService:
     ) -> Job:
         """Validate the request and start a save job; raises at once for a bad request."""
         self.kernel(kernel_id)
+        sleeping = self.hibernation_of(kernel_id) if self.hibernation_of else None
+        if sleeping and sleeping.get("tier") == "gpu" and sleeping.get("state") != "requested":
+            # criu cannot seize threads that the holder holds; the wake comes first.
+            raise Busy("preflight", f"kernel {kernel_id} sleeps with its GPU released",
+                       hint="wake it first: run a cell, or POST kernels/{id}/wake")
         if name is not None:
             validate_name(name)
             if await asyncio.to_thread(self.engine.find_name, name) is not None:

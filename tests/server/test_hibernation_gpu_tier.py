@@ -1,0 +1,179 @@
+"""Hibernation's gpu tier through a real server: the GPU released and the process kept.
+
+Real server, real kernels, a real holder process stopping their threads under ptrace; only
+the CUDA driver is the scripted stand-in (``tests/gpu/fake_driver.py``). Every scenario
+checks that the kernel ends either awake with its state (same process, threads running, CUDA
+running) or asleep with nothing lost (threads held, CUDA checkpointed).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import psutil
+import pytest
+
+from jupyter_gpu_snapshot.config import GPUSnapshot
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+from jupyter_gpu_snapshot.core.procfs import thread_states
+from jupyter_gpu_snapshot.engines import default_hooks, make_engine
+from jupyter_gpu_snapshot.gpu.driver import CUDA_ERROR_OUT_OF_MEMORY, ProcessState
+from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
+from jupyter_gpu_snapshot.server import app as server_app
+from jupyter_gpu_snapshot.server.hibernation import Hibernation
+
+from ..gpu.fake_driver import (
+    FAKE_ENV,
+    FORCE_CUDA_PLUGIN,
+    GIB,
+    RESTORE_THREAD_CODE,
+    FakeCudaDriver,
+    FakeGpus,
+)
+from .conftest import Api, Json, KernelConnector, recorded_events
+from .test_hibernation import (
+    HIBERNATION_EVENT_ID,
+    collect,
+    execute,
+    extension,
+    hibernation,
+    notebook_kernel,
+    printed,
+    root_of,
+    send,
+    until_state,
+)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="holding threads needs root")
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> FakeCudaDriver:
+    """One fake GPU; the server's kernels hold 2 GiB on it."""
+    fake = FakeCudaDriver()
+    gpus = FakeGpus(fake)
+    monkeypatch.setenv(FAKE_ENV, f"{2 * GIB}:{uuid.uuid4().hex}")
+
+    def engine_with_fake_cuda(settings: GPUSnapshot) -> SnapshotEngine:
+        cuda = CudaCheckpointHook(driver=fake.status, inventory=gpus, lock_timeout=1.0,
+                                  drop_caches=False, memory_available=lambda: 64 * GIB,
+                                  criu_env=FORCE_CUDA_PLUGIN)
+        return make_engine(settings, hooks=[*default_hooks(settings)[:-1], cuda])
+
+    monkeypatch.setattr(server_app, "process_engine", engine_with_fake_cuda)
+    return fake
+
+
+@pytest.fixture
+def snapshot_config(driver: FakeCudaDriver) -> Json:
+    return {"autosave": False, "autosave_check_seconds": 0.2}
+
+
+@pytest.fixture
+def events(jp_serverapp: Any) -> list[Json]:
+    return recorded_events(jp_serverapp, HIBERNATION_EVENT_ID)
+
+
+def asleep_as_the_driver_wants(root: int, driver: FakeCudaDriver) -> bool:
+    """Every thread of the kernel is in a ptrace stop but the driver's restore thread, and
+    its CUDA state is checkpointed."""
+    kernel = psutil.Process(root).children()[0].pid if _is_nsinit(root) else root
+    restore_tid = driver.restore_thread_id(kernel)
+    states = thread_states(kernel)
+    return (driver.state(kernel) == ProcessState.CHECKPOINTED
+            and all(s == "t" for tid, s in states.items() if tid != restore_tid))
+
+
+def _is_nsinit(pid: int) -> bool:
+    return "nsinit" in " ".join(psutil.Process(pid).cmdline())
+
+
+async def sleeping_kernel(api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+                          ) -> tuple[str, Any, int]:
+    kernel_id, sock = await notebook_kernel(api, kernel_socket)
+    await sock.execute(RESTORE_THREAD_CODE + "import os\nstate = list(range(5))")
+    root = root_of(jp_serverapp, kernel_id)
+    await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "hibernate",
+                 body={"tier": "gpu"}, expect=202)
+    found = await until_state(api, kernel_id, "hibernated")
+    assert found is not None and found["tier"] == "gpu" and found["snapshot_id"] is None
+    assert found["gpu_bytes_freed"] == 2 * GIB and found["host_bytes_freed"] == 0
+    return kernel_id, sock, root
+
+
+async def test_the_gpu_tier_keeps_the_process_and_the_next_cell_wakes_it_in_place(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, driver: FakeCudaDriver,
+    events: list[Json],
+) -> None:
+    kernel_id, sock, root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+    assert asleep_as_the_driver_wants(root, driver)
+    listed = {k["id"]: k for k in await api.ok("GET", "api", "kernels")}
+    assert listed[kernel_id]["execution_state"] == "hibernated"
+    # A save would need criu to seize threads that the holder holds: refused, clearly.
+    code, error = await api.call("POST", "gpu-snapshot", "kernels", kernel_id, "snapshots",
+                                 body={})
+    assert code == 409 and "sleeps with its GPU released" in error["message"]
+
+    (msg_id,) = await send(sock, execute(sock.session, "print(sum(state))"))
+    answers = (await collect(sock, [msg_id]))[msg_id]
+    assert printed(answers) == "10\n"
+    waking = [m for m in answers if m["msg_type"] in ("display_data", "update_display_data")]
+    assert "bringing back 2.0 GiB of GPU memory" in waking[0]["content"]["data"]["text/plain"]
+    assert root_of(jp_serverapp, kernel_id) == root  # the same process, never restored
+    assert await hibernation(api) == {}
+    kernel = psutil.Process(root).children()[0].pid if _is_nsinit(root) else root
+    assert driver.state(kernel) == ProcessState.RUNNING
+    assert driver.ops(kernel) == ["lock", "checkpoint", "restore", "unlock"]
+    assert driver.protocol_breaches() == []
+    assert [e["action"] for e in events][:4] == ["hibernating", "hibernated", "waking", "woken"]
+
+
+async def test_a_wake_without_gpu_memory_answers_the_cell_and_sleeps_on(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, driver: FakeCudaDriver,
+) -> None:
+    kernel_id, sock, root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+    driver.fail("restore", CUDA_ERROR_OUT_OF_MEMORY, times=3)
+    (msg_id,) = await send(sock, execute(sock.session, "print(sum(state))"))
+    answers = (await collect(sock, [msg_id]))[msg_id]
+    errors = [m for m in answers if m["msg_type"] == "error"]
+    assert errors and "sleeps on with nothing lost" in errors[0]["content"]["evalue"]
+    assert "not enough free memory" in errors[0]["content"]["evalue"]
+    found = (await hibernation(api))[kernel_id]
+    assert found["state"] == "hibernated" and found["last_wake_error"]["step"] == "resume"
+    assert asleep_as_the_driver_wants(root, driver)
+    # Once the memory is there, the next cell wakes it with its state.
+    (msg_id,) = await send(sock, execute(sock.session, "print(sum(state))"))
+    assert printed((await collect(sock, [msg_id]))[msg_id]) == "10\n"
+    assert driver.protocol_breaches() == []
+
+
+async def test_a_restarted_server_finds_the_kernel_asleep_and_wakes_it(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, driver: FakeCudaDriver,
+) -> None:
+    kernel_id, sock, root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+    ours = extension(jp_serverapp)
+    # What a server started after this one does with the kernels it adopted: the holder,
+    # which outlived the server that asked, is found by the kernel's process.
+    later = Hibernation(ours.service, ours.gpu_settings)
+    assert await later.find_sleepers() == [kernel_id]
+    found = later.describe(kernel_id)
+    assert found is not None and found["tier"] == "gpu" and found["state"] == "hibernated"
+    assert found["gpu_bytes"] == 2 * GIB
+    await later.wake(kernel_id)
+    await until_woken(later, kernel_id)
+    ours.hibernation.forget(kernel_id)
+    assert await sock.execute("print(sum(state))") == "10\n"
+    assert root_of(jp_serverapp, kernel_id) == root
+    assert driver.protocol_breaches() == []
+
+
+async def until_woken(hibernation_: Hibernation, kernel_id: str) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + 30
+    while hibernation_.state(kernel_id) is not None:
+        assert time.monotonic() < deadline, hibernation_.describe(kernel_id)
+        await asyncio.sleep(0.05)
