@@ -48,6 +48,8 @@ class HibernationAwareConnection(ZMQChannelsWebsocketConnection):
     async def prepare(self) -> None:
         if not self._hibernating():
             await super().prepare()  # type: ignore[no-untyped-call]
+            if self.hibernation is not None:
+                self.hibernation.opened(self)
             return
         await self._register_session()  # type: ignore[no-untyped-call]
         self.session.key = self.kernel_manager.session.key

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -154,6 +155,9 @@ class Hibernation:
         self._when_idle: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None
+        # Every client connection of each kernel: a restored kernel's output reaches one
+        # only once its subscription has re-joined, held message or not.
+        self._clients: dict[str, weakref.WeakSet[HeldClient]] = {}
 
     # -- what the API shows ----------------------------------------------------------------
     def state(self, kernel_id: str) -> str | None:
@@ -293,8 +297,13 @@ class Hibernation:
             self._start_wake(sleeper)
 
     # -- messages from clients -------------------------------------------------------------
+    def opened(self, client: HeldClient) -> None:
+        """Called by every websocket connection that opens on a kernel."""
+        self._clients.setdefault(client.kernel_id, weakref.WeakSet()).add(client)
+
     def connected(self, client: HeldClient) -> None:
         """Called by a websocket connection that opens while the kernel hibernates."""
+        self.opened(client)
         sleeper = self._kernels.get(client.kernel_id)
         if sleeper is not None:
             sleeper.joined.append(client)
@@ -445,7 +454,8 @@ class Hibernation:
                 self._refuse(message, sleeper, error)
             return
         seconds = (job.finished or time.time()) - job.started
-        every = [*(h.client for h in sleeper.held), *sleeper.joined]
+        every = [*(h.client for h in sleeper.held), *sleeper.joined,
+                 *self._clients.get(kernel_id, ())]
         clients = list({id(c): c for c in every}.values())
         # Each client's subscription to the kernel's output must be live again before its
         # held requests go out, or the first outputs would be lost.
@@ -500,6 +510,7 @@ class Hibernation:
 
     def forget(self, kernel_id: str) -> None:
         self._when_idle.pop(kernel_id, None)
+        self._clients.pop(kernel_id, None)
         sleeper = self._kernels.get(kernel_id)
         if sleeper is None or sleeper.state == HIBERNATING:
             return
