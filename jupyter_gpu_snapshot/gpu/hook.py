@@ -155,7 +155,7 @@ class CudaCheckpointHook(SnapshotHook):
             inventory = self._read_inventory()
             if inventory is None:
                 return 0
-            return sum(sum(inventory.process_memory.get(pid, {}).values()) for pid in pids)
+            return sum(inventory.bytes_of(pid) for pid in pids)
 
         return GpuSleep(status.driver, holders_dir(work_base()), self.lock_timeout,
                         gpu_bytes_of)

@@ -1,0 +1,103 @@
+"""Hibernation's gpu tier with the real driver: each framework's kernel gives its GPU back,
+sleeps with its threads held, and computes on after the wake.
+
+For every row of ``test_frameworks`` that saves: the kernel builds its state and warms its
+``step()``; its GPU is released (``GpuSleep.release``); it sleeps ``SLEEP_SECONDS``, far
+longer than JAX's threads survive running on checkpointed CUDA (under 3 s, measured); it
+wakes, and ``step()`` runs twice with the same live device bytes as before. Bitwise
+continuation of the same kernels through a server is ``benchmarks/bench_hibernate.py``'s.
+Also: a holder killed mid-sleep takes the kernel with it (``PTRACE_O_EXITKILL``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver, ProcessState
+from jupyter_gpu_snapshot.gpu.inventory import read_inventory
+from jupyter_gpu_snapshot.gpu.sleep import GpuSleep, holders_dir
+
+from ..conftest import start_kernel, stop_kernel
+from .test_frameworks import FRAMEWORKS, Framework
+
+pytestmark = pytest.mark.gpu
+
+SLEEP_SECONDS = 15.0
+ROWS = [f for f in FRAMEWORKS if f.refused is None and f.id != "numba-cuda"]
+
+
+def gpu_sleep() -> GpuSleep:
+    def gpu_bytes_of(pids: list[int]) -> int:
+        inventory = read_inventory()
+        return sum(inventory.bytes_of(p) for p in pids) if inventory else 0
+
+    return GpuSleep(LibcudaDriver(), holders_dir(Path("/tmp")), 10.0, gpu_bytes_of)
+
+
+def on_gpu(pid: int) -> int:
+    inventory = read_inventory()
+    return inventory.bytes_of(pid) if inventory else 0
+
+
+@pytest.mark.parametrize("fw", ROWS, ids=[f.id for f in ROWS])
+def test_a_kernel_sleeps_with_its_gpu_released_and_computes_on_after_the_wake(
+        fw: Framework, figures: dict[str, Any]) -> None:
+    sleep = gpu_sleep()
+    k = start_kernel(env=fw.env)
+    try:
+        k.execute(fw.setup, timeout=600)
+        k.execute("step()", timeout=300)
+        live = json.loads(k.execute("print(json.dumps(live_bytes()))").strip().splitlines()[-1])
+        held = on_gpu(k.kernel_pid)
+        started = time.monotonic()
+        released = sleep.release(k.root_pid)
+        figures["release_s"] = round(time.monotonic() - started, 3)
+        figures["release"] = released.to_dict()
+        assert LibcudaDriver().state(k.kernel_pid) == ProcessState.CHECKPOINTED
+        assert on_gpu(k.kernel_pid) == 0 < held
+        time.sleep(SLEEP_SECONDS)
+        assert sleep.asleep(k.root_pid) is not None, "the kernel died asleep"
+        started = time.monotonic()
+        woken = sleep.wake(k.root_pid)
+        figures["wake_s"] = round(time.monotonic() - started, 3)
+        figures["wake"] = woken.to_dict()
+        figures["gpu_bytes"] = held
+        out = k.execute("print(json.dumps([live_bytes(), step(), step()]))", timeout=300)
+        after, *_steps = json.loads(out.strip().splitlines()[-1])
+        assert after == live
+        assert LibcudaDriver().state(k.kernel_pid) == ProcessState.RUNNING
+    finally:
+        stop_kernel(k)
+
+
+def test_a_killed_holder_takes_the_sleeping_kernel_with_it() -> None:
+    sleep = gpu_sleep()
+    k = start_kernel()
+    try:
+        k.execute("import torch; x = torch.ones(1 << 28, device='cuda'); print(float(x.sum()))")
+        sleep.release(k.root_pid)
+        status = sleep.asleep(k.root_pid)
+        assert status is not None
+        kernel = k.kernel_pid
+        os.kill(int(status["holder_pid"]), signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{kernel}") and _state(kernel) != "Z":
+            assert time.monotonic() < deadline, "the kernel outlived its holder"
+            time.sleep(0.1)
+    finally:
+        stop_kernel(k)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
