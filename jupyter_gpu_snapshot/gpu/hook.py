@@ -151,14 +151,8 @@ class CudaCheckpointHook(SnapshotHook):
         if status.driver is None:
             raise NotReady("hibernate", f"no GPU to release: {status.problem}",
                            hint="hibernate in the process tier instead")
-        def gpu_bytes_of(pids: list[int]) -> int:
-            inventory = self._read_inventory()
-            if inventory is None:
-                return 0
-            return sum(inventory.bytes_of(pid) for pid in pids)
-
         return GpuSleep(status.driver, holders_dir(work_base()), self.lock_timeout,
-                        gpu_bytes_of)
+                        self._read_inventory)
 
     # -- save ------------------------------------------------------------------------------
     async def preflight_save(self, ctx: SaveContext) -> None:

@@ -32,6 +32,7 @@ from ..core import procfs
 from ..core.errors import InvalidRequest, NotFound, NotReady
 from .checkpoint import CudaCheckpoint, CudaProcess, error_hint, host_tids
 from .driver import CheckpointDriver, CudaError, DriverCallError, ProcessState
+from .inventory import GpuInventory
 
 # How long a holder may take to stop a tree's threads before the release gives up.
 HOLD_TIMEOUT_SECONDS = 30.0
@@ -43,12 +44,17 @@ class SleepReport:
     """What a release or a wake did, for the API and the benchmarks."""
 
     pids: list[int]
-    gpu_bytes: int = 0  # the GPU memory the processes held when the release started
+    # The GPU memory the processes held when the release started, by GPU UUID.
+    gpu_memory: dict[str, int] = field(default_factory=dict)
     held_threads: int = 0
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(self.gpu_memory.values())
     timings: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pids": self.pids, "gpu_bytes": self.gpu_bytes,
+        return {"pids": self.pids, "gpu_bytes": self.gpu_bytes, "gpu_memory": self.gpu_memory,
                 "held_threads": self.held_threads,
                 "timings": {k: round(v, 4) for k, v in self.timings.items()}}
 
@@ -135,10 +141,10 @@ class GpuSleep:
     """Releases and gives back the GPU of kernel trees through the driver's checkpoint."""
 
     def __init__(self, driver: CheckpointDriver, holders: Path, lock_timeout: float,
-                 gpu_bytes_of: Callable[[list[int]], int] = lambda _pids: 0) -> None:
+                 read_inventory: Callable[[], GpuInventory | None] = lambda: None) -> None:
         self.driver = driver
-        # The GPU memory the given processes hold now (the node's GPU inventory).
-        self.gpu_bytes_of = gpu_bytes_of
+        # The node's GPUs and what each process holds on them, now (NVML).
+        self.read_inventory = read_inventory
         self.cuda = CudaCheckpoint(driver)
         self.holders = holders
         self.lock_timeout = lock_timeout
@@ -166,13 +172,13 @@ class GpuSleep:
                 raise CudaError("release the GPU", f"the CUDA state of pid {proc.pid} is "
                                 f"{proc.state.value}, not running")
         report = SleepReport([p.pid for p in procs])
-        report.gpu_bytes = self.gpu_bytes_of(report.pids)
+        report.gpu_memory = self.gpu_memory_of(report.pids)
         self._lock_all(procs, report)
         try:
             started = time.monotonic()
             keep = [tid for p in procs for tid in self._restore_threads(p.pid)]
             report.held_threads = holder.start(
-                keep, {**(note or {}), "gpu_bytes": report.gpu_bytes})
+                keep, {**(note or {}), "gpu_memory": report.gpu_memory})
             report.timings["hold"] = time.monotonic() - started
         except BaseException:
             self._unlock_all(procs)
@@ -217,6 +223,16 @@ class GpuSleep:
         holder.release()
         report.timings["run"] = time.monotonic() - started
         return report
+
+    def gpu_memory_of(self, pids: list[int]) -> dict[str, int]:
+        """What the processes hold on each GPU now, by UUID."""
+        inventory = self.read_inventory()
+        memory = inventory.process_memory if inventory is not None else {}
+        found: dict[str, int] = {}
+        for pid in pids:
+            for uuid, nbytes in memory.get(pid, {}).items():
+                found[uuid] = found.get(uuid, 0) + nbytes
+        return found
 
     def _restore_threads(self, pid: int) -> list[int]:
         tid = self.driver.restore_thread_id(pid)

@@ -43,12 +43,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import psutil
+
 from .._constants import format_bytes
 from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.hooks import Progress
+from ..gpu.inventory import GpuInventory
 from ..gpu.remap import remap_notice
+from ..gpu.sleep import GpuSleep
 from ..launch.provisioner import Adoption, SnapshotReadyProvisioner, root_pid
 from .autosave import last_activity
 from .jobs import Job, kernel_key, snapshot_key
@@ -64,6 +68,8 @@ WAKING = "waking"
 # but they do not wake it. A kernel_info request is answered from the kernel's own
 # earlier answer.
 PASSIVE_REQUESTS = frozenset({"comm_info_request", "history_request"})
+# Free GPU memory a wake wants beyond what its kernel held there (the driver's own).
+WAKE_MARGIN_BYTES = 256 << 20
 # How often a waking kernel's held cells are told how far the restore is.
 PROGRESS_EVERY_SECONDS = 0.5
 
@@ -101,6 +107,8 @@ class SleepingKernel:
     host_bytes: int
     tier: str = PROCESS_TIER
     root_pid: int | None = None  # the sleeping tree's, in the gpu tier
+    # What it held on each GPU (UUID -> bytes), in the gpu tier: what its wake needs there.
+    gpu_memory: dict[str, int] = field(default_factory=dict)
     requested: float = field(default_factory=time.time)
     since: float | None = None  # when its process ended
     snapshot_id: str | None = None
@@ -261,6 +269,7 @@ class Hibernation:
         async def release(_job: Job) -> dict[str, Any]:
             note = {"kernel_id": sleeper.kernel_id}
             report = await asyncio.to_thread(gpu_sleep.release, root, note)
+            sleeper.gpu_memory = report.gpu_memory
             sleeper.gpu_bytes = max(sleeper.gpu_bytes, report.gpu_bytes)
             return {"kernel_id": sleeper.kernel_id, "tier": GPU_TIER, **report.to_dict()}
 
@@ -383,10 +392,78 @@ class Hibernation:
         """The wake job of the gpu tier: device memory back, the threads running."""
         assert sleeper.root_pid is not None
         gpu_sleep = self.service.gpu_sleep()
+        await self._make_room(sleeper, gpu_sleep)
         self.service.jobs.progress(job)(Progress("waking", 0, sleeper.gpu_bytes))
         report = await asyncio.to_thread(gpu_sleep.wake, sleeper.root_pid)
         self.service.kernel(sleeper.kernel_id).execution_state = "idle"
         return {"kernel_id": sleeper.kernel_id, "tier": GPU_TIER, **report.to_dict()}
+
+    async def _make_room(self, sleeper: SleepingKernel, gpu_sleep: GpuSleep) -> None:
+        """Taking turns: where a GPU lacks the memory this kernel's wake needs there, the
+        least recently used idle kernels on that GPU give theirs back (the gpu tier) until
+        it fits; where none can, the wake is refused, naming who holds the GPU."""
+        for uuid, need in sleeper.gpu_memory.items():
+            inventory = await asyncio.to_thread(gpu_sleep.read_inventory)
+            device = inventory.device(uuid) if inventory is not None else None
+            if device is None or device.memory_free >= need + WAKE_MARGIN_BYTES:
+                continue
+            for other in await self._idle_on(uuid, exclude=sleeper.kernel_id):
+                why = f"making room on GPU {device.index} for kernel {sleeper.kernel_id}"
+                with contextlib.suppress(SnapshotError):
+                    made = await self._hibernate(other, why, GPU_TIER)
+                    assert made.job_id is not None
+                    await self.service.jobs.wait(self.service.jobs.get(made.job_id))
+                inventory = await asyncio.to_thread(gpu_sleep.read_inventory)
+                device = inventory.device(uuid) if inventory is not None else None
+                if device is None or device.memory_free >= need + WAKE_MARGIN_BYTES:
+                    break
+            if device is not None and device.memory_free < need + WAKE_MARGIN_BYTES:
+                assert inventory is not None
+                raise NotReady(
+                    "make room",
+                    f"GPU {device.index} ({device.name}) has {format_bytes(device.memory_free)}"
+                    f" free and this kernel needs {format_bytes(need)} there; no idle kernel "
+                    f"can give its memory back. It is held by {self._holders_of(uuid, inventory)}",
+                    hint="wait for a cell of those kernels to end, or shut one down",
+                )
+
+    async def _idle_on(self, uuid: str, exclude: str) -> list[str]:
+        """The awake, idle kernels holding memory on the GPU, least recently used first."""
+        gpu_sleep = self.service.gpu_sleep()
+        found: list[tuple[float, str]] = []
+        for kernel_id in list(self.service.kernel_manager.list_kernel_ids()):
+            if kernel_id == exclude or await self._idle_for(kernel_id) is None:
+                continue
+            root = root_pid(self.service.kernel_manager.get_kernel(kernel_id))
+            if root is None:
+                continue
+            pids = [p.pid for p in await asyncio.to_thread(procfs.tree, root)]
+            held = await asyncio.to_thread(gpu_sleep.gpu_memory_of, pids)
+            if held.get(uuid):
+                last = last_activity(self.service.kernel_manager.get_kernel(kernel_id))
+                found.append((last or 0.0, kernel_id))
+        return [kernel_id for _, kernel_id in sorted(found)]
+
+    def _holders_of(self, uuid: str, inventory: GpuInventory) -> str:
+        """Who holds memory on the GPU, in words: kernels by id and notebook state, others
+        by pid and command."""
+        kernels: dict[int, str] = {}
+        for kernel_id in list(self.service.kernel_manager.list_kernel_ids()):
+            km = self.service.kernel_manager.get_kernel(kernel_id)
+            root = root_pid(km)
+            with contextlib.suppress(psutil.Error):
+                for proc in procfs.tree(root) if root else []:
+                    kernels[proc.pid] = (f"kernel {kernel_id} "
+                                         f"({getattr(km, 'execution_state', 'unknown')})")
+        named = []
+        for pid, memory in sorted(inventory.process_memory.items()):
+            if memory.get(uuid):
+                who = kernels.get(pid)
+                if who is None:
+                    with contextlib.suppress(psutil.Error):
+                        who = f"pid {pid} ({' '.join(psutil.Process(pid).cmdline())[:60]})"
+                named.append(f"{who or f'pid {pid}'}: {format_bytes(memory[uuid])}")
+        return "; ".join(named) or "processes this server cannot see"
 
     async def _wake(self, job: Job, sleeper: SleepingKernel) -> dict[str, Any]:
         """The wake job: restore the snapshot, and give the tree to the same slot."""
@@ -538,9 +615,10 @@ class Hibernation:
             status = await asyncio.to_thread(gpu_sleep.asleep, root)
             if status is None:
                 continue
+            memory = {str(k): int(v) for k, v in dict(status.get("gpu_memory") or {}).items()}
             sleeper = SleepingKernel(
                 kernel_id, HIBERNATED, await self.service.slots.notebook_path(kernel_id),
-                int(status.get("gpu_bytes") or 0), 0, tier=GPU_TIER, root_pid=root,
+                sum(memory.values()), 0, tier=GPU_TIER, root_pid=root, gpu_memory=memory,
                 since=float(status.get("since") or time.time()),
             )
             self._kernels[kernel_id] = sleeper

@@ -34,11 +34,7 @@ ROWS = [f for f in FRAMEWORKS if f.refused is None and f.id != "numba-cuda"]
 
 
 def gpu_sleep() -> GpuSleep:
-    def gpu_bytes_of(pids: list[int]) -> int:
-        inventory = read_inventory()
-        return sum(inventory.bytes_of(p) for p in pids) if inventory else 0
-
-    return GpuSleep(LibcudaDriver(), holders_dir(Path("/tmp")), 10.0, gpu_bytes_of)
+    return GpuSleep(LibcudaDriver(), holders_dir(Path("/tmp")), 10.0, read_inventory)
 
 
 def on_gpu(pid: int) -> int:

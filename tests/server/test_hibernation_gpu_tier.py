@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.procfs import thread_states
 from jupyter_gpu_snapshot.engines import default_hooks, make_engine
@@ -50,11 +51,16 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="holding threads needs
 
 
 @pytest.fixture
-def driver(monkeypatch: pytest.MonkeyPatch) -> FakeCudaDriver:
-    """One fake GPU; the server's kernels hold 2 GiB on it."""
+def kernel_bytes() -> int:
+    return 2 * GIB
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch, kernel_bytes: int) -> FakeCudaDriver:
+    """One fake GPU of 80 GiB; each of the server's kernels holds ``kernel_bytes`` on it."""
     fake = FakeCudaDriver()
     gpus = FakeGpus(fake)
-    monkeypatch.setenv(FAKE_ENV, f"{2 * GIB}:{uuid.uuid4().hex}")
+    monkeypatch.setenv(FAKE_ENV, f"{kernel_bytes}:{uuid.uuid4().hex}")
 
     def engine_with_fake_cuda(settings: GPUSnapshot) -> SnapshotEngine:
         cuda = CudaCheckpointHook(driver=fake.status, inventory=gpus, lock_timeout=1.0,
@@ -176,4 +182,76 @@ async def until_woken(hibernation_: Hibernation, kernel_id: str) -> None:
     deadline = time.monotonic() + 30
     while hibernation_.state(kernel_id) is not None:
         assert time.monotonic() < deadline, hibernation_.describe(kernel_id)
+        await asyncio.sleep(0.05)
+
+
+class TestTakingTurns:
+    """Three kernels of 30 GiB on one 80 GiB GPU: two fit awake, each cell wakes its own."""
+
+    @pytest.fixture
+    def kernel_bytes(self) -> int:
+        return 30 * GIB
+
+    async def test_three_kernels_answer_their_cells_in_turn_and_a_full_gpu_is_named(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
+        driver: FakeCudaDriver,
+    ) -> None:
+        sockets: dict[str, Any] = {}
+        names: dict[str, str] = {}
+
+        async def start(name: str) -> str:
+            kernel_id, sock = await notebook_kernel(api, kernel_socket, f"{name}.ipynb")
+            await sock.execute(f"name = {name!r}")
+            kernel = procfs.kernel_of(root_of(jp_serverapp, kernel_id))
+            assert kernel is not None
+            driver.state(kernel.pid)  # the fake's GPU shows the processes it has seen
+            sockets[kernel_id], names[kernel_id] = sock, name
+            return kernel_id
+
+        async def cell(kernel_id: str, code: str = "print(name)") -> list[Json]:
+            sock = sockets[kernel_id]
+            (msg_id,) = await send(sock, execute(sock.session, code))
+            return (await collect(sock, [msg_id]))[msg_id]
+
+        # The fake driver knows a process by its environment, which the server's kernels
+        # share: all three start before the first checkpoint, or the later ones would
+        # read as restored from it.
+        first, second, third = await start("k1"), await start("k2"), await start("k3")
+        await api.ok("POST", "gpu-snapshot", "kernels", first, "hibernate",
+                     body={"tier": "gpu"}, expect=202)
+        await until_state(api, first, "hibernated")  # 60 GiB of 80 in use now
+        # Each cell wakes its kernel; the least recently used idle one gives its GPU back.
+        for kernel_id, gives_way in ((first, second), (second, third), (third, first)):
+            assert printed(await cell(kernel_id)) == f"{names[kernel_id]}\n"
+            asleep = await hibernation(api)
+            assert set(asleep) == {gives_way}, asleep
+            assert asleep[gives_way]["tier"] == "gpu"
+        # With both awake kernels running cells, no idle kernel can make room: the cell
+        # gets one error naming who holds the GPU, and its kernel sleeps on.
+        running = (second, third)
+        busy_ids = [(await send(sockets[k], execute(
+            sockets[k].session, "import time; time.sleep(4); print('done')")))[0]
+            for k in running]
+        await until_busy(jp_serverapp, list(running))
+        errors = [m for m in await cell(first) if m["msg_type"] == "error"]
+        assert errors, "the cell of a kernel that cannot wake got no error"
+        text = errors[0]["content"]["evalue"]
+        assert "no idle kernel can give its memory back" in text
+        assert f"kernel {second} (busy)" in text and f"kernel {third} (busy)" in text
+        assert (await hibernation(api))[first]["state"] == "hibernated"
+        for k, msg_id in zip(running, busy_ids, strict=True):
+            assert printed((await collect(sockets[k], [msg_id]))[msg_id]) == "done\n"
+        # Once they are idle, the same cell wakes it.
+        assert printed(await cell(first)) == "k1\n"
+        assert driver.protocol_breaches() == []
+
+
+async def until_busy(jp_serverapp: Any, kernel_ids: list[str]) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + 30
+    km = jp_serverapp.kernel_manager
+    while any(km.get_kernel(k).execution_state != "busy" for k in kernel_ids):
+        assert time.monotonic() < deadline, "the cells never started"
         await asyncio.sleep(0.05)
