@@ -17,6 +17,12 @@ in the same run):
     python benchmarks/bench_hibernate.py [--cases torch4,jax,cupy,torch] [--tiers gpu,process]
                                          [--small] [--out FILE]
     python benchmarks/bench_hibernate.py --cases numpy     # CPU: checks the benchmark itself
+    python benchmarks/bench_hibernate.py --turns           # three kernels take turns on GPU 0
+
+``--turns``: three PyTorch kernels, each holding 40 % of GPU 0's memory (two fit at once),
+answer cells in turn, twice round; each cell's kernel wakes (the gpu tier) after the least
+recently used idle one gives its memory back. Each cell's time to its first output, and its
+digest against the one printed before the kernel first slept.
 """
 
 from __future__ import annotations
@@ -247,10 +253,57 @@ def hibernate_timings(server: Server, kernel_id: str) -> dict[str, Any] | None:
     return ((newest or {}).get("result") or {}).get("timings")
 
 
+def gpu_total_bytes() -> int:
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[0]) << 20
+
+
+def sleeping(server: Server) -> dict[str, str]:
+    listing = server.request("GET", "gpu-snapshot/hibernation")["kernels"]
+    return {k["kernel_id"]: k["state"] for k in listing}
+
+
+def turns(server: Server, rounds: int = 2) -> dict[str, Any]:
+    """Three kernels that together need more than GPU 0 has, answering cells in turn."""
+    each = int(gpu_total_bytes() * 0.4)
+    setup = TORCH4.format(n=each // 4)
+    kernels: dict[str, str] = {}
+    digests: dict[str, str] = {}
+    cells: list[dict[str, Any]] = []
+    for name in ("a", "b", "c"):
+        if len(kernels) == 2:  # the third fits only once one sleeps
+            first = next(iter(kernels.values()))
+            server.request("POST", f"gpu-snapshot/kernels/{first}/hibernate", {"tier": "gpu"})
+            until_hibernated(server, first, 900)
+        kernels[name] = server.open_notebook(f"turn-{name}.ipynb")
+        ran = asyncio.run(run_over_websocket(server, kernels[name], setup, 900))
+        digests[name] = ran["printed"].split()[0]
+    for _ in range(rounds):
+        for name, kernel_id in kernels.items():
+            before = sleeping(server)
+            ran = asyncio.run(run_over_websocket(server, kernel_id, WAKE_CELL, 900))
+            lines = ran["printed"].split()
+            cells.append({
+                "kernel": name,
+                "was_asleep": kernel_id in before,
+                "execute_to_first_output_s": ran["seen_s"].get("first_kernel_output"),
+                "state_equal": bool(lines) and lines[-1] == digests[name],
+                "asleep_after": sorted(n for n, k in kernels.items() if k in sleeping(server)),
+                "gpu_used_bytes": gpu_used_bytes(),
+            })
+            print(json.dumps(cells[-1]), flush=True)
+    return {"kernel_gpu_bytes": each, "gpu_total_bytes": gpu_total_bytes(), "cells": cells,
+            "all_equal": all(c["state_equal"] for c in cells)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cases", default="torch4,jax,cupy,torch")
     parser.add_argument("--tiers", default="gpu,process")
+    parser.add_argument("--turns", action="store_true",
+                        help="three kernels taking turns on GPU 0, instead of the cases")
     parser.add_argument("--small", action="store_true", help="a 2 GiB model, not the 8B shape")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -279,7 +332,9 @@ def main() -> None:
         "cases": {},
     }
     try:
-        for name in args.cases.split(","):
+        if args.turns:
+            result["turns"] = turns(server)
+        for name in [] if args.turns else args.cases.split(","):
             try:
                 result["cases"][name] = one_case(server, name, setups[name],
                                                  args.tiers.split(","))
