@@ -542,15 +542,13 @@ class Hibernation:
         self._kernels.pop(kernel_id, None)
         for held in sleeper.held:
             if held.header.get("msg_type") == "execute_request":
+                # The note goes before the cell's own outputs come: a wake leaves nothing in
+                # the notebook file (the server's log and events say how long it took).
                 with contextlib.suppress(Exception):
-                    self._show_waking(
-                        held.client, held.header, sleeper,
-                        f"Woke the kernel in {seconds:.1f} s ({_moved(sleeper)}).",
-                        update=True,
-                    )
+                    held.client.answer("iopub", "clear_output", {"wait": False}, held.header)
             held.client.deliver(held.raw)
-        self.log.info("gpu-snapshot: kernel %s woke in %.1f s; %d held messages delivered",
-                      kernel_id, seconds, len(sleeper.held))
+        self.log.info("gpu-snapshot: kernel %s woke in %.1f s (%s); %d held messages delivered",
+                      kernel_id, seconds, _moved(sleeper), len(sleeper.held))
         self._event(sleeper, "woken", seconds=seconds)
 
     def _refuse(self, held: HeldMessage, sleeper: SleepingKernel, error: dict[str, Any]) -> None:

@@ -81,6 +81,20 @@ async def collect(sock: KernelSocket, msg_ids: list[str], timeout: float = JOB_T
     return got
 
 
+def kept_outputs(messages: list[Json]) -> list[str]:
+    """The cell's outputs as a notebook's output area keeps (and saves) them."""
+    kept: list[str] = []
+    for m in messages:
+        kind, content = m["msg_type"], m["content"]
+        if kind == "clear_output" and not content.get("wait"):
+            kept = []
+        elif kind == "stream":
+            kept.append(content["text"])
+        elif kind in ("display_data", "execute_result"):
+            kept.append(content["data"].get("text/plain", ""))
+    return kept
+
+
 def printed(messages: list[Json]) -> str:
     return "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
 
@@ -160,6 +174,8 @@ class TestIdleKernels:
         kinds = [m["msg_type"] for m in answers]
         assert kinds[:2] == ["status", "display_data"], kinds  # "Waking the kernel…"
         assert "Waking the kernel" in answers[1]["content"]["data"]["text/plain"]
+        # Shown while it mattered, gone from what the notebook keeps.
+        assert kept_outputs(answers) == ["10\n"]
         assert answers[-1]["msg_type"] in ("status", "execute_reply")
         assert [e["action"] for e in events][:4] == [
             "hibernating", "hibernated", "waking", "woken"]

@@ -40,6 +40,7 @@ from .test_hibernation import (
     execute,
     extension,
     hibernation,
+    kept_outputs,
     notebook_kernel,
     printed,
     root_of,
@@ -127,6 +128,7 @@ async def test_the_gpu_tier_keeps_the_process_and_the_next_cell_wakes_it_in_plac
     assert printed(answers) == "10\n"
     waking = [m for m in answers if m["msg_type"] in ("display_data", "update_display_data")]
     assert "bringing back 2.0 GiB of GPU memory" in waking[0]["content"]["data"]["text/plain"]
+    assert kept_outputs(answers) == ["10\n"]
     assert root_of(jp_serverapp, kernel_id) == root  # the same process, never restored
     assert await hibernation(api) == {}
     kernel = psutil.Process(root).children()[0].pid if _is_nsinit(root) else root

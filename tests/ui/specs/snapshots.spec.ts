@@ -660,6 +660,10 @@ test('hibernate', async ({ lab, page }) => {
   seen.after_wake_output = await lab.runCell(1);
   seen.kernel_after = await lab.kernelOf();
   await lab.screenshot('woken');
+  // The waking note was shown while it mattered; the notebook file keeps none of it.
+  await lab.saveNotebook();
+  const saved = await lab.api(`api/contents/${NOTEBOOK}`);
+  seen.saved_wake_cell_outputs = saved.content.cells[1].outputs;
   await expect(status).not.toHaveText(/^(Hibernated|Waking)/, { timeout: STEP_TIMEOUT });
   seen.status_after_wake = await status.innerText();
   await lab.screenshot('status-after-wake');
