@@ -618,12 +618,12 @@ def cmd_hibernation(args: argparse.Namespace) -> int:
     if not kernels:
         _say("no hibernated kernels")
         return 0
-    rows = [["KERNEL", "STATE", "NOTEBOOK", "GPU FREED", "SINCE", "SNAPSHOT", "SERVER"]]
+    rows = [["KERNEL", "STATE", "TIER", "NOTEBOOK", "GPU FREED", "SINCE", "SNAPSHOT", "SERVER"]]
     for k in kernels:
         since = datetime.fromtimestamp(k["since"]).strftime("%Y-%m-%d %H:%M:%S") \
             if k.get("since") else "-"
         rows.append([
-            k["kernel_id"], k["state"], k.get("notebook_path") or "-",
+            k["kernel_id"], k["state"], k.get("tier") or "process", k.get("notebook_path") or "-",
             format_bytes(k.get("gpu_bytes_freed") or 0), since, k.get("snapshot_id") or "-",
             k["server"],
         ])
@@ -643,7 +643,8 @@ def _server_of(args: argparse.Namespace) -> Any:
 
 def cmd_hibernate(args: argparse.Namespace) -> int:
     state = _server_of(args).call(
-        "POST", f"kernels/{args.kernel_id}/hibernate", {"when_idle": True}, step="hibernate")
+        "POST", f"kernels/{args.kernel_id}/hibernate", {"when_idle": True, "tier": args.tier},
+        step="hibernate")
     _say(f"kernel {args.kernel_id}: {state['state']}"
          + (" (as soon as it is idle)" if state["state"] == "requested" else ""))
     return 0
@@ -851,6 +852,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("hibernate", help="hibernate a server's kernel (once its cell ends)")
     p.add_argument("kernel_id", help="the kernel's id (GET /api/kernels)")
+    p.add_argument("--tier", choices=("gpu", "process"), default="process",
+                   help="gpu: release its GPU and keep its process (wakes in seconds); "
+                   "process: save it and end its process (frees host memory too)")
     server_options(p)
     p.set_defaults(func=cmd_hibernate)
 

@@ -282,10 +282,12 @@ class SnapshotClient:
             return dict(self.api("GET", path, step="autosave"))
         return dict(self.api("PUT", path, changes, step="autosave"))
 
-    def hibernate_when_idle(self) -> Json:
-        """Ask the server to hibernate this kernel once the running cell has ended."""
+    def hibernate_when_idle(self, tier: str = "process") -> Json:
+        """Ask the server to hibernate this kernel in ``tier`` once the running cell has
+        ended (gpu: the GPU released, the process kept; process: saved and ended)."""
         path = f"kernels/{_q(self.kernel_id)}/hibernate"
-        return dict(self.api("POST", path, {"when_idle": True}, step="hibernate"))
+        return dict(self.api("POST", path, {"when_idle": True, "tier": tier},
+                             step="hibernate"))
 
     def snapshot(self, ref: str) -> Json:
         return dict(self.api("GET", f"snapshots/{_q(ref)}", step="find snapshot"))

@@ -86,7 +86,10 @@ _TAKES_NAME = {
     "save": "optional", "rm": "required", "restore": "required", "autosave": "optional",
     "hibernate": "optional",
 }
-HIBERNATE_USAGE = "%gpu_snapshot hibernate [after 30m|never|default]"
+HIBERNATE_USAGE = "%gpu_snapshot hibernate [gpu|process|after 30m|never|default]"
+# Hibernation's tiers (the server's hibernation.TIERS): the GPU released with the process
+# kept, or the process saved and ended.
+HIBERNATE_TIERS = ("gpu", "process")
 AUTOSAVE_USAGE = "%gpu_snapshot autosave [on|off|every 10m|status]"
 _UNIT_MINUTES = {"s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0}
 
@@ -180,14 +183,18 @@ class GPUSnapshotMagics(Magics):
         if args.latest and command != "list":
             raise UsageError("--latest only applies to %gpu_snapshot list")
         changes = _autosave_changes(args.name, args.rest) if command == "autosave" else None
-        if command == "hibernate":
+        tier = "process"
+        if command == "hibernate" and (args.name or "").lower() in HIBERNATE_TIERS \
+                and not args.rest:
+            tier = str(args.name).lower()
+        elif command == "hibernate":
             changes = _hibernate_changes(args.name, args.rest)
         try:
             client = self.client()
             if command == "autosave":
                 self._autosave(client, changes)
             elif command == "hibernate":
-                self._hibernate(client, changes)
+                self._hibernate(client, changes, tier)
             else:
                 getattr(self, f"_{command}")(client, args)
         except ClientError as exc:
@@ -323,7 +330,8 @@ class GPUSnapshotMagics(Magics):
         state = client.autosave(changes)
         print("\n".join(autosave_lines(state, time.time())))
 
-    def _hibernate(self, client: SnapshotClient, changes: dict[str, Any] | None) -> None:
+    def _hibernate(self, client: SnapshotClient, changes: dict[str, Any] | None,
+                   tier: str) -> None:
         if changes is not None:
             minutes = client.autosave(changes)["policy"].get("hibernate_after_minutes") or 0
             print(f"This notebook's kernel hibernates after {format_minutes(minutes)} idle."
@@ -331,7 +339,12 @@ class GPUSnapshotMagics(Magics):
             return
         # This cell is running, and a kernel never hibernates under a running cell: the
         # server does it as soon as this cell has ended.
-        client.hibernate_when_idle()
+        client.hibernate_when_idle(tier)
+        if tier == "gpu":
+            print("This kernel gives its GPU back once this cell ends: its GPU memory moves "
+                  "into its host memory and its process waits. The next cell you run wakes "
+                  "it in seconds, with everything in place.")
+            return
         print("This kernel hibernates once this cell ends: its process stops and its GPU "
               "memory is freed. The next cell you run wakes it, with everything in place.")
 

@@ -257,3 +257,32 @@ async def until_busy(jp_serverapp: Any, kernel_ids: list[str]) -> None:
     while any(km.get_kernel(k).execution_state != "busy" for k in kernel_ids):
         assert time.monotonic() < deadline, "the cells never started"
         await asyncio.sleep(0.05)
+
+
+async def test_the_magic_and_the_cli_ask_for_the_gpu_tier(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, driver: FakeCudaDriver,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import asyncio
+
+    from jupyter_gpu_snapshot.cli.main import main as cli
+
+    extension(jp_serverapp).hibernation.start()
+    kernel_id, sock = await notebook_kernel(api, kernel_socket)
+    root = root_of(jp_serverapp, kernel_id)
+    out = await sock.execute("%gpu_snapshot hibernate gpu\nm = 'kept'")
+    assert "gives its GPU back once this cell ends" in out
+    found = await until_state(api, kernel_id, "hibernated")
+    assert found is not None and found["tier"] == "gpu"
+    assert await sock.execute("print(m)") == "kept\n"
+    assert root_of(jp_serverapp, kernel_id) == root
+    server = ["--url", jp_serverapp.connection_url,
+              "--token", jp_serverapp.identity_provider.token]
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli, ["hibernate", kernel_id, "--tier", "gpu", *server]) == 0
+    await until_state(api, kernel_id, "hibernated")
+    assert await asyncio.to_thread(cli, ["hibernation", *server]) == 0
+    table = capsys.readouterr().out
+    assert "TIER" in table and " gpu " in table
+    assert await sock.execute("print(m)") == "kept\n"
+    assert driver.protocol_breaches() == []
