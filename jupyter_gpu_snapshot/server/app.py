@@ -387,10 +387,15 @@ class GPUSnapshotApp(ExtensionApp):
             return
         if self.autosave is not None:
             await self.autosave.stop()
-        if self.hibernation is not None:
-            await self.hibernation.stop()
         budget = float(self.gpu_settings.shutdown_budget)
         deadline = asyncio.get_running_loop().time() + budget
+        if self.hibernation is not None:
+            await self.hibernation.stop()
+            if self.gpu_settings.snapshot_on_shutdown:
+                # Their state lives only in their process: awake, they can be saved. The
+                # wakes (seconds each) come out of the same budget.
+                await self.hibernation.wake_before_stop()
+                budget = max(0.0, deadline - asyncio.get_running_loop().time())
         remote = self.service.remote
         if self.gpu_settings.snapshot_on_shutdown:
             if remote is not None:

@@ -597,6 +597,30 @@ class Hibernation:
         if self._loop is None:
             self._loop = asyncio.create_task(self._run())
 
+    async def wake_before_stop(self) -> dict[str, str]:
+        """Wake the kernels asleep in the gpu tier, so that the stopping server's saves can
+        keep them (their state lives only in their process, which ends with the server).
+        Returns, for each that stays asleep, why; each is logged."""
+        stays: dict[str, str] = {}
+        for sleeper in [s for s in self._kernels.values()
+                        if s.tier == GPU_TIER and s.state == HIBERNATED]:
+            assert sleeper.root_pid is not None
+            try:
+                await asyncio.to_thread(self.service.gpu_sleep().wake, sleeper.root_pid)
+            except SnapshotError as exc:
+                stays[sleeper.kernel_id] = exc.message
+                self.log.warning("gpu-snapshot: kernel %s sleeps in the gpu tier and could not "
+                                 "wake to be saved; its state ends with the server: %s",
+                                 sleeper.kernel_id, exc.message)
+                continue
+            self._kernels.pop(sleeper.kernel_id, None)
+            self.service.kernel(sleeper.kernel_id).execution_state = "idle"
+            for message in sleeper.held:
+                message.client.deliver(message.raw)
+            self.log.info("gpu-snapshot: kernel %s woke from the gpu tier to be saved as the "
+                          "server stops", sleeper.kernel_id)
+        return stays
+
     async def find_sleepers(self) -> list[str]:
         """Kernels that sleep in the gpu tier under a holder that outlived the server
         before this one: called once their slots are adopted, before clients connect."""

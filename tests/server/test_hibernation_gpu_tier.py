@@ -286,3 +286,21 @@ async def test_the_magic_and_the_cli_ask_for_the_gpu_tier(
     assert "TIER" in table and " gpu " in table
     assert await sock.execute("print(m)") == "kept\n"
     assert driver.protocol_breaches() == []
+
+
+class TestStoppingTheServer:
+    @pytest.fixture
+    def snapshot_config(self, driver: FakeCudaDriver) -> Json:
+        return {"autosave": False, "autosave_check_seconds": 0.2,
+                "snapshot_on_shutdown": True, "shutdown_budget": 60}
+
+    async def test_a_kernel_asleep_in_the_gpu_tier_is_woken_and_saved_as_the_server_stops(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
+        driver: FakeCudaDriver,
+    ) -> None:
+        kernel_id, sock, root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+        app = extension(jp_serverapp)
+        await app.stop_extension()
+        assert kernel_id in app.last_shutdown.saved, app.last_shutdown
+        assert app.hibernation.state(kernel_id) is None
+        assert driver.protocol_breaches() == []
