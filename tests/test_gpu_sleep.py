@@ -30,7 +30,7 @@ from jupyter_gpu_snapshot.gpu.driver import (
 )
 from jupyter_gpu_snapshot.gpu.sleep import GpuSleep, holders_dir
 
-from .gpu.fake_driver import GIB, RESTORE_THREAD_CODE, FakeCudaDriver, fake_cuda_env
+from .gpu.fake_driver import GIB, RESTORE_THREAD_CODE, FakeCudaDriver, FakeGpus, fake_cuda_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="holding threads needs root")
 
@@ -217,3 +217,17 @@ def test_a_process_without_cuda_state_has_no_gpu_to_release(
     finally:
         plain.kill()
         plain.wait()
+
+
+def test_a_node_short_of_host_memory_refuses_the_release_before_touching_the_kernel(
+    target: Target, driver: FakeCudaDriver, sleep: GpuSleep,
+) -> None:
+    short = GpuSleep(driver, sleep.holders, 1.0, read_inventory=FakeGpus(driver),
+                     memory_available=lambda: 2 * GIB)
+    with pytest.raises(NotReady) as refused:
+        short.release(target.pid)
+    assert "4.0 GiB of GPU memory would move into host memory" in refused.value.cause
+    assert "2.0 GiB of it is available" in refused.value.cause
+    assert "process tier" in (refused.value.hint or "")
+    assert driver.ops(target.pid) == []
+    assert running(target, driver, sleep)

@@ -152,7 +152,7 @@ class CudaCheckpointHook(SnapshotHook):
             raise NotReady("hibernate", f"no GPU to release: {status.problem}",
                            hint="hibernate in the process tier instead")
         return GpuSleep(status.driver, holders_dir(work_base()), self.lock_timeout,
-                        self._read_inventory)
+                        self._read_inventory, self._memory_available)
 
     # -- save ------------------------------------------------------------------------------
     async def preflight_save(self, ctx: SaveContext) -> None:

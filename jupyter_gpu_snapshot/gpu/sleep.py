@@ -28,12 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._constants import format_bytes
 from ..core import procfs
 from ..core.errors import InvalidRequest, NotFound, NotReady
 from .checkpoint import CudaCheckpoint, CudaProcess, error_hint, host_tids
 from .driver import CheckpointDriver, CudaError, DriverCallError, ProcessState
 from .inventory import GpuInventory
 
+# Host memory a release wants beyond the GPU memory it moves there (the driver's own).
+HOST_MARGIN_FRACTION = 0.05
+HOST_MARGIN_BYTES = 256 << 20
 # How long a holder may take to stop a tree's threads before the release gives up.
 HOLD_TIMEOUT_SECONDS = 30.0
 ANSWER_TIMEOUT_SECONDS = 10.0
@@ -141,8 +145,11 @@ class GpuSleep:
     """Releases and gives back the GPU of kernel trees through the driver's checkpoint."""
 
     def __init__(self, driver: CheckpointDriver, holders: Path, lock_timeout: float,
-                 read_inventory: Callable[[], GpuInventory | None] = lambda: None) -> None:
+                 read_inventory: Callable[[], GpuInventory | None] = lambda: None,
+                 memory_available: Callable[[], int] | None = None) -> None:
         self.driver = driver
+        # The host memory free for the GPU memory a release moves there; None: unchecked.
+        self.memory_available = memory_available
         # The node's GPUs and what each process holds on them, now (NVML).
         self.read_inventory = read_inventory
         self.cuda = CudaCheckpoint(driver)
@@ -173,6 +180,7 @@ class GpuSleep:
                                 f"{proc.state.value}, not running")
         report = SleepReport([p.pid for p in procs])
         report.gpu_memory = self.gpu_memory_of(report.pids)
+        self._require_host_memory(report.gpu_bytes)
         self._lock_all(procs, report)
         try:
             started = time.monotonic()
@@ -223,6 +231,21 @@ class GpuSleep:
         holder.release()
         report.timings["run"] = time.monotonic() - started
         return report
+
+    def _require_host_memory(self, gpu_bytes: int) -> None:
+        """The driver copies the GPU memory into the kernel's host memory: a node short of
+        it would meet the OOM killer halfway through the checkpoint."""
+        if self.memory_available is None:
+            return
+        need = int(gpu_bytes * (1 + HOST_MARGIN_FRACTION)) + HOST_MARGIN_BYTES
+        available = self.memory_available()
+        if available < need:
+            raise NotReady(
+                "release the GPU",
+                f"the kernel's {format_bytes(gpu_bytes)} of GPU memory would move into host "
+                f"memory, and {format_bytes(available)} of it is available",
+                hint="hibernate in the process tier instead, which writes it to disk",
+            )
 
     def gpu_memory_of(self, pids: list[int]) -> dict[str, int]:
         """What the processes hold on each GPU now, by UUID."""
