@@ -149,9 +149,13 @@ export interface IKernelDeath {
 export interface IHibernation {
   kernel_id: string;
   state: 'requested' | 'hibernating' | 'hibernated' | 'waking';
+  /** gpu: the GPU released, the process kept; process: saved and ended (older servers). */
+  tier?: 'gpu' | 'process';
   notebook_path?: string | null;
   /** GPU memory the kernel held, free since it hibernated (0 before). */
   gpu_bytes_freed?: number;
+  /** Host memory given back: the process tier only (0 in the gpu tier). */
+  host_bytes_freed?: number;
   gpu_bytes?: number;
   host_bytes?: number;
   /** When its process ended, seconds since the epoch. */

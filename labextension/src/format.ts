@@ -297,36 +297,76 @@ export function describeHibernation(
   if (!hibernation) {
     return null;
   }
-  const size = formatBytes(hibernation.gpu_bytes_freed ?? 0, trans);
+  const gpuTier = hibernation.tier === 'gpu';
+  const gpu = formatBytes(hibernation.gpu_bytes_freed ?? 0, trans);
+  const since = hibernation.since ? formatTime(hibernation.since) : '?';
   switch (hibernation.state) {
     case 'requested':
       return {
-        text: trans.__('Hibernates after this cell'),
-        title: trans.__('The kernel hibernates as soon as its running cell ends')
+        text: gpuTier
+          ? trans.__('Releases the GPU after this cell')
+          : trans.__('Hibernates after this cell'),
+        title: gpuTier
+          ? trans.__('The kernel gives its GPU back as soon as its running cell ends')
+          : trans.__('The kernel hibernates as soon as its running cell ends')
       };
     case 'hibernating':
-      return {
-        text: trans.__('Hibernating…'),
-        title: trans.__(
-          'The kernel is being saved; its process then ends and frees the GPU'
-        )
-      };
+      return gpuTier
+        ? {
+            text: trans.__('Releasing the GPU…'),
+            title: trans.__(
+              "The kernel's GPU memory moves into its host memory; its process waits"
+            )
+          }
+        : {
+            text: trans.__('Hibernating…'),
+            title: trans.__(
+              'The kernel is being saved; its process then ends and frees the GPU'
+            )
+          };
     case 'waking':
       return {
         text: trans.__('Waking the kernel…'),
-        title: trans.__('The kernel is restored from its hibernation snapshot')
+        title: gpuTier
+          ? trans.__("The kernel's GPU memory comes back from its host memory")
+          : trans.__('The kernel is restored from its hibernation snapshot')
       };
     default: {
       const error = hibernation.last_wake_error?.message;
-      const title = trans.__(
-        'The kernel is hibernated since %1: its process ended and %2 of GPU memory are free. The next cell you run wakes it, with everything in place.',
-        hibernation.since ? formatTime(hibernation.since) : '?',
-        size
-      );
-      return {
-        text: trans.__('Hibernated: %1 of GPU memory freed', size),
-        title: error ? trans.__('%1 The last wake failed: %2', title, error) : title
-      };
+      let words: { text: string; title: string };
+      if (gpuTier) {
+        words = {
+          text: trans.__('GPU released: %1 freed', gpu),
+          title: trans.__(
+            'The kernel sleeps since %1 with its GPU released: its %2 of GPU memory wait in its host memory, and the GPU is free for others. The next cell you run wakes it in seconds, with everything in place.',
+            since,
+            gpu
+          )
+        };
+      } else if (!hibernation.gpu_bytes_freed && hibernation.host_bytes_freed) {
+        // A kernel without GPU memory: what it gave back is host memory.
+        const host = formatBytes(hibernation.host_bytes_freed, trans);
+        words = {
+          text: trans.__('Hibernated: %1 of host memory freed', host),
+          title: trans.__(
+            'The kernel is hibernated since %1: its process ended and %2 of host memory are free. The next cell you run wakes it, with everything in place.',
+            since,
+            host
+          )
+        };
+      } else {
+        words = {
+          text: trans.__('Hibernated: %1 of GPU memory freed', gpu),
+          title: trans.__(
+            'The kernel is hibernated since %1: its process ended and %2 of GPU memory are free. The next cell you run wakes it, with everything in place.',
+            since,
+            gpu
+          )
+        };
+      }
+      return error
+        ? { ...words, title: trans.__('%1 The last wake failed: %2', words.title, error) }
+        : words;
     }
   }
 }

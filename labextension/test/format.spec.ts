@@ -408,6 +408,37 @@ describe('describeHibernation', () => {
     expect(words?.title).toContain('The next cell you run wakes it');
   });
 
+  it('says what a kernel without GPU memory gave back: host memory', () => {
+    const words = describeHibernation({
+      kernel_id: 'k',
+      state: 'hibernated',
+      tier: 'process',
+      gpu_bytes_freed: 0,
+      host_bytes_freed: 180 * MiB,
+      since: 1764000000
+    });
+    expect(words?.text).toBe('Hibernated: 180.0 MiB of host memory freed');
+  });
+
+  it('names the gpu tier: the GPU released and the process kept', () => {
+    const asleep = describeHibernation({
+      kernel_id: 'k',
+      state: 'hibernated',
+      tier: 'gpu',
+      gpu_bytes_freed: 16.1 * GiB,
+      host_bytes_freed: 0,
+      since: 1764000000
+    });
+    expect(asleep?.text).toBe('GPU released: 16.1 GiB freed');
+    expect(asleep?.title).toContain('wakes it in seconds');
+    expect(
+      describeHibernation({ kernel_id: 'k', state: 'hibernating', tier: 'gpu' })?.text
+    ).toBe('Releasing the GPU…');
+    expect(
+      describeHibernation({ kernel_id: 'k', state: 'requested', tier: 'gpu' })?.text
+    ).toBe('Releases the GPU after this cell');
+  });
+
   it('adds the cause of a failed wake', () => {
     const words = describeHibernation({
       kernel_id: 'k',

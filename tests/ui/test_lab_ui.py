@@ -426,8 +426,9 @@ def test_a_hibernated_notebook_says_so_and_its_next_cell_wakes_it(
     secret, next_random = expected_state()
 
     assert seen["state_output"] == f"state set: {secret}"
+    # A CPU kernel: what it gave back is host memory, and the status bar says so.
     assert re.fullmatch(
-        r"Hibernated: [\d.]+ (B|KiB|MiB|GiB) of GPU memory freed", seen["status_hibernated"]
+        r"Hibernated: [\d.]+ (B|KiB|MiB|GiB) of host memory freed", seen["status_hibernated"]
     ), seen["status_hibernated"]
     assert "The next cell you run wakes it" in seen["status_title"], seen["status_title"]
     assert seen["listed_state"] == "hibernated"
