@@ -298,7 +298,7 @@ class TestStoppingTheServer:
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
         driver: FakeCudaDriver,
     ) -> None:
-        kernel_id, sock, root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+        kernel_id, _sock, _root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
         app = extension(jp_serverapp)
         await app.stop_extension()
         assert kernel_id in app.last_shutdown.saved, app.last_shutdown
