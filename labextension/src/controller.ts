@@ -122,6 +122,8 @@ interface IKernelEntry {
   job: IJob | null;
   /** Null from servers without autosave, or before the first answer. */
   autosave: IAutosaveState | null;
+  /** The server's last answer was that it knows no such kernel (404). */
+  gone: boolean;
 }
 
 export interface IAvailability {
@@ -182,10 +184,37 @@ export class SnapshotController {
     return state;
   }
 
+  /**
+   * Whether the server no longer knows the kernel, or is about to retire it: a remedy shut
+   * it down, a restore replaces it, or its last answer said so (404). Polls leave it
+   * alone, the notebook moves on to its next kernel; a kernel the server answered 404 for
+   * is still asked about when its notebook's kernel shows signs of life (a restarted
+   * server adopts the kernels a killed one left, under their ids).
+   */
+  gone(kernelId: string): boolean {
+    return (
+      this._shutDown.has(kernelId) ||
+      this._replaced.has(kernelId) ||
+      (this._entries.get(kernelId)?.gone ?? false)
+    );
+  }
+
+  /**
+   * The notebook's kernel, for a poll to ask the server about: none while the notebook's
+   * session shuts down (Kernel › Shut Down), nor once the kernel is gone.
+   */
+  polledKernel(panel: NotebookPanel | null): string | null {
+    const kernelId = this.kernelId(panel);
+    if (!kernelId || panel?.sessionContext.isTerminating || this.gone(kernelId)) {
+      return null;
+    }
+    return kernelId;
+  }
+
   /** Ask the server again whether this kernel can be snapshotted. */
   refresh(kernelId: string): Promise<void> {
-    if (this._shutDown.has(kernelId)) {
-      return Promise.resolve(); // the server no longer knows it: it would answer 404
+    if (this._shutDown.has(kernelId) || this._replaced.has(kernelId)) {
+      return Promise.resolve(); // the server no longer knows it, or soon: it would answer 404
     }
     // Several widgets watch the same kernel: one request at a time, plus one more when
     // asked again meanwhile (the state may have changed since the first was sent).
@@ -214,12 +243,15 @@ export class SnapshotController {
       entry.status = status;
       entry.autosave = autosave;
       entry.error = null;
+      entry.gone = false;
       if (status.job?.status === 'running' && !this._followed.has(status.job.id)) {
         void this._followQuietly(kernelId, status.job);
       }
     } catch (error) {
+      // A kernel the server does not know (any more) is no failure to show.
+      entry.gone = error instanceof SnapshotAPIError && error.error?.code === 'not_found';
       entry.status = null;
-      entry.error = (error as Error).message;
+      entry.error = entry.gone ? null : (error as Error).message;
     }
     this._changed.emit(kernelId);
   }
@@ -465,6 +497,26 @@ export class SnapshotController {
     panel: NotebookPanel,
     snapshot: ISnapshotSummary,
     options: IRestoreOptions = {}
+  ): Promise<boolean> {
+    // The server retires the session's kernel once the restored one takes its place: no
+    // status request may ask about it until the notebook has switched, or it gets 404.
+    const replaced = panel.sessionContext.session ? this.kernelId(panel) : null;
+    if (!replaced || this._replaced.has(replaced)) {
+      return this._restore(panel, snapshot, options);
+    }
+    this._replaced.add(replaced);
+    try {
+      await this._refreshing.get(replaced);
+      return await this._restore(panel, snapshot, options);
+    } finally {
+      this._replaced.delete(replaced);
+    }
+  }
+
+  private async _restore(
+    panel: NotebookPanel,
+    snapshot: ISnapshotSummary,
+    options: IRestoreOptions
   ): Promise<boolean> {
     const trans = this.trans;
     const sessionContext = panel.sessionContext;
@@ -715,7 +767,7 @@ export class SnapshotController {
   private _entry(kernelId: string): IKernelEntry {
     let entry = this._entries.get(kernelId);
     if (!entry) {
-      entry = { status: null, error: null, job: null, autosave: null };
+      entry = { status: null, error: null, job: null, autosave: null, gone: false };
       this._entries.set(kernelId, entry);
     }
     return entry;
@@ -734,6 +786,8 @@ export class SnapshotController {
   private _refreshAgain = new Set<string>();
   /** Kernels a remedy shut down: never asked about again. */
   private _shutDown = new Set<string>();
+  /** The notebooks' kernels that running restores replace: not asked about meanwhile. */
+  private _replaced = new Set<string>();
   private _changed = new Signal<this, string>(this);
   private _follower: JobFollower;
 }

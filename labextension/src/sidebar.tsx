@@ -99,7 +99,7 @@ export class SnapshotsSidebar extends ReactWidget {
       const listing = await this._controller.api.listing();
       this._snapshots = listing.snapshots;
       this._freeBytes = listing.store?.free_bytes ?? null;
-      const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+      const kernelId = this._controller.polledKernel(this._tracker.currentWidget);
       // Servers without autosave answer 404: the section is left out.
       this._autosave = kernelId
         ? await this._controller.api.autosave(kernelId).catch(() => null)

@@ -67,7 +67,7 @@ export class SnapshotStatusItem extends Widget {
   }
 
   private async _recheck(): Promise<void> {
-    const kernelId = this._controller.kernelId(this._tracker.currentWidget);
+    const kernelId = this._controller.polledKernel(this._tracker.currentWidget);
     if (kernelId) {
       await this._controller.refresh(kernelId);
     }

@@ -88,6 +88,7 @@ function fakePanel(path: string, kernelId: string | null, sessionId: string) {
   const sessionContext = {
     path,
     session: kernelId ? { id: sessionId, kernel: { id: kernelId } } : null,
+    isTerminating: false,
     shutdown: jest.fn(async () => undefined),
     changeKernel: jest.fn(async (options: { id: string }) => {
       sessionContext.session = { id: sessionId, kernel: { id: options.id } };
@@ -306,6 +307,36 @@ describe('saveAvailability', () => {
     api.kernelStatus.mockResolvedValue(status());
     await controller.refresh('k-b');
     expect(controller.saveAvailability(notebook).enabled).toBe(true);
+  });
+
+  it('says nothing is wrong with a kernel the server no longer knows', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    const lookup = {
+      code: 'not_found' as const,
+      step: 'lookup',
+      cause: "no kernel 'k-b' on this server",
+      message: "lookup failed: no kernel 'k-b' on this server"
+    };
+    api.kernelStatus.mockRejectedValue(new SnapshotAPIError(lookup.message, 404, lookup));
+    await controller.refresh('k-b');
+    expect(controller.entry('k-b')).toMatchObject({ status: null, error: null });
+    expect(controller.gone('k-b')).toBe(true);
+    expect(controller.polledKernel(notebook)).toBeNull();
+    expect(controller.saveAvailability(notebook).enabled).toBe(false);
+
+    // Asked again (a restarted server adopted it under its id): it is back.
+    api.kernelStatus.mockResolvedValue(status());
+    await controller.refresh('k-b');
+    expect(controller.gone('k-b')).toBe(false);
+    expect(controller.polledKernel(notebook)).toBe('k-b');
+    expect(controller.saveAvailability(notebook).enabled).toBe(true);
+  });
+
+  it("gives polls no kernel while the notebook's session shuts down", async () => {
+    const { controller, panel, notebook } = await readyToSave();
+    expect(controller.polledKernel(notebook)).toBe('k-b');
+    panel.sessionContext.isTerminating = true;
+    expect(controller.polledKernel(notebook)).toBeNull();
   });
 
   it('is off while a save of the kernel runs, and says how far it is', async () => {
@@ -765,6 +796,43 @@ describe('restore', () => {
         actions: []
       }
     ]);
+  });
+
+  it('asks nothing about the kernel it replaces until the notebook has switched', async () => {
+    const { api, services, controller, panel, notebook } = await readyToSave();
+    api.startRestore.mockResolvedValue(makeJob({ kind: 'restore', phase: 'restore' }));
+    let finish: (job: IJob) => void = () => undefined;
+    api.getJob.mockReturnValue(new Promise(resolve => (finish = resolve)));
+    services.sessions.refreshRunning.mockImplementation(async () => {
+      panel.sessionContext.session = { id: 's-b', kernel: { id: 'k-new' } };
+    });
+    api.kernelStatus.mockResolvedValue(status({ kernel_id: 'k-new' }));
+    const asked = api.kernelStatus.mock.calls.length;
+    const restoring = controller.restore(notebook, snapshot);
+    await new Promise(resolve => setTimeout(resolve, 5));
+
+    // The server retires k-b as the restored kernel takes its place: it would answer 404.
+    expect(controller.gone('k-b')).toBe(true);
+    await controller.refresh('k-b');
+    expect(api.kernelStatus.mock.calls.length).toBe(asked);
+
+    finish(restoredJob('s-b'));
+    await expect(restoring).resolves.toBe(true);
+    expect(api.kernelStatus.mock.calls.slice(asked)).toEqual([['k-new']]);
+    expect(controller.gone('k-b')).toBe(false);
+  });
+
+  it('asks about the kernel again when the restore failed and left it', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    api.startRestore.mockResolvedValue(makeJob({ kind: 'restore', phase: 'restore' }));
+    api.getJob.mockResolvedValue(
+      makeJob({ kind: 'restore', status: 'failed', phase: 'restore', error: null })
+    );
+    await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
+    expect(controller.gone('k-b')).toBe(false);
+    const asked = api.kernelStatus.mock.calls.length;
+    await controller.refresh('k-b');
+    expect(api.kernelStatus.mock.calls.length).toBe(asked + 1);
   });
 
   it('starts a notebook without a kernel on the restored one', async () => {

@@ -62,6 +62,7 @@ function fakeController() {
     changed: new Signal<unknown, string>({}),
     kernelId: jest.fn(() => 'k-a'),
     refresh: jest.fn(async (kernelId: string) => void kernelId),
+    polledKernel: jest.fn((): string | null => 'k-a'),
     activeJob: jest.fn(() => null),
     entry: jest.fn(() => undefined)
   };
@@ -71,6 +72,7 @@ function fakeController() {
 describe('SnapshotStatusItem polling', () => {
   let item: SnapshotStatusItem;
   let refresh: jest.Mock;
+  let polledKernel: jest.Mock;
 
   /** How many times the item asked the server about the kernel since the last call. */
   let counted = 0;
@@ -84,6 +86,7 @@ describe('SnapshotStatusItem polling', () => {
     jest.useFakeTimers();
     const { controller, asController } = fakeController();
     refresh = controller.refresh;
+    polledKernel = controller.polledKernel;
     item = new SnapshotStatusItem(
       fakeTracker(),
       asController,
@@ -126,6 +129,12 @@ describe('SnapshotStatusItem polling', () => {
     rechecks();
     await jest.advanceTimersByTimeAsync(seconds * 1000 * 4);
     expect(rechecks()).toBe(4);
+  });
+
+  it('leaves a kernel the server no longer knows alone', async () => {
+    polledKernel.mockReturnValue(null);
+    await jest.advanceTimersByTimeAsync(DEFAULT_REFRESH_SECONDS * 1000 * 4);
+    expect(rechecks()).toBe(0);
   });
 
   it('stops asking once disposed', async () => {
