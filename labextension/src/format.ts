@@ -287,6 +287,24 @@ export function describeLocation(
  * speaks, rather than a passing "No snapshot yet".
  */
 /**
+ * What a hibernated kernel gave back, in words that fit it: GPU memory with its process kept
+ * (the gpu tier), host memory for a kernel that held no GPU memory, else GPU memory.
+ */
+export function describeFreed(hibernation: IHibernation, trans = untranslated): string {
+  const gpu = formatBytes(hibernation.gpu_bytes_freed ?? 0, trans);
+  if (hibernation.tier === 'gpu') {
+    return trans.__('%1 of GPU memory freed, process kept', gpu);
+  }
+  if (!hibernation.gpu_bytes_freed && hibernation.host_bytes_freed) {
+    return trans.__(
+      '%1 of host memory freed',
+      formatBytes(hibernation.host_bytes_freed, trans)
+    );
+  }
+  return trans.__('%1 of GPU memory freed', gpu);
+}
+
+/**
  * The status bar's words for a kernel's hibernation, or null when it has none: it is the
  * first thing the notebook's user needs to know of the kernel.
  */

@@ -19,6 +19,7 @@ import { DeleteButtons } from './confirm';
 import type { SnapshotController } from './controller';
 import {
   describeAutosavePolicy,
+  describeFreed,
   describeGpu,
   describeHibernation,
   describeLocation,
@@ -232,12 +233,7 @@ export class SnapshotsSidebar extends ReactWidget {
               <div className="jp-gpu-snapshot-item-facts">
                 {k.state === 'hibernated' ? (
                   <>
-                    <span>
-                      {trans.__(
-                        '%1 of GPU memory freed',
-                        formatBytes(k.gpu_bytes_freed ?? 0, trans)
-                      )}
-                    </span>
+                    <span>{describeFreed(k, trans)}</span>
                     {k.since && (
                       <span title={formatTime(k.since)}>
                         {trans.__('hibernated %1', formatAge(k.since, undefined, trans))}

@@ -4,6 +4,7 @@
 import {
   PHASE_LABELS,
   describeGpu,
+  describeFreed,
   describeHibernation,
   describeLastSnapshot,
   describeProgress,
@@ -437,6 +438,24 @@ describe('describeHibernation', () => {
     expect(
       describeHibernation({ kernel_id: 'k', state: 'requested', tier: 'gpu' })?.text
     ).toBe('Releases the GPU after this cell');
+  });
+
+  it('says in the sidebar what each kind of sleeper gave back', () => {
+    const base = { kernel_id: 'k', state: 'hibernated' as const };
+    expect(describeFreed({ ...base, tier: 'gpu', gpu_bytes_freed: 16.1 * GiB })).toBe(
+      '16.1 GiB of GPU memory freed, process kept'
+    );
+    expect(
+      describeFreed({
+        ...base,
+        tier: 'process',
+        gpu_bytes_freed: 0,
+        host_bytes_freed: GiB
+      })
+    ).toBe('1.0 GiB of host memory freed');
+    expect(describeFreed({ ...base, gpu_bytes_freed: 2 * GiB })).toBe(
+      '2.0 GiB of GPU memory freed'
+    );
   });
 
   it('adds the cause of a failed wake', () => {

@@ -434,7 +434,7 @@ def test_a_hibernated_notebook_says_so_and_its_next_cell_wakes_it(
     assert seen["listed_state"] == "hibernated"
     # The sidebar lists it with the notebook and what it freed, and forgets it once awake.
     assert seen["sidebar_hibernated"].startswith("state.ipynb"), seen["sidebar_hibernated"]
-    assert "of GPU memory freed" in seen["sidebar_hibernated"]
+    assert "of host memory freed" in seen["sidebar_hibernated"]  # a CPU kernel
     assert "Wake" in seen["sidebar_hibernated"]
     assert seen["sidebar_after_wake"] == 0
     # The notebook's own hibernation time, set in the sidebar, is the server's policy.
