@@ -402,12 +402,15 @@ class Hibernation:
         """Taking turns: where a GPU lacks the memory this kernel's wake needs there, the
         least recently used idle kernels on that GPU give theirs back (the gpu tier) until
         it fits; where none can, the wake is refused, naming who holds the GPU."""
+        trees: dict[str, list[int]] | None = None
         for uuid, need in sleeper.gpu_memory.items():
             inventory = await asyncio.to_thread(gpu_sleep.read_inventory)
             device = inventory.device(uuid) if inventory is not None else None
-            if device is None or device.memory_free >= need + WAKE_MARGIN_BYTES:
+            if inventory is None or device is None \
+                    or device.memory_free >= need + WAKE_MARGIN_BYTES:
                 continue
-            for other in await self._idle_on(uuid, exclude=sleeper.kernel_id):
+            trees = trees if trees is not None else await self._kernel_trees()
+            for other in await self._idle_on(uuid, sleeper.kernel_id, inventory, trees):
                 why = f"making room on GPU {device.index} for kernel {sleeper.kernel_id}"
                 with contextlib.suppress(SnapshotError):
                     made = await self._hibernate(other, why, GPU_TIER)
@@ -415,46 +418,58 @@ class Hibernation:
                     await self.service.jobs.wait(self.service.jobs.get(made.job_id))
                 inventory = await asyncio.to_thread(gpu_sleep.read_inventory)
                 device = inventory.device(uuid) if inventory is not None else None
-                if device is None or device.memory_free >= need + WAKE_MARGIN_BYTES:
+                if inventory is None or device is None \
+                        or device.memory_free >= need + WAKE_MARGIN_BYTES:
                     break
-            if device is not None and device.memory_free < need + WAKE_MARGIN_BYTES:
-                assert inventory is not None
+            if inventory is not None and device is not None \
+                    and device.memory_free < need + WAKE_MARGIN_BYTES:
+                holders = await asyncio.to_thread(self._holders_of, uuid, inventory, trees)
                 raise NotReady(
                     "make room",
                     f"GPU {device.index} ({device.name}) has {format_bytes(device.memory_free)}"
                     f" free and this kernel needs {format_bytes(need)} there; no idle kernel "
-                    f"can give its memory back. It is held by {self._holders_of(uuid, inventory)}",
+                    f"can give its memory back. It is held by {holders}",
                     hint="wait for a cell of those kernels to end, or shut one down",
                 )
 
-    async def _idle_on(self, uuid: str, exclude: str) -> list[str]:
+    async def _kernel_trees(self) -> dict[str, list[int]]:
+        """The pids of each running kernel's tree, read from /proc in a worker thread."""
+        kernel_manager = self.service.kernel_manager
+        roots = {k: root_pid(kernel_manager.get_kernel(k))
+                 for k in list(kernel_manager.list_kernel_ids())}
+
+        def read() -> dict[str, list[int]]:
+            found: dict[str, list[int]] = {}
+            for kernel_id, root in roots.items():
+                with contextlib.suppress(psutil.Error):
+                    if root is not None:
+                        found[kernel_id] = [p.pid for p in procfs.tree(root)]
+            return found
+
+        return await asyncio.to_thread(read)
+
+    async def _idle_on(self, uuid: str, exclude: str, inventory: GpuInventory,
+                       trees: dict[str, list[int]]) -> list[str]:
         """The awake, idle kernels holding memory on the GPU, least recently used first."""
-        gpu_sleep = self.service.gpu_sleep()
         found: list[tuple[float, str]] = []
-        for kernel_id in list(self.service.kernel_manager.list_kernel_ids()):
+        for kernel_id, pids in trees.items():
             if kernel_id == exclude or await self._idle_for(kernel_id) is None:
                 continue
-            root = root_pid(self.service.kernel_manager.get_kernel(kernel_id))
-            if root is None:
-                continue
-            pids = [p.pid for p in await asyncio.to_thread(procfs.tree, root)]
-            held = await asyncio.to_thread(gpu_sleep.gpu_memory_of, pids)
-            if held.get(uuid):
+            if any(inventory.process_memory.get(pid, {}).get(uuid) for pid in pids):
                 last = last_activity(self.service.kernel_manager.get_kernel(kernel_id))
                 found.append((last or 0.0, kernel_id))
         return [kernel_id for _, kernel_id in sorted(found)]
 
-    def _holders_of(self, uuid: str, inventory: GpuInventory) -> str:
+    def _holders_of(self, uuid: str, inventory: GpuInventory,
+                    trees: dict[str, list[int]]) -> str:
         """Who holds memory on the GPU, in words: kernels by id and notebook state, others
-        by pid and command."""
-        kernels: dict[int, str] = {}
-        for kernel_id in list(self.service.kernel_manager.list_kernel_ids()):
-            km = self.service.kernel_manager.get_kernel(kernel_id)
-            root = root_pid(km)
-            with contextlib.suppress(psutil.Error):
-                for proc in procfs.tree(root) if root else []:
-                    kernels[proc.pid] = (f"kernel {kernel_id} "
-                                         f"({getattr(km, 'execution_state', 'unknown')})")
+        by pid and command. Reads /proc: called in a worker thread."""
+        kernel_manager = self.service.kernel_manager
+        kernels = {
+            pid: f"kernel {kernel_id} "
+                 f"({getattr(kernel_manager.get_kernel(kernel_id), 'execution_state', 'unknown')})"
+            for kernel_id, pids in trees.items() if kernel_id in kernel_manager for pid in pids
+        }
         named = []
         for pid, memory in sorted(inventory.process_memory.items()):
             if memory.get(uuid):
@@ -613,10 +628,8 @@ class Hibernation:
                                  "wake to be saved; its state ends with the server: %s",
                                  sleeper.kernel_id, exc.message)
                 continue
-            self._kernels.pop(sleeper.kernel_id, None)
             self.service.kernel(sleeper.kernel_id).execution_state = "idle"
-            for message in sleeper.held:
-                message.client.deliver(message.raw)
+            self._release(sleeper)
             self.log.info("gpu-snapshot: kernel %s woke from the gpu tier to be saved as the "
                           "server stops", sleeper.kernel_id)
         return stays
