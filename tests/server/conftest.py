@@ -498,3 +498,25 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     yield mount
     for point in mounts:
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def serve_with_fake_cuda(monkeypatch: pytest.MonkeyPatch, gpus: Any, kernel_bytes: int) -> None:
+    """The server's engine gets a CUDA hook over the scripted driver behind ``gpus`` (a
+    ``tests.gpu.fake_driver.FakeGpus``), and each kernel it starts holds ``kernel_bytes``."""
+    from jupyter_gpu_snapshot.config import GPUSnapshot
+    from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+    from jupyter_gpu_snapshot.engines import default_hooks, make_engine
+    from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
+    from jupyter_gpu_snapshot.server import app as server_app
+
+    from ..gpu.fake_driver import FAKE_ENV, FORCE_CUDA_PLUGIN, GIB
+
+    monkeypatch.setenv(FAKE_ENV, f"{kernel_bytes}:{uuid.uuid4().hex}")
+
+    def engine_with_fake_cuda(settings: GPUSnapshot) -> SnapshotEngine:
+        cuda = CudaCheckpointHook(driver=gpus.driver.status, inventory=gpus, lock_timeout=1.0,
+                                  drop_caches=False, memory_available=lambda: 64 * GIB,
+                                  criu_env=FORCE_CUDA_PLUGIN)
+        return make_engine(settings, hooks=[*default_hooks(settings)[:-1], cuda])
+
+    monkeypatch.setattr(server_app, "process_engine", engine_with_fake_cuda)

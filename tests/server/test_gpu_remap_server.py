@@ -5,19 +5,12 @@ first, in the notebook. The same runs for real on the GPU machine (tests/gpu).""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.config import GPUSnapshot
-from jupyter_gpu_snapshot.core.engine import SnapshotEngine
-from jupyter_gpu_snapshot.engines import default_hooks, make_engine
-from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-from jupyter_gpu_snapshot.server import app as server_app
-
-from ..gpu.fake_driver import FAKE_ENV, FORCE_CUDA_PLUGIN, GIB, UUID0, FakeCudaDriver, FakeGpus
-from .conftest import Api, KernelConnector
+from ..gpu.fake_driver import GIB, UUID0, FakeCudaDriver, FakeGpus
+from .conftest import Api, KernelConnector, serve_with_fake_cuda
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")
 MODEL = "NVIDIA Fake H100 80GB HBM3"
@@ -29,15 +22,7 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> FakeGpus:
     """Two fake GPUs of one model; the server's kernels hold 2 GiB on the first."""
     fake = FakeCudaDriver()
     gpus = FakeGpus(fake, devices=[(MODEL, UUID0, 80 * GIB), (MODEL, UUID1, 80 * GIB)])
-    monkeypatch.setenv(FAKE_ENV, f"{2 * GIB}:{uuid.uuid4().hex}")
-
-    def engine_with_fake_cuda(settings: GPUSnapshot) -> SnapshotEngine:
-        cuda = CudaCheckpointHook(driver=fake.status, inventory=gpus, lock_timeout=1.0,
-                                  drop_caches=False, memory_available=lambda: 64 * GIB,
-                                  criu_env=FORCE_CUDA_PLUGIN)
-        return make_engine(settings, hooks=[*default_hooks(settings)[:-1], cuda])
-
-    monkeypatch.setattr(server_app, "process_engine", engine_with_fake_cuda)
+    serve_with_fake_cuda(monkeypatch, gpus, 2 * GIB)
     return gpus
 
 

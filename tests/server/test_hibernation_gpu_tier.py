@@ -9,31 +9,23 @@ running) or asleep with nothing lost (threads held, CUDA checkpointed).
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Any
 
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.procfs import thread_states
-from jupyter_gpu_snapshot.engines import default_hooks, make_engine
 from jupyter_gpu_snapshot.gpu.driver import CUDA_ERROR_OUT_OF_MEMORY, ProcessState
-from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-from jupyter_gpu_snapshot.server import app as server_app
 from jupyter_gpu_snapshot.server.hibernation import Hibernation
 
 from ..gpu.fake_driver import (
-    FAKE_ENV,
-    FORCE_CUDA_PLUGIN,
     GIB,
     RESTORE_THREAD_CODE,
     FakeCudaDriver,
     FakeGpus,
 )
-from .conftest import Api, Json, KernelConnector, recorded_events
+from .conftest import Api, Json, KernelConnector, recorded_events, serve_with_fake_cuda
 from .test_hibernation import (
     HIBERNATION_EVENT_ID,
     collect,
@@ -60,16 +52,7 @@ def kernel_bytes() -> int:
 def driver(monkeypatch: pytest.MonkeyPatch, kernel_bytes: int) -> FakeCudaDriver:
     """One fake GPU of 80 GiB; each of the server's kernels holds ``kernel_bytes`` on it."""
     fake = FakeCudaDriver()
-    gpus = FakeGpus(fake)
-    monkeypatch.setenv(FAKE_ENV, f"{kernel_bytes}:{uuid.uuid4().hex}")
-
-    def engine_with_fake_cuda(settings: GPUSnapshot) -> SnapshotEngine:
-        cuda = CudaCheckpointHook(driver=fake.status, inventory=gpus, lock_timeout=1.0,
-                                  drop_caches=False, memory_available=lambda: 64 * GIB,
-                                  criu_env=FORCE_CUDA_PLUGIN)
-        return make_engine(settings, hooks=[*default_hooks(settings)[:-1], cuda])
-
-    monkeypatch.setattr(server_app, "process_engine", engine_with_fake_cuda)
+    serve_with_fake_cuda(monkeypatch, FakeGpus(fake), kernel_bytes)
     return fake
 
 
