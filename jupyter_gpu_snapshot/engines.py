@@ -20,11 +20,14 @@ from .core import procfs
 from .core.compatibility import NodeCompatibility
 from .core.criu import CriuRunner
 from .core.engine import SnapshotEngine
+from .core.errors import SnapshotError
 from .core.hooks import SnapshotHook
 from .core.manifest import ManifestPolicy
 from .core.open_files import OpenFilesHook
+from .core.recovery import work_base
 from .core.store import SnapshotStore, default_kernel_log_dir
 from .gpu.broker import PluginInstall
+from .gpu.driver import DriverStatus
 from .gpu.hook import CudaCheckpointHook
 from .launch.liveness import kernel_answers
 
@@ -93,23 +96,40 @@ def process_engine(settings: GPUSnapshot | None = None) -> SnapshotEngine:
     return make_engine(settings)
 
 
-def wake_kernel(root_pid: int) -> list[str]:
+def wake_kernel(root_pid: int, driver: Callable[[], DriverStatus] | None = None) -> list[str]:
     """Bring back a kernel tree that a killed save left stopped or with its CUDA suspended.
 
     Called by recovery (server start, ``jupyter gpu-snapshot recover``) and by
     ``jupyter gpu-snapshot resume``; returns one line per process whose CUDA stays suspended.
+    ``driver`` replaces the machine's CUDA driver (the tests' scripted one).
     """
     from .gpu.checkpoint import CudaCheckpoint
-    from .gpu.driver import driver_status
+    from .gpu.driver import ProcessState, driver_status
+    from .gpu.sleep import GpuSleep, holders_dir
 
-    procfs.continue_tree(root_pid)
-    status = driver_status()
+    status = (driver or driver_status)()
     if status.driver is None:
+        procfs.continue_tree(root_pid)
         return []
     cuda = CudaCheckpoint(status.driver)
     try:
         holders = cuda.holders([p.pid for p in procfs.tree(root_pid)])
     except Exception as exc:  # a tree that ended meanwhile has nothing to resume
         logging.getLogger(__name__).info("no CUDA state to resume in %s: %s", root_pid, exc)
+        procfs.continue_tree(root_pid)
         return []
+    sleep = GpuSleep(status.driver, holders_dir(work_base()), lock_timeout=10.0)
+    if sleep.asleep(root_pid) is not None:
+        return []  # it sleeps in the gpu tier, held: the server finds it asleep
+    if holders and all(p.state == ProcessState.CHECKPOINTED for p in holders) \
+            and procfs.tree_stopped(root_pid):
+        # A sleeping kernel whose dump died after its holder let go: held again before it
+        # continues, so that none of its threads runs on checkpointed CUDA, then woken.
+        try:
+            sleep.hold_stopped(root_pid)
+            sleep.wake(root_pid)
+        except SnapshotError as exc:
+            return [exc.message]
+        return []
+    procfs.continue_tree(root_pid)
     return cuda.resume_all(holders)

@@ -593,3 +593,87 @@ def test_cache_release_can_be_turned_off(store, fake, gpus, gpu_kernel):
     snapshot = run(make_engine(store, fake, gpus, drop_caches=False).save(target(gpu_kernel)))
     assert "turned off" in snapshot.manifest["gpu"]["allocator_caches"]["reason"]
     assert gpu_kernel.execute("print(torch.cuda.emptied)").strip() == "0"
+
+
+# -- a kernel asleep in the gpu tier: saved as it sleeps, its GPU untouched ----------------------
+def release_gpu(engine: SnapshotEngine, kernel: KernelHandle) -> Any:
+    hook = next(h for h in engine.hooks if isinstance(h, CudaCheckpointHook))
+    sleep = hook.gpu_sleep()
+    sleep.release(kernel.root_pid, {"kernel_id": "k"})
+    return sleep
+
+
+def asleep_as_before(kernel: KernelHandle, fake: FakeCudaDriver, sleep: Any) -> bool:
+    """Held by a holder again, its CUDA checkpointed, every thread but the restore one held."""
+    restore_tid = fake.restore_thread_id(kernel.kernel_pid)
+    held = all(state == "t" for proc in procfs.tree(kernel.root_pid)
+               for tid, state in procfs.thread_states(proc.pid).items() if tid != restore_tid)
+    status = sleep.asleep(kernel.root_pid)
+    return (status is not None and status.get("kernel_id") == "k" and held
+            and fake.states[kernel.kernel_pid] == ProcessState.CHECKPOINTED)
+
+
+@pytest.mark.parametrize("full_gpu0", [False, True], ids=["same-gpu", "onto-the-other-gpu"])
+def test_a_sleeping_kernel_is_dumped_as_it_sleeps_and_restored_held_then_woken(
+        store, fake, two_gpus, gpu_kernel, restored: RestoredTrees, full_gpu0):
+    gpus = two_gpus
+    engine = make_engine(store, fake, gpus)
+    gpu_kernel.execute("marker = 'asleep'")
+    old_pid, old_ns_pid = gpu_kernel.kernel_pid, procfs.ns_pid(gpu_kernel.kernel_pid)
+    release_gpu(engine, gpu_kernel)
+    snapshot = run(engine.save(target(gpu_kernel), name="moved", stop=True))
+    # The dump touched no CUDA state: what the release did is all the driver saw.
+    assert fake.ops(old_pid) == ["lock", "checkpoint"]
+    assert not procfs.tree_alive(gpu_kernel.root_pid)
+    gpu_kernel.client.stop_channels()
+    gpu = snapshot.manifest["gpu"]
+    assert gpu["dumped_state"] == "checkpointed"
+    uuid0 = gpus.devices[0][1]
+    assert gpu["processes"][0]["devices"] == {uuid0: TWO_GIB}
+    assert gpu["moved_bytes"] == TWO_GIB
+
+    if full_gpu0:
+        gpus.free_on[uuid0] = GIB  # another process filled GPU 0
+    back = run(make_engine(store, fake, gpus).restore(snapshot.id))
+    client = restored.connect(back.connection_info, back.pid)
+    new_pid = back.kernel_pid
+    assert fake.ops(new_pid) == ["restore", "unlock"]
+    assert fake.states[new_pid] == ProcessState.RUNNING
+    # Held from the moment it continued until its CUDA state ran again.
+    assert fake.protocol_breaches() == []
+    if full_gpu0:
+        assert fake.restore_pairs[-1] == [(uuid0, UUID1), (UUID1, uuid0)]
+        assert gpus().process_memory[new_pid] == {UUID1: TWO_GIB}
+    assert execute(client, "import os; print(os.getpid(), marker)").split(maxsplit=1) == [
+        str(old_ns_pid), "asleep\n"]
+    assert all(state != "t" for proc in procfs.tree(back.pid)
+               for state in procfs.thread_states(proc.pid).values())
+
+
+def test_a_failed_dump_of_a_sleeping_kernel_leaves_it_asleep(
+        store, fake, gpus, gpu_kernel, tmp_path):
+    gpu_kernel.execute("big = np.ones(10_000_000)")  # the kernel's pages pass the limit
+    engine = make_engine(store, fake, gpus)
+    earlier = run(engine.save(target(gpu_kernel), name="earlier"))
+    sleep = release_gpu(engine, gpu_kernel)
+    fake.calls.clear()
+    failing = criu_wrapper(tmp_path, fails_writing_pages())
+    with pytest.raises(SnapshotError) as err:
+        run(make_engine(store, fake, gpus, failing).save(target(gpu_kernel), stop=True))
+    assert err.value.step == "dump" and "File too large" in err.value.message
+    assert fake.ops(gpu_kernel.kernel_pid) == []
+    assert asleep_as_before(gpu_kernel, fake, sleep)
+    sleep.wake(gpu_kernel.root_pid)
+    assert fake.protocol_breaches() == []
+    assert_contract(gpu_kernel, fake, store, [earlier.id])
+
+
+def test_a_sleeping_kernel_is_not_saved_kept_running(store, fake, gpus, gpu_kernel):
+    engine = make_engine(store, fake, gpus)
+    sleep = release_gpu(engine, gpu_kernel)
+    with pytest.raises(NotReady, match="sleeps with its GPU released") as refused:
+        run(engine.save(target(gpu_kernel)))
+    assert "wake it first" in (refused.value.hint or "")
+    assert asleep_as_before(gpu_kernel, fake, sleep)
+    sleep.wake(gpu_kernel.root_pid)
+    assert_contract(gpu_kernel, fake, store, [])

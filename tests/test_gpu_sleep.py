@@ -231,3 +231,39 @@ def test_a_node_short_of_host_memory_refuses_the_release_before_touching_the_ker
     assert "process tier" in (refused.value.hint or "")
     assert driver.ops(target.pid) == []
     assert running(target, driver, sleep)
+
+
+def test_hand_over_stops_the_tree_and_hold_stopped_puts_it_back_to_sleep(
+    target: Target, driver: FakeCudaDriver, sleep: GpuSleep,
+) -> None:
+    """The move to the process tier: criu takes the tree from the holder stopped, and a
+    dump that fails gives it back, without any of its threads running in between."""
+    sleep.release(target.pid)
+    sleep.hand_over(target.pid)
+    assert sleep.asleep(target.pid) is None
+    assert procfs.tree_stopped(target.pid) and target.still()
+    assert driver.state(target.pid) == ProcessState.CHECKPOINTED
+    sleep.hold_stopped(target.pid, {"kernel_id": "k"})
+    assert sleeping(target, driver, sleep)
+    assert sleep.asleep(target.pid)["kernel_id"] == "k"  # type: ignore[index]
+    sleep.wake(target.pid)
+    assert running(target, driver, sleep)
+    assert driver.ops(target.pid) == ["lock", "checkpoint", "restore", "unlock"]
+    assert driver.protocol_breaches() == []
+
+
+def test_recovery_holds_a_tree_its_dump_left_stopped_before_waking_it(
+    target: Target, driver: FakeCudaDriver, sleep: GpuSleep, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A saver killed after the hand-over: the server's next start wakes the kernel, held
+    until its CUDA state runs again."""
+    from jupyter_gpu_snapshot import engines
+    from jupyter_gpu_snapshot.core import recovery
+
+    monkeypatch.setattr(recovery, "work_base", lambda: sleep.holders.parent)
+    monkeypatch.setattr(engines, "work_base", lambda: sleep.holders.parent)
+    sleep.release(target.pid)
+    sleep.hand_over(target.pid)
+    assert engines.wake_kernel(target.pid, driver.status) == []
+    assert running(target, driver, sleep)
+    assert driver.protocol_breaches() == []

@@ -97,6 +97,10 @@ class RestoreContext:
     criu_version: str = ""
     # The directory criu will read the images from, set before ``before_restore``.
     images_dir: Path | None = None
+    # What lets the tree criu left stopped (``criu.leave_stopped``) run, once every digest
+    # matched: SIGCONT to each process, unless a hook puts the tree in other hands first
+    # (the GPU layer holds the threads of a sleeping kernel's snapshot before it continues).
+    resume_tree: Callable[[int], object] = procfs.continue_tree
 
 
 class SnapshotHook:

@@ -161,6 +161,14 @@ def tree_rss(root: int) -> int:
     return total
 
 
+def tree_stopped(root: int) -> bool:
+    """Whether every process of the tree is stopped by a signal (not by a tracer)."""
+    try:
+        return all(p.status() == psutil.STATUS_STOPPED for p in tree(root))
+    except psutil.Error:
+        return False
+
+
 def continue_tree(root: int) -> None:
     """Wake every task of the tree; a dump that died mid-way may leave tasks stopped."""
     with contextlib.suppress(psutil.Error):

@@ -313,10 +313,10 @@ async def _resume(engine: EngineParts, ctx: RestoreContext, timings: dict[str, f
     # Every digest and the signature matched: only now may code of the image run (a
     # hook's criu plugin has already let it run, gated on the same digests).
     t = time.monotonic()
-    if ctx.criu.leave_stopped:
-        await asyncio.to_thread(procfs.continue_tree, ctx.root_pid)
-    ctx.report(Progress("resume"))
     try:
+        if ctx.criu.leave_stopped:
+            await asyncio.to_thread(ctx.resume_tree, ctx.root_pid)
+        ctx.report(Progress("resume"))
         for hook in engine.hooks:
             await hook.after_restore(ctx)
     except BaseException as exc:

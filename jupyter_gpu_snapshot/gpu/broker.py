@@ -139,6 +139,10 @@ class CheckpointBroker:
     raises, ``on_gate_failed(pid, error)`` kills the tree of the pid that asked (still stopped)
     and every request fails.
     ``gpu_pairs`` gives the (old, new) GPU UUIDs to restore a process onto.
+    ``hands_off``: the tree sleeps in the gpu tier, its CUDA state checkpointed before
+    criu and left so by its dump, restored by the engine once criu is done. The plugin is
+    told that no process has a restore thread, so that it touches none: it would run one
+    of a stopped tree (at the end of a failed dump) and wait on it for ever.
     """
 
     driver: CheckpointDriver
@@ -147,6 +151,7 @@ class CheckpointBroker:
     gate: Awaitable[Any] | None = None
     on_gate_failed: Callable[[int, BaseException], None] | None = None
     gpu_pairs: Callable[[int], Sequence[tuple[str, str]]] = lambda _pid: ()
+    hands_off: bool = False
     calls: list[BrokerCall] = field(default_factory=list)
     # The first driver error of each step, for the engine's message.
     errors: list[DriverCallError] = field(default_factory=list)
@@ -226,6 +231,8 @@ class CheckpointBroker:
 
     async def _call(self, request: str, pid: int) -> tuple[int, str]:
         driver = self.driver
+        if request == "get-restore-tid" and self.hands_off:
+            return 1, f"pid {pid} sleeps: its CUDA state is the engine's to restore\n"
         if request == "get-restore-tid":
             tid = await uninterruptible(driver.restore_thread_id, pid)
             return (0, f"{tid}\n") if tid else (1, f"pid {pid} holds no CUDA state\n")

@@ -13,8 +13,16 @@ gets SIGKILL from the kernel of the OS itself. It can never be left running on c
 CUDA; it can only end, as a kernel that crashed.
 
 It tells its starter ``{"held": N}`` (or ``{"error": ...}``) on its standard output, then
-answers one JSON line per connection on its socket: ``status``, or ``release``, which lets
-every thread run again and ends the holder. Only its own user and root may ask.
+answers one JSON line per connection on its socket: ``status``; ``release``, which lets
+every thread run again and ends the holder; or ``hand_over``, which stops every process of
+the tree (SIGSTOP) before letting go of its threads, so that they go from the holder's stop
+straight into a job-control stop and no code of theirs runs: criu can then seize the tree
+and write it to disk (the second tier of hibernation), its CUDA state untouched. Only its
+own user and root may ask.
+
+With ``--continue`` it takes over a tree that is stopped that way (a dump that failed, a
+tree criu restored stopped): it seizes the stopped threads, then continues the processes,
+so that only the driver's restore threads run again.
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ SEIZE_OPTIONS = PTRACE_O_EXITKILL | PTRACE_O_TRACECLONE | PTRACE_O_TRACEFORK | P
 # tree again; a tree still growing after this many rounds is refused.
 SEIZE_ROUNDS = 20
 IDLE_POLL_SECONDS = 1.0
+# How long the threads let go by a hand-over may take to reach their job-control stop.
+HAND_OVER_SECONDS = 10.0
 MAX_REQUEST_BYTES = 4096
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -188,6 +198,44 @@ class ThreadHolder:
         self.held.clear()
         return released
 
+    def hand_over(self) -> int:
+        """Stop every process of the tree, then let go of its threads: each goes from its
+        ptrace stop into the job-control stop without running. Returns the threads let go."""
+        processes = list(tree_threads(self.root))
+        signal_processes(processes, signal.SIGSTOP)
+        released = self.release()
+        deadline = time.monotonic() + HAND_OVER_SECONDS
+        while not all_stopped(processes):
+            if time.monotonic() > deadline:
+                raise HoldError(f"the kernel tree {self.root} did not stop within "
+                                f"{HAND_OVER_SECONDS:g} s of being let go")
+            time.sleep(0.005)
+        return released
+
+
+def signal_processes(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def all_stopped(pids: Iterable[int]) -> bool:
+    """Whether every thread of these processes sits in a job-control stop (state T)."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # it ended: nothing of it runs
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in ("T", "Z", "X"):
+                return False
+    return True
+
 
 def _peer_allowed(conn: socket.socket) -> bool:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -239,8 +287,14 @@ def serve(holder: ThreadHolder, listener: socket.socket, since: float,
             elif op == "release":
                 _answer(conn, {"released": holder.release()})
                 return
+            elif op == "hand_over":
+                try:
+                    _answer(conn, {"handed_over": holder.hand_over()})
+                except HoldError as exc:
+                    _answer(conn, {"error": str(exc)})
+                return
             else:
-                _answer(conn, {"error": f"unknown op {op!r}: status or release"})
+                _answer(conn, {"error": f"unknown op {op!r}: status, release or hand_over"})
 
 
 def _listen(path: Path) -> socket.socket:
@@ -262,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--keep-running", type=int, action="append", default=[])
     parser.add_argument("--timeout", type=float, default=30.0)
+    # The tree is stopped (SIGSTOP): continue it once its threads are held.
+    parser.add_argument("--continue", dest="continue_tree", action="store_true")
     # What the starter wants a later server to read back (the GPU memory it freed).
     parser.add_argument("--note", type=json.loads, default={})
     args = parser.parse_args(argv)
@@ -277,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listener = _listen(args.socket)
         held = holder.hold()
+        if args.continue_tree:
+            signal_processes(tree_threads(args.root), signal.SIGCONT)
     except (HoldError, OSError) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         holder.release()

@@ -14,6 +14,13 @@ restore: preflight (same driver; target GPUs chosen, see ``remap``)
 Snapshots saved before the plugin (no ``gpu.protocol`` in the manifest) hold processes that
 were checkpointed before criu ran; they are restored in-process after criu, as then.
 
+A kernel asleep in hibernation's gpu tier (``gpu/sleep.py``) is saved as it sleeps, its GPU
+untouched: its holder stops the tree and lets go (``GpuSleep.hand_over``) right before criu
+seizes it, and the plugin is told to leave its CUDA state as it is, checkpointed
+(``gpu.dumped_state``: ``checkpointed``). A dump that fails gives the tree back to a holder
+(``GpuSleep.hold_stopped``): it sleeps on. Such a snapshot is restored stopped, held, then
+woken as from the gpu tier, onto the GPUs chosen: no thread of it runs on checkpointed CUDA.
+
 A tree without CUDA state passes through untouched. The driver calls run in worker threads
 and are awaited without being cancellable: a cancelled save waits for the call in flight,
 then rolls back.
@@ -35,7 +42,7 @@ from .._constants import DEFAULT_LIBDIR, format_bytes
 from ..core import procfs
 from ..core.compatibility import NodeGpus
 from ..core.criu import CriuExtras
-from ..core.errors import NotReady
+from ..core.errors import NotReady, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.recovery import work_base
 from ..core.snapshot import Snapshot
@@ -57,6 +64,8 @@ from .sleep import GpuSleep, holders_dir
 CacheReleaser = Callable[[SaveContext], Awaitable[CacheRelease]]
 # The manifest's ``gpu.protocol`` of snapshots whose CUDA state CRIU's plugin took.
 PLUGIN_PROTOCOL = "criu-cuda-plugin"
+# The manifest's ``gpu.dumped_state`` of snapshots of kernels that slept in the gpu tier.
+DUMPED_CHECKPOINTED = "checkpointed"
 # criu's --timeout (seconds to seize the tree) must outlast the CUDA lock made inside it.
 SEIZE_MARGIN_SECONDS = 10
 
@@ -85,6 +94,8 @@ class _Save:
     visible: dict[int, list[str]] = field(default_factory=dict)
     broker: CheckpointBroker | None = None
     section: dict[str, Any] = field(default_factory=dict)
+    # The holder's status when the kernel sleeps in the gpu tier: saved as it sleeps.
+    asleep: dict[str, Any] | None = None
 
     @property
     def moved_bytes(self) -> int:
@@ -173,6 +184,11 @@ class CudaCheckpointHook(SnapshotHook):
         procs = await asyncio.to_thread(cuda.holders, pids)
         if not procs:
             return
+        if all(p.state == ProcessState.CHECKPOINTED for p in procs):
+            asleep = await asyncio.to_thread(self.gpu_sleep().asleep, ctx.root_pid)
+            if asleep is not None:
+                await self._preflight_asleep(ctx, procs, status, asleep)
+                return
         for proc in procs:
             _require_running(proc)
         self._require_plugin(ctx.criu_version)
@@ -207,6 +223,25 @@ class CudaCheckpointHook(SnapshotHook):
         ctx.extra_bytes += save.moved_bytes
         self._saves[ctx.snapshot_id] = save
 
+    async def _preflight_asleep(self, ctx: SaveContext, procs: list[CudaProcess],
+                                status: DriverStatus, asleep: dict[str, Any]) -> None:
+        """A kernel asleep in the gpu tier: its GPU memory is in its host memory already, and
+        only a save that ends it (the move to the process tier) may take it as it sleeps."""
+        if not ctx.stop:
+            raise NotReady("preflight", "the kernel sleeps with its GPU released: a save that "
+                           "keeps it running needs it awake",
+                           hint="wake it first (run a cell), or hibernate it in the process tier")
+        self._require_plugin(ctx.criu_version)
+        inventory = await asyncio.to_thread(self._read_inventory)
+        by_pid = dict(asleep.get("gpu_memory_by_pid") or {})
+        moved = {p.pid: {str(k): int(v) for k, v in dict(by_pid.get(str(p.pid)) or {}).items()}
+                 for p in procs}
+        visible = {p.pid: visible_uuids(
+            procfs.environment_variable(p.pid, CUDA_VISIBLE_DEVICES),
+            inventory.devices if inventory else ()) for p in procs}
+        self._saves[ctx.snapshot_id] = _Save(procs, status, inventory, moved, None, visible,
+                                             asleep=asleep)
+
     async def _release_safely(self, ctx: SaveContext) -> CacheRelease:
         try:
             return await self._release(ctx)
@@ -238,7 +273,8 @@ class CudaCheckpointHook(SnapshotHook):
             return
         assert save.status.driver is not None
         tree = {p.pid for p in procfs.tree(ctx.root_pid)}
-        broker = CheckpointBroker(save.status.driver, self.lock_timeout, tree.__contains__)
+        broker = CheckpointBroker(save.status.driver, self.lock_timeout, tree.__contains__,
+                                  hands_off=save.asleep is not None)
         await broker.start()
         save.broker = broker
         self._criu_extras(ctx.criu, broker)
@@ -246,6 +282,12 @@ class CudaCheckpointHook(SnapshotHook):
         live = save.release.live_bytes if save.release and save.release.released else None
         save.section = self._section(save, live)
         ctx.manifest["gpu"] = save.section
+        if save.asleep is not None:
+            save.section["dumped_state"] = DUMPED_CHECKPOINTED
+            ctx.report(Progress("suspend", 0, total, message=f"writing the sleeping kernel: "
+                                f"its {format_bytes(total)} of GPU memory is in host memory"))
+            await asyncio.to_thread(self.gpu_sleep().hand_over, ctx.root_pid)
+            return
         ctx.report(Progress("suspend", 0, total, message=_moving_message(total, live)))
 
     async def after_dump(self, ctx: SaveContext, error: BaseException | None) -> None:
@@ -261,12 +303,33 @@ class CudaCheckpointHook(SnapshotHook):
         save.section["timings"] = _timings(save.procs)
         driver = save.status.driver
         assert driver is not None
+        if save.asleep is not None:
+            await self._sleep_on(ctx, save.asleep)
+            return
         problems = await self._resume_left_behind(ctx, save, driver)
         failed = broker.errors[0] if error is not None and broker.errors else None
         if failed is not None:  # a CUDA step made criu fail: say which, in our words
             ctx.failure_cause = self._explain(failed, problems)
         elif problems:
             raise CudaError("resume", "; ".join(problems))
+
+    async def _sleep_on(self, ctx: SaveContext, note: dict[str, Any]) -> None:
+        """After the dump of a sleeping kernel: one that criu did not end (a failed dump)
+        is held again and continued, asleep in the gpu tier as before. One that cannot be
+        held is ended: it must not run on checkpointed CUDA."""
+        if not await asyncio.to_thread(procfs.tree_alive, ctx.root_pid):
+            return
+        sleep = self.gpu_sleep()
+        if await asyncio.to_thread(sleep.asleep, ctx.root_pid) is not None:
+            return  # the hand-over never happened: its holder holds it still
+        keep = {k: v for k, v in note.items() if k not in ("root", "held", "since",
+                                                            "holder_pid")}
+        try:
+            await asyncio.to_thread(sleep.hold_stopped, ctx.root_pid, keep)
+        except SnapshotError as exc:
+            await asyncio.to_thread(procfs.kill_tree, ctx.root_pid)
+            raise CudaError("resume", f"the sleeping kernel could not be held again after "
+                            f"its dump, so it was ended: {exc.message}") from exc
 
     async def _resume_left_behind(self, ctx: SaveContext, save: _Save,
                                   driver: CheckpointDriver) -> list[str]:
@@ -387,12 +450,21 @@ class CudaCheckpointHook(SnapshotHook):
         def kill(host_pid: int, _error: BaseException) -> None:
             procfs.kill_tree(procfs.namespace_init(host_pid) or host_pid)
 
-        broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
-                                  gate=ctx.images_verified, on_gate_failed=kill, gpu_pairs=pairs)
+        if gpu.get("dumped_state") == DUMPED_CHECKPOINTED:
+            # Dumped stopped, as it slept: criu restores it stopped (its plugin is told
+            # there is nothing for it to do), and the tree is held before it continues.
+            broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
+                                      hands_off=True)
+            sleep = self.gpu_sleep()
+            ctx.resume_tree = lambda root: sleep.hold_stopped(root)
+        else:
+            broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
+                                      gate=ctx.images_verified, on_gate_failed=kill,
+                                      gpu_pairs=pairs)
+            ctx.criu.leave_stopped = False
         await broker.start()
         self._restores[ctx.snapshot.id] = broker
         self._criu_extras(ctx.criu, broker)
-        ctx.criu.leave_stopped = False
         total = sum(int(p.get("gpu_bytes", 0)) for p in gpu["processes"])
         ctx.report(Progress("restore", 0, total, message=_resume_message(plan)))
 
@@ -420,12 +492,27 @@ class CudaCheckpointHook(SnapshotHook):
                 raise CudaError("resume", f"process {saved['ns_pid']} of the snapshot, which "
                                 "held CUDA state, is missing from the restored tree")
             hosts.append((host, saved))
-        if broker is not None:
+        if broker is not None and gpu.get("dumped_state") == DUMPED_CHECKPOINTED:
+            await broker.close()
+            await self._wake_held(ctx, plan, hosts)
+            await self._check_resumed(driver, broker, [h for h, _ in hosts])
+        elif broker is not None:
             await broker.close()
             await self._check_resumed(driver, broker, [h for h, _ in hosts])
         else:
             await self._resume_after_criu(ctx, driver, plan, hosts)
         ctx.notes["gpu_remap"] = plan.to_dict()
+
+    async def _wake_held(self, ctx: RestoreContext, plan: GpuPlan,
+                         hosts: list[tuple[int, dict[str, Any]]]) -> None:
+        """A snapshot of a sleeping kernel, restored and held (``resume_tree``): woken as
+        from the gpu tier, each process onto the GPUs chosen for it."""
+        pairs = {host: tuple(plan.pairs(saved.get("visible") or None)) for host, saved in hosts}
+        total = sum(int(saved.get("gpu_bytes", 0)) for _, saved in hosts)
+        ctx.report(Progress("resume", 0, total, message=_resume_message(plan)))
+        await uninterruptible(self.gpu_sleep().wake, ctx.root_pid,
+                              lambda pid: pairs.get(pid, ()))
+        ctx.report(Progress("resume", total, total))
 
     async def _check_resumed(self, driver: CheckpointDriver, broker: CheckpointBroker,
                              hosts: list[int]) -> None:

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,12 +83,16 @@ class Holder:
         self.root = root
         self.socket_path = directory / f"{root}.sock"
 
-    def start(self, keep_running: list[int], note: dict[str, Any]) -> int:
+    def start(self, keep_running: list[int], note: dict[str, Any],
+              continue_tree: bool = False) -> int:
         """Start the holder and wait until it holds the tree; the number of threads held.
-        ``note`` comes back in its status, for a server started later."""
+        ``note`` comes back in its status, for a server started later. ``continue_tree``:
+        the tree is stopped, and is continued once held (only ``keep_running`` runs)."""
         command = [sys.executable, "-m", "jupyter_gpu_snapshot.gpu.holder",
                    "--root", str(self.root), "--socket", str(self.socket_path),
                    "--timeout", str(HOLD_TIMEOUT_SECONDS), "--note", json.dumps(note)]
+        if continue_tree:
+            command.append("--continue")
         for tid in keep_running:
             command += ["--keep-running", str(tid)]
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -179,14 +183,17 @@ class GpuSleep:
                 raise CudaError("release the GPU", f"the CUDA state of pid {proc.pid} is "
                                 f"{proc.state.value}, not running")
         report = SleepReport([p.pid for p in procs])
+        by_pid = {pid: self.gpu_memory_of([pid]) for pid in report.pids}
         report.gpu_memory = self.gpu_memory_of(report.pids)
         self._require_host_memory(report.gpu_bytes)
         self._lock_all(procs, report)
         try:
             started = time.monotonic()
             keep = [tid for p in procs for tid in self._restore_threads(p.pid)]
+            # What each process held goes into a snapshot taken while it sleeps.
             report.held_threads = holder.start(
-                keep, {**(note or {}), "gpu_memory": report.gpu_memory})
+                keep, {**(note or {}), "gpu_memory": report.gpu_memory,
+                       "gpu_memory_by_pid": {str(k): v for k, v in by_pid.items()}})
             report.timings["hold"] = time.monotonic() - started
         except BaseException:
             self._unlock_all(procs)
@@ -203,8 +210,11 @@ class GpuSleep:
                 "; the kernel runs on with its GPU"), hint=error_hint(exc)) from exc
         return report
 
-    def wake(self, root: int) -> SleepReport:
-        """Restore, unlock, let the threads run. A wake that fails leaves the kernel asleep."""
+    def wake(self, root: int,
+             gpu_pairs: Callable[[int], Sequence[tuple[str, str]]] = lambda _pid: ()
+             ) -> SleepReport:
+        """Restore, unlock, let the threads run. A wake that fails leaves the kernel asleep.
+        ``gpu_pairs``: the (old, new) GPU UUIDs to restore each process onto, by pid."""
         holder = self.holder(root)
         if holder.status() is None:
             raise NotFound("wake", f"kernel tree {root} is not sleeping in host memory")
@@ -214,7 +224,7 @@ class GpuSleep:
         woken: list[CudaProcess] = []
         try:
             for proc in procs:
-                self.cuda.resume(proc)
+                self.cuda.resume(proc, tuple(gpu_pairs(proc.pid)))
                 woken.append(proc)
         except CudaError as exc:
             # Give back what was restored, so that the GPU is as free as before the wake.
@@ -231,6 +241,25 @@ class GpuSleep:
         holder.release()
         report.timings["run"] = time.monotonic() - started
         return report
+
+    def hand_over(self, root: int) -> None:
+        """Stop the sleeping tree (SIGSTOP) and end its holder, so that criu can seize it
+        and write it to disk with its CUDA state as it is (checkpointed). A tree that
+        could not be stopped is killed: it must never run on checkpointed CUDA."""
+        try:
+            self.holder(root).ask("hand_over")
+        except (NotReady, OSError, ValueError) as exc:
+            procfs.kill_tree(root)
+            raise NotReady("hand over", f"the holder of kernel tree {root} could not stop it "
+                           f"for its dump, so it was ended: {exc}") from exc
+
+    def hold_stopped(self, root: int, note: dict[str, Any] | None = None) -> int:
+        """Hold a tree that sleeps stopped (a dump that failed after ``hand_over``, or a
+        restore of such a dump), then continue it: it sleeps in the first tier again,
+        only the driver's restore threads running. Returns the threads held."""
+        procs = self.cuda.holders([p.pid for p in procfs.tree(root)])
+        keep = [tid for p in procs for tid in self._restore_threads(p.pid)]
+        return self.holder(root).start(keep, dict(note or {}), continue_tree=True)
 
     def _require_host_memory(self, gpu_bytes: int) -> None:
         """The driver copies the GPU memory into the kernel's host memory: a node short of
