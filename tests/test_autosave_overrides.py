@@ -1,4 +1,5 @@
-"""The autosave policy overrides kept in the store's root: never read or written through a link."""
+"""The autosave policy overrides kept in the store's root: never read or written through a
+link; and the notebook's idle times of hibernation, which ride in the same policy."""
 
 from __future__ import annotations
 
@@ -7,14 +8,21 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from jupyter_gpu_snapshot.config import GPUSnapshot
+from jupyter_gpu_snapshot.core.errors import InvalidRequest
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.server.autosave import OVERRIDES_FILE, AutosaveScheduler
+from jupyter_gpu_snapshot.server.autosave import (
+    OVERRIDES_FILE,
+    AutosaveScheduler,
+    check_override,
+)
 
 
-def _scheduler(store: SnapshotStore) -> AutosaveScheduler:
+def _scheduler(store: SnapshotStore, **settings: Any) -> AutosaveScheduler:
     service: Any = SimpleNamespace(engine=SimpleNamespace(store=store))
-    return AutosaveScheduler(service, GPUSnapshot(store_dir=str(store.root)))
+    return AutosaveScheduler(service, GPUSnapshot(store_dir=str(store.root), **settings))
 
 
 def test_overrides_round_trip_privately_and_a_planted_link_is_never_followed(tmp_path: Path):
@@ -35,3 +43,30 @@ def test_overrides_round_trip_privately_and_a_planted_link_is_never_followed(tmp
     assert json.loads(outside.read_text()) == {"x.ipynb": {"enabled": False}}
     assert not written.is_symlink()
     assert scheduler._load_overrides() == {"n.ipynb": {"interval_minutes": 5.0}}
+
+
+def test_a_notebooks_idle_times_win_over_the_servers_in_each_tier(tmp_path: Path):
+    scheduler = _scheduler(SnapshotStore(tmp_path / "store"), release_gpu_after_minutes=5.0,
+                           hibernate_after_minutes=30.0)
+    policy = scheduler.policy("n.ipynb").to_dict()
+    assert (policy["release_gpu_after_minutes"], policy["hibernate_after_minutes"]) == (5, 30)
+
+    # 0 is the notebook's "never", kept as such; None puts the server's setting back.
+    assert check_override({"release_gpu_after_minutes": 0, "hibernate_after_minutes": None}) == {
+        "release_gpu_after_minutes": 0.0, "hibernate_after_minutes": None}
+    scheduler._save_overrides({"n.ipynb": check_override({"release_gpu_after_minutes": 2})})
+    scheduler.overrides = scheduler._load_overrides()
+    assert scheduler.overrides == {"n.ipynb": {"release_gpu_after_minutes": 2.0}}
+    assert scheduler.policy("n.ipynb").release_gpu_after_minutes == 2.0
+    assert scheduler.policy("n.ipynb").hibernate_after_minutes == 30.0
+    assert scheduler.policy("other.ipynb").release_gpu_after_minutes == 5.0
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    (-1, "must be 0 or more"), (True, "has the wrong type"), ("5", "has the wrong type"),
+])
+def test_an_idle_time_that_is_no_number_of_minutes_is_refused(value: Any, says: str):
+    for field in ("release_gpu_after_minutes", "hibernate_after_minutes"):
+        with pytest.raises(InvalidRequest) as refused:
+            check_override({field: value})
+        assert refused.value.message == f"autosave field {field!r} {says}"

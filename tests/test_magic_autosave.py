@@ -1,9 +1,11 @@
-"""``%gpu_snapshot autosave`` and ``%gpu_snapshot list --latest`` in a real notebook kernel of a
-real ``jupyter server`` subprocess, with real CRIU."""
+"""``%gpu_snapshot autosave``, the notebook's idle times of ``%gpu_snapshot hibernate`` and
+``%gpu_snapshot list --latest`` in a real notebook kernel of a real ``jupyter server``
+subprocess, with real CRIU."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .magic_fixtures import JupyterServer, NotebookKernel, jupyter_server, notebook
 
@@ -45,6 +47,46 @@ def test_autosave_policy_from_a_cell(
     notebook.ok("%gpu_snapshot autosave default")
     state = jupyter_server.get(f"gpu-snapshot/kernels/{notebook.kernel_id}/autosave")
     assert state["override"] == {} and state["policy"]["interval_minutes"] == 15
+
+
+def test_the_notebook_chooses_when_its_idle_kernel_sleeps_in_each_tier(
+    jupyter_server: JupyterServer, notebook: NotebookKernel
+) -> None:
+    def autosave_state() -> dict[str, Any]:
+        return jupyter_server.get(f"gpu-snapshot/kernels/{notebook.kernel_id}/autosave")
+
+    # The server's settings first: the GPU after 10 minutes, never the process.
+    policy = autosave_state()["policy"]
+    assert (policy["release_gpu_after_minutes"], policy["hibernate_after_minutes"]) == (10, 0)
+    out = notebook.ok("%gpu_snapshot hibernate gpu after 90s")
+    assert out == "This notebook's kernel gives its GPU back after 1.5 min idle.\n"
+    out = notebook.ok("%gpu_snapshot hibernate process after 2h")
+    assert out == "This notebook's kernel hibernates after 120 min idle.\n"
+    state = autosave_state()
+    assert state["override"] == {"release_gpu_after_minutes": 1.5, "hibernate_after_minutes": 120}
+    assert state["policy"]["release_gpu_after_minutes"] == 1.5
+
+    out = notebook.ok("%gpu_snapshot hibernate gpu never")
+    assert out == "This notebook's kernel never gives its GPU back by itself.\n"
+    assert autosave_state()["override"]["release_gpu_after_minutes"] == 0
+    out = notebook.ok("%gpu_snapshot hibernate gpu default")
+    assert out == "This notebook's kernel gives its GPU back after 10 min idle.\n"
+    assert autosave_state()["override"] == {"hibernate_after_minutes": 120}
+    notebook.ok("%gpu_snapshot hibernate default")
+    assert autosave_state()["override"] == {}
+
+    usage = "usage: %gpu_snapshot hibernate [gpu|process] [after 30m|never|default]"
+    for line, expected in [
+        ("hibernate gpu after 0m", "the idle time must be more than 0; use 'hibernate gpu never'"),
+        ("hibernate after 0", "the idle time must be more than 0; use 'hibernate never'"),
+        ("hibernate gpu after soon", "cannot read 'soon' as an interval"),
+        ("hibernate gpu later", usage),
+        ("hibernate gpu after", usage),
+        ("hibernate never gpu", usage),
+    ]:
+        cell = notebook.run(f"%gpu_snapshot {line}")
+        assert cell.ename == "UsageError" and expected in cell.stderr, (line, cell)
+    assert autosave_state()["override"] == {}
 
 
 def test_list_latest_names_the_newest_snapshot_and_its_reason(

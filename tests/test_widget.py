@@ -344,6 +344,14 @@ def test_the_panel_sets_the_notebooks_hibernation_and_hibernates_the_kernel(
     wait_panel(notebook, "'after 45 min idle (this notebook' in p.hibernation.value")
     policy = jupyter_server.get(f"gpu-snapshot/kernels/{notebook.kernel_id}/autosave")
     assert policy["override"] == {"hibernate_after_minutes": 45}
+    # The gpu tier's time is the notebook's own as well, beside the process tier's.
+    assert "GPU released: after 10 min idle (the server" in notebook.ok(
+        f"{PANEL}; print(p.hibernation.value)")
+    notebook.ok(f"{PANEL}; p.hibernate_tier.value = 'gpu'; p.hibernate_mode.value = 'never';"
+                " p.hibernate_apply.click()")
+    wait_panel(notebook, "'GPU released: never by itself (this notebook' in p.hibernation.value")
+    policy = jupyter_server.get(f"gpu-snapshot/kernels/{notebook.kernel_id}/autosave")
+    assert policy["override"] == {"hibernate_after_minutes": 45, "release_gpu_after_minutes": 0}
 
     # Hibernate now: once the click's handling has ended, the kernel's process ends.
     notebook.ok(f"{PANEL}; p.hibernate_button.click(); print(p.message.value)")

@@ -45,9 +45,10 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from .client import ClientError, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
 from .presentation import (
+    IDLE_POLICY_FIELDS,
     autosave_lines,
     format_age,
-    format_minutes,
+    idle_policy_line,
     job_progress_text,
     local_time,
     saved_line,
@@ -86,7 +87,7 @@ _TAKES_NAME = {
     "save": "optional", "rm": "required", "restore": "required", "autosave": "optional",
     "hibernate": "optional",
 }
-HIBERNATE_USAGE = "%gpu_snapshot hibernate [gpu|process|after 30m|never|default]"
+HIBERNATE_USAGE = "%gpu_snapshot hibernate [gpu|process] [after 30m|never|default]"
 # Hibernation's tiers (the server's hibernation.TIERS): the GPU released with the process
 # kept, or the process saved and ended.
 HIBERNATE_TIERS = ("gpu", "process")
@@ -135,7 +136,8 @@ class GPUSnapshotMagics(Magics):
         "CUDA state and the running job; rm: delete a snapshot; restore: restore a snapshot "
         "into a new kernel and switch this notebook to it; widget: a live panel; autosave: "
         "this notebook's autosave policy (on, off, every 10m, status); hibernate: free "
-        "this kernel's GPU once this cell ends, and wake it at the next cell.",
+        "this kernel's GPU once this cell ends, and wake it at the next cell (gpu: keep "
+        "its process; after 30m, never, default: when it does so by itself once idle).",
     )
     @argument("name", nargs="?", help="snapshot name (save: optional; rm, restore: name or id)")
     @argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -173,6 +175,8 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot autosave every 10m   # also: on, off, status
             %gpu_snapshot hibernate            # free the GPU now; the next cell wakes it
             %gpu_snapshot hibernate after 30m  # when idle that long; also: never, default
+            %gpu_snapshot hibernate gpu        # give the GPU back, keep the process
+            %gpu_snapshot hibernate gpu after 10m  # when idle that long; never, default
         """
         args = parse_argstring(self.gpu_snapshot, line)
         args.name = _unquoted(args.name)
@@ -184,11 +188,8 @@ class GPUSnapshotMagics(Magics):
             raise UsageError("--latest only applies to %gpu_snapshot list")
         changes = _autosave_changes(args.name, args.rest) if command == "autosave" else None
         tier = "process"
-        if command == "hibernate" and (args.name or "").lower() in HIBERNATE_TIERS \
-                and not args.rest:
-            tier = str(args.name).lower()
-        elif command == "hibernate":
-            changes = _hibernate_changes(args.name, args.rest)
+        if command == "hibernate":
+            tier, changes = _hibernate_request(args.name, args.rest)
         try:
             client = self.client()
             if command == "autosave":
@@ -333,9 +334,8 @@ class GPUSnapshotMagics(Magics):
     def _hibernate(self, client: SnapshotClient, changes: dict[str, Any] | None,
                    tier: str) -> None:
         if changes is not None:
-            minutes = client.autosave(changes)["policy"].get("hibernate_after_minutes") or 0
-            print(f"This notebook's kernel hibernates after {format_minutes(minutes)} idle."
-                  if minutes else "This notebook's kernel never hibernates by itself.")
+            minutes = client.autosave(changes)["policy"].get(IDLE_POLICY_FIELDS[tier]) or 0
+            print(idle_policy_line(tier, float(minutes)))
             return
         # This cell is running, and a kernel never hibernates under a running cell: the
         # server does it as soon as this cell has ended.
@@ -384,22 +384,28 @@ def _autosave_changes(word: str | None, rest: list[str]) -> dict[str, Any] | Non
     raise UsageError(f"usage: {AUTOSAVE_USAGE}")
 
 
-def _hibernate_changes(word: str | None, rest: list[str]) -> dict[str, Any] | None:
-    """The policy change ``%gpu_snapshot hibernate WORD REST`` asks for; None: now."""
+def _hibernate_request(word: str | None, rest: list[str]) -> tuple[str, dict[str, Any] | None]:
+    """The tier ``%gpu_snapshot hibernate WORD REST`` names (the process tier unless it
+    names one), and the change of that tier's idle time it asks for; None: hibernate now."""
     words = [w.lower() for w in ([word] if word else []) + rest]
+    tier = words.pop(0) if words and words[0] in HIBERNATE_TIERS else "process"
+    field = IDLE_POLICY_FIELDS[tier]
     if not words:
-        return None
+        return tier, None
     if words == ["never"]:
-        return {"hibernate_after_minutes": 0}
+        return tier, {field: 0}
     if words == ["default"]:
-        return {"hibernate_after_minutes": None}
+        return tier, {field: None}
     if len(words) == 2 and words[0] == "after":
-        return {"hibernate_after_minutes": parse_minutes(words[1])}
+        never = "hibernate gpu never" if tier == "gpu" else "hibernate never"
+        return tier, {field: parse_minutes(words[1], "idle time", never)}
     raise UsageError(f"usage: {HIBERNATE_USAGE}")
 
 
-def parse_minutes(text: str) -> float:
-    """``10m``, ``90s``, ``1h`` or ``10`` (minutes) as minutes."""
+def parse_minutes(text: str, what: str = "autosave interval",
+                  instead: str = "autosave off") -> float:
+    """``10m``, ``90s``, ``1h`` or ``10`` (minutes) as minutes; 0 is refused, naming the
+    ``what`` it was for and the command to use ``instead``."""
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(number):] or "m"
     try:
@@ -409,7 +415,7 @@ def parse_minutes(text: str) -> float:
             f"cannot read {text!r} as an interval: write e.g. 10m, 90s or 1h"
         ) from None
     if not value > 0:
-        raise UsageError("the autosave interval must be more than 0; use 'autosave off'")
+        raise UsageError(f"the {what} must be more than 0; use '{instead}'")
     return value
 
 

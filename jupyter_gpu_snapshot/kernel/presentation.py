@@ -239,19 +239,38 @@ def autosave_lines(state: dict[str, Any], now: float) -> list[str]:
     return lines
 
 
+# The policy field (the server's AutosavePolicy) that says after how long idle a kernel
+# hibernates in each tier: the GPU released with the process kept, or the process saved
+# and ended.
+IDLE_POLICY_FIELDS = {"gpu": "release_gpu_after_minutes", "process": "hibernate_after_minutes"}
+_TIER_TITLES = {"gpu": "GPU released", "process": "Hibernation"}
+# What the kernel does by itself in each tier, said of "this notebook's kernel".
+_TIER_VERBS = {"gpu": "gives its GPU back", "process": "hibernates"}
+
+
 def hibernation_text(state: dict[str, Any]) -> str:
-    """One line for the panel: when this notebook's kernel hibernates once idle; empty
-    from a server that does not hibernate."""
+    """One line for the panel: when this notebook's kernel hibernates once idle, in each
+    tier; empty from a server that does not hibernate."""
     policy = state.get("policy") or {}
-    minutes = policy.get("hibernate_after_minutes")
-    if minutes is None:
-        return ""
-    whose = ("this notebook's setting"
-             if (state.get("override") or {}).get("hibernate_after_minutes") is not None
-             else "the server's setting")
+    override = state.get("override") or {}
+    parts = []
+    for tier, field in IDLE_POLICY_FIELDS.items():
+        minutes = policy.get(field)
+        if minutes is None:  # a server from before this tier's policy
+            continue
+        whose = ("this notebook's setting" if override.get(field) is not None
+                 else "the server's setting")
+        when = f"after {format_minutes(float(minutes))} idle" if minutes else "never by itself"
+        parts.append(f"{_TIER_TITLES[tier]}: {when} ({whose}).")
+    return " ".join(parts)
+
+
+def idle_policy_line(tier: str, minutes: float) -> str:
+    """``%gpu_snapshot hibernate [gpu] after 30m``'s answer: the notebook's time now."""
+    verb = _TIER_VERBS[tier]
     if not minutes:
-        return f"Hibernation: never by itself ({whose})."
-    return f"Hibernation: after {format_minutes(float(minutes))} idle ({whose})."
+        return f"This notebook's kernel never {verb} by itself."
+    return f"This notebook's kernel {verb} after {format_minutes(minutes)} idle."
 
 
 def autosave_text(state: dict[str, Any], now: float) -> str:

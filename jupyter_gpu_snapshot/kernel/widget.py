@@ -45,6 +45,7 @@ import ipywidgets as w  # type: ignore[import-untyped]
 
 from .client import ApiError, ClientError, SnapshotClient
 from .presentation import (
+    IDLE_POLICY_FIELDS,
     autosave_text,
     cuda_text,
     death_text,
@@ -131,18 +132,24 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, bar_style="info")
         self.progress_box = w.HBox([self.progress, self.phase])
         self.progress_box.layout.display = "none"
-        # When this notebook's kernel hibernates once idle, and a way to hibernate it now.
+        # When this notebook's kernel hibernates once idle, in each tier, and a way to
+        # hibernate it now.
         self.hibernation = w.HTML()
+        self.hibernate_tier = w.Dropdown(
+            options=[("Process saved", "process"), ("GPU released", "gpu")],
+            value="process", description="Hibernate", layout=w.Layout(width="16em"),
+        )
         self.hibernate_mode = w.Dropdown(
             options=[("Server setting", "default"), ("After", "after"), ("Never", "never")],
-            value="default", description="Hibernate", layout=w.Layout(width="16em"),
+            value="default", layout=w.Layout(width="9em"),
         )
         self.hibernate_minutes = w.BoundedFloatText(
             value=30.0, min=0.1, max=10080.0, description="min idle",
             layout=w.Layout(width="12em"),
         )
         self.hibernate_apply = w.Button(
-            description="Apply", tooltip="Set when this notebook's kernel hibernates once idle",
+            description="Apply",
+            tooltip="Set when this notebook's kernel hibernates once idle, in the chosen tier",
             layout=w.Layout(width="auto"),
         )
         self.hibernate_apply.on_click(lambda _b: self.set_hibernation())
@@ -187,8 +194,8 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             w.HBox([self.title, self.close_button]), self.death_box,
             self.readiness, self.cuda, self.last,
             self.autosave, self.hibernation,
-            w.HBox([self.hibernate_mode, self.hibernate_minutes, self.hibernate_apply,
-                    self.hibernate_button]),
+            w.HBox([self.hibernate_tier, self.hibernate_mode, self.hibernate_minutes,
+                    self.hibernate_apply, self.hibernate_button]),
             self.progress_box,
             w.HBox([self.name_input, self.save_button]), self.message, self.error,
             w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
@@ -417,13 +424,13 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         return job
 
     def set_hibernation(self) -> Json | None:
-        """The hibernation Apply button: this notebook's idle time before hibernating."""
+        """The hibernation Apply button: this notebook's idle time before hibernating in
+        the chosen tier."""
         mode = self.hibernate_mode.value
         minutes = None if mode == "default" else 0 if mode == "never" else (
             float(self.hibernate_minutes.value))
-        state = self._act(
-            "hibernation", lambda: self.client.autosave({"hibernate_after_minutes": minutes})
-        )
+        field = IDLE_POLICY_FIELDS[self.hibernate_tier.value]
+        state = self._act("hibernation", lambda: self.client.autosave({field: minutes}))
         if state is not None:
             self._show_autosave(state)
         return state

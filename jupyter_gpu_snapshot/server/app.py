@@ -33,7 +33,7 @@ from ..engines import process_engine, wake_kernel
 from ..launch.provisioner import SnapshotReadyProvisioner
 from ..remotes import make_remote_store
 from .adoption import KernelRecord, adopt_orphans
-from .autosave import AutosaveScheduler
+from .autosave import AutosavePolicy, AutosaveScheduler
 from .connections import HibernationAwareConnection
 from .deaths import KERNEL_ACTIONS_EVENT_ID, KernelDeath, KernelDeaths
 from .handlers import routes
@@ -136,7 +136,7 @@ class GPUSnapshotApp(ExtensionApp):
         )
         self.hibernation = Hibernation(
             self.service, settings, log=self.log, emit=self._emit_hibernation,
-            hibernate_after=self._hibernate_after,
+            hibernate_after=self._hibernate_after, release_gpu_after=self._release_gpu_after,
         )
         serverapp.event_logger.add_listener(
             modified=False, schema_id=KERNEL_ACTIONS_EVENT_ID,
@@ -175,12 +175,19 @@ class GPUSnapshotApp(ExtensionApp):
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             signal.signal(signal.SIGINT, serverapp._signal_stop)
 
-    async def _hibernate_after(self, kernel_id: str) -> float:
-        """Minutes of idleness after which the kernel hibernates: its notebook's policy."""
+    async def _notebook_policy(self, kernel_id: str) -> AutosavePolicy:
+        """The policy of the kernel's notebook: its own choices over the server's settings."""
         assert self.service is not None and self.autosave is not None
         notebook = await self.service.slots.notebook_path(kernel_id)
-        key = self.autosave.policy_key(kernel_id, notebook)
-        return self.autosave.policy(key).hibernate_after_minutes
+        return self.autosave.policy(self.autosave.policy_key(kernel_id, notebook))
+
+    async def _hibernate_after(self, kernel_id: str) -> float:
+        """Minutes of idleness after which the kernel hibernates in the process tier."""
+        return (await self._notebook_policy(kernel_id)).hibernate_after_minutes
+
+    async def _release_gpu_after(self, kernel_id: str) -> float:
+        """Minutes of idleness after which the kernel releases its GPU (the gpu tier)."""
+        return (await self._notebook_policy(kernel_id)).release_gpu_after_minutes
 
     def _link_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         """Called before the server makes its web application: hibernated kernels need

@@ -11,7 +11,9 @@ Autosaves are ordinary save jobs with reason ``autosave``: one operation per ker
 holds (a kernel that is being saved or restored is skipped, and the log says so), and the
 store's retention keeps the newest ``autosave_keep`` of each notebook. A notebook may
 override the settings (``PUT kernels/{id}/autosave``, ``%gpu_snapshot autosave``); the
-overrides are kept in the store, so they outlive a server restart.
+overrides are kept in the store, so they outlive a server restart. The same policy holds
+the notebook's choice of when its idle kernel hibernates, in either tier
+(``%gpu_snapshot hibernate [gpu] after 30m``), over the server's.
 
 What "ran something" means: a cell, i.e. an ``execute_input`` message on the kernel's
 IOPub channel. The scheduler subscribes to each kernel's IOPub (one more subscriber beside
@@ -75,8 +77,10 @@ class AutosavePolicy:
     after_cell_minutes: float
     during_cell: bool
     # Not autosave, but the same kind of per-notebook choice: when an idle kernel of the
-    # notebook hibernates (``hibernation``); 0 never.
+    # notebook hibernates (``hibernation``), in each tier; 0 never. The gpu tier releases
+    # its GPU and keeps its process; the process tier saves it and ends its process.
     hibernate_after_minutes: float = 0.0
+    release_gpu_after_minutes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +93,7 @@ POLICY_FIELDS: Mapping[str, tuple[type, ...]] = {
     "after_cell_minutes": (int, float),
     "during_cell": (bool,),
     "hibernate_after_minutes": (int, float),
+    "release_gpu_after_minutes": (int, float),
 }
 
 
@@ -293,7 +298,8 @@ class AutosaveScheduler:
         return AutosavePolicy(
             bool(s.autosave), float(s.autosave_interval_minutes),
             float(s.autosave_after_cell_minutes), bool(s.autosave_during_cell),
-            float(s.hibernate_after_minutes),
+            hibernate_after_minutes=float(s.hibernate_after_minutes),
+            release_gpu_after_minutes=float(s.release_gpu_after_minutes),
         )
 
     def policy(self, key: str) -> AutosavePolicy:

@@ -100,12 +100,40 @@ export interface IAutosavePolicy {
   during_cell: boolean;
   /** Minutes of idleness after which the kernel hibernates (0: never); newer servers. */
   hibernate_after_minutes?: number;
+  /** Minutes of idleness after which it gives its GPU back (0: never); newer servers. */
+  release_gpu_after_minutes?: number;
 }
+
+/** Hibernation's tiers: the GPU released with the process kept, or the process saved. */
+export type HibernationTier = 'gpu' | 'process';
+
+/** The policy field that says after how long idle a kernel hibernates in each tier. */
+export const IDLE_POLICY_FIELDS = {
+  gpu: 'release_gpu_after_minutes',
+  process: 'hibernate_after_minutes'
+} as const satisfies { [tier in HibernationTier]: keyof IAutosavePolicy };
 
 /** What a notebook overrides; null puts a field back to the server's setting. */
 export type AutosaveOverride = {
   [K in keyof IAutosavePolicy]?: IAutosavePolicy[K] | null;
 };
+
+/**
+ * The override of a tier's idle time that the sidebar's form asks for: ``minutes`` in
+ * mode 'after', 0 in mode 'never', null (the server's setting) in mode 'default';
+ * undefined when the minutes are no number above 0.
+ */
+export function idleOverride(
+  tier: HibernationTier,
+  mode: string,
+  minutes: number
+): AutosaveOverride | undefined {
+  if (mode === 'after' && !(minutes > 0)) {
+    return undefined;
+  }
+  const value = mode === 'default' ? null : mode === 'never' ? 0 : minutes;
+  return { [IDLE_POLICY_FIELDS[tier]]: value };
+}
 
 /** A kernel's autosave state (openapi.yaml, AutosaveState). */
 export interface IAutosaveState {
@@ -150,7 +178,7 @@ export interface IHibernation {
   kernel_id: string;
   state: 'requested' | 'hibernating' | 'hibernated' | 'waking';
   /** gpu: the GPU released, the process kept; process: saved and ended (older servers). */
-  tier?: 'gpu' | 'process';
+  tier?: HibernationTier;
   notebook_path?: string | null;
   /** GPU memory the kernel held, free since it hibernated (0 before). */
   gpu_bytes_freed?: number;

@@ -5,6 +5,7 @@
  * English, so the pure functions keep working outside JupyterLab (unit tests).
  */
 import type {
+  HibernationTier,
   IAutosavePolicy,
   IAutosaveState,
   IHibernation,
@@ -255,6 +256,25 @@ export function describeNextAutosave(
   return left <= 60
     ? trans.__('next autosave within a minute')
     : trans.__('next autosave in %1', formatMinutes(left / 60, trans));
+}
+
+/**
+ * What a kernel does by itself once idle for ``minutes`` in ``tier`` (0: never), as the
+ * sidebar says it.
+ */
+export function describeIdlePolicy(
+  tier: HibernationTier,
+  minutes: number,
+  trans = untranslated
+): string {
+  if (tier === 'gpu') {
+    return minutes > 0
+      ? trans.__('gives its GPU back after %1 min idle', minutes)
+      : trans.__('never gives its GPU back by itself');
+  }
+  return minutes > 0
+    ? trans.__('hibernates after %1 min idle', minutes)
+    : trans.__('never hibernates by itself');
 }
 
 export function formatMinutes(minutes: number, trans = untranslated): string {

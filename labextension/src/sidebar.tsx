@@ -9,11 +9,14 @@ import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
 import * as React from 'react';
-import type {
-  AutosaveOverride,
-  IAutosaveState,
-  IHibernation,
-  ISnapshotSummary
+import {
+  IDLE_POLICY_FIELDS,
+  idleOverride,
+  type AutosaveOverride,
+  type HibernationTier,
+  type IAutosaveState,
+  type IHibernation,
+  type ISnapshotSummary
 } from './api';
 import { DeleteButtons } from './confirm';
 import type { SnapshotController } from './controller';
@@ -22,6 +25,7 @@ import {
   describeFreed,
   describeGpu,
   describeHibernation,
+  describeIdlePolicy,
   describeLocation,
   describeNextAutosave,
   formatAge,
@@ -53,6 +57,15 @@ function reasonLabel(reason: string, trans: TranslationBundle): string {
   };
   return labels[reason] ?? reason;
 }
+
+/** The sidebar section (and class names) of each tier's idle time. */
+const IDLE_SECTIONS: { [tier in HibernationTier]: string } = {
+  gpu: 'release-gpu',
+  process: 'hibernate'
+};
+
+/** The autosave fields that are about hibernation: each has its own section. */
+const IDLE_FIELDS: string[] = Object.values(IDLE_POLICY_FIELDS);
 
 /** Whether a snapshot matches the search text (name, id, notebook, host, reason). */
 export function matches(s: ISnapshotSummary, search: string): boolean {
@@ -194,7 +207,8 @@ export class SnapshotsSidebar extends ReactWidget {
           <>
             {this._hibernationSection()}
             {path && this._autosaveSection()}
-            {path && this._idleSection()}
+            {path && this._idleSection('gpu')}
+            {path && this._idleSection('process')}
             {path &&
               this._section(trans.__('This notebook: %1', path), own, panel, 'own')}
             {this._section(
@@ -285,9 +299,9 @@ export class SnapshotsSidebar extends ReactWidget {
     ) {
       return null;
     }
-    // The notebook's hibernation time rides in the same policy; it has its own section.
+    // The notebook's hibernation times ride in the same policy; they have their sections.
     const overridden = Object.entries(state.override).some(
-      ([k, v]) => k !== 'hibernate_after_minutes' && v !== null && v !== undefined
+      ([k, v]) => !IDLE_FIELDS.includes(k) && v !== null && v !== undefined
     );
     const mode = !overridden ? 'default' : state.policy.enabled ? 'on' : 'off';
     const last = state.last_autosave;
@@ -374,30 +388,64 @@ export class SnapshotsSidebar extends ReactWidget {
     );
   }
 
-  /** When the current notebook's kernel hibernates once idle, and its own choice of it. */
-  private _idleSection(): JSX.Element | null {
+  /** The words of each tier's idle section. */
+  private _idleWords(tier: HibernationTier): {
+    title: string;
+    mode: string;
+    minutes: string;
+    invalid: string;
+    failed: (message: string) => string;
+  } {
+    const trans = this._trans;
+    if (tier === 'gpu') {
+      return {
+        title: trans.__('GPU release'),
+        mode: trans.__('GPU release for this notebook'),
+        minutes: trans.__('Minutes idle before the kernel gives its GPU back'),
+        invalid: trans.__(
+          'The idle time before the GPU is released must be a number of minutes above 0.'
+        ),
+        failed: message => trans.__('Could not change the GPU release: %1', message)
+      };
+    }
+    return {
+      title: trans.__('Hibernation'),
+      mode: trans.__('Hibernation for this notebook'),
+      minutes: trans.__('Minutes idle before the kernel hibernates'),
+      invalid: trans.__(
+        'The idle time before hibernation must be a number of minutes above 0.'
+      ),
+      failed: message => trans.__('Could not change hibernation: %1', message)
+    };
+  }
+
+  /**
+   * When the current notebook's kernel hibernates once idle in ``tier``, and its own
+   * choice of it.
+   */
+  private _idleSection(tier: HibernationTier): JSX.Element | null {
     const trans = this._trans;
     const state = this._autosave;
-    const minutes = state?.policy.hibernate_after_minutes;
+    const field = IDLE_POLICY_FIELDS[tier];
+    const minutes = state?.policy[field];
     if (
       !state ||
       minutes === undefined ||
       state.kernel_id !== this._controller.kernelId(this._tracker.currentWidget)
     ) {
-      return null; // older servers do not hibernate
+      return null; // older servers do not hibernate (in this tier)
     }
-    const own = typeof state.override.hibernate_after_minutes === 'number';
+    const own = typeof state.override[field] === 'number';
     const mode = !own ? 'default' : minutes > 0 ? 'after' : 'never';
-    const policy =
-      minutes > 0
-        ? trans.__('hibernates after %1 min idle', minutes)
-        : trans.__('never hibernates by itself');
+    const policy = describeIdlePolicy(tier, minutes, trans);
+    const words = this._idleWords(tier);
+    const section = IDLE_SECTIONS[tier];
     let modeInput: HTMLSelectElement | null = null;
     let minutesInput: HTMLInputElement | null = null;
     return (
-      <section className="jp-gpu-snapshot-sidebar-section" data-section="hibernate">
-        <h3>{trans.__('Hibernation')}</h3>
-        <div className="jp-gpu-snapshot-hibernate-policy">
+      <section className="jp-gpu-snapshot-sidebar-section" data-section={section}>
+        <h3>{words.title}</h3>
+        <div className={`jp-gpu-snapshot-${section}-policy`}>
           {own
             ? trans.__("%1 (this notebook's setting)", policy)
             : trans.__("%1 (the server's setting)", policy)}
@@ -407,15 +455,16 @@ export class SnapshotsSidebar extends ReactWidget {
           className="jp-gpu-snapshot-autosave-form"
           onSubmit={event => {
             event.preventDefault();
-            void this._applyHibernation(
+            void this._applyIdleTime(
+              tier,
               modeInput?.value ?? mode,
               Number(minutesInput?.value)
             );
           }}
         >
           <select
-            className="jp-gpu-snapshot-hibernate-mode"
-            aria-label={trans.__('Hibernation for this notebook')}
+            className={`jp-gpu-snapshot-${section}-mode`}
+            aria-label={words.mode}
             defaultValue={mode}
             ref={node => {
               modeInput = node;
@@ -428,11 +477,11 @@ export class SnapshotsSidebar extends ReactWidget {
           <label>
             <input
               type="number"
-              className="jp-gpu-snapshot-hibernate-minutes"
-              aria-label={trans.__('Minutes idle before the kernel hibernates')}
+              className={`jp-gpu-snapshot-${section}-minutes`}
+              aria-label={words.minutes}
               min="0.1"
               step="any"
-              defaultValue={minutes > 0 ? minutes : 30}
+              defaultValue={minutes > 0 ? minutes : tier === 'gpu' ? 10 : 30}
               ref={node => {
                 minutesInput = node;
               }}
@@ -447,30 +496,28 @@ export class SnapshotsSidebar extends ReactWidget {
     );
   }
 
-  /** Called by the hibernation form: PUT the notebook's choice, show the new state. */
-  private async _applyHibernation(mode: string, minutes: number): Promise<void> {
+  /** Called by a tier's idle form: PUT the notebook's choice, show the new state. */
+  private async _applyIdleTime(
+    tier: HibernationTier,
+    mode: string,
+    minutes: number
+  ): Promise<void> {
     const kernelId = this._controller.kernelId(this._tracker.currentWidget);
     if (!kernelId) {
       return;
     }
-    if (mode === 'after' && !(minutes > 0)) {
-      this._error = this._trans.__(
-        'The idle time before hibernation must be a number of minutes above 0.'
-      );
+    const words = this._idleWords(tier);
+    const override = idleOverride(tier, mode, minutes);
+    if (!override) {
+      this._error = words.invalid;
       this.update();
       return;
     }
-    const value = mode === 'default' ? null : mode === 'never' ? 0 : minutes;
     try {
-      this._autosave = await this._controller.setAutosave(kernelId, {
-        hibernate_after_minutes: value
-      });
+      this._autosave = await this._controller.setAutosave(kernelId, override);
       this._error = null;
     } catch (error) {
-      this._error = this._trans.__(
-        'Could not change hibernation: %1',
-        (error as Error).message
-      );
+      this._error = words.failed((error as Error).message);
     }
     this.update();
   }

@@ -6,6 +6,7 @@ import {
   describeGpu,
   describeFreed,
   describeHibernation,
+  describeIdlePolicy,
   describeLastSnapshot,
   describeProgress,
   describeSaved,
@@ -482,5 +483,22 @@ describe('describeHibernation', () => {
     expect(describeHibernation({ kernel_id: 'k', state: 'waking' })?.text).toBe(
       'Waking the kernel…'
     );
+  });
+});
+
+describe('describeIdlePolicy', () => {
+  it('says what the kernel does by itself once idle, in each tier', () => {
+    expect(describeIdlePolicy('gpu', 10)).toBe('gives its GPU back after 10 min idle');
+    expect(describeIdlePolicy('gpu', 0)).toBe('never gives its GPU back by itself');
+    expect(describeIdlePolicy('process', 30)).toBe('hibernates after 30 min idle');
+    expect(describeIdlePolicy('process', 0)).toBe('never hibernates by itself');
+  });
+
+  it('speaks through the bundle', () => {
+    const trans = new ShoutingBundle();
+    expect(describeIdlePolicy('gpu', 2.5, trans)).toBe(
+      'GIVES ITS GPU BACK AFTER 2.5 MIN IDLE'
+    );
+    expect(trans.asked).toEqual(['gives its GPU back after %1 min idle']);
   });
 });

@@ -123,14 +123,20 @@ class TestSchedule:
         assert await _autosaves(api, "quiet.ipynb") == []
 
         for bad in ({"interval_minutes": "10"}, {"interval_minutes": 0}, {"every": 3},
-                    {"enabled": 1}, {"after_cell_minutes": -1}):
+                    {"enabled": 1}, {"after_cell_minutes": -1},
+                    {"release_gpu_after_minutes": -1}, {"release_gpu_after_minutes": True}):
             code, error = await api.call("PUT", *path, body=bad)
             assert code == 400, (bad, error)
-        state = await api.ok("PUT", *path, body={"enabled": None, "interval_minutes": 1.0})
-        assert state["override"] == {"interval_minutes": 1.0}
+        # When the idle kernel gives its GPU back rides in the same policy: the server's
+        # setting until the notebook chooses.
+        assert state["policy"]["release_gpu_after_minutes"] == 10
+        state = await api.ok("PUT", *path, body={"enabled": None, "interval_minutes": 1.0,
+                                                 "release_gpu_after_minutes": 0})
+        assert state["override"] == {"interval_minutes": 1.0, "release_gpu_after_minutes": 0}
         assert state["policy"]["enabled"] is True and state["next_autosave"] is not None
+        assert state["policy"]["release_gpu_after_minutes"] == 0
         # The override is kept in the store for the next server.
-        assert "quiet.ipynb" in app.autosave._load_overrides()
+        assert app.autosave._load_overrides()["quiet.ipynb"] == state["override"]
         # Not due for a minute, whatever the server's interval.
         await asyncio.sleep(3)
         assert await _autosaves(api, "quiet.ipynb") == []

@@ -394,6 +394,7 @@ async def test_a_notebook_chooses_when_its_kernel_hibernates(
     await until_state(api, kernel_id, "hibernated")
     policy = (await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "autosave"))["policy"]
     assert policy["hibernate_after_minutes"] == pytest.approx(2 / 60)
+    assert policy["release_gpu_after_minutes"] == 10  # the gpu tier keeps the server's
     out = await sock.execute("%gpu_snapshot hibernate never")  # this cell wakes it
     assert out == "This notebook's kernel never hibernates by itself.\n"
     await asyncio.sleep(4)
