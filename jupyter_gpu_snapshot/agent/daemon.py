@@ -11,9 +11,16 @@ groups the user database's. Every caller gets a realm of their own:
   for them write (the agent chooses the name; the kernel opens it as the caller);
 - the kernels the agent launched or restored for them (``launched.json``).
 
-What each operation checks is in ``_Session``; what a tree must be to be dumped is in
-``ownership``, what an image must be to be restored in ``image_creds``. Limits: at most
-``max_operations`` saves or restores of one user at once, and no save while their store and
+Hibernation's gpu tier goes through the agent too: ``gpu_release`` gives back the GPU of
+one of those kernels and keeps its process, ``gpu_wake`` brings it back, ``gpu_asleep``
+says whether it sleeps (``gpu/sleep.py``). The agent does them with the GPU sleep of the
+caller's CUDA hook; the holder it starts runs as root, in its own session, and outlives the
+request and the agent, which finds it again by the kernel's root pid.
+
+What each operation checks is in ``_Session``; what a tree must be to be dumped (or to have
+its GPU released) is in ``ownership``, what an image must be to be restored in
+``image_creds``. Limits: at most ``max_operations`` saves, restores, GPU releases or wakes
+of one user at once, one at a time per kernel, and no save while their store and
 their saves under way take ``disk_quota_bytes`` or more; at most ``max_connections``
 connections of one user open at once, each sending its request within
 ``request_timeout`` seconds and ``MAX_REQUEST_BYTES``, so that no user can take the
@@ -58,11 +65,14 @@ from ..agent_client.protocol import (
     snapshot_fields,
 )
 from ..config import GPUSnapshot
-from ..core import procfs, safe_fs
+from ..core import locks, procfs, safe_fs
 from ..core.engine import SnapshotEngine
-from ..core.errors import InvalidRequest, SnapshotError
+from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
+from ..core.sequences import finish_despite_cancel
 from ..engines import make_engine
+from ..gpu.hook import CudaCheckpointHook
+from ..gpu.sleep import GpuSleep, SleepReport
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
 from . import caller_files, criu_credentials, external_files, image_creds, reopened_files
 from .ownership import Caller, require_own_tree
@@ -97,6 +107,9 @@ CLIENT_ERROR_LOG_SECONDS = 60.0
 # What the launcher (root until nsinit drops to the caller) runs with: nothing of the
 # caller's environment, which could name libraries for root to load (LD_PRELOAD).
 _LAUNCHER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+# What a GPU release leaves with its holder for a server that asks later (the kernel's id):
+# it rides on the holder's command line, which is root's and which every user can read.
+MAX_SLEEP_NOTE_BYTES = 4096
 
 
 def peer_ids(sock: socket.socket) -> tuple[int, int]:
@@ -220,7 +233,7 @@ class Realm:
             tmp.write_text(json.dumps({str(p): t for p, t in kernels.items()}))
             os.replace(tmp, self.launched_file)
 
-    def root_of(self, pid: int) -> int:
+    def root_of(self, pid: int, step: str = "save") -> int:
         """The launched tree that process ``pid`` belongs to; refused if none."""
         roots = self.launched()
         if pid in roots:
@@ -230,10 +243,20 @@ class Realm:
                 if parent.pid in roots:
                     return parent.pid
         raise Refused(
-            "save", f"process {pid} is not a kernel the node agent launched or restored "
+            step, f"process {pid} is not a kernel the node agent launched or restored "
             f"for you ({self.caller.name})",
-            hint="start the kernel from a server that uses the agent, then save it",
+            hint="start the kernel from a server that uses the agent",
         )
+
+    def gpu_sleep(self) -> GpuSleep:
+        """Hibernation's gpu tier with the CUDA hook of this user's engine. Its holders are
+        root's, in root's directory of them, each found by its kernel's root pid: a
+        holder started before a restart of the agent is found again."""
+        hook = next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
+        if hook is None:
+            raise NotReady("hibernate", "the node agent has no CUDA checkpoint hook",
+                           hint="hibernate in the process tier instead")
+        return hook.gpu_sleep()
 
 
 class NodeAgent:
@@ -687,11 +710,9 @@ class _Session:
             raise InvalidRequest("save", "target must name the kernel's pid")
         known = {f.name for f in dataclasses.fields(SaveTarget)}
         target = SaveTarget(**{k: v for k, v in target_fields.items() if k in known})
-        root = await asyncio.to_thread(realm.root_of, target.pid)
-        await asyncio.to_thread(require_own_tree, root, self.caller)
-        target.pid = root
+        target.pid = await asyncio.to_thread(self._own_tree, realm, target.pid, "save")
         with self._operation(realm):
-            reserved = await self._admit_under_quota(realm, root)
+            reserved = await self._admit_under_quota(realm, target.pid)
             try:
                 snapshot = await realm.engine.save(
                     target, name=args.get("name"), stop=bool(args.get("stop")),
@@ -738,10 +759,67 @@ class _Session:
             "notes": restored.notes,
         }
 
+    def _own_tree(self, realm: Realm, pid: int, step: str) -> int:
+        """The root of the tree of process ``pid``, refused unless the agent launched or
+        restored it for the caller and every process of it is their own (``ownership``)."""
+        root = realm.root_of(pid, step)
+        require_own_tree(root, self.caller, step)
+        return root
+
+    # -- hibernation's gpu tier ------------------------------------------------------------
+    async def op_gpu_release(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        """Give back the GPU of one of the caller's kernels and keep its process: a failure
+        leaves it running with CUDA unlocked (``GpuSleep.release``).
+
+        Between the ownership check and the holder's stop, a process of the tree could still
+        exec a setuid program (see ``ownership``); the holder would then stop it, and the
+        driver move its GPU memory into its own host memory: none of it reaches the caller."""
+        note = _sleep_note(args)
+        report = await self._on_own_kernel(
+            realm, _pid(args), "release the GPU", lambda sleep, root: sleep.release(root, note))
+        return report.to_dict()
+
+    async def op_gpu_wake(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        """Give the kernel its GPU back and let its threads run; a failure leaves it asleep
+        (``GpuSleep.wake``)."""
+        report = await self._on_own_kernel(
+            realm, _pid(args), "wake", lambda sleep, root: sleep.wake(root))
+        return report.to_dict()
+
+    async def op_gpu_asleep(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any] | None:
+        """The holder's status (its note among it) while the kernel sleeps, else None."""
+        pid = _pid(args)
+        try:
+            root = await asyncio.to_thread(self._own_tree, realm, pid, "hibernate")
+            sleep = await asyncio.to_thread(realm.gpu_sleep)
+        except (Refused, NotReady):
+            # Another's tree tells the caller nothing; and without a driver the agent
+            # released no GPU.
+            return None
+        return await asyncio.to_thread(sleep.asleep, root)
+
+    async def _on_own_kernel(self, realm: Realm, pid: int, step: str,
+                             act: Callable[[GpuSleep, int], SleepReport]) -> SleepReport:
+        """``act`` on the caller's kernel tree of ``pid``, counted among their operations,
+        holding the kernel's lock (the one its saves take). It runs in a worker thread,
+        which cannot be stopped: a client that goes away gets no answer, but the lock and
+        the count hold until the thread has ended."""
+        root = await asyncio.to_thread(self._own_tree, realm, pid, step)
+
+        def locked() -> SleepReport:
+            with realm.engine.store.locks.hold(locks.kernel_key(root), f"kernel pid {root}",
+                                               step, note=f"{step} of kernel pid {root}"):
+                return act(realm.gpu_sleep(), root)
+
+        with self._operation(realm):
+            # Nothing waits for the event: the thread runs to its end whatever is asked.
+            return await finish_despite_cancel(
+                asyncio.ensure_future(asyncio.to_thread(locked)), asyncio.Event())
+
     @contextlib.contextmanager
     def _operation(self, realm: Realm) -> Any:
-        """One of the caller's at most ``max_operations`` saves or restores at once, run with
-        this connection's credentials (``Realm.act_as``)."""
+        """One of the caller's at most ``max_operations`` saves, restores, GPU releases or
+        wakes at once, run with this connection's credentials (``Realm.act_as``)."""
         if realm.operations and realm.caller != self.caller:
             # The engine has one set of credentials at a time, those of the operations
             # under way: this request's differ (the user database changed in between).
@@ -812,6 +890,21 @@ def _text(args: dict[str, Any], key: str) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidRequest("agent", f"{key} must be a non-empty string")
     return value
+
+
+def _pid(args: dict[str, Any]) -> int:
+    value = args.get("pid")
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidRequest("agent", "pid must be the kernel's process id, a positive integer")
+    return value
+
+
+def _sleep_note(args: dict[str, Any]) -> dict[str, Any]:
+    note = args.get("note") or {}
+    if not isinstance(note, dict) or len(json.dumps(note)) > MAX_SLEEP_NOTE_BYTES:
+        raise InvalidRequest("agent", f"note must be a JSON object of at most "
+                             f"{format_bytes(MAX_SLEEP_NOTE_BYTES)}")
+    return note
 
 
 def _used_bytes(realm: Realm) -> int:

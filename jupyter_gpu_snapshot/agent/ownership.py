@@ -1,5 +1,5 @@
 """Whose a process tree is: the checks the node agent makes before it dumps a tree for a
-caller.
+caller, or releases its GPU.
 
 A caller may have dumped only a tree whose every process is theirs and unprivileged:
 - every uid (real, effective, saved, filesystem) is the caller's, every gid the caller's
@@ -85,17 +85,18 @@ def process_problem(pid: int, caller: Caller) -> str | None:
     return None
 
 
-def require_own_tree(root_pid: int, caller: Caller) -> None:
-    """Refuse unless every process of the tree under ``root_pid`` is the caller's own."""
+def require_own_tree(root_pid: int, caller: Caller, step: str = "save") -> None:
+    """Refuse ``step`` unless every process of the tree under ``root_pid`` is the caller's
+    own."""
     try:
         pids = [p.pid for p in procfs.tree(root_pid)]
     except psutil.NoSuchProcess as exc:
-        raise Refused("save", f"process {root_pid} has ended") from exc
+        raise Refused(step, f"process {root_pid} has ended") from exc
     for pid in pids:
         problem = process_problem(pid, caller)
         if problem is not None:
             raise Refused(
-                "save", problem,
-                hint="the node agent saves only kernels whose every process is your own "
-                "and unprivileged",
+                step, problem,
+                hint="the node agent saves, and releases the GPU of, only kernels whose "
+                "every process is your own and unprivileged",
             )

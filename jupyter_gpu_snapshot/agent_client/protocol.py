@@ -33,9 +33,10 @@ MAX_REQUEST_BYTES = 256 << 10
 MAX_REPLY_BYTES = 16 << 20
 
 # The operations a caller may ask for; ``hello`` also says which the agent allows them.
+# The ``gpu_`` ones are hibernation's gpu tier (``gpu_sleep.AgentGpuSleep``).
 OPERATIONS = (
     "hello", "launch", "save", "restore", "list", "catalog", "get", "find_name", "delete",
-    "rename", "usage",
+    "rename", "usage", "gpu_release", "gpu_wake", "gpu_asleep",
 )
 
 _ERROR_CLASSES: dict[str, type[SnapshotError]] = {

@@ -7,6 +7,10 @@
   environment, as a user's own shell would.
 - ``user_kernel(user)``: a snapshot-ready kernel the user started through the agent (real
   jupyter_client and our provisioner, run as the user), with ``x = 41`` in it.
+
+The helpers that run as a user take any agent that has a socket and a log
+(``ServingAgent``): a process of its own, or one served in this process
+(``test_gpu_tier``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import pytest
@@ -76,6 +80,15 @@ reply = kc.execute_interactive("import os; blob = os.urandom(300 << 20)", timeou
 assert reply["content"]["status"] == "ok", reply
 kc.stop_channels()
 """
+
+
+class ServingAgent(Protocol):
+    """What a user's commands need of an agent: its socket, and its log when they fail."""
+
+    @property
+    def socket(self) -> Path: ...
+
+    def log(self) -> str: ...
 
 
 @dataclass
@@ -184,7 +197,7 @@ def kill_users_kernels(users: tuple[UnixUser, ...]) -> None:
                 proc.kill()
 
 
-def user_env(user: UnixUser, agent: Agent) -> dict[str, str]:
+def user_env(user: UnixUser, agent: ServingAgent) -> dict[str, str]:
     return {
         "HOME": str(user.home), "USER": user.name, "LOGNAME": user.name,
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -194,7 +207,7 @@ def user_env(user: UnixUser, agent: Agent) -> dict[str, str]:
     }
 
 
-def as_user(user: UnixUser, agent: Agent, argv: list[str],
+def as_user(user: UnixUser, agent: ServingAgent, argv: list[str],
             env: dict[str, str] | None = None, check: bool = True,
             timeout: float = COMMAND_SECONDS) -> subprocess.CompletedProcess[str]:
     """``argv`` run as ``user`` (their uid, gid and groups), from their home."""
@@ -215,12 +228,14 @@ def cli(user: UnixUser, agent: Agent, *args: str, check: bool = True
     return as_user(user, agent, [*CLI, *args], check=check)
 
 
-def start_user_kernel(user: UnixUser, agent: Agent) -> UserKernel:
+def start_user_kernel(user: UnixUser, agent: ServingAgent,
+                      env: dict[str, str] | None = None) -> UserKernel:
     """A kernel of ``user``'s, held by a jupyter_client of theirs until the agent fixture
-    ends (it kills every process of the users)."""
+    ends (it kills every process of the users). ``env`` is added to the kernel's."""
     holder = subprocess.Popen(
         [sys.executable, "-c", START_KERNEL], user=user.uid, group=user.gid,
-        extra_groups=os.getgrouplist(user.name, user.gid), env=user_env(user, agent),
+        extra_groups=os.getgrouplist(user.name, user.gid),
+        env={**user_env(user, agent), **(env or {})},
         cwd=user.home, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
@@ -246,7 +261,8 @@ def _release_holders() -> None:
         holder.communicate()
 
 
-def ask_kernel(user: UnixUser, agent: Agent, connection_file: str, expression: str) -> str:
+def ask_kernel(user: UnixUser, agent: ServingAgent, connection_file: str,
+               expression: str) -> str:
     done = as_user(user, agent, [sys.executable, "-c", ASK_KERNEL, connection_file, expression])
     return done.stdout.strip().splitlines()[-1]
 
