@@ -239,7 +239,19 @@ class GPUSnapshot(Configurable):
         its own host memory, its threads are held, and the GPU is free for others. The next
         message that needs it brings the memory back in seconds. Nothing is written to
         disk. Only kernels holding GPU memory are released; hibernate_after_minutes, when
-        it comes first, saves the kernel to disk instead. 0 turns it off.""",
+        it comes first, saves the kernel to disk instead. 0 turns it off. A notebook's own
+        choice (%gpu_snapshot hibernate gpu after 5m, or the JupyterLab sidebar) wins over
+        this setting.""",
+    ).tag(config=True)
+
+    host_memory_low_percent = Float(
+        10.0,
+        help="""When the node's available host memory falls below this share of its total
+        (in percent), kernels asleep in the gpu tier, whose GPU memory sits in their host
+        memory, move to the process tier one at a time, least recently used first: each is
+        written to disk as it sleeps (its GPU untouched) and its host memory is freed. A
+        kernel asleep in the gpu tier also moves once it has been idle for
+        hibernate_after_minutes. 0 turns the memory check off.""",
     ).tag(config=True)
 
     hibernate_min_gpu_bytes = Int(

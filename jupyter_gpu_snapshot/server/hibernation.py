@@ -52,11 +52,10 @@ from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotErro
 from ..core.hooks import Progress
 from ..gpu.inventory import GpuInventory
 from ..gpu.remap import remap_notice
-from ..gpu.sleep import GpuSleep
 from ..launch.provisioner import Adoption, SnapshotReadyProvisioner, root_pid
 from .autosave import last_activity
 from .jobs import Job, kernel_key, snapshot_key
-from .service import HIBERNATE, SnapshotService
+from .service import HIBERNATE, GpuSleeper, SnapshotService
 
 GPU_TIER = "gpu"
 PROCESS_TIER = "process"
@@ -115,6 +114,8 @@ class SleepingKernel:
     job_id: str | None = None
     error: dict[str, Any] | None = None
     wake_when_saved: bool = False
+    # Moving from the gpu tier to the process tier: a save that fails leaves it asleep.
+    moving: bool = False
     held: list[HeldMessage] = field(default_factory=list)
     # Clients that connected while the kernel had no process: they re-join it on waking
     # even if they sent nothing meanwhile.
@@ -149,14 +150,16 @@ class Hibernation:
         log: logging.Logger | None = None,
         emit: Callable[[dict[str, Any]], None] | None = None,
         hibernate_after: Callable[[str], Awaitable[float]] | None = None,
+        release_gpu_after: Callable[[str], Awaitable[float]] | None = None,
     ) -> None:
         self.service = service
         self.settings = settings
         self.log = log or logging.getLogger(__name__)
         self._emit = emit or (lambda _data: None)
-        # Minutes of idleness after which a kernel hibernates: its notebook's choice
-        # (``%gpu_snapshot hibernate after 30m``), else the server's setting.
+        # Minutes of idleness after which a kernel hibernates in each tier: its notebook's
+        # choice (``%gpu_snapshot hibernate [gpu] after 30m``), else the server's setting.
         self._hibernate_after = hibernate_after
+        self._release_gpu_after = release_gpu_after
         self._kernels: dict[str, SleepingKernel] = {}
         # Kernels asked to hibernate once their running cell ends (%gpu_snapshot hibernate),
         # and the tier each asked for.
@@ -213,7 +216,10 @@ class Hibernation:
                 hint="only kernels of a snapshot-ready kernelspec (python3-snapshot) hibernate",
             )
         if kernel_id in self._kernels:
-            return self._kernels[kernel_id].to_dict()
+            sleeper = self._kernels[kernel_id]
+            if tier == PROCESS_TIER and sleeper.tier == GPU_TIER and sleeper.state == HIBERNATED:
+                return (await self._move_to_disk(sleeper, "on request")).to_dict()
+            return sleeper.to_dict()
         if getattr(km, "execution_state", None) == "busy" and not when_idle:
             raise Busy(
                 "hibernate", f"kernel {kernel_id} is running a cell",
@@ -261,6 +267,27 @@ class Hibernation:
         self._spawn(self._finish_hibernation(sleeper, job))
         return sleeper
 
+    async def _move_to_disk(self, sleeper: SleepingKernel, why: str) -> SleepingKernel:
+        """From the gpu tier to the process tier: the kernel is saved as it sleeps, its GPU
+        untouched (``gpu/hook.py``), and ends, its host memory freed. Its clients' messages
+        stay held; one that needs the kernel meanwhile wakes it once the save is done."""
+        assert sleeper.root_pid is not None
+        sleeper.host_bytes = await asyncio.to_thread(procfs.tree_rss, sleeper.root_pid)
+        sleeper.state, sleeper.tier, sleeper.moving = HIBERNATING, PROCESS_TIER, True
+        try:
+            job = await self.service.start_save(sleeper.kernel_id, stop=True, reason=HIBERNATE,
+                                                asleep=True)
+        except BaseException:
+            sleeper.state, sleeper.tier, sleeper.moving = HIBERNATED, GPU_TIER, False
+            raise
+        sleeper.job_id = job.id
+        self.log.info("gpu-snapshot: kernel %s moves from the gpu tier to the process tier "
+                      "(%s of host memory): %s", sleeper.kernel_id,
+                      format_bytes(sleeper.host_bytes), why)
+        self._event(sleeper, "hibernating", reason=why)
+        self._spawn(self._finish_hibernation(sleeper, job))
+        return sleeper
+
     def _start_release(self, sleeper: SleepingKernel, root: int) -> Job:
         """The job of the gpu tier: the GPU released, the process kept."""
         gpu_sleep = self.service.gpu_sleep()
@@ -286,6 +313,18 @@ class Hibernation:
     async def _finish_hibernation(self, sleeper: SleepingKernel, job: Job) -> None:
         await self.service.jobs.wait(job)
         kernel_id = sleeper.kernel_id
+        if job.status != "succeeded" and sleeper.moving:
+            # The save of a sleeping kernel rolled back: it sleeps on in the gpu tier.
+            error = job.error or {}
+            sleeper.state, sleeper.tier, sleeper.moving = HIBERNATED, GPU_TIER, False
+            self.log.warning("gpu-snapshot: kernel %s stays in the gpu tier: %s", kernel_id,
+                             error.get("message"))
+            self._event(sleeper, "failed", message=str(error.get("message") or ""))
+            if sleeper.wake_when_saved:
+                sleeper.wake_when_saved = False
+                self._start_wake(sleeper)
+            return
+        sleeper.moving = False
         if job.status != "succeeded":
             # The save rolled back: the kernel runs on.
             error = job.error or {}
@@ -398,7 +437,7 @@ class Hibernation:
         self.service.kernel(sleeper.kernel_id).execution_state = "idle"
         return {"kernel_id": sleeper.kernel_id, "tier": GPU_TIER, **report.to_dict()}
 
-    async def _make_room(self, sleeper: SleepingKernel, gpu_sleep: GpuSleep) -> None:
+    async def _make_room(self, sleeper: SleepingKernel, gpu_sleep: GpuSleeper) -> None:
         """Taking turns: where a GPU lacks the memory this kernel's wake needs there, the
         least recently used idle kernels on that GPU give theirs back (the gpu tier) until
         it fits; where none can, the wake is refused, naming who holds the GPU."""
@@ -682,27 +721,73 @@ class Hibernation:
     async def tick(self) -> None:
         """Hibernate the kernels that asked to once idle, and those idle long enough."""
         kernel_manager = self.service.kernel_manager
+        await self._move_sleepers_to_disk()
         for kernel_id, tier in list(self._when_idle.items()):
             if kernel_id not in kernel_manager:
                 self._when_idle.pop(kernel_id, None)
             elif await self._idle_for(kernel_id) is not None:
                 await self._try(kernel_id, "asked to hibernate once idle", tier)
-        release_after = float(self.settings.release_gpu_after_minutes) * 60
         for kernel_id in list(kernel_manager.list_kernel_ids()):
             idle = await self._idle_for(kernel_id)
             if idle is None:
                 continue
             after = await self._after_seconds(kernel_id)
+            release_after = await self._release_after_seconds(kernel_id)
             why = f"idle for {idle / 60:.1f} min"
             if 0 < after <= idle and await self._eligible(kernel_id):
                 await self._try(kernel_id, why)
             elif 0 < release_after <= idle and await self._holds_gpu(kernel_id):
                 await self._try(kernel_id, why, GPU_TIER)
 
+    async def _move_sleepers_to_disk(self) -> None:
+        """The second tier for kernels asleep in the first: each one idle for its
+        ``hibernate_after_minutes``, and, while the node's available host memory is below
+        ``host_memory_low_percent``, the least recently used one (one per round: the next
+        round sees the memory it freed)."""
+        sleepers = sorted((s for s in self._kernels.values()
+                           if s.tier == GPU_TIER and s.state == HIBERNATED),
+                          key=lambda s: self._last_activity(s.kernel_id))
+        if not sleepers:
+            return
+        for sleeper in sleepers:
+            after = await self._after_seconds(sleeper.kernel_id)
+            idle = time.time() - self._last_activity(sleeper.kernel_id)
+            if 0 < after <= idle:
+                await self._try_move(sleeper, f"idle for {idle / 60:.1f} min")
+        low = float(self.settings.host_memory_low_percent)
+        if low <= 0:
+            return
+        memory = await asyncio.to_thread(psutil.virtual_memory)
+        moving = any(s.moving for s in self._kernels.values())
+        if memory.available * 100 < low * memory.total and not moving:
+            for sleeper in sleepers:
+                if sleeper.tier == GPU_TIER and sleeper.state == HIBERNATED:
+                    await self._try_move(
+                        sleeper, f"host memory is low: {format_bytes(memory.available)} of "
+                        f"{format_bytes(memory.total)} available")
+                    break
+
+    def _last_activity(self, kernel_id: str) -> float:
+        if kernel_id not in self.service.kernel_manager:
+            return time.time()  # shut down meanwhile: never idle
+        return last_activity(self.service.kernel_manager.get_kernel(kernel_id)) or 0.0
+
+    async def _try_move(self, sleeper: SleepingKernel, why: str) -> None:
+        try:
+            await self._move_to_disk(sleeper, why)
+        except SnapshotError as exc:
+            self.log.info("gpu-snapshot: kernel %s stays in the gpu tier: %s",
+                          sleeper.kernel_id, exc.message)
+
     async def _after_seconds(self, kernel_id: str) -> float:
         if self._hibernate_after is not None:
             return await self._hibernate_after(kernel_id) * 60
         return float(self.settings.hibernate_after_minutes) * 60
+
+    async def _release_after_seconds(self, kernel_id: str) -> float:
+        if self._release_gpu_after is not None:
+            return await self._release_gpu_after(kernel_id) * 60
+        return float(self.settings.release_gpu_after_minutes) * 60
 
     async def _try(self, kernel_id: str, why: str, tier: str = PROCESS_TIER) -> None:
         try:

@@ -15,8 +15,10 @@ import logging
 import shutil
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+from ..agent_client.gpu_sleep import AgentGpuSleep
+from ..agent_client.remote_engine import AgentEngine
 from ..config import GPUSnapshot
 from ..core import procfs, retention
 from ..core.engine import SnapshotEngine
@@ -31,8 +33,9 @@ from ..core.errors import (
 from ..core.hooks import SaveTarget
 from ..core.snapshot import DAMAGED, Snapshot, validate_name
 from ..gpu.hook import CudaCheckpointHook
+from ..gpu.inventory import GpuInventory, read_inventory
 from ..gpu.remap import describe_choice, parse_gpu_choice
-from ..gpu.sleep import GpuSleep
+from ..gpu.sleep import SleepReport
 from ..launch.liveness import kernel_answers
 from ..launch.provisioner import root_pid
 from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
@@ -49,6 +52,31 @@ from .uploads import Uploads
 KERNEL_ANSWER_SECONDS = 30.0
 # The reason of a save that hibernates its kernel: the slot outlives the process.
 HIBERNATE = "hibernate"
+
+
+class GpuSleeper(Protocol):
+    """What hibernation needs of its gpu tier: ``gpu.sleep.GpuSleep`` where this server runs
+    the driver itself, ``agent_client.gpu_sleep.AgentGpuSleep`` where the node agent does.
+    Each call blocks."""
+
+    @property
+    def read_inventory(self) -> Callable[[], GpuInventory | None]: ...
+
+    def asleep(self, root: int) -> dict[str, Any] | None: ...
+
+    def release(self, root: int, note: dict[str, Any] | None = None) -> SleepReport: ...
+
+    def wake(self, root: int) -> SleepReport: ...
+
+
+def sleep_report(fields: dict[str, Any]) -> SleepReport:
+    """A release's or a wake's report as the node agent sends it (``SleepReport.to_dict``)."""
+    return SleepReport(
+        pids=[int(pid) for pid in fields["pids"]],
+        gpu_memory={str(gpu): int(n) for gpu, n in dict(fields["gpu_memory"]).items()},
+        held_threads=int(fields["held_threads"]),
+        timings={str(step): float(t) for step, t in dict(fields["timings"]).items()},
+    )
 
 
 class SnapshotService:
@@ -203,17 +231,17 @@ class SnapshotService:
     def _cuda_hook(self) -> CudaCheckpointHook | None:
         return next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
 
-    def gpu_sleep(self) -> GpuSleep:
-        """What releases a kernel's GPU and keeps its process (hibernation's gpu tier)."""
+    def gpu_sleep(self) -> GpuSleeper:
+        """What releases a kernel's GPU and keeps its process (hibernation's gpu tier): the
+        CUDA hook's, or the node agent's. Called on the event loop: the agent is asked
+        nothing until a method is called."""
         hook = self._cuda_hook()
-        if hook is None:
-            raise NotReady(
-                "hibernate", "this server has no CUDA checkpoint hook"
-                + (": the node agent does not release GPUs in place yet"
-                   if self.engine.store is not None and not self.engine.hooks else ""),
-                hint="hibernate in the process tier instead",
-            )
-        return hook.gpu_sleep()
+        if hook is not None:
+            return hook.gpu_sleep()
+        if isinstance(self.engine, AgentEngine):
+            return AgentGpuSleep(self.engine.client, sleep_report, read_inventory)
+        raise NotReady("hibernate", "this server has no CUDA checkpoint hook",
+                       hint="hibernate in the process tier instead")
 
     def _held_for_wake(self) -> set[str]:
         return self.wakes_from() if self.wakes_from is not None else set()
@@ -363,11 +391,15 @@ class SnapshotService:
         name: str | None = None,
         stop: bool = False,
         reason: str = "user",
+        asleep: bool = False,
     ) -> Job:
-        """Validate the request and start a save job; raises at once for a bad request."""
+        """Validate the request and start a save job; raises at once for a bad request.
+        ``asleep``: the kernel sleeps in hibernation's gpu tier and moves to the process
+        tier (``Hibernation``): saved as it sleeps, it cannot answer meanwhile."""
         self.kernel(kernel_id)
         sleeping = self.hibernation_of(kernel_id) if self.hibernation_of else None
-        if sleeping and sleeping.get("tier") == "gpu" and sleeping.get("state") != "requested":
+        if sleeping and sleeping.get("tier") == "gpu" and sleeping.get("state") != "requested" \
+                and not (asleep and stop):
             # criu cannot seize threads that the holder holds; the wake comes first.
             raise Busy("preflight", f"kernel {kernel_id} sleeps with its GPU released",
                        hint="wake it first: run a cell, or POST kernels/{id}/wake")
@@ -381,11 +413,13 @@ class SnapshotService:
                 )
         job = Job("save", kernel_id, reason=reason)
         return self.jobs.start(
-            job, [kernel_key(kernel_id)], lambda j: self._save(j, kernel_id, name, stop, reason)
+            job, [kernel_key(kernel_id)],
+            lambda j: self._save(j, kernel_id, name, stop, reason, asleep),
         )
 
     async def _save(
-        self, job: Job, kernel_id: str, name: str | None, stop: bool, reason: str
+        self, job: Job, kernel_id: str, name: str | None, stop: bool, reason: str,
+        asleep: bool = False,
     ) -> dict[str, Any]:
         km = self.kernel(kernel_id)
         root = root_pid(km)
@@ -401,7 +435,8 @@ class SnapshotService:
             kernel_id=kernel_id,
             reason=reason,
         )
-        await self._until_answering(km, kernel_id)
+        if not asleep:
+            await self._until_answering(km, kernel_id)
         # The credential in the kernel's memory, which the snapshot keeps: a tree restored
         # from it may call with it until it is told its new kernel's own.
         credential = getattr(km.provisioner, "kernel_credential", None)

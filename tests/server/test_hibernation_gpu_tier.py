@@ -8,7 +8,10 @@ running) or asleep with nothing lost (threads held, CUDA checkpointed).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -19,11 +22,13 @@ from jupyter_gpu_snapshot.core.procfs import thread_states
 from jupyter_gpu_snapshot.gpu.driver import CUDA_ERROR_OUT_OF_MEMORY, ProcessState
 from jupyter_gpu_snapshot.server.hibernation import Hibernation
 
+from ..criu_wrappers import fails_writing_pages, install
 from ..gpu.fake_driver import (
     GIB,
     RESTORE_THREAD_CODE,
     FakeCudaDriver,
     FakeGpus,
+    fake_cuda_bytes,
 )
 from .conftest import Api, Json, KernelConnector, recorded_events, serve_with_fake_cuda
 from .test_hibernation import (
@@ -80,9 +85,9 @@ def _is_nsinit(pid: int) -> bool:
     return "nsinit" in " ".join(psutil.Process(pid).cmdline())
 
 
-async def sleeping_kernel(api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
-                          ) -> tuple[str, Any, int]:
-    kernel_id, sock = await notebook_kernel(api, kernel_socket)
+async def sleeping_kernel(api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
+                          notebook: str = "sleepy.ipynb") -> tuple[str, Any, int]:
+    kernel_id, sock = await notebook_kernel(api, kernel_socket, notebook)
     await sock.execute(RESTORE_THREAD_CODE + "import os\nstate = list(range(5))")
     root = root_of(jp_serverapp, kernel_id)
     await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "hibernate",
@@ -161,9 +166,6 @@ async def test_a_restarted_server_finds_the_kernel_asleep_and_wakes_it(
 
 
 async def until_woken(hibernation_: Hibernation, kernel_id: str) -> None:
-    import asyncio
-    import time
-
     deadline = time.monotonic() + 30
     while hibernation_.state(kernel_id) is not None:
         assert time.monotonic() < deadline, hibernation_.describe(kernel_id)
@@ -232,9 +234,6 @@ class TestTakingTurns:
 
 
 async def until_busy(jp_serverapp: Any, kernel_ids: list[str]) -> None:
-    import asyncio
-    import time
-
     deadline = time.monotonic() + 30
     km = jp_serverapp.kernel_manager
     while any(km.get_kernel(k).execution_state != "busy" for k in kernel_ids):
@@ -246,8 +245,6 @@ async def test_the_magic_and_the_cli_ask_for_the_gpu_tier(
     api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, driver: FakeCudaDriver,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import asyncio
-
     from jupyter_gpu_snapshot.cli.main import main as cli
 
     extension(jp_serverapp).hibernation.start()
@@ -286,4 +283,159 @@ class TestStoppingTheServer:
         await app.stop_extension()
         assert kernel_id in app.last_shutdown.saved, app.last_shutdown
         assert app.hibernation.state(kernel_id) is None
+        assert driver.protocol_breaches() == []
+
+
+class TestANotebooksOwnReleaseTime:
+    """A server that releases no GPU by itself; one notebook asks for its kernel's."""
+
+    @pytest.fixture
+    def snapshot_config(self, driver: FakeCudaDriver) -> Json:
+        return {"autosave": False, "autosave_check_seconds": 0.2,
+                "release_gpu_after_minutes": 0}
+
+    async def test_the_notebooks_time_is_the_one_its_idle_kernel_is_released_after(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
+        driver: FakeCudaDriver, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        import asyncio
+
+        app = extension(jp_serverapp)
+
+        # Which kernels hold GPU memory, the server asks libcuda and NVML, which the fake
+        # driver does not stand in for: its GPU answers instead.
+        async def cuda_state_on_the_fake_gpu(root: int | None) -> Json | None:
+            kernel = procfs.kernel_of(root) if root else None
+            running = kernel is not None and driver.state(kernel.pid) == ProcessState.RUNNING
+            held = (fake_cuda_bytes(kernel.pid) or 0) if kernel and running else 0
+            return {"state": "running" if held else "none", "memory_bytes": held}
+
+        monkeypatch.setattr(app.service, "cuda_state", cuda_state_on_the_fake_gpu)
+        app.hibernation.start()
+        # Both start before the first checkpoint: the fake driver knows a process by its
+        # environment, which the server's kernels share (a later one would read as restored).
+        kernel_id, sock = await notebook_kernel(api, kernel_socket, "mine.ipynb")
+        other_id, other = await notebook_kernel(api, kernel_socket, "other.ipynb")
+        for each in (sock, other):
+            await each.execute(RESTORE_THREAD_CODE + "state = 'kept'")
+        out = await sock.execute("%gpu_snapshot hibernate gpu after 1s")
+        assert out == "This notebook's kernel gives its GPU back after 1 s idle.\n"
+        found = await until_state(api, kernel_id, "hibernated")
+        assert found is not None and found["tier"] == "gpu"
+        assert asleep_as_the_driver_wants(root_of(jp_serverapp, kernel_id), driver)
+        assert set(await hibernation(api)) == {kernel_id}
+        for each_id, minutes in ((kernel_id, 1 / 60), (other_id, 0)):  # the server's: never
+            state = await api.ok("GET", "gpu-snapshot", "kernels", each_id, "autosave")
+            assert state["policy"]["release_gpu_after_minutes"] == pytest.approx(minutes)
+
+        out = await sock.execute("%gpu_snapshot hibernate gpu default")  # this cell wakes it
+        assert out == "This notebook's kernel never gives its GPU back by itself.\n"
+        await asyncio.sleep(2)
+        assert await hibernation(api) == {}
+        assert await sock.execute("print(state)") == "kept\n"
+        assert driver.protocol_breaches() == []
+
+
+# -- the move from the gpu tier to the process tier, the GPU untouched -------------------------
+MOVE_TIMEOUT = 120.0
+
+
+def kernel_of(root: int) -> int:
+    found = procfs.kernel_of(root)
+    assert found is not None
+    return found.pid
+
+
+async def until_tier(api: Api, kernel_id: str, tier: str, state: str = "hibernated") -> Json:
+    deadline = time.monotonic() + MOVE_TIMEOUT
+    while True:
+        found = (await hibernation(api)).get(kernel_id) or {}
+        if found.get("tier") == tier and found.get("state") == state:
+            return found
+        assert time.monotonic() < deadline, f"kernel {kernel_id} never {state} in {tier}: {found}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_sleeping_kernel_moves_to_the_process_tier_and_its_next_cell_restores_it(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, driver: FakeCudaDriver,
+) -> None:
+    kernel_id, sock, root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+    old_kernel = kernel_of(root)
+    await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "hibernate",
+                 body={"tier": "process"}, expect=202)
+    moved = await until_tier(api, kernel_id, "process")
+    assert moved["snapshot_id"] and moved["host_bytes_freed"] > 0
+    assert moved["gpu_bytes_freed"] == 2 * GIB
+    assert not psutil.pid_exists(root)
+    # The move wrote what the release had put in host memory: the GPU was not touched again.
+    assert driver.ops(old_kernel) == ["lock", "checkpoint"]
+    listed = {k["id"]: k for k in await api.ok("GET", "api", "kernels")}
+    assert listed[kernel_id]["execution_state"] == "hibernated"
+
+    (msg_id,) = await send(sock, execute(sock.session, "print(sum(state))"))
+    assert printed((await collect(sock, [msg_id]))[msg_id]) == "10\n"
+    new_root = root_of(jp_serverapp, kernel_id)
+    assert new_root != root
+    assert driver.ops(kernel_of(new_root)) == ["restore", "unlock"]
+    assert driver.state(kernel_of(new_root)) == ProcessState.RUNNING
+    assert driver.protocol_breaches() == []
+    assert await hibernation(api) == {}
+
+
+async def test_low_host_memory_moves_the_least_recently_used_sleeper_first(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, driver: FakeCudaDriver,
+    events: list[Json],
+) -> None:
+    started, _ = await notebook_kernel(api, kernel_socket, "newer.ipynb")
+    # The fake driver tells the kernels apart by what it has seen before a checkpoint.
+    driver.state(kernel_of(root_of(jp_serverapp, started)))
+    older, _, older_root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+    newer, newer_sock, newer_root = await sleeping_kernel(api, kernel_socket, jp_serverapp,
+                                                          "newer.ipynb")
+    assert newer == started
+    # Below any share of the node's memory: the server sees its host memory as low.
+    extension(jp_serverapp).gpu_settings.host_memory_low_percent = 100.0
+    # A server in the test's process is not started as a listening one would be.
+    extension(jp_serverapp).hibernation.start()
+    await until_tier(api, older, "process")
+    # One move per round while memory stays low: the newer one follows, never first.
+    await until_tier(api, newer, "process")
+    assert not psutil.pid_exists(older_root) and not psutil.pid_exists(newer_root)
+    moves = [e["kernel_id"] for e in events if e["action"] == "hibernating"
+             and e["tier"] == "process"]
+    assert moves == [older, newer]
+    extension(jp_serverapp).gpu_settings.host_memory_low_percent = 0.0
+    (msg_id,) = await send(newer_sock, execute(newer_sock.session, "print(sum(state))"))
+    assert printed((await collect(newer_sock, [msg_id]))[msg_id]) == "10\n"
+    assert driver.protocol_breaches() == []
+
+
+class TestAMoveThatFails:
+    """criu fails writing the kernel's pages: the kernel sleeps on in the gpu tier."""
+
+    @pytest.fixture
+    def criu_path(self, tmp_path: Path) -> str:
+        return install(tmp_path, fails_writing_pages())
+
+    async def test_the_kernel_sleeps_on_in_place_and_wakes_with_its_state(
+        self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
+        driver: FakeCudaDriver, events: list[Json],
+    ) -> None:
+        kernel_id, sock, root = await sleeping_kernel(api, kernel_socket, jp_serverapp)
+        await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "hibernate",
+                     body={"tier": "process"}, expect=202)
+        deadline = time.monotonic() + MOVE_TIMEOUT
+        while not any(e["action"] == "failed" for e in events):
+            assert time.monotonic() < deadline, events
+            await asyncio.sleep(0.1)
+        failed = next(e for e in events if e["action"] == "failed")
+        assert "File too large" in failed["message"]
+        back = (await hibernation(api))[kernel_id]
+        assert back["tier"] == "gpu" and back["state"] == "hibernated"
+        assert back["snapshot_id"] is None
+        assert asleep_as_the_driver_wants(root, driver)
+        assert extension(jp_serverapp).service.engine.list() == []
+        (msg_id,) = await send(sock, execute(sock.session, "print(sum(state))"))
+        assert printed((await collect(sock, [msg_id]))[msg_id]) == "10\n"
+        assert root_of(jp_serverapp, kernel_id) == root
         assert driver.protocol_breaches() == []
