@@ -14,7 +14,11 @@ in the same run):
    job's own restore (the engine's restore of the same snapshot, in the same run), and the
    digest must equal the one printed before.
 
-    python benchmarks/bench_hibernate.py [--cases torch4,jax,cupy,torch] [--tiers gpu,process]
+``move`` (a tier for this benchmark): the kernel sleeps in the gpu tier, then moves to the
+process tier (timed from that request; its GPU is not touched again), and the cell wakes it
+from the snapshot the move wrote.
+
+    python benchmarks/bench_hibernate.py [--cases torch4,jax,cupy,torch] [--tiers gpu,process,move]
                                          [--small] [--out FILE]
     python benchmarks/bench_hibernate.py --cases numpy     # CPU: checks the benchmark itself
     python benchmarks/bench_hibernate.py --turns           # three kernels take turns on GPU 0
@@ -166,12 +170,13 @@ async def run_over_websocket(server: Server, kernel_id: str, code: str, timeout:
     return {"seen_s": seen, "printed": "".join(printed)}
 
 
-def until_hibernated(server: Server, kernel_id: str, timeout: float) -> dict[str, Any]:
+def until_hibernated(server: Server, kernel_id: str, timeout: float,
+                     tier: str | None = None) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         listing = server.request("GET", "gpu-snapshot/hibernation")["kernels"]
         found = {k["kernel_id"]: k for k in listing}.get(kernel_id)
-        if found and found["state"] == "hibernated":
+        if found and found["state"] == "hibernated" and tier in (None, found.get("tier")):
             return dict(found)
         if found is None:
             jobs = server.request("GET", f"gpu-snapshot/jobs?kernel_id={kernel_id}")["jobs"]
@@ -201,11 +206,21 @@ def one_case(server: Server, name: str, setup: str, tiers: list[str]) -> dict[st
 
 
 def one_sleep(server: Server, kernel_id: str, digest: str, tier: str) -> dict[str, Any]:
+    """``tier`` gpu or process; or move: the gpu tier first, then the move to the process
+    tier (timed from its request), and the wake from the snapshot the move wrote."""
     used_awake = gpu_used_bytes()
+    moved_s = None
+    if tier == "move":
+        server.request("POST", f"gpu-snapshot/kernels/{kernel_id}/hibernate", {"tier": "gpu"})
+        until_hibernated(server, kernel_id, 900)
     asked = time.monotonic()
-    server.request("POST", f"gpu-snapshot/kernels/{kernel_id}/hibernate", {"tier": tier})
-    found = until_hibernated(server, kernel_id, 900)
+    server.request("POST", f"gpu-snapshot/kernels/{kernel_id}/hibernate",
+                   {"tier": "process" if tier == "move" else tier})
+    found = until_hibernated(server, kernel_id, 900,
+                             tier="process" if tier == "move" else None)
     hibernate_s = time.monotonic() - asked
+    if tier == "move":
+        moved_s = hibernate_s
     used_asleep = gpu_used_bytes()
     listed = {k["id"]: k for k in server.request("GET", "api/kernels")}
     squat = subprocess.run([sys.executable, "-c", SQUATTER if used_awake >= 0 else "print(0)"],
@@ -224,6 +239,7 @@ def one_sleep(server: Server, kernel_id: str, digest: str, tier: str) -> dict[st
         "digest_after": lines[-1] if lines else None,
         "state_equal": bool(lines) and lines[-1] == digest,
         "hibernate_s": hibernate_s,
+        "move_to_process_tier_s": moved_s,
         "snapshot_id": found["snapshot_id"],
         "kernel_gpu_bytes": found["gpu_bytes"],
         "host_bytes": found["host_bytes"],

@@ -6,7 +6,9 @@ For every row of ``test_frameworks`` that saves: the kernel builds its state and
 longer than JAX's threads survive running on checkpointed CUDA (under 3 s, measured); it
 wakes, and ``step()`` runs twice with the same live device bytes as before. Bitwise
 continuation of the same kernels through a server is ``benchmarks/bench_hibernate.py``'s.
-Also: a holder killed mid-sleep takes the kernel with it (``PTRACE_O_EXITKILL``).
+Also: a holder killed mid-sleep takes the kernel with it (``PTRACE_O_EXITKILL``); and
+each row's sleeping kernel moves to the process tier without waking (dumped with its CUDA
+state checkpointed), then comes back from that snapshot with the same device bytes.
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpu_snapshot.config import GPUSnapshot
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.engines import make_engine
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver, ProcessState
+from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.gpu.inventory import read_inventory
 from jupyter_gpu_snapshot.gpu.sleep import GpuSleep, holders_dir
 
-from ..conftest import start_kernel, stop_kernel
+from ..conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
 from .test_frameworks import FRAMEWORKS, Framework
 
 pytestmark = pytest.mark.gpu
@@ -97,3 +104,36 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.parametrize("fw", ROWS, ids=[f.id for f in ROWS])
+def test_a_sleeping_kernel_moves_to_disk_untouched_and_wakes_from_its_snapshot(
+        fw: Framework, store: SnapshotStore, restored: RestoredTrees,
+        figures: dict[str, Any]) -> None:
+    """The move from the gpu tier to the process tier: the sleeping kernel is dumped with
+    its CUDA state checkpointed (no driver call), then restored stopped, held, and woken."""
+    engine = make_engine(GPUSnapshot(store_dir=str(store.root)))
+    sleep = next(h for h in engine.hooks if isinstance(h, CudaCheckpointHook)).gpu_sleep()
+    k = start_kernel(env=fw.env)
+    try:
+        k.execute(fw.setup, timeout=600)
+        k.execute("step()", timeout=300)
+        live = json.loads(k.execute("print(json.dumps(live_bytes()))").strip().splitlines()[-1])
+        sleep.release(k.root_pid, {"kernel_id": fw.id})
+        target = SaveTarget(pid=k.root_pid, connection_info=k.km.get_connection_info())
+        snapshot = run(engine.save(target, name=fw.id, stop=True))
+    finally:
+        stop_kernel(k)
+    gpu = snapshot.manifest["gpu"]
+    assert gpu["dumped_state"] == "checkpointed" and gpu["moved_bytes"] > 0
+    started = time.monotonic()
+    back = run(engine.restore(snapshot.id))
+    restore_s = time.monotonic() - started
+    client = restored.connect(back.connection_info, back.pid)
+    out = execute(client, "print(json.dumps([live_bytes(), step(), step()]))", timeout=300)
+    after, *_steps = json.loads(out.strip().splitlines()[-1])
+    assert after == live
+    assert LibcudaDriver().state(back.kernel_pid) == ProcessState.RUNNING
+    figures.update(move_timings=snapshot.manifest["timings"], image_bytes=snapshot.size_bytes,
+                   moved_bytes=gpu["moved_bytes"], restore_s=round(restore_s, 3),
+                   restore_timings=back.timings)
