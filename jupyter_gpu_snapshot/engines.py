@@ -104,27 +104,22 @@ def wake_kernel(root_pid: int, driver: Callable[[], DriverStatus] | None = None)
     ``driver`` replaces the machine's CUDA driver (the tests' scripted one).
     """
     from .gpu.checkpoint import CudaCheckpoint
-    from .gpu.driver import ProcessState, driver_status
+    from .gpu.driver import driver_status
     from .gpu.sleep import GpuSleep, holders_dir
 
     status = (driver or driver_status)()
     if status.driver is None:
         procfs.continue_tree(root_pid)
         return []
-    cuda = CudaCheckpoint(status.driver)
-    try:
-        holders = cuda.holders([p.pid for p in procfs.tree(root_pid)])
-    except Exception as exc:  # a tree that ended meanwhile has nothing to resume
-        logging.getLogger(__name__).info("no CUDA state to resume in %s: %s", root_pid, exc)
-        procfs.continue_tree(root_pid)
-        return []
     sleep = GpuSleep(status.driver, holders_dir(work_base()), lock_timeout=10.0)
     if sleep.asleep(root_pid) is not None:
         return []  # it sleeps in the gpu tier, held: the server finds it asleep
-    if holders and all(p.state == ProcessState.CHECKPOINTED for p in holders) \
-            and procfs.tree_stopped(root_pid):
-        # A sleeping kernel whose dump died after its holder let go: held again before it
-        # continues, so that none of its threads runs on checkpointed CUDA, then woken.
+    pids = [p.pid for p in procfs.tree(root_pid)]
+    if procfs.tree_stopped(root_pid) and any(status.driver.restore_thread_id(p) for p in pids):
+        # A sleeping kernel whose dump died after its holder let go (only a hand-over stops
+        # a CUDA tree): held again before it continues, so that none of its threads runs
+        # on checkpointed CUDA, then woken. (Its state is not asked while it is stopped:
+        # the driver would wait for its stopped restore thread.)
         try:
             sleep.hold_stopped(root_pid)
             sleep.wake(root_pid)
@@ -132,4 +127,10 @@ def wake_kernel(root_pid: int, driver: Callable[[], DriverStatus] | None = None)
             return [exc.message]
         return []
     procfs.continue_tree(root_pid)
+    cuda = CudaCheckpoint(status.driver)
+    try:
+        holders = cuda.holders(pids)
+    except Exception as exc:  # a tree that ended meanwhile has nothing to resume
+        logging.getLogger(__name__).info("no CUDA state to resume in %s: %s", root_pid, exc)
+        return []
     return cuda.resume_all(holders)

@@ -256,9 +256,11 @@ class GpuSleep:
     def hold_stopped(self, root: int, note: dict[str, Any] | None = None) -> int:
         """Hold a tree that sleeps stopped (a dump that failed after ``hand_over``, or a
         restore of such a dump), then continue it: it sleeps in the first tier again,
-        only the driver's restore threads running. Returns the threads held."""
-        procs = self.cuda.holders([p.pid for p in procfs.tree(root)])
-        keep = [tid for p in procs for tid in self._restore_threads(p.pid)]
+        only the driver's restore threads running. Returns the threads held.
+
+        The driver is asked only for the restore threads: asked for the state of a process
+        whose restore thread is stopped, it waits for that thread (seen on the H200)."""
+        keep = [tid for p in procfs.tree(root) for tid in self._restore_threads(p.pid)]
         return self.holder(root).start(keep, dict(note or {}), continue_tree=True)
 
     def _require_host_memory(self, gpu_bytes: int) -> None:
