@@ -201,7 +201,8 @@ def _agent_report(settings: GPUSnapshot) -> tuple[bool, list[str]]:
         "delete its snapshots)",
         f"ok\tyour kernel logs\t{hello['log_dir']}",
         f"ok\tyou may\t{', '.join(hello['operations'])}",
-        f"ok\tlimits\t{limits['max_operations']} saves or restores at once; disk "
+        f"ok\tlimits\t{limits['max_operations']} operations at once (saves, restores, GPU "
+        "releases and wakes); disk "
         + (f"{format_bytes(limits['used_bytes'])} used of {format_bytes(quota)}" if quota
            else f"{format_bytes(limits['used_bytes'])} used, no quota"),
     ]
