@@ -44,6 +44,8 @@ from pathlib import Path
 
 import psutil
 
+from ..core import procfs
+
 PTRACE_CONT = 7
 PTRACE_DETACH = 17
 PTRACE_GETEVENTMSG = 0x4201
@@ -61,6 +63,8 @@ SEIZE_OPTIONS = PTRACE_O_EXITKILL | PTRACE_O_TRACECLONE | PTRACE_O_TRACEFORK | P
 # tree again; a tree still growing after this many rounds is refused.
 SEIZE_ROUNDS = 20
 IDLE_POLL_SECONDS = 1.0
+# What a status answer adds to the starter's note (``serve``).
+STATUS_FIELDS = ("root", "held", "since", "holder_pid")
 # How long the threads let go by a hand-over may take to reach their job-control stop.
 HAND_OVER_SECONDS = 10.0
 MAX_REQUEST_BYTES = 4096
@@ -220,21 +224,10 @@ def signal_processes(pids: Iterable[int], sig: int) -> None:
 
 
 def all_stopped(pids: Iterable[int]) -> bool:
-    """Whether every thread of these processes sits in a job-control stop (state T)."""
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue  # it ended: nothing of it runs
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state not in ("T", "Z", "X"):
-                return False
-    return True
+    """Whether every thread of these processes sits in a job-control stop (state T); one
+    that ended runs no more either."""
+    return all(state in ("T", "Z", "X")
+               for pid in pids for state in procfs.thread_states(pid).values())
 
 
 def _peer_allowed(conn: socket.socket) -> bool:
@@ -282,6 +275,7 @@ def serve(holder: ThreadHolder, listener: socket.socket, since: float,
                 continue
             op = request.get("op")
             if op == "status":
+                # Its fields beside the note's are STATUS_FIELDS.
                 _answer(conn, {**note, "root": holder.root, "held": len(holder.held),
                                "since": since, "holder_pid": os.getpid()})
             elif op == "release":

@@ -57,6 +57,7 @@ from .driver import (
     ProcessState,
     driver_status,
 )
+from .holder import STATUS_FIELDS
 from .inventory import GpuInventory, host_memory_available, read_inventory
 from .remap import GpuPlan, describe_choice, plan_targets, saved_gpus, visible_uuids
 from .sleep import GpuSleep, holders_dir
@@ -204,10 +205,7 @@ class CudaCheckpointHook(SnapshotHook):
             release = CacheRelease(False, "turned off (c.GPUSnapshot.drop_allocator_caches)")
         moved = {p.pid: dict(inventory.process_memory.get(p.pid, {})) if inventory else {}
                  for p in procs}
-        visible = {p.pid: visible_uuids(
-            procfs.environment_variable(p.pid, CUDA_VISIBLE_DEVICES),
-            inventory.devices if inventory else ()) for p in procs}
-        save = _Save(procs, status, inventory, moved, release, visible)
+        save = _Save(procs, status, inventory, moved, release, _visible(procs, inventory))
         need = int(save.moved_bytes * (1 + HOST_MARGIN_FRACTION)) + HOST_MARGIN_BYTES
         available = self._memory_available()
         if available < need:
@@ -236,11 +234,8 @@ class CudaCheckpointHook(SnapshotHook):
         by_pid = dict(asleep.get("gpu_memory_by_pid") or {})
         moved = {p.pid: {str(k): int(v) for k, v in dict(by_pid.get(str(p.pid)) or {}).items()}
                  for p in procs}
-        visible = {p.pid: visible_uuids(
-            procfs.environment_variable(p.pid, CUDA_VISIBLE_DEVICES),
-            inventory.devices if inventory else ()) for p in procs}
-        self._saves[ctx.snapshot_id] = _Save(procs, status, inventory, moved, None, visible,
-                                             asleep=asleep)
+        self._saves[ctx.snapshot_id] = _Save(procs, status, inventory, moved, None,
+                                             _visible(procs, inventory), asleep=asleep)
 
     async def _release_safely(self, ctx: SaveContext) -> CacheRelease:
         try:
@@ -322,8 +317,7 @@ class CudaCheckpointHook(SnapshotHook):
         sleep = self.gpu_sleep()
         if await asyncio.to_thread(sleep.asleep, ctx.root_pid) is not None:
             return  # the hand-over never happened: its holder holds it still
-        keep = {k: v for k, v in note.items() if k not in ("root", "held", "since",
-                                                            "holder_pid")}
+        keep = {k: v for k, v in note.items() if k not in STATUS_FIELDS}
         try:
             await asyncio.to_thread(sleep.hold_stopped, ctx.root_pid, keep)
         except SnapshotError as exc:
@@ -455,8 +449,7 @@ class CudaCheckpointHook(SnapshotHook):
             # there is nothing for it to do), and the tree is held before it continues.
             broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
                                       hands_off=True)
-            sleep = self.gpu_sleep()
-            ctx.resume_tree = lambda root: sleep.hold_stopped(root)
+            ctx.resume_tree = self.gpu_sleep().hold_stopped
         else:
             broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
                                       gate=ctx.images_verified, on_gate_failed=kill,
@@ -492,12 +485,10 @@ class CudaCheckpointHook(SnapshotHook):
                 raise CudaError("resume", f"process {saved['ns_pid']} of the snapshot, which "
                                 "held CUDA state, is missing from the restored tree")
             hosts.append((host, saved))
-        if broker is not None and gpu.get("dumped_state") == DUMPED_CHECKPOINTED:
+        if broker is not None:
             await broker.close()
-            await self._wake_held(ctx, plan, hosts)
-            await self._check_resumed(driver, broker, [h for h, _ in hosts])
-        elif broker is not None:
-            await broker.close()
+            if gpu.get("dumped_state") == DUMPED_CHECKPOINTED:
+                await self._wake_held(ctx, plan, hosts)
             await self._check_resumed(driver, broker, [h for h, _ in hosts])
         else:
             await self._resume_after_criu(ctx, driver, plan, hosts)
@@ -568,6 +559,13 @@ async def _release_over_connection_file(ctx: SaveContext) -> CacheRelease:
     if not info:
         return CacheRelease(False, "the kernel's connection file is unknown; caches kept")
     return await release_in_kernel(info)
+
+
+def _visible(procs: list[CudaProcess], inventory: GpuInventory | None) -> dict[int, list[str]]:
+    """The GPUs each process can see, in its device order (cuda:0 first)."""
+    devices = inventory.devices if inventory else ()
+    return {p.pid: visible_uuids(procfs.environment_variable(p.pid, CUDA_VISIBLE_DEVICES),
+                                 devices) for p in procs}
 
 
 def _require_running(proc: CudaProcess) -> None:

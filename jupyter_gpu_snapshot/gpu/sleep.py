@@ -183,8 +183,10 @@ class GpuSleep:
                 raise CudaError("release the GPU", f"the CUDA state of pid {proc.pid} is "
                                 f"{proc.state.value}, not running")
         report = SleepReport([p.pid for p in procs])
-        by_pid = {pid: self.gpu_memory_of([pid]) for pid in report.pids}
-        report.gpu_memory = self.gpu_memory_of(report.pids)
+        by_pid = self.gpu_memory_by_pid(report.pids)
+        for memory in by_pid.values():
+            for uuid, nbytes in memory.items():
+                report.gpu_memory[uuid] = report.gpu_memory.get(uuid, 0) + nbytes
         self._require_host_memory(report.gpu_bytes)
         self._lock_all(procs, report)
         try:
@@ -278,15 +280,11 @@ class GpuSleep:
                 hint="hibernate in the process tier instead, which writes it to disk",
             )
 
-    def gpu_memory_of(self, pids: list[int]) -> dict[str, int]:
-        """What the processes hold on each GPU now, by UUID."""
+    def gpu_memory_by_pid(self, pids: list[int]) -> dict[int, dict[str, int]]:
+        """What each process holds on each GPU now (UUID -> bytes), from one reading."""
         inventory = self.read_inventory()
         memory = inventory.process_memory if inventory is not None else {}
-        found: dict[str, int] = {}
-        for pid in pids:
-            for uuid, nbytes in memory.get(pid, {}).items():
-                found[uuid] = found.get(uuid, 0) + nbytes
-        return found
+        return {pid: dict(memory.get(pid, {})) for pid in pids}
 
     def _restore_threads(self, pid: int) -> list[int]:
         tid = self.driver.restore_thread_id(pid)

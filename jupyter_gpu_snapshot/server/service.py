@@ -395,11 +395,11 @@ class SnapshotService:
     ) -> Job:
         """Validate the request and start a save job; raises at once for a bad request.
         ``asleep``: the kernel sleeps in hibernation's gpu tier and moves to the process
-        tier (``Hibernation``): saved as it sleeps, it cannot answer meanwhile."""
+        tier (``Hibernation``, which lists it in that tier from then on): saved as it
+        sleeps, it cannot answer meanwhile."""
         self.kernel(kernel_id)
         sleeping = self.hibernation_of(kernel_id) if self.hibernation_of else None
-        if sleeping and sleeping.get("tier") == "gpu" and sleeping.get("state") != "requested" \
-                and not (asleep and stop):
+        if sleeping and sleeping.get("tier") == "gpu" and sleeping.get("state") != "requested":
             # criu cannot seize threads that the holder holds; the wake comes first.
             raise Busy("preflight", f"kernel {kernel_id} sleeps with its GPU released",
                        hint="wake it first: run a cell, or POST kernels/{id}/wake")
