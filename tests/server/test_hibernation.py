@@ -116,7 +116,17 @@ async def until_state(api: Api, kernel_id: str, state: str | None,
         await asyncio.sleep(0.1)
 
 
+async def until_idle(api: Api, kernel_id: str, timeout: float = JOB_TIMEOUT) -> None:
+    """The server hears a cell's end a moment after the client does: a request made before
+    would find the kernel busy."""
+    deadline = time.monotonic() + timeout
+    while (await api.ok("GET", "api", "kernels", kernel_id))["execution_state"] != "idle":
+        assert time.monotonic() < deadline, f"kernel {kernel_id} never idle"
+        await asyncio.sleep(0.05)
+
+
 async def hibernated(api: Api, kernel_id: str) -> Json:
+    await until_idle(api, kernel_id)
     await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "hibernate", expect=202)
     found = await until_state(api, kernel_id, "hibernated")
     assert found is not None

@@ -42,6 +42,7 @@ from .test_hibernation import (
     printed,
     root_of,
     send,
+    until_idle,
     until_state,
 )
 
@@ -90,6 +91,7 @@ async def sleeping_kernel(api: Api, kernel_socket: KernelConnector, jp_serverapp
     kernel_id, sock = await notebook_kernel(api, kernel_socket, notebook)
     await sock.execute(RESTORE_THREAD_CODE + "import os\nstate = list(range(5))")
     root = root_of(jp_serverapp, kernel_id)
+    await until_idle(api, kernel_id)
     await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "hibernate",
                  body={"tier": "gpu"}, expect=202)
     found = await until_state(api, kernel_id, "hibernated")
