@@ -121,7 +121,7 @@ def stored_as_recipes(dfd: int, files: Files) -> list[str]:
 def opened(dfd: int, snapshot: Snapshot) -> Iterator[list[Image]]:
     """The images of trusted ``snapshot`` in ``dfd``, in the order of their names, once the
     directory holds exactly the files its manifest lists, each a regular file of the listed
-    size. Called by ``SnapshotStore.opened_images``; closed on leaving."""
+    size. Called by ``staging.opened_images``; closed on leaving."""
     require_listed(dfd, snapshot.manifest["files"], snapshot.id, "verify")
     with opened_whole(dfd, snapshot, sorted(snapshot.manifest["files"])) as whole:
         yield list(whole.values())

@@ -1,4 +1,8 @@
-"""How a snapshot-ready kernel ended, as its namespace init wrote it into the kernel's log.
+"""A snapshot-ready kernel's log: where it lies, how a restore opens it, how the kernel ended.
+
+Snapshot-ready kernels of a user write their logs in one directory (``default_kernel_log_dir``).
+A restore opens them before criu does (``open_log_files``): the directory is the kernel
+user's, and the node agent opens them as root, so never through a link, never waiting.
 
 ``launch/nsinit.py`` writes one line when the kernel process ends:
 ``nsinit: kernel ended: killed by signal 11 (SIGSEGV)`` or ``... exited with status 1``.
@@ -8,14 +12,128 @@ it. The server (``server/deaths.py``) and the engine read it through this module
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._constants import KERNEL_DEATH_PREFIX
+from . import safe_fs
+from .errors import SnapshotError
+from .snapshot import Snapshot
 
+KERNEL_LOG_SUBDIR = "gpu_snapshot"
+
+
+def default_kernel_log_dir() -> Path:
+    """Where snapshot-ready kernels of this user write their logs (the runtime dir's)."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(os.path.realpath(Path(jupyter_runtime_dir()) / KERNEL_LOG_SUBDIR))
+
+
+# -- opening the logs for a restore ----------------------------------------------------------
+# Root opens a kernel log in a directory its user may write: never through a link, never
+# waiting (a FIFO or a device there must not hold the restore).
+_LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NOT_A_LOG_HINT = "remove it and restore again: the restore creates the kernel's log anew"
+
+
+def open_log_files(snapshot: Snapshot, owner: tuple[int, int] | None) -> dict[str, int]:
+    """The log files of trusted ``snapshot``'s kernel, each opened for appending (path ->
+    descriptor; the caller closes them), checked before criu reopens them: through the node
+    agent, from a descriptor the kernel's user opened, never by root following the path.
+
+    Each is in the kernel-log directory only (the manifest's check put it there), a
+    directory its user may write. So each is opened without following a link and
+    without waiting (a FIFO would hold root's open, and the restore, forever), and must
+    be a regular file of the kernel's user ``owner`` (uid, gid; without one, ours), linked
+    once. A missing one is created anew (``O_EXCL``) and handed to that user. Anything else
+    is refused, naming what it is.
+    """
+    snapshot.require_trusted()
+    opened: dict[str, int] = {}
+    try:
+        for path in snapshot.manifest["kernel"]["log_files"]:
+            opened[path] = _open_log_file(path, owner)
+    except BaseException:
+        for fd in opened.values():
+            os.close(fd)
+        raise
+    return opened
+
+
+def _open_log_file(path: str, owner: tuple[int, int] | None) -> int:
+    parent, name = os.path.split(path)
+    safe_fs.make_private_dirs(Path(parent))
+    with safe_fs.opened_dir(parent) as dfd:
+        try:
+            try:
+                fd, created = os.open(name, _LOG_FLAGS, dir_fd=dfd), False
+            except FileNotFoundError:
+                fd, created = os.open(name, _LOG_FLAGS | os.O_CREAT | os.O_EXCL, 0o600,
+                                      dir_fd=dfd), True
+        except OSError as exc:
+            raise _log_refused(path, name, dfd, exc) from exc
+        try:
+            _require_own_log(fd, path, created, owner)
+            # Blocking again, as the kernel had its log: it is a regular file.
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def _log_refused(path: str, name: str, dfd: int, exc: OSError) -> SnapshotError:
+    """The error for a kernel log that could not be opened, naming what is there instead:
+    a FIFO with no reader and a socket both fail with ENXIO."""
+    if exc.errno == errno.ELOOP:
+        return SnapshotError("preflight", f"the kernel log {path} is a link: it is never "
+                             "followed", hint="remove it and restore again")
+    with contextlib.suppress(OSError):
+        mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            return _not_a_regular_log(path, mode)
+    return SnapshotError("preflight", f"the kernel log {path} cannot be opened: {exc.strerror}",
+                         hint=_NOT_A_LOG_HINT)
+
+
+def _not_a_regular_log(path: str, mode: int) -> SnapshotError:
+    return SnapshotError(
+        "preflight", f"the kernel log {path} is {safe_fs.kind_of(mode)}, not a regular file",
+        hint=_NOT_A_LOG_HINT)
+
+
+def _require_own_log(fd: int, path: str, created: bool, owner: tuple[int, int] | None) -> None:
+    """A kernel log must be a regular file of the kernel's user (``owner``; without one,
+    ours), linked once. One this restore created is handed to that user; so is an empty one
+    of root's, linked once (an earlier restore that stopped before it handed it over).
+    Anything else is refused: a user who placed it there could otherwise be handed, or
+    have root write to, a file that is not theirs."""
+    facts = os.fstat(fd)
+    if not stat.S_ISREG(facts.st_mode):
+        raise _not_a_regular_log(path, facts.st_mode)
+    uid = owner[0] if owner is not None else os.geteuid()
+    if facts.st_nlink == 1 and (created or facts.st_uid == uid):
+        if owner is not None and facts.st_uid != uid:
+            os.fchown(fd, *owner)
+        return
+    if (owner is not None and facts.st_uid == os.geteuid() and facts.st_nlink == 1
+            and facts.st_size == 0):
+        os.fchown(fd, *owner)
+        return
+    raise SnapshotError(
+        "preflight", f"the kernel log {path} is not the kernel user's own file",
+        hint="remove it and restore again",
+    )
+
+
+# -- how the kernel ended --------------------------------------------------------------------
 # The end of the log is enough: nsinit's line is the last the dead kernel's tree writes; a
 # kernel restarted into the same slot appends only its start-up lines before anyone reads.
 TAIL_BYTES = 64 * 1024

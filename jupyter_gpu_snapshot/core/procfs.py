@@ -467,3 +467,13 @@ def mapped_files(root: int) -> list[str]:
                 ):
                     found.add(path)
     return sorted(found)
+
+
+def same_process(pid: int, started: float | None) -> bool:
+    """Whether ``pid`` is still the process that started at ``started`` (not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return alive and (started is None or abs(proc.create_time() - started) < 0.5)
+    except psutil.Error:
+        return False

@@ -17,7 +17,6 @@ It builds on the store, which knows nothing of it: data flows one way.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -27,24 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from . import procfs
+from . import procfs, safe_fs
 from .errors import InvalidRequest
 from .locks import is_locked, snapshot_key
 from .snapshot import Snapshot, is_snapshot_id
-from .store import (
+from .staging import (
     ASSEMBLED_PREFIX,
     ASSEMBLY_LOCK,
+    MEMORY_ASSEMBLY_PREFIX,
+    MEMORY_DIR,
+    assembly_key,
+)
+from .store import (
     DELETING_PREFIX,
     DRAFT_FILE,
     DUMP_COMPLETE_FILE,
-    MEMORY_ASSEMBLY_PREFIX,
-    MEMORY_DIR,
     PARTIAL_PREFIX,
     UNFINISHED_PREFIX,
     SnapshotStore,
-    assembly_key,
 )
 
 log = logging.getLogger(__name__)
@@ -74,26 +73,6 @@ class RecoveryReport:
     removed: list[Path] = field(default_factory=list)
     kept: list[tuple[Path, str]] = field(default_factory=list)
     woken: list[int] = field(default_factory=list)
-
-
-def same_process(pid: int, started: float | None) -> bool:
-    """Whether ``pid`` is still the process that started at ``started`` (not a reused pid)."""
-    try:
-        proc = psutil.Process(pid)
-        alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        return alive and (started is None or abs(proc.create_time() - started) < 0.5)
-    except psutil.Error:
-        return False
-
-
-def read_json_object(path: Path) -> dict[str, Any] | None:
-    """A JSON object from ``path`` (never through a link); None if unreadable or no object."""
-    try:
-        with open(path, opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 Wake = Callable[[int], object]
@@ -148,11 +127,11 @@ def _recover_partial(
     if held is None:
         return  # a save in progress, in this process or another
     try:
-        draft = read_json_object(partial / DRAFT_FILE)
+        draft = safe_fs.read_json_object(partial / DRAFT_FILE)
         complete = (partial / DUMP_COMPLETE_FILE).is_file()
         kernel = (draft or {}).get("kernel") or {}
         root_pid = int(kernel.get("root_pid") or 0)
-        alive = root_pid > 0 and same_process(root_pid, kernel.get("root_started"))
+        alive = root_pid > 0 and procfs.same_process(root_pid, kernel.get("root_started"))
         if complete and draft is not None:
             _commit_recovered(store, partial, draft, report)
         elif draft is None or alive:

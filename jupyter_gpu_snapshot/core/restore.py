@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import locks, procfs
+from . import kernel_log, locks, procfs
 from .background import run_in_background
 from .compatibility import NodeCompatibility, refusal
 from .errors import InvalidRequest, NotFound, PortsInUse, SnapshotError
@@ -158,7 +158,8 @@ async def _restore(
     try:
         # Checked (and a missing one made) before criu runs; criu reopens them, through the
         # node agent from descriptors its user opened (agent/external_files.py).
-        logs = await asyncio.to_thread(engine.store.open_log_files, ctx.snapshot)
+        logs = await asyncio.to_thread(kernel_log.open_log_files, ctx.snapshot,
+                                       engine.store.log_owner)
         for fd in logs.values():
             os.close(fd)
         ctx.root_pid = await _restore_checked(engine, ctx, files, timings, started)

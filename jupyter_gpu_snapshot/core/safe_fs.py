@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .errors import SnapshotError
 
@@ -200,3 +202,13 @@ def pwrite_all(fd: int, data: bytes, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path`` (never through a link); None if unreadable or no object."""
+    try:
+        with open(path, opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

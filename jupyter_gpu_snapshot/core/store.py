@@ -11,7 +11,9 @@ the whole memory of a kernel and are code that root runs at restore, so:
 
 This module keeps the directory: partial snapshots and their commit, manifests signed,
 judged and replaced, lookups, locks. A snapshot's id, name and ``Snapshot`` view are in
-``core/snapshot.py``; its image files are digested and checked by ``core/images.py``.
+``core/snapshot.py``; its image files are digested and checked by ``core/images.py``, and
+staged for a restore or an upload by ``core/staging.py``; a restored kernel's logs are
+opened by ``core/kernel_log.py``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ import errno
 import json
 import os
 import secrets
-import shutil
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from typing import Any
 import psutil
 
 from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
-from . import chunks, images, locks, safe_fs
+from . import chunks, images, kernel_log, safe_fs, staging
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .image_server import ImageFile
 from .locks import StoreLocks
@@ -56,8 +55,6 @@ from .snapshot import DAMAGED, UNSIGNED, Snapshot, is_snapshot_id, validate_name
 
 PARTIAL_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
-# Whole image files assembled from a chunked snapshot, for criu or an upload to read.
-ASSEMBLED_PREFIX = ".assembled-"
 OWNER_FILE = ".owner"
 # A partial that holds an image nobody could commit; kept for a person to look at.
 UNFINISHED_PREFIX = ".unfinished-"
@@ -68,7 +65,6 @@ DUMP_COMPLETE_FILE = ".dump-complete"
 LOGS_DIR = "logs"
 # A recipe names 16 bytes per 4 KiB page: this much covers a 1 TiB image file.
 MAX_RECIPE_BYTES = 4 << 30
-KERNEL_LOG_SUBDIR = "gpu_snapshot"
 
 
 def holds_recipes(name: str) -> bool:
@@ -76,54 +72,6 @@ def holds_recipes(name: str) -> bool:
     snapshot, a save in progress, or a partial kept for a person to look at."""
     return (is_snapshot_id(name) or name.startswith(PARTIAL_PREFIX)
             or name.startswith(UNFINISHED_PREFIX))
-
-
-# Assembled files in memory: a directory of this prefix in MEMORY_DIR, locked by its
-# ASSEMBLY_LOCK while in use (recovery.clean_work_dirs removes those of dead processes).
-MEMORY_DIR = Path("/dev/shm")
-MEMORY_ASSEMBLY_PREFIX = "jupyter-gpu-snapshot-assembled-"
-ASSEMBLY_LOCK = "owner.lock"
-_MEMORY_MARGIN = 2 << 30
-
-
-def memory_for_assembly(needed: int) -> Path | None:
-    """``MEMORY_DIR`` when it can hold ``needed`` bytes and the machine's memory can hold
-    them twice (the files, then the restored kernel) with a margin; else None."""
-    try:
-        room = os.statvfs(MEMORY_DIR)
-    except OSError:
-        return None
-    free = room.f_bavail * room.f_frsize
-    available = psutil.virtual_memory().available
-    if free < needed + _MEMORY_MARGIN or available < 2 * needed + _MEMORY_MARGIN:
-        return None
-    return MEMORY_DIR
-
-
-def _link_or_copy(name: str, src_dfd: int, dst_dfd: int) -> None:
-    """``name`` from one directory into another: a hard link on one filesystem, else a
-    copy; a link in the source is never followed."""
-    try:
-        os.link(name, name, src_dir_fd=src_dfd, dst_dir_fd=dst_dfd, follow_symlinks=False)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-    src, size = safe_fs.open_regular(name, src_dfd)
-    try:
-        dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o600, dir_fd=dst_dfd)
-        try:
-            chunks.copy_range(src, 0, dst, 0, size)
-        finally:
-            os.close(dst)
-    finally:
-        os.close(src)
-
-
-def assembly_key(token: str) -> str:
-    """The lock held while assembled files are in use."""
-    return f"assembled-{token}"
 
 
 def default_store_dir() -> Path:
@@ -146,13 +94,6 @@ def default_key_file() -> Path:
     return Path(jupyter_data_dir()) / "gpu_snapshot_signing.key"
 
 
-def default_kernel_log_dir() -> Path:
-    """Where snapshot-ready kernels of this user write their logs (the runtime dir's)."""
-    from jupyter_core.paths import jupyter_runtime_dir
-
-    return Path(os.path.realpath(Path(jupyter_runtime_dir()) / KERNEL_LOG_SUBDIR))
-
-
 class SnapshotStore:
     """Snapshots on local disk under ``root``, signed with the key in ``key_file``."""
 
@@ -167,13 +108,13 @@ class SnapshotStore:
         # Large image files kept by content, each page once per store (core/chunks.py).
         self.chunk_images = chunk_images
         self.key_file = Path(key_file) if key_file else default_key_file()
-        self.policy = policy or ManifestPolicy(kernel_log_dir=default_kernel_log_dir)
+        self.policy = policy or ManifestPolicy(kernel_log_dir=kernel_log.default_kernel_log_dir)
         self._key: SigningKey | None = None
         self._key_lock = threading.Lock()
         self.locks = StoreLocks(self.root)
         # (uid, gid) of the user whose kernels this store holds, when that is not the
         # process running the engine (the node agent): the logs a restore recreates are
-        # theirs.
+        # theirs (``kernel_log.open_log_files``).
         self.log_owner: tuple[int, int] | None = None
 
     @property
@@ -579,175 +520,27 @@ class SnapshotStore:
         self, snapshot: Snapshot
     ) -> Iterator[tuple[Path, builtins.list[images.Image]]]:
         """A directory holding the whole image files of trusted ``snapshot``, and those
-        files as ``(fd, size)``, checked against its manifest's list and sizes
-        (``images.opened``). Its own directory when every file is kept whole; else a private
-        directory beside it, where the files kept as recipes are assembled from the store's
-        pages (their recipes checked against the signed manifest first) and the others are
-        hard links; removed on leaving. The files' digests are not checked here: the
-        engine's restore passes the directory to criu and the files to ``check_digests``,
-        and ``verify`` checks them; an upload reads the directory."""
-        snapshot.require_trusted()
-        with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
+        files as ``(fd, size)``, assembled from the store's pages where needed
+        (``staging.opened_images``); removed and closed on leaving."""
+        with self._root_fd() as root_fd:
             assert root_fd is not None
-            files = snapshot.manifest["files"]
-            images.require_listed(dfd, files, snapshot.id, "verify")
-            recipes = images.stored_as_recipes(dfd, files)
-            if not recipes:
-                with images.opened(dfd, snapshot) as opened:
-                    yield self.root / snapshot.id, opened
-                return
-            with (
-                self._assembled(root_fd, snapshot, dfd, recipes) as (path, out_fd),
-                images.opened(out_fd, snapshot) as opened,
-            ):
-                yield path, opened
+            with staging.opened_images(self.root, self._chunks(root_fd), snapshot) as found:
+                yield found
 
     @contextlib.contextmanager
     def served_images(self, snapshot: Snapshot) -> Iterator[dict[str, ImageFile]]:
-        """Every image file of trusted ``snapshot``, ready to be read where it is: files
-        kept whole opened in its directory, files kept as recipes planned onto the store's
-        packs (their recipes checked against the signed manifest first). Nothing is
-        assembled or checked here: a restore's ``ImageServer`` hands the bytes to criu and
-        compares each file with its manifest digest as it goes. Closed on leaving."""
-        snapshot.require_trusted()
-        with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
+        """Every image file of trusted ``snapshot``, ready to be read where it is, for a
+        restore's ``ImageServer`` (``staging.served_images``); closed on leaving."""
+        with self._root_fd() as root_fd:
             assert root_fd is not None
-            files = snapshot.manifest["files"]
-            images.require_listed(dfd, files, snapshot.id, "verify")
-            recipes = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
-                       for name in images.stored_as_recipes(dfd, files)}
-            whole_names = sorted(set(files) - set(recipes))
-            with contextlib.ExitStack() as stack:
-                try:
-                    whole = stack.enter_context(images.opened_whole(dfd, snapshot, whole_names))
-                    plans = stack.enter_context(
-                        self._chunks(root_fd).opened_pages(recipes, "restore"))
-                except OSError as exc:
-                    raise SnapshotError(
-                        "restore", f"cannot open the page packs of {snapshot.id}: {exc}",
-                        hint="the snapshot is damaged; delete it") from exc
-                served = {name: ImageFile.whole(name, fd, files[name]["size"],
-                                                   files[name]["digest"])
-                          for name, (fd, _) in whole.items()}
-                served.update({name: ImageFile(name, plan.size, files[name]["digest"],
-                                               plan.read_into, plan.splice_into,
-                                               kept_whole=False)
-                               for name, plan in plans.items()})
-                yield dict(sorted(served.items()))
-
-    @contextlib.contextmanager
-    def _assembled(
-        self, root_fd: int, snapshot: Snapshot, dfd: int, recipes: builtins.list[str]
-    ) -> Iterator[tuple[Path, int]]:
-        files = snapshot.manifest["files"]
-        wanted = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
-                  for name in recipes}
-        needed = sum(int(files[name]["size"]) for name in recipes)
-        with self._assembly_dir(root_fd, needed) as (outer, outer_fd):
-            os.mkdir(snapshot.id, 0o700, dir_fd=outer_fd)
-            with safe_fs.opened_dir(snapshot.id, outer_fd) as out_fd:
-                # The manifest too: an upload reads the directory as a snapshot.
-                for name in sorted(set(files) - set(recipes) | {MANIFEST}):
-                    _link_or_copy(name, dfd, out_fd)
-                try:
-                    self._chunks(root_fd).assemble(wanted, out_fd, lambda n: None)
-                except OSError as exc:
-                    # A full disk says nothing of the snapshot: never ask to delete it.
-                    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                    raise SnapshotError(
-                        "restore", f"cannot assemble the images of {snapshot.id}: {exc}",
-                        hint=("free space on the disk holding the snapshot store, then "
-                              "try again") if full else "the snapshot is damaged; delete it",
-                    ) from exc
-                yield outer / snapshot.id, out_fd
-
-    @contextlib.contextmanager
-    def _assembly_dir(self, root_fd: int, needed: int) -> Iterator[tuple[Path, int]]:
-        """A private directory for assembled files, removed on leaving: in memory when it
-        has room for them and for the kernel they become (criu then reads them at memory
-        speed, and they are never written back to a disk), else beside the snapshots."""
-        memory = memory_for_assembly(needed)
-        if memory is not None:
-            outer = Path(tempfile.mkdtemp(prefix=MEMORY_ASSEMBLY_PREFIX, dir=memory))
-            held = locks.try_lock(outer / ASSEMBLY_LOCK, "assemble")
-            assert held is not None  # nobody else knows the directory yet
-            try:
-                with safe_fs.opened_dir(outer) as outer_fd:
-                    yield outer, outer_fd
-            finally:
-                shutil.rmtree(outer, ignore_errors=True)
-                held.release()
-            return
-        token = secrets.token_hex(6)
-        name = f"{ASSEMBLED_PREFIX}{token}"
-        # A lock marks it as in use: a recovery removes only those nobody holds.
-        with self.locks.hold(assembly_key(token), f"assembled images {token}", "restore"):
-            try:
-                os.mkdir(name, 0o700, dir_fd=root_fd)
-                with safe_fs.opened_dir(name, root_fd) as outer_fd:
-                    yield self.root / name, outer_fd
-            finally:
-                safe_fs.remove_at(name, root_fd)
-
-    def check_digests(
-        self,
-        snapshot: Snapshot,
-        opened: builtins.list[images.Image],
-        progress: ProgressFn | None = None,
-        cancel: threading.Event | None = None,
-    ) -> None:
-        """``images.check_digests`` of what ``opened_images`` gave; the engine's restore
-        runs it beside criu."""
-        images.check_digests(snapshot, opened, progress, cancel)
+            with staging.served_images(self._chunks(root_fd), snapshot) as served:
+                yield served
 
     def verify(self, snapshot: Snapshot, progress: ProgressFn | None = None) -> None:
         """Check the signature, the file list, every size and every digest."""
         snapshot = self.reload(snapshot)
         with self.opened_images(snapshot) as (_, opened):
             images.check_digests(snapshot, opened, progress)
-
-    def open_log_files(self, snapshot: Snapshot) -> dict[str, int]:
-        """The kernel's log files, each opened for appending (path -> descriptor; the caller
-        closes them), checked before criu reopens them: through the node agent, from a
-        descriptor the kernel's user opened, never by root following the path.
-
-        Each is in the kernel-log directory only (the manifest's check put it there), a
-        directory its user may write. So each is opened without following a link and
-        without waiting (a FIFO would hold root's open, and the restore, forever), and must
-        be a regular file of the kernel's user, linked once. A missing one is created anew
-        (``O_EXCL``) and handed to that user. Anything else is refused, naming what it is.
-        """
-        snapshot.require_trusted()
-        opened: dict[str, int] = {}
-        try:
-            for path in snapshot.manifest["kernel"]["log_files"]:
-                opened[path] = self._open_log_file(path)
-        except BaseException:
-            for fd in opened.values():
-                os.close(fd)
-            raise
-        return opened
-
-    def _open_log_file(self, path: str) -> int:
-        parent, name = os.path.split(path)
-        safe_fs.make_private_dirs(Path(parent))
-        with safe_fs.opened_dir(parent) as dfd:
-            try:
-                try:
-                    fd, created = os.open(name, _LOG_FLAGS, dir_fd=dfd), False
-                except FileNotFoundError:
-                    fd, created = os.open(name, _LOG_FLAGS | os.O_CREAT | os.O_EXCL, 0o600,
-                                          dir_fd=dfd), True
-            except OSError as exc:
-                raise _log_refused(path, name, dfd, exc) from exc
-            try:
-                _require_own_log(fd, path, created, self.log_owner)
-                # Blocking again, as the kernel had its log: it is a regular file.
-                os.set_blocking(fd, True)
-            except BaseException:
-                os.close(fd)
-                raise
-            return fd
 
     # -- trust -----------------------------------------------------------------------------
     def trust(self, snapshot_id: str, progress: ProgressFn | None = None) -> Snapshot:
@@ -802,53 +595,3 @@ class SnapshotStore:
 
 def _encode(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, indent=2, sort_keys=True).encode()
-
-
-# Root opens a kernel log in a directory its user may write: never through a link, never
-# waiting (a FIFO or a device there must not hold the restore).
-_LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_NOT_A_LOG_HINT = "remove it and restore again: the restore creates the kernel's log anew"
-
-
-def _log_refused(path: str, name: str, dfd: int, exc: OSError) -> SnapshotError:
-    """The error for a kernel log that could not be opened, naming what is there instead:
-    a FIFO with no reader and a socket both fail with ENXIO."""
-    if exc.errno == errno.ELOOP:
-        return SnapshotError("preflight", f"the kernel log {path} is a link: it is never "
-                             "followed", hint="remove it and restore again")
-    with contextlib.suppress(OSError):
-        mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            return _not_a_regular_log(path, mode)
-    return SnapshotError("preflight", f"the kernel log {path} cannot be opened: {exc.strerror}",
-                         hint=_NOT_A_LOG_HINT)
-
-
-def _not_a_regular_log(path: str, mode: int) -> SnapshotError:
-    return SnapshotError(
-        "preflight", f"the kernel log {path} is {safe_fs.kind_of(mode)}, not a regular file",
-        hint=_NOT_A_LOG_HINT)
-
-
-def _require_own_log(fd: int, path: str, created: bool, owner: tuple[int, int] | None) -> None:
-    """A kernel log must be a regular file of the kernel's user (``owner``; without one,
-    ours), linked once. One this restore created is handed to that user; so is an empty one
-    of root's, linked once (an earlier restore that stopped before it handed it over).
-    Anything else is refused: a user who placed it there could otherwise be handed, or
-    have root write to, a file that is not theirs."""
-    facts = os.fstat(fd)
-    if not stat.S_ISREG(facts.st_mode):
-        raise _not_a_regular_log(path, facts.st_mode)
-    uid = owner[0] if owner is not None else os.geteuid()
-    if facts.st_nlink == 1 and (created or facts.st_uid == uid):
-        if owner is not None and facts.st_uid != uid:
-            os.fchown(fd, *owner)
-        return
-    if (owner is not None and facts.st_uid == os.geteuid() and facts.st_nlink == 1
-            and facts.st_size == 0):
-        os.fchown(fd, *owner)
-        return
-    raise SnapshotError(
-        "preflight", f"the kernel log {path} is not the kernel user's own file",
-        hint="remove it and restore again",
-    )
