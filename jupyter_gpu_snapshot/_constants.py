@@ -47,7 +47,8 @@ PROVISIONER_NAME = "gpu-snapshot-provisioner"
 
 # How launch/nsinit.py, the namespace's init, records in the kernel's log how the kernel
 # ended: "nsinit: kernel ended: killed by signal 11 (SIGSEGV)". nsinit runs with the standard
-# library alone and keeps its own copy of this string; tests/test_provisioner.py holds them equal.
+# library alone and keeps its own copy of this string; tests/launch/test_provisioner.py holds
+# them equal.
 KERNEL_DEATH_PREFIX = "nsinit: kernel ended: "
 
 # REST routes live under {base_url}gpu-snapshot/.

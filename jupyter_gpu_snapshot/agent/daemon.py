@@ -66,14 +66,12 @@ from ..agent_client.protocol import (
 )
 from ..config import GPUSnapshot
 from ..core import locks, procfs, safe_fs
-from ..core.engine import SnapshotEngine
 from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
 from ..core.sequences import finish_despite_cancel
-from ..engines import make_engine
-from ..gpu.hook import CudaCheckpointHook
 from ..gpu.sleep import GpuSleep, SleepReport
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
+from ..node.engines import LocalEngine, make_engine
 from . import caller_files, criu_credentials, external_files, image_creds, reopened_files
 from .ownership import Caller, require_own_tree
 
@@ -187,7 +185,7 @@ class Realm:
     """One user's share of the agent: their store, logs, kernels and running operations."""
 
     caller: Caller
-    engine: SnapshotEngine
+    engine: LocalEngine
     checks: CallerCredentials
     log_dir: Path
     launched_file: Path
@@ -252,11 +250,7 @@ class Realm:
         """Hibernation's gpu tier with the CUDA hook of this user's engine. Its holders are
         root's, in root's directory of them, each found by its kernel's root pid: a
         holder started before a restart of the agent is found again."""
-        hook = next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
-        if hook is None:
-            raise NotReady("hibernate", "the node agent has no CUDA checkpoint hook",
-                           hint="hibernate in the process tier instead")
-        return hook.gpu_sleep()
+        return self.engine.gpu_sleep()
 
 
 class NodeAgent:
@@ -639,6 +633,23 @@ class _Session:
     async def op_usage(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
         found = await asyncio.to_thread(realm.engine.store_usage)
         return found.to_dict()
+
+    async def op_store_room(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        """The caller's store and the free space of its file system (the sidebar, autosave's
+        disk admission)."""
+        found = await asyncio.to_thread(realm.engine.store_room)
+        return found.to_dict()
+
+    async def op_gpu_choice(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
+        """Where a restore of one of the caller's snapshots would put its GPUs, read with the
+        agent's driver and inventory: the user's own process may not see them all."""
+        gpus = args.get("gpus")
+        if gpus is not None and (not isinstance(gpus, list)
+                                 or not all(isinstance(g, str) for g in gpus)):
+            raise InvalidRequest("preflight", "gpus must be a list of strings")
+        snapshot = await asyncio.to_thread(realm.engine.get, _text(args, "ref"))
+        snapshot.require_trusted("preflight")
+        return await realm.engine.gpu_choice(snapshot, gpus)
 
     # -- launching -------------------------------------------------------------------------
     async def op_launch(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ MAX_REPLY_BYTES = 16 << 20
 # The ``gpu_`` ones are hibernation's gpu tier (``gpu_sleep.AgentGpuSleep``).
 OPERATIONS = (
     "hello", "launch", "save", "restore", "list", "catalog", "get", "find_name", "delete",
-    "rename", "usage", "gpu_release", "gpu_wake", "gpu_asleep",
+    "rename", "usage", "store_room", "gpu_choice", "gpu_release", "gpu_wake", "gpu_asleep",
 )
 
 _ERROR_CLASSES: dict[str, type[SnapshotError]] = {

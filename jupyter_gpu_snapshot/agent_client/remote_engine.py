@@ -1,41 +1,87 @@
-"""The engine of an unprivileged process: ``SnapshotEngine``'s interface, carried out by
-the node agent.
+"""The engine of an unprivileged process: ``node.engine.NodeEngine``, carried out by the
+node agent.
 
-The user's server and CLI hold this instead of a ``SnapshotEngine`` when they go through
-the agent (``GPUSnapshot.through_agent``). Snapshots live in the agent's store for the
-user; ``store`` here is the user's own directory for what the server keeps beside its
-snapshots (the notebooks' autosave choices), and holds no snapshot.
+The user's server and CLI hold this instead of a local engine when they go through the
+agent (``GPUSnapshot.through_agent``). Snapshots live in the agent's store for the user, and
+every question about them (their room, where a restore would put the GPUs) is the agent's
+to answer; ``own_dir`` is the user's own directory for what the server keeps beside its
+snapshots (the notebooks' autosave choices).
 """
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
-from ..core.compatibility import NodeCompatibility
-from ..core.engine import SnapshotEngine
+from ..core.errors import InvalidRequest
 from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.restore import RestoredKernel
 from ..core.save import connection_info_json
 from ..core.snapshot import Snapshot
-from ..core.store import SnapshotStore
-from ..core.usage import SnapshotUsage, StoreUsage
+from ..core.usage import SnapshotUsage, StoreRoom, StoreUsage
 from .client import AgentClient
 from .protocol import snapshot_from
 
+SleeperT = TypeVar("SleeperT")
 
-class AgentEngine(SnapshotEngine):
-    """Saves and restores through the node agent; queries ask it too."""
 
-    def __init__(self, client: AgentClient, store: SnapshotStore) -> None:
-        super().__init__(store=store, hooks=(), compatibility=NodeCompatibility(gpus=None))
+class AgentEngine(Generic[SleeperT]):
+    """Saves and restores through the node agent; queries ask it too.
+
+    ``gpu_sleeper`` makes hibernation's gpu tier for this client (``gpu_sleep.AgentGpuSleep``
+    with the GPU layer's report and inventory readers, which this package does not import).
+    """
+
+    def __init__(self, client: AgentClient, own_dir: Path,
+                 gpu_sleeper: Callable[[AgentClient], SleeperT]) -> None:
         self.client = client
+        self._own_dir = own_dir
+        self._gpu_sleeper = gpu_sleeper
 
     @property
     def location(self) -> str:
         return f"the node agent's store for you ({self.client.socket_path})"
+
+    @property
+    def local_store(self) -> None:
+        """The agent holds the store: it recovers it and keeps its cache itself."""
+        return None
+
+    @property
+    def own_dir(self) -> Path:
+        return self._own_dir
+
+    def store_room(self) -> StoreRoom:
+        found = self.client.call_sync("store_room")
+        free = found.get("free_bytes")
+        return StoreRoom(str(found["path"]), int(free) if free is not None else None)
+
+    def trust(self, ref: str) -> Snapshot:
+        raise InvalidRequest(
+            "trust", "the node agent restores only the snapshots it signed itself",
+            hint="a snapshot from elsewhere is trusted by root, on the node, with "
+            "'jupyter gpu-snapshot trust'")
+
+    def recover(self) -> None:
+        """The agent recovers its store at its own start."""
+        return None
+
+    def node_problems(self) -> builtins.list[str]:
+        """The agent checks criu at each save, and names any problem then."""
+        return []
+
+    def gpu_sleep(self) -> SleeperT:
+        return self._gpu_sleeper(self.client)
+
+    async def gpu_choice(
+        self, snapshot: Snapshot, chosen: builtins.list[str] | None
+    ) -> dict[str, Any]:
+        found: dict[str, Any] = await self.client.call(
+            "gpu_choice", {"ref": snapshot.id, "gpus": chosen})
+        return found
 
     def store_usage(self) -> StoreUsage:
         found = self.client.call_sync("usage")

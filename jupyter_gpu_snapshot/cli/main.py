@@ -37,29 +37,16 @@ from ..agent.daemon import (
 from ..agent_client.client import AgentClient
 from ..agent_client.protocol import DEFAULT_SOCKET
 from ..config import GPUSnapshot
-from ..core import procfs, retention
-from ..core.engine import SnapshotEngine
+from ..core import procfs
 from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.hooks import Progress as EngineProgress
 from ..core.hooks import SaveTarget
-from ..core.recovery import clean_work_dirs, recover_store
-from ..core.remote import RemoteStoreError, SnapshotCache
-from ..core.remote.objects import describe
-from ..core.remote.pending import PendingUploads
-from ..core.snapshot import Snapshot, is_snapshot_id
-from ..engines import process_engine, wake_kernel
-from ..gpu.broker import PluginInstall
-from ..gpu.remap import parse_gpu_choice, remap_notice
-from ..remotes import (
-    BOTH,
-    LOCAL,
-    REMOTE,
-    judge_remote,
-    make_remote_store,
-    merge_locations,
-    upload_local,
-)
-from .checks import run_checks
+from ..core.snapshot import Snapshot
+from ..node.checks import check_this_node
+from ..node.engine import NodeEngine
+from ..node.gpus import parse_gpu_choice, remap_notice, resume_tree
+from ..node.remotes import BOTH, LOCAL, REMOTE
+from ..node.snapshots import NodeSnapshots
 from .servers import chosen_servers
 
 out = Console()
@@ -122,20 +109,13 @@ def _settings(args: argparse.Namespace) -> GPUSnapshot:
     return GPUSnapshot(**kwargs)
 
 
-def _engine(args: argparse.Namespace) -> SnapshotEngine:
+def _node(args: argparse.Namespace) -> NodeSnapshots:
     # Not root: the node agent saves and restores for this user (docs/cluster.md).
-    return process_engine(_settings(args))
+    return NodeSnapshots.from_settings(_settings(args))
 
 
-def _remote_snapshots(
-    args: argparse.Namespace, engine: SnapshotEngine
-) -> tuple[dict[str, Snapshot], str | None]:
-    """The remote store's snapshots judged by this node's key, and its URL; none without
-    c.GPUSnapshot.remote_url."""
-    remote = make_remote_store(_settings(args))
-    if remote is None:
-        return {}, None
-    return {s.id: judge_remote(engine.store, s) for s in remote.list()}, remote.url
+def _engine(args: argparse.Namespace) -> NodeEngine:
+    return _node(args).engine
 
 
 class _ProgressBar:
@@ -220,9 +200,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             if not reachable:
                 _say("Without root, snapshots need the node agent (docs/cluster.md).")
         return 0 if reachable else 1
-    engine = _engine(args)
-    plugin = PluginInstall(Path(_settings(args).libdir))
-    checks = run_checks(engine.criu, engine.store, plugin=plugin)
+    checks = check_this_node(settings)
     if args.json:
         _print_json([c.__dict__ for c in checks])
     elif not out.is_terminal:
@@ -292,19 +270,9 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    engine = _engine(args)
-    remote, url = _remote_snapshots(args, engine)
-    if args.notebook is not None:
-        remote = {i: s for i, s in remote.items()
-                  if s.status != "damaged" and s.notebook_path == args.notebook}
-    if args.latest:
-        # What a restart offers back: the newest trusted snapshot of each notebook, newest first.
-        trusted = [s.summary() for s in engine.list(args.notebook)]
-        merged = merge_locations(trusted, {i: s for i, s in remote.items() if s.trusted}, url)
-        summaries = [dict(s) for s in retention.newest_per_notebook(merged)]
-    else:
-        summaries = merge_locations([s.summary() for s in engine.catalog(args.notebook)], remote,
-                                    url)
+    node = _node(args)
+    # --latest: what a restart offers back, the newest trusted snapshot of each notebook.
+    summaries = node.summaries(node.remote_snapshots(), args.notebook, latest=args.latest)
     if args.json:
         _print_json(summaries)
         return 0
@@ -363,8 +331,8 @@ def cmd_trust(args: argparse.Namespace) -> int:
         if input("Trust and sign it? [y/N] ").strip().lower() not in ("y", "yes"):
             err.print("not trusted")
             return 1
-    trusted = engine.store.trust(snapshot.id)
-    out.print(f"trusted {trusted.name} ({trusted.id}): signed with {engine.store.key_file}")
+    trusted = engine.trust(snapshot.id)
+    out.print(f"trusted {trusted.name} ({trusted.id}): signed with this node's key")
     return 0
 
 
@@ -410,80 +378,37 @@ def write_connection_file(info: dict[str, Any], directory: Path | None = None) -
     return path
 
 
-def _fetch_remote(
-    args: argparse.Namespace, engine: SnapshotEngine, ref: str, bar: _ProgressBar
-) -> Snapshot:
+def _fetch(node: NodeSnapshots, ref: str, bar: _ProgressBar) -> Snapshot:
     """The local snapshot ``ref`` names; a remote-only one is downloaded into the store
-    first, as the server does: judged by this node's signing key and checked against
-    this node's host before anything of it is fetched, every digest checked while it
-    streams. Raises NotFound when neither side has it."""
-    try:
-        return engine.get(ref)
-    except NotFound:
-        remote = make_remote_store(_settings(args))
-        if remote is None:
-            raise
-    try:
-        if is_snapshot_id(ref):
-            found = remote.get(ref, missing_ok=True)
-            candidates = [found] if found is not None else []
-        else:
-            candidates = remote.list()
-    except SnapshotError:
-        raise
-    except Exception as exc:  # the remote store did not answer
-        raise RemoteStoreError(
-            "lookup",
-            f"no snapshot {ref!r} in {engine.location}, and {remote.url} could not be "
-            f"asked: {describe(exc)}",
-            hint="check the remote store's address and credentials, then try again",
-        ) from exc
-    judged = [judge_remote(engine.store, s) for s in candidates]
-    match = next((s for s in judged if ref == s.id or (s.trusted and ref == s.name)), None)
-    if match is None:
-        raise NotFound(
-            "lookup", f"no snapshot {ref!r} in {engine.location} nor in {remote.url}",
-            hint="'jupyter gpu-snapshot list' shows the snapshots there are",
-        )
-    if not match.trusted:
-        raise SnapshotError(
-            "verify",
-            f"remote snapshot {match.id} in {remote.url} is refused, nothing of it was "
-            f"fetched: {match.problem}",
-            hint="a node restores only snapshots signed with its own signing key: give "
-            "every node the same key file (c.GPUSnapshot.signing_key_file)",
-        )
-    asyncio.run(engine.check_compatibility(match, bar, {}))
-    size = next(s.size_bytes for s in candidates if s.id == match.id)
-    cache = SnapshotCache(engine.store, int(_settings(args).remote_cache_max_bytes))
-    cache.evict(set(remote.ids()), (), incoming_bytes=size)
-    bar(EngineProgress("downloading", 0, size))
-    remote.download(
-        match.id, engine.store,
-        lambda done, total: bar(EngineProgress("downloading", done, total)),
-    )
-    cache.touch(match.id)
-    PendingUploads(engine.store).clear(match.id)
-    return engine.get(match.id)
+    first, as the server does: judged by this node's signing key and checked against this
+    node's host before anything of it is fetched, every digest checked while it streams.
+    Raises NotFound when neither side has it."""
+    found = node.find(ref)
+    if found.local:
+        return found.snapshot
+    if found.snapshot.trusted:
+        asyncio.run(node.engine.check_compatibility(found.snapshot, bar, {}))
+    bar(EngineProgress("downloading", 0, found.snapshot.size_bytes))
+    return node.download(
+        found.snapshot, lambda done, total: bar(EngineProgress("downloading", done, total)))
 
 
 def cmd_download(args: argparse.Namespace) -> int:
     """Fetch a remote snapshot into the local store (what a restore of one does first)."""
-    engine = _engine(args)
-    if make_remote_store(_settings(args)) is None:
-        raise NotFound("download", "there is no remote store", hint="set c.GPUSnapshot.remote_url")
+    node = _node(args)
+    node.require_remote("download")
     with _ProgressBar(err.is_terminal) as bar:
-        snapshot = _fetch_remote(args, engine, args.snapshot, bar)
-    _say(f"{snapshot.name} ({snapshot.id}) is in {engine.location}")
+        snapshot = _fetch(node, args.snapshot, bar)
+    _say(f"{snapshot.name} ({snapshot.id}) is in {node.engine.location}")
     return 0
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
     gpus = parse_gpu_choice(args.gpus) if args.gpus is not None else None
-    engine = _engine(args)
+    node = _node(args)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
-        snapshot = _fetch_remote(args, engine, args.snapshot, bar)
-        restored = _run_interruptibly(engine.restore(snapshot, progress=bar, gpus=gpus))
+        snapshot = _fetch(node, args.snapshot, bar)
+        restored = _run_interruptibly(node.engine.restore(snapshot, progress=bar, gpus=gpus))
     connection_file = write_connection_file(restored.connection_info)
     result = {
         "snapshot": restored.snapshot.id,
@@ -508,45 +433,23 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     """Delete the local copy, the remote copy or both (--where)."""
-    engine = _engine(args)
-    remote = make_remote_store(_settings(args)) if args.where != LOCAL else None
-    if args.where == REMOTE and remote is None:
-        raise NotFound("delete", "there is no remote store", hint="set c.GPUSnapshot.remote_url")
-    try:
-        local: Snapshot | None = engine.get(args.snapshot)
-    except NotFound:
-        if remote is None:
-            raise
-        local = None
-    if remote is not None:
-        # A remote-only snapshot is named by its id.
-        snapshot_id = local.id if local is not None else args.snapshot
-        try:
-            remote.delete(snapshot_id)
-            _say(f"deleted {snapshot_id} from {remote.url}")
-        except NotFound:
-            if local is None or args.where == REMOTE:
-                raise
-    if local is not None and args.where != REMOTE:
-        engine.delete(local.id)
-        _say(f"deleted {local.name} ({local.id})")
+    node = _node(args)
+    deleted = node.delete(node.find(args.snapshot), args.where)
+    if deleted.remote:
+        _say(f"deleted {deleted.snapshot.id} from {node.remote_url}")
+    if deleted.local:
+        _say(f"deleted {deleted.snapshot.name} ({deleted.snapshot.id})")
     return 0
 
 
 def cmd_upload(args: argparse.Namespace) -> int:
     """Upload a local snapshot to the remote store (what a save does by itself)."""
-    engine = _engine(args)
-    remote = make_remote_store(_settings(args))
-    if remote is None:
-        raise NotFound("upload", "there is no remote store", hint="set c.GPUSnapshot.remote_url")
-    snapshot = engine.get(args.snapshot)
-    snapshot.require_trusted("upload")
+    node = _node(args)
+    node.require_remote("upload")
+    snapshot = node.engine.get(args.snapshot)
     with _ProgressBar(err.is_terminal) as bar:
-        uploaded = upload_local(
-            engine.store, remote, snapshot,
-            lambda done, total: bar(EngineProgress("uploading", done, total)),
-        )
-    PendingUploads(engine.store).clear(snapshot.id)
+        uploaded = node.upload(
+            snapshot, lambda done, total: bar(EngineProgress("uploading", done, total)))
     _say(f"uploaded {snapshot.name} ({snapshot.id}) to {uploaded.url}")
     return 0
 
@@ -557,44 +460,30 @@ def cmd_rename(args: argparse.Namespace) -> int:
     A remote-only snapshot is refused: it is renamed where a copy is. A remote that fails
     leaves the local rename done and says that the remote copy keeps its old name (exit 1).
     """
-    engine = _engine(args)
-    remote = make_remote_store(_settings(args))
-    try:
-        engine.get(args.snapshot)
-    except NotFound:
-        if remote is None or not is_snapshot_id(args.snapshot) or not remote.exists(
-            args.snapshot
-        ):
-            raise
-        raise InvalidRequest(
-            "rename",
-            f"snapshot {args.snapshot} exists only in {remote.url}; a snapshot is renamed on "
-            "a node that holds a copy",
-            hint=f"download it first ('jupyter gpu-snapshot download {args.snapshot}'), then "
-            "rename it",
-        ) from None
-    snapshot = engine.rename(args.snapshot, args.name)
+    node = _node(args)
+    found = node.find(args.snapshot)
+    node.check_rename(found, args.name)
+    snapshot, remote = node.rename(found, args.name)
     _say(f"renamed {args.snapshot} to {snapshot.name} ({snapshot.id})")
-    if remote is None:
+    if remote is None or remote["status"] == "none":
         return 0
-    try:
-        renamed = remote.rename_copy(snapshot.path)
-    except SnapshotError as exc:
+    if remote["status"] == "failed":
         err.print(
-            f"[yellow]warning:[/] {snapshot.id} is renamed here, but its copy in {remote.url} "
-            f"keeps its old name ({exc.cause}). Run 'jupyter gpu-snapshot rename {snapshot.id} "
-            f"{snapshot.name}' again once the remote store answers.",
+            f"[yellow]warning:[/] {remote['error']['message']}. Run 'jupyter gpu-snapshot "
+            f"rename {snapshot.id} {snapshot.name}' again once the remote store answers.",
             highlight=False, soft_wrap=True,
         )
         return 1
-    if renamed is not None:
-        _say(f"renamed its copy in {remote.url}")
+    _say(f"renamed its copy in {node.remote_url}")
     return 0
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
     """What a server start does: commit complete images of killed saves, clean the rest."""
-    report = recover_store(_engine(args).store, wake=wake_kernel)
+    report = _engine(args).recover()
+    if report is None:
+        _say("the node agent recovers its store itself, at its start")
+        return 0
     for snapshot in report.committed:
         _say(f"committed {snapshot.name} ({snapshot.id}), left by a save that was killed")
     for path, why in report.kept:
@@ -602,7 +491,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
             f"kept {path}: {why}; look at it, then delete it by hand",
             highlight=False, soft_wrap=True,
         )
-    removed = [*report.removed, *clean_work_dirs()]
+    removed = report.removed
     _say(f"removed {len(removed)} stale working director{'y' if len(removed) == 1 else 'ies'}")
     return 1 if report.kept else 0
 
@@ -677,9 +566,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Bring back a kernel that a killed save left stopped or with its CUDA locked."""
-    from ..gpu.checkpoint import CudaCheckpoint
-    from ..gpu.driver import driver_status
-
     kernel = procfs.inspect_kernel(args.pid)
     if not args.force and not procfs.is_snapshot_ready_kernel(kernel):
         raise NotReady(
@@ -687,20 +573,15 @@ def cmd_resume(args: argparse.Namespace) -> int:
             f"pid {args.pid} is not in a snapshot-ready kernel's process tree",
             hint="pass --force to wake its process tree anyway",
         )
-    pids = [p.pid for p in procfs.tree(kernel.root_pid)]
-    procfs.continue_tree(kernel.root_pid)
-    status = driver_status()
-    if status.driver is None:
-        _say(f"woke pids {pids}; no CUDA to resume ({status.problem})")
+    resumed = resume_tree(kernel.root_pid)
+    if resumed.no_driver is not None:
+        _say(f"woke pids {resumed.pids}; no CUDA to resume ({resumed.no_driver})")
         return 0
-    cuda = CudaCheckpoint(status.driver)
-    holders = cuda.holders(pids)
-    problems = cuda.resume_all(holders)
-    for problem in problems:
+    for problem in resumed.problems:
         err.print(f"[red]error:[/] {problem}", highlight=False, soft_wrap=True)
-    resumed = ", ".join(str(p.pid) for p in holders) or "none"
-    _say(f"woke pids {pids}; CUDA running again in: {resumed}")
-    return 2 if problems else 0
+    running = ", ".join(str(pid) for pid in resumed.cuda_running) or "none"
+    _say(f"woke pids {resumed.pids}; CUDA running again in: {running}")
+    return 2 if resumed.problems else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -101,6 +101,8 @@ class DiskRoom:
     autosave_bytes: int
     # Autosaves of this notebook that retention deletes once the new one commits.
     reclaimed_bytes: int = 0
+    # Where the store is, as a refusal names it (the node agent's, through it).
+    where: str = ""
 
 
 def autosave_refusal(
@@ -113,9 +115,10 @@ def autosave_refusal(
     """
     left = room.free_bytes - estimate_bytes
     if left < min_free_bytes:
+        where = f" in {room.where}" if room.where else ""
         return (
             f"about {format_bytes(estimate_bytes)} needed, {format_bytes(room.free_bytes)} "
-            f"free, and GPUSnapshot.autosave_min_free_bytes keeps "
+            f"free{where}, and GPUSnapshot.autosave_min_free_bytes keeps "
             f"{format_bytes(min_free_bytes)} free"
         )
     if max_autosave_bytes > 0:

@@ -35,6 +35,18 @@ _ATTEMPTS = 20
 
 
 @dataclass(frozen=True)
+class StoreRoom:
+    """Where the snapshots are kept, as a path, and the free bytes of its file system (None
+    when they cannot be read): what the sidebar and autosave's admission read."""
+
+    path: str
+    free_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "free_bytes": self.free_bytes}
+
+
+@dataclass(frozen=True)
 class SnapshotUsage:
     """One snapshot's sizes: ``size_bytes`` its images as a restore sees them,
     ``new_bytes`` what its save wrote, ``own_bytes`` its directory, ``frees_bytes`` what

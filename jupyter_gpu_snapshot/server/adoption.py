@@ -32,8 +32,7 @@ from jupyter_core.paths import jupyter_runtime_dir
 from jupyter_core.utils import ensure_async
 from tornado import web
 
-from ..core import procfs
-from ..core.recovery import read_json_object, same_process
+from ..core import procfs, safe_fs
 from ..launch.provisioner import (
     ADOPT_KWARG,
     Adoption,
@@ -204,11 +203,11 @@ async def adopt_orphans(
     paths = await asyncio.to_thread(lambda: sorted(base.glob("server-*.json")) if base.is_dir()
                                     else [])
     for path in paths:
-        record = await asyncio.to_thread(read_json_object, path)
+        record = await asyncio.to_thread(safe_fs.read_json_object, path)
         server = (record or {}).get("server") or {}
         if server.get("pid") == os.getpid():
             continue
-        if same_process(int(server.get("pid") or 0), server.get("started")):
+        if procfs.same_process(int(server.get("pid") or 0), server.get("started")):
             continue  # another live server's kernels
         for kernel_id, kernel in ((record or {}).get("kernels") or {}).items():
             await _adopt_one(kernel_manager, session_manager, kernel_id, kernel, report, log)
@@ -228,7 +227,7 @@ async def _adopt_one(
         return
     root = int(kernel.get("root_pid") or 0)
     alive = await asyncio.to_thread(
-        lambda: same_process(root, kernel.get("root_started")) and procfs.tree_alive(root)
+        lambda: procfs.same_process(root, kernel.get("root_started")) and procfs.tree_alive(root)
     )
     if not alive:
         report.dead.append(kernel_id)

@@ -10,119 +10,47 @@ A kernel is autosaved
 Autosaves are ordinary save jobs with reason ``autosave``: one operation per kernel still
 holds (a kernel that is being saved or restored is skipped, and the log says so), and the
 store's retention keeps the newest ``autosave_keep`` of each notebook. A notebook may
-override the settings (``PUT kernels/{id}/autosave``, ``%gpu_snapshot autosave``); the
-overrides are kept in the store, so they outlive a server restart. The same policy holds
-the notebook's choice of when its idle kernel hibernates, in either tier
-(``%gpu_snapshot hibernate [gpu] after 30m``), over the server's.
+override the settings (``notebook_policies``: ``PUT kernels/{id}/autosave``,
+``%gpu_snapshot autosave``); an autosave the disk or the host's memory cannot take is
+skipped (``autosave_admission``).
 
-What "ran something" means: a cell, i.e. an ``execute_input`` message on the kernel's
-IOPub channel. The scheduler subscribes to each kernel's IOPub (one more subscriber beside
-jupyter_server's own, reading only message headers) when it first sees the kernel. The
-server's ``last_activity`` would be cheaper but moves on any IOPub message (a reconnecting
-browser's kernel_info does it), and ``execution_state`` misses short cells between two
-looks. Silent executes (our own allocator release, the env update after a restore) publish
-no ``execute_input``, so a snapshot's ``created`` time is the line between saved and
-unsaved work. New kernels are followed as they start (jupyter_server's kernel_actions
-event), and once the feed's subscription has taken effect the kernel is asked how many cells
-it ran (a silent request's ``execution_count``), which covers cells run before. Restored
-kernels are followed as their restore succeeds; a kernel the scheduler meets otherwise (one
-running when the server started) is read from the server's ``last_activity``, generously.
+What "ran something" means: a cell, as the kernel's IOPub channel tells it
+(``execution_feed``). The scheduler follows each kernel's cells from when it first sees the
+kernel, so a snapshot's ``created`` time is the line between saved and unsaved work. New
+kernels are followed as they start (jupyter_server's kernel_actions event), and once the
+feed's subscription has taken effect the kernel is asked how many cells it ran, which
+covers cells run before. Restored kernels are followed as their restore succeeds; a kernel
+the scheduler meets otherwise (one running when the server started) is read from the
+server's ``last_activity``, generously.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
-from jupyter_client.session import Session
-from jupyter_core.utils import ensure_async
-from traitlets import TraitError
 
-from .._constants import format_bytes
 from ..config import GPUSnapshot
-from ..core import procfs, retention, safe_fs
-from ..core.errors import Busy, InvalidRequest, SnapshotError
+from ..core.errors import Busy, SnapshotError
 from ..launch.provisioner import root_pid
+from .autosave_admission import AutosaveAdmission
+from .execution_feed import ExecutionFeed, ran_unseen_cells
 from .jobs import Job
+from .jupyter_server_internals import last_activity
 from .kernel_env import shell_client
+from .notebook_policies import AutosavePolicy, NotebookPolicies, policy_key
 from .service import SnapshotService
 
-# Kept in the store's root; dot files there are no snapshots (``snapshot.is_snapshot_id``).
-OVERRIDES_FILE = ".autosave-policies.json"
-OVERRIDES_LIMIT = 1 << 20
 # A fresh kernel's own start-up messages are not work anyone would miss.
 STARTUP_SETTLE_SECONDS = 10.0
 # How soon a new kernel's cells are followed.
 DISCOVER_SECONDS = 0.1
-# How long the question to a new kernel waits for its feed to go live before it is sent
-# anyway (its own messages then make the feed live).
-PROBE_NUDGE_SECONDS = 1.0
-
-
-@dataclass(frozen=True)
-class AutosavePolicy:
-    """The autosave settings in force for one notebook."""
-
-    enabled: bool
-    interval_minutes: float
-    after_cell_minutes: float
-    during_cell: bool
-    # Not autosave, but the same kind of per-notebook choice: when an idle kernel of the
-    # notebook hibernates (``hibernation``), in each tier; 0 never. The gpu tier releases
-    # its GPU and keeps its process; the process tier saves it and ends its process.
-    hibernate_after_minutes: float = 0.0
-    release_gpu_after_minutes: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-# What a notebook may override, and the JSON types each field accepts.
-POLICY_FIELDS: Mapping[str, tuple[type, ...]] = {
-    "enabled": (bool,),
-    "interval_minutes": (int, float),
-    "after_cell_minutes": (int, float),
-    "during_cell": (bool,),
-    "hibernate_after_minutes": (int, float),
-    "release_gpu_after_minutes": (int, float),
-}
-
-
-def check_override(changes: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a policy override (``None`` resets a field to the server's setting)."""
-    checked: dict[str, Any] = {}
-    for key, value in changes.items():
-        kinds = POLICY_FIELDS.get(key)
-        if kinds is None:
-            raise InvalidRequest(
-                "request", f"unknown autosave field {key!r}",
-                hint=f"allowed fields: {', '.join(POLICY_FIELDS)}",
-            )
-        if value is None:
-            checked[key] = None
-            continue
-        number = float(value) if isinstance(value, (int, float)) else 0.0
-        # JSON true is an int to Python; a number field must not take it.
-        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
-            raise InvalidRequest("request", f"autosave field {key!r} has the wrong type")
-        if key.endswith("_minutes") and not number >= 0:
-            raise InvalidRequest("request", f"autosave field {key!r} must be 0 or more")
-        if key == "interval_minutes" and number == 0:
-            raise InvalidRequest(
-                "request", "an autosave interval of 0 minutes would save without pause",
-                hint="turn autosave off with enabled=false instead",
-            )
-        checked[key] = number if key.endswith("_minutes") else value
-    return checked
 
 
 @dataclass
@@ -147,66 +75,6 @@ class KernelWatch:
     probe: asyncio.Task[None] | None = None
 
 
-class ExecutionFeed:
-    """When a kernel's cells started and ended, read from its IOPub channel."""
-
-    def __init__(self, km: Any) -> None:
-        self._session = Session(config=km.session.config, key=km.session.key)
-        self._running: dict[str, float] = {}
-        self.last_work: float | None = None  # the latest start or end of a cell
-        self.long_cells: list[float] = []  # durations of cells that ended, until taken
-        # When the first message came: from then on no cell passes unseen. A subscription
-        # takes effect some time after the connect (later still while the kernel starts
-        # and has not bound its socket yet).
-        self.live_at: float | None = None
-        self.live = asyncio.Event()
-        self._stream = km.connect_iopub()
-        self._stream.on_recv(self._on_message)
-
-    @property
-    def running_since(self) -> float | None:
-        return min(self._running.values()) if self._running else None
-
-    def _on_message(self, parts: list[bytes]) -> None:
-        """Called by the IOPub stream on the server's event loop, for every message."""
-        if self.live_at is None:
-            self.live_at = time.time()
-            self.live.set()
-        with contextlib.suppress(Exception):  # a message we cannot read is not a cell
-            _idents, fed = self._session.feed_identities(parts)
-            msg = self._session.deserialize(fed, content=False)
-            kind = msg["header"]["msg_type"]
-            parent = msg.get("parent_header") or {}
-            now = time.time()
-            if kind == "execute_input":
-                self._running[str(parent.get("msg_id"))] = now
-                self.last_work = now
-            elif kind == "status" and parent.get("msg_type") == "execute_request":
-                state = self._session.unpack(msg["content"]).get("execution_state")
-                started = self._running.get(str(parent.get("msg_id")))
-                if state == "idle" and started is not None:
-                    del self._running[str(parent.get("msg_id"))]
-                    self.last_work = now
-                    self.long_cells.append(now - started)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._stream.close()
-
-
-def last_activity(km: Any) -> float | None:
-    """The server's ``last_activity`` of a kernel; None while it has none.
-
-    jupyter_server sets the trait once the kernel has started; reading it before (a kernel
-    listed while it starts) raises TraitError, not AttributeError.
-    """
-    try:
-        stamp: datetime | None = km.last_activity
-    except (AttributeError, TraitError):
-        return None
-    return stamp.timestamp() if stamp is not None else None
-
-
 class AutosaveScheduler:
     """Started by ``GPUSnapshotApp`` once the server listens; stopped before shutdown saves."""
 
@@ -216,16 +84,22 @@ class AutosaveScheduler:
         self.service = service
         self.settings = settings
         self.log = log or logging.getLogger(__name__)
-        self.store = service.engine.store
-        self.overrides_path = self.store.root / OVERRIDES_FILE
-        self.overrides: dict[str, dict[str, Any]] = {}
+        # The notebooks' overrides are kept in the user's own directory of snapshots.
+        self.policies = NotebookPolicies(service.engine.own_dir, settings, self.log)
+        self.admission = AutosaveAdmission(
+            settings,
+            store_room=lambda: service.store_usage(),
+            # Looked up at each call: tests replace the service's methods.
+            list_snapshots=lambda: service.list_snapshots(),
+            cuda_state=lambda root: service.cuda_state(root),
+        )
         self._watch: dict[str, KernelWatch] = {}
         self._task: asyncio.Task[None] | None = None
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Called by ``GPUSnapshotApp._start_jupyter_server_extension``."""
-        self.overrides = self._load_overrides()
+        self.policies.load()
         if self._task is None:
             self._task = asyncio.create_task(self._run())
 
@@ -292,76 +166,23 @@ class AutosaveScheduler:
         self._watch[kernel_id] = watch
         return watch
 
-    # -- policies --------------------------------------------------------------------------
-    def _defaults(self) -> AutosavePolicy:
-        s = self.settings
-        return AutosavePolicy(
-            bool(s.autosave), float(s.autosave_interval_minutes),
-            float(s.autosave_after_cell_minutes), bool(s.autosave_during_cell),
-            hibernate_after_minutes=float(s.hibernate_after_minutes),
-            release_gpu_after_minutes=float(s.release_gpu_after_minutes),
-        )
-
-    def policy(self, key: str) -> AutosavePolicy:
-        values = {**self._defaults().to_dict(), **self.overrides.get(key, {})}
-        return AutosavePolicy(**values)
-
-    @staticmethod
-    def policy_key(kernel_id: str, notebook_path: str | None) -> str:
-        return notebook_path or f"kernel:{kernel_id}"
-
+    # -- policies ------------------------------------------------------------------------
     async def set_override(self, kernel_id: str, changes: Mapping[str, Any]) -> dict[str, Any]:
-        """Change the autosave policy of the kernel's notebook; called by the REST handler."""
+        """Change the policy of the kernel's notebook; called by the REST handler."""
         self.service.kernel(kernel_id)
-        checked = check_override(changes)
-        key = self.policy_key(kernel_id, await self.service.slots.notebook_path(kernel_id))
-        mine = {**self.overrides.get(key, {}), **checked}
-        mine = {k: v for k, v in mine.items() if v is not None}
-        if mine:
-            self.overrides[key] = mine
-        else:
-            self.overrides.pop(key, None)
-        await asyncio.to_thread(self._save_overrides, dict(self.overrides))
-        self.log.info("gpu-snapshot: autosave policy of %s is now %s", key, self.policy(key))
+        key = policy_key(kernel_id, await self.service.slots.notebook_path(kernel_id))
+        await self.policies.change(key, changes)
         return await self.describe(kernel_id)
-
-    def _load_overrides(self) -> dict[str, dict[str, Any]]:
-        """The notebooks' overrides kept in the store; a link or non-file there is ignored."""
-        try:
-            with safe_fs.opened_dir(os.path.realpath(self.store.root)) as root_fd:
-                data = json.loads(safe_fs.read_small(OVERRIDES_FILE, root_fd, OVERRIDES_LIMIT))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            self.log.warning("gpu-snapshot: ignoring %s: %s", self.overrides_path, exc)
-            return {}
-        loaded: dict[str, dict[str, Any]] = {}
-        for key, values in (data.items() if isinstance(data, dict) else []):
-            with contextlib.suppress(InvalidRequest, AttributeError):
-                loaded[str(key)] = {
-                    k: v for k, v in check_override(values).items() if v is not None
-                }
-        return loaded
-
-    def _save_overrides(self, overrides: dict[str, dict[str, Any]]) -> None:
-        # Written beside the snapshots through the store's directory fd: never through a link.
-        self.store.ensure()
-        spare = f"{OVERRIDES_FILE}.new"
-        with safe_fs.opened_dir(os.path.realpath(self.store.root)) as root_fd:
-            safe_fs.remove_at(spare, root_fd)
-            data = json.dumps(overrides, indent=2, sort_keys=True).encode()
-            safe_fs.write_new(spare, root_fd, data)
-            os.replace(spare, OVERRIDES_FILE, src_dir_fd=root_fd, dst_dir_fd=root_fd)
 
     # -- what the API shows ----------------------------------------------------------------
     async def describe(self, kernel_id: str) -> dict[str, Any]:
         """The kernel's autosave state (openapi.yaml, AutosaveState)."""
         self.service.kernel(kernel_id)
         notebook = await self.service.slots.notebook_path(kernel_id)
-        key = self.policy_key(kernel_id, notebook)
+        key = policy_key(kernel_id, notebook)
         watch = await self._ensure_watch(kernel_id)
         job = self.service.running_job(kernel_id)
-        policy = self.policy(key)
+        policy = self.policies.policy(key)
         next_at = None
         if watch is not None and policy.enabled and self.work_at_risk(kernel_id) > 0:
             next_at = self._due(watch, policy)
@@ -369,7 +190,7 @@ class AutosaveScheduler:
             "kernel_id": kernel_id,
             "notebook_path": notebook,
             "policy": policy.to_dict(),
-            "override": dict(self.overrides.get(key, {})),
+            "override": self.policies.override(key),
             "unsaved_work": self.work_at_risk(kernel_id) > 0,
             "next_autosave": next_at,
             "autosaving": job is not None and job.reason == "autosave",
@@ -378,7 +199,7 @@ class AutosaveScheduler:
         }
 
     async def on_kernel_action(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-        """A listener of jupyter_server's kernel_actions events (the app adds it).
+        """A listener of jupyter_server's kernel_actions events (``wiring`` adds it).
 
         A kernel that has just started is followed from now, before the server has answered
         the request that started it. The feed's subscription still takes effect a little
@@ -398,28 +219,12 @@ class AutosaveScheduler:
         """Whether a new kernel ran cells before its feed went live; if so, they are work.
 
         The feed is made as the kernel starts, but its subscription takes effect only some
-        time later, and a client may run a cell before that. Once the feed is live, one
-        silent execute request (no history, no output, no count) asks the kernel how many
-        cells it has run: its reply's ``execution_count``. A cell run after the request
-        was sent is seen by the feed; one run before is in that count.
+        time later, and a client may run a cell before that (``ran_unseen_cells``).
         """
         assert watch.feed is not None
-        feed = watch.feed
         client = shell_client(self.service.kernel_manager.get_kernel(kernel_id))
         try:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(feed.live.wait(), PROBE_NUDGE_SECONDS)
-                sent = time.time()
-                # No time limit: a kernel busy with a cell answers after it, and a request
-                # given up on would still run there.
-                reply = await ensure_async(
-                    client.execute("", silent=True, store_history=False, reply=True)
-                )
-                if feed.live_at is not None and feed.live_at <= sent:
-                    break
-                # The probe's own status messages make the feed live; ask again then.
-            if int(reply["content"].get("execution_count") or 0) > 0:
+            if await ran_unseen_cells(client, watch.feed):
                 watch.blind_work = time.time()
         except Exception as exc:  # no answer to read: count the kernel as having worked
             watch.blind_work = time.time()
@@ -429,7 +234,8 @@ class AutosaveScheduler:
             client.stop_channels()
 
     def note_restored(self, kernel_id: str) -> None:
-        """Called by ``GPUSnapshotApp._emit_job`` as a restore job succeeds.
+        """Called by the job runner's event sink (``wiring``) as a restore or wake job
+        succeeds.
 
         The kernel is its snapshot at this moment: its cells are followed from now, before
         any client hears of it, so the first cell it runs counts.
@@ -531,7 +337,7 @@ class AutosaveScheduler:
 
     def _note_jobs(self, kernel_id: str, watch: KernelWatch) -> None:
         """Learn of saves of this kernel that ended (autosaves and the user's alike)."""
-        interval = self.policy(watch.policy_key).interval_minutes * 60
+        interval = self.policies.policy(watch.policy_key).interval_minutes * 60
         for job in reversed(self.service.jobs.recent(kernel_id)):
             if job.kind != "save" or job.finished is None or job.id in watch.noted_jobs:
                 continue
@@ -562,8 +368,8 @@ class AutosaveScheduler:
         now = time.time()
         km = self.service.kernel_manager.get_kernel(kernel_id)
         watch = await self._ensure_watch(kernel_id)
-        watch.policy_key = self.policy_key(kernel_id, notebook)
-        policy = self.policy(watch.policy_key)
+        watch.policy_key = policy_key(kernel_id, notebook)
+        policy = self.policies.policy(watch.policy_key)
         interval = policy.interval_minutes * 60
         self._note_jobs(kernel_id, watch)
 
@@ -598,7 +404,7 @@ class AutosaveScheduler:
         self, kernel_id: str, km: Any, notebook: str | None, watch: KernelWatch, why: str
     ) -> Job | None:
         where = notebook or "no notebook"
-        refusal = await self._refusal(kernel_id, km, notebook)
+        refusal = await self.admission.refusal(kernel_id, km, notebook)
         if refusal is not None:
             repeated = watch.last_skip == f"skipped: {refusal}"
             watch.last_skip = f"skipped: {refusal}"
@@ -632,43 +438,3 @@ class AutosaveScheduler:
             "gpu-snapshot: autosaving kernel %s (%s): %s (job %s)", kernel_id, where, why, job.id
         )
         return job
-
-    async def _refusal(self, kernel_id: str, km: Any, notebook: str | None) -> str | None:
-        """Why the disk or the host RAM cannot take an autosave now, or None."""
-        root = root_pid(km)
-        if root is None:
-            return "the kernel has no running process"
-        try:
-            found = await asyncio.to_thread(procfs.inspect_kernel, root)
-            host = await asyncio.to_thread(procfs.tree_rss, root)
-        except Exception as exc:  # the kernel exited meanwhile
-            return f"cannot read the kernel's processes: {exc}"
-        if found.problems:
-            return "it is not snapshot-ready: " + "; ".join(found.problems)
-        cuda = await self.service.cuda_state(root)
-        gpu = int((cuda or {}).get("memory_bytes") or 0)
-        store = self.service.engine.store
-        summaries = await self.service.list_snapshots()
-        group = retention.group_of(
-            {"notebook_path": notebook, "kernel": {"kernel_id": kernel_id}}
-        )
-        room = retention.DiskRoom(
-            free_bytes=await asyncio.to_thread(store.free_bytes),
-            autosave_bytes=retention.autosave_bytes(summaries),
-            reclaimed_bytes=retention.reclaimed_by_next_autosave(
-                summaries, group, int(self.settings.autosave_keep)
-            ),
-        )
-        refusal = retention.autosave_refusal(
-            host + gpu, room, int(self.settings.autosave_min_free_bytes),
-            int(self.settings.autosave_max_bytes),
-        )
-        if refusal is None and gpu:
-            # The driver stages the GPU memory in host RAM during the save.
-            available = (await asyncio.to_thread(psutil.virtual_memory)).available
-            if available < gpu:
-                refusal = (
-                    f"the host has {format_bytes(available)} of RAM available, the kernel's "
-                    f"GPU memory needs {format_bytes(gpu)} of it"
-                )
-        return refusal

@@ -7,14 +7,16 @@ is awake again, then hands them back through ``deliver``. A client that connects
 hibernated kernel is not made to wait for a kernel that is not there: its kernel_info
 comes from the kernel's earlier answer, and its channels re-join the kernel when it wakes
 (``rejoin``). The extension installs the class as ``ServerApp.kernel_websocket_connection_class``
-unless the operator chose another one.
+unless the operator chose another one, and leaves its ``Hibernation`` in the web
+application's settings (``HIBERNATION_SETTING``), which every handler reads, the kernel
+websocket handler that makes these connections too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, cast
 
 from jupyter_client.jsonutil import json_default
 from jupyter_server.services.kernels.connection.base import (
@@ -24,10 +26,15 @@ from jupyter_server.services.kernels.connection.base import (
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
+from .jupyter_server_internals import cached_kernel_info, finish_kernel_info, register_session
+
 if TYPE_CHECKING:
     from .hibernation import Hibernation
 
 WS_V1 = "v1.kernel.websocket.jupyter.org"
+# The web application's setting that holds the server's ``Hibernation``
+# (``GPUSnapshotApp.initialize_settings`` puts it there).
+HIBERNATION_SETTING = "jupyter_gpu_snapshot_hibernation"
 
 
 # How long a client re-joining a woken kernel waits for the server to read it idle.
@@ -38,24 +45,29 @@ REJOIN_POLL_SECONDS = 0.05
 class HibernationAwareConnection(ZMQChannelsWebsocketConnection):
     """A kernel websocket whose messages wait while the kernel hibernates."""
 
-    # Set by the extension when it loads; None: plain jupyter_server behaviour.
-    hibernation: ClassVar[Hibernation | None] = None
+    @property
+    def hibernation(self) -> Hibernation | None:
+        """The server's hibernation; None where the extension did not load (plain
+        jupyter_server behaviour)."""
+        return cast("Hibernation | None",
+                    self.websocket_handler.settings.get(HIBERNATION_SETTING))
 
     def _hibernating(self) -> bool:
-        return self.hibernation is not None and self.hibernation.state(self.kernel_id) is not None
+        hibernation = self.hibernation
+        return hibernation is not None and hibernation.sleepers.state(self.kernel_id) is not None
 
     # -- connecting to a kernel that is not there ------------------------------------------
     async def prepare(self) -> None:
-        if not self._hibernating():
+        hibernation = self.hibernation
+        if hibernation is None or hibernation.sleepers.state(self.kernel_id) is None:
             await super().prepare()  # type: ignore[no-untyped-call]
-            if self.hibernation is not None:
-                self.hibernation.opened(self)
+            if hibernation is not None:
+                hibernation.opened(self)
             return
-        await self._register_session()  # type: ignore[no-untyped-call]
+        await register_session(self)
         self.session.key = self.kernel_manager.session.key
-        assert self.hibernation is not None
-        self.hibernation.connected(self)
-        self._finish_kernel_info(self.kernel_info() or {})  # type: ignore[no-untyped-call]
+        hibernation.connected(self)
+        finish_kernel_info(self, self.kernel_info() or {})
 
     def nudge(self) -> asyncio.Future[None]:
         if not self._hibernating():
@@ -85,19 +97,16 @@ class HibernationAwareConnection(ZMQChannelsWebsocketConnection):
 
     def kernel_info(self) -> dict[str, Any] | None:
         """What the kernel answered to the server's kernel_info request before, if any."""
-        cached = getattr(self.kernel_manager, "_kernel_info_future", None)
-        if cached is None or not cached.done() or cached.cancelled() or cached.exception():
-            return None
-        info = cached.result()
-        return dict(info) if isinstance(info, dict) and "protocol_version" in info else None
+        return cached_kernel_info(self.kernel_manager)
 
     # -- messages ---------------------------------------------------------------------------
     def handle_incoming_message(self, incoming_msg: Any) -> None:
-        if self.hibernation is None or not self.channels:
+        hibernation = self.hibernation
+        if hibernation is None or not self.channels:
             super().handle_incoming_message(incoming_msg)
             return
         channel, header = self._read_envelope(incoming_msg)
-        if not self.hibernation.receive(self, incoming_msg, channel, header):
+        if not hibernation.receive(self, incoming_msg, channel, header):
             super().handle_incoming_message(incoming_msg)
 
     def deliver(self, raw: Any) -> None:

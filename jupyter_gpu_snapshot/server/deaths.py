@@ -13,8 +13,9 @@ A kernel shut down or restarted on purpose is no death: jupyter_client stops the
 (and marks the manager ``shutting_down``) before it stops a kernel, and a stopping save
 stops the restarter too, so no callback fires for them.
 
-Nothing here knows ``SnapshotService``: the app hands in how to find a kernel's notebook
-and its newest snapshot.
+Nothing here knows ``SnapshotService``, which is made after this and answers these records:
+``wiring.build_server_parts`` hands in how to find a kernel's notebook (the kernel slots')
+and its newest snapshot (``status.newest_once_saved``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ class KernelDeath:
 class KernelDeaths:
     """Watches the server's snapshot-ready kernels and keeps a record of each death.
 
-    Started by ``GPUSnapshotApp``: ``watch`` is called for every kernel that starts (from
-    jupyter_server's kernel_actions event, ``on_kernel_action``), ``forget`` when one is
-    shut down. ``on_death`` is called with the kernel id and the record once it is complete.
+    Made by ``wiring.build_server_parts``: ``watch`` is called for every kernel that starts
+    (from jupyter_server's kernel_actions event, ``on_kernel_action``), ``forget`` when one
+    is shut down. ``on_death`` is called with the kernel id and the record once it is complete.
     """
 
     def __init__(
@@ -102,7 +103,7 @@ class KernelDeaths:
 
     # -- following the kernels ---------------------------------------------------------------
     async def on_kernel_action(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-        """A listener of jupyter_server's kernel_actions events (the app adds it)."""
+        """A listener of jupyter_server's kernel_actions events (``wiring`` adds it)."""
         kernel_id = data.get("kernel_id")
         if not kernel_id or data.get("status") != "success":
             return

@@ -33,11 +33,13 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
-from .autosave import POLICY_FIELDS, AutosaveScheduler
-from .hibernation import PROCESS_TIER, Hibernation
+from .autosave import AutosaveScheduler
+from .hibernation import Hibernation
 from .jobs import JOB_ID_PATTERN
 from .kernel_credentials import KernelReach, OutOfReach
+from .notebook_policies import POLICY_FIELDS
 from .service import SnapshotService
+from .sleepers import PROCESS_TIER
 
 # The same pattern the server's own kernel handlers accept.
 KERNEL_ID = r"(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)"
@@ -404,7 +406,7 @@ class HibernationHandler(HibernationAPIHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        kernels = self.hibernation.listing()
+        kernels = self.hibernation.sleepers.listing()
         reach = await self.reach()
         if reach is not None:
             kernels = [k for k in kernels if reach.reaches_kernel(k["kernel_id"])]

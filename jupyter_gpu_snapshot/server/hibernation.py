@@ -39,30 +39,36 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 
 from .._constants import format_bytes
 from ..config import GPUSnapshot
 from ..core import procfs
-from ..core.errors import Busy, InvalidRequest, NotFound, NotReady, SnapshotError
+from ..core.errors import Busy, InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress
-from ..gpu.inventory import GpuInventory
-from ..gpu.remap import remap_notice
 from ..launch.provisioner import Adoption, SnapshotReadyProvisioner, root_pid
-from .autosave import last_activity
+from ..node.engine import GpuSleeper
+from ..node.gpus import GpuInventory, remap_notice
+from .hibernation_policy import HibernationPolicy, IdleMinutes, idle_seconds, last_active
 from .jobs import Job, kernel_key, snapshot_key
-from .service import HIBERNATE, GpuSleeper, SnapshotService
+from .jupyter_server_internals import websocket_count
+from .service import HIBERNATE, SnapshotService
+from .sleepers import (
+    GPU_TIER,
+    HIBERNATED,
+    HIBERNATING,
+    PROCESS_TIER,
+    TIERS,
+    WAKING,
+    HeldClient,
+    HeldMessage,
+    Sleepers,
+    SleepingKernel,
+)
 
-GPU_TIER = "gpu"
-PROCESS_TIER = "process"
-TIERS = (GPU_TIER, PROCESS_TIER)
-HIBERNATING = "hibernating"
-HIBERNATED = "hibernated"
-WAKING = "waking"
 # Requests a client makes by itself when it (re)connects: held until the kernel wakes,
 # but they do not wake it. A kernel_info request is answered from the kernel's own
 # earlier answer.
@@ -73,86 +79,24 @@ WAKE_MARGIN_BYTES = 256 << 20
 PROGRESS_EVERY_SECONDS = 0.5
 
 
-class HeldClient(Protocol):
-    """What hibernation needs of a client's websocket connection
-    (``connections.HibernationAwareConnection``)."""
-
-    @property
-    def kernel_id(self) -> str: ...
-
-    def deliver(self, raw: Any) -> None: ...
-    def answer(self, channel: str, msg_type: str, content: dict[str, Any],
-               parent: dict[str, Any]) -> None: ...
-    def kernel_info(self) -> dict[str, Any] | None: ...
-    async def rejoin(self) -> None: ...
-
-
-@dataclass
-class HeldMessage:
-    client: HeldClient
-    raw: Any
-    channel: str
-    header: dict[str, Any]
-
-
-@dataclass
-class SleepingKernel:
-    """A kernel from the start of its hibernation until it is awake again."""
-
-    kernel_id: str
-    state: str
-    notebook_path: str | None
-    gpu_bytes: int
-    host_bytes: int
-    tier: str = PROCESS_TIER
-    root_pid: int | None = None  # the sleeping tree's, in the gpu tier
-    # What it held on each GPU (UUID -> bytes), in the gpu tier: what its wake needs there.
-    gpu_memory: dict[str, int] = field(default_factory=dict)
-    requested: float = field(default_factory=time.time)
-    since: float | None = None  # when its process ended
-    snapshot_id: str | None = None
-    job_id: str | None = None
-    error: dict[str, Any] | None = None
-    wake_when_saved: bool = False
-    # Moving from the gpu tier to the process tier: a save that fails leaves it asleep.
-    moving: bool = False
-    held: list[HeldMessage] = field(default_factory=list)
-    # Clients that connected while the kernel had no process: they re-join it on waking
-    # even if they sent nothing meanwhile.
-    joined: list[HeldClient] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kernel_id": self.kernel_id,
-            "state": self.state,
-            "tier": self.tier,
-            "notebook_path": self.notebook_path,
-            "gpu_bytes_freed": self.gpu_bytes if self.since is not None else 0,
-            "host_bytes_freed": (self.host_bytes if self.since is not None
-                                 and self.tier == PROCESS_TIER else 0),
-            "gpu_bytes": self.gpu_bytes,
-            "host_bytes": self.host_bytes,
-            "since": self.since,
-            "snapshot_id": self.snapshot_id,
-            "job_id": self.job_id,
-            "last_wake_error": self.error,
-            "held_messages": len(self.held),
-        }
-
-
 class Hibernation:
-    """The server's hibernated kernels; made and started by ``GPUSnapshotApp``."""
+    """Hibernates and wakes the server's kernels, recording them in ``Sleepers``; made by
+    ``wiring.build_server_parts``, started and stopped by ``GPUSnapshotApp``."""
 
     def __init__(
         self,
         service: SnapshotService,
+        sleepers: Sleepers,
         settings: GPUSnapshot,
         log: logging.Logger | None = None,
         emit: Callable[[dict[str, Any]], None] | None = None,
-        hibernate_after: Callable[[str], Awaitable[float]] | None = None,
-        release_gpu_after: Callable[[str], Awaitable[float]] | None = None,
+        hibernate_after: IdleMinutes | None = None,
+        release_gpu_after: IdleMinutes | None = None,
     ) -> None:
         self.service = service
+        # The kernels asleep, and those asked to hibernate once idle (%gpu_snapshot
+        # hibernate): this object's to change, the service's to read.
+        self.sleepers = sleepers
         self.settings = settings
         self.log = log or logging.getLogger(__name__)
         self._emit = emit or (lambda _data: None)
@@ -160,45 +104,11 @@ class Hibernation:
         # choice (``%gpu_snapshot hibernate [gpu] after 30m``), else the server's setting.
         self._hibernate_after = hibernate_after
         self._release_gpu_after = release_gpu_after
-        self._kernels: dict[str, SleepingKernel] = {}
-        # Kernels asked to hibernate once their running cell ends (%gpu_snapshot hibernate),
-        # and the tier each asked for.
-        self._when_idle: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None
         # Every client connection of each kernel: a restored kernel's output reaches one
         # only once its subscription has re-joined, held message or not.
         self._clients: dict[str, weakref.WeakSet[HeldClient]] = {}
-
-    # -- what the API shows ----------------------------------------------------------------
-    def state(self, kernel_id: str) -> str | None:
-        sleeper = self._kernels.get(kernel_id)
-        return sleeper.state if sleeper is not None else None
-
-    def describe(self, kernel_id: str) -> dict[str, Any] | None:
-        sleeper = self._kernels.get(kernel_id)
-        if sleeper is not None:
-            return sleeper.to_dict()
-        if kernel_id in self._when_idle:
-            return {"kernel_id": kernel_id, "state": "requested",
-                    "tier": self._when_idle[kernel_id]}
-        return None
-
-    def listing(self) -> list[dict[str, Any]]:
-        return [s.to_dict() for s in self._kernels.values()]
-
-    def wakes_from(self) -> set[str]:
-        """The snapshots the kernels hibernating or hibernated now wake from; one whose
-        save has just committed counts before its hibernation has ended."""
-        held: set[str] = set()
-        for sleeper in self._kernels.values():
-            snapshot_id = sleeper.snapshot_id
-            if snapshot_id is None and sleeper.job_id is not None:
-                with contextlib.suppress(NotFound):
-                    snapshot_id = self.service.jobs.get(sleeper.job_id).snapshot_id
-            if snapshot_id:
-                held.add(snapshot_id)
-        return held
 
     # -- hibernating -----------------------------------------------------------------------
     async def request(self, kernel_id: str, when_idle: bool = False,
@@ -215,8 +125,8 @@ class Hibernation:
                 "hibernate", f"kernel {kernel_id} is not snapshot-ready",
                 hint="only kernels of a snapshot-ready kernelspec (python3-snapshot) hibernate",
             )
-        if kernel_id in self._kernels:
-            sleeper = self._kernels[kernel_id]
+        if kernel_id in self.sleepers.kernels:
+            sleeper = self.sleepers.kernels[kernel_id]
             if tier == PROCESS_TIER and sleeper.tier == GPU_TIER and sleeper.state == HIBERNATED:
                 return (await self._move_to_disk(sleeper, "on request")).to_dict()
             return sleeper.to_dict()
@@ -229,7 +139,7 @@ class Hibernation:
         if when_idle:
             # The server learns that a cell started a moment after it did (the magic asks
             # from inside its own cell): the next look hibernates the kernel once idle.
-            self._when_idle[kernel_id] = tier
+            self.sleepers.when_idle[kernel_id] = tier
             return {"kernel_id": kernel_id, "state": "requested", "tier": tier}
         return (await self._hibernate(kernel_id, "on request", tier)).to_dict()
 
@@ -241,7 +151,7 @@ class Hibernation:
             raise NotReady("hibernate", f"kernel {kernel_id} has no running process")
         # Clients' messages are held from now on: none starts a cell under the save.
         sleeper = SleepingKernel(kernel_id, HIBERNATING, None, 0, 0, tier=tier, root_pid=root)
-        self._kernels[kernel_id] = sleeper
+        self.sleepers.kernels[kernel_id] = sleeper
         try:
             sleeper.host_bytes = await asyncio.to_thread(procfs.tree_rss, root)
             cuda = await self.service.cuda_state(root)
@@ -260,7 +170,7 @@ class Hibernation:
         sleeper.job_id = job.id
         # A request to hibernate once idle is done only now: one refused (a cell started)
         # stays for the next look.
-        self._when_idle.pop(kernel_id, None)
+        self.sleepers.when_idle.pop(kernel_id, None)
         self.log.info("gpu-snapshot: hibernating kernel %s (%s) in the %s tier: %s", kernel_id,
                       sleeper.notebook_path or "no notebook", tier, why)
         self._event(sleeper, "hibernating", reason=why)
@@ -305,7 +215,7 @@ class Hibernation:
 
     def _release(self, sleeper: SleepingKernel) -> None:
         """The kernel did not hibernate and runs on: what its clients sent goes to it."""
-        self._kernels.pop(sleeper.kernel_id, None)
+        self.sleepers.kernels.pop(sleeper.kernel_id, None)
         held, sleeper.held = sleeper.held, []
         for message in held:
             message.client.deliver(message.raw)
@@ -352,14 +262,14 @@ class Hibernation:
     def connected(self, client: HeldClient) -> None:
         """Called by a websocket connection that opens while the kernel hibernates."""
         self.opened(client)
-        sleeper = self._kernels.get(client.kernel_id)
+        sleeper = self.sleepers.kernels.get(client.kernel_id)
         if sleeper is not None:
             sleeper.joined.append(client)
 
     def receive(self, client: HeldClient, raw: Any, channel: str, header: dict[str, Any]) -> bool:
         """Called by the websocket connection for each message a client sends; True when
         hibernation took it (held or answered), False when it goes to the kernel as usual."""
-        sleeper = self._kernels.get(client.kernel_id)
+        sleeper = self.sleepers.kernels.get(client.kernel_id)
         if sleeper is None:
             return False
         kind = str(header.get("msg_type") or "")
@@ -398,7 +308,7 @@ class Hibernation:
     async def wake(self, kernel_id: str) -> dict[str, Any]:
         """Called by ``POST kernels/{id}/wake`` (and the CLI); the wake job."""
         self.service.kernel(kernel_id)
-        sleeper = self._kernels.get(kernel_id)
+        sleeper = self.sleepers.kernels.get(kernel_id)
         if sleeper is None:
             raise InvalidRequest("wake", f"kernel {kernel_id} is not hibernated")
         if sleeper.state == HIBERNATING:
@@ -495,8 +405,8 @@ class Hibernation:
             if kernel_id == exclude or await self._idle_for(kernel_id) is None:
                 continue
             if any(inventory.process_memory.get(pid, {}).get(uuid) for pid in pids):
-                last = last_activity(self.service.kernel_manager.get_kernel(kernel_id))
-                found.append((last or 0.0, kernel_id))
+                last = last_active(self.service.kernel_manager.get_kernel(kernel_id))
+                found.append((last, kernel_id))
         return [kernel_id for _, kernel_id in sorted(found)]
 
     def _holders_of(self, uuid: str, inventory: GpuInventory,
@@ -593,7 +503,7 @@ class Hibernation:
         await asyncio.gather(*(c.rejoin() for c in clients), return_exceptions=True)
         # From here on, nothing awaits: messages arriving meanwhile are held until this
         # loop step hands them all out, in order, and later ones go straight to the kernel.
-        self._kernels.pop(kernel_id, None)
+        self.sleepers.kernels.pop(kernel_id, None)
         for held in sleeper.held:
             if held.header.get("msg_type") == "execute_request":
                 # The note goes before the cell's own outputs come: a wake leaves nothing in
@@ -638,12 +548,12 @@ class Hibernation:
             self.forget(kernel_id)
 
     def forget(self, kernel_id: str) -> None:
-        self._when_idle.pop(kernel_id, None)
+        self.sleepers.when_idle.pop(kernel_id, None)
         self._clients.pop(kernel_id, None)
-        sleeper = self._kernels.get(kernel_id)
+        sleeper = self.sleepers.kernels.get(kernel_id)
         if sleeper is None or sleeper.state == HIBERNATING:
             return
-        del self._kernels[kernel_id]
+        del self.sleepers.kernels[kernel_id]
         self._event(sleeper, "forgotten")
 
     # -- finding idle kernels --------------------------------------------------------------
@@ -656,7 +566,7 @@ class Hibernation:
         keep them (their state lives only in their process, which ends with the server).
         Returns, for each that stays asleep, why; each is logged."""
         stays: dict[str, str] = {}
-        for sleeper in [s for s in self._kernels.values()
+        for sleeper in [s for s in self.sleepers.kernels.values()
                         if s.tier == GPU_TIER and s.state == HIBERNATED]:
             assert sleeper.root_pid is not None
             try:
@@ -684,7 +594,7 @@ class Hibernation:
         for kernel_id in list(self.service.kernel_manager.list_kernel_ids()):
             km = self.service.kernel_manager.get_kernel(kernel_id)
             root = root_pid(km)
-            if root is None or kernel_id in self._kernels:
+            if root is None or kernel_id in self.sleepers.kernels:
                 continue
             status = await asyncio.to_thread(gpu_sleep.asleep, root)
             if status is None:
@@ -695,7 +605,7 @@ class Hibernation:
                 sum(memory.values()), 0, tier=GPU_TIER, root_pid=root, gpu_memory=memory,
                 since=float(status.get("since") or time.time()),
             )
-            self._kernels[kernel_id] = sleeper
+            self.sleepers.kernels[kernel_id] = sleeper
             km.execution_state = HIBERNATED
             found.append(kernel_id)
             self.log.info("gpu-snapshot: kernel %s sleeps on with its GPU released", kernel_id)
@@ -722,9 +632,9 @@ class Hibernation:
         """Hibernate the kernels that asked to once idle, and those idle long enough."""
         kernel_manager = self.service.kernel_manager
         await self._move_sleepers_to_disk()
-        for kernel_id, tier in list(self._when_idle.items()):
+        for kernel_id, tier in list(self.sleepers.when_idle.items()):
             if kernel_id not in kernel_manager:
-                self._when_idle.pop(kernel_id, None)
+                self.sleepers.when_idle.pop(kernel_id, None)
             elif await self._idle_for(kernel_id) is not None:
                 await self._try(kernel_id, "asked to hibernate once idle", tier)
         for kernel_id in list(kernel_manager.list_kernel_ids()):
@@ -744,7 +654,7 @@ class Hibernation:
         ``hibernate_after_minutes``, and, while the node's available host memory is below
         ``host_memory_low_percent``, the least recently used one (one per round: the next
         round sees the memory it freed)."""
-        sleepers = sorted((s for s in self._kernels.values()
+        sleepers = sorted((s for s in self.sleepers.kernels.values()
                            if s.tier == GPU_TIER and s.state == HIBERNATED),
                           key=lambda s: self._last_activity(s.kernel_id))
         if not sleepers:
@@ -758,7 +668,7 @@ class Hibernation:
         if low <= 0:
             return
         memory = await asyncio.to_thread(psutil.virtual_memory)
-        moving = any(s.moving for s in self._kernels.values())
+        moving = any(s.moving for s in self.sleepers.kernels.values())
         if memory.available * 100 < low * memory.total and not moving:
             for sleeper in sleepers:
                 if sleeper.tier == GPU_TIER and sleeper.state == HIBERNATED:
@@ -770,7 +680,7 @@ class Hibernation:
     def _last_activity(self, kernel_id: str) -> float:
         if kernel_id not in self.service.kernel_manager:
             return time.time()  # shut down meanwhile: never idle
-        return last_activity(self.service.kernel_manager.get_kernel(kernel_id)) or 0.0
+        return last_active(self.service.kernel_manager.get_kernel(kernel_id))
 
     async def _try_move(self, sleeper: SleepingKernel, why: str) -> None:
         try:
@@ -782,12 +692,12 @@ class Hibernation:
     async def _after_seconds(self, kernel_id: str) -> float:
         if self._hibernate_after is not None:
             return await self._hibernate_after(kernel_id) * 60
-        return float(self.settings.hibernate_after_minutes) * 60
+        return HibernationPolicy.from_settings(self.settings).hibernate_after_minutes * 60
 
     async def _release_after_seconds(self, kernel_id: str) -> float:
         if self._release_gpu_after is not None:
             return await self._release_gpu_after(kernel_id) * 60
-        return float(self.settings.release_gpu_after_minutes) * 60
+        return HibernationPolicy.from_settings(self.settings).release_gpu_after_minutes * 60
 
     async def _try(self, kernel_id: str, why: str, tier: str = PROCESS_TIER) -> None:
         try:
@@ -797,7 +707,7 @@ class Hibernation:
 
     async def _idle_for(self, kernel_id: str) -> float | None:
         """Seconds since the kernel's last output, or None if it is not idle now."""
-        if kernel_id in self._kernels or kernel_id not in self.service.kernel_manager:
+        if kernel_id in self.sleepers.kernels or kernel_id not in self.service.kernel_manager:
             return None
         km = self.service.kernel_manager.get_kernel(kernel_id)
         if not isinstance(getattr(km, "provisioner", None), SnapshotReadyProvisioner):
@@ -806,8 +716,7 @@ class Hibernation:
             return None
         if self.service.running_job(kernel_id) is not None:
             return None
-        last = last_activity(km)
-        return None if last is None else max(0.0, time.time() - last)
+        return idle_seconds(km)
 
     async def _holds_gpu(self, kernel_id: str) -> bool:
         """Whether the kernel's GPU can be released: it holds GPU memory, and this server
@@ -823,8 +732,7 @@ class Hibernation:
         return int((cuda or {}).get("memory_bytes") or 0) > 0
 
     def _has_clients(self, kernel_id: str) -> bool:
-        connections = getattr(self.service.kernel_manager, "_kernel_connections", {})
-        return int(connections.get(kernel_id, 0)) > 0
+        return websocket_count(self.service.kernel_manager, kernel_id) > 0
 
     async def _eligible(self, kernel_id: str) -> bool:
         if self.settings.hibernate_only_without_clients and self._has_clients(kernel_id):

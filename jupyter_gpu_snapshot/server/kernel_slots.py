@@ -4,8 +4,9 @@ Lookups (a kernel's notebook, a session's kernel, the kernelspecs that launch th
 provisioner) and the end of a restore: the engine hands over a running tree
 (``RestoredKernel``), and ``put_restored`` makes it a kernel of the server in a new slot,
 switches the notebook's session to it and retires the kernel the session used before.
-``SnapshotService`` owns one ``KernelSlots``; handlers and the autosave scheduler ask it
-their lookups directly.
+One ``KernelSlots`` is made with the server's other parts (``wiring``) and handed to the
+service and to what else needs a kernel's notebook; handlers and the autosave scheduler
+ask it their lookups directly (through ``SnapshotService.slots``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from tornado import web
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..core import procfs
 from ..core.errors import InvalidRequest, NotFound, SnapshotError
-from ..core.restore import RestoredKernel
 from ..core.snapshot import Snapshot
-from ..gpu.remap import remap_notice
 from ..launch.provisioner import ADOPT_KWARG, Adoption, SnapshotReadyProvisioner
+from ..node.engine import RestoredKernel
+from ..node.gpus import remap_notice
+from .jupyter_server_internals import drop_pending_kernel
 from .kernel_env import refresh_kernel_env
 
 
@@ -35,8 +37,8 @@ from .kernel_env import refresh_kernel_env
 class KernelSlots:
     """The server's kernel, session, contents and kernelspec managers, for snapshots.
 
-    Made by ``SnapshotService``; a manager the server lacks is None, and what it would
-    answer is then missing (no sessions, no kernelspecs of ours).
+    Made by ``wiring.build_server_parts``; a manager the server lacks is None, and what it
+    would answer is then missing (no sessions, no kernelspecs of ours).
     """
 
     kernel_manager: Any
@@ -259,9 +261,7 @@ class KernelSlots:
         if kernel_id in km:
             with contextlib.suppress(Exception):
                 km.remove_kernel(kernel_id)
-        pending = getattr(km, "_pending_kernels", None)
-        if isinstance(pending, dict):
-            pending.pop(kernel_id, None)
+        drop_pending_kernel(km, kernel_id)
 
     async def _attach(
         self, kernel_id: str, session: dict[str, Any] | None, path: str | None

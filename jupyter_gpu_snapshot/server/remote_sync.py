@@ -1,9 +1,8 @@
-"""The server's side of the remote store: uploads after saves, downloads before restores,
-and a listing of the remote snapshots that is cached briefly.
+"""The server's side of the remote store: a listing of the remote snapshots that is cached
+briefly, and the transfers of ``node.snapshots.NodeSnapshots`` as jobs see them (progress at
+a bounded rate, a stop when the server stops, the listing forgotten after each change).
 
-Every call of the remote store blocks, so each runs in a worker thread. A remote snapshot
-is judged by this node's signing key from its manifest before anything of it is fetched:
-one signed with another key, or unsigned, is listed as such and never downloaded.
+Every call of the node layer blocks, so each runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -16,14 +15,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.errors import NotFound, SnapshotError
+from ..core.errors import SnapshotError
 from ..core.hooks import Progress
-from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache
-from ..core.remote.objects import describe
-from ..core.remote.pending import PendingUploads
 from ..core.snapshot import Snapshot
-from ..core.store import SnapshotStore
-from ..remotes import judge_remote, upload_local
+from ..node.remotes import RemoteSnapshot, RemoteStore, describe
+from ..node.snapshots import NodeSnapshots
 
 # How long a remote listing is reused; the UI polls every few seconds.
 LISTING_SECONDS = 15.0
@@ -53,19 +49,17 @@ class RemoteSync:
 
     def __init__(
         self,
-        remote: RemoteStore,
-        store: SnapshotStore,
-        cache: SnapshotCache,
+        node: NodeSnapshots,
         log: logging.Logger | None = None,
         listing_seconds: float = LISTING_SECONDS,
     ) -> None:
-        self.remote = remote
-        self.store = store
-        self.cache = cache
+        assert node.remote is not None and node.pending is not None
+        self.node = node
+        self.remote: RemoteStore = node.remote
         self.log = log or logging.getLogger(__name__)
         self.listing_seconds = listing_seconds
         # Local snapshots whose upload has not completed yet (retried by the service).
-        self.pending = PendingUploads(store)
+        self.pending = node.pending
         self._listing = RemoteListing()
         # Each remote snapshot is read once per revision of its remote manifest (a rename
         # replaces it).
@@ -148,11 +142,7 @@ class RemoteSync:
                     found = self.remote.get(snapshot_id, missing_ok=True)
                     if found is not None:  # None: deleted meanwhile
                         self._known[snapshot_id] = (revision, found)
-            return {i: self.judge(s) for i, (_, s) in sorted(self._known.items())}
-
-    def judge(self, remote: RemoteSnapshot) -> Snapshot:
-        """A remote snapshot as a ``Snapshot`` of this store, its status by this node's key."""
-        return judge_remote(self.store, remote)
+            return {i: self.node.judge(s) for i, (_, s) in sorted(self._known.items())}
 
     # -- upload ----------------------------------------------------------------------------
     async def upload(
@@ -166,11 +156,9 @@ class RemoteSync:
         as pending, so that it is uploaded again later (``Uploads.upload_pending``).
         """
         started = time.monotonic()
-        await asyncio.to_thread(self.pending.mark, snapshot.id)
         progress = _progress(report, "uploading", self.stopping)
         try:
-            uploaded = await asyncio.to_thread(upload_local, self.store, self.remote, snapshot,
-                                               progress)
+            uploaded = await asyncio.to_thread(self.node.upload, snapshot, progress)
         except SnapshotError as exc:
             self.log.warning(
                 "gpu-snapshot: snapshot %s is saved here, but its upload to %s failed: %s",
@@ -179,7 +167,6 @@ class RemoteSync:
             return {"status": "failed", "url": self.url, "error": exc.to_dict()}
         finally:
             self.forget()
-        await asyncio.to_thread(self.pending.clear, snapshot.id)
         seconds = time.monotonic() - started
         self.log.info(
             "gpu-snapshot: uploaded snapshot %s to %s (%d bytes in %.1f s)",
@@ -188,88 +175,37 @@ class RemoteSync:
         await self.evict(protected)
         return {"status": "uploaded", "url": uploaded.url, "seconds": round(seconds, 3)}
 
-    # -- rename ----------------------------------------------------------------------------
-    async def rename(self, snapshot: Snapshot) -> dict[str, Any]:
-        """Carry a local rename to the remote copy; called by the service after the local
-        rename succeeded. Returns ``status`` "renamed", "none" (no remote copy) or "failed"
-        (with ``error``: the remote copy keeps its old name)."""
-        try:
-            renamed = await asyncio.to_thread(self.remote.rename_copy, snapshot.path)
-        except SnapshotError as exc:
-            error = SnapshotError(
-                "rename",
-                f"snapshot {snapshot.id} is renamed to {snapshot.name!r} here, but its copy in "
-                f"{self.url} keeps its old name ({exc.cause})",
-                hint=f"rename it to {snapshot.name!r} again once {self.url} answers",
-            )
-            self.log.warning("gpu-snapshot: %s", error.message)
-            return {"status": "failed", "url": self.url, "error": error.to_dict()}
-        finally:
-            self.forget()
-        if renamed is None:
-            return {"status": "none", "url": self.url}
-        self.log.info("gpu-snapshot: renamed the copy of %s in %s to %r", snapshot.id, self.url,
-                      snapshot.name)
-        return {"status": "renamed", "url": renamed.url}
-
     # -- download --------------------------------------------------------------------------
     async def download(
-        self, snapshot_id: str, report: Callable[[Progress], None], protected: Collection[str]
-    ) -> None:
-        """Fetch a remote-only snapshot into the local store; called by the restore job.
-
-        Its manifest is read and judged by this node's signing key first: an unsigned or
-        foreign one is refused before a byte of its images is fetched.
-        """
+        self, snapshot: Snapshot, report: Callable[[Progress], None], protected: Collection[str]
+    ) -> Snapshot:
+        """Fetch a remote-only snapshot into the local store (``NodeSnapshots.download``);
+        called by the restore job. Returns it as a local snapshot."""
         report(Progress("downloading"))
-        remote = await asyncio.to_thread(self.remote.get, snapshot_id)
-        assert remote is not None
-        judged = self.judge(remote)
-        if not judged.trusted:
-            raise SnapshotError(
-                "verify",
-                f"remote snapshot {snapshot_id} in {self.url} is refused, nothing of it was "
-                f"run or kept: {judged.problem}",
-                hint="a node restores only snapshots signed with its own signing key: give "
-                "every node the same key file (c.GPUSnapshot.signing_key_file)",
-            )
-        await self.evict(protected, incoming_bytes=remote.size_bytes)
+        listing = await self.listing(fresh=True)
+        # Without a listing, nothing is known to be safe remotely: nothing is evicted.
+        remote_ids = set(listing.snapshots) if listing.error is None else set()
         progress = _progress(report, "downloading", None)
-        await asyncio.to_thread(self.remote.download, snapshot_id, self.store, progress)
-        await asyncio.to_thread(self.cache.touch, snapshot_id)
-        self.log.info("gpu-snapshot: downloaded snapshot %s from %s", snapshot_id, self.url)
+        return await asyncio.to_thread(
+            self.node.download, snapshot, progress, protected, remote_ids)
 
     async def evict(self, protected: Collection[str], incoming_bytes: int = 0) -> list[str]:
         """Keep the local store under ``remote_cache_max_bytes``: only snapshots that also
         exist remotely and are not ``protected`` (in use) go, least recently used first."""
-        if self.cache.max_bytes <= 0:
+        if self.node.cache is None or self.node.cache.max_bytes <= 0:
             return []
         listing = await self.listing(fresh=True)
         if listing.error is not None:
             return []  # without a listing, nothing is known to be safe remotely
-        evicted = await asyncio.to_thread(
-            self.cache.evict, set(listing.snapshots), protected, incoming_bytes
-        )
-        for snapshot_id in evicted:
-            self.log.info(
-                "gpu-snapshot: removed the local copy of %s (it stays in %s)", snapshot_id,
-                self.url,
-            )
-        return evicted
+        return await asyncio.to_thread(
+            self.node.evict, set(listing.snapshots), protected, incoming_bytes)
 
-    # -- delete ----------------------------------------------------------------------------
     async def delete(self, snapshot_id: str) -> bool:
         """Delete the remote copy; False when there was none."""
         try:
-            await asyncio.to_thread(self.remote.delete, snapshot_id)
-        except NotFound:
-            return False
+            return await asyncio.to_thread(self.node.delete_remote_copy, snapshot_id)
         finally:
             self.forget()
-        return True
-
-    async def exists(self, snapshot_id: str) -> bool:
-        return bool(await asyncio.to_thread(self.remote.exists, snapshot_id))
 
 
 def _progress(

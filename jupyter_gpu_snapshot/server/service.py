@@ -12,16 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import uuid
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from ..agent_client.gpu_sleep import AgentGpuSleep
-from ..agent_client.remote_engine import AgentEngine
 from ..config import GPUSnapshot
 from ..core import procfs, retention
-from ..core.engine import SnapshotEngine
 from ..core.errors import (
     Busy,
     InvalidRequest,
@@ -31,20 +26,20 @@ from ..core.errors import (
     SnapshotError,
 )
 from ..core.hooks import SaveTarget
-from ..core.snapshot import DAMAGED, Snapshot, validate_name
-from ..gpu.hook import CudaCheckpointHook
-from ..gpu.inventory import GpuInventory, read_inventory
-from ..gpu.remap import describe_choice, parse_gpu_choice
-from ..gpu.sleep import SleepReport
+from ..core.snapshot import Snapshot, validate_name
 from ..launch.liveness import kernel_answers
 from ..launch.provisioner import root_pid
-from ..remotes import BOTH, LOCAL, REMOTE, merge_locations
+from ..node.engine import GpuSleeper
+from ..node.gpus import parse_gpu_choice
+from ..node.remotes import BOTH
+from ..node.snapshots import Found, NodeSnapshots
 from .deaths import KernelDeaths
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, kernel_key, snapshot_key
 from .kernel_credentials import KernelCredentials
 from .kernel_slots import KernelSlots
 from .remote_sync import RemoteListing, RemoteSync
-from .status import TreeFacts, cuda_status, newest_snapshot
+from .sleepers import Sleepers
+from .status import TreeFacts, cuda_status
 from .status import kernel_status as describe_kernel
 from .uploads import Uploads
 
@@ -54,68 +49,42 @@ KERNEL_ANSWER_SECONDS = 30.0
 HIBERNATE = "hibernate"
 
 
-class GpuSleeper(Protocol):
-    """What hibernation needs of its gpu tier: ``gpu.sleep.GpuSleep`` where this server runs
-    the driver itself, ``agent_client.gpu_sleep.AgentGpuSleep`` where the node agent does.
-    Each call blocks."""
-
-    @property
-    def read_inventory(self) -> Callable[[], GpuInventory | None]: ...
-
-    def asleep(self, root: int) -> dict[str, Any] | None: ...
-
-    def release(self, root: int, note: dict[str, Any] | None = None) -> SleepReport: ...
-
-    def wake(self, root: int) -> SleepReport: ...
-
-
-def sleep_report(fields: dict[str, Any]) -> SleepReport:
-    """A release's or a wake's report as the node agent sends it (``SleepReport.to_dict``)."""
-    return SleepReport(
-        pids=[int(pid) for pid in fields["pids"]],
-        gpu_memory={str(gpu): int(n) for gpu, n in dict(fields["gpu_memory"]).items()},
-        held_threads=int(fields["held_threads"]),
-        timings={str(step): float(t) for step, t in dict(fields["timings"]).items()},
-    )
-
-
 class SnapshotService:
     """Snapshots of the server's kernels: queries, save and restore jobs, status."""
 
-    # Set by the app: the kernels that died, answered in their status.
-    deaths: KernelDeaths | None = None
-    # Set by the app: the snapshots hibernated kernels wake from, which neither retention
-    # nor a delete takes.
-    wakes_from: Callable[[], set[str]] | None = None
-    # Set by the app: a kernel's hibernation as GET hibernation lists it, or None.
-    hibernation_of: Callable[[str], dict[str, Any] | None] | None = None
-
     def __init__(
         self,
-        engine: SnapshotEngine,
+        node: NodeSnapshots,
         settings: GPUSnapshot,
-        kernel_manager: Any,
-        session_manager: Any = None,
-        contents_manager: Any = None,
-        kernel_spec_manager: Any = None,
-        jobs: JobRunner | None = None,
+        *,
+        slots: KernelSlots,
+        jobs: JobRunner,
+        deaths: KernelDeaths,
+        sleepers: Sleepers,
         log: logging.Logger | None = None,
         remote: RemoteSync | None = None,
     ) -> None:
-        self.engine = engine
+        # This node's snapshots, local and remote: each operation on them is the node's.
+        self.node = node
+        self.engine = node.engine
         self.settings = settings
-        self.kernel_manager = kernel_manager
+        # The server's kernels and sessions; the service's kernel manager is theirs.
+        self.slots = slots
+        self.kernel_manager = slots.kernel_manager
         self.log = log or logging.getLogger(__name__)
-        self.jobs = jobs or JobRunner(log=self.log)
-        self.slots = KernelSlots(
-            kernel_manager, session_manager, contents_manager, kernel_spec_manager, self.log
-        )
+        self.jobs = jobs
+        # The kernels that died, answered in their status.
+        self.deaths = deaths
+        # Hibernation's sleeping kernels: a kernel's hibernation, and the snapshots the
+        # hibernated kernels wake from, which neither retention nor a delete takes.
+        self.sleepers = sleepers
         # Which kernel a kernel's own credential speaks for, and what it may reach.
-        self.credentials = KernelCredentials(kernel_manager, self.slots)
+        self.credentials = KernelCredentials(self.kernel_manager, self.slots)
         # With c.GPUSnapshot.remote_url: saves upload, restores download, listings merge.
         self.remote = remote
-        self.uploads = Uploads(engine, remote, self.jobs, self.log) if remote is not None else None
-        self.tree_facts = TreeFacts(engine.criu)
+        self.uploads = (Uploads(self.engine, remote, self.jobs, self.log)
+                        if remote is not None else None)
+        self.tree_facts = TreeFacts(self.engine.node_problems)
 
     # -- snapshots -------------------------------------------------------------------------
     # The engine reads and removes files: every call of it runs in a worker thread, so the
@@ -127,39 +96,23 @@ class SnapshotService:
         """The local snapshots, each with its ``location``; ``with_remote`` (the listing
         clients see) adds the remote-only ones. Disk-room and rate estimates want the local
         ones only. The remote listing is cached briefly (``RemoteSync.listing``)."""
-        # Summaries of a large store are work of their own: made in the thread too.
-        found = await asyncio.to_thread(
-            lambda: [s.summary() for s in self.engine.catalog(notebook_path)])
         if with_remote:
-            remote = (await self._remote_listing(notebook_path)).snapshots
+            remote = (await self._remote_listing()).snapshots
         else:  # whatever was listed last, without asking the remote
-            local_ids = {s["id"] for s in found}
-            last = self.remote.cached().snapshots if self.remote else {}
-            remote = {i: s for i, s in last.items() if i in local_ids}
-        return merge_locations(found, remote, self.remote.url if self.remote else None)
+            remote = self.remote.cached().snapshots if self.remote else {}
+        # Summaries of a large store are work of their own: made in the thread too.
+        return await asyncio.to_thread(
+            lambda: self.node.summaries(remote, notebook_path, remote_only=with_remote))
 
-    async def _remote_listing(
-        self, notebook_path: str | None = None, fresh: bool = False, trusted: bool = False
-    ) -> RemoteListing:
+    async def _remote_listing(self, fresh: bool = False) -> RemoteListing:
         if self.remote is None:
             return RemoteListing()
-        listing = await self.remote.listing(fresh=fresh)
-        wanted = {
-            i: s for i, s in listing.snapshots.items()
-            if (notebook_path is None or (s.status != DAMAGED and s.notebook_path == notebook_path))
-            and (s.trusted or not trusted)
-        }
-        return RemoteListing(wanted, listing.listed_at, listing.error)
+        return await self.remote.listing(fresh=fresh)
 
     async def latest_snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
         """The newest trusted snapshot of each notebook (or of one), whatever its reason."""
-        trusted = await asyncio.to_thread(self.engine.list, notebook_path)
-        remote = await self._remote_listing(notebook_path, trusted=True)
-        summaries = merge_locations(
-            [s.summary() for s in trusted], remote.snapshots,
-            self.remote.url if self.remote else None,
-        )
-        return [dict(s) for s in retention.newest_per_notebook(summaries)]
+        remote = (await self._remote_listing()).snapshots
+        return await asyncio.to_thread(self.node.summaries, remote, notebook_path, True)
 
     async def remote_state(self) -> dict[str, Any] | None:
         """The remote store's URL and the error of its last listing, for listings."""
@@ -168,33 +121,27 @@ class SnapshotService:
         listing = await self.remote.listing()
         return {"url": self.remote.url, "error": listing.error}
 
-    async def _find(self, ref: str) -> tuple[Snapshot, bool]:
-        """The snapshot ``ref`` names (an id, or a trusted one's name) and whether it is
-        local; a remote-only one when there is no local one. Raises NotFound."""
+    async def _find(self, ref: str) -> Found:
+        """The snapshot ``ref`` names (an id, or a trusted one's name): the local one, else
+        the remote one, from a fresh listing. Raises NotFound."""
         try:
-            return await asyncio.to_thread(self.engine.get, ref), True
-        except NotFound:
+            return Found(await asyncio.to_thread(self.engine.get, ref), True)
+        except NotFound as exc:
             if self.remote is None:
                 raise
+            missing = exc
         listing = await self._remote_listing(fresh=True)
-        for snapshot in listing.snapshots.values():
-            if ref == snapshot.id or (snapshot.trusted and ref == snapshot.name):
-                return snapshot, False
-        raise NotFound(
-            "lookup",
-            f"no snapshot {ref!r} in {self.engine.location} nor in {self.remote.url}"
-            + (f" ({listing.error})" if listing.error else ""),
-            hint="'jupyter gpu-snapshot list' shows the snapshots there are",
-        )
+        try:
+            return await asyncio.to_thread(self.node.find, ref, listing.snapshots)
+        except NotFound as exc:
+            if listing.error is None:
+                raise
+            raise NotFound(exc.step, f"{exc.cause} ({listing.error})", hint=exc.hint) from missing
 
     async def store_usage(self) -> dict[str, Any]:
-        """The store's directory and the free space of its file system, for the sidebar."""
-        root = self.engine.store.root
-        try:
-            usage = await asyncio.to_thread(shutil.disk_usage, root)
-        except OSError:
-            return {"path": str(root), "free_bytes": None}
-        return {"path": str(root), "free_bytes": usage.free}
+        """The store's directory and the free space of its file system, for the sidebar
+        (the node agent's store for a server that goes through it)."""
+        return (await asyncio.to_thread(self.engine.store_room)).to_dict()
 
     async def disk_usage(self) -> dict[str, Any]:
         """The store's bytes on disk and what deleting each snapshot frees; it reads every
@@ -203,53 +150,31 @@ class SnapshotService:
         return found.to_dict()
 
     async def get_snapshot(self, ref: str) -> dict[str, Any]:
-        snapshot, local = await self._find(ref)
-        if self.remote is None:
-            return {**snapshot.summary(), "location": LOCAL, "remote_url": None}
-        remote = not local or snapshot.id in (await self.remote.listing()).snapshots
-        where = (BOTH if remote else LOCAL) if local else REMOTE
-        return {
-            **snapshot.summary(), "location": where,
-            "remote_url": self.remote.url if remote else None,
-        }
+        found = await self._find(ref)
+        return self.node.located(found, (await self._remote_listing()).snapshots)
 
     async def gpu_choice(self, ref: str, gpus: str | None = None) -> dict[str, Any]:
         """Where a restore of ``ref`` would put its GPUs on this node, or why it would be
         refused (``gpu.remap.describe_choice``); nothing is restored or reserved."""
         chosen = parse_gpu_choice(gpus) if gpus is not None else None
-        snapshot, _ = await self._find(ref)
+        snapshot = (await self._find(ref)).snapshot
         if not snapshot.trusted:
             raise NotReady(
                 "preflight", f"snapshot {snapshot.id} is {snapshot.status}: {snapshot.problem}",
                 hint="only trusted snapshots are restored",
             )
-        hook = self._cuda_hook()
-        if hook is None:
-            return describe_choice(snapshot.id, None, (), chosen, False)
-        return await hook.gpu_choice(snapshot, chosen)
-
-    def _cuda_hook(self) -> CudaCheckpointHook | None:
-        return next((h for h in self.engine.hooks if isinstance(h, CudaCheckpointHook)), None)
+        return await self.engine.gpu_choice(snapshot, chosen)
 
     def gpu_sleep(self) -> GpuSleeper:
         """What releases a kernel's GPU and keeps its process (hibernation's gpu tier): the
-        CUDA hook's, or the node agent's. Called on the event loop: the agent is asked
-        nothing until a method is called."""
-        hook = self._cuda_hook()
-        if hook is not None:
-            return hook.gpu_sleep()
-        if isinstance(self.engine, AgentEngine):
-            return AgentGpuSleep(self.engine.client, sleep_report, read_inventory)
-        raise NotReady("hibernate", "this server has no CUDA checkpoint hook",
-                       hint="hibernate in the process tier instead")
-
-    def _held_for_wake(self) -> set[str]:
-        return self.wakes_from() if self.wakes_from is not None else set()
+        CUDA hook's, or the node agent's; NotReady without either. Called on the event
+        loop: the agent is asked nothing until a method is called."""
+        return self.engine.gpu_sleep()
 
     def _refuse_while_in_use(self, snapshot_id: str, step: str) -> None:
         """Busy when a job (a restore, an upload) holds the snapshot, or a hibernated
         kernel wakes from it."""
-        if snapshot_id in self._held_for_wake():
+        if snapshot_id in self.sleepers.wakes_from():
             raise Busy(
                 step, f"snapshot {snapshot_id} holds a hibernated kernel, which wakes from it",
                 hint="wake the kernel or shut it down first",
@@ -269,55 +194,30 @@ class SnapshotService:
         says how that went (a remote that fails leaves the local rename done). A snapshot
         that exists only remotely is refused: it is renamed on a node that has a copy.
         """
-        snapshot, local = await self._find(ref)
-        if not local:
-            assert self.remote is not None
-            raise InvalidRequest(
-                "rename",
-                f"snapshot {snapshot.id} exists only in {self.remote.url}; a snapshot is "
-                "renamed on a node that holds a copy",
-                hint=f"download it first ('jupyter gpu-snapshot download {snapshot.id}', or "
-                "restore it), then rename it",
-            )
-        self._refuse_while_in_use(snapshot.id, "rename")
-        if self.remote is not None:
-            validate_name(new_name)
-            for other in (await self._remote_listing(trusted=True)).snapshots.values():
-                if other.name == new_name and other.id != snapshot.id:
-                    raise InvalidRequest(
-                        "rename",
-                        f"a snapshot named {new_name!r} exists already in {self.remote.url} "
-                        f"({other.id})",
-                        hint="pick another name, or delete that snapshot first",
-                    )
-        renamed = await asyncio.to_thread(self.engine.rename, snapshot.id, new_name)
+        found = await self._find(ref)
+        remote = (await self._remote_listing()).snapshots
+        self.node.check_rename(found, new_name, remote)
+        self._refuse_while_in_use(found.snapshot.id, "rename")
+        try:
+            renamed, remote_rename = await asyncio.to_thread(self.node.rename, found, new_name)
+        finally:
+            if self.remote is not None:
+                self.remote.forget()
         summary = renamed.summary()
-        if self.remote is not None:
-            summary["remote_rename"] = await self.remote.rename(renamed)
+        if remote_rename is not None:
+            summary["remote_rename"] = remote_rename
         return summary
 
     async def delete_snapshot(self, ref: str, where: str = BOTH) -> None:
         """Delete a snapshot's local copy, remote copy or both (``where``)."""
-        if where not in (LOCAL, REMOTE, BOTH):
-            raise InvalidRequest(
-                "request", f"where must be local, remote or both, not {where!r}"
-            )
-        if where == REMOTE and self.remote is None:
-            raise InvalidRequest(
-                "request", "there is no remote store", hint="set c.GPUSnapshot.remote_url"
-            )
-        snapshot, local = await self._find(ref)
-        if where == LOCAL and not local:
-            raise NotFound("delete", f"snapshot {snapshot.id} has no local copy",
-                           hint="where=remote deletes the remote one")
-        self._refuse_while_in_use(snapshot.id, "delete")
-        deleted_remote = False
-        if where != LOCAL and self.remote is not None:
-            deleted_remote = await self.remote.delete(snapshot.id)
-            if where == REMOTE and not deleted_remote:
-                raise NotFound("delete", f"snapshot {snapshot.id} is not in {self.remote.url}")
-        if where != REMOTE and local:
-            await asyncio.to_thread(self.engine.delete, snapshot.id)
+        found = await self._find(ref)
+        self.node.check_delete(found, where)
+        self._refuse_while_in_use(found.snapshot.id, "delete")
+        try:
+            await asyncio.to_thread(self.node.delete, found, where)
+        finally:
+            if self.remote is not None:
+                self.remote.forget()
 
     # -- kernels ---------------------------------------------------------------------------
     def kernel(self, kernel_id: str) -> Any:
@@ -342,29 +242,15 @@ class SnapshotService:
             self.running_job(kernel_id),
             self.tree_facts,
             self.log,
-            self.deaths.get(kernel_id) if self.deaths is not None else None,
+            self.deaths.get(kernel_id),
         )
-        status["hibernation"] = self.hibernation_of(kernel_id) if self.hibernation_of else None
+        status["hibernation"] = self.sleepers.describe(kernel_id)
         return status
 
     def dismiss_death(self, kernel_id: str) -> None:
         """Called by ``DELETE kernels/{id}/death``: the user has read of the death."""
         self.kernel(kernel_id)
-        if self.deaths is not None:
-            self.deaths.dismiss(kernel_id)
-
-    async def newest_snapshot(
-        self, kernel_id: str, notebook: str | None, restored_from: str | None = None
-    ) -> Snapshot | None:
-        """The newest trusted snapshot of the kernel, its notebook, or its origin; once a
-        save of the kernel running now has ended. Called by ``KernelDeaths`` for a kernel
-        that died: one that died right after its dump is offered the snapshot of that dump,
-        which the save commits after the death (its job then fails, naming the death)."""
-        saving = self.running_job(kernel_id)
-        if saving is not None and saving.kind == "save":
-            await self.jobs.wait(saving)
-        trusted = await asyncio.to_thread(self.engine.list)
-        return newest_snapshot(trusted, kernel_id, notebook, restored_from)
+        self.deaths.dismiss(kernel_id)
 
     async def cuda_state(self, root: int | None) -> dict[str, Any] | None:
         """The CUDA state of the kernel tree at ``root``; None when nobody can tell."""
@@ -398,7 +284,7 @@ class SnapshotService:
         tier (``Hibernation``, which lists it in that tier from then on): saved as it
         sleeps, it cannot answer meanwhile."""
         self.kernel(kernel_id)
-        sleeping = self.hibernation_of(kernel_id) if self.hibernation_of else None
+        sleeping = self.sleepers.describe(kernel_id)
         if sleeping and sleeping.get("tier") == "gpu" and sleeping.get("state") != "requested":
             # criu cannot seize threads that the holder holds; the wake comes first.
             raise Busy("preflight", f"kernel {kernel_id} sleeps with its GPU released",
@@ -504,7 +390,7 @@ class SnapshotService:
             keep_last=int(self.settings.keep_last),
         )
         deleted: list[str] = []
-        held = self._held_for_wake()
+        held = self.sleepers.wakes_from()
         for snapshot_id in doomed:
             if snapshot_id in held:
                 continue
@@ -539,7 +425,8 @@ class SnapshotService:
         ``requested_by``: the kernel whose own credential asks, which may follow the job.
         """
         chosen = parse_gpu_choice(gpus) if gpus is not None else None
-        snapshot, local = await self._find(ref)
+        found = await self._find(ref)
+        snapshot, local = found.snapshot, found.local
         session, path = await self.slots.restore_target(path, session_id)
         new_kernel_id = str(uuid.uuid4())
         keys = [snapshot_key(snapshot.id), kernel_key(new_kernel_id)]
@@ -576,10 +463,9 @@ class SnapshotService:
             # download, not after gigabytes of it.
             if snapshot.trusted:
                 await self.engine.check_compatibility(snapshot, self.jobs.progress(job), {})
-            await self.remote.download(
-                snapshot.id, self.jobs.progress(job), self.jobs.claimed(SNAPSHOT_KEY_PREFIX)
+            snapshot = await self.remote.download(
+                snapshot, self.jobs.progress(job), self.jobs.claimed(SNAPSHOT_KEY_PREFIX)
             )
-            snapshot = await asyncio.to_thread(self.engine.get, snapshot.id)
         # The tree runs as soon as criu has restored it, before the kernel manager adopts
         # it: from then on, the credential in its memory speaks for the new kernel.
         credential = self.credentials.restoring(snapshot.id, kernel_id)

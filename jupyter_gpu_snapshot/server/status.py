@@ -10,15 +10,16 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psutil
 
 from ..core import procfs
-from ..core.criu import CriuRunner
 from ..core.errors import SnapshotError
 from ..core.snapshot import Snapshot
-from .jobs import Job
+from ..node.gpus import tree_cuda_state
+from .jobs import Job, JobRunner, kernel_key
 
 # Answers kept for kernels with a save or restore under way, which may take minutes.
 _FORGET_SECONDS = 3600.0
@@ -33,8 +34,9 @@ class TreeFacts:
     never uses it (the engine inspects the tree afresh).
     """
 
-    def __init__(self, criu: CriuRunner, ttl: float = 1.0) -> None:
-        self.criu = criu
+    def __init__(self, node_problems: Callable[[], list[str]], ttl: float = 1.0) -> None:
+        # Why this node can save no kernel now (criu missing or too old: the engine's).
+        self.node_problems = node_problems
         self.ttl = ttl
         self._lock = threading.Lock()
         self._recent: dict[int | None, tuple[float, list[str], bool]] = {}
@@ -72,10 +74,7 @@ class TreeFacts:
                 # It exited while it was read: a kernel killed as its status is asked for.
                 reasons.append("the kernel has no running process")
             cuda = procfs.tree_maps_library(root, "libcuda.so")
-        try:
-            self.criu.require_version()
-        except SnapshotError as exc:
-            reasons.append(exc.cause)
+        reasons.extend(self.node_problems())
         return reasons, cuda
 
 
@@ -128,6 +127,27 @@ def newest_snapshot(
     return mine[-1] if mine else None
 
 
+def newest_once_saved(
+    jobs: JobRunner, trusted: Callable[[], list[Snapshot]]
+) -> Callable[[str, str | None, str | None], Awaitable[Snapshot | None]]:
+    """How ``KernelDeaths`` finds a dead kernel's newest snapshot: the newest of
+    ``trusted()`` (the engine's trusted snapshots, oldest first, read in a worker thread)
+    taken of the kernel, its notebook, or its origin; once a save of the kernel running now
+    has ended. A kernel that died right after its dump is offered the snapshot of that
+    dump, which the save commits after the death (its job then fails, naming the death)."""
+
+    async def newest(
+        kernel_id: str, notebook: str | None, restored_from: str | None = None
+    ) -> Snapshot | None:
+        saving = jobs.busy_with(kernel_key(kernel_id))
+        if saving is not None and saving.kind == "save":
+            await jobs.wait(saving)
+        snapshots = await asyncio.to_thread(trusted)
+        return newest_snapshot(snapshots, kernel_id, notebook, restored_from)
+
+    return newest
+
+
 async def cuda_status(
     root: int | None, uses_cuda: bool, log: logging.Logger
 ) -> dict[str, Any] | None:
@@ -141,39 +161,7 @@ async def cuda_status(
     if not uses_cuda:
         return {"state": "none", "memory_bytes": 0}
     try:
-        return await asyncio.to_thread(_ask_the_driver, root)
+        return await asyncio.to_thread(tree_cuda_state, root)
     except Exception as exc:  # a status query must not fail on a driver problem
         log.info("gpu-snapshot: cannot read the CUDA state of %s: %s", root, exc)
         return None
-
-
-# The worst state of the kernel's processes is the kernel's.
-_SEVERITY = ("none", "running", "locked", "checkpointed", "failed")
-
-
-def _ask_the_driver(root: int) -> dict[str, Any] | None:
-    from ..gpu.driver import driver_status
-    from ..gpu.inventory import read_inventory
-
-    driver = driver_status().driver
-    if driver is None:
-        return None
-    states: dict[int, str] = {}
-    for proc in procfs.tree(root):
-        state = driver.state(proc.pid)
-        if state is not None:
-            states[proc.pid] = state.value
-    if not states:
-        return {"state": "none", "memory_bytes": 0}
-    inventory = read_inventory()
-    memory = {
-        pid: inventory.bytes_of(pid) if inventory is not None else 0 for pid in states
-    }
-    return {
-        "state": max(states.values(), key=_SEVERITY.index),
-        "memory_bytes": sum(memory.values()),
-        "processes": [
-            {"pid": pid, "state": state, "memory_bytes": memory[pid]}
-            for pid, state in sorted(states.items())
-        ],
-    }

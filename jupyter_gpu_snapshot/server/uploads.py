@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.engine import SnapshotEngine
 from ..core.errors import Busy, SnapshotError
 from ..core.hooks import Progress
 from ..core.snapshot import Snapshot
+from ..node.engine import NodeEngine
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, snapshot_key
 from .remote_sync import RemoteSync, UploadStopped
 
@@ -29,7 +29,7 @@ class Uploads:
     """The uploads of local snapshots to the remote store: after a save, again, at shutdown."""
 
     def __init__(
-        self, engine: SnapshotEngine, remote: RemoteSync, jobs: JobRunner, log: logging.Logger
+        self, engine: NodeEngine, remote: RemoteSync, jobs: JobRunner, log: logging.Logger
     ) -> None:
         self.engine = engine
         self.remote = remote

@@ -21,7 +21,7 @@ from jupyter_gpu_snapshot.server.autosave import (
 
 
 def _scheduler(store: SnapshotStore, **settings: Any) -> AutosaveScheduler:
-    service: Any = SimpleNamespace(engine=SimpleNamespace(store=store))
+    service: Any = SimpleNamespace(engine=SimpleNamespace(own_dir=store.root))
     return AutosaveScheduler(service, GPUSnapshot(store_dir=str(store.root), **settings))
 
 

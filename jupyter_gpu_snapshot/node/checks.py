@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.criu import MIN_VERSION, CriuRunner
 from ..core.errors import SnapshotError
@@ -16,6 +17,7 @@ from ..core.store import SnapshotStore
 from ..gpu.broker import PluginInstall
 from ..gpu.driver import driver_status
 from ..gpu.inventory import read_inventory
+from .engines import make_engine
 
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
@@ -177,3 +179,10 @@ def run_checks(
     for more in extra or []:
         checks.extend(more())
     return checks
+
+
+def check_this_node(settings: GPUSnapshot) -> list[Check]:
+    """What ``jupyter gpu-snapshot check`` reports for a process that runs criu itself: the
+    engine's criu, store and CUDA plugin as ``settings`` make them."""
+    engine = make_engine(settings)
+    return run_checks(engine.criu, engine.store, plugin=PluginInstall(Path(settings.libdir)))

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import GPUSnapshot
-from .core.progress import ProgressFn
-from .core.remote import RemoteSnapshot, RemoteStore, SnapshotCache, load_key
-from .core.snapshot import DAMAGED, Snapshot
-from .core.store import SnapshotStore
+from ..config import GPUSnapshot
+from ..core.progress import ProgressFn
+from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache, load_key
+from ..core.remote.objects import describe
+from ..core.snapshot import DAMAGED, Snapshot
+from ..core.store import SnapshotStore
+
+# What the server's remote listing holds and says of a failure (``describe``: an error of
+# the object store as one line).
+__all__ = [
+    "BOTH", "LOCAL", "REMOTE", "RemoteSnapshot", "RemoteStore", "describe", "judge_remote",
+    "make_remote_store", "make_snapshot_cache", "merge_locations", "remote_storage_options",
+    "upload_local",
+]
 
 # Where a snapshot lives, as listings say it.
 LOCAL, REMOTE, BOTH = "local", "remote", "both"

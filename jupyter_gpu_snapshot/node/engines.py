@@ -1,0 +1,174 @@
+"""The engines this node runs, built from ``c.GPUSnapshot``: the store, criu and the GPU hook.
+
+The server and the CLI call ``process_engine``: a ``LocalEngine`` where the process may run
+criu itself (root), else the node agent's (``agent_client.remote_engine``); both are a
+``NodeEngine``. The agent and the benchmarks call ``make_engine``; the core itself knows
+nothing of settings or of the GPU layer.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._constants import PROVISIONER_NAME
+from ..agent_client.client import AgentClient
+from ..agent_client.gpu_sleep import AgentGpuSleep
+from ..agent_client.remote_engine import AgentEngine
+from ..config import GPUSnapshot
+from ..core.compatibility import NodeCompatibility
+from ..core.criu import CriuRunner
+from ..core.engine import SnapshotEngine
+from ..core.errors import NotReady, SnapshotError
+from ..core.hooks import SnapshotHook
+from ..core.kernel_log import default_kernel_log_dir
+from ..core.manifest import ManifestPolicy
+from ..core.open_files import OpenFilesHook
+from ..core.recovery import RecoveryReport, clean_work_dirs, recover_store, work_base
+from ..core.snapshot import Snapshot
+from ..core.store import SnapshotStore
+from ..core.usage import StoreRoom
+from ..gpu.broker import PluginInstall
+from ..gpu.driver import DriverStatus
+from ..gpu.hook import CudaCheckpointHook
+from ..gpu.inventory import read_inventory
+from ..gpu.remap import describe_choice
+from ..gpu.sleep import GpuSleep, SleepReport
+from ..gpu.trees import wake_tree
+from ..launch.liveness import kernel_answers
+from .engine import NodeEngine
+
+
+def is_snapshot_ready_kernel(name: str) -> bool:
+    """Whether ``name`` is an installed kernelspec that launches through our provisioner."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        spec = KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        return False
+    provisioner = (spec.metadata or {}).get("kernel_provisioner") or {}
+    return bool(provisioner.get("provisioner_name") == PROVISIONER_NAME)
+
+
+def default_hooks(settings: GPUSnapshot, follow_links: bool = True) -> list[SnapshotHook]:
+    """The hooks every engine runs: the open-files check, and the GPU layer (inert for kernels
+    without CUDA state)."""
+    return [
+        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files,
+                      follow_links=follow_links),
+        CudaCheckpointHook(
+            lock_timeout=settings.cuda_lock_timeout,
+            drop_caches=settings.drop_allocator_caches,
+            plugin=PluginInstall(Path(settings.libdir)),
+        ),
+    ]
+
+
+def wake_kernel(root_pid: int, driver: Callable[[], DriverStatus] | None = None) -> list[str]:
+    """Bring back a kernel tree that a killed save left stopped or with its CUDA suspended
+    (``gpu.trees.wake_tree``); recovery's ``wake``. One line per process whose CUDA stays
+    suspended; ``driver`` replaces the machine's CUDA driver (the tests' scripted one)."""
+    return wake_tree(root_pid, work_base(), driver)
+
+
+class LocalEngine(SnapshotEngine):
+    """The core's engine, run by this process (root), with what callers ask of a
+    ``NodeEngine`` besides the store and the two sequences."""
+
+    @property
+    def local_store(self) -> SnapshotStore:
+        return self.store
+
+    @property
+    def own_dir(self) -> Path:
+        return self.store.root
+
+    def store_room(self) -> StoreRoom:
+        try:
+            free: int | None = self.store.free_bytes()
+        except OSError:
+            free = None
+        return StoreRoom(str(self.store.root), free)
+
+    def trust(self, ref: str) -> Snapshot:
+        return self.store.trust(self.store.get(ref).id)
+
+    def recover(self) -> RecoveryReport:
+        report = recover_store(self.store, wake=wake_kernel)
+        # criu's work directories and the images assembled for restores whose process died.
+        report.removed += clean_work_dirs()
+        return report
+
+    def node_problems(self) -> builtins.list[str]:
+        try:
+            self.criu.require_version()
+        except SnapshotError as exc:
+            return [exc.cause]
+        return []
+
+    def _cuda_hook(self) -> CudaCheckpointHook | None:
+        return next((h for h in self.hooks if isinstance(h, CudaCheckpointHook)), None)
+
+    def gpu_sleep(self) -> GpuSleep:
+        hook = self._cuda_hook()
+        if hook is None:
+            raise NotReady("hibernate", "this server has no CUDA checkpoint hook",
+                           hint="hibernate in the process tier instead")
+        return hook.gpu_sleep()
+
+    async def gpu_choice(self, snapshot: Snapshot, chosen: list[str] | None) -> dict[str, Any]:
+        hook = self._cuda_hook()
+        if hook is None:
+            return describe_choice(snapshot.id, None, (), chosen, False)
+        return await hook.gpu_choice(snapshot, chosen)
+
+
+def make_engine(
+    settings: GPUSnapshot | None = None,
+    hooks: list[SnapshotHook] | None = None,
+    kernel_log_dir: Callable[[], Path] = default_kernel_log_dir,
+    follow_links: bool = True,
+) -> LocalEngine:
+    """``kernel_log_dir``: where the kernels' logs live; the node agent names each user's.
+    ``follow_links`` false: the kernels' files are another user's, and the checks of them
+    follow no link (the node agent's)."""
+    settings = settings or GPUSnapshot()
+    policy = ManifestPolicy(
+        kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernel
+    )
+    hooks = hooks if hooks is not None else default_hooks(settings, follow_links)
+    # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.
+    cuda = next((h for h in hooks if isinstance(h, CudaCheckpointHook)), None)
+    return LocalEngine(
+        SnapshotStore(settings.store_dir, settings.signing_key_file, policy,
+                      chunk_images=settings.chunk_images),
+        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
+        hooks,
+        NodeCompatibility(gpus=cuda.node_gpus if cuda else None, follow_links=follow_links),
+        kernel_answers=kernel_answers,
+    )
+
+
+def process_engine(settings: GPUSnapshot | None = None) -> NodeEngine:
+    """The engine this process uses: its own where it may run criu (root), else the node
+    agent's (``GPUSnapshot.through_agent``). The server and the CLI call this."""
+    settings = settings or GPUSnapshot()
+    if settings.through_agent():
+        # The user's own directory keeps what the server writes beside its snapshots
+        # (the notebooks' autosave choices); the snapshots are the agent's.
+        return AgentEngine(AgentClient(settings.agent_socket), Path(settings.store_dir),
+                           lambda client: AgentGpuSleep(client, sleep_report, read_inventory))
+    return make_engine(settings)
+
+
+def sleep_report(fields: dict[str, Any]) -> SleepReport:
+    """A release's or a wake's report as the node agent sends it (``SleepReport.to_dict``)."""
+    return SleepReport(
+        pids=[int(pid) for pid in fields["pids"]],
+        gpu_memory={str(gpu): int(n) for gpu, n in dict(fields["gpu_memory"]).items()},
+        held_threads=int(fields["held_threads"]),
+        timings={str(step): float(t) for step, t in dict(fields["timings"]).items()},
+    )
