@@ -69,9 +69,9 @@ from ..core import locks, procfs, safe_fs
 from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
 from ..core.sequences import finish_despite_cancel
-from ..gpu.sleep import GpuSleep, SleepReport
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
 from ..node.engines import LocalEngine, make_engine
+from ..node.gpus import GpuSleep, SleepReport
 from . import caller_files, criu_credentials, external_files, image_creds, reopened_files
 from .ownership import Caller, require_own_tree
 

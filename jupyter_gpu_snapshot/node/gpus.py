@@ -12,11 +12,12 @@ from ..gpu.broker import PluginInstall
 from ..gpu.driver import driver_status
 from ..gpu.inventory import GpuInventory, read_inventory
 from ..gpu.remap import parse_gpu_choice, remap_notice
-from ..gpu.sleep import SleepReport
+from ..gpu.sleep import GpuSleep, SleepReport
 from ..gpu.trees import Resumed, resume_tree, tree_cuda_state
 
 __all__ = [
     "GpuInventory",
+    "GpuSleep",
     "PluginInstall",
     "Resumed",
     "SleepReport",
