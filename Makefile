@@ -45,7 +45,7 @@ test: install lint pytest
 # devDependencies in labextension/yarn.lock; the editable install has put them in
 # labextension/node_modules. The tests are type-checked by tsc, then run by jest.
 lint: venv
-	$(VENV)/bin/ruff check jupyter_gpu_snapshot tests benchmarks
+	$(VENV)/bin/ruff check jupyter_gpu_snapshot testkit tests benchmarks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm install --immutable >/dev/null
@@ -53,7 +53,7 @@ lint: venv
 	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm test:types
 	cd labextension && PATH="$(abspath $(VENV))/bin:$$PATH" jlpm test
 
-# PYTEST_ARGS picks tests or adds options, e.g. PYTEST_ARGS='tests/test_provisioner.py -x'.
+# PYTEST_ARGS picks tests or adds options, e.g. PYTEST_ARGS='tests/launch/test_provisioner.py -x'.
 PYTEST_ARGS ?=
 
 pytest: install

@@ -43,7 +43,7 @@ from jupyter_client.blocking import BlockingKernelClient
 from server_process import Server, connect, run_cell
 
 from jupyter_gpu_snapshot.launch.kernelspec import install
-from tests.processes import kill_kernels
+from testkit.processes import kill_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK_02 = REPO / "notebooks" / "02-pytorch-training-survives-reboot.ipynb"
@@ -298,7 +298,7 @@ def main() -> None:
         steps_at_kill = int(run_cell(client, "print(step)", timeout=60).strip())
         client.stop_channels()
         killed_at = time.time()
-        first.power_loss(kid)
+        first.power_loss([kid])
         settle(cold=True)
 
         second = Server(base, settings, "after")
@@ -342,8 +342,7 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
         for server in servers:
-            if server.proc.poll() is None:
-                server.proc.kill()
+            server.kill()
         kill_kernels(kernel_ids)
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -31,7 +31,7 @@ from server_process import Server, connect, run_cell
 
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
-from tests.manifests import commit_tiny
+from testkit.manifests import commit_tiny
 
 
 def figures(latencies: list[float]) -> dict[str, float]:

@@ -28,8 +28,8 @@ from common import host_facts, settle
 
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from tests.remote.seaweed import SeaweedServer
-from tests.remote.snapshots import make_snapshot
+from testkit.remote_snapshots import make_snapshot
+from testkit.seaweed import SeaweedServer
 
 MiB = 1 << 20
 

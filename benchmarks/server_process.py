@@ -3,13 +3,8 @@ benchmarks that measure what a user of the REST API sees."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,49 +12,33 @@ from typing import Any
 from jupyter_client.blocking import BlockingKernelClient
 
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
-from tests.processes import free_port, power_loss, shut_down
-from tests.ui.servers import until_job_ends
+from testkit.jupyter_processes import until_job_ends
+from testkit.server_process import JupyterServerProcess
 
 
-class Server:
-    """``jupyter server`` with the extension, in its own process, under ``base``."""
+class Server(JupyterServerProcess):
+    """``jupyter server`` with the extension, in its own process, under ``base``; listening
+    once constructed."""
 
     def __init__(self, base: Path, snapshot_settings: dict[str, Any], label: str) -> None:
         self.base = base
-        self.token = secrets.token_hex(16)
-        self.port = free_port()
         self.runtime = base / "runtime"
         config_dir = base / "config"
         config_dir.mkdir(parents=True, exist_ok=True)
         (base / "notebooks").mkdir(exist_ok=True)
+        # Its address, port and token are on its command line.
         config = {
             "ServerApp": {
-                "ip": "127.0.0.1", "port": self.port, "port_retries": 0,
-                "root_dir": str(base / "notebooks"), "allow_root": True,
-                "open_browser": False, "jpserver_extensions": {"jupyter_gpu_snapshot": True},
+                "root_dir": str(base / "notebooks"),
+                "jpserver_extensions": {"jupyter_gpu_snapshot": True},
             },
-            "IdentityProvider": {"token": self.token},
             "GPUSnapshot": {"store_dir": str(base / "store"), **snapshot_settings},
         }
         (config_dir / "jupyter_server_config.json").write_text(json.dumps(config))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
         env.update(JUPYTER_CONFIG_DIR=str(config_dir), JUPYTER_RUNTIME_DIR=str(self.runtime))
-        self.log_path = base / f"server-{label}.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyter_server"], env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited:\n{self.log_path.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                self.request("GET", "gpu-snapshot/snapshots")
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()}")
-            time.sleep(0.3)
+        super().__init__(base / f"server-{label}.log", env=env, stop_timeout=120)
+        self.wait_ready(120, interval=0.3, extension=True)
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -85,14 +64,6 @@ class Server:
         info: dict[str, Any] = json.loads(
             (self.runtime / f"kernel-{kernel_id}.json").read_text())
         return info
-
-    def power_loss(self, kernel_id: str) -> None:
-        """SIGKILL the server, its children and the kernel's processes, all at once."""
-        power_loss(self.proc.pid, [kernel_id])
-        self.proc.wait()
-
-    def stop(self) -> None:
-        shut_down(self.proc, 120)
 
 
 def connect(connection_info: dict[str, Any]) -> BlockingKernelClient:

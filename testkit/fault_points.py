@@ -2,8 +2,8 @@
 
 ``arm(point)`` wraps one function of the product, in this process only, so that the process
 SIGKILLs itself at that point, with no chance to clean up: the product's code carries no
-test hook. ``tests/fault_saver.py`` arms a point for a save (``--die-at``); run as
-``python -m tests.fault_points STORE REF POINT``, this module deletes snapshot REF and dies
+test hook. ``testkit/fault_saver.py`` arms a point for a save (``--die-at``); run as
+``python -m testkit.fault_points STORE REF POINT``, this module deletes snapshot REF and dies
 at POINT of the delete.
 """
 

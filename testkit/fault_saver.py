@@ -1,11 +1,11 @@
 """A saving process that SIGKILLs itself at a chosen phase of a save: the fault suite's victim.
 
-Run as ``python -m tests.fault_saver STORE PID PHASE [--stop] [--after-bytes N]``. It saves
+Run as ``python -m testkit.fault_saver STORE PID PHASE [--stop] [--after-bytes N]``. It saves
 like ``jupyter gpu-snapshot save`` (``make_engine`` with the settings' hooks, the GPU hook
 included) and dies, with no chance to roll back, when the engine first reports PHASE with at
 least N bytes done: the way a server dies under ``kill -9`` or a stop timeout. With
 ``--die-at POINT`` it dies at that point of the commit's work on the page packs instead
-(``tests/fault_points.py``; PHASE is then one the save never reports, such as "none").
+(``testkit/fault_points.py``; PHASE is then one the save never reports, such as "none").
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import signal
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
-from jupyter_gpu_snapshot.engines import make_engine
-
-from . import fault_points
+from jupyter_gpu_snapshot.node.engines import make_engine
+from testkit import fault_points
 
 
 def main() -> None:

@@ -9,31 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.kernel.client import (
-    ApiError,
-    ConnectionProblem,
-    ServerLink,
-    SnapshotClient,
-)
-
-from ..processes import free_port, shut_down
+from testkit.server_process import JupyterServerProcess
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT = 60
 # The extension built in this source tree (jlpm build:prod in labextension/), if any.
-SOURCE_LABEXTENSION = Path(__file__).parents[2] / "jupyter_gpu_snapshot" / "labextension"
+SOURCE_LABEXTENSION = Path(__file__).parents[1] / "jupyter_gpu_snapshot" / "labextension"
 LABEXTENSION_NAME = "jupyter-gpu-snapshot"
 
 
@@ -51,13 +41,50 @@ def until_job_ends(
     return job
 
 
-@dataclass
-class JupyterProcess:
-    url: str
-    token: str
-    base: Path
-    process: subprocess.Popen[bytes]
-    log_path: Path
+class JupyterProcess(JupyterServerProcess):
+    """``jupyter <app>`` (lab unless said) with its directories under ``base``: a config
+    file there holding ``config``, and its notebooks, data, runtime and store."""
+
+    def __init__(
+        self, base: Path, log_path: Path, *, app: str = "lab", config: str = "",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.base = base
+        self.root.mkdir(parents=True, exist_ok=True)
+        config_dir = base / "config"
+        config_dir.mkdir(exist_ok=True)
+        if app == "lab":
+            config = lab_test_config(base) + config
+        (config_dir / "jupyter_server_config.py").write_text(config)
+        env = dict(
+            os.environ,
+            JUPYTER_CONFIG_DIR=str(config_dir),
+            JUPYTER_DATA_DIR=str(base / "data"),
+            JUPYTER_RUNTIME_DIR=str(self.runtime_dir),
+            JUPYTER_GPU_SNAPSHOT_DIR=str(base / "store"),
+            IPYTHONDIR=str(base / "ipython"),
+            PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            **(extra_env or {}),
+        )
+        options = [
+            # Enabled by the installed jupyter-config file too; named here so that the tests
+            # also run from a source tree that is only on PYTHONPATH.
+            '--ServerApp.jpserver_extensions={"jupyter_gpu_snapshot": True}',
+            f"--ServerApp.root_dir={self.root}",
+        ]
+        if app == "lab":
+            settings = base / "lab-settings"
+            # No news or update toasts over the screenshots.
+            notification = settings / "@jupyterlab" / "apputils-extension"
+            notification.mkdir(parents=True, exist_ok=True)
+            (notification / "notification.jupyterlab-settings").write_text(
+                json.dumps({"fetchNews": "false", "checkForUpdates": False})
+            )
+            options += [
+                f"--LabApp.user_settings_dir={settings}",
+                f"--LabApp.workspaces_dir={base / 'workspaces'}",
+            ]
+        super().__init__(log_path, env=env, options=options, app=app, new_session=True)
 
     @property
     def root(self) -> Path:
@@ -70,22 +97,13 @@ class JupyterProcess:
     def request(self, method: str, endpoint: str, body: Any = None) -> Any:
         """One REST call with the token, sent by the in-kernel client; the decoded JSON
         answer (None when empty); ApiError for an error status."""
-        client = SnapshotClient(ServerLink(self.url, self.token, kernel_id=""), timeout=30)
-        return client.request(method, endpoint, body)
+        return self.client(timeout=30).request(method, endpoint, body)
 
     def get(self, endpoint: str) -> Any:
         return self.request("GET", endpoint)
 
     def wait_job(self, job: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
         return until_job_ends(self.get, job, timeout)
-
-    def log_tail(self, lines: int = 60) -> str:
-        text = self.log_path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> int:
-        """Stops the server as a node shutdown would (SIGTERM); returns its exit status."""
-        return shut_down(self.process, 60, group=True)
 
 
 def lab_test_config(base: Path) -> str:
@@ -116,80 +134,15 @@ def start_jupyter(
     base: Path, log_path: Path, *, app: str = "lab", config: str = "",
     extra_env: dict[str, str] | None = None,
 ) -> JupyterProcess:
-    """Starts ``jupyter <app>`` with its directories under ``base``; waits until it answers.
+    """Starts ``jupyter <app>`` with its directories under ``base``; waits until it answers,
+    with the extension.
 
-    Raises RuntimeError with the server's log when it exits or does not answer in time.
+    Raises ServerStartError (a RuntimeError) with the server's log when it exits, answers
+    without the extension or does not answer in time.
     """
-    root = base / "notebooks"
-    root.mkdir(parents=True, exist_ok=True)
-    config_dir = base / "config"
-    config_dir.mkdir(exist_ok=True)
-    if app == "lab":
-        config = lab_test_config(base) + config
-    (config_dir / "jupyter_server_config.py").write_text(config)
-    token = secrets.token_hex(16)
-    port = free_port()
-    env = dict(
-        os.environ,
-        JUPYTER_CONFIG_DIR=str(config_dir),
-        JUPYTER_DATA_DIR=str(base / "data"),
-        JUPYTER_RUNTIME_DIR=str(base / "runtime"),
-        JUPYTER_GPU_SNAPSHOT_DIR=str(base / "store"),
-        IPYTHONDIR=str(base / "ipython"),
-        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        **(extra_env or {}),
-    )
-    argv = [
-        # `python -m jupyter` finds the subcommand also where the environment's scripts
-        # are not beside the interpreter (a --target install on the GPU machine).
-        sys.executable, "-m", "jupyter", app, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-        "--port-retries=0", f"--IdentityProvider.token={token}",
-        # Enabled by the installed jupyter-config file too; named here so that the tests
-        # also run from a source tree that is only on PYTHONPATH.
-        '--ServerApp.jpserver_extensions={"jupyter_gpu_snapshot": True}',
-        f"--ServerApp.root_dir={root}", "--allow-root",
-    ]
-    if app == "lab":
-        settings = base / "lab-settings"
-        # No news or update toasts over the screenshots.
-        notification = settings / "@jupyterlab" / "apputils-extension"
-        notification.mkdir(parents=True, exist_ok=True)
-        (notification / "notification.jupyterlab-settings").write_text(
-            json.dumps({"fetchNews": "false", "checkForUpdates": False})
-        )
-        argv += [
-            f"--LabApp.user_settings_dir={settings}",
-            f"--LabApp.workspaces_dir={base / 'workspaces'}",
-        ]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = JupyterProcess(f"http://127.0.0.1:{port}/", token, base, process, log_path)
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"jupyter {app} exited with {process.returncode}:\n{server.log_tail()}"
-            )
-        try:
-            server.get("api/status")
-            server.get("gpu-snapshot/snapshots")
-            return server
-        except ApiError as exc:
-            server.stop()
-            raise RuntimeError(
-                f"jupyter {app} answered {exc.status} ({exc.message}): is the "
-                f"jupyter_gpu_snapshot server extension enabled?\n{server.log_tail()}"
-            ) from None
-        except ConnectionProblem:
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(
-                    f"jupyter {app} did not answer in {START_TIMEOUT} s:\n{server.log_tail()}"
-                ) from None
-            time.sleep(0.3)
+    server = JupyterProcess(base, log_path, app=app, config=config, extra_env=extra_env)
+    server.wait_ready(START_TIMEOUT, interval=0.3, extension=True)
+    return server
 
 
 JupyterStarter = Callable[..., JupyterProcess]

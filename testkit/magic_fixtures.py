@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
 import textwrap
 import time
 import urllib.parse
@@ -26,9 +24,9 @@ import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.kernel.client import ConnectionProblem, ServerLink, SnapshotClient
-
-from .processes import free_port, shut_down
+from jupyter_gpu_snapshot.kernel.client import ServerLink, SnapshotClient
+from testkit.processes import free_port
+from testkit.server_process import JupyterServerProcess
 
 SERVER_START_SECONDS = 60.0
 
@@ -130,7 +128,7 @@ class JupyterServer:
         where = f"http+unix://{urllib.parse.quote(str(self.sock), safe='')}/" if self.sock else None
         # The in-kernel REST client, as the magic uses it (no kernel id: tests name kernels).
         self.http = SnapshotClient(ServerLink(where or self.url, self.token, kernel_id=""))
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: JupyterServerProcess | None = None
         self.clients: list[BlockingKernelClient] = []
 
     @property
@@ -144,52 +142,28 @@ class JupyterServer:
         return env
 
     def start(self) -> None:
-        where = (
-            [f"--ServerApp.sock={self.sock}"] if self.sock else
-            ["--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}"]
+        self.process = JupyterServerProcess(
+            self.log_path, env=self.env, port=self.port, sock=self.sock, token=self.token,
+            cwd=self.root, append_log=True,
+            # SIGTERM stops jupyter server at once. Two SIGINTs sent together can arrive as
+            # one, which only asks for a confirmation and leaves the server running.
+            stop_timeout=20,
+            options=[
+                f"--ServerApp.root_dir={self.root}",
+                '--ServerApp.jpserver_extensions={"jupyter_gpu_snapshot": True}',
+                f"--GPUSnapshot.store_dir={self.store}",
+                # On by default; these scenarios do not want every stop to save their kernels.
+                "--GPUSnapshot.snapshot_on_shutdown=False",
+                *self.options,
+            ],
         )
-        argv = [
-            sys.executable, "-m", "jupyter_server", *where,
-            "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
-            f"--ServerApp.root_dir={self.root}", "--ServerApp.open_browser=False",
-            "--allow-root",
-            '--ServerApp.jpserver_extensions={"jupyter_gpu_snapshot": True}',
-            f"--GPUSnapshot.store_dir={self.store}",
-            # On by default; these scenarios do not want every stop to save their kernels.
-            "--GPUSnapshot.snapshot_on_shutdown=False",
-            *self.options,
-        ]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                cwd=self.root,
-            )
-        deadline = time.monotonic() + SERVER_START_SECONDS
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter server exited: {self.log_tail()}")
-            try:
-                status, _ = self.request("GET", "api/status")
-                if status == 200:
-                    return
-            except ConnectionProblem:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"jupyter server did not answer: {self.log_tail()}")
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        self.process.wait_ready(SERVER_START_SECONDS)
 
     def stop(self) -> None:
         for client in self.clients:
             client.stop_channels()
-        if self.proc is not None:
-            # SIGTERM stops jupyter server at once. Two SIGINTs sent together can arrive as
-            # one, which only asks for a confirmation and leaves the server running.
-            shut_down(self.proc, 20)
+        if self.process is not None:
+            self.process.stop()
         # Kernels (restored ones included) are ours only if they use our runtime dir.
         for proc in psutil.process_iter(["cmdline"]):
             cmdline = proc.info.get("cmdline") or []

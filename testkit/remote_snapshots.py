@@ -14,8 +14,7 @@ from typing import Any
 
 from jupyter_gpu_snapshot.core.snapshot import Snapshot, new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from ..manifests import CONNECTION, kernel_section
+from testkit.manifests import CONNECTION, kernel_section
 
 
 def make_snapshot(
@@ -48,7 +47,7 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 # An upload in a process of its own, one worker and 5 MiB parts, printing its progress.
 UPLOADER = textwrap.dedent(
     """

@@ -37,9 +37,8 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
-
-from . import gpu_results
-from .unix_users import unix_users, user_paths  # noqa: F401  (fixtures for tests/agent, tests/hub)
+from testkit import gpu_results
+from testkit.unix_users import unix_users, user_paths  # noqa: F401  (fixtures for tests/agent, tests/hub)
 
 T = TypeVar("T")
 

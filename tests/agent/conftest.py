@@ -32,8 +32,7 @@ import psutil
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
-
-from ..unix_users import POLL, UnixUser
+from testkit.unix_users import POLL, UnixUser
 
 AGENT_START_SECONDS = 60.0
 COMMAND_SECONDS = 180.0

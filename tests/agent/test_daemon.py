@@ -26,9 +26,9 @@ from jupyter_gpu_snapshot.agent.ownership import Caller
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
+from testkit.unix_users import UnixUser
 
 from ..conftest import run, start_kernel, stop_kernel
-from ..unix_users import UnixUser
 
 
 @pytest.fixture

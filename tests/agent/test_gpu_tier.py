@@ -2,7 +2,7 @@
 released and given back, its process kept.
 
 A real agent (``daemon.NodeAgent``), served by an event loop of its own in this process so
-that its CUDA hook's driver is the scripted one of the test (``tests/gpu/fake_driver.py``);
+that its CUDA hook's driver is the scripted one of the test (``testkit/fake_driver.py``);
 real kernels that Alice's jupyter_client starts through it; a real holder process, root's,
 stopping their threads under ptrace. The calls come from a process of the user's that holds
 the gpu tier as their server does (``SnapshotService.gpu_sleep``).
@@ -41,15 +41,14 @@ from jupyter_gpu_snapshot.core.errors import (
     NotReady,
     SnapshotError,
 )
-from jupyter_gpu_snapshot.engines import default_hooks, make_engine
 from jupyter_gpu_snapshot.gpu.driver import (
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_ERROR_UNKNOWN,
     ProcessState,
 )
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-
-from ..gpu.fake_driver import (
+from jupyter_gpu_snapshot.node.engines import default_hooks, make_engine
+from testkit.fake_driver import (
     FORCE_CUDA_PLUGIN,
     GIB,
     RESTORE_THREAD_CODE,
@@ -58,8 +57,17 @@ from ..gpu.fake_driver import (
     FakeGpus,
     fake_cuda_env,
 )
-from ..unix_users import UnixUser
-from .conftest import UserKernel, ask_kernel, kill_users_kernels, start_user_kernel, user_env
+from testkit.unix_users import UnixUser
+
+from .conftest import (
+    UserKernel,
+    as_user,
+    ask_kernel,
+    cli,
+    kill_users_kernels,
+    start_user_kernel,
+    user_env,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent and its holders are root")
 
@@ -73,10 +81,9 @@ USER_SERVER = """
 import json, sys
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core.errors import SnapshotError
-from jupyter_gpu_snapshot.engines import process_engine
-from jupyter_gpu_snapshot.server.service import SnapshotService
+from jupyter_gpu_snapshot.node.engines import process_engine
 settings = GPUSnapshot()
-sleep = SnapshotService(process_engine(settings), settings, kernel_manager=None).gpu_sleep()
+sleep = process_engine(settings).gpu_sleep()
 print(json.dumps(type(sleep).__name__), flush=True)
 for line in sys.stdin:
     method, args = json.loads(line)
@@ -86,6 +93,15 @@ for line in sys.stdin:
     except SnapshotError as exc:
         answer = {"error": exc.to_dict()}
     print(json.dumps(answer), flush=True)
+"""
+
+# Run as the user: where their server's preview says a restore of a snapshot would put its
+# GPUs (``GET snapshots/{id}/gpus``), through ``NodeEngine.gpu_choice``.
+GPU_PREVIEW = """
+import asyncio, json, sys
+from jupyter_gpu_snapshot.node.engines import process_engine
+engine = process_engine()
+print(json.dumps(asyncio.run(engine.gpu_choice(engine.get(sys.argv[1]), None))))
 """
 
 
@@ -418,3 +434,16 @@ def _alive(proc: psutil.Process) -> bool:
     with contextlib.suppress(psutil.NoSuchProcess):
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     return False
+
+
+def test_the_gpu_preview_reads_the_agents_gpus(gpu_agent: AgentInThisProcess, alice: UnixUser
+                                               ) -> None:
+    """A user's process may not see the node's GPUs (no driver in its namespace, no device
+    files): the preview of a restore is the agent's reading, with its CUDA hook."""
+    kernel = start_user_kernel(alice, gpu_agent)
+    saved = json.loads(cli(alice, gpu_agent, "save", "--pid", str(kernel.root_pid),
+                           "--json").stdout)
+    preview = json.loads(as_user(alice, gpu_agent, [sys.executable, "-c", GPU_PREVIEW,
+                                                    saved["id"]]).stdout)
+    assert [d["uuid"] for d in preview["node"]] == [UUID0], preview
+    assert preview["problem"] is None and preview["devices"] == [], preview

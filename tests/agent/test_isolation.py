@@ -37,9 +37,9 @@ from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
+from testkit.unix_users import UnixUser
 
 from ..conftest import run, start_kernel, stop_kernel
-from ..unix_users import UnixUser
 from .conftest import (
     BIG_CELL,
     CLI,

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jupyter_gpu_snapshot.core import procfs
+from testkit.unix_users import UnixUser
 
-from ..unix_users import UnixUser
 from .conftest import CLI, Agent, as_user, ask_kernel, cli, save_and_stop, start_user_kernel
 
 # A refusal comes in seconds; a restore held by what is at the log never comes, and the

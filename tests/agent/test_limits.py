@@ -28,8 +28,8 @@ import psutil
 
 from jupyter_gpu_snapshot.agent_client.protocol import MAX_REQUEST_BYTES, encode
 from jupyter_gpu_snapshot.core import procfs
+from testkit.unix_users import UnixUser
 
-from ..unix_users import UnixUser
 from .conftest import (
     BIG_CELL,
     COMMAND_SECONDS,

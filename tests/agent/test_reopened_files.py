@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
+from testkit.criu_wrappers import install
+from testkit.unix_users import UnixUser, processes_of
 
-from ..criu_wrappers import install
-from ..unix_users import UnixUser, processes_of
 from .conftest import Agent, ask_kernel, cli, start_user_kernel
 
 SECRET = b"ROOT-ONLY-SECRET-" + b"x" * 4079  # one page, so a mapping reads it whole

@@ -16,8 +16,7 @@ from jupyter_core.paths import jupyter_runtime_dir
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .conftest import KernelHandle, RestoredTrees, start_kernel, stop_kernel
+from tests.conftest import KernelHandle, RestoredTrees, start_kernel, stop_kernel
 
 
 def cli(
@@ -48,7 +47,7 @@ def test_save_list_restore_rm_by_pid(tmp_path: Path, kernel: KernelHandle, resto
     connection_file = Path(result["connection_file"])
     assert connection_file.stat().st_mode & 0o777 == 0o600
     client = restored.connect(connection_file, result["pid"])
-    from .conftest import execute
+    from tests.conftest import execute
 
     assert "{'epoch': 7}" in execute(client, "print(state)")
     assert procfs.namespace_init(result["kernel_pid"]) == result["pid"]
@@ -177,8 +176,8 @@ def test_the_wheel_ships_the_kernelspec_as_data():
 
     from jupyter_gpu_snapshot.launch.kernelspec import SHIPPED_SPEC, kernel_json
 
-    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    source = SHIPPED_SPEC.relative_to(Path(__file__).parents[1]).as_posix()
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    source = SHIPPED_SPEC.relative_to(Path(__file__).parents[2]).as_posix()
     assert f'"{source}" = "share/jupyter/kernels/python3-snapshot"' in pyproject
     # The shipped file is what install writes, with jupyter_client's stand-in for the
     # server's own interpreter; it cannot drift from kernel_json().
@@ -230,7 +229,7 @@ def _flat(text: str) -> str:
 
 
 def test_unsigned_and_damaged_snapshots_are_listed_and_trust_is_explicit(tmp_path: Path):
-    from .test_store import _commit, _manifest, _rewrite, _store
+    from tests.core.test_store import _commit, _manifest, _rewrite, _store
 
     store = _store(tmp_path)
     store.policy = SnapshotStore(store.root).policy  # the CLI's: this runtime dir's logs
@@ -265,8 +264,8 @@ def test_unsigned_and_damaged_snapshots_are_listed_and_trust_is_explicit(tmp_pat
 
 
 def test_du_says_what_each_snapshot_wrote_and_what_deleting_it_frees(tmp_path: Path):
-    from .test_store_usage import _pages, _save
-    from .test_store_usage import _store as usage_store
+    from tests.core.test_store_usage import _pages, _save
+    from tests.core.test_store_usage import _store as usage_store
 
     store = usage_store(tmp_path)
     store.policy = SnapshotStore(store.root).policy  # the CLI's: this runtime dir's logs
@@ -312,8 +311,7 @@ def test_list_latest_names_each_notebooks_newest_snapshot(tmp_path: Path, kernel
     from jupyter_gpu_snapshot.core.engine import SnapshotEngine
     from jupyter_gpu_snapshot.core.hooks import SaveTarget
     from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-    from .conftest import run
+    from tests.conftest import run
 
     store = tmp_path / "store"
     engine = SnapshotEngine(SnapshotStore(store))

@@ -75,5 +75,5 @@ def test_a_commit_goes_on_when_the_workers_die(
     def broken(*args: object) -> tuple[bytes, bytes]:
         raise BrokenExecutor("a worker died")
 
-    monkeypatch.setattr(chunks, "_decode_ids", broken)
+    monkeypatch.setattr(chunks, "decode_ids", broken)
     assert _chunk(image, monkeypatch, workers=True) == alone

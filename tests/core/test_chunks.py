@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks, safe_fs
-from jupyter_gpu_snapshot.core import store as store_module
+from jupyter_gpu_snapshot.core import chunks, safe_fs, staging
 from jupyter_gpu_snapshot.core.chunks import ID_BYTES, PAGE, ZERO_ID
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
@@ -164,7 +163,7 @@ def test_a_save_with_no_new_page_writes_no_pack(tmp_path):
 def test_pages_repeated_in_one_save_are_written_once(tmp_path, monkeypatch, step_pages):
     """In two files, and (with a step of 16 pages) in two steps of one file."""
     if step_pages:
-        monkeypatch.setattr(chunks, "_STEP", step_pages * PAGE)
+        monkeypatch.setattr(chunks, "STEP", step_pages * PAGE)
     store = make_store(tmp_path)
     page, other = pages(2, 3)
     snapshot = commit(store, {IMAGE: (page + other) * 150, "pages-2.img": page * 300})
@@ -226,12 +225,12 @@ def test_assembled_images_equal_the_originals_with_zero_pages_as_holes(
     snapshot = commit(store, {IMAGE: data})
     store.verify(snapshot)
     if not in_memory:  # as on a machine whose memory cannot hold the files
-        monkeypatch.setattr(store_module, "memory_for_assembly", lambda needed: None)
+        monkeypatch.setattr(staging, "memory_for_assembly", lambda needed: None)
 
     with store.opened_images(store.reload(snapshot)) as (directory, opened):
         if in_memory:
-            assert directory.parent.parent == store_module.MEMORY_DIR
-            assert directory.parent.name.startswith(store_module.MEMORY_ASSEMBLY_PREFIX)
+            assert directory.parent.parent == staging.MEMORY_DIR
+            assert directory.parent.name.startswith(staging.MEMORY_ASSEMBLY_PREFIX)
         else:
             assert directory.parent.name.startswith(".assembled-")
         ((fd, size),) = opened

@@ -35,9 +35,8 @@ from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
 from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION
 from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
-from .test_engine import CriuCalls
+from tests.conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
+from tests.core.test_engine import CriuCalls
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"

@@ -25,10 +25,9 @@ from jupyter_gpu_snapshot.core.errors import Busy, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.locks import kernel_key, name_key, snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .conftest import KernelHandle, RestoredTrees, run, start_kernel, stop_kernel
-from .criu_wrappers import install, slow
-from .test_cli import cli
+from testkit.criu_wrappers import install, slow
+from tests.cli.test_cli import cli
+from tests.conftest import KernelHandle, RestoredTrees, run, start_kernel, stop_kernel
 
 
 def _slow_criu(tmp_path: Path, action: str, seconds: float = 3.0) -> str:

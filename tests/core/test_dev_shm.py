@@ -28,8 +28,7 @@ from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.open_files import OpenFilesHook, inspect_files
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .conftest import KernelHandle, RestoredTrees, execute, run
+from tests.conftest import KernelHandle, RestoredTrees, execute, run
 
 # A worker as a DataLoader's: it takes work from one queue, answers on another, and shares
 # a semaphore and a lock with the kernel. Semaphore + Lock + two queues (3 each): 8.

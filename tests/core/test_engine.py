@@ -22,9 +22,8 @@ from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotE
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from . import stored_pages
-from .conftest import KernelHandle, execute, run
+from testkit import stored_pages
+from tests.conftest import KernelHandle, execute, run
 
 STATE_SETUP = """
 import hashlib, random, threading, time

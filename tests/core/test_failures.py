@@ -16,9 +16,8 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotReady, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveContext, SaveTarget, SnapshotHook
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .conftest import KernelHandle, run, start_kernel, stop_kernel
-from .criu_wrappers import install, kill_while_writing_pages
+from testkit.criu_wrappers import install, kill_while_writing_pages
+from tests.conftest import KernelHandle, run, start_kernel, stop_kernel
 
 
 def _target(kernel: KernelHandle) -> SaveTarget:

@@ -1,6 +1,6 @@
 """The fault suite, in the manner of CRIU's zdtm: scenarios as data, every run checked.
 
-The saving process is SIGKILLed at each phase of a save (``tests/fault_saver.py``, which
+The saving process is SIGKILLed at each phase of a save (``testkit/fault_saver.py``, which
 saves as the CLI does), for keep-running and stopping saves. Then the store is recovered as
 a server start does, and every run asserts the same contract:
 - the kernel is alive and answers, or a complete listed snapshot holds its state (restored
@@ -9,7 +9,7 @@ a server start does, and every run asserts the same contract:
 - the earlier snapshot is byte-identical.
 
 A second table kills the work on page packs (images kept by content, ``core/chunks.py``) at
-its points (``tests/fault_points.py``): a commit while it writes its pack, after the pack and
+its points (``testkit/fault_points.py``): a commit while it writes its pack, after the pack and
 before the recipes, after its rename and before the whole files go; a delete; the delete's
 collector between a rewritten pack and the removal of the old one. After each: nothing
 partial is listed, every earlier snapshot verifies and restores, and a later save and a
@@ -35,12 +35,11 @@ from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.criu_wrappers import install, kill_saver_while_writing_pages
+from testkit.fault_points import POINTS
+from tests.conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 
-from .conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
-from .criu_wrappers import install, kill_saver_while_writing_pages
-from .fault_points import POINTS
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def tree_digest(path: Path) -> dict[str, str]:
 def kill_saver_at(
     store: SnapshotStore, pid: int, fault: Fault, tmp_path: Path, name: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "tests.fault_saver", str(store.root), str(pid), fault.phase,
+    argv = [sys.executable, "-m", "testkit.fault_saver", str(store.root), str(pid), fault.phase,
             "--after-bytes", str(fault.after_bytes)]
     if fault.stop:
         argv.append("--stop")
@@ -181,8 +180,8 @@ def test_a_failed_commit_of_a_stopping_save_keeps_the_image(
 class PackFault:
     """One row of work on the page packs: which operation dies, and at which point."""
 
-    operation: str  # "save" (keep-running, through tests/fault_saver.py) or "delete"
-    point: str  # a point of tests/fault_points.py
+    operation: str  # "save" (keep-running, through testkit/fault_saver.py) or "delete"
+    point: str  # a point of testkit/fault_points.py
     listed_as: str  # what the killed save left listed: "recovered", "committed" or "none"
 
     @property
@@ -259,10 +258,10 @@ def test_pack_work_killed(
         kernel.execute("counter = 43; fresh = np.random.default_rng(2).bytes(8 << 20)")
 
         if fault.operation == "save":
-            died = _subprocess(["tests.fault_saver", str(store.root), str(kernel.kernel_pid),
+            died = _subprocess(["testkit.fault_saver", str(store.root), str(kernel.kernel_pid),
                                 "none", "--die-at", fault.point, "--name", "killed"])
         else:
-            died = _subprocess(["tests.fault_points", str(store.root), first.id, fault.point])
+            died = _subprocess(["testkit.fault_points", str(store.root), first.id, fault.point])
         assert died.returncode == -9, died.stderr
         wait_for_criu_to_finish(store)
         report = recover_store(store)

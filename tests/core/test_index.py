@@ -12,8 +12,7 @@ from jupyter_gpu_snapshot.core.errors import NotFound
 from jupyter_gpu_snapshot.core.index import SnapshotIndex
 from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .manifests import commit_tiny
+from testkit.manifests import commit_tiny
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ from jupyter_gpu_snapshot.core.errors import NotReady
 from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
 from jupyter_gpu_snapshot.core.open_files import OpenFilesHook
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .conftest import KernelHandle, RestoredTrees, execute, run
+from tests.conftest import KernelHandle, RestoredTrees, execute, run
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ import pytest
 
 from jupyter_gpu_snapshot.core.errors import Busy, InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.locks import name_key, snapshot_key
-
-from .test_store import _commit, _manifest, _rewrite, _store
+from tests.core.test_store import _commit, _manifest, _rewrite, _store
 
 
 def test_rename_re_signs_the_manifest_and_keeps_everything_else(tmp_path):
@@ -81,8 +80,7 @@ def test_a_tampered_manifest_is_never_re_signed(tmp_path):
 
 def test_cli_rename(tmp_path):
     from jupyter_gpu_snapshot._constants import ENV_SIGNING_KEY
-
-    from .test_cli import cli
+    from tests.cli.test_cli import cli
 
     store = _store(tmp_path)
     snapshot_id = _commit(store, "cli-before")

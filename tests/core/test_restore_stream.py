@@ -28,9 +28,8 @@ from jupyter_gpu_snapshot.core.image_server import ImageFile, ImageServer
 from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
-
-from .conftest import KernelHandle, execute, run
-from .criu_wrappers import _real, _value_of, install
+from testkit.criu_wrappers import _real, _value_of, install
+from tests.conftest import KernelHandle, execute, run
 
 # 96 MiB of the kernel's memory that only this state produces: its pages image is streamed.
 STATE = """

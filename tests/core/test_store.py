@@ -21,8 +21,7 @@ from jupyter_gpu_snapshot.core.safe_fs import UnsafeStore
 from jupyter_gpu_snapshot.core.signing import SigningKey
 from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id, validate_name
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .conftest import run
+from tests.conftest import run
 
 CONNECTION = {
     "transport": "tcp", "ip": "127.0.0.1", "key": "k" * 36, "signature_scheme": "hmac-sha256",

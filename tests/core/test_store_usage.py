@@ -12,8 +12,7 @@ from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.core.usage import StoreUsage, store_usage
-
-from .test_store import CONNECTION
+from tests.core.test_store import CONNECTION
 
 PAGE = chunks.PAGE
 SMALL = b"c" * 1000  # kept whole: below chunks.MIN_CHUNKED_BYTES
@@ -132,7 +131,7 @@ def test_snapshots_kept_whole_free_their_own_files(tmp_path: Path):
 
 
 def test_a_snapshot_from_before_chunking_counts_all_of_itself_as_new(tmp_path: Path):
-    from .test_store import _manifest, _rewrite
+    from tests.core.test_store import _manifest, _rewrite
 
     store = _store(tmp_path)
     a = _save(store, "old", _pages(1, 2, 3))  # small: kept whole

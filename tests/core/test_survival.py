@@ -22,9 +22,8 @@ from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
-
-from .conftest import KernelHandle, RestoredTrees, execute, run
-from .criu_wrappers import install, signals_the_kernel_after_the_dump
+from testkit.criu_wrappers import install, signals_the_kernel_after_the_dump
+from tests.conftest import KernelHandle, RestoredTrees, execute, run
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 On a machine with a driver they run; anything missing there is a failure, not a skip. Set
 ``JGS_GPU_RESULTS=FILE`` to write every GPU test's outcome and the figures the tests record
-(device, driver, date, times, image sizes) to a JSON file (tests/gpu_results.py).
+(device, driver, date, times, image sizes) to a JSON file (testkit/gpu_results.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from ..gpu_check import no_gpu_reason
-from ..gpu_results import RESULTS
+from testkit.gpu_check import no_gpu_reason
+from testkit.gpu_results import RESULTS
 
 # The start of a kernel's cell whose PyTorch computes the same bits on every run: cuBLAS's
 # workspace fixed, the generators seeded, the non-deterministic kernels refused.

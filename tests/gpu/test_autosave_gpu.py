@@ -28,7 +28,7 @@ def test_training_survives_a_hard_kill_through_its_autosave(
     tmp_path: Path, figures: dict[str, Any]
 ) -> None:
     out = tmp_path / "autosave.json"
-    # The benchmark imports the tests' process helpers (tests/processes.py).
+    # The benchmark imports the shared test kit (testkit/processes.py) from the checkout.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     run = subprocess.run(
         [sys.executable, str(BENCH), "--minutes", "1", "--interval", "0.25",

@@ -1,6 +1,6 @@
 """The GPU layer's sequencing, rollback and refusals, with real kernels and real CRIU.
 
-Only the CUDA driver is a stand-in here (``tests/gpu/fake_driver.py``): on a machine without
+Only the CUDA driver is a stand-in here (``testkit/fake_driver.py``): on a machine without
 a GPU it plays the driver's state machine and fails any step on request. Each scenario then
 checks what the real kernel process is left with: alive, answering, its (fake) CUDA state
 running, nothing partial in the store, earlier snapshots intact. The same scenarios run for
@@ -38,8 +38,21 @@ from jupyter_gpu_snapshot.gpu.driver import (
     ProcessState,
 )
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-
-from .conftest import (
+from testkit.criu_wrappers import (
+    dies_after_the_dump_completed,
+    fails_writing_pages,
+    install,
+    kill_while_writing_pages,
+)
+from testkit.fake_driver import (
+    FORCE_CUDA_PLUGIN,
+    GIB,
+    RESTORE_THREAD_CODE,
+    FakeCudaDriver,
+    FakeGpus,
+    fake_cuda_env,
+)
+from tests.conftest import (
     KernelHandle,
     RestoredTrees,
     execute,
@@ -48,20 +61,6 @@ from .conftest import (
     start_kernel,
     stop_kernel,
     wait_for_output,
-)
-from .criu_wrappers import (
-    dies_after_the_dump_completed,
-    fails_writing_pages,
-    install,
-    kill_while_writing_pages,
-)
-from .gpu.fake_driver import (
-    FORCE_CUDA_PLUGIN,
-    GIB,
-    RESTORE_THREAD_CODE,
-    FakeCudaDriver,
-    FakeGpus,
-    fake_cuda_env,
 )
 
 TWO_GIB = 2 * GIB

@@ -21,8 +21,7 @@ from traitlets.config import Config
 
 from jupyter_gpu_snapshot._constants import ENV_GROW_GPU_ALLOCATORS, GROWING_ALLOCATOR_ENV
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
-
-from .conftest import KernelHandle, start_kernel, stop_kernel
+from tests.conftest import KernelHandle, start_kernel, stop_kernel
 
 XLA = "XLA_PYTHON_CLIENT_PREALLOCATE"
 TF = "TF_FORCE_GPU_ALLOW_GROWTH"

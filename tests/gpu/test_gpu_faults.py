@@ -1,6 +1,6 @@
 """The fault suite's stopping-save rows with a PyTorch kernel on the GPU.
 
-The saver (``tests/fault_saver.py``, with the real CUDA hook) is SIGKILLed at each phase of
+The saver (``testkit/fault_saver.py``, with the real CUDA hook) is SIGKILLed at each phase of
 a ``stop`` save; recovery then runs as a server start runs it (waking CUDA too). Each row
 checks that the kernel computes on the GPU with its weights intact, or that its recovered
 snapshot restores them and training goes on.
@@ -14,16 +14,16 @@ from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.recovery import recover_store
-from jupyter_gpu_snapshot.engines import make_engine, wake_kernel
-
-from ..conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
-from ..test_faults import (
+from jupyter_gpu_snapshot.node.engines import make_engine, wake_kernel
+from tests.core.test_faults import (
     FAULTS,
     assert_nothing_partial,
     kill_saver_at,
     tree_digest,
     wait_for_criu_to_finish,
 )
+
+from ..conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
 from .test_gpu_kernels import TRAINING
 
 pytestmark = pytest.mark.gpu

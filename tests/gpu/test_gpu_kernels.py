@@ -23,12 +23,12 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.engines import make_engine
 from jupyter_gpu_snapshot.gpu.driver import (
     CudaError,
     LibcudaDriver,
     ProcessState,
 )
+from jupyter_gpu_snapshot.node.engines import make_engine
 
 from ..conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 from .conftest import DETERMINISTIC_TORCH

@@ -1,5 +1,5 @@
 """The first tier of hibernation on real processes: their threads held by a real holder
-under ptrace, their CUDA state kept by the scripted driver (``tests/gpu/fake_driver.py``).
+under ptrace, their CUDA state kept by the scripted driver (``testkit/fake_driver.py``).
 
 Each scenario is a row; every run checks, at its end, that the process either runs with
 its CUDA state running and every thread free, or sleeps with every thread but the driver's
@@ -29,8 +29,7 @@ from jupyter_gpu_snapshot.gpu.driver import (
     ProcessState,
 )
 from jupyter_gpu_snapshot.gpu.sleep import GpuSleep, holders_dir
-
-from .gpu.fake_driver import GIB, RESTORE_THREAD_CODE, FakeCudaDriver, FakeGpus, fake_cuda_env
+from testkit.fake_driver import GIB, RESTORE_THREAD_CODE, FakeCudaDriver, FakeGpus, fake_cuda_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="holding threads needs root")
 
@@ -257,8 +256,8 @@ def test_recovery_holds_a_tree_its_dump_left_stopped_before_waking_it(
 ) -> None:
     """A saver killed after the hand-over: the server's next start wakes the kernel, held
     until its CUDA state runs again."""
-    from jupyter_gpu_snapshot import engines
     from jupyter_gpu_snapshot.core import recovery
+    from jupyter_gpu_snapshot.node import engines
 
     monkeypatch.setattr(recovery, "work_base", lambda: sleep.holders.parent)
     monkeypatch.setattr(engines, "work_base", lambda: sleep.holders.parent)

@@ -25,11 +25,11 @@ import pytest
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.engines import make_engine
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver, ProcessState
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.gpu.inventory import read_inventory
 from jupyter_gpu_snapshot.gpu.sleep import GpuSleep, holders_dir
+from jupyter_gpu_snapshot.node.engines import make_engine
 
 from ..conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
 from .test_frameworks import FRAMEWORKS, Framework

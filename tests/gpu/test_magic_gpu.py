@@ -14,9 +14,9 @@ import re
 
 import pytest
 
-from .gpu_check import no_gpu_reason
-from .magic_fixtures import JupyterServer, NotebookKernel, jupyter_server, ok
-from .test_magic import SAVE_IN_A_CELL, SAVED, _restore_alone, notebook
+from testkit.gpu_check import no_gpu_reason
+from testkit.magic_fixtures import JupyterServer, NotebookKernel, jupyter_server, ok
+from tests.kernel.test_magic import SAVE_IN_A_CELL, SAVED, _restore_alone, notebook
 
 __all__ = ["jupyter_server", "notebook"]  # fixtures, imported for pytest
 

@@ -28,9 +28,9 @@ import pytest
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.gpu.inventory import GpuInventory, read_inventory
+from testkit.gpu_check import fewer_gpus_reason
 
 from ..conftest import RestoredTrees, execute, start_kernel, stop_kernel
-from ..gpu_check import fewer_gpus_reason
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,7 +3,7 @@ their own uids, unprivileged, behind its real proxy: a node of a shared deployme
 
 Fixtures:
 
-- ``unix_users`` and ``user_paths`` (session, ``tests/unix_users.py``): the two Unix users,
+- ``unix_users`` and ``user_paths`` (session, ``testkit/unix_users.py``): the two Unix users,
   and the paths they need.
 - ``hub_environment`` (module): environment added to every user's server; override it.
 - ``hub_config`` (module): extra traitlets configuration of the hub; override it.
@@ -31,8 +31,8 @@ import psutil
 import pytest
 import requests
 
-from ..processes import free_port
-from ..unix_users import NOTEBOOKS, VENV, UnixUser, kill_all, poll
+from testkit.processes import free_port
+from testkit.unix_users import NOTEBOOKS, VENV, UnixUser, kill_all, poll
 
 # The interpreter that runs the tests runs the hub and the users' servers, extension included
 # (the venv's etc/jupyter enables it).

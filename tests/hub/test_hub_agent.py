@@ -9,6 +9,7 @@ through the hub's proxy, saves and restores go through the user's REST API and t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -21,7 +22,7 @@ import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from ..agent.conftest import Agent, start_node_agent, stop_node_agent
+from ..agent.conftest import Agent, cli, start_node_agent, stop_node_agent
 from ..conftest import run
 from ..server.conftest import KernelSocket
 from .conftest import Hub, UnixUser
@@ -197,3 +198,54 @@ def test_a_kernel_hibernates_and_wakes_through_the_agent(
     # The next cell wakes it, restored by the agent into the same kernel id.
     assert server.execute(kernel_id, "print(y * 2)").strip() == "10"
     assert f"for {bob.name}" in node_agent.log()
+
+
+def test_every_face_reads_the_agents_store(
+        hub: Hub, node_agent: Agent, unix_users: tuple[UnixUser, UnixUser]):
+    """Through the agent, the sidebar's store, autosave's disk admission, the GPU preview
+    and the CLI all answer from the agent's store for the user, never from the user's own
+    directory (which holds no snapshot)."""
+    alice, _ = unix_users
+    store = str(node_agent.store_of(alice))
+    if hub.server(alice) is not None:
+        hub.stop_server(alice)
+    # Autosaves every second of activity that no disk could take: each one is refused by
+    # the admission, which names the store whose free space it read.
+    hub.start_server(alice, args=[
+        "--GPUSnapshot.autosave=True", "--GPUSnapshot.autosave_interval_minutes=0.02",
+        f"--GPUSnapshot.autosave_min_free_bytes={1 << 60}"])
+    server = UserServer(hub, alice)
+    listing = server.call("GET", "gpu-snapshot/snapshots")
+    assert listing["store"]["path"] == store, listing["store"]
+    assert isinstance(listing["store"]["free_bytes"], int), listing["store"]
+
+    kernel_id = server.open_notebook("faces.ipynb")
+    server.execute(kernel_id, "z = 3")
+    deadline = time.monotonic() + JOB_SECONDS
+    while True:
+        state = server.call("GET", f"gpu-snapshot/kernels/{kernel_id}/autosave")
+        if "autosave_min_free_bytes" in str(state.get("last_skip")):
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.5)
+    assert f"free in {store}," in state["last_skip"], state
+
+    saved = server.job(server.call(
+        "POST", f"gpu-snapshot/kernels/{kernel_id}/snapshots", {"name": "faces"}, 202))
+    snapshot_id = saved["snapshot_id"]
+    # The preview of a restore's GPUs is the agent's (its reading of the GPUs:
+    # tests/agent/test_gpu_tier.py); a CPU kernel's snapshot has no device to place.
+    preview = server.call("GET", f"gpu-snapshot/snapshots/{snapshot_id}/gpus")
+    assert preview["problem"] is None and preview["devices"] == [], preview
+    hub.stop_server(alice)
+
+    # The CLI, as Alice: her snapshots, the agent's store and its usage; recovery and trust
+    # are the agent's business, and say so.
+    listed = json.loads(cli(alice, node_agent, "list", "--json").stdout)
+    assert snapshot_id in {s["id"] for s in listed}
+    usage = json.loads(cli(alice, node_agent, "du", "--json").stdout)
+    assert usage["path"] == store and snapshot_id in {s["id"] for s in usage["snapshots"]}
+    recover = cli(alice, node_agent, "recover")
+    assert "the node agent recovers its store itself" in recover.stdout
+    trust = cli(alice, node_agent, "trust", snapshot_id, "--yes", check=False)
+    assert "signed by this node already" in trust.stdout, trust

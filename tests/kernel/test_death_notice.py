@@ -16,9 +16,15 @@ from typing import Any
 import psutil
 
 from jupyter_gpu_snapshot.core import procfs
-
-from .magic_fixtures import JupyterServer, NotebookKernel, jupyter_server
-from .test_widget import PANEL, click_through_comm, comm_ids, panel_state, show_panel, wait_panel
+from testkit.magic_fixtures import JupyterServer, NotebookKernel, jupyter_server
+from tests.kernel.test_widget import (
+    PANEL,
+    click_through_comm,
+    comm_ids,
+    panel_state,
+    show_panel,
+    wait_panel,
+)
 
 __all__ = ["jupyter_server"]  # the fixture, imported for pytest
 

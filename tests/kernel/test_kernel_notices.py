@@ -8,8 +8,7 @@ import asyncio
 import logging
 
 from jupyter_gpu_snapshot.server.kernel_env import refresh_kernel_env, shell_client
-
-from .conftest import KernelHandle, execute
+from tests.conftest import KernelHandle, execute
 
 NOTICE = "This kernel was restored onto other GPUs: cuda:0 from GPU 0 to GPU 1."
 

@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 
-from .conftest import start_kernel, stop_kernel
-from .criu_wrappers import install, waits_after_the_dump_for
-from .magic_fixtures import (
+from testkit.criu_wrappers import install, waits_after_the_dump_for
+from testkit.magic_fixtures import (
     Cell,
     JupyterServer,
     NotebookKernel,
@@ -30,6 +29,7 @@ from .magic_fixtures import (
     ok,
     run_cell,
 )
+from tests.conftest import start_kernel, stop_kernel
 
 __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .magic_fixtures import JupyterServer, NotebookKernel, jupyter_server, notebook
+from testkit.magic_fixtures import JupyterServer, NotebookKernel, jupyter_server, notebook
 
 __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from . import stored_pages
-from .criu_wrappers import install, pauses_after_the_dump
-from .magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, notebook
+from testkit import stored_pages
+from testkit.criu_wrappers import install, pauses_after_the_dump
+from testkit.magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, notebook
 
 __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 
@@ -286,7 +286,7 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     new_kernel = session["kernel"]["id"]
     assert new_kernel != second.kernel_id
     restored = jupyter_server.connect(new_kernel)
-    from .magic_fixtures import ok
+    from testkit.magic_fixtures import ok
 
     assert ok(restored, "print(origin)") == "the first kernel\n"
     assert second.kernel_id not in jupyter_server.kernel_ids()

@@ -17,14 +17,12 @@ import psutil
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import NotFound
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.launch import nsinit
 from jupyter_gpu_snapshot.server.status import TreeFacts
-
-from .conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
+from tests.conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
 
 # What libcuda does at cuInit (strace on driver 580.159.04).
 BIND_LIKE_CUINIT = """
@@ -153,5 +151,5 @@ def test_a_kernel_that_exits_while_it_is_inspected_is_not_found(monkeypatch):
         raise psutil.NoSuchProcess(pid)
 
     monkeypatch.setattr(procfs, "inspect_kernel", vanished)
-    reasons, cuda = TreeFacts(CriuRunner()).get(os.getpid())
+    reasons, cuda = TreeFacts(lambda: []).get(os.getpid())
     assert "the kernel has no running process" in reasons and cuda is False

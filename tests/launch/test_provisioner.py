@@ -14,8 +14,7 @@ import pytest
 from jupyter_gpu_snapshot._constants import KERNEL_DEATH_PREFIX
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.launch import nsinit
-
-from .conftest import KernelError, KernelHandle, reply_to, start_kernel, wait_for_output
+from tests.conftest import KernelError, KernelHandle, reply_to, start_kernel, wait_for_output
 
 
 def _nspid(pid: int) -> list[str]:

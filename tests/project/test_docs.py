@@ -11,7 +11,7 @@ import pytest
 
 from jupyter_gpu_snapshot.cli.main import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 

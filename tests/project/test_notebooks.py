@@ -23,13 +23,12 @@ import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 from nbclient import NotebookClient
 
-from tests.ui.servers import JupyterProcess, JupyterStarter, jupyter_processes
-
-from .gpu_check import no_gpu_reason
+from testkit.gpu_check import no_gpu_reason
+from testkit.jupyter_processes import JupyterProcess, JupyterStarter, jupyter_processes
 
 __all__ = ["jupyter_processes"]  # the fixture, imported for pytest
 
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 NOTEBOOKS = REPO / "notebooks"
 ARTIFACTS = REPO / "test-artifacts" / "notebooks"
 KERNEL = "python3-snapshot"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from .gate import NetworkGate
-from .seaweed import SeaweedServer, serving
+from testkit.network_gate import NetworkGate
+from testkit.seaweed import SeaweedServer, serving
 
 BUCKET = "snapshots"
 

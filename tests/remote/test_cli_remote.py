@@ -16,10 +16,10 @@ from typing import Any
 from jupyter_gpu_snapshot._constants import ENV_REMOTE_URL, ENV_SIGNING_KEY
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.remote_snapshots import make_snapshot, tree_bytes
+from testkit.seaweed import SeaweedServer
 
 from ..conftest import KernelHandle, RestoredTrees, execute
-from .seaweed import SeaweedServer
-from .snapshots import make_snapshot, tree_bytes
 
 
 def _cli(env: dict[str, str], store: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -29,12 +29,12 @@ import pytest
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
+from testkit.gpu_check import no_gpu_reason
+from testkit.processes import free_port, kernel_processes, kill_kernels
+from testkit.remote_snapshots import make_snapshot
+from testkit.seaweed import SeaweedServer, serving
 
-from ..gpu_check import no_gpu_reason
-from ..processes import free_port, kernel_processes, kill_kernels
 from ..server.conftest import ServerProcess, server_environment
-from .seaweed import SeaweedServer, serving
-from .snapshots import make_snapshot
 
 BUCKET = "cluster"
 NOTEBOOK = "project/train.ipynb"
@@ -249,7 +249,7 @@ async def _foreign_snapshot_refused(cluster: Cluster) -> None:
     assert await node_b.api.kernel_ids() == kernels_before
     (found,) = await node_b.api.snapshots()
     assert found["location"] == "remote", found
-    assert "nothing of it was run or kept" in error["message"]
+    assert "nothing of it was fetched, run or kept" in error["message"]
 
 
 GPU_STATE = """

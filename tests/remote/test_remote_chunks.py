@@ -23,8 +23,7 @@ from jupyter_gpu_snapshot.core.remote.pages import PageUpload
 from jupyter_gpu_snapshot.core.remote.sealing import RECORD_OVERHEAD
 from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .snapshots import kill_upload_midway, make_snapshot
+from testkit.remote_snapshots import kill_upload_midway, make_snapshot
 
 PAGE = chunks.PAGE
 KEY = bytes(range(32))

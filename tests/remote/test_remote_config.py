@@ -5,10 +5,9 @@ from __future__ import annotations
 from traitlets.config import Config
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
-from jupyter_gpu_snapshot.remotes import make_remote_store, make_snapshot_cache
-
-from .seaweed import ACCESS_KEY, SECRET_KEY
-from .snapshots import make_snapshot, tree_bytes
+from jupyter_gpu_snapshot.node.remotes import make_remote_store, make_snapshot_cache
+from testkit.remote_snapshots import make_snapshot, tree_bytes
+from testkit.seaweed import ACCESS_KEY, SECRET_KEY
 
 
 def test_settings_make_an_encrypting_store(seaweed, remote_url, tmp_path, monkeypatch):

@@ -16,8 +16,7 @@ from jupyter_gpu_snapshot.core.remote import (
     load_key,
 )
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .snapshots import make_snapshot, tree_bytes
+from testkit.remote_snapshots import make_snapshot, tree_bytes
 
 MiB = 1 << 20
 KEY = bytes(range(32))

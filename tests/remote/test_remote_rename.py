@@ -17,13 +17,14 @@ import pytest
 
 from jupyter_gpu_snapshot._constants import ENV_REMOTE_URL, ENV_SIGNING_KEY
 from jupyter_gpu_snapshot.core.manifest import MANIFEST
-from jupyter_gpu_snapshot.core.remote import RemoteStore, SnapshotCache
+from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.node.engines import LocalEngine
+from jupyter_gpu_snapshot.node.snapshots import Found, NodeSnapshots
 from jupyter_gpu_snapshot.server.remote_sync import RemoteSync
-
-from .seaweed import SeaweedServer
-from .snapshots import make_snapshot
+from testkit.remote_snapshots import make_snapshot
+from testkit.seaweed import SeaweedServer
 
 
 def _objects(remote: RemoteStore, snapshot_id: str) -> list[str]:
@@ -79,24 +80,23 @@ def test_node_b_s_listing_shows_the_new_name(
     async def scenario() -> None:
         store_a = SnapshotStore(tmp_path / "node-a", tmp_path / "shared.key")
         store_b = SnapshotStore(tmp_path / "node-b", tmp_path / "shared.key")
-        sync_a = RemoteSync(RemoteStore(remote_url, s3_options), store_a,
-                            SnapshotCache(store_a, 0))
-        sync_b = RemoteSync(RemoteStore(remote_url, dict(s3_options)), store_b,
-                            SnapshotCache(store_b, 0))
+        node_a = NodeSnapshots(LocalEngine(store_a), RemoteStore(remote_url, s3_options))
+        sync_a = RemoteSync(node_a)
+        sync_b = RemoteSync(NodeSnapshots(LocalEngine(store_b),
+                                          RemoteStore(remote_url, dict(s3_options))))
         snapshot = make_snapshot(store_a, {"pages-1.img": 1 << 20}, name="before")
         assert (await sync_a.upload(snapshot, lambda _p: None, ()))["status"] == "uploaded"
         assert (await sync_b.listing(fresh=True)).snapshots[snapshot.id].name == "before"
 
-        outcome = await sync_a.rename(store_a.rename(snapshot.id, "after"))
+        _, outcome = node_a.rename(Found(snapshot, True), "after")
 
         assert outcome["status"] == "renamed", outcome
         listed = (await sync_b.listing(fresh=True)).snapshots[snapshot.id]
         assert listed.name == "after" and listed.trusted
         # A snapshot never uploaded has no remote copy to rename.
         local_only = make_snapshot(store_a, {"pages-1.img": 1 << 10}, name="here")
-        assert (await sync_a.rename(store_a.rename(local_only.id, "still-here")))[
-            "status"
-        ] == "none"
+        _, outcome = node_a.rename(Found(local_only, True), "still-here")
+        assert outcome is not None and outcome["status"] == "none"
 
     asyncio.run(scenario())
 

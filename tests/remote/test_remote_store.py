@@ -21,8 +21,7 @@ from jupyter_gpu_snapshot.core.manifest import MANIFEST
 from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
 from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .snapshots import kill_upload_midway, make_snapshot, tree_bytes
+from testkit.remote_snapshots import kill_upload_midway, make_snapshot, tree_bytes
 
 MiB = 1 << 20
 

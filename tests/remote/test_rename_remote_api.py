@@ -11,11 +11,11 @@ from typing import Any
 
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.network_gate import NetworkGate
+from testkit.remote_snapshots import make_snapshot
+from testkit.seaweed import SeaweedServer
 
 from ..server.conftest import ServerProcesses
-from .gate import NetworkGate
-from .seaweed import SeaweedServer
-from .snapshots import make_snapshot
 from .test_server_uploads import _on_servers, _server_env
 from .test_upload_retry import _settings_through
 

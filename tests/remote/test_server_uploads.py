@@ -16,9 +16,9 @@ from typing import Any
 
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
+from testkit.seaweed import SeaweedServer
 
 from ..server.conftest import ServerProcesses, server_environment
-from .seaweed import SeaweedServer
 
 NOTEBOOK = "project/uploads.ipynb"
 AUTOSAVE = {

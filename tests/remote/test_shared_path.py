@@ -6,8 +6,7 @@ import pytest
 
 from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .snapshots import make_snapshot, tree_bytes
+from testkit.remote_snapshots import make_snapshot, tree_bytes
 
 MiB = 1 << 20
 

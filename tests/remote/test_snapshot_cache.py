@@ -6,8 +6,7 @@ import os
 
 from jupyter_gpu_snapshot.core.remote import SnapshotCache
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-
-from .snapshots import make_snapshot
+from testkit.remote_snapshots import make_snapshot
 
 
 def _aged(store: SnapshotStore, sizes: list[int]) -> list[str]:

@@ -15,11 +15,11 @@ from typing import Any
 
 from jupyter_gpu_snapshot.core.remote.pending import PendingUploads
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.network_gate import NetworkGate
+from testkit.remote_snapshots import make_snapshot
+from testkit.seaweed import SeaweedServer
 
 from ..server.conftest import ServerProcess, ServerProcesses
-from .gate import NetworkGate
-from .seaweed import SeaweedServer
-from .snapshots import make_snapshot
 from .test_server_uploads import NOTEBOOK, _on_servers, _remote_settings, _server_env
 
 

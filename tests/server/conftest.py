@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.parse
 import uuid
@@ -31,8 +30,8 @@ from traitlets.config import Config
 from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
-
-from ..processes import free_port, kill_kernels
+from testkit.processes import free_port, kill_kernels
+from testkit.server_process import JupyterServerProcess
 
 Json = dict[str, Any]
 Fetch = Callable[..., Awaitable[HTTPResponse]]
@@ -284,8 +283,9 @@ SERVER_TOKEN = "server-process-test-token"
 NOTEBOOK = "project/reboot.ipynb"
 
 
-class ServerProcess:
-    """``jupyter server`` in its own process, as a user or systemd runs it.
+class ServerProcess(JupyterServerProcess):
+    """``jupyter server`` in its own process, as a user or systemd runs it, configured by
+    ``env`` (see ``server_environment``), with this suite's REST and websocket clients.
 
     ``launcher`` runs it through another command (e.g. into other namespaces); ``host`` is
     the address it listens on.
@@ -300,28 +300,15 @@ class ServerProcess:
         host: str = "127.0.0.1",
         launcher: tuple[str, ...] = (),
     ) -> None:
-        self.port = port
-        self.host = host
-        self.log_path = home / f"server-{label}.log"
-        self.env = env
-        log = open(self.log_path, "wb")  # noqa: SIM115 - the server process owns it
-        self.proc = subprocess.Popen(
-            [*launcher, sys.executable, "-m", "jupyter_server", "--no-browser",
-             f"--port={port}", f"--ServerApp.ip={host}"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        super().__init__(
+            home / f"server-{label}.log", env=env, host=host, port=port, token=SERVER_TOKEN,
+            launcher=launcher,
         )
-        log.close()
+        self.env = env
         self.api = Api(self.fetch, f"token {SERVER_TOKEN}")
         # Closed by ``kill``: a test that fails midway leaves none open for the collector
         # to warn about during a later test.
         self.sockets: list[KernelSocket] = []
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def fetch(self, *parts: str, params: dict[str, str] | None = None, **kw: Any) -> Any:
         path = url_escape(url_path_join("/", *parts), plus=False)
@@ -330,19 +317,6 @@ class ServerProcess:
         url = f"http://{self.host}:{self.port}{path}?{query}"
         kw.setdefault("request_timeout", 60)
         return AsyncHTTPClient().fetch(url, headers=headers, **kw)
-
-    async def ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the server exited:\n{self.log}"
-            try:
-                response: HTTPResponse = await self.fetch("api", "status", raise_error=False)
-                if response.code == 200:
-                    return
-            except OSError:
-                pass
-            await asyncio.sleep(0.2)
-        raise AssertionError(f"the server did not start in {timeout}s:\n{self.log}")
 
     async def open_notebook_kernel(
         self, kernel_ids: list[str], path: str = NOTEBOOK
@@ -372,19 +346,10 @@ class ServerProcess:
         self.sockets.append(socket)
         return socket
 
-    async def exited(self, timeout: float = 90.0) -> int:
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            assert time.monotonic() < deadline, f"the server did not stop:\n{self.log}"
-            await asyncio.sleep(0.1)
-        return int(self.proc.returncode)
-
     def kill(self) -> None:
         for socket in self.sockets:
             socket.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().kill()
 
 
 def server_environment(
@@ -502,14 +467,13 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 
 def serve_with_fake_cuda(monkeypatch: pytest.MonkeyPatch, gpus: Any, kernel_bytes: int) -> None:
     """The server's engine gets a CUDA hook over the scripted driver behind ``gpus`` (a
-    ``tests.gpu.fake_driver.FakeGpus``), and each kernel it starts holds ``kernel_bytes``."""
+    ``testkit.fake_driver.FakeGpus``), and each kernel it starts holds ``kernel_bytes``."""
     from jupyter_gpu_snapshot.config import GPUSnapshot
     from jupyter_gpu_snapshot.core.engine import SnapshotEngine
-    from jupyter_gpu_snapshot.engines import default_hooks, make_engine
     from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-    from jupyter_gpu_snapshot.server import app as server_app
-
-    from ..gpu.fake_driver import FAKE_ENV, FORCE_CUDA_PLUGIN, GIB
+    from jupyter_gpu_snapshot.node.engines import default_hooks, make_engine
+    from jupyter_gpu_snapshot.server import wiring
+    from testkit.fake_driver import FAKE_ENV, FORCE_CUDA_PLUGIN, GIB
 
     monkeypatch.setenv(FAKE_ENV, f"{kernel_bytes}:{uuid.uuid4().hex}")
 
@@ -519,4 +483,4 @@ def serve_with_fake_cuda(monkeypatch: pytest.MonkeyPatch, gpus: Any, kernel_byte
                                   criu_env=FORCE_CUDA_PLUGIN)
         return make_engine(settings, hooks=[*default_hooks(settings)[:-1], cuda])
 
-    monkeypatch.setattr(server_app, "process_engine", engine_with_fake_cuda)
+    monkeypatch.setattr(wiring, "process_engine", engine_with_fake_cuda)

@@ -8,8 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,55 +24,32 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.recovery import WORK_LOCK
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME
 from jupyter_gpu_snapshot.launch.provisioner import NSINIT
+from testkit.server_process import JupyterServerProcess
 
 from ..conftest import run
-from ..processes import free_port, shut_down
 from .conftest import KernelSocket
 
 TOKEN = "adoption-test-token"
 
 
-class Server:
-    """A real ``jupyter server`` process with the extension."""
+class Server(JupyterServerProcess):
+    """A real ``jupyter server`` process with the extension, listening once constructed."""
 
     def __init__(self, tmp_path: Path, *options: str) -> None:
         self.tmp_path = tmp_path
-        self.port = free_port()
         self.runtime = tmp_path / "runtime"
         (tmp_path / "tmp").mkdir(exist_ok=True)
         (tmp_path / "notebooks").mkdir(exist_ok=True)
         env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(self.runtime),
                "TMPDIR": str(tmp_path / "tmp")}
-        self.log = open(tmp_path / "server.log", "ab")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
-             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-             f"--IdentityProvider.token={TOKEN}",
-             f"--ServerApp.root_dir={tmp_path / 'notebooks'}",
-             "--ServerApp.jpserver_extensions=jupyter_gpu_snapshot=True",
-             f"--GPUSnapshot.store_dir={tmp_path / 'store'}", *options],
-            env=env, stdout=subprocess.DEVNULL, stderr=self.log,
+        super().__init__(
+            tmp_path / "server.log", env=env, token=TOKEN, append_log=True, options=[
+                f"--ServerApp.root_dir={tmp_path / 'notebooks'}",
+                "--ServerApp.jpserver_extensions=jupyter_gpu_snapshot=True",
+                f"--GPUSnapshot.store_dir={tmp_path / 'store'}", *options,
+            ],
         )
-        try:
-            self._until_listening(tmp_path / "server.log")
-        except BaseException:
-            self.stop()  # a server that never came up must not outlive its test
-            raise
-
-    def _until_listening(self, log: Path) -> None:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.call("GET", "api/status")
-                break
-            except OSError:
-                assert self.proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        shut_down(self.proc, 60)
-        self.log.close()
+        self.wait_ready(60)
 
     def until(self, path: str, check: Callable[[Any], bool], timeout: float = 60) -> Any:
         """GET ``path`` until ``check`` holds: the server adopts kernels after it listens."""

@@ -33,7 +33,7 @@ def _app(jp_serverapp: Any) -> Any:
 async def _start_scheduler(jp_serverapp: Any) -> Any:
     """What the server does once it listens (pytest-jupyter's server never gets there)."""
     app = _app(jp_serverapp)
-    app.autosave.start()
+    app.parts.autosave.start()
     return app
 
 
@@ -136,7 +136,7 @@ class TestSchedule:
         assert state["policy"]["enabled"] is True and state["next_autosave"] is not None
         assert state["policy"]["release_gpu_after_minutes"] == 0
         # The override is kept in the store for the next server.
-        assert app.autosave._load_overrides()["quiet.ipynb"] == state["override"]
+        assert app.parts.autosave.policies.read_overrides()["quiet.ipynb"] == state["override"]
         # Not due for a minute, whatever the server's interval.
         await asyncio.sleep(3)
         assert await _autosaves(api, "quiet.ipynb") == []
@@ -168,12 +168,12 @@ class TestSchedule:
         kernel_id, ws = await _notebook(api, kernel_socket, f"late-{cells}.ipynb")
         for n in range(cells):
             await ws.execute(f"state = {n}")
-        app.autosave._forget(kernel_id)
+        app.parts.autosave._forget(kernel_id)
         start = {"action": "start", "status": "success", "kernel_id": kernel_id}
-        await app.autosave.on_kernel_action(None, "", start)
-        probe = app.autosave._watch[kernel_id].probe
+        await app.parts.autosave.on_kernel_action(None, "", start)
+        probe = app.parts.autosave._watch[kernel_id].probe
         await asyncio.wait_for(asyncio.shield(probe), 60)
-        assert (app.autosave.work_at_risk(kernel_id) > 0) == (cells > 0)
+        assert (app.parts.autosave.work_at_risk(kernel_id) > 0) == (cells > 0)
 
     async def test_a_kernel_not_yet_asked_counts_as_work_at_shutdown(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
@@ -182,31 +182,31 @@ class TestSchedule:
         # missed the cell, and the kernel's answer is still on its way.
         app = _app(jp_serverapp)
         kernel_id, _ws = await _notebook(api, kernel_socket, "unasked.ipynb")
-        watch = app.autosave._watch[kernel_id]
+        watch = app.parts.autosave._watch[kernel_id]
         await asyncio.wait_for(asyncio.shield(watch.probe), 60)
         answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         watch.probe = answer  # an answer not yet in
-        assert app.autosave.work_at_risk(kernel_id) == float("inf")
-        await app.autosave.probes_settled(0.2)  # bounded: the shutdown goes on
+        assert app.parts.autosave.work_at_risk(kernel_id) == float("inf")
+        await app.parts.autosave.probes_settled(0.2)  # bounded: the shutdown goes on
         answer.set_result(None)
-        assert app.autosave.work_at_risk(kernel_id) == 0
+        assert app.parts.autosave.work_at_risk(kernel_id) == 0
 
     async def test_a_restored_kernel_is_clean_until_it_runs_a_cell(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
     ) -> None:
         app = await _start_scheduler(jp_serverapp)
-        await app.autosave.stop()  # only what the shutdown would ask
+        await app.parts.autosave.stop()  # only what the shutdown would ask
         kernel_id = await api.start_kernel()
         ws = await kernel_socket(kernel_id)
         await ws.execute("kept = 1")
         new_id = await api.saved_and_restored(kernel_id)
-        await app.autosave.tick()
-        await app.autosave.probes_settled(60)  # until then its work is not known
-        assert app.autosave.work_at_risk(new_id) == 0
+        await app.parts.autosave.tick()
+        await app.parts.autosave.probes_settled(60)  # until then its work is not known
+        assert app.parts.autosave.work_at_risk(new_id) == 0
         ws = await kernel_socket(new_id)
         await ws.execute("kept = 2")
-        await app.autosave.tick()
-        assert app.autosave.work_at_risk(new_id) > 0
+        await app.parts.autosave.tick()
+        assert app.parts.autosave.work_at_risk(new_id) > 0
 
     async def test_kernels_that_are_not_snapshot_ready_are_left_alone(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
@@ -326,7 +326,7 @@ class TestBudgetedShutdown:
         await ws_big.execute("import os; blob = os.urandom(400 << 20); step = 1")
         autosave = (await _until_autosaves(api, "big.ipynb", 1))[-1]
         await _until_idle(api, big)
-        await app.autosave.stop()
+        await app.parts.autosave.stop()
         await ws_big.execute("step = 2")  # work the shutdown cannot save in time
         await ws_small.execute("step = 'small'")
         roots = {k: jp_serverapp.kernel_manager.get_kernel(k).provisioner.root_pid

@@ -14,8 +14,8 @@ from typing import Any
 
 from jupyter_gpu_snapshot.core.locks import kernel_key, snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.criu_wrappers import install, slow
 
-from ..criu_wrappers import install, slow
 from .conftest import Api, KernelConnector
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.criu_wrappers import install, signals_the_kernel_after_the_dump
 
-from ..criu_wrappers import install, signals_the_kernel_after_the_dump
 from .conftest import Api, Json, KernelConnector
 from .test_kernel_death import wait_death
 

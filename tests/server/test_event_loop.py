@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.loop_watch import LoopWatch
+from testkit.manifests import commit_tiny
 
-from ..manifests import commit_tiny
 from .conftest import Api, KernelConnector
-from .loop_watch import LoopWatch
 
 KERNEL_BYTES = 2 << 30
 # What one callback may hold the loop for: its own CPU time, its sleeps and its waits for

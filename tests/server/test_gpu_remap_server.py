@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from ..gpu.fake_driver import GIB, UUID0, FakeCudaDriver, FakeGpus
+from testkit.fake_driver import GIB, UUID0, FakeCudaDriver, FakeGpus
+
 from .conftest import Api, KernelConnector, serve_with_fake_cuda
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")

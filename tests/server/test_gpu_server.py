@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ..gpu_check import no_gpu_reason
+from testkit.gpu_check import no_gpu_reason
+
 from .conftest import Api, KernelConnector
 
 pytestmark = [

@@ -151,7 +151,7 @@ def extension(jp_serverapp: Any) -> Any:
 
 
 def wake_jobs(jp_serverapp: Any, kernel_id: str) -> list[Any]:
-    jobs = extension(jp_serverapp).service.jobs.recent(kernel_id)
+    jobs = extension(jp_serverapp).parts.service.jobs.recent(kernel_id)
     return [j for j in jobs if j.kind == "wake"]
 
 
@@ -166,7 +166,7 @@ class TestIdleKernels:
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, events: list[Json]
     ) -> None:
         # A server in the test's process is not started as a listening one would be.
-        extension(jp_serverapp).hibernation.start()
+        extension(jp_serverapp).parts.hibernation.start()
         kernel_id, sock = await notebook_kernel(api, kernel_socket)
         await sock.execute("import os; state = list(range(5)); pid = os.getpid()")
         root = root_of(jp_serverapp, kernel_id)
@@ -262,7 +262,7 @@ async def test_a_client_that_connects_to_a_hibernated_kernel_is_not_kept_waiting
 async def test_a_running_cell_is_never_hibernated_and_when_idle_waits_for_it(
     api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
 ) -> None:
-    extension(jp_serverapp).hibernation.start()
+    extension(jp_serverapp).parts.hibernation.start()
     kernel_id, sock = await notebook_kernel(api, kernel_socket)
     (cell,) = await send(sock, execute(sock.session, "import time; time.sleep(3); print('done')"))
     deadline = time.monotonic() + 30
@@ -337,7 +337,7 @@ async def test_a_hibernated_kernel_shut_down_keeps_its_snapshot(
 async def test_the_magic_hibernates_its_own_kernel_once_its_cell_ends(
     api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
 ) -> None:
-    extension(jp_serverapp).hibernation.start()
+    extension(jp_serverapp).parts.hibernation.start()
     kernel_id, sock = await notebook_kernel(api, kernel_socket)
     out = await sock.execute("%gpu_snapshot hibernate\nm = 'kept'")
     assert "hibernates once this cell ends" in out
@@ -397,7 +397,7 @@ async def test_the_cli_lists_hibernated_kernels_and_wakes_one(
 async def test_a_notebook_chooses_when_its_kernel_hibernates(
     api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
 ) -> None:
-    extension(jp_serverapp).hibernation.start()  # the server's own setting: never
+    extension(jp_serverapp).parts.hibernation.start()  # the server's own setting: never
     kernel_id, sock = await notebook_kernel(api, kernel_socket)
     out = await sock.execute("%gpu_snapshot hibernate after 2s")
     assert out == "This notebook's kernel hibernates after 2 s idle.\n"

@@ -1,7 +1,7 @@
 """Hibernation's gpu tier through a real server: the GPU released and the process kept.
 
 Real server, real kernels, a real holder process stopping their threads under ptrace; only
-the CUDA driver is the scripted stand-in (``tests/gpu/fake_driver.py``). Every scenario
+the CUDA driver is the scripted stand-in (``testkit/fake_driver.py``). Every scenario
 checks that the kernel ends either awake with its state (same process, threads running, CUDA
 running) or asleep with nothing lost (threads held, CUDA checkpointed).
 """
@@ -21,15 +21,16 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.procfs import thread_states
 from jupyter_gpu_snapshot.gpu.driver import CUDA_ERROR_OUT_OF_MEMORY, ProcessState
 from jupyter_gpu_snapshot.server.hibernation import Hibernation
-
-from ..criu_wrappers import fails_writing_pages, install
-from ..gpu.fake_driver import (
+from jupyter_gpu_snapshot.server.sleepers import Sleepers
+from testkit.criu_wrappers import fails_writing_pages, install
+from testkit.fake_driver import (
     GIB,
     RESTORE_THREAD_CODE,
     FakeCudaDriver,
     FakeGpus,
     fake_cuda_bytes,
 )
+
 from .conftest import Api, Json, KernelConnector, recorded_events, serve_with_fake_cuda
 from .test_hibernation import (
     HIBERNATION_EVENT_ID,
@@ -154,14 +155,14 @@ async def test_a_restarted_server_finds_the_kernel_asleep_and_wakes_it(
     ours = extension(jp_serverapp)
     # What a server started after this one does with the kernels it adopted: the holder,
     # which outlived the server that asked, is found by the kernel's process.
-    later = Hibernation(ours.service, ours.gpu_settings)
+    later = Hibernation(ours.parts.service, Sleepers(ours.parts.jobs), ours.parts.settings)
     assert await later.find_sleepers() == [kernel_id]
-    found = later.describe(kernel_id)
+    found = later.sleepers.describe(kernel_id)
     assert found is not None and found["tier"] == "gpu" and found["state"] == "hibernated"
     assert found["gpu_bytes"] == 2 * GIB
     await later.wake(kernel_id)
     await until_woken(later, kernel_id)
-    ours.hibernation.forget(kernel_id)
+    ours.parts.hibernation.forget(kernel_id)
     assert await sock.execute("print(sum(state))") == "10\n"
     assert root_of(jp_serverapp, kernel_id) == root
     assert driver.protocol_breaches() == []
@@ -169,8 +170,8 @@ async def test_a_restarted_server_finds_the_kernel_asleep_and_wakes_it(
 
 async def until_woken(hibernation_: Hibernation, kernel_id: str) -> None:
     deadline = time.monotonic() + 30
-    while hibernation_.state(kernel_id) is not None:
-        assert time.monotonic() < deadline, hibernation_.describe(kernel_id)
+    while hibernation_.sleepers.state(kernel_id) is not None:
+        assert time.monotonic() < deadline, hibernation_.sleepers.describe(kernel_id)
         await asyncio.sleep(0.05)
 
 
@@ -249,7 +250,7 @@ async def test_the_magic_and_the_cli_ask_for_the_gpu_tier(
 ) -> None:
     from jupyter_gpu_snapshot.cli.main import main as cli
 
-    extension(jp_serverapp).hibernation.start()
+    extension(jp_serverapp).parts.hibernation.start()
     kernel_id, sock = await notebook_kernel(api, kernel_socket)
     root = root_of(jp_serverapp, kernel_id)
     out = await sock.execute("%gpu_snapshot hibernate gpu\nm = 'kept'")
@@ -284,7 +285,7 @@ class TestStoppingTheServer:
         app = extension(jp_serverapp)
         await app.stop_extension()
         assert kernel_id in app.last_shutdown.saved, app.last_shutdown
-        assert app.hibernation.state(kernel_id) is None
+        assert app.parts.sleepers.state(kernel_id) is None
         assert driver.protocol_breaches() == []
 
 
@@ -312,8 +313,8 @@ class TestANotebooksOwnReleaseTime:
             held = (fake_cuda_bytes(kernel.pid) or 0) if kernel and running else 0
             return {"state": "running" if held else "none", "memory_bytes": held}
 
-        monkeypatch.setattr(app.service, "cuda_state", cuda_state_on_the_fake_gpu)
-        app.hibernation.start()
+        monkeypatch.setattr(app.parts.service, "cuda_state", cuda_state_on_the_fake_gpu)
+        app.parts.hibernation.start()
         # Both start before the first checkpoint: the fake driver knows a process by its
         # environment, which the server's kernels share (a later one would read as restored).
         kernel_id, sock = await notebook_kernel(api, kernel_socket, "mine.ipynb")
@@ -396,9 +397,9 @@ async def test_low_host_memory_moves_the_least_recently_used_sleeper_first(
                                                           "newer.ipynb")
     assert newer == started
     # Below any share of the node's memory: the server sees its host memory as low.
-    extension(jp_serverapp).gpu_settings.host_memory_low_percent = 100.0
+    extension(jp_serverapp).parts.settings.host_memory_low_percent = 100.0
     # A server in the test's process is not started as a listening one would be.
-    extension(jp_serverapp).hibernation.start()
+    extension(jp_serverapp).parts.hibernation.start()
     await until_tier(api, older, "process")
     # One move per round while memory stays low: the newer one follows, never first.
     await until_tier(api, newer, "process")
@@ -406,7 +407,7 @@ async def test_low_host_memory_moves_the_least_recently_used_sleeper_first(
     moves = [e["kernel_id"] for e in events if e["action"] == "hibernating"
              and e["tier"] == "process"]
     assert moves == [older, newer]
-    extension(jp_serverapp).gpu_settings.host_memory_low_percent = 0.0
+    extension(jp_serverapp).parts.settings.host_memory_low_percent = 0.0
     (msg_id,) = await send(newer_sock, execute(newer_sock.session, "print(sum(state))"))
     assert printed((await collect(newer_sock, [msg_id]))[msg_id]) == "10\n"
     assert driver.protocol_breaches() == []
@@ -436,7 +437,7 @@ class TestAMoveThatFails:
         assert back["tier"] == "gpu" and back["state"] == "hibernated"
         assert back["snapshot_id"] is None
         assert asleep_as_the_driver_wants(root, driver)
-        assert extension(jp_serverapp).service.engine.list() == []
+        assert extension(jp_serverapp).parts.service.engine.list() == []
         (msg_id,) = await send(sock, execute(sock.session, "print(sum(state))"))
         assert printed((await collect(sock, [msg_id]))[msg_id]) == "10\n"
         assert root_of(jp_serverapp, kernel_id) == root

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.server.app import DEATH_EVENT_ID
+from jupyter_gpu_snapshot.server.wiring import DEATH_EVENT_ID
 
 from .conftest import Api, Json, KernelConnector, recorded_events
 
@@ -137,7 +137,7 @@ async def test_restarts_and_shutdowns_on_purpose_are_no_death(
     await api.ok("POST", "api", "kernels", kernel_id, "restart")
     await api.ok("DELETE", "api", "kernels", other, expect=204)
     app = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
-    await app.service.deaths.settled()
+    await app.parts.deaths.settled()
     assert (await status(api, kernel_id))["death"] is None
     assert death_events == []
 

@@ -11,8 +11,8 @@ import pytest
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from tests.core.test_store import CONNECTION
 
-from ..test_store import CONNECTION
 from .conftest import Api, KernelConnector
 
 
@@ -165,8 +165,8 @@ class TestConfigFile:
 
     async def test_settings_come_from_the_extensions_config_file(self, jp_serverapp: Any):
         app = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
-        assert app.gpu_settings.keep_last == 7
-        assert app.gpu_settings.shutdown_budget == 12.5
+        assert app.parts.settings.keep_last == 7
+        assert app.parts.settings.shutdown_budget == 12.5
 
 
 class TestKernelFacingSettings:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot.core.store import PARTIAL_PREFIX
+from testkit.processes import kernel_processes, power_loss
 
-from ..processes import kernel_processes, power_loss
 from .conftest import NOTEBOOK, Json, KernelSocket, ServerProcess, ServerProcesses
 
 

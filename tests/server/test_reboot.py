@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 
-from ..processes import kernel_processes
+from testkit.processes import kernel_processes
+
 from .conftest import NOTEBOOK, ServerProcesses
 
 

@@ -6,7 +6,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpu_snapshot.server.app import JOB_EVENT_ID
+from jupyter_gpu_snapshot.server.wiring import JOB_EVENT_ID
 
 from .conftest import Api, KernelConnector
 

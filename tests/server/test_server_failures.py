@@ -19,8 +19,8 @@ from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.restore import RestoredKernel
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.provisioner import SnapshotReadyProvisioner
+from testkit import stored_pages
 
-from .. import stored_pages
 from .conftest import Api, KernelConnector, KernelSocket
 
 # criu as the server runs it, with one fault injected into the next dump when the file
@@ -215,7 +215,7 @@ async def test_a_failed_adoption_kills_the_restored_tree(
     kernel_id, _ = await _kernel(api, kernel_socket)
     saved = await api.succeeded(await api.save(kernel_id, stop=True))
     app = next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
-    engine = app.service.engine
+    engine = app.parts.service.engine
     restored: list[RestoredKernel] = []
     real_restore = engine.restore
 

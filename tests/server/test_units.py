@@ -13,9 +13,9 @@ from jupyter_server.services.kernels.kernelmanager import ServerKernelManager
 
 from jupyter_gpu_snapshot.core.errors import Busy, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import Progress
-from jupyter_gpu_snapshot.server.app import kernel_facing_url
-from jupyter_gpu_snapshot.server.autosave import last_activity
+from jupyter_gpu_snapshot.server.app import GPUSnapshotApp, kernel_facing_url
 from jupyter_gpu_snapshot.server.jobs import FINISHED_JOBS_KEPT, Job, JobRunner
+from jupyter_gpu_snapshot.server.jupyter_server_internals import last_activity
 
 
 @pytest.mark.parametrize(
@@ -34,6 +34,14 @@ def test_kernels_reach_the_server_over_loopback(
 ) -> None:
     app: Any = SimpleNamespace(ip=ip, port=8888, base_url="/base/", sock=sock, certfile=certfile)
     assert kernel_facing_url(app) == expected
+
+
+def test_the_extensions_objects_are_asked_for_only_once_the_server_loaded_it() -> None:
+    app = GPUSnapshotApp()
+    with pytest.raises(RuntimeError, match="initialize_settings"):
+        app.parts  # noqa: B018
+    assert app.current_activity() is None
+    assert app.last_shutdown is None
 
 
 async def test_a_claimed_key_refuses_a_second_job_until_the_first_ends() -> None:

@@ -21,7 +21,13 @@ from typing import Any
 
 import pytest
 
-from .servers import BIN, START_TIMEOUT, JupyterProcess, JupyterStarter, jupyter_processes
+from testkit.jupyter_processes import (
+    BIN,
+    START_TIMEOUT,
+    JupyterProcess,
+    JupyterStarter,
+    jupyter_processes,
+)
 
 __all__ = ["jupyter_processes"]  # the fixture, imported for pytest
 
