@@ -60,7 +60,7 @@ IDS_SUFFIX = ".ids"
 # Files smaller than this stay whole: CRIU's small images change at every save anyway.
 MIN_CHUNKED_BYTES = 1 << 20
 # Read this much of an image per step: one BLAKE3 update on all cores, then its pages.
-_STEP = 64 << 20
+STEP = 64 << 20
 _PACK_NAME = re.compile(r"^[0-9a-f]{32}$")
 LOCK_KEY = "chunks"
 # Files from this size on get their page ids from worker processes.
@@ -167,6 +167,17 @@ class ChunkedFile:
     recipe: bytes
     new_bytes: int
     zero_pages: int
+
+
+@dataclass
+class FollowedFile:
+    """What ``dump_follower.DumpFollower`` read of one image while criu wrote it: its size,
+    digest and page ids, so that the commit need not read it all again."""
+
+    size: int
+    digest: str
+    ids: Ids
+    zero: npt.NDArray[np.bool_]
 
 
 @dataclass
@@ -373,11 +384,15 @@ class ChunkStore:
 
     # -- saving ----------------------------------------------------------------------------
     def chunk_files(
-        self, image_dfd: int, names: list[str], advance: Advance, digest_only: Iterable[str] = ()
+        self, image_dfd: int, names: list[str], advance: Advance, digest_only: Iterable[str] = (),
+        followed: dict[str, FollowedFile] | None = None,
     ) -> tuple[dict[str, ChunkedFile], str]:
         """Cut each of ``names`` (open in ``image_dfd``) into pages, write the pages the
         store lacks to one new pack, and write ``<name>.chunks`` beside each file. Returns
         what each file gave and the pack's name (empty when nothing was new).
+
+        ``followed``: the ids and digests of files read while criu wrote them
+        (``dump_follower``); of those, only the steps holding pages the store lacks are read.
 
         The caller holds the chunks lock until the recipes are in the snapshot directory,
         where the collector finds them.
@@ -387,10 +402,10 @@ class ChunkStore:
             index = self.index(dfd)
             writer = PackWriter(dfd)
             try:
-                with mmap.mmap(-1, _STEP) as buffer, _id_workers(image_dfd, names) as pool:
+                with mmap.mmap(-1, STEP) as buffer, _id_workers(image_dfd, names) as pool:
                     for name in names:
                         results[name] = self._chunk_one(image_dfd, name, index, writer, buffer,
-                                                        advance, pool)
+                                                        advance, pool, (followed or {}).get(name))
                 writer.finish()
             except BaseException:
                 writer.discard()
@@ -407,8 +422,14 @@ class ChunkStore:
     def _chunk_one(
         self, image_dfd: int, name: str, index: PackIndex, writer: PackWriter,
         buffer: mmap.mmap, advance: Advance, pool: ProcessPoolExecutor | None,
+        followed: FollowedFile | None = None,
     ) -> ChunkedFile:
         fd, size = safe_fs.open_regular(name, image_dfd)
+        if followed is not None and followed.size == size:
+            try:
+                return self._chunk_followed(fd, followed, index, writer, buffer, advance)
+            finally:
+                os.close(fd)
         hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         recipe = bytearray()
         new_bytes = zero_pages = 0
@@ -418,12 +439,12 @@ class ChunkStore:
                 # The workers reopen the file this fd holds, never a path in the store.
                 opened_file = f"/proc/{os.getpid()}/fd/{fd}"
                 ahead = [pool.submit(ids_of_range, opened_file, start,
-                                     min(start + _STEP, size), self.id_key)
-                         for start in range(0, size, _STEP)]
+                                     min(start + STEP, size), self.id_key)
+                         for start in range(0, size, STEP)]
             offset = 0
             with memoryview(buffer) as view:
                 while offset < size:
-                    n = os.preadv(fd, [view[: min(_STEP, size - offset)]], offset)
+                    n = os.preadv(fd, [view[: min(STEP, size - offset)]], offset)
                     if n <= 0 or n % PAGE:
                         raise OSError(f"{name} shrank while it was read")
                     with view[:n] as block:
@@ -440,13 +461,35 @@ class ChunkStore:
             os.close(fd)
         return ChunkedFile(hasher.hexdigest(), bytes(recipe), new_bytes, zero_pages)
 
+    def _chunk_followed(
+        self, fd: int, followed: FollowedFile, index: PackIndex, writer: PackWriter,
+        buffer: mmap.mmap, advance: Advance,
+    ) -> ChunkedFile:
+        """A file whose ids and digest were made while criu wrote it: each step is looked
+        up, and read again only when it holds pages the store lacks."""
+        new_bytes = 0
+        with memoryview(buffer) as view:
+            for start in range(0, followed.size, STEP):
+                end = min(start + STEP, followed.size)
+                ids = followed.ids[start // PAGE:end // PAGE]
+                zero = followed.zero[start // PAGE:end // PAGE]
+                candidates = np.nonzero(~zero)[0]
+                if len(candidates) and bool((index.find(ids[candidates]) < 0).any()):
+                    with view[:end - start] as block:
+                        if os.preadv(fd, [block], start) != end - start:
+                            raise OSError("an image shrank while it was read")
+                        new_bytes += self._store_new(block, ids, zero, index, writer)
+                advance(end - start)
+        return ChunkedFile(followed.digest, followed.ids.tobytes(), new_bytes,
+                           int(followed.zero.sum()))
+
     def _ids(self, ahead: list[Future[tuple[bytes, bytes]]],
              block: memoryview) -> tuple[Ids, npt.NDArray[np.bool_]]:
         """The block's page ids from the workers, or computed here when there are none or
         they died (a worker's interpreter that could not start, say)."""
         if ahead:
             try:
-                return _decode_ids(ahead.pop(0).result())
+                return decode_ids(ahead.pop(0).result())
             except BrokenExecutor:
                 log.warning("the page-id workers stopped; the rest is hashed in one process")
                 ahead.clear()
@@ -705,7 +748,7 @@ def ids_of_range(opened_file: str, start: int, end: int, key: bytes) -> tuple[by
     return ids.tobytes(), zero.tobytes()
 
 
-def _decode_ids(encoded: tuple[bytes, bytes]) -> tuple[Ids, npt.NDArray[np.bool_]]:
+def decode_ids(encoded: tuple[bytes, bytes]) -> tuple[Ids, npt.NDArray[np.bool_]]:
     ids = np.frombuffer(encoded[0], np.uint8).reshape(-1, ID_BYTES)
     return ids, np.frombuffer(encoded[1], np.bool_)
 

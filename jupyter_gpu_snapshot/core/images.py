@@ -32,6 +32,7 @@ _ALTERED = "the snapshot is damaged or was altered; delete it"
 
 def digest_new(
     dfd: int, progress: ProgressFn | None = None, chunker: chunks.ChunkStore | None = None,
+    followed: dict[str, chunks.FollowedFile] | None = None,
 ) -> tuple[str, Files, dict[str, int]]:
     """Make the images a save wrote into ``dfd`` private (0600) and digest them on all
     cores. With ``chunker``, large files are kept by content (``core/chunks.py``): their
@@ -41,6 +42,7 @@ def digest_new(
 
     Called by ``SnapshotStore.commit``, which holds the chunks lock when it passes a
     chunker. Dot files are the save's bookkeeping (owner, draft, dump marker), no image.
+    ``followed``: the ids and digests of large images read while criu wrote them.
     """
     for name in os.listdir(dfd):  # recipes of an earlier attempt at this commit
         if name.endswith(chunks.RECIPE_SUFFIX):
@@ -61,7 +63,7 @@ def digest_new(
         stored = {"whole_bytes": sum(size for _, size in whole.values())}
         if chunked:
             assert chunker is not None
-            results, _ = chunker.chunk_files(dfd, chunked, advance)
+            results, _ = chunker.chunk_files(dfd, chunked, advance, followed=followed)
             for name, result in results.items():
                 files[name] = {"size": opened[name][1], "digest": result.digest,
                                "chunks": digest.blake3_hex(result.recipe)}

@@ -54,10 +54,11 @@ from typing import Any, NoReturn
 
 from .._constants import KERNEL_NAME, format_bytes
 from .._version import __version__
-from . import locks, procfs
+from . import chunks, locks, procfs
 from .background import run_in_background
 from .compatibility import node_facts
 from .criu import describe_exit
+from .dump_follower import DumpFollower
 from .errors import Interrupted, InvalidRequest, SnapshotError
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
@@ -148,6 +149,7 @@ class _Save:
     work: Path  # draft: criu's work directory, with its log
     work_lock: HeldLock
     digesting: asyncio.Future[dict[str, Any]]  # the mapped files' digests
+    follower: DumpFollower | None  # draft: reads the page images as criu writes them
     pause_started: float  # suspend
 
     def __init__(
@@ -172,6 +174,9 @@ class _Save:
         self.ctx = SaveContext(target, kernel, new_snapshot_id(), Path(), stop, report)
         self.manifest: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
+        self.follower = None
+        # What the follower read of the images, for the commit (empty: it reads them).
+        self.followed: dict[str, chunks.FollowedFile] = {}
         self.stop_digests = threading.Event()
         # The hooks whose preflight_save passed: each is owed one after_dump, which
         # releases what its preflight took, however the save ends.
@@ -199,6 +204,7 @@ class _Save:
                 error = exc
             finally:
                 self.remove_work_dir()
+                await self.end_following(error is None)
             resume_error = await self.resume(error)
             if error is not None or resume_error is not None:
                 await self.roll_back(error, resume_error)
@@ -246,6 +252,8 @@ class _Save:
             raise SnapshotError(
                 "preflight", f"could not write to {self.store.root}: {exc.strerror or exc}"
             ) from exc
+        # Started before the kernel is touched: its workers are up before the pause.
+        self.follower = await asyncio.to_thread(self.store.follow_dump, self.partial)
         self.timings["preflight"] = time.monotonic() - self.started
 
     def digest_mapped_files(self) -> None:
@@ -306,6 +314,18 @@ class _Save:
             return Interrupted("dump")
         return None
 
+    async def end_following(self, dumped: bool) -> None:
+        """The follower's ids and digests once criu wrote every image; dropped otherwise."""
+        follower, self.follower = self.follower, None
+        if follower is None:
+            return
+        t = time.monotonic()
+        if dumped:
+            self.followed = await asyncio.to_thread(follower.finish)
+            self.timings["follow_end"] = time.monotonic() - t
+        else:
+            await asyncio.to_thread(follower.cancel)
+
     def remove_work_dir(self) -> None:
         # criu's log lives off the store's disk: on a full disk it would lose the cause.
         shutil.rmtree(self.work, ignore_errors=True)
@@ -362,6 +382,7 @@ class _Save:
                 self.partial,
                 self.manifest,
                 lambda done, total: self.report(Progress("commit", done, total)),
+                self.followed,
             )
         except Exception as exc:
             full = _disk_full(exc)

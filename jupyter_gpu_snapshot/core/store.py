@@ -33,7 +33,8 @@ from typing import Any
 import psutil
 
 from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
-from . import chunks, images, kernel_log, safe_fs, staging
+from . import chunks, digest, images, kernel_log, safe_fs, staging
+from .dump_follower import DumpFollower
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .image_server import ImageFile
 from .locks import StoreLocks
@@ -200,11 +201,13 @@ class SnapshotStore:
         partial: Path,
         manifest: dict[str, Any],
         progress: ProgressFn | None = None,
+        followed: dict[str, chunks.FollowedFile] | None = None,
     ) -> Snapshot:
         """Digest (on all cores), sign, fsync and atomically publish ``partial``.
 
         The caller holds the snapshot's lock, and the name's lock when it chose the name;
-        the name is checked again here, right before the rename.
+        the name is checked again here, right before the rename. ``followed``: what
+        ``follow_dump``'s follower read of the images while criu wrote them.
         """
         snapshot_id = manifest["id"]
         with (
@@ -217,7 +220,7 @@ class SnapshotStore:
             # or in the snapshot, whenever it looks.
             chunker = stack.enter_context(self._holding_chunks(root_fd, "commit")) if (
                 self.chunk_images) else None
-            algorithm, files, stored = images.digest_new(dfd, progress, chunker)
+            algorithm, files, stored = images.digest_new(dfd, progress, chunker, followed)
             manifest = dict(manifest, format=FORMAT_VERSION, digest=algorithm, files=files,
                             stored=stored)
             manifest.pop("verified", None)
@@ -243,6 +246,15 @@ class SnapshotStore:
             for chunked in images.stored_as_recipes(dfd, files):
                 os.unlink(chunked, dir_fd=dfd)
         return Snapshot(snapshot_id, self.root / snapshot_id, signed)
+
+    def follow_dump(self, partial: Path) -> DumpFollower | None:
+        """A follower of the page images criu is about to write into ``partial``
+        (``dump_follower``), or None where images are kept whole or no cores are spare."""
+        if not self.chunk_images or digest.preferred_algorithm() != digest.BLAKE3:
+            return None
+        with self._root_fd() as root_fd, safe_fs.opened_dir(partial.name, root_fd) as dfd:
+            assert root_fd is not None
+            return DumpFollower.start(dfd, self.key.derive(chunks.ID_CONTEXT))
 
     def _sign(self, manifest: dict[str, Any], snapshot_id: str, step: str) -> dict[str, Any]:
         kernel = dict(manifest.get("kernel") or {})
