@@ -1,4 +1,6 @@
-"""GPU tests: skipped, with the reason shown, only where no NVIDIA driver exists.
+"""The GPU layer's tests. Those marked ``gpu`` need a GPU: skipped, with the reason shown,
+only where no NVIDIA driver exists. The others run everywhere against the scripted driver
+(``testkit/fake_driver.py``).
 
 On a machine with a driver they run; anything missing there is a failure, not a skip. Set
 ``JGS_GPU_RESULTS=FILE`` to write every GPU test's outcome and the figures the tests record
@@ -33,15 +35,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason=f"GPU test: {reason}")
     for item in items:
-        if "gpu" in item.keywords:
+        # The mark, not the keyword: every test of this folder has "gpu" among its keywords,
+        # and the GPU layer's scenarios with the scripted driver run everywhere.
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
-def _drop_images(store: Any) -> Iterator[None]:
-    """GPU images are gigabytes: remove each test's store when it ends (the disk is small)."""
+def _drop_images(request: pytest.FixtureRequest) -> Iterator[None]:
+    """GPU images are gigabytes: remove a GPU test's store when it ends (the disk is small)."""
     yield
-    shutil.rmtree(store.root, ignore_errors=True)
+    if request.node.get_closest_marker("gpu") is not None and "store" in request.fixturenames:
+        shutil.rmtree(request.getfixturevalue("store").root, ignore_errors=True)
 
 
 @pytest.fixture
