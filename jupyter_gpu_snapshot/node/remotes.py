@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import GPUSnapshot
-from ..core.progress import ProgressFn
 from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache, load_key
 from ..core.remote.objects import describe
 from ..core.snapshot import DAMAGED, Snapshot
@@ -21,7 +20,6 @@ from ..core.store import SnapshotStore
 __all__ = [
     "BOTH", "LOCAL", "REMOTE", "RemoteSnapshot", "RemoteStore", "describe", "judge_remote",
     "make_remote_store", "make_snapshot_cache", "merge_locations", "remote_storage_options",
-    "upload_local",
 ]
 
 # Where a snapshot lives, as listings say it.
@@ -64,16 +62,6 @@ def judge_remote(store: SnapshotStore, remote: RemoteSnapshot) -> Snapshot:
         )
         return Snapshot(remote.id, store.root / remote.id, {}, DAMAGED, cause)
     return store.judge(remote.id, remote.manifest)
-
-
-def upload_local(
-    store: SnapshotStore, remote: RemoteStore, snapshot: Snapshot, progress: ProgressFn | None
-) -> RemoteSnapshot:
-    """Upload ``snapshot`` of ``store``: one kept by content goes up chunked, only the pages
-    the remote store lacks (``core/remote/packs.py``). Called by the server's uploads and
-    the CLI's."""
-    snapshot.require_trusted("upload")
-    return remote.upload(snapshot.path, progress, local=store)
 
 
 def merge_locations(
