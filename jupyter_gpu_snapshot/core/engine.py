@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,11 @@ class SnapshotEngine:
     def rename(self, ref: str, new_name: str) -> Snapshot:
         """Give a snapshot another name (its manifest is re-signed)."""
         return self.store.rename(self.index.get(ref).id, new_name)
+
+    def portable_files(self, snapshot: Snapshot) -> contextlib.AbstractContextManager[Path]:
+        """A directory holding the checked portable copy of ``snapshot``, for a fallback
+        (``node/fallback.py``); removed on leaving."""
+        return self.store.portable_files(self.store.reload(snapshot))
 
     def _keep_log(self, log: Path, label: str) -> Path | None:
         """A failed run's criu log, kept where the error can point at it (``keep_log``)."""

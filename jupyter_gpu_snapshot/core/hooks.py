@@ -31,6 +31,9 @@ class Progress:
 
 
 ProgressCallback = Callable[[Progress], None]
+# Has the kernel write its portable copy (kernel/portable.py) into the directory given,
+# and returns the kernel's report of it; raises SnapshotError if it could not.
+PortableWriter = Callable[[Path], Awaitable[dict[str, Any]]]
 
 
 @dataclass
@@ -44,6 +47,13 @@ class SaveTarget:
     notebook_path: str | None = None
     kernel_id: str | None = None
     reason: str = "user"
+    # The cells the kernel ran (the manifest's "history"), asked of it before the save.
+    history: dict[str, Any] | None = None
+    # Set when a portable copy is asked for: called after the draft, before the pause.
+    portable: PortableWriter | None = None
+    # Whether the save fails without its copy (the user asked), or goes on with a warning
+    # (a policy asked, within a time budget).
+    portable_required: bool = True
 
 
 @dataclass

@@ -181,6 +181,22 @@ def check_digests(
             raise mismatch(snapshot, name)
 
 
+def check_named_digests(snapshot: Snapshot, opened: dict[str, Image]) -> None:
+    """Compare the digests of some files of trusted ``snapshot`` (``opened_whole``'s)
+    with its manifest's: a portable copy is checked alone, before a kernel loads it."""
+    files: Files = snapshot.manifest["files"]
+    try:
+        actual = digest.digest_files(list(opened.values()), snapshot.manifest["digest"])
+    except OSError as exc:
+        raise SnapshotError(
+            "verify", f"cannot read the files of {snapshot.id}: {exc}",
+            hint="the snapshot is damaged; delete it",
+        ) from exc
+    for name, got in zip(opened, actual, strict=True):
+        if files[name]["digest"] != got:
+            raise mismatch(snapshot, name)
+
+
 def redigest_legacy(
     dfd: int, snapshot_id: str, files: Files, progress: ProgressFn | None = None
 ) -> tuple[str, Files]:

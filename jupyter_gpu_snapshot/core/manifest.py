@@ -20,9 +20,10 @@ import jsonschema
 from .digest import ALGORITHMS
 
 # 3 added the "node" section (a reader of 2 refuses its unknown field); 4 added files kept
-# by content ("chunks") and the "stored" section. 2 and 3 are still read.
-FORMAT_VERSION = 4
-READABLE_FORMATS = (2, 3, 4)
+# by content ("chunks") and the "stored" section; 5 the cells the kernel ran ("history")
+# and its portable copy ("portable"). 2 to 4 are still read.
+FORMAT_VERSION = 5
+READABLE_FORMATS = (2, 3, 4, 5)
 # Written before manifests were signed: read only to be listed as unsigned, and trusted.
 LEGACY_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -32,6 +33,12 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # An image file name: no slash, no leading dot (so never '..'), never the manifest.
 FILE_NAME_PATTERN = r"^(?!manifest\.json$)[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 KERNEL_LOG_PATTERN = re.compile(r"^kernel-[A-Za-z0-9_-]{1,64}\.log$")
+# The files of a portable copy of the namespace (kernel/portable.py) share the snapshot's
+# directory and file list with the images; criu is never handed them.
+PORTABLE_PREFIX = "portable."
+# The cells a manifest keeps: the newest ones, up to this much source in all.
+MAX_HISTORY_SOURCE = 2 << 20
+PYTHON_NAME = {"type": "string", "maxLength": 256}
 
 
 def _record(properties: dict[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
@@ -164,6 +171,41 @@ SCHEMA: dict[str, Any] = {
             "mtime_ns": {"type": "integer"},
             "sha256": HEX_DIGEST,
         }), 10000),
+        # The cells the kernel ran, in order, from its own history, and the names each
+        # defined: what a replay re-runs (node/fallback.py). "complete" is false when older
+        # cells were left out to keep the manifest small.
+        "history": _record(required=["cells", "complete"], properties={
+            "cells": _array(_record(required=["count", "source", "defined"], properties={
+                "count": {"type": "integer", "minimum": 0},
+                "source": _string(MAX_HISTORY_SOURCE),
+                "defined": _array(PYTHON_NAME, 4096),
+                "ok": {"type": "boolean"},  # false: the cell raised when it ran
+            }), 100000),
+            "complete": {"type": "boolean"},
+            "omitted": {"type": "integer", "minimum": 0},
+        }),
+        # The portable copy of the namespace, written by the kernel before the pause; its
+        # files are in "files" (named PORTABLE_PREFIX...), digested and signed with the rest.
+        "portable": _record(required=["files", "carried", "not_carried"], properties={
+            "files": _array({"type": "string", "pattern": "^portable\\.[A-Za-z0-9._-]{1,118}$"},
+                            4096),
+            "carried": _array(_record(required=["name", "kind"], properties={
+                "name": PYTHON_NAME,
+                "kind": _string(256),
+                "bytes": SIZE,
+                "devices": _array(_string(64), 64),
+                # the name's pickle, and for a module carried by reference, its name
+                "file": {"type": "string", "pattern": "^portable\\.[A-Za-z0-9._-]{1,118}$"},
+                "module": _string(256),
+            }), 100000),
+            "not_carried": _array(_record(required=["name", "reason"], properties={
+                "name": PYTHON_NAME,
+                "reason": _string(1024),
+            }), 100000),
+            "bytes": SIZE,
+            "seconds": {"type": "number", "minimum": 0},
+            "format": {"type": "integer", "minimum": 1},
+        }),
         # Committed by a recovery, after the process that saved it died.
         "recovered": {"type": "boolean"},
         "signature": _record(required=["algorithm", "key_id", "value"], properties={
@@ -204,6 +246,10 @@ def problem(manifest: Any, directory_name: str, policy: ManifestPolicy) -> str |
         return f"manifest field {where}: {error.message[:200]}"
     if manifest["id"] != directory_name:
         return f"manifest names id {manifest['id']}, but lives in {directory_name}"
+    missing = [name for name in (manifest.get("portable") or {}).get("files", ())
+               if name not in manifest["files"]]
+    if missing:
+        return f"portable file {missing[0]!r} is not among the snapshot's files"
     kernel = manifest["kernel"]
     try:
         ipaddress.ip_address(kernel["connection_info"]["ip"])
@@ -226,3 +272,66 @@ def kernel_problem(manifest: dict[str, Any], policy: ManifestPolicy) -> str | No
     if policy.kernel_allowed is not None and not policy.kernel_allowed(name):
         return f"kernel {name!r} is not an installed snapshot-ready kernelspec"
     return None
+
+
+def is_portable_file(name: str) -> bool:
+    """Whether ``name``, a file of a snapshot, belongs to its portable copy, not its image."""
+    return name.startswith(PORTABLE_PREFIX)
+
+
+HISTORY_SCHEMA = jsonschema.Draft202012Validator(SCHEMA["properties"]["history"])
+PORTABLE_SCHEMA = jsonschema.Draft202012Validator(SCHEMA["properties"]["portable"])
+
+
+def bounded_history(history: Any) -> dict[str, Any]:
+    """``history`` as a manifest keeps it: checked against the schema (it comes from the
+    kernel, which any code in it may have changed), and cut to the newest cells whose
+    source fits MAX_HISTORY_SOURCE. Raises ManifestProblem for a malformed one."""
+    error = next(iter(HISTORY_SCHEMA.iter_errors(history)), None)
+    if error is not None:
+        raise ManifestProblem(f"the kernel's cell history: {error.message[:200]}")
+    cells = list(history["cells"])
+    kept: list[dict[str, Any]] = []
+    size = 0
+    for cell in reversed(cells):
+        size += len(cell["source"].encode())
+        if size > MAX_HISTORY_SOURCE:
+            break
+        kept.append(cell)
+    kept.reverse()
+    omitted = int(history.get("omitted", 0)) + len(cells) - len(kept)
+    bounded: dict[str, Any] = {"cells": kept, "complete": bool(history["complete"])
+                               and omitted == 0}
+    if omitted:
+        bounded["omitted"] = omitted
+    return bounded
+
+
+def portable_problem(report: Any, written: Sequence[str]) -> str | None:
+    """Why the kernel's report of its portable copy cannot go into a manifest, or None.
+    ``written``: the names of the files found in the snapshot's directory."""
+    error = next(iter(PORTABLE_SCHEMA.iter_errors(report)), None)
+    if error is not None:
+        return f"the portable copy's report: {error.message[:200]}"
+    listed = set(report["files"])
+    found = {name for name in written if is_portable_file(name)}
+    if listed != found:
+        return (f"the portable copy's report lists {sorted(listed - found)[:3]} not written, "
+                f"or leaves out {sorted(found - listed)[:3]}")
+    return None
+
+
+def fallbacks_offered(manifest: dict[str, Any]) -> list[str]:
+    """The ways back a snapshot offers if its image cannot come back
+    (``node/fallback.py``): ``portable`` when it holds a portable copy, ``replay`` when it
+    recorded cells, ``both`` when it has both."""
+    modes = []
+    portable = bool((manifest.get("portable") or {}).get("files"))
+    replay = bool((manifest.get("history") or {}).get("cells"))
+    if portable:
+        modes.append("portable")
+    if replay:
+        modes.append("replay")
+    if portable and replay:
+        modes.append("both")
+    return modes

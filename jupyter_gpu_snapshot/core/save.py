@@ -8,7 +8,9 @@ these steps, in order, each a method of ``_Save``:
               (``preflight_save``: the GPU layer checks the driver, the plugin and the host
               RAM that will stage GPU memory); enough free disk for the image
 2. draft      the partial directory, owned by a lock, with a draft manifest, so a recovery
-              knows whose it is; then the mapped files are digested in a thread meanwhile
+              knows whose it is; the kernel writes its portable copy there when asked
+              (``SaveTarget.portable``), while it still runs; then the mapped files are
+              digested in a thread meanwhile
 3. suspend    hooks' ``before_dump``: the GPU layer starts its broker (``gpu/broker.py``)
               and loads CRIU's CUDA plugin into the dump. Nothing is locked or frozen yet.
 4. dump       ``criu dump`` (``--leave-running`` unless stopping). CUDA happens here, inside
@@ -63,6 +65,7 @@ from .errors import Interrupted, InvalidRequest, SnapshotError
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
+from .manifest import ManifestProblem, bounded_history, is_portable_file, portable_problem
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
 from .snapshot import Snapshot, new_snapshot_id, validate_name
 from .store import DUMP_COMPLETE_FILE, SnapshotStore
@@ -252,9 +255,42 @@ class _Save:
             raise SnapshotError(
                 "preflight", f"could not write to {self.store.root}: {exc.strerror or exc}"
             ) from exc
+        try:
+            await self.write_portable()
+        except BaseException:
+            self.work_lock.release()
+            await asyncio.to_thread(shutil.rmtree, self.work, True)
+            await asyncio.to_thread(self.store.abort, self.partial)
+            raise
         # Started before the kernel is touched: its workers are up before the pause.
         self.follower = await asyncio.to_thread(self.store.follow_dump, self.partial)
         self.timings["preflight"] = time.monotonic() - self.started
+
+    async def write_portable(self) -> None:
+        """The kernel's portable copy, into the partial, before anything pauses it: the
+        commit digests and signs its files with the images'."""
+        writer = self.ctx.target.portable
+        if writer is None:
+            return
+        t = time.monotonic()
+        self.report(Progress("portable"))
+        try:
+            report = await writer(self.partial)
+            written = await asyncio.to_thread(os.listdir, self.partial)
+            problem = portable_problem(report, written)
+            if problem is not None:
+                raise SnapshotError("portable", problem)
+            self.manifest["portable"] = report
+        except Interrupted:
+            raise
+        except SnapshotError as exc:
+            if self.ctx.target.portable_required:
+                raise
+            # A policy's copy: the save goes on without it, and says so.
+            await asyncio.to_thread(_remove_portable_files, self.partial)
+            _add_warning(self.manifest, f"no portable copy: {exc.cause}")
+        await asyncio.to_thread(self.store.write_draft, self.partial, self.manifest)
+        self.timings["portable"] = time.monotonic() - t
 
     def digest_mapped_files(self) -> None:
         """Digest the mapped files in a thread while the kernel is paused; commit waits."""
@@ -488,8 +524,21 @@ class _Save:
                 "jupyter_gpu_snapshot": __version__,
             },
             "node": node_facts(),
+            **self._history(),
             **ctx.manifest,
         }
+
+    def _history(self) -> dict[str, Any]:
+        """The manifest's "history", from what the kernel said it ran. A history the
+        kernel garbled costs the replay, never the save: it is left out, with a warning."""
+        history = self.ctx.target.history
+        if not history:
+            return {}
+        try:
+            return {"history": bounded_history(history)}
+        except ManifestProblem as exc:
+            _add_warning(self.ctx.manifest, f"no cells recorded: {exc}")
+            return {}
 
     def _kernel_logs(self, paths: list[str]) -> list[str]:
         """The append-only files a restore may recreate: the kernel's own logs. Other files
@@ -537,6 +586,15 @@ def _disk_full(exc: BaseException) -> str | None:
 
 def _add_warning(manifest: dict[str, Any], warning: str) -> None:
     manifest["warnings"] = [*manifest.get("warnings", []), warning]
+
+
+def _remove_portable_files(partial: Path) -> None:
+    """The files of a portable copy given up, out of the partial: the commit digests every
+    file there."""
+    for name in os.listdir(partial):
+        if is_portable_file(name):
+            with contextlib.suppress(FileNotFoundError):
+                (partial / name).unlink()
 
 
 def _dump_outlived_criu(images: Path, root_pid: int) -> bool:

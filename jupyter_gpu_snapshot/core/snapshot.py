@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidRequest, SnapshotError
-from .manifest import ID_PATTERN, NAME_PATTERN
+from .manifest import ID_PATTERN, NAME_PATTERN, fallbacks_offered
 
 # The schema's own patterns, so an id or name accepted here is one a manifest may carry.
 _ID = re.compile(ID_PATTERN)
@@ -156,4 +156,7 @@ class Snapshot:
             "versions": shown("versions", {}),
             "warnings": shown("warnings", []),
             "recovered": bool(shown("recovered", False)),
+            # What a fallback could bring back if the image cannot come back.
+            "fallback": fallbacks_offered(self.manifest) if self.trusted else [],
+            "cells_recorded": len((shown("history", None) or {}).get("cells", [])),
         }

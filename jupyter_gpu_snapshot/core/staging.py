@@ -27,7 +27,7 @@ import psutil
 from . import chunks, images, locks, safe_fs
 from .errors import SnapshotError
 from .image_server import ImageFile
-from .manifest import MANIFEST
+from .manifest import MANIFEST, is_portable_file
 from .snapshot import Snapshot
 
 # Whole image files assembled beside the snapshots, in a store entry of this prefix, locked
@@ -97,11 +97,13 @@ def served_images(pages: chunks.ChunkStore, snapshot: Snapshot) -> Iterator[dict
     kept whole opened in its directory, files kept as recipes planned onto the store's
     packs ``pages`` (their recipes checked against the signed manifest first). Nothing is
     assembled or checked here: a restore's ``ImageServer`` hands the bytes to criu and
-    compares each file with its manifest digest as it goes. Closed on leaving."""
+    compares each file with its manifest digest as it goes. A portable copy's files are no
+    image: never served, never read. Closed on leaving."""
     snapshot.require_trusted()
     with safe_fs.opened_dir(snapshot.id, pages.root_fd) as dfd:
-        files = snapshot.manifest["files"]
-        images.require_listed(dfd, files, snapshot.id, "verify")
+        images.require_listed(dfd, snapshot.manifest["files"], snapshot.id, "verify")
+        files = {name: entry for name, entry in snapshot.manifest["files"].items()
+                 if not is_portable_file(name)}
         recipes = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
                    for name in images.stored_as_recipes(dfd, files)}
         whole_names = sorted(set(files) - set(recipes))
@@ -124,10 +126,36 @@ def served_images(pages: chunks.ChunkStore, snapshot: Snapshot) -> Iterator[dict
 
 
 @contextlib.contextmanager
+def portable_files(root: Path, pages: chunks.ChunkStore, snapshot: Snapshot) -> Iterator[Path]:
+    """A private directory holding the portable copy of trusted ``snapshot`` as whole
+    files, each checked against its digest before this yields: a kernel loads them, and
+    loading runs their pickles. Assembled like ``opened_images``; removed on leaving."""
+    snapshot.require_trusted()
+    names = sorted((snapshot.manifest.get("portable") or {}).get("files", []))
+    with safe_fs.opened_dir(snapshot.id, pages.root_fd) as dfd:
+        images.require_listed(dfd, snapshot.manifest["files"], snapshot.id, "verify")
+        recipes = [name for name in images.stored_as_recipes(dfd, snapshot.manifest["files"])
+                   if name in names]
+        if not recipes:  # all kept whole: read where they are, by name
+            with images.opened_whole(dfd, snapshot, names) as opened:
+                images.check_named_digests(snapshot, opened)
+            yield root / snapshot.id
+            return
+        with _assembled(root, pages, snapshot, dfd, recipes, names) as (path, out_fd):
+            with images.opened_whole(out_fd, snapshot, names) as opened:
+                images.check_named_digests(snapshot, opened)
+            yield path
+
+
+@contextlib.contextmanager
 def _assembled(
-    root: Path, pages: chunks.ChunkStore, snapshot: Snapshot, dfd: int, recipes: list[str]
+    root: Path, pages: chunks.ChunkStore, snapshot: Snapshot, dfd: int, recipes: list[str],
+    wanted_names: list[str] | None = None,
 ) -> Iterator[tuple[Path, int]]:
+    """``wanted_names`` (default: every file, and the manifest) in a private directory:
+    ``recipes`` among them assembled, the others linked."""
     files = snapshot.manifest["files"]
+    linked = set(files) | {MANIFEST} if wanted_names is None else set(wanted_names)
     wanted = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
               for name in recipes}
     needed = sum(int(files[name]["size"]) for name in recipes)
@@ -135,7 +163,7 @@ def _assembled(
         os.mkdir(snapshot.id, 0o700, dir_fd=outer_fd)
         with safe_fs.opened_dir(snapshot.id, outer_fd) as out_fd:
             # The manifest too: an upload reads the directory as a snapshot.
-            for name in sorted(set(files) - set(recipes) | {MANIFEST}):
+            for name in sorted(linked - set(recipes)):
                 _link_or_copy(name, dfd, out_fd)
             try:
                 pages.assemble(wanted, out_fd, lambda n: None)

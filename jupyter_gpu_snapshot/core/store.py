@@ -548,6 +548,15 @@ class SnapshotStore:
             with staging.served_images(self._chunks(root_fd), snapshot) as served:
                 yield served
 
+    @contextlib.contextmanager
+    def portable_files(self, snapshot: Snapshot) -> Iterator[Path]:
+        """A private directory with the checked portable copy of trusted ``snapshot``
+        (``staging.portable_files``); removed on leaving."""
+        with self._root_fd() as root_fd:
+            assert root_fd is not None
+            with staging.portable_files(self.root, self._chunks(root_fd), snapshot) as found:
+                yield found
+
     def verify(self, snapshot: Snapshot, progress: ProgressFn | None = None) -> None:
         """Check the signature, the file list, every size and every digest."""
         snapshot = self.reload(snapshot)

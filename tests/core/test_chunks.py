@@ -17,7 +17,7 @@ from jupyter_gpu_snapshot.core import chunks, safe_fs, staging
 from jupyter_gpu_snapshot.core.chunks import ID_BYTES, PAGE, ZERO_ID
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION, ManifestPolicy
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.snapshot import Snapshot, new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
@@ -455,7 +455,7 @@ def test_the_manifest_says_what_the_store_keeps(tmp_path):
     store = make_store(tmp_path)
     snapshot = commit(store, {IMAGE: b"".join(pages(300, 1)), "core-1.img": b"c" * 100})
     manifest = json.loads((snapshot.path / "manifest.json").read_text())
-    assert manifest["format"] == 4
+    assert manifest["format"] == FORMAT_VERSION == 5
     assert manifest["stored"] == {"whole_bytes": 100, "new_page_bytes": 300 * PAGE,
                                   "recipe_bytes": 300 * ID_BYTES, "zero_page_bytes": 0}
     digests = np.frombuffer(recipe(snapshot), np.uint8).reshape(-1, ID_BYTES)
