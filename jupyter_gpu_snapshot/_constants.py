@@ -8,6 +8,8 @@ server (``GET gpu-snapshot/info``), never from a copy.
 
 from __future__ import annotations
 
+from typing import Any
+
 # What a snapshot-ready kernel learns from its environment about the server that owns it.
 ENV_URL = "JUPYTER_GPU_SNAPSHOT_URL"
 ENV_TOKEN = "JUPYTER_GPU_SNAPSHOT_TOKEN"
@@ -54,6 +56,9 @@ KERNEL_DEATH_PREFIX = "nsinit: kernel ended: "
 # REST routes live under {base_url}gpu-snapshot/.
 API_PREFIX = "gpu-snapshot"
 
+# The ways back when a snapshot's image cannot come back (node/fallback.py).
+FALLBACK_MODES = ("portable", "replay", "both")
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
@@ -65,3 +70,35 @@ def format_bytes(n: float) -> str:
         size /= 1024
         i += 1
     return f"{int(size)} B" if i == 0 else f"{size:.1f} {_UNITS[i]}"
+
+
+def fallback_report_lines(report: dict[str, Any]) -> list[str]:
+    """A fallback's report (node/fallback.py) as lines a person reads, the same in the
+    magic, the panel and the CLI: what came back, what did not and why, which cells were
+    re-run and which failed."""
+    lines = []
+    loaded = report.get("loaded", [])
+    if loaded:
+        lines.append("Back: " + ", ".join(
+            f"{entry['name']} ({entry.get('kind', '?')}"
+            + (f" on {entry['device']}" if entry.get("device") else "") + ")"
+            for entry in loaded))
+        lines.extend(f"  {entry['name']}: {entry['note']}" for entry in loaded
+                     if entry.get("note"))
+    replayed = report.get("replayed", [])
+    if replayed:
+        failed = [entry for entry in replayed if entry.get("status") != "ok"]
+        lines.append(f"Re-ran {len(replayed)} cell(s)"
+                     + (f", {len(failed)} failed:" if failed else "."))
+        lines.extend(f"  cell [{entry['count']}]: {entry.get('error')}" for entry in failed)
+    for entry in report.get("not_loaded", []):
+        lines.append(f"Not back: {entry['name']}: {entry['reason']}")
+    lines.extend(report.get("notes", []))
+    return lines or ["Nothing to bring back: the snapshot carried no names and no cells."]
+
+
+def fallback_offer(name: str, offered: list[str]) -> str:
+    """What to type when a snapshot's image cannot come back but its work can."""
+    ways = " or ".join(f"--fallback {mode}" for mode in offered)
+    return (f"Its work can still come back in a fresh kernel: %gpu_snapshot restore {name} "
+            f"{ways}")

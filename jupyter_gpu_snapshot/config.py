@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from traitlets import Bool, Dict, Enum, Float, Int, Unicode, default
+from traitlets import Bool, Dict, Enum, Float, Int, List, Unicode, default
 from traitlets.config import Configurable
 
 from ._constants import (
@@ -264,6 +264,23 @@ class GPUSnapshot(Configurable):
         False,
         help="""Hibernate only idle kernels that no client (a browser tab, a console) is
         connected to. Off, a notebook left open in a browser overnight hibernates too.""",
+    ).tag(config=True)
+
+    portable_on = List(
+        Unicode(),
+        default_value=["hibernate"],
+        help="""Saves that also write a portable copy of the kernel's namespace (what a
+        restore falls back to when the image cannot come back: docs/fallback.md), by their
+        reason: "hibernate" (a kernel hibernated to disk), "shutdown", "autosave". Such a
+        copy waits at most portable_budget_seconds for a running cell to end; one that
+        cannot be written is given up, and the save goes on without it (its manifest says
+        so). A user's own request (%gpu_snapshot save --portable) waits for the cell.""",
+    ).tag(config=True)
+
+    portable_budget_seconds = Float(
+        30.0,
+        help="""Seconds a policy's portable copy (portable_on) waits for a running cell to
+        end; past them the copy is given up and the save goes on without it.""",
     ).tag(config=True)
 
     save_gpu_rate = Float(

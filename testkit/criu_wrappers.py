@@ -126,3 +126,12 @@ def signals_the_kernel_after_the_dump(signal: int) -> str:
         + "  kill -{signal} $(cat /proc/$root/task/$root/children); exit 0",
         signal=int(signal),
     )
+
+
+def fails_restoring_while(marker: Path) -> str:
+    """The real criu, except that ``criu restore`` fails at once while ``marker`` exists:
+    an image whose restore fails on this node (as one would on a new driver), and only
+    while the test wants it to."""
+    return (f'if [ "$1" = restore ] && [ -e "{marker}" ]; then\n'
+            '  echo "Error (criu/cr-restore.c): restore refused by the test" >&2; exit 1\n'
+            f'fi\nexec "{_real()}" "$@"\n')

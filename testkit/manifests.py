@@ -35,3 +35,14 @@ def commit_tiny(store: SnapshotStore, name: str, notebook: str | None = None) ->
         "kernel": kernel_section(notebook_path=notebook),
     })
     return snapshot_id
+
+
+def move_to_another_node(store: SnapshotStore, snapshot_id: str) -> None:
+    """Sign the snapshot again as if another Linux series had saved it: this node's
+    compatibility check then refuses its image, as after an upgrade of the node."""
+    with store.opened_root() as root_fd:
+        assert root_fd is not None
+        current = store.get(snapshot_id)
+        node = dict(current.manifest["node"])
+        node["kernel"] = {**node["kernel"], "release": "2.6.32-another-node"}
+        store._resign(root_fd, current, {"node": node}, "commit")

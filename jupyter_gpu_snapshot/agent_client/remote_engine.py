@@ -11,6 +11,7 @@ snapshots (the notebooks' autosave choices).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -73,6 +74,12 @@ class AgentEngine(Generic[SleeperT]):
         """The agent checks criu at each save, and names any problem then."""
         return []
 
+    def portable_files(self, snapshot: Snapshot) -> contextlib.AbstractContextManager[Path]:
+        raise InvalidRequest(
+            "preflight", "a portable copy cannot go through the node agent yet: the agent "
+            "has no way to hand its checked files to your kernel",
+            hint="re-run the recorded cells instead (fallback replay)")
+
     def gpu_sleep(self) -> SleeperT:
         return self._gpu_sleeper(self.client)
 
@@ -118,8 +125,15 @@ class AgentEngine(Generic[SleeperT]):
         stop: bool = False,
         progress: ProgressCallback | None = None,
     ) -> Snapshot:
+        # A policy's copy (not required) is simply not written through the agent.
+        if target.portable is not None and target.portable_required:
+            raise InvalidRequest(
+                "preflight", "a portable copy cannot be saved through the node agent yet: "
+                "the kernel cannot write into the agent's store",
+                hint="save without --portable; its cells are recorded all the same")
         fields = await self.client.call(
-            "save", {"target": {**dataclasses.asdict(target), "connection_info":
+            "save", {"target": {**dataclasses.asdict(
+                dataclasses.replace(target, portable=None)), "connection_info":
                                 connection_info_json(target.connection_info)},
                      "name": name, "stop": stop},
             progress)

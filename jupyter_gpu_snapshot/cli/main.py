@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from .._constants import KERNEL_NAME, format_bytes
+from .._constants import KERNEL_NAME, fallback_report_lines, format_bytes
 from ..agent.daemon import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_TIMEOUT,
@@ -42,9 +42,11 @@ from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
 from ..core.hooks import Progress as EngineProgress
 from ..core.hooks import SaveTarget
 from ..core.snapshot import Snapshot
+from ..node import fallback
 from ..node.checks import check_this_node
 from ..node.engine import NodeEngine
 from ..node.gpus import parse_gpu_choice, remap_notice, resume_tree
+from ..node.kernel_state import kernel_history, portable_writer
 from ..node.remotes import BOTH, LOCAL, REMOTE
 from ..node.snapshots import NodeSnapshots
 from .servers import chosen_servers
@@ -348,9 +350,16 @@ def _describe(snapshot: Snapshot) -> str:
 def cmd_save(args: argparse.Namespace) -> int:
     engine = _engine(args)
     if args.kernel_id:
-        pid, _ = _kernel_pid_from_id(args.kernel_id)
-        target = SaveTarget(pid=pid, kernel_id=args.kernel_id)
+        pid, connection_file = _kernel_pid_from_id(args.kernel_id)
+        info = json.loads(connection_file.read_text())
+        target = SaveTarget(
+            pid=pid, kernel_id=args.kernel_id,
+            history=_run_interruptibly(kernel_history(info)),
+            portable=portable_writer(info) if args.portable else None)
     else:
+        if args.portable:
+            raise InvalidRequest("preflight", "--portable needs --kernel-id: the kernel "
+                                 "writes its copy when asked on its connection")
         target = SaveTarget(pid=args.pid)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
         snapshot = _run_interruptibly(
@@ -404,6 +413,8 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    if args.fallback:
+        return _fall_back(args)
     gpus = parse_gpu_choice(args.gpus) if args.gpus is not None else None
     node = _node(args)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
@@ -429,6 +440,66 @@ def cmd_restore(args: argparse.Namespace) -> int:
             + f"connect with: jupyter console --existing {connection_file}"
         )
     return 0
+
+
+def _fall_back(args: argparse.Namespace) -> int:
+    """``restore --fallback``: a fresh standalone kernel, given the work back
+    (``node.fallback``), left running for ``jupyter console --existing``."""
+    if args.gpus is not None:
+        raise InvalidRequest("preflight", "--gpus chooses where an image restores; "
+                             "--fallback starts a fresh kernel")
+    node = _node(args)
+    found = node.find(args.snapshot)
+    fallback.require_offered(found.snapshot, args.fallback)
+    with _ProgressBar(False) as bar:
+        snapshot = (_fetch(node, args.snapshot, bar)
+                    if fallback.needs_portable_files(args.fallback) else found.snapshot)
+    say = (lambda text: None) if args.json else _say
+    connection_file, report = _run_interruptibly(
+        _fresh_kernel_with(node.engine, snapshot, args.fallback, say))
+    if args.json:
+        _print_json({"snapshot": snapshot.id, "connection_file": str(connection_file),
+                     "fallback": report})
+    else:
+        _say("\n".join(fallback_report_lines(report))
+             + f"\nconnect with: jupyter console --existing {connection_file}")
+    return 0
+
+
+async def _fresh_kernel_with(
+    engine: NodeEngine, snapshot: Snapshot, mode: str, say: fallback.Say
+) -> tuple[Path, dict[str, Any]]:
+    """Start a kernel that outlives this command, and give it the work back."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    from jupyter_client.manager import AsyncKernelManager
+
+    saved = str(snapshot.manifest["kernel"]["name"])
+    try:
+        KernelSpecManager().get_kernel_spec(saved)
+        kernel_name = saved
+    except NoSuchKernel:
+        kernel_name = "python3"
+    say(f"starting a fresh {kernel_name} kernel")
+    km = AsyncKernelManager(kernel_name=kernel_name)
+    await km.start_kernel(independent=True)
+    client = km.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    try:
+        await client.wait_for_ready(timeout=120)
+        with contextlib.ExitStack() as held:
+            portable_dir = None
+            if fallback.needs_portable_files(mode):
+                say("checking the portable copy")
+                portable_dir = await asyncio.to_thread(
+                    held.enter_context, engine.portable_files(snapshot))
+            report = await fallback.bring_back(
+                fallback.FreshKernel(client, km.is_alive), snapshot, mode, portable_dir, say)
+    except BaseException:
+        await km.shutdown_kernel(now=True)
+        raise
+    finally:
+        client.stop_channels()
+    return write_connection_file(dict(km.get_connection_info())), report
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -660,6 +731,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--kernel-id", help="Jupyter kernel id (from the server's /api/kernels)")
     p.add_argument("--name", help="snapshot name (letters, digits, '.', '_', '-')")
     p.add_argument("--stop", action="store_true", help="end the kernel after the snapshot")
+    p.add_argument("--portable", action="store_true",
+                   help="also write a portable copy of the namespace (with --kernel-id), "
+                   "for 'restore --fallback' where the image cannot come back")
     p.add_argument("--json", action="store_true",
                    help="print the new snapshot's summary as JSON (no progress bar)")
     p.set_defaults(func=cmd_save)
@@ -673,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs of this node for the process's devices, cuda:0 first, by index "
                    "or UUID (e.g. 1,0); default: the same GPUs if they have room, else GPUs "
                    "of the same model with room")
+    p.add_argument("--fallback", choices=fallback.MODES,
+                   help="do not restore the image: start a fresh kernel and load the "
+                   "portable copy (portable), re-run the recorded cells (replay), or both")
     p.add_argument("--json", action="store_true",
                    help="print pid, kernel pid, connection file, timings and the GPU remap "
                    "as JSON")

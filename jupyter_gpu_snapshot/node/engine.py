@@ -11,6 +11,7 @@ gpu tier of hibernation.
 from __future__ import annotations
 
 import builtins
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,6 +89,11 @@ class NodeEngine(Protocol):
     def node_problems(self) -> builtins.list[str]:
         """Why this node cannot save any kernel now (criu missing or too old), for the
         kernels' status; empty when it can."""
+
+    def portable_files(self, snapshot: Snapshot) -> contextlib.AbstractContextManager[Path]:
+        """A directory holding the checked portable copy of ``snapshot`` (every file
+        compared with its signed digest), removed on leaving; InvalidRequest where this
+        engine cannot hand one to a kernel."""
 
     def gpu_sleep(self) -> GpuSleeper:
         """Hibernation's gpu tier; NotReady where there is no CUDA driver to release with."""

@@ -293,12 +293,12 @@ class JobCreatingHandler(SnapshotAPIHandler):
 
 
 class RestoreHandler(JobCreatingHandler):
-    """``POST snapshots/{id}/restore`` with ``{path?, session_id?, gpus?}``."""
+    """``POST snapshots/{id}/restore`` with ``{path?, session_id?, gpus?, fallback?}``."""
 
     @web.authenticated
     @authorized_to_execute
     async def post(self, ref: str) -> None:
-        body = self.json_body({"path": str, "session_id": str, "gpus": list})
+        body = self.json_body({"path": str, "session_id": str, "gpus": list, "fallback": str})
         if self.kernel_scope is not None:
             # A kernel may switch its own notebook to a restored kernel, never another's.
             session_id, path = body.get("session_id"), body.get("path")
@@ -312,20 +312,22 @@ class RestoreHandler(JobCreatingHandler):
         job = await self.service.start_restore(
             ref, path=body.get("path") or None, session_id=body.get("session_id") or None,
             gpus=body.get("gpus"), requested_by=self.kernel_scope,
+            fallback=body.get("fallback") or None,
         )
         self.accepted(job.to_dict())
 
 
 class KernelSnapshotsHandler(JobCreatingHandler):
-    """``POST kernels/{kernel_id}/snapshots`` with ``{name?, stop?}``."""
+    """``POST kernels/{kernel_id}/snapshots`` with ``{name?, stop?, portable?}``."""
 
     @web.authenticated
     @authorized_to_execute
     async def post(self, kernel_id: str) -> None:
         await self.require_kernel(kernel_id)
-        body = self.json_body({"name": str, "stop": bool})
+        body = self.json_body({"name": str, "stop": bool, "portable": bool})
         job = await self.service.start_save(
-            kernel_id, name=body.get("name") or None, stop=bool(body.get("stop"))
+            kernel_id, name=body.get("name") or None, stop=bool(body.get("stop")),
+            portable=bool(body.get("portable")),
         )
         self.accepted(job.to_dict())
 

@@ -224,6 +224,38 @@ class KernelSlots:
         # With pending kernels, start_kernel returns before the adoption has run.
         await self.kernel_manager.get_kernel(kernel_id).ready
 
+    # -- a fresh kernel for a fallback ------------------------------------------------------
+    async def start_fresh(self, kernel_id: str, kernel_name: str, path: str | None) -> Any:
+        """Start a new kernel in slot ``kernel_id`` (beside the notebook at ``path``, with
+        its environment), for a fallback to fill; returns its kernel manager once it
+        answers. No session uses it yet (``attach_fresh``)."""
+        launch: dict[str, Any] = {}
+        if path:
+            launch["path"] = await self._kernel_dir(path)
+            if self.session_manager is not None:
+                launch["env"] = self.session_manager.get_kernel_env(path)
+        try:
+            await ensure_async(self.kernel_manager.start_kernel(
+                kernel_id=kernel_id, kernel_name=kernel_name, **launch))
+            km = self.kernel_manager.get_kernel(kernel_id)
+            await km.ready
+        except Exception as exc:
+            self._forget_failed_start(kernel_id)
+            raise SnapshotError("start", f"the fresh kernel did not start: {exc}") from exc
+        return km
+
+    async def attach_fresh(
+        self, kernel_id: str, session: dict[str, Any] | None, path: str | None
+    ) -> str | None:
+        """Point the session (or the notebook's, or a new one) at the fresh kernel of a
+        fallback; returns the session's id. On failure the caller shuts the kernel down."""
+        try:
+            return await self._attach(kernel_id, session, path)
+        except Exception as exc:
+            raise SnapshotError(
+                "attach", f"could not switch the session to the fresh kernel: {exc}"
+            ) from exc
+
     def tell_new_slot(self, kernel_id: str, notice: str = "") -> None:
         """Give the restored kernel this slot's environment, without waiting for it.
 

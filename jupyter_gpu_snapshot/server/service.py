@@ -11,31 +11,39 @@ to the remote store are ``uploads``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from jupyter_core.utils import ensure_async
 
 from ..config import GPUSnapshot
 from ..core import procfs, retention
 from ..core.errors import (
     Busy,
+    Interrupted,
     InvalidRequest,
     NotFound,
     NotReady,
     PortsInUse,
     SnapshotError,
 )
-from ..core.hooks import SaveTarget
+from ..core.hooks import Progress, SaveTarget
 from ..core.snapshot import Snapshot, validate_name
 from ..launch.liveness import kernel_answers
 from ..launch.provisioner import root_pid
+from ..node import fallback as fallback_modes
 from ..node.engine import GpuSleeper
 from ..node.gpus import parse_gpu_choice
+from ..node.kernel_state import kernel_history, portable_writer
 from ..node.remotes import BOTH
 from ..node.snapshots import Found, NodeSnapshots
 from .deaths import KernelDeaths
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, kernel_key, snapshot_key
 from .kernel_credentials import KernelCredentials
+from .kernel_env import shell_client
 from .kernel_slots import KernelSlots
 from .remote_sync import RemoteListing, RemoteSync
 from .sleepers import Sleepers
@@ -43,6 +51,7 @@ from .status import TreeFacts, cuda_status
 from .status import kernel_status as describe_kernel
 from .uploads import Uploads
 
+T = TypeVar("T")
 # How long a save waits for a kernel that is still starting to answer.
 KERNEL_ANSWER_SECONDS = 30.0
 # The reason of a save that hibernates its kernel: the slot outlives the process.
@@ -85,6 +94,8 @@ class SnapshotService:
         self.uploads = (Uploads(self.engine, remote, self.jobs, self.log)
                         if remote is not None else None)
         self.tree_facts = TreeFacts(self.engine.node_problems)
+        # Kernels that did not say which cells they ran: not asked again at each save.
+        self._unrecorded_kernels: set[str] = set()
 
     # -- snapshots -------------------------------------------------------------------------
     # The engine reads and removes files: every call of it runs in a worker thread, so the
@@ -278,11 +289,15 @@ class SnapshotService:
         stop: bool = False,
         reason: str = "user",
         asleep: bool = False,
+        portable: bool = False,
     ) -> Job:
         """Validate the request and start a save job; raises at once for a bad request.
         ``asleep``: the kernel sleeps in hibernation's gpu tier and moves to the process
         tier (``Hibernation``, which lists it in that tier from then on): saved as it
-        sleeps, it cannot answer meanwhile."""
+        sleeps, it cannot answer meanwhile. ``portable``: the kernel writes a portable
+        copy of its namespace into the snapshot first (``node/fallback.py``)."""
+        if portable and asleep:
+            raise InvalidRequest("preflight", "a sleeping kernel cannot write a portable copy")
         self.kernel(kernel_id)
         sleeping = self.sleepers.describe(kernel_id)
         if sleeping and sleeping.get("tier") == "gpu" and sleeping.get("state") != "requested":
@@ -300,29 +315,36 @@ class SnapshotService:
         job = Job("save", kernel_id, reason=reason)
         return self.jobs.start(
             job, [kernel_key(kernel_id)],
-            lambda j: self._save(j, kernel_id, name, stop, reason, asleep),
+            lambda j: self._save(j, kernel_id, name, stop, reason, asleep, portable),
         )
 
     async def _save(
         self, job: Job, kernel_id: str, name: str | None, stop: bool, reason: str,
-        asleep: bool = False,
+        asleep: bool = False, portable: bool = False,
     ) -> dict[str, Any]:
         km = self.kernel(kernel_id)
         root = root_pid(km)
         if root is None:
             raise NotFound("preflight", f"kernel {kernel_id} has no running process")
         spec = getattr(km, "kernel_spec", None)
+        info = km.get_connection_info(session=False)
+        if not asleep:
+            await self._until_answering(km, kernel_id)
         target = SaveTarget(
             pid=root,
             kernel_name=km.kernel_name,
             kernel_spec=spec.to_dict() if spec is not None else None,
-            connection_info=km.get_connection_info(session=False),
+            connection_info=info,
             notebook_path=await self.slots.notebook_path(kernel_id),
             kernel_id=kernel_id,
             reason=reason,
+            history=None if asleep else await self._cells_of(kernel_id, info),
         )
-        if not asleep:
-            await self._until_answering(km, kernel_id)
+        if portable:
+            target.portable = portable_writer(info)
+        elif not asleep and reason in self.settings.portable_on:
+            target.portable = portable_writer(info, self.settings.portable_budget_seconds)
+            target.portable_required = False
         # The credential in the kernel's memory, which the snapshot keeps: a tree restored
         # from it may call with it until it is told its new kernel's own.
         credential = getattr(km.provisioner, "kernel_credential", None)
@@ -360,6 +382,18 @@ class SnapshotService:
                 snapshot, self.jobs.progress(job), obsolete
             )
         return result
+
+    async def _cells_of(self, kernel_id: str, info: dict[str, Any]) -> dict[str, Any] | None:
+        """The cells the kernel ran, for the manifest; None from a kernel that does not
+        record them (asked once: it would cost every save the wait)."""
+        if kernel_id in self._unrecorded_kernels:
+            return None
+        history = await kernel_history(info)
+        if history is None:
+            self._unrecorded_kernels.add(kernel_id)
+            self.log.info("gpu-snapshot: kernel %s does not say which cells it ran; its "
+                          "snapshots cannot be replayed", kernel_id)
+        return history
 
     async def _until_answering(self, km: Any, kernel_id: str) -> None:
         """Wait until the kernel answers on its control channel.
@@ -417,16 +451,24 @@ class SnapshotService:
         session_id: str | None = None,
         gpus: list[Any] | None = None,
         requested_by: str | None = None,
+        fallback: str | None = None,
     ) -> Job:
         """Validate the request and start a restore job into a new kernel slot.
 
         ``gpus``: the GPUs of this node for the process's devices (see ``gpu.remap``).
         A snapshot that exists only remotely is downloaded by the job first.
         ``requested_by``: the kernel whose own credential asks, which may follow the job.
+        ``fallback``: no image restore; a fresh kernel gets the work back by one of
+        ``node.fallback.MODES``.
         """
         chosen = parse_gpu_choice(gpus) if gpus is not None else None
         found = await self._find(ref)
         snapshot, local = found.snapshot, found.local
+        if fallback is not None:
+            if gpus is not None:
+                raise InvalidRequest("preflight", "gpus choose where an image restores; a "
+                                     "fallback starts a fresh kernel")
+            fallback_modes.require_offered(snapshot, fallback)
         session, path = await self.slots.restore_target(path, session_id)
         new_kernel_id = str(uuid.uuid4())
         keys = [snapshot_key(snapshot.id), kernel_key(new_kernel_id)]
@@ -434,6 +476,10 @@ class SnapshotService:
             # Its kernel is replaced at the end; no other operation may hold it meanwhile.
             keys.append(kernel_key(session["kernel"]["id"]))
         job = Job("restore", new_kernel_id, snapshot.id, requested_by=requested_by)
+        if fallback is not None:
+            mode = fallback
+            return self.jobs.start(
+                job, keys, lambda j: self._fall_back(j, snapshot, session, path, local, mode))
         return self.jobs.start(
             job, keys, lambda j: self._restore(j, snapshot, session, path, local, chosen)
         )
@@ -462,7 +508,8 @@ class SnapshotService:
             # Its manifest is authenticated: a node that cannot run it refuses before the
             # download, not after gigabytes of it.
             if snapshot.trusted:
-                await self.engine.check_compatibility(snapshot, self.jobs.progress(job), {})
+                await self._offering_fallback(snapshot, self.engine.check_compatibility(
+                    snapshot, self.jobs.progress(job), {}))
             snapshot = await self.remote.download(
                 snapshot, self.jobs.progress(job), self.jobs.claimed(SNAPSHOT_KEY_PREFIX)
             )
@@ -471,8 +518,8 @@ class SnapshotService:
         credential = self.credentials.restoring(snapshot.id, kernel_id)
         try:
             try:
-                restored = await self.engine.restore(
-                    snapshot, self.jobs.progress(job), gpus=gpus)
+                restored = await self._offering_fallback(snapshot, self.engine.restore(
+                    snapshot, self.jobs.progress(job), gpus=gpus))
             except PortsInUse as exc:
                 # Name the kernel that holds the ports, so a client offers to shut that one.
                 exc.details.update(await self.slots.port_holder(snapshot, kernel_id))
@@ -485,3 +532,64 @@ class SnapshotService:
             "kernel_id": kernel_id, "session_id": session_id,
             "gpu_remap": restored.notes.get("gpu_remap"),
         }
+
+    async def _offering_fallback(self, snapshot: Snapshot, step: Awaitable[T]) -> T:
+        """``step`` of a restore, its failure telling the client which fallbacks the
+        snapshot offers (``details.fallback``): a refused or failed image is where they
+        are offered. A refusal that is about the request or this moment (taken ports, a
+        busy snapshot) offers none: trying again can work."""
+        try:
+            return await step
+        except (PortsInUse, Busy, InvalidRequest, NotFound, Interrupted):
+            raise
+        except SnapshotError as exc:
+            if snapshot.trusted:
+                exc.details["fallback"] = fallback_modes.offered(snapshot.manifest)
+            raise
+
+    async def _fall_back(
+        self,
+        job: Job,
+        snapshot: Snapshot,
+        session: dict[str, Any] | None,
+        path: str | None,
+        local: bool,
+        mode: str,
+    ) -> dict[str, Any]:
+        """A fresh kernel in a new slot, given the work back by ``mode``
+        (``node.fallback.bring_back``), then the notebook's session switched to it. If the
+        kernel fails meanwhile, it is shut down and the session keeps its kernel; the
+        snapshot is untouched either way."""
+        kernel_id = job.kernel_id
+        assert kernel_id is not None
+        ours = await self.slots.our_kernelspecs()
+        kernel_name = self.slots.restore_kernel_name(snapshot, ours)
+        progress = self.jobs.progress(job)
+
+        def say(text: str) -> None:
+            progress(Progress("fallback", message=text))
+
+        if not local and fallback_modes.needs_portable_files(mode):
+            assert self.remote is not None
+            snapshot = await self.remote.download(
+                snapshot, progress, self.jobs.claimed(SNAPSHOT_KEY_PREFIX))
+        say("starting a fresh kernel")
+        km = await self.slots.start_fresh(kernel_id, kernel_name, path)
+        client = shell_client(km)
+        try:
+            with contextlib.ExitStack() as held:
+                portable_dir = None
+                if fallback_modes.needs_portable_files(mode):
+                    say("checking the portable copy")
+                    portable_dir = await asyncio.to_thread(
+                        held.enter_context, self.engine.portable_files(snapshot))
+                fresh = fallback_modes.FreshKernel(client, lambda: ensure_async(km.is_alive()))
+                report = await fallback_modes.bring_back(fresh, snapshot, mode,
+                                                         portable_dir, say)
+            session_id = await self.slots.attach_fresh(kernel_id, session, path)
+        except BaseException:
+            await self.slots.shutdown_quietly(kernel_id)
+            raise
+        finally:
+            client.stop_channels()
+        return {"kernel_id": kernel_id, "session_id": session_id, "fallback": report}
