@@ -10,12 +10,15 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from jupyter_client.manager import KernelManager
 from jupyter_core.paths import jupyter_runtime_dir
 
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from testkit.manifests import move_to_another_node
 from tests.conftest import KernelHandle, RestoredTrees, start_kernel, stop_kernel
 
 
@@ -119,6 +122,51 @@ def test_save_by_kernel_id(tmp_path: Path):
         assert "5" in handle.execute("print(x)")
     finally:
         stop_kernel(handle)
+
+
+def test_a_refused_image_comes_back_through_the_cli_fallback(tmp_path: Path):
+    """save --portable, the image refused (another node's Linux), restore --fallback:
+    a standalone fresh kernel holds the state, reached by its connection file."""
+    kernel_id = str(uuid.uuid4())
+    connection_file = Path(jupyter_runtime_dir()) / f"kernel-{kernel_id}.json"
+    handle = start_kernel(connection_file=str(connection_file))
+    outputs: list[dict[str, Any]] = []
+    try:
+        handle.execute("import numpy as np")
+        handle.execute("grid = np.arange(4096, dtype=np.float64).reshape(64, 64) ** 0.5")
+        handle.execute("stream = (n for n in range(3))")
+        saved = json.loads(cli(tmp_path / "store", "save", "--kernel-id", kernel_id,
+                               "--portable", "--json").stdout)
+        assert saved["fallback"] == ["portable", "replay", "both"]
+    finally:
+        stop_kernel(handle)
+    move_to_another_node(SnapshotStore(tmp_path / "store"), saved["id"])
+    refused = cli(tmp_path / "store", "restore", saved["name"], check=False)
+    assert refused.returncode != 0 and "compatibility failed" in refused.stderr
+
+    out = cli(tmp_path / "store", "restore", saved["name"], "--fallback", "both", "--json")
+    fresh: dict[str, Any] = json.loads(out.stdout)
+    report = fresh["fallback"]
+    assert {"grid", "np"} <= {entry["name"] for entry in report["loaded"]}
+    assert len(report["replayed"]) == 1 and report["replayed"][0]["status"] == "ok"
+    km = KernelManager(connection_file=fresh["connection_file"])
+    km.load_connection_file()
+    client = km.blocking_client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=30)
+        reply = client.execute_interactive(
+            "import hashlib; print(hashlib.sha256(grid.tobytes()).hexdigest(), next(stream))",
+            output_hook=lambda msg: outputs.append(msg), timeout=30)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        client.shutdown()
+        client.stop_channels()
+    expected = hashlib.sha256((np.arange(4096, dtype=np.float64).reshape(64, 64) ** 0.5)
+                              .tobytes()).hexdigest()
+    printed = "".join(m["content"].get("text", "") for m in outputs
+                      if m["msg_type"] == "stream")
+    assert printed.split() == [expected, "0"]
 
 
 def test_errors_are_one_line_and_exit_nonzero(tmp_path: Path):
