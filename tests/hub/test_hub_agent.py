@@ -88,13 +88,13 @@ class UserServer:
 
         return run(go())
 
-    def job(self, job: dict[str, Any]) -> dict[str, Any]:
+    def job(self, job: dict[str, Any], expect: str = "succeeded") -> dict[str, Any]:
         deadline = time.monotonic() + JOB_SECONDS
         while job["status"] == "running":
             assert time.monotonic() < deadline, f"job did not end: {job}"
             time.sleep(0.2)
             job = self.call("GET", f"gpu-snapshot/jobs/{job['id']}")
-        assert job["status"] == "succeeded", job.get("error")
+        assert job["status"] == expect, job.get("error")
         return job
 
     def snapshots(self, **params: str) -> list[dict[str, Any]]:
@@ -130,6 +130,19 @@ def test_each_user_saves_and_restores_their_notebook_through_the_agent(
         new_kernel = restored["result"]["kernel_id"]
         assert server.kernel_of("work.ipynb") == new_kernel
         assert server.execute(new_kernel, "print(x + 1)").strip() == str(value + 1)
+        # The cells are recorded through the agent too, and a replay brings them back in
+        # a fresh kernel; a portable copy is refused there, saying why.
+        assert saved["result"]["fallback"] == ["replay"], saved["result"]
+        replayed = server.job(server.call(
+            "POST", f"gpu-snapshot/snapshots/{saved['snapshot_id']}/restore",
+            {"path": "replayed.ipynb", "fallback": "replay"}, 202))
+        report = replayed["result"]["fallback"]
+        assert [cell["status"] for cell in report["replayed"]] == ["ok"], report
+        assert server.execute(replayed["result"]["kernel_id"], "print(x)").strip() == str(value)
+        refused = server.job(server.call(
+            "POST", f"gpu-snapshot/kernels/{new_kernel}/snapshots", {"portable": True}, 202),
+            expect="failed")
+        assert "node agent" in refused["error"]["message"], refused["error"]
         # The magic, from the restored kernel itself.
         said = server.execute(new_kernel, "%gpu_snapshot save magic")
         assert "magic" in said, said
