@@ -409,3 +409,16 @@ async def test_a_notebook_chooses_when_its_kernel_hibernates(
     assert out == "This notebook's kernel never hibernates by itself.\n"
     await asyncio.sleep(4)
     assert await hibernation(api) == {}
+
+
+async def test_a_hibernated_kernel_keeps_a_portable_copy_by_policy(
+    api: Api, kernel_socket: KernelConnector
+) -> None:
+    # c.GPUSnapshot.portable_on holds "hibernate" by default: the snapshot a hibernated
+    # kernel wakes from can also come back where its image cannot.
+    kernel_id, sock = await notebook_kernel(api, kernel_socket)
+    await sock.execute("kept = list(range(5))")
+    found = await hibernated(api, kernel_id)
+    (summary,) = [s for s in await api.snapshots() if s["id"] == found["snapshot_id"]]
+    assert summary["fallback"] == ["portable", "replay", "both"], summary
+    assert not summary["warnings"], summary["warnings"]
