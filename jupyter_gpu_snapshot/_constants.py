@@ -81,7 +81,8 @@ def fallback_report_lines(report: dict[str, Any]) -> list[str]:
     if loaded:
         lines.append("Back: " + ", ".join(
             f"{entry['name']} ({entry.get('kind', '?')}"
-            + (f" on {entry['device']}" if entry.get("device") else "") + ")"
+            + (f" on {entry['device']}" if entry.get("device") not in (None, "", "cpu")
+               else "") + ")"
             for entry in loaded))
         lines.extend(f"  {entry['name']}: {entry['note']}" for entry in loaded
                      if entry.get("note"))

@@ -43,6 +43,7 @@ def move_to_another_node(store: SnapshotStore, snapshot_id: str) -> None:
     with store.opened_root() as root_fd:
         assert root_fd is not None
         current = store.get(snapshot_id)
+        assert current.trusted, (current.status, current.problem)
         node = dict(current.manifest["node"])
         node["kernel"] = {**node["kernel"], "release": "2.6.32-another-node"}
         store._resign(root_fd, current, {"node": node}, "commit")

@@ -302,12 +302,20 @@ class SnapshotClient:
         query = f"?kernel_id={_q(kernel_id)}" if kernel_id else ""
         return list(self.api("GET", f"jobs{query}", step="jobs").get("jobs", []))
 
-    def start_save(self, name: str | None = None, stop: bool = False) -> Json:
-        """POST the save; a restored copy of a kernel frozen mid-POST raises Restored…."""
+    def start_save(
+        self, name: str | None = None, stop: bool = False, *, portable: bool = False
+    ) -> Json:
+        """POST the save; a restored copy of a kernel frozen mid-POST raises Restored….
+
+        ``portable``: the snapshot also keeps a portable copy of the namespace, which a
+        fresh kernel can load where the image cannot come back.
+        """
         kernel_id = self.kernel_id
         body: Json = {"stop": stop}
         if name:
             body["name"] = name
+        if portable:  # only when asked: servers without portable copies refuse the field
+            body["portable"] = True
         marker = incarnation()
         posted_at = time.time()
         try:
@@ -320,9 +328,28 @@ class SnapshotClient:
             raise
 
     def start_restore(
-        self, ref: str, path: str | None = None, session_id: str | None = None
+        self,
+        ref: str,
+        path: str | None = None,
+        session_id: str | None = None,
+        *,
+        fallback: str | None = None,
     ) -> Json:
-        """POST the restore of snapshot ``ref`` (an id), refusing one that cannot work."""
+        """POST the restore of snapshot ``ref`` (an id), refusing one that cannot work.
+
+        ``fallback`` ("portable", "replay" or "both"): no image restore; a fresh kernel
+        gets back what the snapshot kept besides its image, and the job's result carries
+        the report (``result["fallback"]``).
+        """
+        body: Json = {}
+        if path:
+            body["path"] = path
+        if session_id:
+            body["session_id"] = session_id
+        if fallback is not None:
+            # A fresh kernel listens on ports of its own: no need to check the snapshot's.
+            body["fallback"] = fallback
+            return dict(self.api("POST", f"snapshots/{_q(ref)}/restore", body, step="restore"))
         summary = self.snapshot(ref)
         if holds_ports_of(summary):
             raise ClientError(
@@ -333,11 +360,6 @@ class SnapshotClient:
                 hint="Restore it from JupyterLab's restore dialog, which offers to shut this "
                 "kernel down first",
             )
-        body: Json = {}
-        if path:
-            body["path"] = path
-        if session_id:
-            body["session_id"] = session_id
         return dict(self.api("POST", f"snapshots/{_q(ref)}/restore", body, step="restore"))
 
     def session(self) -> Json | None:

@@ -42,7 +42,9 @@ from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .client import ClientError, RestoredWhileWaiting, ServerLink, SnapshotClient
+from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines
+from . import cell_record
+from .client import ClientError, JobFailed, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
 from .presentation import (
     IDLE_POLICY_FIELDS,
@@ -147,6 +149,18 @@ class GPUSnapshotMagics(Magics):
         help="save only: stop this kernel once it is saved (restore it later)",
     )
     @argument(
+        "--portable",
+        action="store_true",
+        help="save only: also write a portable copy of the namespace, which a restore "
+        "can load where the image cannot come back (another driver, GPU or none)",
+    )
+    @argument(
+        "--fallback",
+        choices=FALLBACK_MODES,
+        help="restore only: do not restore the image; start a fresh kernel and load the "
+        "portable copy (portable), re-run the recorded cells (replay), or both",
+    )
+    @argument(
         "--all",
         action="store_true",
         dest="all_notebooks",
@@ -169,6 +183,8 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot list
             %gpu_snapshot status
             %gpu_snapshot restore before-train
+            %gpu_snapshot save --portable      # also a copy that survives a new driver
+            %gpu_snapshot restore before-train --fallback both
             %gpu_snapshot rm before-train
             %gpu_snapshot widget
             %gpu_snapshot list --latest        # what a restart would offer back
@@ -186,6 +202,10 @@ class GPUSnapshotMagics(Magics):
             raise UsageError(f"unrecognized arguments: {' '.join(args.rest)}")
         if args.latest and command != "list":
             raise UsageError("--latest only applies to %gpu_snapshot list")
+        if args.portable and command != "save":
+            raise UsageError("--portable only applies to %gpu_snapshot save")
+        if args.fallback and command != "restore":
+            raise UsageError("--fallback only applies to %gpu_snapshot restore")
         changes = _autosave_changes(args.name, args.rest) if command == "autosave" else None
         tier = "process"
         if command == "hibernate":
@@ -209,10 +229,12 @@ class GPUSnapshotMagics(Magics):
             print("Saving, then stopping this kernel; restore it with %gpu_snapshot restore.")
             sys.stdout.flush()
         try:
-            job = client.start_save(args.name, stop=args.stop)
+            job = client.start_save(args.name, stop=args.stop, portable=args.portable)
             progress = _ProgressLine(self.shell, "Saving")
             try:
-                job = client.wait(job, progress.update, posted_at=posted_at)
+                # This cell only waits: the kernel may write its portable copy meanwhile.
+                with cell_record.parked():
+                    job = client.wait(job, progress.update, posted_at=posted_at)
             finally:
                 progress.close()
         except RestoredWhileWaiting as restored:
@@ -297,12 +319,16 @@ class GPUSnapshotMagics(Magics):
             str(summary["id"]),
             path=session.get("path") if session else None,
             session_id=session.get("id") if session else None,
+            fallback=args.fallback,
         )
         if session:
             # The server retires this kernel once the notebook is switched: this cell may
             # never finish, so say what happens before it does.
+            how = (f"into a fresh kernel by its {args.fallback} fallback (the new kernel "
+                   "shows what came back at its first cell)" if args.fallback
+                   else "into a new kernel")
             print(
-                f"Restoring snapshot {summary['id']} ({summary.get('name')}) into a new kernel; "
+                f"Restoring snapshot {summary['id']} ({summary.get('name')}) {how}; "
                 f"{session.get('path')} switches to it and this kernel shuts down."
             )
             sys.stdout.flush()
@@ -312,6 +338,12 @@ class GPUSnapshotMagics(Magics):
         except KeyboardInterrupt:
             _stopped_waiting("restore", job)
             return
+        except JobFailed as failed:
+            offered = ((failed.job.get("error") or {}).get("details") or {}).get("fallback")
+            if not offered:
+                raise
+            raise ClientError(failed.step, failed.cause, message=failed.message + ". "
+                              + fallback_offer(str(summary.get("name")), offered)) from None
         finally:
             progress.close()
         result = job.get("result") or {}
@@ -326,6 +358,8 @@ class GPUSnapshotMagics(Magics):
         notice = (result.get("gpu_remap") or {}).get("notice")
         if notice:
             print(notice.replace("This kernel was", "It was", 1))
+        if result.get("fallback"):
+            print("\n".join(fallback_report_lines(result["fallback"])))
 
     def _autosave(self, client: SnapshotClient, changes: dict[str, Any] | None) -> None:
         state = client.autosave(changes)
@@ -454,7 +488,9 @@ class _ProgressLine:
 
 
 def load(shell: InteractiveShell) -> None:
-    """Register the magic; called by ``load_ipython_extension``. Makes no network call."""
+    """Register the magic and the cell recorder (``cell_record``); called by
+    ``load_ipython_extension``. Makes no network call."""
+    cell_record.install(shell)
     link_kernel_id = None
     with contextlib.suppress(ClientError):  # outside a server: the magic says so when used
         link_kernel_id = ServerLink.from_env().kernel_id

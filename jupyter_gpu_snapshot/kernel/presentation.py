@@ -35,6 +35,7 @@ PHASE_LABELS = {
     "downloading": "downloading from the remote store",
     "verify": "verifying",
     "restore": "restoring",
+    "fallback": "bringing the work back",
     "done": "finishing",
 }
 

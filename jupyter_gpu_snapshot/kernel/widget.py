@@ -3,7 +3,9 @@
 ``%gpu_snapshot widget`` shows it. It reads everything from the server extension's REST API
 (``kernels/{id}/status``, ``kernels/{id}/autosave``, ``jobs?kernel_id=``,
 ``snapshots?notebook_path=``) and offers
-Save, Restore and Delete, with errors shown inline.
+Save (with a portable copy when asked), Restore and Delete, with errors shown inline. When a
+restore fails because the snapshot's image cannot come back, it offers the ways back into a
+fresh kernel the snapshot lists (``error.details.fallback``), and shows their report.
 
 Why a background thread, and why it cannot deadlock the kernel
 ---------------------------------------------------------------
@@ -43,6 +45,7 @@ from typing import Any
 
 import ipywidgets as w  # type: ignore[import-untyped]
 
+from .._constants import FALLBACK_MODES
 from .client import ApiError, ClientError, SnapshotClient
 from .presentation import (
     IDLE_POLICY_FIELDS,
@@ -65,6 +68,29 @@ BUSY_POLL_SECONDS = 0.25
 # less often while idle, and at once when a job ends.
 STATUS_EVERY_SECONDS = 3.0
 LIST_EVERY_SECONDS = 10.0
+
+
+# The ways back into a fresh kernel, as the buttons say them, and what each keeps.
+FALLBACK_LABELS = {
+    "portable": "Load the portable copy",
+    "replay": "Re-run the cells",
+    "both": "Both",
+}
+FALLBACK_EXPLANATIONS = {
+    "portable": "loads the variables the snapshot copied (tensors, arrays and what dill "
+    "could save); no cell runs, and what could not be copied is missing",
+    "replay": "runs again the cells the kernel ran, in order: all they built comes back, "
+    "in the time they take",
+    "both": "loads the portable copy, then re-runs only the cells that built the names it "
+    "lacks",
+}
+
+
+def offered_fallbacks(listed: Any) -> list[str]:
+    """The known ways back of a server's list, in offering order (the fullest last)."""
+    if not isinstance(listed, list):
+        return []
+    return [mode for mode in FALLBACK_MODES if mode in listed]
 
 
 def _text(value: str, color: str | None = None) -> str:
@@ -167,6 +193,38 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             tooltip="Snapshot this kernel now; it keeps running",
         )
         self.save_button.on_click(lambda _b: self.save())
+        self.portable_check = w.Checkbox(
+            value=False, description="with a portable copy", indent=False,
+            tooltip="Also keep the variables in a portable form (tensors and arrays in "
+            "safetensors, the rest through dill): a fresh kernel can load them where the "
+            "image cannot come back, e.g. on another GPU or driver. The save takes longer.",
+            layout=w.Layout(width="auto"),
+        )
+        # The ways back into a fresh kernel after a restore whose image could not come
+        # back: made now and hidden (see the module notes), shown for the modes offered.
+        self.fallback_note = w.HTML()
+        self.fallback_buttons: dict[str, Any] = {}
+        for mode in FALLBACK_MODES:
+            button = w.Button(
+                description=FALLBACK_LABELS[mode], tooltip=FALLBACK_EXPLANATIONS[mode],
+                layout=w.Layout(width="auto"),
+                button_style="warning" if mode == FALLBACK_MODES[-1] else "",
+            )
+            button.on_click(lambda _b, mode=mode: self.restore_fallback(mode))
+            self.fallback_buttons[mode] = button
+        self.fallback_dismiss = w.Button(
+            description="Not now", tooltip="Hide these choices (the snapshot stays)",
+            layout=w.Layout(width="auto"),
+        )
+        self.fallback_dismiss.on_click(lambda _b: self._offer_fallback(None, []))
+        self.fallback_box = w.VBox([
+            self.fallback_note,
+            w.HBox([*self.fallback_buttons.values(), self.fallback_dismiss]),
+        ])
+        self.fallback_box.layout.display = "none"
+        self._fallback_snapshot: str | None = None  # what the fallback buttons restore
+        self._fallback_jobs: set[str] = set()  # restores that took a way back
+        self.report = w.HTML()
         # This notebook's snapshots, newest first: what they are, and which one the
         # Restore and Delete buttons act on.
         self.snapshots: dict[str, Json] = {}
@@ -197,7 +255,8 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             w.HBox([self.hibernate_tier, self.hibernate_mode, self.hibernate_minutes,
                     self.hibernate_apply, self.hibernate_button]),
             self.progress_box,
-            w.HBox([self.name_input, self.save_button]), self.message, self.error,
+            w.HBox([self.name_input, self.portable_check, self.save_button]),
+            self.message, self.error, self.fallback_box, self.report,
             w.HTML("<b>This notebook's snapshots</b>"), self.snapshot_list,
             w.HBox([self.snapshot_choice, self.restore_button, self.delete_button]),
         ])
@@ -308,11 +367,29 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
 
     def _job_ended(self, job: Json) -> None:
         result = job.get("result") or {}
+        took_fallback = str(job.get("id")) in self._fallback_jobs
+        if job.get("status") == "failed" and job.get("kind") == "restore" and not took_fallback:
+            error = job.get("error") or {}
+            offered = offered_fallbacks((error.get("details") or {}).get("fallback"))
+            if offered and job.get("snapshot_id"):
+                self._offer_fallback(str(job["snapshot_id"]), offered)
         with self._lock:
             if job.get("status") == "failed":
                 error = job.get("error") or {}
                 text = error.get("message") or f"{job.get('kind')} failed"
-                self.error.value = _text(f"{job.get('kind')}: {text}", "#c62828")
+                what = "restore into a fresh kernel" if took_fallback else job.get("kind")
+                self.error.value = _text(f"{what}: {text}", "#c62828")
+            elif job.get("kind") == "restore" and isinstance(result.get("fallback"), dict):
+                # This kernel is retired as the fresh one takes the notebook over: the
+                # report shows for as long as it still runs.
+                where = (
+                    "this notebook now uses it" if result.get("session_id")
+                    else "no notebook was switched to it"
+                )
+                self.message.value = _text(
+                    f"Restored into a fresh kernel {result.get('kernel_id')}: {where}"
+                )
+                self.report.value = _report_html(result["fallback"])
             elif job.get("kind") == "save":
                 self.message.value = _text(
                     f"Saved {result.get('name')}: {snapshot_size_text(result)}"
@@ -418,7 +495,8 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
     def save(self) -> Json | None:
         """The Save button: start a save job of this kernel; the poller shows its progress."""
         name = self.name_input.value.strip() or None
-        job = self._act("save", lambda: self.client.start_save(name))
+        portable = bool(self.portable_check.value)
+        job = self._act("save", lambda: self.client.start_save(name, portable=portable))
         if job is not None:
             self.name_input.value = ""
         return job
@@ -478,6 +556,48 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             ),
         )
 
+    def restore_fallback(self, mode: str) -> Json | None:
+        """A way-back button: the snapshot whose image could not come back, into a fresh
+        kernel that this notebook then uses; the report shows once the job has ended."""
+        snapshot_id = self._fallback_snapshot
+        if not snapshot_id:
+            return None
+        self._offer_fallback(None, [])
+        with self._lock:
+            self.report.value = ""
+
+        def start() -> Json:
+            job = self.client.start_restore(
+                snapshot_id, path=self._notebook_path, session_id=self._session_id,
+                fallback=mode,
+            )
+            # Known before the poller can see the job end: its failure offers no way back.
+            self._fallback_jobs.add(str(job.get("id")))
+            return job
+
+        job = self._act("restore into a fresh kernel", start)
+        if job is not None:
+            with self._lock:
+                self.message.value = _text(
+                    f"Restoring into a fresh kernel ({FALLBACK_LABELS[mode].lower()})…")
+        return job
+
+    def _offer_fallback(self, snapshot_id: str | None, offered: list[str]) -> None:
+        """Show the buttons of the ``offered`` ways back for ``snapshot_id``; hide them
+        all with none."""
+        with self._lock:
+            self._fallback_snapshot = snapshot_id if offered else None
+            for mode, button in self.fallback_buttons.items():
+                button.layout.display = "" if mode in offered else "none"
+            if offered:
+                self.fallback_note.value = _text(
+                    "The snapshot's image cannot come back here, but a fresh kernel can get "
+                    "back what it kept besides it: "
+                    + "; ".join(f"{FALLBACK_LABELS[mode]}: {FALLBACK_EXPLANATIONS[mode]}"
+                                for mode in offered) + "."
+                )
+            self.fallback_box.layout.display = "flex" if offered else "none"
+
     def delete_chosen(self) -> None:
         """The Delete button: the first click asks, the second deletes the chosen snapshot
         (snapshots cannot be undeleted)."""
@@ -507,14 +627,71 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
 
 
 def _snapshot_html(summary: Json, now: float) -> str:
-    """One snapshot of the list: its name, age, size and id."""
+    """One snapshot of the list: its name, age, size, what it keeps besides its image,
+    and its id."""
     created = float(summary.get("created", 0))
+    offered = offered_fallbacks(summary.get("fallback"))
+    keeps = (
+        "portable copy &middot; " if "portable" in offered
+        else "cells recorded &middot; " if offered else ""
+    )
     return (
         f"<b>{html.escape(str(summary.get('name')))}</b> &nbsp;"
         f"{html.escape(format_age(now - created))} &middot; "
-        f"{html.escape(snapshot_size_text(summary))} &middot; "
+        f"{html.escape(snapshot_size_text(summary))} &middot; {keeps}"
         f"<code>{html.escape(str(summary.get('id')))}</code>"
     )
+
+
+def _plural(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
+def report_summary(report: Json) -> str:
+    """A way back's report in a line: "2 names loaded, 1 not; 3 cells re-run, 1 failed"."""
+    loaded = len(report.get("loaded") or [])
+    missing = len(report.get("not_loaded") or [])
+    replayed = list(report.get("replayed") or [])
+    failed = sum(1 for cell in replayed if cell.get("status") != "ok")
+    mode = report.get("mode")
+    parts = []
+    if loaded or missing or mode != "replay":
+        text = _plural(loaded, "name loaded", "names loaded")
+        parts.append(f"{text}, {missing} not" if missing else text)
+    if replayed or mode != "portable":
+        text = _plural(len(replayed), "cell re-run", "cells re-run")
+        parts.append(f"{text}, {failed} failed" if failed else text)
+    return "; ".join(parts)
+
+
+def _report_html(report: Json) -> str:
+    """What came back and where, what did not and why, each cell re-run, and the notes."""
+    esc = html.escape
+    sections = [f"<b>{esc(report_summary(report))}</b>"]
+
+    def listing(title: str, items: list[str]) -> None:
+        if items:
+            sections.append(
+                f"{esc(title)}:<ul>{''.join(f'<li>{item}</li>' for item in items)}</ul>")
+
+    listing("Came back", [
+        f"<code>{esc(str(item.get('name')))}</code> ({esc(str(item.get('kind')))}, on "
+        f"{esc(str(item.get('device')))})"
+        + (f": {esc(str(item['note']))}" if item.get("note") else "")
+        for item in report.get("loaded") or []
+    ])
+    listing("Did not come back", [
+        f"<code>{esc(str(item.get('name')))}</code>: {esc(str(item.get('reason')))}"
+        for item in report.get("not_loaded") or []
+    ])
+    listing("Cells re-run", [
+        f"In [{esc(str(cell.get('count')))}]: ran" if cell.get("status") == "ok"
+        else _text(f"In [{cell.get('count')}]: failed: "
+                   f"{cell.get('error') or 'no reason given'}", "#c62828")
+        for cell in report.get("replayed") or []
+    ])
+    listing("Notes", [esc(str(note)) for note in report.get("notes") or []])
+    return "".join(sections)
 
 
 def _descendants(widget: Any) -> list[Any]:

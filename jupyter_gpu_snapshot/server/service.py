@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from jupyter_core.utils import ensure_async
 
+from .._constants import fallback_report_lines
 from ..config import GPUSnapshot
 from ..core import procfs, retention
 from ..core.errors import (
@@ -587,6 +588,11 @@ class SnapshotService:
                 report = await fallback_modes.bring_back(fresh, snapshot, mode,
                                                          portable_dir, say)
             session_id = await self.slots.attach_fresh(kernel_id, session, path)
+            # A notebook that asked from a cell sees the report there: the cell that asked
+            # ends with its kernel, which the session just left.
+            self.slots.tell_new_slot(kernel_id, "\n".join([
+                f"This kernel is a fresh one: snapshot {snapshot.name}'s image could not "
+                f"come back, its work did ({mode}):", *fallback_report_lines(report)]))
         except BaseException:
             await self.slots.shutdown_quietly(kernel_id)
             raise

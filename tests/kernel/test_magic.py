@@ -17,8 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 from testkit.criu_wrappers import install, waits_after_the_dump_for
 from testkit.magic_fixtures import (
     Cell,
@@ -29,6 +32,7 @@ from testkit.magic_fixtures import (
     ok,
     run_cell,
 )
+from testkit.manifests import move_to_another_node
 from tests.conftest import start_kernel, stop_kernel
 
 __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
@@ -343,6 +347,52 @@ def test_restore_switches_the_notebook_to_the_restored_kernel(
     assert new_kernel not in (first.kernel_id, second_id)
     restored = jupyter_server.connect(new_kernel)
     assert ok(restored, "print(origin)") == "first kernel\n"
+
+
+def _server_store(server: JupyterServer) -> SnapshotStore:
+    """The store as the server process reads it: with its signing key (in the Jupyter
+    data dir of its environment) and its kernel-log directory (in its runtime dir)."""
+    assert server.process is not None
+    env = psutil.Process(server.process.pid).environ()
+    data_dir = Path(env.get("JUPYTER_DATA_DIR") or Path.home() / ".local/share/jupyter")
+    return SnapshotStore(server.store, data_dir / "gpu_snapshot_signing.key",
+                         ManifestPolicy(lambda: server.runtime / "gpu_snapshot"))
+
+
+def test_a_refused_image_offers_its_fallback_and_the_notebook_gets_its_work_back(
+    jupyter_server: JupyterServer,
+) -> None:
+    first = jupyter_server.open_notebook("fallback.ipynb")
+    first.ok("import numpy as np\nsteps = np.arange(12, dtype=np.int32) * 3")
+    said = first.ok("%gpu_snapshot save upgraded --portable")
+    assert SAVED.search(said), said
+    (summary,) = [s for s in jupyter_server.snapshots() if s["name"] == "upgraded"]
+    assert summary["fallback"] == ["portable", "replay", "both"]
+    # The node comes back with another Linux: the image is refused, the work is offered.
+    move_to_another_node(_server_store(jupyter_server), summary["id"])
+    jupyter_server.shutdown_kernel(first.kernel_id)  # the image needs its ports back
+    second = jupyter_server.open_notebook("fallback.ipynb")
+    line = one_line_error(second.run("%gpu_snapshot restore upgraded"))
+    assert line.startswith("%gpu_snapshot restore: compatibility failed: "), line
+    assert line.endswith("Its work can still come back in a fresh kernel: %gpu_snapshot "
+                         "restore upgraded --fallback portable or --fallback replay or "
+                         "--fallback both"), line
+    # As the message says: the notebook switches to a fresh kernel, which says what came
+    # back at its first cell.
+    said_before: list[str] = []
+    second.client.execute("%gpu_snapshot restore upgraded --fallback both")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not said_before:
+        msg = second.client.get_iopub_msg(timeout=60)
+        if msg["msg_type"] == "stream":
+            said_before.append(msg["content"]["text"])
+    assert "into a fresh kernel by its both fallback" in said_before[0], said_before
+    assert _gone(jupyter_server, second.kernel_id)
+    fresh = jupyter_server.connect(jupyter_server.session(second.session_id)["kernel"]["id"])
+    first_cell = run_cell(fresh, "print(int(steps.sum()), steps.dtype)")
+    assert first_cell.status == "ok", first_cell
+    assert "its work did (both):" in first_cell.stderr, first_cell
+    assert first_cell.stdout == "198 int32\n", first_cell
 
 
 def test_loading_the_extension_never_waits_for_a_server(tmp_path: Path) -> None:

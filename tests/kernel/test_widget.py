@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +19,20 @@ from typing import Any
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
+from jupyter_gpu_snapshot.core.kernel_log import KERNEL_LOG_SUBDIR
+from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 from testkit import stored_pages
 from testkit.criu_wrappers import install, pauses_after_the_dump
-from testkit.magic_fixtures import Cell, JupyterServer, NotebookKernel, jupyter_server, notebook
+from testkit.magic_fixtures import (
+    Cell,
+    JupyterServer,
+    NotebookKernel,
+    jupyter_server,
+    notebook,
+    ok,
+)
+from testkit.manifests import move_to_another_node
 
 __all__ = ["jupyter_server", "notebook"]  # the fixtures, imported for pytest
 
@@ -286,8 +298,6 @@ def test_delete_and_restore_buttons(jupyter_server: JupyterServer) -> None:
     new_kernel = session["kernel"]["id"]
     assert new_kernel != second.kernel_id
     restored = jupyter_server.connect(new_kernel)
-    from testkit.magic_fixtures import ok
-
     assert ok(restored, "print(origin)") == "the first kernel\n"
     assert second.kernel_id not in jupyter_server.kernel_ids()
     # The restored kernel knows its slot, and its own panel works.
@@ -378,3 +388,186 @@ def test_the_panel_sets_the_notebooks_hibernation_and_hibernates_the_kernel(
             break
     else:
         raise AssertionError("the woken kernel's output never arrived")
+
+
+class _FallbackClient:
+    """The server as the panel sees it, for a restore whose image was refused: jobs the
+    test ends by hand, and every call the panel made."""
+
+    kernel_id = "k-panel"
+
+    def __init__(self) -> None:
+        self.jobs_by_id: dict[str, dict[str, Any]] = {}
+        self.calls: list[tuple[str, Any]] = []
+
+    def session(self) -> dict[str, Any]:
+        return {"id": "s-1", "path": "work/a.ipynb"}
+
+    def status(self) -> dict[str, Any]:
+        return {"ready": True, "reasons": [], "cuda": None, "last_snapshot": None}
+
+    def autosave(self, changes: Any = None) -> dict[str, Any]:
+        return {"policy": {"enabled": False}, "override": {}}
+
+    def snapshots(self, notebook_path: str | None = None) -> list[dict[str, Any]]:
+        return [{"id": "s1", "name": "before-upgrade", "created": time.time(),
+                 "size_bytes": 1 << 20, "fallback": ["portable", "replay", "both"]}]
+
+    def jobs(self, kernel_id: str | None = None) -> list[dict[str, Any]]:
+        return []
+
+    def job(self, job_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return dict(self.jobs_by_id[job_id])
+
+    def start_save(self, name: str | None = None, stop: bool = False, *,
+                   portable: bool = False) -> dict[str, Any]:
+        self.calls.append(("save", {"name": name, "portable": portable}))
+        return self._job("save", None)
+
+    def start_restore(self, ref: str, path: str | None = None, session_id: str | None = None,
+                      *, fallback: str | None = None) -> dict[str, Any]:
+        self.calls.append(("restore", {"ref": ref, "path": path, "session_id": session_id,
+                                       "fallback": fallback}))
+        return self._job("restore", ref)
+
+    def _job(self, kind: str, snapshot_id: str | None) -> dict[str, Any]:
+        job = {"id": f"j{len(self.jobs_by_id) + 1}", "kind": kind, "status": "running",
+               "phase": "preflight", "snapshot_id": snapshot_id, "done": 0, "total": 0}
+        self.jobs_by_id[str(job["id"])] = job
+        return dict(job)
+
+    def end(self, job_id: str, **fields: Any) -> None:
+        self.jobs_by_id[job_id].update(fields)
+
+
+REFUSED = {
+    "code": "failed", "step": "compatibility",
+    "cause": "this node runs Linux 6.1, the snapshot was saved on 2.6.32",
+    "message": "compatibility failed: this node runs Linux 6.1, the snapshot was saved on "
+    "2.6.32",
+}
+
+
+def test_a_refused_restore_offers_the_ways_back_and_shows_their_report() -> None:
+    from jupyter_gpu_snapshot.kernel.widget import SnapshotPanel
+
+    client = _FallbackClient()
+    panel = SnapshotPanel(client, start=False)  # type: ignore[arg-type]
+    panel.refresh(full=True)
+    assert "portable copy" in panel.snapshot_list.value
+    assert panel.fallback_box.layout.display == "none"
+
+    # The save asks for a portable copy when its box is ticked.
+    panel.portable_check.value = True
+    panel.save()
+    assert client.calls[-1] == ("save", {"name": None, "portable": True})
+    client.end("j1", status="succeeded", result={"name": "x", "size_bytes": 1})
+
+    panel.restore_chosen()
+    assert client.calls[-1] == ("restore", {"ref": "s1", "path": "work/a.ipynb",
+                                            "session_id": "s-1", "fallback": None})
+    client.end("j2", status="failed", error={**REFUSED, "details": {
+        "fallback": ["replay", "both", "someday"]}})
+    panel.refresh()
+    assert "restore: compatibility failed: this node runs Linux 6.1" in panel.error.value
+    # Only the ways the snapshot offers, each saying what it keeps.
+    assert panel.fallback_box.layout.display == "flex"
+    shown = [mode for mode, b in panel.fallback_buttons.items() if b.layout.display != "none"]
+    assert shown == ["replay", "both"]
+    assert "Re-run the cells: runs again the cells the kernel ran" in panel.fallback_note.value
+    assert "Load the portable copy" not in panel.fallback_note.value
+
+    panel.fallback_buttons["replay"].click()
+    assert client.calls[-1] == ("restore", {"ref": "s1", "path": "work/a.ipynb",
+                                            "session_id": "s-1", "fallback": "replay"})
+    assert panel.fallback_box.layout.display == "none"
+    assert "Restoring into a fresh kernel (re-run the cells)" in panel.message.value
+    client.end("j3", status="succeeded", result={
+        "kernel_id": "k-fresh", "session_id": "s-1", "fallback": {
+            "mode": "replay", "loaded": [], "not_loaded": [{"name": "log", "reason":
+                                                             "an open file"}],
+            "replayed": [{"count": 1, "status": "ok"},
+                         {"count": 4, "status": "error", "error": "NameError: x"}],
+            "notes": ["the 2 oldest cells were not recorded"],
+        }})
+    panel.refresh()
+    assert "Restored into a fresh kernel k-fresh: this notebook now uses it" in (
+        panel.message.value)
+    report = panel.report.value
+    assert "0 names loaded, 1 not; 2 cells re-run, 1 failed" in report, report
+    assert "<code>log</code>: an open file" in report
+    assert "In [1]: ran" in report and "In [4]: failed: NameError: x" in report
+    assert "the 2 oldest cells were not recorded" in report
+    assert panel.error.value == ""
+
+    # A way back that fails says so, and offers no way back again.
+    panel.restore_chosen()
+    client.end("j4", status="failed", error={**REFUSED, "details": {"fallback": ["both"]}})
+    panel.refresh()
+    panel.fallback_buttons["both"].click()
+    client.end("j5", status="failed", error={
+        "step": "load", "cause": "x", "message": "load failed: the fresh kernel died",
+        "details": {"fallback": ["both"]}})
+    panel.refresh()
+    assert "restore into a fresh kernel: load failed" in panel.error.value
+    assert panel.fallback_box.layout.display == "none"
+    panel.close()
+
+
+def _server_store(server: JupyterServer) -> SnapshotStore:
+    """The server's store, read with its key (the Jupyter data dir's: the server is given
+    no key file of its own) and its kernel-log directory."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    logs = Path(os.path.realpath(server.runtime / KERNEL_LOG_SUBDIR))
+    return SnapshotStore(
+        server.store, Path(jupyter_data_dir()) / "gpu_snapshot_signing.key",
+        ManifestPolicy(kernel_log_dir=lambda: logs),
+    )
+
+
+def test_the_panel_saves_a_portable_copy_and_brings_a_refused_image_back_by_it(
+    jupyter_server: JupyterServer,
+) -> None:
+    path = "portable-panel.ipynb"
+    first = jupyter_server.open_notebook(path)
+    first.ok("import numpy as np\nweights = np.arange(12.0).reshape(3, 4)\nlabel = 'run-7'")
+    show_panel(first)
+    first.ok(f"{PANEL}; p.name_input.value = 'portable-one'; p.portable_check.value = True;"
+             " p.save_button.click()")
+    saved = jupyter_server.wait_kernel_job(first.kernel_id, timeout=120)
+    assert saved["status"] == "succeeded", saved
+    snapshot_id = saved["result"]["id"]
+    assert "portable" in saved["result"]["fallback"], saved["result"]
+    # Its image now claims another node's Linux: this node refuses it. The kernel it was
+    # taken of is gone (as after a move to a new machine): no port of it is taken.
+    move_to_another_node(_server_store(jupyter_server), snapshot_id)
+    jupyter_server.shutdown_kernel(first.kernel_id)
+
+    second = jupyter_server.open_notebook(path)
+    show_panel(second)
+    wait_panel(second, f"{snapshot_id!r} in p.snapshots")
+    assert "portable copy" in panel_state(second)["listing"]
+    second.ok(f"{PANEL}; p.snapshot_choice.value = {snapshot_id!r}; p.restore_button.click()")
+    wait_panel(second, "p.fallback_box.layout.display == 'flex'", timeout=60)
+    offered = json.loads(second.ok(
+        f"{PANEL}; print(json.dumps([m for m, b in p.fallback_buttons.items()"
+        " if b.layout.display != 'none']))"))
+    assert offered == ["portable", "replay", "both"]
+    assert "restore: compatibility failed" in panel_state(second)["error"]
+
+    second.ok(f"{PANEL}; p.fallback_buttons['portable'].click()")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        session = jupyter_server.session(second.session_id)
+        if session["kernel"]["id"] != second.kernel_id:
+            break
+        time.sleep(0.2)
+    fresh = session["kernel"]["id"]
+    assert fresh != second.kernel_id, "the notebook was not switched to a fresh kernel"
+    assert ok(jupyter_server.connect(fresh), "print(float(weights.sum()), label)") == (
+        "66.0 run-7\n")
+    job = next(j for j in jupyter_server.get("gpu-snapshot/jobs")["jobs"]
+               if j["kind"] == "restore" and j["kernel_id"] == fresh)
+    loaded = {item["name"] for item in job["result"]["fallback"]["loaded"]}
+    assert {"weights", "label"} <= loaded, job["result"]["fallback"]

@@ -102,6 +102,14 @@ async def _saved_with_state(api: Api, kernel_socket: KernelConnector) -> str:
     return str(summary["id"])
 
 
+async def _told_what_came_back(ws: Any, mode: str) -> str:
+    """The fresh kernel's first cell shows the notebook what came back; the notice."""
+    notice = await ws.execute("pass")
+    assert notice.startswith("Note: This kernel is a fresh one: snapshot before-upgrade's "
+                             f"image could not come back, its work did ({mode}):"), notice
+    return notice
+
+
 def _names(entries: list[dict[str, Any]]) -> set[str]:
     return {str(entry["name"]) for entry in entries}
 
@@ -128,6 +136,8 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     assert all(not_back.values())
     assert report["replayed"] == []
     portable = await kernel_socket(job["result"]["kernel_id"])
+    assert "Not back: log: not carried: an open file" in await _told_what_came_back(
+        portable, "portable")
     assert (await portable.execute(DIGEST)).strip() == _expected()
 
     # By its cells: the same state, rebuilt; the file and the generator too.
@@ -136,6 +146,7 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     assert [entry["status"] for entry in report["replayed"]] == ["ok"] * len(report["replayed"])
     assert len(report["replayed"]) >= len(STATE)
     replayed = await kernel_socket(job["result"]["kernel_id"])
+    assert "Re-ran" in await _told_what_came_back(replayed, "replay")
     assert (await replayed.execute(DIGEST)).strip() == _expected()
     assert (await replayed.execute("print(next(numbers), log.closed)")).split() == ["0", "False"]
 
@@ -146,6 +157,7 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     rerun = [entry["count"] for entry in report["replayed"]]
     assert len(rerun) == 2, report  # the open file's cell and the generator's
     both = await kernel_socket(job["result"]["kernel_id"])
+    await _told_what_came_back(both, "both")
     assert (await both.execute(DIGEST)).strip() == _expected()
     assert (await both.execute("print(next(numbers))")).strip() == "0"
 
