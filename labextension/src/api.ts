@@ -19,6 +19,7 @@ export type Phase =
   | 'downloading'
   | 'verify'
   | 'restore'
+  | 'fallback'
   | 'done';
 
 export interface ISnapshotSummary {
@@ -43,6 +44,27 @@ export interface ISnapshotSummary {
   gpu: { [key: string]: unknown } | null;
   /** Where it is kept; servers without a remote store leave it out. */
   location?: 'local' | 'remote' | 'both';
+  /**
+   * What it offers if its process image cannot come back (see FallbackMode); older
+   * servers and snapshots leave it out or list none.
+   */
+  fallback?: FallbackMode[];
+}
+
+/**
+ * A way back into a fresh kernel when a snapshot's image cannot be restored: load its
+ * portable copy of the namespace, re-run the cells the kernel ran, or load the copy and
+ * re-run only the cells that built the names it lacks.
+ */
+export type FallbackMode = 'portable' | 'replay' | 'both';
+
+/** What a fallback restore brought back (the finished job's ``result.fallback``). */
+export interface IFallbackReport {
+  mode: string;
+  loaded: { name: string; kind: string; device: string; note?: string }[];
+  not_loaded: { name: string; reason: string }[];
+  replayed: { count: number; status: 'ok' | 'error'; error?: string }[];
+  notes: string[];
 }
 
 /** The server's error kinds (server/openapi.yaml, Error.code): branch on these, not on text. */
@@ -60,6 +82,8 @@ export interface IJobError {
     ports?: string[];
     holder_kernel_id?: string | null;
     holder_notebook_path?: string | null;
+    /** What the snapshot offers instead, when its image was refused or failed to restore. */
+    fallback?: FallbackMode[];
     [key: string]: unknown;
   };
   step: string;
@@ -72,6 +96,8 @@ export interface IJobError {
 export interface IRestoreResult {
   kernel_id: string;
   session_id: string | null;
+  /** A restore with ``fallback``: what came back into the fresh kernel. */
+  fallback?: IFallbackReport;
 }
 
 export interface IJob {
@@ -298,7 +324,7 @@ export class SnapshotAPI {
 
   startSave(
     kernelId: string,
-    options: { name?: string; stop?: boolean } = {}
+    options: { name?: string; stop?: boolean; portable?: boolean } = {}
   ): Promise<IJob> {
     return this._request<IJob>(`kernels/${encodeURIComponent(kernelId)}/snapshots`, {
       method: 'POST',
@@ -308,7 +334,7 @@ export class SnapshotAPI {
 
   startRestore(
     snapshotId: string,
-    options: { path?: string; session_id?: string }
+    options: { path?: string; session_id?: string; fallback?: FallbackMode }
   ): Promise<IJob> {
     return this._request<IJob>(`snapshots/${encodeURIComponent(snapshotId)}/restore`, {
       method: 'POST',

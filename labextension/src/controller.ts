@@ -11,7 +11,9 @@ import type { TranslationBundle } from '@jupyterlab/translation';
 import { ISignal, Signal } from '@lumino/signaling';
 import {
   AutosaveOverride,
+  FallbackMode,
   IAutosaveState,
+  IFallbackReport,
   IJob,
   IJobError,
   IKernelStatus,
@@ -29,6 +31,13 @@ import {
   jobFraction,
   toastProgress
 } from './format';
+import {
+  askFallback,
+  fallbackLabel,
+  offeredFallbacks,
+  showFallbackReport,
+  summarizeReport
+} from './fallback';
 import { JobFollower } from './jobs';
 import { JobNotification } from './progress';
 import { portsHolder } from './remedy';
@@ -111,6 +120,22 @@ export interface IRestoreOptions {
    * instead of offering to. For a kernel that replaced a dead one: it holds nothing to keep.
    */
   replaceOwnKernel?: boolean;
+  /**
+   * Start a fresh kernel and bring back what the snapshot kept besides its image (its
+   * portable copy, its recorded cells, or both) instead of restoring the image.
+   */
+  fallback?: FallbackMode;
+}
+
+/** What a failed restore offers instead of its image, filled in when it fails. */
+interface IFallbackOffer {
+  modes: FallbackMode[];
+  /** What failed, in a line, for the dialog. */
+  failure: string | null;
+  /** Closes the failure's notification: a way back was taken. */
+  dismiss: () => void;
+  /** The dialog is open: its notification's action must not open a second one. */
+  asking: boolean;
 }
 
 export const SNAPSHOT_KERNEL_NAME = 'python3-snapshot';
@@ -365,8 +390,16 @@ export class SnapshotController {
   /** Set by the plugin: opens JupyterLab's kernel picker for a notebook. */
   changeKernel: ((panel: NotebookPanel) => void) | null = null;
 
-  /** Snapshot the notebook's kernel, with a notification that follows the job. */
-  async save(panel: NotebookPanel, name?: string): Promise<ISnapshotSummary | null> {
+  /**
+   * Snapshot the notebook's kernel, with a notification that follows the job. With
+   * ``portable``, the snapshot also keeps a portable copy of the kernel's variables, which
+   * a fresh kernel can load if the image cannot come back.
+   */
+  async save(
+    panel: NotebookPanel,
+    name?: string,
+    options: { portable?: boolean } = {}
+  ): Promise<ISnapshotSummary | null> {
     const kernelId = this.kernelId(panel);
     const availability = this.saveAvailability(panel);
     if (!kernelId || !availability.enabled) {
@@ -378,7 +411,11 @@ export class SnapshotController {
     const toast = new JobNotification(trans.__('Snapshot of %1: starting…', notebook));
     let job: IJob;
     try {
-      job = await this.api.startSave(kernelId, name ? { name } : {});
+      // Only what was asked for: a server without portable copies refuses the field.
+      job = await this.api.startSave(kernelId, {
+        ...(name ? { name } : {}),
+        ...(options.portable ? { portable: true } : {})
+      });
     } catch (error) {
       const apiError = error instanceof SnapshotAPIError ? error.error : null;
       toast.finish(
@@ -491,23 +528,69 @@ export class SnapshotController {
 
   /**
    * Restore a snapshot into this notebook: the server starts the restored kernel and
-   * the notebook's session is switched to it.
+   * the notebook's session is switched to it. When the image cannot come back and the
+   * snapshot offers another way (``error.details.fallback``), a dialog offers it; with
+   * ``options.fallback`` that way is taken at once, into a fresh kernel.
    */
   async restore(
     panel: NotebookPanel,
     snapshot: ISnapshotSummary,
     options: IRestoreOptions = {}
   ): Promise<boolean> {
+    const offer: IFallbackOffer = {
+      modes: [],
+      failure: null,
+      dismiss: () => undefined,
+      asking: false
+    };
+    const restored = await this._restoreOnce(panel, snapshot, options, offer);
+    if (restored || !offer.modes.length || panel.isDisposed) {
+      return restored;
+    }
+    // Asked once the restore is over: the notebook's kernel is its own again meanwhile.
+    return this._offerFallback(panel, snapshot, offer, options);
+  }
+
+  /** The dialog offering the ways back; the chosen one is restored. */
+  private async _offerFallback(
+    panel: NotebookPanel,
+    snapshot: ISnapshotSummary,
+    offer: IFallbackOffer,
+    options: IRestoreOptions
+  ): Promise<boolean> {
+    if (offer.asking) {
+      return false;
+    }
+    offer.asking = true;
+    let mode: FallbackMode | null;
+    try {
+      mode = await askFallback(snapshot, offer.modes, offer.failure, this.trans);
+    } finally {
+      offer.asking = false;
+    }
+    if (!mode || panel.isDisposed) {
+      return false; // the failure's notification stays, and offers the dialog again
+    }
+    offer.dismiss();
+    return this.restore(panel, snapshot, { ...options, fallback: mode });
+  }
+
+  private async _restoreOnce(
+    panel: NotebookPanel,
+    snapshot: ISnapshotSummary,
+    options: IRestoreOptions,
+    offer: IFallbackOffer
+  ): Promise<boolean> {
     // The server retires the session's kernel once the restored one takes its place: no
     // status request may ask about it until the notebook has switched, or it gets 404.
     const replaced = panel.sessionContext.session ? this.kernelId(panel) : null;
     if (!replaced || this._replaced.has(replaced)) {
-      return this._restore(panel, snapshot, options);
+      return this._restore(panel, snapshot, options, offer);
     }
     this._replaced.add(replaced);
     try {
       await this._refreshing.get(replaced);
-      return await this._restore(panel, snapshot, options);
+      return await this._restore(panel, snapshot, options, offer);
     } finally {
       this._replaced.delete(replaced);
     }
@@ -516,11 +599,21 @@ export class SnapshotController {
   private async _restore(
     panel: NotebookPanel,
     snapshot: ISnapshotSummary,
-    options: IRestoreOptions
+    options: IRestoreOptions,
+    offer: IFallbackOffer
   ): Promise<boolean> {
     const trans = this.trans;
     const sessionContext = panel.sessionContext;
-    const toast = new JobNotification(trans.__("Restoring '%1'…", snapshot.name));
+    const fallback = options.fallback ?? null;
+    const toast = new JobNotification(
+      fallback
+        ? trans.__(
+            "Restoring '%1' into a fresh kernel (%2)…",
+            snapshot.name,
+            fallbackLabel(fallback, trans).toLowerCase()
+          )
+        : trans.__("Restoring '%1'…", snapshot.name)
+    );
     // Set when a refusal for this notebook's own ports turns into the remedy.
     const replaced: { restore: Promise<boolean> | null } = { restore: null };
     const fail = (message: string, error: IJobError | null = null): boolean => {
@@ -535,12 +628,43 @@ export class SnapshotController {
         replaced.restore = this._restoreReplacing(panel, snapshot, null);
         return false;
       }
-      toast.finish(
-        'error',
-        trans.__("Restore of '%1' failed: %2", snapshot.name, ports?.message ?? message),
-        {
-          autoClose: false,
-          actions: dismiss => [
+      // A way back into a fresh kernel, when the image cannot come back; not for taken
+      // ports (freeing them lets the image come back), nor again by a restore that took
+      // one.
+      const modes = ports || fallback ? [] : offeredFallbacks(error?.details?.fallback);
+      const text = fallback
+        ? trans.__(
+            "Restore of '%1' into a fresh kernel failed: %2",
+            snapshot.name,
+            message
+          )
+        : trans.__(
+            "Restore of '%1' failed: %2",
+            snapshot.name,
+            ports?.message ?? message
+          );
+      if (modes.length) {
+        offer.modes = modes;
+        offer.failure = text;
+      }
+      toast.finish('error', text, {
+        autoClose: false,
+        actions: dismiss => {
+          offer.dismiss = dismiss;
+          return [
+            ...(modes.length
+              ? [
+                  {
+                    label: trans.__('Restore another way…'),
+                    caption: trans.__(
+                      'Start a fresh kernel with what the snapshot kept besides its image'
+                    ),
+                    displayType: 'accent' as const,
+                    callback: () =>
+                      void this._offerFallback(panel, snapshot, offer, options)
+                  }
+                ]
+              : []),
             ...(remedy
               ? [
                   {
@@ -552,15 +676,17 @@ export class SnapshotController {
                 ]
               : []),
             ...detailsAction(
-              trans.__("Restore of '%1' failed", snapshot.name),
+              fallback
+                ? trans.__("Restore of '%1' into a fresh kernel failed", snapshot.name)
+                : trans.__("Restore of '%1' failed", snapshot.name),
               error,
               remedy,
               dismiss,
               trans
             )
-          ]
+          ];
         }
-      );
+      });
       return false;
     };
     const started = Date.now();
@@ -570,10 +696,10 @@ export class SnapshotController {
       // notebook makes its own session below: JupyterLab cannot adopt a session that the
       // server would create for the path, and a second one for the same path would follow.
       const sessionId = sessionContext.session?.id;
-      job = await this.api.startRestore(
-        snapshot.id,
-        sessionId ? { path: sessionContext.path, session_id: sessionId } : {}
-      );
+      job = await this.api.startRestore(snapshot.id, {
+        ...(sessionId ? { path: sessionContext.path, session_id: sessionId } : {}),
+        ...(fallback ? { fallback } : {})
+      });
     } catch (error) {
       const apiError = error instanceof SnapshotAPIError ? error.error : null;
       fail(apiError ? shortError(apiError, trans) : (error as Error).message, apiError);
@@ -584,7 +710,13 @@ export class SnapshotController {
       this._restores.set(path, current);
       this._changed.emit('');
       toast.progress(
-        trans.__("Restoring '%1': %2", snapshot.name, this.describeJob(current)),
+        fallback
+          ? trans.__(
+              "Restoring '%1' into a fresh kernel: %2",
+              snapshot.name,
+              this.describeJob(current)
+            )
+          : trans.__("Restoring '%1': %2", snapshot.name, this.describeJob(current)),
         toastProgress(current)
       );
     });
@@ -595,7 +727,10 @@ export class SnapshotController {
       return replaced.restore ?? false;
     }
     const result = final.result as IRestoreResult;
-    this._origins.set(result.kernel_id, snapshot.id);
+    if (!fallback) {
+      // A fresh kernel holds none of the snapshot's ports: it is no origin.
+      this._origins.set(result.kernel_id, snapshot.id);
+    }
     try {
       await this._attach(panel, result);
     } catch (error) {
@@ -615,6 +750,10 @@ export class SnapshotController {
       )
     );
     const seconds = (Date.now() - started) / 1000;
+    if (fallback) {
+      this._finishFallback(toast, snapshot, result, seconds);
+      return true;
+    }
     toast.finish(
       'success',
       trans.__(
@@ -626,6 +765,60 @@ export class SnapshotController {
       { autoClose: SUCCESS_CLOSE_MS }
     );
     return true;
+  }
+
+  /**
+   * The outcome of a fallback restore: a line in the notification (a warning that stays
+   * when something did not come back), and the whole report, shown at once and again from
+   * the notification.
+   */
+  private _finishFallback(
+    toast: JobNotification,
+    snapshot: ISnapshotSummary,
+    result: IRestoreResult,
+    seconds: number
+  ): void {
+    const trans = this.trans;
+    const report = result.fallback;
+    if (!report) {
+      toast.finish(
+        'success',
+        trans.__(
+          "A fresh kernel took the place of '%1' in %2",
+          snapshot.name,
+          formatSeconds(seconds, trans)
+        ),
+        { autoClose: SUCCESS_CLOSE_MS }
+      );
+      return;
+    }
+    const incomplete =
+      (report.not_loaded ?? []).length > 0 ||
+      (report.replayed ?? []).some(cell => cell.status !== 'ok');
+    const show = () => void showFallbackReport(snapshot.name, report, trans);
+    toast.finish(
+      incomplete ? 'warning' : 'success',
+      trans.__(
+        "A fresh kernel took the place of '%1' in %2: %3",
+        snapshot.name,
+        formatSeconds(seconds, trans),
+        summarizeReport(report, trans)
+      ),
+      {
+        autoClose: incomplete ? false : SUCCESS_CLOSE_MS,
+        actions: () => [
+          {
+            label: trans.__('Report'),
+            caption: trans.__('What came back, what did not and why, the cells re-run'),
+            callback: event => {
+              event.preventDefault();
+              show();
+            }
+          }
+        ]
+      }
+    );
+    show();
   }
 
   /**
@@ -753,6 +946,16 @@ export class SnapshotController {
       // Restored elsewhere (%gpu_snapshot restore, a script) into a session that may be a
       // notebook open here: pick up its new kernel now, not at the next session poll.
       void this._services.sessions.refreshRunning();
+      const result = job.result as IRestoreResult;
+      if (
+        result.fallback &&
+        result.session_id &&
+        this.showsSession?.(result.session_id)
+      ) {
+        // The kernel that asked for it (the panel widget's) is retired by now: its own
+        // report went with it.
+        void this._reportForeignFallback(job, result.fallback);
+      }
       return;
     }
     const kernelId = job.kernel_id;
@@ -762,6 +965,51 @@ export class SnapshotController {
     if (job.status === 'running') {
       void this._followQuietly(kernelId, job);
     }
+  }
+
+  /** Set by the plugin: whether a notebook open here runs in this session. */
+  showsSession: ((sessionId: string) => boolean) | null = null;
+
+  private async _reportForeignFallback(
+    job: IJob,
+    report: IFallbackReport
+  ): Promise<void> {
+    if (this._reported.has(job.id)) {
+      return;
+    }
+    this._reported.add(job.id);
+    const trans = this.trans;
+    let name = job.snapshot_id ?? '';
+    if (job.snapshot_id) {
+      name = await this.api
+        .getSnapshot(job.snapshot_id)
+        .then(summary => summary.name)
+        .catch(() => name);
+    }
+    const incomplete =
+      (report.not_loaded ?? []).length > 0 ||
+      (report.replayed ?? []).some(cell => cell.status !== 'ok');
+    Notification.emit(
+      trans.__(
+        "A fresh kernel took the place of '%1': %2",
+        name,
+        summarizeReport(report, trans)
+      ),
+      incomplete ? 'warning' : 'success',
+      {
+        autoClose: incomplete ? false : SUCCESS_CLOSE_MS,
+        actions: [
+          {
+            label: trans.__('Report'),
+            caption: trans.__('What came back, what did not and why, the cells re-run'),
+            callback: event => {
+              event.preventDefault();
+              void showFallbackReport(name, report, trans);
+            }
+          }
+        ]
+      }
+    );
   }
 
   private _entry(kernelId: string): IKernelEntry {
@@ -782,6 +1030,8 @@ export class SnapshotController {
   private _phaseClocks = new Map<string, { phase: string; since: number }>();
   private _restores = new Map<string, IJob>();
   private _followed = new Set<string>();
+  /** Fallback restores started elsewhere whose report was shown here. */
+  private _reported = new Set<string>();
   private _refreshing = new Map<string, Promise<void>>();
   private _refreshAgain = new Set<string>();
   /** Kernels a remedy shut down: never asked about again. */

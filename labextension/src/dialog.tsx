@@ -1,13 +1,15 @@
 /**
  * "Restore Kernel from Snapshot…": pick a snapshot (this notebook's first, then all),
- * or delete some.
+ * or delete some. A snapshot that kept more than its image (a portable copy, its cells)
+ * can also be restored into a fresh kernel from what it kept.
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import * as React from 'react';
-import type { ISnapshotSummary, SnapshotAPI } from './api';
+import type { FallbackMode, ISnapshotSummary, SnapshotAPI } from './api';
 import { DeleteButtons } from './confirm';
+import { describeOffer, fallbackLabel, offeredFallbacks } from './fallback';
 import {
   describeGpu,
   describeLocation,
@@ -24,9 +26,15 @@ export interface IRunningKernel {
   originId: string | null;
 }
 
+/** The dialog's answer: the snapshot, and how to restore it (null: its image). */
+export interface IPicked {
+  snapshot: ISnapshotSummary;
+  fallback: FallbackMode | null;
+}
+
 export class SnapshotPicker
   extends ReactWidget
-  implements Dialog.IBodyWidget<ISnapshotSummary | null>
+  implements Dialog.IBodyWidget<IPicked | null>
 {
   constructor(
     private readonly _api: SnapshotAPI,
@@ -43,7 +51,19 @@ export class SnapshotPicker
     void this.reload();
   }
 
-  getValue(): ISnapshotSummary | null {
+  getValue(): IPicked | null {
+    const snapshot = this.selected();
+    if (!snapshot) {
+      return null;
+    }
+    const offered = offeredFallbacks(snapshot.fallback);
+    const fallback =
+      this._fallback && offered.includes(this._fallback) ? this._fallback : null;
+    return { snapshot, fallback };
+  }
+
+  /** The selected snapshot, if any. */
+  selected(): ISnapshotSummary | null {
     return this._snapshots.find(s => s.id === this._selected) ?? null;
   }
 
@@ -107,7 +127,44 @@ export class SnapshotPicker
             trans.__('No other snapshots.')
           )}
         </table>
+        {this._howToRestore()}
       </div>
+    );
+  }
+
+  /**
+   * For a selected snapshot that kept more than its image: restore the image (as it
+   * was), or start a fresh kernel from what it kept, e.g. where its image is refused.
+   */
+  private _howToRestore(): JSX.Element | null {
+    const trans = this._trans;
+    const snapshot = this.selected();
+    const offered = offeredFallbacks(snapshot?.fallback);
+    if (!snapshot || !offered.length) {
+      return null;
+    }
+    const value =
+      this._fallback && offered.includes(this._fallback) ? this._fallback : '';
+    return (
+      <label className="jp-gpu-snapshot-restore-how">
+        {trans.__('Restore')}{' '}
+        <select
+          className="jp-gpu-snapshot-restore-mode"
+          aria-label={trans.__('How to restore %1', snapshot.name)}
+          value={value}
+          onChange={event => {
+            this._fallback = (event.target.value as FallbackMode) || null;
+            this.update();
+          }}
+        >
+          <option value="">{trans.__('its process image, as it was')}</option>
+          {offered.map(mode => (
+            <option key={mode} value={mode}>
+              {trans.__('into a fresh kernel: %1', fallbackLabel(mode, trans))}
+            </option>
+          ))}
+        </select>
+      </label>
     );
   }
 
@@ -140,6 +197,7 @@ export class SnapshotPicker
     const selected = s.id === this._selected;
     const held = this.heldByRunningKernel(s);
     const origin = s.id === this._running.originId;
+    const offer = describeOffer(s, trans);
     return (
       <tr
         key={s.id}
@@ -186,6 +244,14 @@ export class SnapshotPicker
               {origin ? trans.__("this kernel's origin") : trans.__('of this kernel')}
             </span>
           )}
+          {offer && (
+            <span
+              className="jp-gpu-snapshot-badge jp-gpu-snapshot-fallback-offer"
+              title={offer.title}
+            >
+              {offer.text}
+            </span>
+          )}
         </td>
         <td title={formatTime(s.created)}>{formatAge(s.created, undefined, trans)}</td>
         <td>{formatSnapshotSize(s, trans)}</td>
@@ -209,6 +275,9 @@ export class SnapshotPicker
   }
 
   private _select(id: string): void {
+    if (id !== this._selected) {
+      this._fallback = null; // a way chosen for one snapshot is no choice for another
+    }
     this._selected = id;
     this.update();
   }
@@ -216,6 +285,9 @@ export class SnapshotPicker
   private _onKeyDown = (event: KeyboardEvent): void => {
     if (event.key !== 'ArrowDown' && event.key !== 'ArrowUp') {
       return;
+    }
+    if (event.target instanceof HTMLSelectElement) {
+      return; // the arrows pick how to restore, not another snapshot
     }
     const rows = this._ordered();
     if (!rows.length) {
@@ -254,19 +326,21 @@ export class SnapshotPicker
 
   private _snapshots: ISnapshotSummary[] = [];
   private _selected: string | null = null;
+  /** How the selected snapshot is to be restored, when it offers a choice. */
+  private _fallback: FallbackMode | null = null;
   private readonly _deleteButtons = new DeleteButtons(() => this.update());
   private _error: string | null = null;
   private _loaded = false;
 }
 
-/** Shows the picker; resolves with the snapshot to restore, or null. */
+/** Shows the picker; resolves with the snapshot to restore and how, or null. */
 export async function pickSnapshot(
   api: SnapshotAPI,
   notebookPath: string,
   onDeleted?: () => void,
   running?: IRunningKernel,
   trans: TranslationBundle = untranslated
-): Promise<ISnapshotSummary | null> {
+): Promise<IPicked | null> {
   const result = await showDialog({
     title: trans.__('Restore kernel from snapshot'),
     body: new SnapshotPicker(api, notebookPath, onDeleted, running, trans),

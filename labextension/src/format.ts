@@ -75,6 +75,7 @@ export function phaseLabels(trans = untranslated): { [phase: string]: string } {
     downloading: trans.__('downloading from the remote store'),
     verify: trans.__('verifying'),
     restore: trans.__('restoring'),
+    fallback: trans.__('bringing the work back'),
     done: trans.__('finishing')
   };
 }
@@ -202,14 +203,18 @@ export function formatSnapshotSize(
 export function describeSaved(snapshot: ISnapshotSummary, trans = untranslated): string {
   const total = snapshot.timings?.['total'];
   const size = formatSnapshotSize(snapshot, trans);
-  return typeof total === 'number'
-    ? trans.__(
-        "Snapshot saved: '%1', %2 in %3",
-        snapshot.name,
-        size,
-        formatSeconds(total, trans)
-      )
-    : trans.__("Snapshot saved: '%1', %2", snapshot.name, size);
+  const text =
+    typeof total === 'number'
+      ? trans.__(
+          "Snapshot saved: '%1', %2 in %3",
+          snapshot.name,
+          size,
+          formatSeconds(total, trans)
+        )
+      : trans.__("Snapshot saved: '%1', %2", snapshot.name, size);
+  return snapshot.fallback?.includes('portable')
+    ? trans.__('%1, with a portable copy', text)
+    : text;
 }
 
 /** "every 15 min of activity, and after cells of 10 min or more", or "off". */

@@ -71,6 +71,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       trans
     );
     const current = (): NotebookPanel | null => tracker.currentWidget;
+    let askedPortable = false;
 
     app.commands.addCommand(CommandIDs.save, {
       label: trans.__('Snapshot Kernel'),
@@ -99,8 +100,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
           label: trans.__("Name (letters, digits, '.', '_' or '-')"),
           // An example of a valid name: ASCII in every language.
           placeholder: 'before-training',
-          okLabel: trans.__('Snapshot')
+          okLabel: trans.__('Snapshot'),
+          checkbox: {
+            label: trans.__('Also save a portable copy'),
+            caption: trans.__(
+              "Also keep the kernel's variables in a portable form (tensors and arrays in safetensors, the rest through dill): a fresh kernel can load them where the snapshot's image cannot come back, e.g. on another GPU or driver. The save takes longer."
+            ),
+            checked: askedPortable
+          }
         });
+        // The next save asks the same way until the user says otherwise.
+        askedPortable = answer.isChecked ?? askedPortable;
         const name = answer.value?.trim();
         if (!answer.button.accept || !name) {
           return;
@@ -115,7 +125,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
           );
           return;
         }
-        await controller.save(panel, name);
+        await controller.save(panel, name, { portable: answer.isChecked === true });
       }
     });
 
@@ -136,7 +146,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
         const kernelId = controller.kernelId(panel);
         // A deleted snapshot may have been the one the status bar and the button report.
-        const snapshot = await pickSnapshot(
+        const picked = await pickSnapshot(
           controller.api,
           panel.context.path,
           () => {
@@ -147,8 +157,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
           { kernelId, originId: controller.originOf(kernelId) },
           trans
         );
-        if (snapshot && !panel.isDisposed) {
-          await controller.restore(panel, snapshot);
+        if (picked && !panel.isDisposed) {
+          await controller.restore(
+            panel,
+            picked.snapshot,
+            picked.fallback ? { fallback: picked.fallback } : {}
+          );
         }
       }
     });
@@ -175,6 +189,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
         await controller.refresh(kernelId);
       }
     });
+
+    controller.showsSession = sessionId =>
+      tracker.find(panel => panel.sessionContext.session?.id === sessionId) !== undefined;
 
     controller.changeKernel = panel => {
       void panel.sessionContext.ready.then(() =>

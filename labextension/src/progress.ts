@@ -44,7 +44,7 @@ export class JobNotification {
    * notification, for an action that must close it (Details keeps it open).
    */
   finish(
-    type: 'success' | 'error',
+    type: 'success' | 'warning' | 'error',
     message: string,
     options: {
       autoClose: number | false;

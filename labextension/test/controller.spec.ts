@@ -9,10 +9,13 @@ import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import {
+  FallbackMode,
   IAutosaveState,
+  IFallbackReport,
   IJob,
   IJobError,
   IKernelStatus,
+  ISnapshotSummary,
   SnapshotAPI,
   SnapshotAPIError
 } from '../src/api';
@@ -41,7 +44,9 @@ jest.mock('@jupyterlab/apputils', () => ({
   showDialog: jest.fn(),
   Dialog: {
     cancelButton: (options: object = {}) => ({ accept: false, ...options }),
-    warnButton: (options: object = {}) => ({ accept: true, ...options })
+    warnButton: (options: object = {}) => ({ accept: true, ...options }),
+    okButton: (options: object = {}) => ({ accept: true, ...options }),
+    createButton: (options: object = {}) => ({ accept: false, ...options })
   }
 }));
 
@@ -51,11 +56,12 @@ const mockedShowDialog = showDialog as jest.MockedFunction<typeof showDialog>;
 function fakeApi() {
   return {
     kernelStatus: jest.fn<Promise<IKernelStatus>, [string]>(),
-    startSave: jest.fn<Promise<IJob>, [string, { name?: string }]>(),
+    startSave: jest.fn<Promise<IJob>, [string, { name?: string; portable?: boolean }]>(),
     startRestore: jest.fn<
       Promise<IJob>,
-      [string, { path?: string; session_id?: string }]
+      [string, { path?: string; session_id?: string; fallback?: FallbackMode }]
     >(),
+    getSnapshot: jest.fn<Promise<ISnapshotSummary>, [string]>(),
     getJob: jest.fn<Promise<IJob>, [string]>(),
     // A server without autosave answers nothing: the tests here are about saves.
     autosave: jest.fn<Promise<IAutosaveState>, [string]>(() =>
@@ -995,5 +1001,260 @@ describe("the controller's words go through its TranslationBundle", () => {
         type: 'error'
       })
     ]);
+  });
+});
+
+describe('a restore whose image cannot come back', () => {
+  const snapshot = makeSnapshot({
+    id: 's-a',
+    name: 'from-a',
+    fallback: ['portable', 'replay', 'both']
+  });
+
+  /** The server's refusal of an image this node cannot run, offering ``fallback``. */
+  function refused(fallback: unknown): IJob {
+    return makeJob({
+      kind: 'restore',
+      status: 'failed',
+      phase: 'preflight',
+      error: {
+        code: 'failed',
+        step: 'compatibility',
+        cause: 'the NVIDIA driver is 550.54 (branch 550), the snapshot needs branch 580',
+        message:
+          'compatibility failed: the NVIDIA driver is 550.54 (branch 550), the snapshot needs branch 580',
+        details: { fallback: fallback as FallbackMode[] }
+      }
+    });
+  }
+
+  const report: IFallbackReport = {
+    mode: 'replay',
+    loaded: [],
+    not_loaded: [],
+    replayed: [
+      { count: 1, status: 'ok' },
+      { count: 2, status: 'error', error: "NameError: name 'x' is not defined" }
+    ],
+    notes: []
+  };
+
+  /** The user's answer to the next dialog: the button labelled ``label``, or Cancel. */
+  function answer(label: string | null): void {
+    mockedShowDialog.mockResolvedValueOnce({
+      button: { accept: label !== null, label: label ?? 'Cancel' } as never,
+      value: null,
+      isChecked: null
+    });
+  }
+
+  const labels = (options: Partial<Dialog.IOptions<unknown>> | undefined) =>
+    (options?.buttons ?? []).map(b => (b as { label?: string }).label ?? '');
+
+  it('offers what the snapshot offers; the choice restores into a fresh kernel and reports', async () => {
+    const { api, controller, panel, notebook } = setUp();
+    api.startRestore
+      .mockResolvedValueOnce(refused(['replay', 'both', 'portable', 'someday']))
+      .mockResolvedValueOnce(
+        restoredJob('s-b', {
+          result: { kernel_id: 'k-new', session_id: 's-b', fallback: report }
+        })
+      );
+    api.kernelStatus.mockResolvedValue(status({ kernel_id: 'k-new' }));
+    answer('Re-run the cells');
+    answer('Close');
+
+    await expect(controller.restore(notebook, snapshot)).resolves.toBe(true);
+
+    const ask = mockedShowDialog.mock.calls[0][0];
+    expect(ask?.title).toBe("Restore of 'from-a' failed");
+    // Cancel, then the ways back in their order, the fullest last (Enter picks it).
+    expect(labels(ask)).toEqual([
+      '',
+      'Load the portable copy',
+      'Re-run the cells',
+      'Both'
+    ]);
+    expect(api.startRestore).toHaveBeenCalledTimes(2);
+    expect(api.startRestore).toHaveBeenLastCalledWith('s-a', {
+      path: 'work/b.ipynb',
+      session_id: 's-b',
+      fallback: 'replay'
+    });
+    expect(panel.sessionContext.changeKernel).toHaveBeenCalledWith({ id: 'k-new' });
+    // A fresh kernel holds none of the snapshot's ports.
+    expect(controller.originOf('k-new')).toBeNull();
+    // The report, at once, and from the notification, which stays: a cell failed.
+    expect(mockedShowDialog.mock.calls[1][0]?.title).toBe("A fresh kernel for 'from-a'");
+    await new Promise(resolve => setTimeout(resolve, 0));
+    expect(shown()).toEqual([
+      {
+        message: expect.stringMatching(
+          /^A fresh kernel took the place of 'from-a' in .*: 2 cells re-run, 1 failed$/
+        ),
+        type: 'warning',
+        autoClose: false,
+        actions: ['Report']
+      }
+    ]);
+    answer('Close');
+    click('Report');
+    expect(mockedShowDialog).toHaveBeenCalledTimes(3);
+  });
+
+  it('on Cancel leaves the failure on screen, with a way to ask again', async () => {
+    const { api, controller, notebook } = setUp();
+    api.startRestore.mockResolvedValue(refused(['portable']));
+    answer(null);
+
+    await expect(controller.restore(notebook, snapshot)).resolves.toBe(false);
+
+    expect(labels(mockedShowDialog.mock.calls[0][0])).toEqual([
+      '',
+      'Load the portable copy'
+    ]);
+    expect(api.startRestore).toHaveBeenCalledTimes(1);
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: expect.stringMatching(
+          /^Restore of 'from-a' failed: compatibility failed: the NVIDIA driver/
+        ),
+        type: 'error',
+        actions: ['Restore another way…', 'Details']
+      })
+    ]);
+
+    answer('Load the portable copy');
+    api.startRestore.mockResolvedValue(
+      makeJob({
+        kind: 'restore',
+        status: 'failed',
+        phase: 'fallback',
+        error: {
+          code: 'failed',
+          step: 'load',
+          cause: 'the fresh kernel stopped answering',
+          message: 'load failed: the fresh kernel stopped answering',
+          details: { fallback: ['portable'] }
+        }
+      })
+    );
+    click('Restore another way…');
+    await new Promise(resolve => setTimeout(resolve, 20));
+    expect(api.startRestore).toHaveBeenLastCalledWith('s-a', {
+      path: 'work/b.ipynb',
+      session_id: 's-b',
+      fallback: 'portable'
+    });
+    // The first failure went once a way back was taken; a way back that fails offers
+    // none again.
+    expect(mockedShowDialog).toHaveBeenCalledTimes(2);
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message:
+          "Restore of 'from-a' into a fresh kernel failed: load failed: the fresh kernel stopped answering",
+        type: 'error',
+        actions: ['Details']
+      })
+    ]);
+  });
+
+  it('offers nothing for a failure that lists no way back, or one of taken ports', async () => {
+    const { api, controller, notebook } = setUp();
+    api.startRestore.mockResolvedValueOnce(refused([]));
+    await controller.restore(notebook, snapshot);
+    const ports = portsRefusal({ holder_kernel_id: null });
+    api.startRestore.mockResolvedValueOnce(
+      makeJob({
+        kind: 'restore',
+        status: 'failed',
+        error: { ...ports, details: { ...ports.details, fallback: ['replay'] } }
+      })
+    );
+    await controller.restore(notebook, snapshot);
+    expect(mockedShowDialog).not.toHaveBeenCalled();
+    expect(shown().map(n => n.actions)).toEqual([['Details'], ['Details']]);
+  });
+
+  it('takes the way chosen in the restore dialog at once', async () => {
+    const { api, controller, notebook } = setUp();
+    api.startRestore.mockResolvedValue(
+      restoredJob('s-b', {
+        result: {
+          kernel_id: 'k-new',
+          session_id: 's-b',
+          fallback: {
+            mode: 'portable',
+            loaded: [{ name: 'w', kind: 'tensor', device: 'cuda:0' }],
+            not_loaded: [],
+            replayed: [],
+            notes: []
+          }
+        }
+      })
+    );
+    answer('Close');
+    await expect(
+      controller.restore(notebook, snapshot, { fallback: 'portable' })
+    ).resolves.toBe(true);
+    expect(api.startRestore).toHaveBeenCalledWith('s-a', {
+      path: 'work/b.ipynb',
+      session_id: 's-b',
+      fallback: 'portable'
+    });
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: expect.stringMatching(/: 1 name loaded$/),
+        type: 'success',
+        autoClose: SUCCESS_CLOSE_MS
+      })
+    ]);
+  });
+
+  it('reports a way back taken elsewhere (the panel widget) in the notebook it replaced', async () => {
+    const events = new EventStream();
+    const { api, controller } = setUp([], events);
+    controller.showsSession = sessionId => sessionId === 's-b';
+    api.getSnapshot.mockResolvedValue(snapshot);
+    const done = restoredJob('s-b', {
+      id: 'j-widget',
+      snapshot_id: 's-a',
+      result: { kernel_id: 'k-new', session_id: 's-b', fallback: report }
+    });
+    events.emitJob(done);
+    events.emitJob(done);
+    events.emitJob(
+      restoredJob('s-other', {
+        id: 'j-other',
+        result: { kernel_id: 'k-x', session_id: 's-other', fallback: report }
+      })
+    );
+    await new Promise(resolve => setTimeout(resolve, 10));
+    expect(shown()).toEqual([
+      expect.objectContaining({
+        message: "A fresh kernel took the place of 'from-a': 2 cells re-run, 1 failed",
+        type: 'warning',
+        actions: ['Report']
+      })
+    ]);
+    controller.dispose();
+  });
+});
+
+describe('save with a portable copy', () => {
+  it('asks the server for one only when asked', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    api.startSave.mockResolvedValue(
+      makeJob({
+        status: 'succeeded',
+        phase: 'done',
+        result: makeSnapshot({ name: 'p', fallback: ['portable', 'replay', 'both'] })
+      })
+    );
+    await controller.save(notebook, 'p', { portable: true });
+    expect(api.startSave).toHaveBeenLastCalledWith('k-b', { name: 'p', portable: true });
+    expect(shown()[0].message).toMatch(/, with a portable copy$/);
+    await controller.save(notebook);
+    expect(api.startSave).toHaveBeenLastCalledWith('k-b', {});
   });
 });

@@ -184,6 +184,7 @@ describe('describeProgress: the phase, the bytes and the time left', () => {
         'done',
         'downloading',
         'dump',
+        'fallback',
         'preflight',
         'restore',
         'resume',
@@ -287,6 +288,16 @@ describe('describeSaved: the notification after a save', () => {
     expect(describeSaved(makeSnapshot({ name: 'x', size_bytes: 512, timings: {} }))).toBe(
       "Snapshot saved: 'x', 512 B"
     );
+  });
+
+  it('says when the snapshot holds a portable copy, not when it only recorded cells', () => {
+    const saved = (fallback: ISnapshotSummary['fallback']) =>
+      describeSaved(makeSnapshot({ name: 'x', size_bytes: 512, timings: {}, fallback }));
+    expect(saved(['portable', 'replay', 'both'])).toBe(
+      "Snapshot saved: 'x', 512 B, with a portable copy"
+    );
+    expect(saved(['replay'])).toBe("Snapshot saved: 'x', 512 B");
+    expect(saved([])).toBe("Snapshot saved: 'x', 512 B");
   });
 });
 

@@ -21,6 +21,9 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpu_snapshot.core.kernel_log import KERNEL_LOG_SUBDIR
+from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 from testkit.jupyter_processes import (
     BIN,
     START_TIMEOUT,
@@ -28,6 +31,7 @@ from testkit.jupyter_processes import (
     JupyterStarter,
     jupyter_processes,
 )
+from testkit.manifests import move_to_another_node
 
 __all__ = ["jupyter_processes"]  # the fixture, imported for pytest
 
@@ -574,6 +578,82 @@ def test_after_a_restart_the_notebook_offers_its_kernel_from_before_shutdown(
     # logs as "Canceled future for ... before replies were done". Nothing else may show.
     canceled = re.compile(r"Canceled future for \w+ message before replies were done")
     assert [e for e in seen["console_errors"] if not canceled.search(e)] == []
+
+
+def server_store(server: JupyterProcess) -> SnapshotStore:
+    """The server's store, read with its signing key and its kernel-log directory. The
+    server inherits this process's environment: its key file too, when one is set."""
+    logs = Path(os.path.realpath(server.runtime_dir / KERNEL_LOG_SUBDIR))
+    key = os.environ.get("JUPYTER_GPU_SNAPSHOT_SIGNING_KEY_FILE") or (
+        server.base / "data" / "gpu_snapshot_signing.key")
+    return SnapshotStore(server.base / "store", key, ManifestPolicy(kernel_log_dir=lambda: logs))
+
+
+def test_a_snapshot_whose_image_is_refused_comes_back_by_re_running_its_cells(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab("fallback-save", {"state.ipynb": "python3-snapshot"})
+    saved = run_scenario(ui_tools, server, "fallback-save", "state.ipynb")
+    secret, next_random = expected_state()
+
+    assert saved["state_output"] == f"state set: {secret}"
+    # The naming dialog asks for a portable copy, unticked at first; the save says it kept one.
+    assert saved["portable_checkbox"] == "Also save a portable copy"
+    assert saved["portable_checked_at_first"] is False
+    assert re.fullmatch(
+        r"Snapshot saved: 'portable-one', [\d.]+ (B|KiB|MiB|GiB)( \([\d.]+ (B|KiB|MiB|GiB) "
+        r"new\))?( in [\d.]+ s)?, with a portable copy", saved["saved_toast"]
+    ), saved["saved_toast"]
+    snapshot = next(s for s in server.get("gpu-snapshot/snapshots")["snapshots"]
+                    if s["name"] == "portable-one")
+    assert snapshot["fallback"] == ["portable", "replay", "both"], snapshot
+    # Signed again as another node's (another Linux series): this node refuses its image.
+    move_to_another_node(server_store(server), snapshot["id"])
+
+    seen = run_scenario(ui_tools, server, "fallback-restore", "state.ipynb")
+
+    # The dialog marks the snapshot and offers the fresh kernel beside the image.
+    assert "portable copy" in seen["row_badges"], seen["row_badges"]
+    assert seen["restore_modes"] == [
+        "its process image, as it was", "into a fresh kernel: Load the portable copy",
+        "into a fresh kernel: Re-run the cells", "into a fresh kernel: Both",
+    ]
+    # The image was refused: a dialog names the failure and offers the ways back, each
+    # with what it keeps; the failure's notification offers them again.
+    assert seen["fallback_title"] == "Restore of 'portable-one' failed"
+    assert seen["fallback_text"].startswith(
+        "Restore of 'portable-one' failed: compatibility failed"), seen["fallback_text"]
+    assert "2.6.32-another-node" in seen["fallback_text"], seen["fallback_text"]
+    for line in ("Load the portable copy: loads the variables the snapshot copied",
+                 "Re-run the cells: runs again the cells the kernel ran, in order",
+                 "Both: loads the portable copy, then re-runs only the cells"):
+        assert line in seen["fallback_text"], (line, seen["fallback_text"])
+    assert seen["fallback_buttons"] == [
+        "Cancel", "Load the portable copy", "Re-run the cells", "Both"
+    ]
+    assert "Restore another way…" in seen["refused_toast"], seen["refused_toast"]
+    # Re-running the cells: the report names each cell, all ran.
+    assert seen["report_title"] == "A fresh kernel for 'portable-one'"
+    assert seen["replayed"] and all(c["status"] == "ok" for c in seen["replayed"]), seen
+    assert "Cells re-run" in seen["report_text"], seen["report_text"]
+    assert f"In [{seen['replayed'][-1]['count']}]: ran" in seen["report_text"]
+    cells = len(seen["replayed"])
+    assert re.search(
+        rf"^A fresh kernel took the place of 'portable-one' in [\d.]+ s: {cells} cells? re-run$",
+        seen["fallback_toast"], re.MULTILINE,
+    ), seen["fallback_toast"]
+    assert any(t.startswith("Restoring 'portable-one' into a fresh kernel")
+               for t in seen["restore_toasts"]), seen["restore_toasts"]
+    assert seen["refused_toasts_left"] == 0
+    # The notebook runs the fresh kernel, which has the state back (the seed and the draws
+    # of the re-run cell); the kernel before is retired, the snapshot is kept.
+    assert seen["kernel_after"] not in (None, seen["kernel_before"])
+    assert seen["after_output"] == f"state now: {secret} next random: {next_random}"
+    assert seen["kernels"] == [seen["kernel_after"]]
+    assert [s["id"] for s in server.get("gpu-snapshot/snapshots")["snapshots"]] == [
+        snapshot["id"]
+    ]
+    assert saved["console_errors"] == [] and seen["console_errors"] == []
 
 
 def test_the_panel_and_the_extension_name_phases_alike() -> None:

@@ -307,7 +307,7 @@ test('sidebar', async ({ lab, page }) => {
   seen.state_output = await lab.runCell(0);
   await lab.clickSnapshot(['Shift']);
   const naming = page.locator('.jp-Dialog');
-  await naming.locator('input').fill('sidebar-one');
+  await naming.locator('.jp-Dialog-body input').fill('sidebar-one');
   await lab.screenshot('name-at-save');
   await naming.locator('.jp-mod-accept').click();
   seen.saved_toast = await lab.toast(/Snapshot saved: 'sidebar-one'/);
@@ -687,4 +687,100 @@ test('hibernate', async ({ lab, page }) => {
     await lab.api(`gpu-snapshot/kernels/${seen.kernel_before}/autosave`)
   ).override;
   await lab.screenshot('sidebar-hibernation-never');
+});
+
+// A save that also keeps a portable copy, asked for in the naming dialog (Shift-click);
+// then the kernel is shut down. test_lab_ui.py re-signs the snapshot as another node's,
+// whose image this node refuses, before fallback-restore.
+test('fallback-save', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  await lab.clickSnapshot(['Shift']);
+  const naming = page.locator('.jp-Dialog');
+  await naming.locator('.jp-Dialog-body input').fill('portable-one');
+  const portable = naming.locator('.jp-Dialog-checkbox');
+  seen.portable_checkbox = (await portable.innerText()).trim();
+  seen.portable_checked_at_first = await portable.locator('input').isChecked();
+  await portable.locator('input').check();
+  await lab.screenshot('save-with-portable-copy');
+  await naming.locator('.jp-mod-accept').click();
+  seen.saved_toast = await lab.toast(/Snapshot saved: 'portable-one'/);
+  await lab.buttonState('ready');
+  await lab.screenshot('saved-with-portable-copy');
+  await lab.shutDownKernel();
+});
+
+// The restore of a snapshot whose image this node refuses: a dialog names the failure and
+// offers the ways back the snapshot has; "Re-run the cells" starts a fresh kernel that runs
+// them again, the notebook switches to it, and a report says which cells ran.
+test('fallback-restore', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.kernel_before = await lab.kernelOf();
+  await lab.recordToasts();
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const picker = page.locator('.jp-Dialog', {
+    has: page.locator('.jp-gpu-snapshot-picker')
+  });
+  const row = picker.locator('tr[data-snapshot-name="portable-one"]');
+  await row.waitFor({ timeout: STEP_TIMEOUT });
+  await row.click();
+  seen.row_badges = await row.locator('.jp-gpu-snapshot-badge').allInnerTexts();
+  seen.restore_modes = await picker
+    .locator('.jp-gpu-snapshot-restore-mode option')
+    .allInnerTexts();
+  await lab.screenshot('restore-dialog-offers-a-fresh-kernel');
+  // The image, as a plain Restore asks for it: this node refuses it.
+  await picker.locator('.jp-mod-accept').click();
+
+  const offer = page.locator('.jp-Dialog', {
+    has: page.locator('.jp-gpu-snapshot-fallback')
+  });
+  await offer.waitFor({ timeout: STEP_TIMEOUT });
+  seen.fallback_title = (await offer.locator('.jp-Dialog-header').innerText()).trim();
+  seen.fallback_text = (
+    await offer.locator('.jp-gpu-snapshot-fallback').innerText()
+  ).trim();
+  seen.fallback_buttons = await offer
+    .locator('.jp-Dialog-footer button')
+    .evaluateAll(buttons => buttons.map(b => (b as HTMLElement).innerText.trim()));
+  seen.refused_toast = await lab.toast(/Restore of .* failed/);
+  await lab.screenshot('fallback-offered');
+  await offer
+    .locator('.jp-Dialog-footer')
+    .getByRole('button', { name: 'Re-run the cells' })
+    .click();
+
+  const report = page.locator('.jp-Dialog', {
+    has: page.locator('.jp-gpu-snapshot-report')
+  });
+  await report.waitFor({ timeout: STEP_TIMEOUT });
+  seen.report_title = (await report.locator('.jp-Dialog-header').innerText()).trim();
+  seen.report_text = (await report.locator('.jp-gpu-snapshot-report').innerText()).trim();
+  seen.replayed = await report
+    .locator('[data-section="replayed"] li')
+    .evaluateAll(items =>
+      items.map(i => ({
+        count: Number(i.getAttribute('data-count')),
+        status: i.getAttribute('data-status')
+      }))
+    );
+  seen.fallback_toast = await lab.toast(/A fresh kernel took the place of/);
+  await lab.screenshot('fallback-report');
+  await report
+    .locator('.jp-Dialog-footer')
+    .getByRole('button', { name: 'Close' })
+    .click();
+  await report.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+  // Taking a way back closed the failure's notification.
+  seen.refused_toasts_left = await lab.toasts(/Restore of .* failed/).count();
+  await lab.buttonState('ready');
+  seen.kernel_after = await lab.kernelOf();
+  seen.after_output = await lab.runCell(1);
+  await lab.screenshot('state-after-fallback');
+  seen.restore_toasts = await lab.recordedToasts();
+  seen.kernels = await lab.kernelIds();
 });
