@@ -38,7 +38,14 @@ from ..agent_client.client import AgentClient
 from ..agent_client.protocol import DEFAULT_SOCKET
 from ..config import GPUSnapshot
 from ..core import procfs
-from ..core.errors import InvalidRequest, NotFound, NotReady, SnapshotError
+from ..core.errors import (
+    Busy,
+    InvalidRequest,
+    NotFound,
+    NotReady,
+    PortsInUse,
+    SnapshotError,
+)
 from ..core.hooks import Progress as EngineProgress
 from ..core.hooks import SaveTarget
 from ..core.snapshot import Snapshot
@@ -419,7 +426,18 @@ def cmd_restore(args: argparse.Namespace) -> int:
     node = _node(args)
     with _ProgressBar(not args.json and err.is_terminal) as bar:
         snapshot = _fetch(node, args.snapshot, bar)
-        restored = _run_interruptibly(node.engine.restore(snapshot, progress=bar, gpus=gpus))
+        try:
+            restored = _run_interruptibly(
+                node.engine.restore(snapshot, progress=bar, gpus=gpus))
+        except (PortsInUse, Busy, InvalidRequest, NotFound):
+            raise  # about the request or this moment: trying again can work
+        except SnapshotError as exc:
+            offered = fallback.offered(snapshot.manifest) if snapshot.trusted else []
+            if offered:
+                exc.hint = (f"{exc.hint}; " if exc.hint else "") + (
+                    "its work can still come back in a fresh kernel: jupyter gpu-snapshot "
+                    f"restore {snapshot.name} --fallback {'|'.join(offered)}")
+            raise
     connection_file = write_connection_file(restored.connection_info)
     result = {
         "snapshot": restored.snapshot.id,

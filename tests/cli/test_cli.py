@@ -143,6 +143,8 @@ def test_a_refused_image_comes_back_through_the_cli_fallback(tmp_path: Path):
     move_to_another_node(SnapshotStore(tmp_path / "store"), saved["id"])
     refused = cli(tmp_path / "store", "restore", saved["name"], check=False)
     assert refused.returncode != 0 and "compatibility failed" in refused.stderr
+    assert (f"jupyter gpu-snapshot restore {saved['name']} --fallback portable|replay|both"
+            in " ".join(refused.stderr.split())), refused.stderr
 
     out = cli(tmp_path / "store", "restore", saved["name"], "--fallback", "both", "--json")
     fresh: dict[str, Any] = json.loads(out.stdout)
