@@ -43,10 +43,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _drop_images(request: pytest.FixtureRequest) -> Iterator[None]:
-    """GPU images are gigabytes: remove a GPU test's store when it ends (the disk is small)."""
-    yield
+    """GPU images are gigabytes: remove a GPU test's store when it ends (the disk is small).
+    Its path is taken before the test: at this fixture's teardown the store's own fixture
+    is gone already."""
+    root = None
     if request.node.get_closest_marker("gpu") is not None and "store" in request.fixturenames:
-        shutil.rmtree(request.getfixturevalue("store").root, ignore_errors=True)
+        root = request.getfixturevalue("store").root
+    yield
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
