@@ -33,6 +33,21 @@ namespace in host memory), and CUDA tensors go through two reusable pinned host 
 in chunks, one filling from the GPU while the other is written to disk. The file is read
 back with ``safetensors.safe_open``, so it is a standard file any safetensors reader takes.
 
+Why the tensor file is laid out in pages: the snapshot store keeps a large file by content,
+as 4 KiB pages each stored once, and only a file whose size is a whole number of pages. So
+that a second copy of unchanged weights adds nothing to the store, every tensor of at least
+``ALIGNED_MIN_BYTES`` starts at a page boundary of the file (the header is padded with
+spaces, as the format allows, to end on one) and the file ends on one. The format wants
+the data fully covered by tensors, without gaps (safetensors refuses a file with any), so
+each gap is an explicit entry of zero bytes, dtype ``U8``, named ``__pad__.N``
+(``PADDING_PREFIX``): no tensor of a copy has such a name (theirs are ``tN``), the metadata
+describes none of them, no pickle refers to one, so loading never sees them; a reader
+listing the file's keys skips them with ``is_padding``. Pages of zeros cost the store
+nothing. Smaller tensors are packed together, before the aligned ones of their device,
+unpadded: aligning each would cost up to a page apiece (4 GiB for a million biases), and
+together they are a small share of a namespace's bytes. The cost is at most a page less one
+byte per aligned tensor (a 16th of the smallest one), plus at most two pages for the file.
+
 Honest limits
 -------------
 - Not carried, with the reason in the report: open files, sockets, threads, processes and
@@ -80,6 +95,12 @@ METADATA_KEY = "jupyter_gpu_snapshot.portable"
 REPORT_FORMAT = 1
 PICKLE_PROTOCOL = 5
 
+# The snapshot store's page: tensors of the file start on one, and the file ends on one.
+PAGE_BYTES = 4096
+# Tensors from this size on are aligned to pages; smaller ones are packed together.
+ALIGNED_MIN_BYTES = 64 << 10
+# The name of each entry of zero bytes that fills a gap before an aligned tensor.
+PADDING_PREFIX = "__pad__."
 # Two pinned buffers of this size: one fills from the GPU while the other goes to disk.
 STAGING_CHUNK_BYTES = 64 << 20
 _WRITE_SLICE_BYTES = 256 << 20
@@ -99,6 +120,11 @@ _ATOMIC_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes})
 # Immutable values whose identity means nothing: never a reference to another name (an
 # empty tuple named by the user would otherwise stand for every empty tuple pickled).
 _UNSHARED_TYPES = _ATOMIC_TYPES | {tuple, frozenset, type(Ellipsis), type(NotImplemented)}
+
+
+def is_padding(key: str) -> bool:
+    """Whether ``key`` of the tensor file is padding, no tensor of the copy."""
+    return key.startswith(PADDING_PREFIX)
 
 
 def is_user_name(name: object) -> bool:
@@ -134,6 +160,7 @@ class _Tensor:
     device: str
     info: dict[str, Any]
     offset: int = 0
+    padding: int = 0  # zero bytes written before its data, to start it on a page
 
 
 @dataclass
@@ -548,30 +575,60 @@ def _write_zeros(out: IO[bytes], count: int) -> None:
         count -= step
 
 
-def _file_order(tensor: _Tensor) -> tuple[int, str]:
-    """Host data first, then other frameworks' devices, then CUDA tensors by device."""
+def _file_order(tensor: _Tensor) -> tuple[int, str, bool]:
+    """Host data first, then other frameworks' devices, then CUDA tensors by device; in
+    each, the small tensors packed together before those aligned to pages (a page's padding
+    then comes only where an aligned tensor does not end on a page)."""
+    aligned = tensor.nbytes >= ALIGNED_MIN_BYTES
     if tensor.framework == "torch" and tensor.device.startswith("cuda"):
-        return (2, tensor.device)
+        return (2, tensor.device, aligned)
     if tensor.framework in ("numpy", "torch"):
-        return (0, "")
-    return (1, tensor.device)
+        return (0, "", aligned)
+    return (1, tensor.device, aligned)
+
+
+def _layout(tensors: list[_Tensor]) -> tuple[dict[str, Any], int]:
+    """The header's entries of ``tensors``, in file order, with the padding that starts
+    each aligned one on a page and ends the data on one; sets each tensor's offset and
+    padding. Returns the entries and the padding after the last tensor.
+
+    Offsets count from the start of the data, which the header's own padding puts on a
+    page of the file, so a page boundary of the data is one of the file."""
+    entries: dict[str, Any] = {}
+    offset = 0
+    pads = 0
+
+    def pad(count: int) -> None:
+        nonlocal offset, pads
+        entries[f"{PADDING_PREFIX}{pads}"] = {"dtype": "U8", "shape": [count],
+                                               "data_offsets": [offset, offset + count]}
+        offset += count
+        pads += 1
+
+    for tensor in tensors:
+        tensor.padding = -offset % PAGE_BYTES if tensor.nbytes >= ALIGNED_MIN_BYTES else 0
+        if tensor.padding:
+            pad(tensor.padding)
+        tensor.offset = offset
+        entries[tensor.key] = {"dtype": tensor.code, "shape": tensor.shape,
+                               "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    tail = -offset % PAGE_BYTES
+    if tail:
+        pad(tail)
+    return entries, tail
 
 
 def _write_tensor_file(path: Path, tensors: list[_Tensor],
                        stop: Callable[[], bool]) -> dict[str, str]:
-    """The safetensors file of ``tensors``; returns the keys whose data could not be read
-    (written as zeros, so the file stays valid) with the reason."""
+    """The safetensors file of ``tensors``, laid out in pages (see the module's
+    docstring); returns the keys whose data could not be read (written as zeros, so the
+    file stays valid) with the reason."""
     tensors = sorted(tensors, key=_file_order)
-    header: dict[str, Any] = {}
-    offset = 0
-    for tensor in tensors:
-        tensor.offset = offset
-        header[tensor.key] = {"dtype": tensor.code, "shape": tensor.shape,
-                              "data_offsets": [offset, offset + tensor.nbytes]}
-        offset += tensor.nbytes
+    header, tail = _layout(tensors)
     header["__metadata__"] = {METADATA_KEY: json.dumps({t.key: t.info for t in tensors})}
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    encoded += b" " * (-(8 + len(encoded)) % PAGE_BYTES)  # the data starts on a page
     failed: dict[str, str] = {}
     with open(path, "wb", buffering=0) as out:
         _write_all(out, struct.pack("<Q", len(encoded)) + encoded)
@@ -583,14 +640,19 @@ def _write_tensor_file(path: Path, tensors: list[_Tensor],
                 source = _cuda_source(tensor, failed)
                 if source is not None:
                     if stager is None:
+                        _write_zeros(out, tensor.padding)  # nothing queued: in order
                         stager = _CudaStager(out, sys.modules["torch"], stop)
+                    else:
+                        stager.pad(tensor.padding)
                     stager.add(source)
                     continue
                 if stager is not None:
                     stager.drain()
+                _write_zeros(out, tensor.padding)
                 _write_host(out, tensor, failed)
             if stager is not None:
                 stager.drain()
+            _write_zeros(out, tail)
         finally:
             if stager is not None:
                 stager.close()
@@ -703,6 +765,19 @@ class _CudaStager:
                 done += take
                 if self.filled == self.chunk:
                     self._rotate()
+
+    def pad(self, count: int) -> None:
+        """Queue ``count`` zero bytes after what is queued: the padding before a tensor.
+
+        Written by the host into the part of the current buffer no copy targets yet (the
+        copies queued so far fill the part before it), so it needs no synchronization."""
+        while count > 0:
+            take = min(self.chunk - self.filled, count, len(_ZEROS))
+            self.views[self.current][self.filled:self.filled + take] = _ZEROS[:take]
+            self.filled += take
+            count -= take
+            if self.filled == self.chunk:
+                self._rotate()
 
     def _rotate(self) -> None:
         if self.stop():

@@ -7,10 +7,13 @@ The copy asked of a real kernel and loaded by another is in ``test_cell_record.p
 
 from __future__ import annotations
 
+import contextlib
 import json
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,11 @@ import numpy as np
 import pandas as pd
 import pytest
 from safetensors import safe_open
+from safetensors.numpy import load_file
 
+from jupyter_gpu_snapshot.core import chunks
+from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
+from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.kernel import portable
 from jupyter_gpu_snapshot.kernel.portable import (
     FILE_NAME,
@@ -26,10 +33,12 @@ from jupyter_gpu_snapshot.kernel.portable import (
     REPORT_FILE,
     TENSOR_FILE,
     PortableLoad,
+    is_padding,
     load_portable,
     read_report,
     write_portable,
 )
+from testkit.manifests import kernel_section
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,6 +54,34 @@ def round_trip(namespace: dict[str, Any], directory: Path,
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return (a.dtype == b.dtype and a.shape == b.shape
             and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+
+
+def tensor_keys(path: Path) -> list[str]:
+    """The copy's tensors in its tensor file, without the padding between them."""
+    with safe_open(str(path), framework="numpy") as handle:
+        return [key for key in list(handle.keys()) if not is_padding(key)]
+
+
+def checked_layout(path: Path) -> dict[str, Any]:
+    """The tensor file's header, once its layout is checked: a whole number of pages, the
+    data of every tensor of at least ALIGNED_MIN_BYTES on a page of the file, the rest
+    covered by padding of zeros that is the only gap filler."""
+    page = portable.PAGE_BYTES
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    start = 8 + length
+    assert start % page == 0 and len(data) % page == 0
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    for key, entry in entries.items():
+        begin, end = entry["data_offsets"]
+        if is_padding(key):
+            assert entry["dtype"] == "U8" and 0 < end - begin < page
+            assert data[start + begin:start + end] == bytes(end - begin)
+        elif end - begin >= portable.ALIGNED_MIN_BYTES:
+            assert (start + begin) % page == 0, key
+    assert not any(is_padding(k) for k in json.loads(header["__metadata__"][METADATA_KEY]))
+    return header
 
 
 class Unpicklable:
@@ -85,10 +122,11 @@ def test_arrays_of_every_plain_dtype_come_back_bit_for_bit(tmp_path: Path) -> No
             assert same_bits(array, back), name
         assert back.flags.writeable, name
     # Plain dtypes are in the tensor file, a standard one: safetensors reads every entry.
+    keys = tensor_keys(tmp_path / TENSOR_FILE)
     with safe_open(str(tmp_path / TENSOR_FILE), framework="numpy") as handle:
-        keys = list(handle.keys())
         stored = {key: handle.get_tensor(key) for key in keys}
         described = json.loads(handle.metadata()[METADATA_KEY])
+    checked_layout(tmp_path / TENSOR_FILE)
     assert len(keys) == len(arrays) - 2  # the strings and the objects went through pickle
     assert set(described) == set(keys)
     assert {described[k]["framework"] for k in keys} == {"numpy"}
@@ -142,8 +180,7 @@ def test_one_bad_name_spoils_nothing_and_every_tensor_is_written_once(tmp_path: 
     assert all(FILE_NAME.match(name) and name.startswith("portable.")
                for name in report["files"])
     assert sorted(report["files"]) == sorted(p.name for p in tmp_path.glob("portable.*"))
-    with safe_open(str(tmp_path / TENSOR_FILE), framework="numpy") as handle:
-        assert len(list(handle.keys())) == 3  # shared, its strided view, the int16 one
+    assert len(tensor_keys(tmp_path / TENSOR_FILE)) == 3  # shared, its view, the int16 one
     # A name's bytes count the tensors it brought first: the shared one counts once.
     sizes = {entry["name"]: entry["bytes"] for entry in report["carried"]}
     assert sizes["shared"] >= 800 and sizes["pair"] < 800 and sizes["alias"] < 100
@@ -156,6 +193,163 @@ def test_one_bad_name_spoils_nothing_and_every_tensor_is_written_once(tmp_path: 
     assert loaded["ünïcode"].dtype == np.int16 and loaded["x" * 200] == 1
     assert {item["name"]: item["reason"] for item in result["not_loaded"]} == {
         name: f"not carried: {reason}" for name, reason in reasons.items()}
+
+
+def test_large_tensors_start_on_pages_at_little_cost(tmp_path: Path) -> None:
+    assert portable.PAGE_BYTES == chunks.PAGE
+    rng = np.random.default_rng(5)
+    # Sizes off the page, small and large ones mixed as in a model's weights and biases.
+    arrays = {}
+    for layer in range(6):
+        arrays[f"w{layer}"] = rng.integers(0, 255, 65536 + 4096 * layer + 7 * layer + 1,
+                                           dtype=np.uint8)
+        arrays[f"b{layer}"] = rng.standard_normal(17 + layer).astype(np.float32)
+    arrays["tiny"] = np.zeros((0, 3), dtype=np.float32)
+    arrays["big_even"] = rng.standard_normal(1 << 18).astype(np.float32)  # exactly pages
+    _, loaded, result = round_trip(dict(arrays), tmp_path)
+    assert result["not_loaded"] == [] and sorted(loaded) == sorted(arrays)
+    for name, array in arrays.items():
+        assert same_bits(array, loaded[name]), name
+    path = tmp_path / TENSOR_FILE
+    header = checked_layout(path)
+    length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    padding = sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items()
+                  if is_padding(k))
+    payload = sum(a.nbytes for a in arrays.values())
+    aligned = sum(1 for a in arrays.values() if a.nbytes >= portable.ALIGNED_MIN_BYTES)
+    # At most a page less a byte before each aligned tensor and after the data; the small
+    # ones are packed together before them, so little of that is used.
+    assert padding <= (aligned + 1) * (portable.PAGE_BYTES - 1)
+    assert path.stat().st_size == 8 + length + payload + padding
+    # Every tool reading safetensors takes it; the padding is there, and only there.
+    plain = load_file(str(path))
+    assert sorted(k for k in plain if not is_padding(k)) == sorted(
+        json.loads(header["__metadata__"][METADATA_KEY]))
+    assert all(not plain[k].any() for k in plain if is_padding(k))
+
+
+def test_unchanged_tensors_add_no_pages_to_the_store(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "store")
+    weights = np.random.default_rng(7).standard_normal(8 << 20).astype(np.float32)  # 32 MiB
+    namespace: dict[str, Any] = {
+        "weights": weights, "bias": np.arange(1000, dtype=np.float32), "step": 1,
+        "scores": np.zeros(50, dtype=np.float64),
+    }
+    commits = []
+    for step in (1, 2):
+        namespace["step"] = step
+        namespace["scores"] = np.full(50, float(step))  # a small array changes too
+        snapshot_id = new_snapshot_id()
+        partial = store.begin(snapshot_id)
+        report = write_portable(namespace, partial)
+        header = checked_layout(partial / TENSOR_FILE)
+        size = (partial / TENSOR_FILE).stat().st_size
+        with safe_open(str(partial / TENSOR_FILE), framework="numpy") as handle:
+            described = json.loads(handle.metadata()[METADATA_KEY])
+            stored = {k: handle.get_tensor(k) for k in list(handle.keys()) if not is_padding(k)}
+        assert set(stored) == set(described)
+        assert any(same_bits(weights, a) for a in stored.values())
+        assert any(k for k in header if is_padding(k))
+        snapshot = store.commit(partial, {
+            "id": snapshot_id, "name": f"copy-{step}", "created": time.time(),
+            "reason": "user", "kernel": kernel_section(), "portable": report})
+        commits.append((snapshot.manifest, size))
+
+    (first, size), (second, _) = commits
+    assert "chunks" in first["files"][TENSOR_FILE] and "chunks" in second["files"][TENSOR_FILE]
+    assert first["files"][TENSOR_FILE]["size"] == size
+    assert first["stored"]["new_page_bytes"] >= weights.nbytes
+    # Only the pages of what changed are new: those of the small arrays, packed together.
+    assert second["stored"]["new_page_bytes"] < 1 << 20
+    assert second["stored"]["new_page_bytes"] <= 2 * portable.PAGE_BYTES
+    # The header, its padding and the gap before the weights: under three pages in all.
+    payload = weights.nbytes + 4000 + 400
+    assert size - payload < 3 * portable.PAGE_BYTES
+
+    # Assembled from its pages, as a fallback reads it, the copy loads the names, and no
+    # padding comes with them.
+    loaded: dict[str, Any] = {}
+    with store.portable_files(store.get(second["id"])) as directory:
+        checked_layout(directory / TENSOR_FILE)
+        result = load_portable(loaded, directory, second["portable"])
+    assert result["not_loaded"] == [] and sorted(loaded) == sorted(namespace)
+    assert same_bits(weights, loaded["weights"]) and loaded["step"] == 2
+    assert loaded["scores"].tolist() == [2.0] * 50
+
+
+class HostStandIn:
+    """Just enough of a torch uint8 tensor and of torch.cuda for the staged write path to
+    run without a GPU: copies happen at once, so what is checked is the order of the bytes
+    and of the padding in the file, not the overlap of copies and writes."""
+
+    uint8 = "uint8"
+
+    def __init__(self, array: np.ndarray | None = None, device: str = "cuda:0") -> None:
+        self.array = array if array is not None else np.zeros(0, np.uint8)
+        self.device = device
+        self.cuda = self
+
+    # torch
+    def empty(self, size: int, dtype: Any = None, pin_memory: bool = False) -> HostStandIn:
+        return HostStandIn(np.full(size, 0xAB, np.uint8), "cpu")  # garbage unless written
+
+    # torch.cuda
+    def Stream(self, device: Any = None) -> HostStandIn:
+        return self
+
+    def Event(self) -> HostStandIn:
+        return self
+
+    def current_stream(self, device: Any = None) -> HostStandIn:
+        return self
+
+    def stream(self, stream: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def wait_stream(self, other: Any) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
+    def synchronize(self) -> None: ...
+
+    # a tensor
+    def record_stream(self, stream: Any) -> None: ...
+
+    def numel(self) -> int:
+        return int(self.array.size)
+
+    def numpy(self) -> np.ndarray:
+        return self.array
+
+    def __getitem__(self, part: slice) -> HostStandIn:
+        return HostStandIn(self.array[part], self.device)
+
+    def copy_(self, source: HostStandIn, non_blocking: bool = False) -> None:
+        self.array[...] = source.array
+
+
+@pytest.mark.parametrize("chunk", [4096 + 3, 1 << 16, 64 << 20])
+def test_staged_device_tensors_and_their_padding_land_in_order(
+    chunk: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in = HostStandIn()
+    monkeypatch.setitem(sys.modules, "torch", stand_in)
+    monkeypatch.setattr(portable, "STAGING_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(portable, "_cuda_source", lambda tensor, failed: HostStandIn(
+        tensor.value, tensor.device) if tensor.device.startswith("cuda") else None)
+    rng = np.random.default_rng(11)
+    sizes = [(70_001, "cuda:0"), (13, "cuda:0"), (65_536, "cuda:0"), (200_003, "cuda:1"),
+             (5, "cuda:1"), (90_000, "cpu"), (7, "cpu"), (0, "cuda:1"), (131_072, "cuda:1")]
+    tensors = []
+    for index, (size, device) in enumerate(sizes):
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        tensors.append(portable._Tensor(f"t{index}", data, "torch" if device != "cpu"
+                                        else "numpy", "U8", [size], size, device,
+                                        {"framework": "numpy", "dtype": "uint8"}))
+    path = tmp_path / TENSOR_FILE
+    assert portable._write_tensor_file(path, list(tensors), lambda: False) == {}
+    checked_layout(path)
+    with safe_open(str(path), framework="numpy") as handle:
+        for tensor in tensors:
+            assert handle.get_tensor(tensor.key).tobytes() == tensor.value.tobytes()
 
 
 def test_a_nested_object_refused_names_what_it_holds(tmp_path: Path) -> None:
