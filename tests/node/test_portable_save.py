@@ -10,7 +10,6 @@ and what the store lists.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +43,11 @@ SCENARIOS = [
 ]
 
 
+def _until_replied(kernel: KernelHandle, msg_id: str) -> None:
+    while kernel.client.get_shell_msg(timeout=30)["parent_header"].get("msg_id") != msg_id:
+        pass
+
+
 def _connection(kernel: KernelHandle) -> dict[str, object]:
     return dict(kernel.km.get_connection_info(session=False))
 
@@ -56,9 +60,8 @@ def test_the_copy_is_of_one_moment_or_given_up(
     info = _connection(kernel)
     history = run(kernel_history(info))
     assert history is not None and history["cells"][-1]["defined"] == ["stage", "numbers"]
-    # The cell runs on its own client call, so the save asks while it runs.
-    cell = threading.Thread(target=kernel.execute, args=(RUNNING_CELL,))
-    cell.start()
+    # Sent without waiting for it: the save asks while the cell runs.
+    cell = kernel.client.execute(RUNNING_CELL)
     try:
         target = SaveTarget(pid=kernel.root_pid, history=history,
                             portable=portable_writer(info, scenario.budget_seconds),
@@ -71,7 +74,7 @@ def test_the_copy_is_of_one_moment_or_given_up(
         else:
             snapshot = run(engine.save(target, name=scenario.id))
     finally:
-        cell.join()
+        _until_replied(kernel, cell)
     # The kernel survived whatever happened, and answers.
     assert kernel.execute("print(stage, len(numbers))").strip() == "after the cell 1000"
     listed = engine.list()
