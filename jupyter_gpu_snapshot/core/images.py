@@ -165,34 +165,36 @@ def check_digests(
     """Compare the digests of ``images`` (from ``opened``) with ``snapshot``'s
     manifest. Called by ``SnapshotStore.verify``, and by the engine's restore while criu
     runs; ``cancel`` stops it early."""
-    files: Files = snapshot.manifest["files"]
-    names = sorted(files)
-    algorithm = snapshot.manifest["digest"]
-    total = sum(size for _, size in images)
-    try:
-        actual = digest.digest_files(images, algorithm, byte_counter(progress, total), cancel)
-    except OSError as exc:
-        raise SnapshotError(
-            "verify", f"cannot read the images of {snapshot.id}: {exc}",
-            hint="the snapshot is damaged; delete it",
-        ) from exc
-    for name, got in zip(names, actual, strict=True):
-        if files[name]["digest"] != got:
-            raise mismatch(snapshot, name)
+    _compare(snapshot, sorted(snapshot.manifest["files"]), images, "images", progress, cancel)
 
 
 def check_named_digests(snapshot: Snapshot, opened: dict[str, Image]) -> None:
     """Compare the digests of some files of trusted ``snapshot`` (``opened_whole``'s)
     with its manifest's: a portable copy is checked alone, before a kernel loads it."""
+    _compare(snapshot, list(opened), list(opened.values()), "files")
+
+
+def _compare(
+    snapshot: Snapshot,
+    names: list[str],
+    images: list[Image],
+    what: str,
+    progress: ProgressFn | None = None,
+    cancel: threading.Event | None = None,
+) -> None:
+    """Digest ``images`` (the files ``names`` of ``snapshot``, in that order) and raise at
+    the first that differs from its manifest's digest."""
     files: Files = snapshot.manifest["files"]
+    total = sum(size for _, size in images)
     try:
-        actual = digest.digest_files(list(opened.values()), snapshot.manifest["digest"])
+        actual = digest.digest_files(images, snapshot.manifest["digest"],
+                                     byte_counter(progress, total), cancel)
     except OSError as exc:
         raise SnapshotError(
-            "verify", f"cannot read the files of {snapshot.id}: {exc}",
+            "verify", f"cannot read the {what} of {snapshot.id}: {exc}",
             hint="the snapshot is damaged; delete it",
         ) from exc
-    for name, got in zip(opened, actual, strict=True):
+    for name, got in zip(names, actual, strict=True):
         if files[name]["digest"] != got:
             raise mismatch(snapshot, name)
 

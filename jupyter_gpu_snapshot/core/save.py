@@ -258,8 +258,7 @@ class _Save:
         try:
             await self.write_portable()
         except BaseException:
-            self.work_lock.release()
-            await asyncio.to_thread(shutil.rmtree, self.work, True)
+            await asyncio.to_thread(self.remove_work_dir)
             await asyncio.to_thread(self.store.abort, self.partial)
             raise
         # Started before the kernel is touched: its workers are up before the pause.
