@@ -16,14 +16,12 @@ not know: the question then times out, and the save goes on without the cells.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
-from queue import Empty
-from typing import Any, cast
+from typing import Any
 
 from ..core.errors import SnapshotError
 from ..core.hooks import PortableWriter
+from ..launch.liveness import control_client, reply_to
 
 CELLS_REQUEST = "gpu_snapshot_cells_request"
 PORTABLE_REQUEST = "gpu_snapshot_portable_request"
@@ -38,29 +36,11 @@ async def ask_kernel(
 ) -> dict[str, Any] | None:
     """The content of the kernel's reply to one control message, or None if none came
     within ``timeout`` seconds."""
-    import zmq.asyncio
-    from jupyter_client.asynchronous.client import AsyncKernelClient
-    from jupyter_client.connect import KernelConnectionInfo
-
-    context = zmq.asyncio.Context()
-    client = AsyncKernelClient(context=context)
-    try:
-        client.load_connection_info(cast("KernelConnectionInfo", connection_info))
-        client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
+    async with control_client(connection_info) as client:
         request = client.session.msg(msg_type, content)
         client.control_channel.send(request)
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                reply = await client.control_channel.get_msg(timeout=left)
-            except (Empty, asyncio.TimeoutError):
-                return None
-            if reply.get("parent_header", {}).get("msg_id") == request["header"]["msg_id"]:
-                return dict(reply.get("content") or {})
-        return None
-    finally:
-        client.stop_channels()
-        context.destroy(linger=0)
+        reply = await reply_to(client, {request["header"]["msg_id"]}, timeout)
+        return None if reply is None else dict(reply.get("content") or {})
 
 
 async def kernel_history(connection_info: dict[str, Any]) -> dict[str, Any] | None:
