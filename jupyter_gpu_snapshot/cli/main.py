@@ -39,11 +39,9 @@ from ..agent_client.protocol import DEFAULT_SOCKET
 from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.errors import (
-    Busy,
     InvalidRequest,
     NotFound,
     NotReady,
-    PortsInUse,
     SnapshotError,
 )
 from ..core.hooks import Progress as EngineProgress
@@ -429,10 +427,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
         try:
             restored = _run_interruptibly(
                 node.engine.restore(snapshot, progress=bar, gpus=gpus))
-        except (PortsInUse, Busy, InvalidRequest, NotFound):
-            raise  # about the request or this moment: trying again can work
         except SnapshotError as exc:
-            offered = fallback.offered(snapshot.manifest) if snapshot.trusted else []
+            offered = fallback.offer_for(exc, snapshot)
             if offered:
                 exc.hint = (f"{exc.hint}; " if exc.hint else "") + (
                     "its work can still come back in a fresh kernel: jupyter gpu-snapshot "
@@ -504,14 +500,8 @@ async def _fresh_kernel_with(
     client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
     try:
         await client.wait_for_ready(timeout=120)
-        with contextlib.ExitStack() as held:
-            portable_dir = None
-            if fallback.needs_portable_files(mode):
-                say("checking the portable copy")
-                portable_dir = await asyncio.to_thread(
-                    held.enter_context, engine.portable_files(snapshot))
-            report = await fallback.bring_back(
-                fallback.FreshKernel(client, km.is_alive), snapshot, mode, portable_dir, say)
+        report = await fallback.bring_back(
+            fallback.FreshKernel(client, km.is_alive), engine, snapshot, mode, say)
     except BaseException:
         await km.shutdown_kernel(now=True)
         raise

@@ -23,6 +23,7 @@ never trusts the kernel's answers beyond showing them: the kernel is the user's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,9 +34,17 @@ from typing import Any
 from jupyter_core.utils import ensure_async
 
 from .._constants import FALLBACK_MODES
-from ..core.errors import InvalidRequest, SnapshotError
+from ..core.errors import (
+    Busy,
+    Interrupted,
+    InvalidRequest,
+    NotFound,
+    PortsInUse,
+    SnapshotError,
+)
 from ..core.manifest import fallbacks_offered
 from ..core.snapshot import Snapshot
+from .engine import NodeEngine
 
 PORTABLE, REPLAY, BOTH = FALLBACK_MODES
 MODES = FALLBACK_MODES
@@ -104,26 +113,50 @@ def load_expression(directory: Path, portable: dict[str, Any]) -> str:
     )
 
 
+def offer_for(error: SnapshotError, snapshot: Snapshot) -> list[str]:
+    """The fallbacks a failed restore of ``snapshot`` offers: those of a trusted snapshot
+    whose image was refused or failed. A refusal about the request or this moment (taken
+    ports, a busy snapshot, an interrupted restore) offers none: trying again can work."""
+    if isinstance(error, (PortsInUse, Busy, InvalidRequest, NotFound, Interrupted)):
+        return []
+    return offered(snapshot.manifest) if snapshot.trusted else []
+
+
 async def bring_back(
+    kernel: FreshKernel,
+    engine: NodeEngine,
+    snapshot: Snapshot,
+    mode: str,
+    say: Say,
+) -> dict[str, Any]:
+    """Load and/or replay into the fresh ``kernel``; return the report: ``{mode, loaded,
+    not_loaded, replayed, notes}``. The modes that load the portable copy get it from
+    ``engine``, every file checked against its signed digest first.
+
+    Raises SnapshotError only when the kernel itself failed (it died); a name or a cell
+    that fails is in the report.
+    """
+    with contextlib.ExitStack() as held:
+        portable_dir = None
+        if needs_portable_files(mode):
+            say("checking the portable copy")
+            portable_dir = await asyncio.to_thread(
+                held.enter_context, engine.portable_files(snapshot))
+        return await _bring_back(kernel, snapshot, mode, portable_dir, say)
+
+
+async def _bring_back(
     kernel: FreshKernel,
     snapshot: Snapshot,
     mode: str,
     portable_dir: Path | None,
     say: Say,
 ) -> dict[str, Any]:
-    """Load and/or replay into the fresh ``kernel``; return the report: ``{mode, loaded,
-    not_loaded, replayed, notes}``.
-
-    ``portable_dir``: the checked portable copy (``NodeEngine.portable_files``), for the
-    modes that load it. Raises SnapshotError only when the kernel itself failed (it
-    died); a name or a cell that fails is in the report.
-    """
     manifest = snapshot.manifest
     report: dict[str, Any] = {"mode": mode, "loaded": [], "not_loaded": [], "replayed": [],
                               "notes": []}
     loaded: set[str] = set()
-    if needs_portable_files(mode):
-        assert portable_dir is not None
+    if portable_dir is not None:
         say("loading the portable copy")
         load = await _load(kernel, portable_dir, manifest["portable"])
         report["loaded"] = load.get("loaded", [])

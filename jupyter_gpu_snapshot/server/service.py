@@ -11,7 +11,6 @@ to the remote store are ``uploads``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable
@@ -24,7 +23,6 @@ from ..config import GPUSnapshot
 from ..core import procfs, retention
 from ..core.errors import (
     Busy,
-    Interrupted,
     InvalidRequest,
     NotFound,
     NotReady,
@@ -541,11 +539,10 @@ class SnapshotService:
         busy snapshot) offers none: trying again can work."""
         try:
             return await step
-        except (PortsInUse, Busy, InvalidRequest, NotFound, Interrupted):
-            raise
         except SnapshotError as exc:
-            if snapshot.trusted:
-                exc.details["fallback"] = fallback_modes.offered(snapshot.manifest)
+            offered = fallback_modes.offer_for(exc, snapshot)
+            if offered:
+                exc.details["fallback"] = offered
             raise
 
     async def _fall_back(
@@ -578,15 +575,8 @@ class SnapshotService:
         km = await self.slots.start_fresh(kernel_id, kernel_name, path)
         client = shell_client(km)
         try:
-            with contextlib.ExitStack() as held:
-                portable_dir = None
-                if fallback_modes.needs_portable_files(mode):
-                    say("checking the portable copy")
-                    portable_dir = await asyncio.to_thread(
-                        held.enter_context, self.engine.portable_files(snapshot))
-                fresh = fallback_modes.FreshKernel(client, lambda: ensure_async(km.is_alive()))
-                report = await fallback_modes.bring_back(fresh, snapshot, mode,
-                                                         portable_dir, say)
+            fresh = fallback_modes.FreshKernel(client, lambda: ensure_async(km.is_alive()))
+            report = await fallback_modes.bring_back(fresh, self.engine, snapshot, mode, say)
             session_id = await self.slots.attach_fresh(kernel_id, session, path)
             # A notebook that asked from a cell sees the report there: the cell that asked
             # ends with its kernel, which the session just left.
