@@ -9,7 +9,7 @@ import { ReactWidget } from '@jupyterlab/ui-components';
 import * as React from 'react';
 import type { FallbackMode, ISnapshotSummary, SnapshotAPI } from './api';
 import { DeleteButtons } from './confirm';
-import { describeOffer, fallbackLabel, offeredFallbacks } from './fallback';
+import { FallbackOfferBadge, fallbackLabel, offeredFallbacks } from './fallback';
 import {
   describeGpu,
   describeLocation,
@@ -197,7 +197,6 @@ export class SnapshotPicker
     const selected = s.id === this._selected;
     const held = this.heldByRunningKernel(s);
     const origin = s.id === this._running.originId;
-    const offer = describeOffer(s, trans);
     return (
       <tr
         key={s.id}
@@ -244,14 +243,7 @@ export class SnapshotPicker
               {origin ? trans.__("this kernel's origin") : trans.__('of this kernel')}
             </span>
           )}
-          {offer && (
-            <span
-              className="jp-gpu-snapshot-badge jp-gpu-snapshot-fallback-offer"
-              title={offer.title}
-            >
-              {offer.text}
-            </span>
-          )}
+          <FallbackOfferBadge snapshot={s} trans={trans} />
         </td>
         <td title={formatTime(s.created)}>{formatAge(s.created, undefined, trans)}</td>
         <td>{formatSnapshotSize(s, trans)}</td>

@@ -135,6 +135,22 @@ export async function askFallback(
   return offered.find(mode => fallbackLabel(mode, trans) === result.button.label) ?? null;
 }
 
+/** The badge of a snapshot that offers a fallback (the restore picker's, the sidebar's). */
+export function FallbackOfferBadge(props: {
+  snapshot: ISnapshotSummary;
+  trans: TranslationBundle;
+}): JSX.Element | null {
+  const offer = describeOffer(props.snapshot, props.trans);
+  return offer ? (
+    <span
+      className="jp-gpu-snapshot-badge jp-gpu-snapshot-fallback-offer"
+      title={offer.title}
+    >
+      {offer.text}
+    </span>
+  ) : null;
+}
+
 /** "4 names loaded, 1 not; 3 cells re-run, 1 failed": the report in one line. */
 export function summarizeReport(report: IFallbackReport, trans = untranslated): string {
   const loaded = report.loaded?.length ?? 0;

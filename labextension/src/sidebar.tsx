@@ -34,7 +34,7 @@ import {
   formatSeconds,
   formatTime
 } from './format';
-import { describeOffer } from './fallback';
+import { FallbackOfferBadge } from './fallback';
 import { snapshotIcon } from './icons';
 
 const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
@@ -584,7 +584,6 @@ export class SnapshotsSidebar extends ReactWidget {
     const busy = panel !== null && this._controller.activeJob(panel) !== null;
     const target = panel?.context.localPath ?? null;
     const location = [s.host, s.notebook_path].filter(Boolean).join(': ');
-    const offer = describeOffer(s, trans);
     return (
       <li
         key={s.id}
@@ -599,14 +598,7 @@ export class SnapshotsSidebar extends ReactWidget {
           <span className="jp-gpu-snapshot-badge" data-reason={s.reason}>
             {reasonLabel(s.reason, trans)}
           </span>
-          {offer && (
-            <span
-              className="jp-gpu-snapshot-badge jp-gpu-snapshot-fallback-offer"
-              title={offer.title}
-            >
-              {offer.text}
-            </span>
-          )}
+          <FallbackOfferBadge snapshot={s} trans={trans} />
         </div>
         <div className="jp-gpu-snapshot-item-facts">
           <span title={formatTime(s.created)}>
