@@ -118,16 +118,19 @@ def execute(client: BlockingKernelClient, code: str, timeout: float = 60) -> str
 
 
 def wait_for_output(
-    client: BlockingKernelClient, msg_id: str, text: str, timeout: float = 120
+    client: BlockingKernelClient, msg_id: str, text: str, timeout: float = 120,
+    stream: str | None = None,
 ) -> None:
-    """Until the cell ``msg_id`` has printed ``text``: it runs, whatever the machine's load."""
+    """Until the cell ``msg_id`` has printed ``text`` (on ``stream`` alone when given): it
+    runs, whatever the machine's load."""
     deadline = time.monotonic() + timeout
     printed = ""
     while text not in printed:
         left = deadline - time.monotonic()
         assert left > 0, f"the cell did not print {text!r} in {timeout}s: {printed!r}"
         msg = client.get_iopub_msg(timeout=left)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
+                and stream in (None, msg["content"]["name"])):
             printed += msg["content"]["text"]
 
 

@@ -24,7 +24,7 @@ from jupyter_gpu_snapshot.kernel.portable import (
     TENSOR_FILE,
     load_portable,
 )
-from tests.conftest import KernelHandle, execute, start_kernel, stop_kernel
+from tests.conftest import KernelHandle, execute, start_kernel, stop_kernel, wait_for_output
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -111,19 +111,6 @@ def stdout_of(client: BlockingKernelClient, msg_id: str, timeout: float = 60) ->
             raise AssertionError("\n".join(msg["content"]["traceback"]))
         elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             return printed
-
-
-def wait_printed(client: BlockingKernelClient, msg_id: str, text: str,
-                 timeout: float = 30, stream: str = "stdout") -> None:
-    deadline = time.monotonic() + timeout
-    printed = ""
-    while text not in printed:
-        left = deadline - time.monotonic()
-        assert left > 0, f"cell {msg_id} did not print {text!r}: {printed!r}"
-        msg = client.get_iopub_msg(timeout=left)
-        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
-                and msg["content"]["name"] == stream):
-            printed += msg["content"]["text"]
 
 
 @pytest.fixture
@@ -331,7 +318,7 @@ def test_the_copy_waits_for_the_running_cell_and_the_next_cell_waits_for_the_cop
             a += 1
             time.sleep(0.1)
         """)
-    wait_printed(client, loop, "started")
+    wait_for_output(client, loop, "started", 30, "stdout")
     portable = control(client, "gpu_snapshot_portable_request", {"directory": str(first_copy)})
     following = run_async(client, "print(time.time(), a[0])")
     reply = control_reply(client, portable)
@@ -360,7 +347,7 @@ def test_the_copy_waits_for_the_running_cell_and_the_next_cell_waits_for_the_cop
         after_parked = time.time()
         b = 2
         """)
-    wait_printed(client, cell, "parked")
+    wait_for_output(client, cell, "parked", 30, "stdout")
     reply = request(client, "gpu_snapshot_portable_request", {"directory": str(parked_copy)})
     assert reply["content"]["status"] == "ok", reply["content"]
     namespace = {}
@@ -395,7 +382,7 @@ def test_interrupting_a_cell_that_waits_abandons_the_copy(
     copy.mkdir()
     # A copy that may wait only so long for a running cell gives up.
     sleeping = run_async(client, "print('sleeping', flush=True); time.sleep(1.5)")
-    wait_printed(client, sleeping, "sleeping")
+    wait_for_output(client, sleeping, "sleeping", 30, "stdout")
     reply = request(client, "gpu_snapshot_portable_request",
                     {"directory": str(copy), "wait_seconds": 0.2})
     assert reply["content"]["status"] == "error"
@@ -409,7 +396,7 @@ def test_interrupting_a_cell_that_waits_abandons_the_copy(
         time.sleep(0.01)
     waiting = client.execute("print('ran')")
     # The cell says that it waits for the copy, after a second.
-    wait_printed(client, waiting, "Waiting for a portable copy", stream="stderr")
+    wait_for_output(client, waiting, "Waiting for a portable copy", 30, "stderr")
     kernel.km.interrupt_kernel()
     reply = control_reply(client, portable)
     assert reply["content"]["status"] == "error"
