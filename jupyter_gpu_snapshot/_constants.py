@@ -56,6 +56,16 @@ KERNEL_DEATH_PREFIX = "nsinit: kernel ended: "
 # REST routes live under {base_url}gpu-snapshot/.
 API_PREFIX = "gpu-snapshot"
 
+# What a save asks a snapshot-ready kernel on its control channel (kernel/cell_record.py
+# answers, node/kernel_state.py asks): the cells it ran, and its portable copy.
+CELLS_REQUEST = "gpu_snapshot_cells_request"
+CELLS_REPLY = "gpu_snapshot_cells_reply"
+PORTABLE_REQUEST = "gpu_snapshot_portable_request"
+PORTABLE_REPLY = "gpu_snapshot_portable_reply"
+# The cells a snapshot keeps: the newest ones, up to this much source in all (the kernel
+# sends no more, and a manifest accepts no more).
+HISTORY_SOURCE_BYTES = 2 << 20
+
 # The ways back when a snapshot's image cannot come back (node/fallback.py).
 FALLBACK_MODES = ("portable", "replay", "both")
 

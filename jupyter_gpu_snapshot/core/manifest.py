@@ -17,6 +17,7 @@ from typing import Any
 
 import jsonschema
 
+from .._constants import HISTORY_SOURCE_BYTES
 from .digest import ALGORITHMS
 
 # 3 added the "node" section (a reader of 2 refuses its unknown field); 4 added files kept
@@ -36,8 +37,6 @@ KERNEL_LOG_PATTERN = re.compile(r"^kernel-[A-Za-z0-9_-]{1,64}\.log$")
 # The files of a portable copy of the namespace (kernel/portable.py) share the snapshot's
 # directory and file list with the images; criu is never handed them.
 PORTABLE_PREFIX = "portable."
-# The cells a manifest keeps: the newest ones, up to this much source in all.
-MAX_HISTORY_SOURCE = 2 << 20
 PYTHON_NAME = {"type": "string", "maxLength": 256}
 
 
@@ -177,7 +176,7 @@ SCHEMA: dict[str, Any] = {
         "history": _record(required=["cells", "complete"], properties={
             "cells": _array(_record(required=["count", "source", "defined"], properties={
                 "count": {"type": "integer", "minimum": 0},
-                "source": _string(MAX_HISTORY_SOURCE),
+                "source": _string(HISTORY_SOURCE_BYTES),
                 "defined": _array(PYTHON_NAME, 4096),
                 "ok": {"type": "boolean"},  # false: the cell raised when it ran
             }), 100000),
@@ -286,7 +285,7 @@ PORTABLE_SCHEMA = jsonschema.Draft202012Validator(SCHEMA["properties"]["portable
 def bounded_history(history: Any) -> dict[str, Any]:
     """``history`` as a manifest keeps it: checked against the schema (it comes from the
     kernel, which any code in it may have changed), and cut to the newest cells whose
-    source fits MAX_HISTORY_SOURCE. Raises ManifestProblem for a malformed one."""
+    source fits HISTORY_SOURCE_BYTES. Raises ManifestProblem for a malformed one."""
     error = next(iter(HISTORY_SCHEMA.iter_errors(history)), None)
     if error is not None:
         raise ManifestProblem(f"the kernel's cell history: {error.message[:200]}")
@@ -295,7 +294,7 @@ def bounded_history(history: Any) -> dict[str, Any]:
     size = 0
     for cell in reversed(cells):
         size += len(cell["source"].encode())
-        if size > MAX_HISTORY_SOURCE:
+        if size > HISTORY_SOURCE_BYTES:
             break
         kept.append(cell)
     kept.reverse()

@@ -55,16 +55,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .._constants import (
+    CELLS_REPLY,
+    CELLS_REQUEST,
+    HISTORY_SOURCE_BYTES,
+    PORTABLE_REPLY,
+    PORTABLE_REQUEST,
+)
 from .portable import PortableCopyAbandoned, is_user_name, write_portable
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
 
-CELLS_REQUEST = "gpu_snapshot_cells_request"
-CELLS_REPLY = "gpu_snapshot_cells_reply"
-PORTABLE_REQUEST = "gpu_snapshot_portable_request"
-PORTABLE_REPLY = "gpu_snapshot_portable_reply"
-SOURCE_LIMIT_BYTES = 2 << 20
 _NOTICE_AFTER_SECONDS = 1.0
 
 T = TypeVar("T")
@@ -253,7 +255,7 @@ class CellRecorder:
         cells.append(RecordedCell(count, defined, bool(result.success)))
 
     # -- what the control requests answer --------------------------------------------------
-    def cells_content(self, limit: int = SOURCE_LIMIT_BYTES) -> dict[str, Any]:
+    def cells_content(self, limit: int = HISTORY_SOURCE_BYTES) -> dict[str, Any]:
         """The recorded cells, newest kept where their sources exceed ``limit`` bytes."""
         cells = list(self.cells)
         history = self.shell.history_manager

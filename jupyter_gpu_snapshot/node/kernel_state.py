@@ -19,12 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .._constants import CELLS_REQUEST, PORTABLE_REQUEST
 from ..core.errors import SnapshotError
 from ..core.hooks import PortableWriter
 from ..launch.liveness import control_client, reply_to
 
-CELLS_REQUEST = "gpu_snapshot_cells_request"
-PORTABLE_REQUEST = "gpu_snapshot_portable_request"
 # A kernel with the recorder answers at once, even mid-cell; one without never does.
 CELLS_SECONDS = 3.0
 # Writing a copy waits for a running cell to end, then for the bytes of every tensor.
