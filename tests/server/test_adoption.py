@@ -240,7 +240,9 @@ def _kernel_roots(runtime: Path) -> dict[str, int]:
     roots = {}
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info.get("cmdline") or []
-        if str(NSINIT) not in cmdline:
+        # The unshare launcher names nsinit too, and so does the kernel nsinit forks until
+        # it execs: the init is the one that is PID 1 of its namespace.
+        if str(NSINIT) not in cmdline or procfs.ns_pid(proc.pid) != 1:
             continue
         found = re.search(rf"{re.escape(str(runtime))}/kernel-([-0-9a-f]+)\.json",
                           " ".join(cmdline))
