@@ -1,0 +1,190 @@
+"""Pods for the tests, built from the parts a kubelet's container runtime uses: the CI
+machines have no Kubernetes, and Debian's podman does not start containers on them (crun
+refuses their hybrid cgroup layout, runc fails to mount the cgroups into its root, and root
+lacks CAP_SYS_RESOURCE for the default rlimits).
+
+A ``Pod`` has its own mount, pid, network, uts, ipc and cgroup namespaces; its own cgroup
+in each of this machine's hierarchies; its own root file system, in which this machine's
+directories stand for the node image, read-only (``pod_init``); a veth pair to this
+machine with an address of its own, as a CNI plugin gives; and the volumes it is given,
+read-write at the path asked for. Its processes are started with ``argv``, which enters
+every one of its namespaces and its root, as the runtime starts a container's process.
+Deleting the pod kills its PID 1 and with it every process in it, as a pod's deletion does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+POD_INIT = Path(__file__).with_name("pod_init.py")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Each pod's cgroup, in every hierarchy: a kubelet's pod slice.
+POD_CGROUPS = "jgs-test-pods"
+READY_SECONDS = 60.0
+
+
+class PodError(RuntimeError):
+    """The pod could not be made."""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def cgroup_dirs(name: str) -> list[Path]:
+    """The pod's cgroup in each of this machine's hierarchies (v1 controllers and the
+    unified one)."""
+    hierarchies = []
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            _source, point, kind = line.split()[:3]
+            if kind in ("cgroup", "cgroup2"):
+                hierarchies.append(Path(point))
+    return [h / POD_CGROUPS / name for h in hierarchies]
+
+
+def make_cgroup(cgroup: Path) -> None:
+    """The pod's ``cgroup`` under the pods' one; a v1 cpuset takes its parent's CPUs and
+    memory nodes, as a runtime sets them (an empty cpuset admits no process)."""
+    for level in (cgroup.parent, cgroup):
+        level.mkdir(exist_ok=True)
+        for inherited in ("cpuset.cpus", "cpuset.mems"):
+            own = level / inherited
+            if own.exists() and not own.read_text().strip():
+                own.write_text((level.parent / inherited).read_text())
+
+
+class Pod:
+    """A running pod named ``name``; ``volumes`` maps this machine's directories to the
+    paths the pod sees them at. ``ip`` is its address, reachable from this machine."""
+
+    def __init__(self, name: str, workdir: Path, volumes: Mapping[Path, str]) -> None:
+        self.name = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.workdir = workdir / self.name
+        self.workdir.mkdir(parents=True)
+        subnet = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
+        self.host_ip, self.ip = f"{subnet}.1", f"{subnet}.2"
+        self.host_end = f"jgsp{uuid.uuid4().hex[:8]}"
+        self.cgroups = cgroup_dirs(self.name)
+        for cgroup in self.cgroups:
+            make_cgroup(cgroup)
+        spec = {
+            "root": str(self.workdir / "rootfs"),
+            "hostname": self.name,
+            "volumes": {str(host): pod for host, pod in volumes.items()},
+            "image_paths": [str(p) for p in (REPO, Path(sys.prefix), Path(sys.base_prefix))],
+        }
+        (self.workdir / "rootfs").mkdir()
+        self._enter_cgroups = "".join(
+            f'echo $$ > "{c}/cgroup.procs" && ' for c in self.cgroups)
+        with open(self.workdir / "init.log", "wb") as init_log:
+            self._runtime = subprocess.Popen(
+                ["sh", "-c", self._enter_cgroups + 'exec "$@"', "pod-runtime",
+                 "unshare", "--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup",
+                 "--fork", "--kill-child", "--propagation", "private", "--",
+                 sys.executable, "-I", "-S", str(POD_INIT), json.dumps(spec)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=init_log,
+                env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
+            )
+        try:
+            self._wait_ready()
+            self.init_pid = self._init_pid()
+            self._connect()
+        except BaseException:
+            self.delete()
+            raise
+
+    def _wait_ready(self) -> None:
+        assert self._runtime.stdout is not None
+        line = self._runtime.stdout.readline()
+        if line.strip() != b"ready":
+            self._runtime.wait(timeout=READY_SECONDS)
+            raise PodError(f"pod {self.name} did not start: "
+                           f"{(self.workdir / 'init.log').read_text(errors='replace')}")
+
+    def _init_pid(self) -> int:
+        children = psutil.Process(self._runtime.pid).children()
+        if len(children) != 1:
+            raise PodError(f"pod {self.name}: no PID 1 under its runtime")
+        return int(children[0].pid)
+
+    def _connect(self) -> None:
+        """A veth pair from this machine into the pod, each end with an address."""
+        _ip("link", "add", self.host_end, "type", "veth", "peer", "name", "eth0",
+            "netns", str(self.init_pid))
+        _ip("addr", "add", f"{self.host_ip}/30", "dev", self.host_end)
+        _ip("link", "set", self.host_end, "up")
+        inside = ["nsenter", "-t", str(self.init_pid), "-n", "ip"]
+        for args in (["addr", "add", f"{self.ip}/30", "dev", "eth0"],
+                     ["link", "set", "eth0", "up"]):
+            subprocess.run([*inside, *args], check=True, capture_output=True, timeout=30)
+
+    def argv(self, *command: str) -> list[str]:
+        """``command`` as a process of the pod: in all its namespaces, its root and its
+        working directory."""
+        return ["sh", "-c", self._enter_cgroups + 'exec "$@"', "pod-exec",
+                "nsenter", "-t", str(self.init_pid), "-m", "-u", "-i", "-n", "-p", "-C",
+                "-r", "-w", "--", *command]
+
+    def run(self, *command: str, timeout: float = 60) -> str:
+        """Runs ``command`` in the pod; its stdout."""
+        return subprocess.run(self.argv(*command), check=True, capture_output=True,
+                              text=True, timeout=timeout).stdout
+
+    def holds(self, pid: int) -> bool:
+        """Whether process ``pid`` runs in the pod: in its network namespace and its cgroup
+        (a process the runtime starts in the pod is no child of its PID 1)."""
+        try:
+            same_network = (os.stat(f"/proc/{pid}/ns/net").st_ino
+                            == os.stat(f"/proc/{self.init_pid}/ns/net").st_ino)
+            with open(f"/proc/{pid}/cgroup") as cgroups:
+                lines = [line.strip() for line in cgroups if line.strip()]
+        except FileNotFoundError:
+            return False
+        return same_network and all(
+            line.endswith(f"/{POD_CGROUPS}/{self.name}") for line in lines)
+
+    def delete(self) -> None:
+        """Kills the pod: PID 1 first, which takes every process of its pid namespace with
+        it; then its network, cgroups and root."""
+        with contextlib.suppress(ProcessLookupError, AttributeError):
+            os.kill(self.init_pid, 9)
+        with contextlib.suppress(ProcessLookupError):
+            self._runtime.kill()
+        self._runtime.wait(timeout=60)
+        if self._runtime.stdout is not None:
+            self._runtime.stdout.close()
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("link", "del", self.host_end)
+        deadline = time.monotonic() + 30
+        for cgroup in self.cgroups:
+            while cgroup.exists():
+                try:
+                    cgroup.rmdir()
+                except OSError:  # its last processes are still being reaped
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def pods(workdir: Path) -> Iterator[list[Pod]]:
+    """The pods a test makes, deleted when it ends, whatever happened."""
+    made: list[Pod] = []
+    try:
+        yield made
+    finally:
+        for pod in made:
+            pod.delete()
