@@ -77,7 +77,9 @@ def build_root(root: Path, spec: dict[str, object]) -> None:
         inside = root / str(pod_path).lstrip("/")
         inside.mkdir(parents=True, exist_ok=True)
         bind(str(host_path), inside, read_only=False)
-    build_dev(root / "dev")
+    devices = spec.get("devices")
+    assert isinstance(devices, list)
+    build_dev(root / "dev", [str(d) for d in devices])
     (root / "sys").mkdir()
     # Without this machine's mounts under /sys: the pod mounts its own cgroups there.
     bind("/sys", root / "sys", read_only=True, recursive=False)
@@ -93,12 +95,18 @@ def build_root(root: Path, spec: dict[str, object]) -> None:
     (root / "proc").mkdir()
 
 
-def build_dev(dev: Path) -> None:
+def build_dev(dev: Path, devices: list[str]) -> None:
+    """A /dev of the basic nodes and the pod's ``devices`` (paths under /dev)."""
     dev.mkdir()
     mount("-t", "tmpfs", "-o", "mode=0755,nosuid", "pod-dev", str(dev))
-    for name in DEVICES:
-        (dev / name).touch()
-        mount("--bind", f"/dev/{name}", str(dev / name))
+    for path in [f"/dev/{name}" for name in DEVICES] + devices:
+        inside = dev / os.path.relpath(path, "/dev")
+        if os.path.isdir(path):
+            inside.mkdir(parents=True)
+        else:
+            inside.parent.mkdir(parents=True, exist_ok=True)
+            inside.touch()
+        mount("--rbind", path, str(inside))
     (dev / "pts").mkdir()
     mount("-t", "devpts", "-o", "newinstance,ptmxmode=0666,mode=0620", "devpts", str(dev / "pts"))
     (dev / "ptmx").symlink_to("pts/ptmx")

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -68,9 +68,12 @@ def make_cgroup(cgroup: Path) -> None:
 
 class Pod:
     """A running pod named ``name``; ``volumes`` maps this machine's directories to the
-    paths the pod sees them at. ``ip`` is its address, reachable from this machine."""
+    paths the pod sees them at; ``devices`` are this machine's device nodes (or folders of
+    them) the pod gets in its /dev, as a device plugin allocates GPUs. ``ip`` is its
+    address, reachable from this machine."""
 
-    def __init__(self, name: str, workdir: Path, volumes: Mapping[Path, str]) -> None:
+    def __init__(self, name: str, workdir: Path, volumes: Mapping[Path, str],
+                 devices: Sequence[str] = ()) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.workdir = workdir / self.name
         self.workdir.mkdir(parents=True)
@@ -84,6 +87,7 @@ class Pod:
             "root": str(self.workdir / "rootfs"),
             "hostname": self.name,
             "volumes": {str(host): pod for host, pod in volumes.items()},
+            "devices": list(devices),
             "image_paths": [str(p) for p in (REPO, Path(sys.prefix), Path(sys.base_prefix))],
         }
         (self.workdir / "rootfs").mkdir()

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
 from testkit.gpu_check import no_gpu_reason
-from testkit.gpu_results import RESULTS
 
 # The start of a kernel's cell whose PyTorch computes the same bits on every run: cuBLAS's
 # workspace fixed, the generators seeded, the non-deterministic kernels refused.
@@ -52,12 +50,3 @@ def _drop_images(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if root is not None:
         shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """Numbers a GPU test measured, kept in the results file under the test's name."""
-    found: dict[str, Any] = {}
-    yield found
-    if found:
-        RESULTS["figures"][request.node.name] = found

@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 from jupyter_gpu_snapshot.launch.provisioner import NSINIT
+from testkit.gpu_check import no_gpu_reason
 from testkit.pods import Pod, pods
 from testkit.processes import free_port, kernel_processes
 
@@ -35,9 +39,45 @@ STATE = (
 )
 
 
+@dataclass
+class PodUser:
+    """Alice: her volume, her server's environment (whose paths lie on the volume), and
+    the pods and servers a test makes for her, all ended when it ends."""
+
+    workdir: Path
+    home: Path
+    env: dict[str, str]
+    made: list[Pod]
+    servers: list[ServerProcess] = field(default_factory=list)
+    kernel_ids: list[str] = field(default_factory=list)
+
+    def new_pod(self, devices: tuple[str, ...] = ()) -> Pod:
+        pod = Pod("jupyter-alice", self.workdir, {self.home: str(self.home)}, devices)
+        self.made.append(pod)
+        return pod
+
+    def run(self, scenario: Coroutine[Any, Any, None]) -> None:
+        """Runs ``scenario``, then kills the servers it started (their websockets close on
+        its event loop)."""
+        async def guarded() -> None:
+            try:
+                await scenario
+            finally:
+                for server in self.servers:
+                    server.kill()
+
+        asyncio.run(guarded())
+
+    async def server_in(self, pod: Pod) -> ServerProcess:
+        server = ServerProcess(self.home, self.env, free_port(), pod.name, host=pod.ip,
+                               launcher=tuple(pod.argv()))
+        self.servers.append(server)
+        await server.ready()
+        return server
+
+
 @pytest.fixture
-def volume(tmp_path: Path, criu_path: str) -> Iterator[tuple[Path, dict[str, str]]]:
-    """The user's volume and their server's environment, whose paths lie on it."""
+def alice(tmp_path: Path, criu_path: str) -> Iterator[PodUser]:
     home = tmp_path / "alice"
     kernel_dir = home / "data" / "kernels" / KERNEL_NAME
     kernel_dir.mkdir(parents=True)
@@ -47,52 +87,28 @@ def volume(tmp_path: Path, criu_path: str) -> Iterator[tuple[Path, dict[str, str
     env = server_environment(home, kernel_dir.parent, store, criu_path,
                              snapshot_on_shutdown=False)
     Path(env["JUPYTER_RUNTIME_DIR"]).mkdir(mode=0o700)
-    yield home, env
-
-
-def _server_in(pod: Pod, home: Path, env: dict[str, str]) -> ServerProcess:
-    return ServerProcess(home, env, free_port(), pod.name, host=pod.ip,
-                         launcher=tuple(pod.argv()))
+    with pods(tmp_path / "pods") as made:
+        yield PodUser(tmp_path / "pods", home, env, made)
 
 
 def test_a_kernel_saved_in_a_deleted_pod_comes_back_in_the_users_next_pod(
-    tmp_path: Path, volume: tuple[Path, dict[str, str]]
+    alice: PodUser,
 ) -> None:
-    home, env = volume
-    with pods(tmp_path / "pods") as made:
-        asyncio.run(_saved_in_one_pod_restored_in_the_next(tmp_path, home, env, made))
+    alice.run(_save_delete_restore(alice))
 
 
-async def _saved_in_one_pod_restored_in_the_next(
-    tmp_path: Path, home: Path, env: dict[str, str], made: list[Pod]
-) -> None:
-    servers: list[ServerProcess] = []
-    try:
-        await _save_delete_restore(tmp_path, home, env, made, servers)
-    finally:
-        for server in servers:
-            server.kill()
-
-
-async def _save_delete_restore(
-    tmp_path: Path, home: Path, env: dict[str, str], made: list[Pod],
-    servers: list[ServerProcess],
-) -> None:
-    kernel_ids: list[str] = []
-    first = Pod("jupyter-alice", tmp_path / "pods", {home: str(home)})
-    made.append(first)
-    server = _server_in(first, home, env)
-    servers.append(server)
-    await server.ready()
-
-    rest_kernel, ws = await server.open_notebook_kernel(kernel_ids, REST_NOTEBOOK)
+async def _save_delete_restore(alice: PodUser) -> None:
+    first = alice.new_pod()
+    server = await alice.server_in(first)
+    rest_kernel, ws = await server.open_notebook_kernel(alice.kernel_ids, REST_NOTEBOOK)
     await ws.execute(STATE.format(epoch=12))
     (kernel_pid,) = _kernel_pids(rest_kernel)
     assert first.holds(kernel_pid), "the kernel does not run in the user's pod"
     saved = await server.api.succeeded(await server.api.save(rest_kernel, name="by-rest"))
     rest_snapshot = saved["snapshot_id"]
 
-    magic_kernel, magic_ws = await server.open_notebook_kernel(kernel_ids, MAGIC_NOTEBOOK)
+    magic_kernel, magic_ws = await server.open_notebook_kernel(alice.kernel_ids,
+                                                               MAGIC_NOTEBOOK)
     await magic_ws.execute(STATE.format(epoch=30))
     said = await magic_ws.execute("%gpu_snapshot save by-magic", timeout=120)
     assert "by-magic" in said, said
@@ -100,29 +116,26 @@ async def _save_delete_restore(
     first.delete()  # the pod is gone, and every process in it
     assert kernel_processes(rest_kernel) == [] and kernel_processes(magic_kernel) == []
 
-    second = Pod("jupyter-alice", tmp_path / "pods", {home: str(home)})
-    made.append(second)
+    second = alice.new_pod()
     assert second.ip != first.ip
-    server = _server_in(second, home, env)
-    servers.append(server)
-    await server.ready()
+    server = await alice.server_in(second)
     listed = {s["name"]: s for s in await server.api.snapshots()}
     assert listed["by-rest"]["id"] == rest_snapshot and listed["by-rest"]["status"] == "ok"
 
     # Through the REST API, into the notebook, as JupyterLab's dialog does.
-    restored = await server.restore_into_notebook(rest_snapshot, kernel_ids, REST_NOTEBOOK)
+    restored = await server.restore_into_notebook(rest_snapshot, alice.kernel_ids,
+                                                  REST_NOTEBOOK)
     await _check_state(server, restored, rest_kernel, second, epoch=12)
 
-    # Through the magic, from a fresh kernel of the other notebook.
-    # The server shuts the cell's kernel down once the notebook has switched: the cell
-    # never answers.
-    fresh, fresh_ws = await server.open_notebook_kernel(kernel_ids, MAGIC_NOTEBOOK)
+    # Through the magic, from a fresh kernel of the other notebook. The server shuts the
+    # cell's kernel down once the notebook has switched: the cell never answers.
+    fresh, fresh_ws = await server.open_notebook_kernel(alice.kernel_ids, MAGIC_NOTEBOOK)
     cell = asyncio.ensure_future(fresh_ws.execute("%gpu_snapshot restore by-magic"))
     try:
         switched = await _session_of(server, MAGIC_NOTEBOOK, not_kernel=fresh)
     finally:
         cell.cancel()
-    kernel_ids.append(switched)
+    alice.kernel_ids.append(switched)
     await _check_state(server, switched, magic_kernel, second, epoch=30)
 
 
@@ -164,3 +177,66 @@ def _kernel_pids(kernel_id: str) -> list[int]:
         if Path(cmdline[0]).name != "unshare" and str(NSINIT) not in cmdline:
             found.append(pid)
     return found
+
+
+GPU_STATE = """
+import os, socket
+os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+import torch, cupy, jax, jax.numpy as jnp
+weights = torch.arange(50_000_000, device="cuda", dtype=torch.float32)
+counts = cupy.arange(10_000_000, dtype=cupy.int64)
+scaled = jnp.arange(5_000_000, dtype=jnp.float32) * 2
+sums = (float(weights.sum()), int(counts.sum()), float(scaled.sum()))
+"""
+GPU_CHECK = (
+    "print((float(weights.sum()), int(counts.sum()), float(scaled.sum())) == sums, "
+    "weights.device, socket.gethostname())"
+)
+
+
+def _gpu_devices() -> tuple[str, ...]:
+    """What the NVIDIA device plugin gives a pod with one GPU: its node, the control and
+    UVM nodes (and the capability folder where there is one)."""
+    wanted = ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+              "/dev/nvidia-caps"]
+    return tuple(d for d in wanted if Path(d).exists())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(no_gpu_reason() is not None, reason=f"GPU test: {no_gpu_reason()}")
+def test_a_gpu_kernel_saved_in_a_deleted_pod_comes_back_in_the_users_next_pod(
+    alice: PodUser, figures: dict[str, Any]
+) -> None:
+    """PyTorch, CuPy and JAX on the pod's one GPU, saved, the pod deleted, restored into
+    the next pod."""
+    alice.run(_gpu_kernel_through_pods(alice, figures))
+
+
+async def _gpu_kernel_through_pods(alice: PodUser, figures: dict[str, Any]) -> None:
+    first = alice.new_pod(_gpu_devices())
+    server = await alice.server_in(first)
+    kernel_id, ws = await server.open_notebook_kernel(alice.kernel_ids, REST_NOTEBOOK)
+    await ws.execute(GPU_STATE, timeout=300)
+    started = time.monotonic()
+    job = await server.api.succeeded(await server.api.save(kernel_id, stop=True))
+    figures["save_seconds"] = round(time.monotonic() - started, 2)
+    assert job["result"]["gpu"]["moved_bytes"] > 0, job["result"]["gpu"]
+    figures["gpu_bytes"] = job["result"]["gpu"]["moved_bytes"]
+    first.delete()
+
+    second = alice.new_pod(_gpu_devices())
+    server = await alice.server_in(second)
+    started = time.monotonic()
+    restored = await server.restore_into_notebook(job["snapshot_id"], alice.kernel_ids,
+                                                  REST_NOTEBOOK)
+    figures["restore_seconds"] = round(time.monotonic() - started, 2)
+    ws = await server.kernel(restored)
+    said = await ws.execute(GPU_CHECK, timeout=120)
+    assert said.split() == ["True", "cuda:0", second.name], said
+    (kernel_pid,) = _kernel_pids(kernel_id)
+    assert second.holds(kernel_pid)
+    # A kernel started in the new pod after the restore has a working GPU too.
+    _other, other_ws = await server.open_notebook_kernel(alice.kernel_ids, MAGIC_NOTEBOOK)
+    said = await other_ws.execute(
+        "import torch; print(float(torch.ones(4, device='cuda').sum()))", timeout=300)
+    assert said.strip() == "4.0", said
