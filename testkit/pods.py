@@ -55,6 +55,15 @@ def cgroup_dirs(name: str) -> list[Path]:
     return [h / POD_CGROUPS / name for h in hierarchies]
 
 
+def image_paths() -> list[str]:
+    """The directories this checkout runs from (the repository, the environment, the
+    interpreter and every folder on its path): the pods' image holds them at the same
+    places, wherever this machine keeps them."""
+    found = [REPO, Path(sys.prefix), Path(sys.base_prefix)]
+    found += [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    return sorted({str(p.resolve()) for p in found})
+
+
 def make_cgroup(cgroup: Path) -> None:
     """The pod's ``cgroup`` under the pods' one; a v1 cpuset takes its parent's CPUs and
     memory nodes, as a runtime sets them (an empty cpuset admits no process)."""
@@ -62,8 +71,9 @@ def make_cgroup(cgroup: Path) -> None:
         level.mkdir(exist_ok=True)
         for inherited in ("cpuset.cpus", "cpuset.mems"):
             own = level / inherited
-            if own.exists() and not own.read_text().strip():
-                own.write_text((level.parent / inherited).read_text())
+            parents = level.parent / inherited  # none in cgroup v2's root: inherited there
+            if own.exists() and parents.exists() and not own.read_text().strip():
+                own.write_text(parents.read_text())
 
 
 class Pod:
@@ -88,7 +98,7 @@ class Pod:
             "hostname": self.name,
             "volumes": {str(host): pod for host, pod in volumes.items()},
             "devices": list(devices),
-            "image_paths": [str(p) for p in (REPO, Path(sys.prefix), Path(sys.base_prefix))],
+            "image_paths": image_paths(),
         }
         (self.workdir / "rootfs").mkdir()
         self._enter_cgroups = "".join(
