@@ -145,12 +145,13 @@ class Pod:
                      ["link", "set", "eth0", "up"]):
             subprocess.run([*inside, *args], check=True, capture_output=True, timeout=30)
 
-    def argv(self, *command: str) -> list[str]:
-        """``command`` as a process of the pod: in all its namespaces, its root and its
-        working directory."""
+    def argv(self, *command: str, workdir: str = "/") -> list[str]:
+        """``command`` as a process of the pod, in ``workdir``: in its cgroup, all its
+        namespaces and its root."""
         return ["sh", "-c", self._enter_cgroups + 'exec "$@"', "pod-exec",
                 "nsenter", "-t", str(self.init_pid), "-m", "-u", "-i", "-n", "-p", "-C",
-                "-r", "-w", "--", *command]
+                # nsenter would open a directory named to --wd outside the pod's root.
+                "-r", "-w", "--", "sh", "-c", 'cd "$0" && exec "$@"', workdir, *command]
 
     def run(self, *command: str, timeout: float = 60) -> str:
         """Runs ``command`` in the pod; its stdout."""

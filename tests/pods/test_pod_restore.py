@@ -12,7 +12,7 @@ through the REST API, one through ``%gpu_snapshot restore`` in a fresh kernel.
 from __future__ import annotations
 
 import asyncio
-import json
+import os
 import random
 import time
 from collections.abc import Coroutine, Iterator
@@ -22,15 +22,16 @@ from typing import Any
 
 import psutil
 import pytest
+import yaml
 
-from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 from jupyter_gpu_snapshot.launch.provisioner import NSINIT
 from testkit.gpu_check import no_gpu_reason
-from testkit.pods import Pod, pods
+from testkit.pods import REPO, Pod, pods
 from testkit.processes import free_port, kernel_processes
 
-from ..server.conftest import ServerProcess, server_environment
+from ..server.conftest import ServerProcess
 
+FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-root-servers.yaml"
 REST_NOTEBOOK = "project/train.ipynb"
 MAGIC_NOTEBOOK = "project/explore.ipynb"
 STATE = (
@@ -39,20 +40,51 @@ STATE = (
 )
 
 
+@dataclass(frozen=True)
+class UserServers:
+    """What the Zero to JupyterHub fragment says of the users' servers and their pods."""
+
+    home: str  # where the user's volume is mounted in each of their pods
+    workdir: str
+    options: tuple[str, ...]  # the server's command-line options
+    env: dict[str, str]
+    gpus: int
+
+    @classmethod
+    def read(cls, path: Path) -> UserServers:
+        singleuser = yaml.safe_load(path.read_text())["singleuser"]
+        container = singleuser["extraContainerConfig"]
+        # What the pods here are: root, with every capability, in the node's namespaces'
+        # children. A fragment asking for less is not what this test shows.
+        assert singleuser["uid"] == 0, "the servers must run as root"
+        assert container["securityContext"]["privileged"] is True
+        command = singleuser["cmd"]
+        assert command[0] == "jupyterhub-singleuser", command
+        limits = singleuser["extraResource"]["limits"]
+        return cls(
+            home=singleuser["storage"]["homeMountPath"],
+            workdir=container["workingDir"],
+            options=tuple(command[1:]),
+            env={str(k): str(v) for k, v in singleuser["extraEnv"].items()},
+            gpus=int(limits.get("nvidia.com/gpu", 0)),
+        )
+
+
 @dataclass
 class PodUser:
-    """Alice: her volume, her server's environment (whose paths lie on the volume), and
-    the pods and servers a test makes for her, all ended when it ends."""
+    """Alice: her home volume, and the pods and servers a test makes for her, all ended
+    when it ends."""
 
+    servers_spec: UserServers
     workdir: Path
-    home: Path
-    env: dict[str, str]
+    volume: Path
     made: list[Pod]
     servers: list[ServerProcess] = field(default_factory=list)
     kernel_ids: list[str] = field(default_factory=list)
 
     def new_pod(self, devices: tuple[str, ...] = ()) -> Pod:
-        pod = Pod("jupyter-alice", self.workdir, {self.home: str(self.home)}, devices)
+        pod = Pod("jupyter-alice", self.workdir, {self.volume: self.servers_spec.home},
+                  devices)
         self.made.append(pod)
         return pod
 
@@ -69,26 +101,29 @@ class PodUser:
         asyncio.run(guarded())
 
     async def server_in(self, pod: Pod) -> ServerProcess:
-        server = ServerProcess(self.home, self.env, free_port(), pod.name, host=pod.ip,
-                               launcher=tuple(pod.argv()))
+        """The user's server in ``pod``, as the fragment starts it (jupyter server in
+        place of jupyterhub-singleuser: no hub here)."""
+        spec = self.servers_spec
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
+        env.update(spec.env)
+        server = ServerProcess(
+            self.workdir, env, free_port(), pod.name, host=pod.ip,
+            launcher=tuple(pod.argv(workdir=spec.workdir)),
+            options=(*spec.options,
+                     "--ServerApp.jpserver_extensions=jupyter_gpu_snapshot=True",
+                     "--GPUSnapshot.snapshot_on_shutdown=False"),
+        )
         self.servers.append(server)
         await server.ready()
         return server
 
 
 @pytest.fixture
-def alice(tmp_path: Path, criu_path: str) -> Iterator[PodUser]:
-    home = tmp_path / "alice"
-    kernel_dir = home / "data" / "kernels" / KERNEL_NAME
-    kernel_dir.mkdir(parents=True)
-    (kernel_dir / "kernel.json").write_text(json.dumps(kernel_json()))
-    store = home / "snapshots"
-    store.mkdir(mode=0o700)
-    env = server_environment(home, kernel_dir.parent, store, criu_path,
-                             snapshot_on_shutdown=False)
-    Path(env["JUPYTER_RUNTIME_DIR"]).mkdir(mode=0o700)
+def alice(tmp_path: Path) -> Iterator[PodUser]:
+    volume = tmp_path / "alice-home"
+    (volume / "project").mkdir(parents=True)
     with pods(tmp_path / "pods") as made:
-        yield PodUser(tmp_path / "pods", home, env, made)
+        yield PodUser(UserServers.read(FRAGMENT), tmp_path / "pods", volume, made)
 
 
 def test_a_kernel_saved_in_a_deleted_pod_comes_back_in_the_users_next_pod(
@@ -194,11 +229,11 @@ GPU_CHECK = (
 )
 
 
-def _gpu_devices() -> tuple[str, ...]:
-    """What the NVIDIA device plugin gives a pod with one GPU: its node, the control and
-    UVM nodes (and the capability folder where there is one)."""
-    wanted = ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
-              "/dev/nvidia-caps"]
+def _gpu_devices(gpus: int) -> tuple[str, ...]:
+    """What the NVIDIA device plugin gives a pod with ``gpus`` GPUs: their nodes, the
+    control and UVM nodes (and the capability folder where there is one)."""
+    wanted = [f"/dev/nvidia{i}" for i in range(gpus)] + [
+        "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps"]
     return tuple(d for d in wanted if Path(d).exists())
 
 
@@ -213,7 +248,7 @@ def test_a_gpu_kernel_saved_in_a_deleted_pod_comes_back_in_the_users_next_pod(
 
 
 async def _gpu_kernel_through_pods(alice: PodUser, figures: dict[str, Any]) -> None:
-    first = alice.new_pod(_gpu_devices())
+    first = alice.new_pod(_gpu_devices(alice.servers_spec.gpus))
     server = await alice.server_in(first)
     kernel_id, ws = await server.open_notebook_kernel(alice.kernel_ids, REST_NOTEBOOK)
     await ws.execute(GPU_STATE, timeout=300)
@@ -224,7 +259,7 @@ async def _gpu_kernel_through_pods(alice: PodUser, figures: dict[str, Any]) -> N
     figures["gpu_bytes"] = job["result"]["gpu"]["moved_bytes"]
     first.delete()
 
-    second = alice.new_pod(_gpu_devices())
+    second = alice.new_pod(_gpu_devices(alice.servers_spec.gpus))
     server = await alice.server_in(second)
     started = time.monotonic()
     restored = await server.restore_into_notebook(job["snapshot_id"], alice.kernel_ids,

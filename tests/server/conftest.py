@@ -288,7 +288,7 @@ class ServerProcess(JupyterServerProcess):
     ``env`` (see ``server_environment``), with this suite's REST and websocket clients.
 
     ``launcher`` runs it through another command (e.g. into other namespaces); ``host`` is
-    the address it listens on.
+    the address it listens on; ``options`` are more of its command-line options.
     """
 
     def __init__(
@@ -299,10 +299,11 @@ class ServerProcess(JupyterServerProcess):
         label: str,
         host: str = "127.0.0.1",
         launcher: tuple[str, ...] = (),
+        options: tuple[str, ...] = (),
     ) -> None:
         super().__init__(
             home / f"server-{label}.log", env=env, host=host, port=port, token=SERVER_TOKEN,
-            launcher=launcher,
+            launcher=launcher, options=options,
         )
         self.env = env
         self.api = Api(self.fetch, f"token {SERVER_TOKEN}")
