@@ -1,6 +1,8 @@
 """PID 1 of a test pod (``testkit.pods``): run by ``unshare`` in the pod's new mount, pid,
 network, uts, ipc and cgroup namespaces, it builds the pod's root file system as a container
-runtime does, then reaps the pod's processes until it is killed.
+runtime does, then reaps the pod's processes until it is killed. With ``"container": true``
+in its spec it builds the root of another container of the pod instead, in a mount
+namespace of its own inside the pod's other namespaces, and holds it.
 
 The root: a tmpfs with the node image's directories bound read-only (this machine's /usr,
 /etc, ... stand for the image the pods run), a private /tmp, /run and /dev, a fresh /proc
@@ -145,11 +147,17 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     build_root(Path(spec["root"]), spec)
     enter_root(Path(spec["root"]))
-    Path("/proc/sys/kernel/hostname").write_text(spec["hostname"])
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
+    if not spec.get("container"):
+        Path("/proc/sys/kernel/hostname").write_text(spec["hostname"])
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
     print("ready", flush=True)
     sys.stdout.close()
     os.close(1)
+    if spec.get("container"):
+        # Another container of the pod: its mount namespace lives as long as this holder,
+        # which the pod's end kills with every other process of the pod.
+        while True:
+            signal.pause()
     reap_forever()
 
 

@@ -93,45 +93,71 @@ class Pod:
         self.cgroups = cgroup_dirs(self.name)
         for cgroup in self.cgroups:
             make_cgroup(cgroup)
-        spec = {
-            "root": str(self.workdir / "rootfs"),
-            "hostname": self.name,
-            "volumes": {str(host): pod for host, pod in volumes.items()},
-            "devices": list(devices),
-            "image_paths": image_paths(),
-        }
         (self.workdir / "rootfs").mkdir()
+        self.containers: list[Container] = []
         self._enter_cgroups = "".join(
             f'echo $$ > "{c}/cgroup.procs" && ' for c in self.cgroups)
-        with open(self.workdir / "init.log", "wb") as init_log:
-            self._runtime = subprocess.Popen(
-                ["sh", "-c", self._enter_cgroups + 'exec "$@"', "pod-runtime",
-                 "unshare", "--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup",
-                 "--fork", "--kill-child", "--propagation", "private", "--",
-                 sys.executable, "-I", "-S", str(POD_INIT), json.dumps(spec)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=init_log,
-                env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
-            )
+        self._runtime = self._start_init(
+            self.workdir / "rootfs", volumes, devices, container=False,
+            enter=["unshare", "--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup",
+                   "--fork", "--kill-child", "--propagation", "private", "--"])
         try:
-            self._wait_ready()
-            self.init_pid = self._init_pid()
+            self._wait_ready(self._runtime)
+            self.init_pid = self._only_child(self._runtime)
             self._connect()
         except BaseException:
             self.delete()
             raise
 
-    def _wait_ready(self) -> None:
-        assert self._runtime.stdout is not None
-        line = self._runtime.stdout.readline()
-        if line.strip() != b"ready":
-            self._runtime.wait(timeout=READY_SECONDS)
-            raise PodError(f"pod {self.name} did not start: "
-                           f"{(self.workdir / 'init.log').read_text(errors='replace')}")
+    def _start_init(
+        self, root: Path, volumes: Mapping[Path, str], devices: Sequence[str], *,
+        container: bool, enter: list[str],
+    ) -> subprocess.Popen[bytes]:
+        spec = {
+            "root": str(root),
+            "hostname": self.name,
+            "container": container,
+            "volumes": {str(host): pod for host, pod in volumes.items()},
+            "devices": list(devices),
+            "image_paths": image_paths(),
+        }
+        with open(root.parent / f"{root.name}.log", "wb") as init_log:
+            return subprocess.Popen(
+                ["sh", "-c", self._enter_cgroups + 'exec "$@"', "pod-runtime", *enter,
+                 sys.executable, "-I", "-S", str(POD_INIT), json.dumps(spec)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=init_log,
+                env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
+            )
 
-    def _init_pid(self) -> int:
-        children = psutil.Process(self._runtime.pid).children()
+    def add_container(self, name: str, volumes: Mapping[Path, str],
+                      devices: Sequence[str] = ()) -> Container:
+        """Another container of the pod: its own root and mounts (``volumes``, ``devices``),
+        the pod's network, pid, uts, ipc and cgroup namespaces, as a sidecar with
+        ``shareProcessNamespace``."""
+        root = self.workdir / name
+        root.mkdir()
+        holder = self._start_init(
+            root, volumes, devices, container=True,
+            enter=["nsenter", "-t", str(self.init_pid), "-n", "-i", "-u", "-p", "-C", "--",
+                   "unshare", "--mount", "--propagation", "private", "--"])
+        started = Container(self, name, holder)
+        self.containers.append(started)
+        self._wait_ready(holder, root)
+        started.pid = self._only_child(holder)
+        return started
+
+    def _wait_ready(self, init: subprocess.Popen[bytes], root: Path | None = None) -> None:
+        assert init.stdout is not None
+        line = init.stdout.readline()
+        if line.strip() != b"ready":
+            init.wait(timeout=READY_SECONDS)
+            log = (root or self.workdir / "rootfs").with_suffix(".log")
+            raise PodError(f"pod {self.name} did not start: {log.read_text(errors='replace')}")
+
+    def _only_child(self, init: subprocess.Popen[bytes]) -> int:
+        children = psutil.Process(init.pid).children()
         if len(children) != 1:
-            raise PodError(f"pod {self.name}: no PID 1 under its runtime")
+            raise PodError(f"pod {self.name}: no single process under {init.args}")
         return int(children[0].pid)
 
     def _connect(self) -> None:
@@ -145,13 +171,21 @@ class Pod:
                      ["link", "set", "eth0", "up"]):
             subprocess.run([*inside, *args], check=True, capture_output=True, timeout=30)
 
-    def argv(self, *command: str, workdir: str = "/") -> list[str]:
-        """``command`` as a process of the pod, in ``workdir``: in its cgroup, all its
-        namespaces and its root."""
+    def argv(self, *command: str, workdir: str = "/", user: str | None = None) -> list[str]:
+        """``command`` as a process of the pod's first container, in ``workdir``, as
+        ``user`` (a name; else root): in the pod's cgroup, all its namespaces and that
+        container's root."""
+        return self.enter(self.init_pid, command, workdir, user)
+
+    def enter(self, holder: int, command: Sequence[str], workdir: str,
+              user: str | None) -> list[str]:
+        as_user = [] if user is None else [
+            "setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--"]
         return ["sh", "-c", self._enter_cgroups + 'exec "$@"', "pod-exec",
-                "nsenter", "-t", str(self.init_pid), "-m", "-u", "-i", "-n", "-p", "-C",
+                "nsenter", "-t", str(holder), "-m", "-u", "-i", "-n", "-p", "-C",
                 # nsenter would open a directory named to --wd outside the pod's root.
-                "-r", "-w", "--", "sh", "-c", 'cd "$0" && exec "$@"', workdir, *command]
+                "-r", "-w", "--", *as_user, "sh", "-c", 'cd "$0" && exec "$@"', workdir,
+                *command]
 
     def run(self, *command: str, timeout: float = 60) -> str:
         """Runs ``command`` in the pod; its stdout."""
@@ -166,7 +200,7 @@ class Pod:
                             == os.stat(f"/proc/{self.init_pid}/ns/net").st_ino)
             with open(f"/proc/{pid}/cgroup") as cgroups:
                 lines = [line.strip() for line in cgroups if line.strip()]
-        except FileNotFoundError:
+        except OSError:  # ended, or not ours to read (this machine's own init)
             return False
         return same_network and all(
             line.endswith(f"/{POD_CGROUPS}/{self.name}") for line in lines)
@@ -176,11 +210,12 @@ class Pod:
         it; then its network, cgroups and root."""
         with contextlib.suppress(ProcessLookupError, AttributeError):
             os.kill(self.init_pid, 9)
-        with contextlib.suppress(ProcessLookupError):
-            self._runtime.kill()
-        self._runtime.wait(timeout=60)
-        if self._runtime.stdout is not None:
-            self._runtime.stdout.close()
+        for init in [self._runtime, *(c.holder for c in self.containers)]:
+            with contextlib.suppress(ProcessLookupError):
+                init.kill()
+            init.wait(timeout=60)
+            if init.stdout is not None:
+                init.stdout.close()
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.host_end)
         deadline = time.monotonic() + 30
@@ -192,6 +227,20 @@ class Pod:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
+
+
+class Container:
+    """A further container of a pod (``Pod.add_container``)."""
+
+    def __init__(self, pod: Pod, name: str, holder: subprocess.Popen[bytes]) -> None:
+        self.pod = pod
+        self.name = name
+        self.holder = holder
+        self.pid = 0  # the host pid of the process that holds its mount namespace
+
+    def argv(self, *command: str, workdir: str = "/", user: str | None = None) -> list[str]:
+        """``command`` as a process of this container (see ``Pod.argv``)."""
+        return self.pod.enter(self.pid, command, workdir, user)
 
 
 @contextlib.contextmanager

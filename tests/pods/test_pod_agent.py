@@ -1,0 +1,225 @@
+"""Users without root, in pods: the node agent as a privileged sidecar of each user's pod.
+
+Each user's pod has two containers built from the same image (``testkit.pods``): the
+notebook, where the user's server runs as the user, without privileges; and the agent, root,
+sharing the pod's network, pid (``shareProcessNamespace``), uts, ipc and cgroup namespaces.
+They share the user's home volume and an emptyDir that holds the agent's socket; the
+agent's store and key are on a volume of the agent's container only. Both users run as the
+same uid, as Zero to JupyterHub does by default: each reaches only their own pod's agent,
+whose store is their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from jupyter_gpu_snapshot.launch.provisioner import NSINIT
+from testkit.pods import Container, Pod, pods
+from testkit.processes import free_port, kernel_processes
+from testkit.unix_users import UnixUser
+
+from ..server.conftest import ServerProcess
+
+HOME = "/home/jovyan"
+SOCKET_DIR = "/run/jupyter-gpu-snapshot"
+STATE_DIR = "/data/gpu-snapshot"
+NOTEBOOK = "project/train.ipynb"
+AGENT_START_SECONDS = 60.0
+STATE = (
+    "import os, random, socket; random.seed(11); "
+    "trained = {'epoch': 5, 'pod': socket.gethostname(), 'uid': os.getuid()}"
+)
+
+
+@dataclass
+class PodUser:
+    """One user of the hub: their home and snapshot volumes, and their pods (each with a
+    notebook and an agent container), all run as the one uid ``unix_user`` has."""
+
+    name: str
+    unix_user: UnixUser
+    workdir: Path
+    made: list[Pod]
+    agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    servers: list[ServerProcess] = field(default_factory=list)
+
+    @property
+    def home(self) -> Path:
+        return self.workdir / f"{self.name}-home"
+
+    @property
+    def state(self) -> Path:
+        return self.workdir / f"{self.name}-snapshots"
+
+    @property
+    def store(self) -> Path:
+        """The store the agents of the user's pods keep (by the uid the user runs as)."""
+        return self.state / "users" / str(self.unix_user.uid) / "snapshots"
+
+    def make_volumes(self) -> None:
+        (self.home / "project").mkdir(parents=True)
+        for path in (self.home, self.home / "project"):
+            os.chown(path, self.unix_user.uid, self.unix_user.gid)
+        self.state.mkdir(mode=0o700)
+
+    def new_pod(self) -> tuple[Pod, Container]:
+        """A pod for the user, its agent listening: the notebook container is the pod's
+        first, the agent a sidecar. Blocking: called in a thread."""
+        sockets = self.workdir / f"{self.name}-socket-{len(self.made)}"  # the pod's emptyDir
+        sockets.mkdir(mode=0o755)
+        pod = Pod(f"jupyter-{self.name}", self.workdir / "pods",
+                  {self.home: HOME, sockets: SOCKET_DIR})
+        self.made.append(pod)
+        agent = pod.add_container(
+            "agent", {self.home: HOME, sockets: SOCKET_DIR, self.state: STATE_DIR})
+        with open(self.workdir / f"{pod.name}-agent.log", "wb") as log:
+            process = subprocess.Popen(
+                agent.argv(sys.executable, "-m", "jupyter_gpu_snapshot.cli", "agent",
+                           "--state-dir", STATE_DIR, "--max-operations", "2"),
+                stdout=log, stderr=subprocess.STDOUT, env={"PATH": os.environ["PATH"]})
+        self.agents.append(process)
+        deadline = time.monotonic() + AGENT_START_SECONDS
+        while not (sockets / "agent.sock").is_socket():
+            assert process.poll() is None and time.monotonic() < deadline, (
+                (self.workdir / f"{pod.name}-agent.log").read_text())
+            time.sleep(0.2)
+        return pod, agent
+
+    async def server_in(self, pod: Pod) -> ServerProcess:
+        """The user's server in the pod's notebook container, as the user."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
+        env.update(HOME=HOME, USER=self.unix_user.name)
+        server = ServerProcess(
+            self.workdir, env, free_port(), pod.name, host=pod.ip,
+            launcher=tuple(pod.argv(workdir=HOME, user=self.unix_user.name)),
+            options=("--ServerApp.jpserver_extensions=jupyter_gpu_snapshot=True",
+                     "--GPUSnapshot.snapshot_on_shutdown=False"),
+        )
+        self.servers.append(server)
+        await server.ready()
+        return server
+
+    def end(self) -> None:
+        for server in self.servers:
+            server.kill()
+        for agent in self.agents:
+            agent.kill()
+            agent.wait()
+
+
+@pytest.fixture
+def hub_users(
+    tmp_path: Path, unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int]
+) -> Iterator[tuple[PodUser, PodUser]]:
+    """Alice and Bob, both running as one uid (Alice's Unix user's)."""
+    os.chmod(tmp_path, 0o755)
+    shared_uid = unix_users[0]
+    with pods(tmp_path / "pods") as made:
+        users = (PodUser("alice", shared_uid, tmp_path, made),
+                 PodUser("bob", shared_uid, tmp_path, made))
+        for user in users:
+            user.make_volumes()
+        yield users
+
+
+def run(users: tuple[PodUser, ...], scenario: Coroutine[Any, Any, None]) -> None:
+    async def guarded() -> None:
+        try:
+            await scenario
+        finally:
+            for user in users:
+                user.end()
+
+    asyncio.run(guarded())
+
+
+def test_a_users_kernel_goes_through_their_pods_agent_into_their_next_pod(
+    hub_users: tuple[PodUser, PodUser],
+) -> None:
+    run(hub_users, _through_the_sidecar(*hub_users))
+
+
+async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
+    first, _agent = await asyncio.to_thread(alice.new_pod)
+    server = await alice.server_in(first)
+    kernel_ids: list[str] = []
+    kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
+    await ws.execute(STATE)
+    (kernel_pid,) = _kernel_pids(kernel_id)
+    # Launched by the agent, yet in the pod, running as the user.
+    assert first.holds(kernel_pid)
+    assert psutil.Process(kernel_pid).uids().real == alice.unix_user.uid
+    saved = await server.api.succeeded(await server.api.save(kernel_id, name="before-drain"))
+    snapshot_id = saved["snapshot_id"]
+    # The image is in the agent's store, which the notebook container does not mount.
+    assert (alice.store / snapshot_id / "manifest.json").is_file()
+    looked = await asyncio.to_thread(
+        subprocess.run, first.argv("ls", STATE_DIR, user=alice.unix_user.name),
+        capture_output=True, text=True, timeout=60)
+    assert looked.returncode != 0 and "No such file" in looked.stderr, looked
+
+    first.delete()
+    assert kernel_processes(kernel_id) == []
+
+    second, _agent = await asyncio.to_thread(alice.new_pod)
+    server = await alice.server_in(second)
+    restored = await server.restore_into_notebook(snapshot_id, kernel_ids, NOTEBOOK)
+    ws = await server.kernel(restored)
+    said = await ws.execute("print(trained['epoch'], trained['uid'], socket.gethostname())")
+    assert said.split() == ["5", str(alice.unix_user.uid), second.name], said
+    assert (await ws.execute("print(random.random())")).strip() == repr(
+        __import__("random").Random(11).random())
+    (kernel_pid,) = _kernel_pids(kernel_id)
+    assert second.holds(kernel_pid)
+    assert psutil.Process(kernel_pid).uids().real == alice.unix_user.uid
+
+    # Bob, with the same uid, in his own pod: his agent's store is his, and Alice's
+    # snapshot is not there to list or restore.
+    bobs_pod, _agent = await asyncio.to_thread(bob.new_pod)
+    bobs_server = await bob.server_in(bobs_pod)
+    assert await bobs_server.api.snapshots() == []
+    code, error = await bobs_server.api.call(
+        "POST", "gpu-snapshot", "snapshots", snapshot_id, "restore", body={"path": NOTEBOOK})
+    assert code == 404 and error["step"] == "lookup", error
+    # Her image planted into his agent's store (as only someone with the node's volumes
+    # could): his agent did not sign it, so it is damaged and its restore refused before
+    # anything of it runs.
+    shutil.copytree(alice.store, bob.store, dirs_exist_ok=True)
+    (planted,) = await bobs_server.api.snapshots()
+    assert planted["status"] == "damaged" and "another key" in planted["problem"], planted
+    job = await bobs_server.api.wait(await bobs_server.api.restore(snapshot_id, path=NOTEBOOK))
+    assert job["status"] == "failed" and job["error"]["step"] == "verify", job
+    assert not [p for p in bobs_pod_processes(bobs_pod) if "ipykernel" in " ".join(p)]
+
+
+def bobs_pod_processes(pod: Pod) -> list[list[str]]:
+    """The command lines of the processes running in ``pod``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if pod.holds(proc.pid):
+            found.append(proc.info.get("cmdline") or [])
+    return found
+
+
+def _kernel_pids(kernel_id: str) -> list[int]:
+    """The kernel processes of ``kernel_id``, without its launcher and namespace init."""
+    found = []
+    for pid in kernel_processes(kernel_id):
+        cmdline = psutil.Process(pid).cmdline()
+        if Path(cmdline[0]).name not in ("unshare", "nsenter") and str(NSINIT) not in cmdline:
+            found.append(pid)
+    return found
+
+
