@@ -24,23 +24,62 @@ from typing import Any
 
 import psutil
 import pytest
+import yaml
 
+from jupyter_gpu_snapshot.agent_client.protocol import DEFAULT_SOCKET
 from jupyter_gpu_snapshot.launch.provisioner import NSINIT
-from testkit.pods import Container, Pod, pods
+from testkit.pods import REPO, Container, Pod, pods
 from testkit.processes import free_port, kernel_processes
 from testkit.unix_users import UnixUser
 
 from ..server.conftest import ServerProcess
 
-HOME = "/home/jovyan"
-SOCKET_DIR = "/run/jupyter-gpu-snapshot"
-STATE_DIR = "/data/gpu-snapshot"
+FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-agent-sidecar.yaml"
+HOME_VOLUME = "volume-{username}{servername}"  # the chart's name of the user's home volume
 NOTEBOOK = "project/train.ipynb"
 AGENT_START_SECONDS = 60.0
 STATE = (
     "import os, random, socket; random.seed(11); "
     "trained = {'epoch': 5, 'pod': socket.gethostname(), 'uid': os.getuid()}"
 )
+
+
+@dataclass(frozen=True)
+class SidecarPods:
+    """What the Zero to JupyterHub fragment says of the users' pods."""
+
+    uid: int
+    home: str  # the home volume's mount path, in both containers
+    volumes: dict[str, str]  # name -> kind: "emptyDir" or "hostPath"
+    notebook_mounts: dict[str, str]  # volume name -> mount path
+    agent_mounts: dict[str, str]
+    agent_args: tuple[str, ...]
+
+    @classmethod
+    def read(cls, path: Path) -> SidecarPods:
+        singleuser = yaml.safe_load(path.read_text())["singleuser"]
+        # The pods here share one pid namespace between their containers.
+        assert singleuser["extraPodConfig"]["shareProcessNamespace"] is True
+        storage = singleuser["storage"]
+        (agent,) = singleuser["extraContainers"]
+        assert agent["command"] == ["jupyter", "gpu-snapshot", "agent"], agent["command"]
+        assert agent["securityContext"] == {"runAsUser": 0, "privileged": True}
+        volumes = {}
+        for volume in storage["extraVolumes"]:
+            (kind,) = set(volume) - {"name"}
+            volumes[volume["name"]] = kind
+        return cls(
+            uid=int(singleuser["uid"]),
+            home=storage["homeMountPath"],
+            volumes=volumes,
+            notebook_mounts={m["name"]: m["mountPath"] for m in storage["extraVolumeMounts"]},
+            agent_mounts={m["name"]: m["mountPath"] for m in agent["volumeMounts"]},
+            agent_args=tuple(agent["args"]),
+        )
+
+    @property
+    def state_dir(self) -> str:
+        return self.agent_args[self.agent_args.index("--state-dir") + 1]
 
 
 @dataclass
@@ -50,6 +89,7 @@ class PodUser:
 
     name: str
     unix_user: UnixUser
+    spec: SidecarPods
     workdir: Path
     made: list[Pod]
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -72,26 +112,34 @@ class PodUser:
         (self.home / "project").mkdir(parents=True)
         for path in (self.home, self.home / "project"):
             os.chown(path, self.unix_user.uid, self.unix_user.gid)
-        self.state.mkdir(mode=0o700)
+        self.state.mkdir(mode=0o755)  # a hostPath the kubelet creates: root's
 
     def new_pod(self) -> tuple[Pod, Container]:
-        """A pod for the user, its agent listening: the notebook container is the pod's
-        first, the agent a sidecar. Blocking: called in a thread."""
-        sockets = self.workdir / f"{self.name}-socket-{len(self.made)}"  # the pod's emptyDir
-        sockets.mkdir(mode=0o755)
+        """A pod for the user, as the fragment makes it, its agent listening: the notebook
+        container is the pod's first, the agent a sidecar. Blocking: called in a thread."""
+        spec = self.spec
+        emptied = self.workdir / f"{self.name}-pod-{len(self.made)}"  # the pod's emptyDirs
+        hosts = {HOME_VOLUME: self.home}
+        for name, kind in spec.volumes.items():
+            hosts[name] = emptied / name if kind == "emptyDir" else self.state
+            hosts[name].mkdir(parents=True, exist_ok=True, mode=0o755)
         pod = Pod(f"jupyter-{self.name}", self.workdir / "pods",
-                  {self.home: HOME, sockets: SOCKET_DIR})
+                  {hosts[HOME_VOLUME]: spec.home}
+                  | {hosts[n]: p for n, p in spec.notebook_mounts.items()})
         self.made.append(pod)
-        agent = pod.add_container(
-            "agent", {self.home: HOME, sockets: SOCKET_DIR, self.state: STATE_DIR})
+        agent = pod.add_container("agent", {hosts[n]: p for n, p in spec.agent_mounts.items()})
         with open(self.workdir / f"{pod.name}-agent.log", "wb") as log:
+            # `jupyter gpu-snapshot` is this module, run by the image's interpreter.
             process = subprocess.Popen(
                 agent.argv(sys.executable, "-m", "jupyter_gpu_snapshot.cli", "agent",
-                           "--state-dir", STATE_DIR, "--max-operations", "2"),
+                           *spec.agent_args),
                 stdout=log, stderr=subprocess.STDOUT, env={"PATH": os.environ["PATH"]})
         self.agents.append(process)
+        # The server finds the agent at its default socket, in the mounted emptyDir.
+        socket_volume = next(n for n, p in spec.notebook_mounts.items()
+                             if Path(p) == DEFAULT_SOCKET.parent)
         deadline = time.monotonic() + AGENT_START_SECONDS
-        while not (sockets / "agent.sock").is_socket():
+        while not (hosts[socket_volume] / DEFAULT_SOCKET.name).is_socket():
             assert process.poll() is None and time.monotonic() < deadline, (
                 (self.workdir / f"{pod.name}-agent.log").read_text())
             time.sleep(0.2)
@@ -100,10 +148,10 @@ class PodUser:
     async def server_in(self, pod: Pod) -> ServerProcess:
         """The user's server in the pod's notebook container, as the user."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
-        env.update(HOME=HOME, USER=self.unix_user.name)
+        env.update(HOME=self.spec.home, USER=self.unix_user.name)
         server = ServerProcess(
             self.workdir, env, free_port(), pod.name, host=pod.ip,
-            launcher=tuple(pod.argv(workdir=HOME, user=self.unix_user.name)),
+            launcher=tuple(pod.argv(workdir=self.spec.home, user=self.unix_user.name)),
             options=("--ServerApp.jpserver_extensions=jupyter_gpu_snapshot=True",
                      "--GPUSnapshot.snapshot_on_shutdown=False"),
         )
@@ -123,12 +171,15 @@ class PodUser:
 def hub_users(
     tmp_path: Path, unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int]
 ) -> Iterator[tuple[PodUser, PodUser]]:
-    """Alice and Bob, both running as one uid (Alice's Unix user's)."""
+    """Alice and Bob, both running as one uid, as the fragment's one ``uid`` for all has
+    them (Alice's Unix user's here: the uid must have a name on this machine)."""
     os.chmod(tmp_path, 0o755)
+    spec = SidecarPods.read(FRAGMENT)
+    assert spec.uid != 0
     shared_uid = unix_users[0]
     with pods(tmp_path / "pods") as made:
-        users = (PodUser("alice", shared_uid, tmp_path, made),
-                 PodUser("bob", shared_uid, tmp_path, made))
+        users = (PodUser("alice", shared_uid, spec, tmp_path, made),
+                 PodUser("bob", shared_uid, spec, tmp_path, made))
         for user in users:
             user.make_volumes()
         yield users
@@ -166,7 +217,7 @@ async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
     # The image is in the agent's store, which the notebook container does not mount.
     assert (alice.store / snapshot_id / "manifest.json").is_file()
     looked = await asyncio.to_thread(
-        subprocess.run, first.argv("ls", STATE_DIR, user=alice.unix_user.name),
+        subprocess.run, first.argv("ls", alice.spec.state_dir, user=alice.unix_user.name),
         capture_output=True, text=True, timeout=60)
     assert looked.returncode != 0 and "No such file" in looked.stderr, looked
 
