@@ -26,7 +26,7 @@ import psutil
 import pytest
 import yaml
 
-from jupyter_gpu_snapshot.agent_client.protocol import DEFAULT_SOCKET
+from jupyter_gpu_snapshot.agent_client.protocol import DEFAULT_SOCKET, decode, encode
 from jupyter_gpu_snapshot.launch.provisioner import NSINIT
 from testkit.pods import REPO, Container, Pod, pods
 from testkit.processes import free_port, kernel_processes
@@ -159,6 +159,22 @@ class PodUser:
         await server.ready()
         return server
 
+    def ask_agent(self, pod: Pod, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """One request to the agent, sent by hand from the user's server container, as
+        the user; the agent's last reply line."""
+        code = (
+            "import socket, sys; s = socket.socket(socket.AF_UNIX); "
+            f"s.connect({str(DEFAULT_SOCKET)!r}); s.sendall(sys.stdin.buffer.read()); "
+            "sys.stdout.buffer.write(s.makefile('rb').read())"
+        )
+        done = subprocess.run(
+            pod.argv(sys.executable, "-c", code, workdir=self.spec.home,
+                     user=self.unix_user.name),
+            input=encode({"op": op, "args": args}), capture_output=True, timeout=120,
+            check=True)
+        reply: dict[str, Any] = decode(done.stdout.splitlines()[-1])
+        return reply
+
     def end(self) -> None:
         for server in self.servers:
             server.kill()
@@ -240,6 +256,12 @@ async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
     # snapshot is not there to list or restore.
     bobs_pod, _agent = await asyncio.to_thread(bob.new_pod)
     bobs_server = await bob.server_in(bobs_pod)
+    # Nor is her kernel, by the pid her pod gives it or by the node's.
+    for pid in (_pid_in_pod(kernel_pid), kernel_pid):
+        said = await asyncio.to_thread(bob.ask_agent, bobs_pod, "save", {"target": {"pid": pid}})
+        assert said["error"]["code"] == "refused", said
+        assert "not a kernel the node agent launched or restored for you" in (
+            said["error"]["cause"]), said
     assert await bobs_server.api.snapshots() == []
     code, error = await bobs_server.api.call(
         "POST", "gpu-snapshot", "snapshots", snapshot_id, "restore", body={"path": NOTEBOOK})
@@ -252,10 +274,19 @@ async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
     assert planted["status"] == "damaged" and "another key" in planted["problem"], planted
     job = await bobs_server.api.wait(await bobs_server.api.restore(snapshot_id, path=NOTEBOOK))
     assert job["status"] == "failed" and job["error"]["step"] == "verify", job
-    assert not [p for p in bobs_pod_processes(bobs_pod) if "ipykernel" in " ".join(p)]
+    assert not [p for p in pod_command_lines(bobs_pod) if "ipykernel" in " ".join(p)]
 
 
-def bobs_pod_processes(pod: Pod) -> list[list[str]]:
+def _pid_in_pod(pid: int) -> int:
+    """The pid process ``pid`` (of the node) has in its pod's pid namespace."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("NSpid:"):
+                return int(line.split()[2])  # the node's, the pod's, then the kernel's own
+    raise AssertionError(f"no NSpid for process {pid}")
+
+
+def pod_command_lines(pod: Pod) -> list[list[str]]:
     """The command lines of the processes running in ``pod``."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
