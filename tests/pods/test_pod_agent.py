@@ -225,6 +225,14 @@ async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
     kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
     await ws.execute(STATE)
     (kernel_pid,) = _kernel_pids(kernel_id)
+    # `check` in her server's container finds her pod's agent, and the limits it keeps.
+    checked = await asyncio.to_thread(
+        subprocess.run, first.argv(sys.executable, "-m", "jupyter_gpu_snapshot.cli", "check",
+                                   workdir=alice.spec.home, user=alice.unix_user.name),
+        capture_output=True, text=True, timeout=120, check=True)
+    quota = alice.spec.agent_args[alice.spec.agent_args.index("--disk-quota") + 1]
+    assert f"{DEFAULT_SOCKET} answers" in checked.stdout, checked.stdout
+    assert f"of {quota[:-1]}.0 GiB" in checked.stdout, checked.stdout
     # Launched by the agent, yet in the pod, running as the user.
     assert first.holds(kernel_pid)
     assert psutil.Process(kernel_pid).uids().real == alice.unix_user.uid
