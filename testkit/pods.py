@@ -7,9 +7,12 @@ A ``Pod`` has its own mount, pid, network, uts, ipc and cgroup namespaces; its o
 in each of this machine's hierarchies; its own root file system, in which this machine's
 directories stand for the node image, read-only (``pod_init``); a veth pair to this
 machine with an address of its own, as a CNI plugin gives; and the volumes it is given,
-read-write at the path asked for. Its processes are started with ``argv``, which enters
-every one of its namespaces and its root, as the runtime starts a container's process.
-Deleting the pod kills its PID 1 and with it every process in it, as a pod's deletion does.
+read-write at the path asked for, and device nodes as a device plugin hands them out.
+``add_container`` gives it further containers (a root and mounts of their own, the pod's
+other namespaces), as a sidecar with ``shareProcessNamespace``. Processes are started in
+it with ``argv``, which enters the pod's cgroup, every one of its namespaces and the
+container's root, as the runtime starts a container's process. Deleting the pod kills its
+PID 1 and with it every process in it, as a pod's deletion does.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 POD_INIT = Path(__file__).with_name("pod_init.py")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Each pod's cgroup, in every hierarchy: a kubelet's pod slice.
 POD_CGROUPS = "jgs-test-pods"
 READY_SECONDS = 60.0
