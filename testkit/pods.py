@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -181,6 +182,7 @@ class Pod:
 
     def enter(self, holder: int, command: Sequence[str], workdir: str,
               user: str | None) -> list[str]:
+        """``command`` in the container whose root process on this machine is ``holder``."""
         as_user = [] if user is None else [
             "setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--"]
         return ["sh", "-c", self._enter_cgroups + 'exec "$@"', "pod-exec",
@@ -188,11 +190,6 @@ class Pod:
                 # nsenter would open a directory named to --wd outside the pod's root.
                 "-r", "-w", "--", *as_user, "sh", "-c", 'cd "$0" && exec "$@"', workdir,
                 *command]
-
-    def run(self, *command: str, timeout: float = 60) -> str:
-        """Runs ``command`` in the pod; its stdout."""
-        return subprocess.run(self.argv(*command), check=True, capture_output=True,
-                              text=True, timeout=timeout).stdout
 
     def holds(self, pid: int) -> bool:
         """Whether process ``pid`` runs in the pod: in its network namespace and its cgroup
@@ -211,7 +208,7 @@ class Pod:
         """Kills the pod: PID 1 first, which takes every process of its pid namespace with
         it; then its network, cgroups and root."""
         with contextlib.suppress(ProcessLookupError, AttributeError):
-            os.kill(self.init_pid, 9)
+            os.kill(self.init_pid, signal.SIGKILL)
         for init in [self._runtime, *(c.holder for c in self.containers)]:
             with contextlib.suppress(ProcessLookupError):
                 init.kill()
