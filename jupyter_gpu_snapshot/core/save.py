@@ -206,7 +206,9 @@ class _Save:
             except BaseException as exc:  # a hook failed, or criu could not run: roll back
                 error = exc
             finally:
-                self.remove_work_dir()
+                # In a thread: unlinking criu's logs waits for the disk the image was just
+                # written to (0.6 s seen on the event loop after a 2 GiB dump).
+                await asyncio.to_thread(self.remove_work_dir)
                 await self.end_following(error is None)
             resume_error = await self.resume(error)
             if error is not None or resume_error is not None:
