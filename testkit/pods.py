@@ -31,6 +31,8 @@ from pathlib import Path
 
 import psutil
 
+from testkit.pod_init import host_cgroup_mounts
+
 REPO = Path(__file__).resolve().parents[1]
 POD_INIT = Path(__file__).with_name("pod_init.py")
 # Each pod's cgroup, in every hierarchy: a kubelet's pod slice.
@@ -49,13 +51,7 @@ def _ip(*args: str) -> None:
 def cgroup_dirs(name: str) -> list[Path]:
     """The pod's cgroup in each of this machine's hierarchies (v1 controllers and the
     unified one)."""
-    hierarchies = []
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            _source, point, kind = line.split()[:3]
-            if kind in ("cgroup", "cgroup2"):
-                hierarchies.append(Path(point))
-    return [h / POD_CGROUPS / name for h in hierarchies]
+    return [Path(point) / POD_CGROUPS / name for point, _kind, _options in host_cgroup_mounts()]
 
 
 def image_paths() -> list[str]:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
 
@@ -42,6 +43,20 @@ def kernel_processes(kernel_id: str) -> list[int]:
     for proc in psutil.process_iter(["cmdline"]):
         if any(kernel_id in arg for arg in proc.info.get("cmdline") or []):
             found.append(proc.pid)
+    return found
+
+
+def kernel_pids(kernel_id: str) -> list[int]:
+    """The kernel's own processes: those of ``kernel_processes`` without the launchers
+    (``unshare``, ``nsenter``) and the namespace init (nsinit), which name the kernel too."""
+    from jupyter_gpu_snapshot.launch.provisioner import NSINIT
+
+    found = []
+    for pid in kernel_processes(kernel_id):
+        with contextlib.suppress(psutil.Error):
+            cmdline = psutil.Process(pid).cmdline()
+            if Path(cmdline[0]).name not in ("unshare", "nsenter") and str(NSINIT) not in cmdline:
+                found.append(pid)
     return found
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -26,13 +27,14 @@ import psutil
 import pytest
 import yaml
 
+from jupyter_gpu_snapshot._constants import format_bytes
 from jupyter_gpu_snapshot.agent_client.protocol import DEFAULT_SOCKET, decode, encode
-from jupyter_gpu_snapshot.launch.provisioner import NSINIT
+from jupyter_gpu_snapshot.cli.main import parse_bytes
 from testkit.pods import REPO, Container, Pod, pods
-from testkit.processes import free_port, kernel_processes
+from testkit.processes import free_port, kernel_pids, kernel_processes
 from testkit.unix_users import UnixUser
 
-from ..server.conftest import ServerProcess
+from ..server.conftest import ServerProcess, base_environment
 
 FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-agent-sidecar.yaml"
 HOME_VOLUME = "volume-{username}{servername}"  # the chart's name of the user's home volume
@@ -147,7 +149,7 @@ class PodUser:
 
     async def server_in(self, pod: Pod) -> ServerProcess:
         """The user's server in the pod's notebook container, as the user."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
+        env = base_environment()
         env.update(HOME=self.spec.home, USER=self.unix_user.name)
         server = ServerProcess(
             self.workdir, env, free_port(), pod.name, host=pod.ip,
@@ -224,15 +226,15 @@ async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
     kernel_ids: list[str] = []
     kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
     await ws.execute(STATE)
-    (kernel_pid,) = _kernel_pids(kernel_id)
+    (kernel_pid,) = kernel_pids(kernel_id)
     # `check` in her server's container finds her pod's agent, and the limits it keeps.
     checked = await asyncio.to_thread(
         subprocess.run, first.argv(sys.executable, "-m", "jupyter_gpu_snapshot.cli", "check",
                                    workdir=alice.spec.home, user=alice.unix_user.name),
         capture_output=True, text=True, timeout=120, check=True)
-    quota = alice.spec.agent_args[alice.spec.agent_args.index("--disk-quota") + 1]
+    quota = parse_bytes(alice.spec.agent_args[alice.spec.agent_args.index("--disk-quota") + 1])
     assert f"{DEFAULT_SOCKET} answers" in checked.stdout, checked.stdout
-    assert f"of {quota[:-1]}.0 GiB" in checked.stdout, checked.stdout
+    assert f"of {format_bytes(quota)}" in checked.stdout, checked.stdout
     # Launched by the agent, yet in the pod, running as the user.
     assert first.holds(kernel_pid)
     assert psutil.Process(kernel_pid).uids().real == alice.unix_user.uid
@@ -255,8 +257,8 @@ async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
     said = await ws.execute("print(trained['epoch'], trained['uid'], socket.gethostname())")
     assert said.split() == ["5", str(alice.unix_user.uid), second.name], said
     assert (await ws.execute("print(random.random())")).strip() == repr(
-        __import__("random").Random(11).random())
-    (kernel_pid,) = _kernel_pids(kernel_id)
+        random.Random(11).random())
+    (kernel_pid,) = kernel_pids(kernel_id)
     assert second.holds(kernel_pid)
     assert psutil.Process(kernel_pid).uids().real == alice.unix_user.uid
 
@@ -300,16 +302,6 @@ def pod_command_lines(pod: Pod) -> list[list[str]]:
     for proc in psutil.process_iter(["cmdline"]):
         if pod.holds(proc.pid):
             found.append(proc.info.get("cmdline") or [])
-    return found
-
-
-def _kernel_pids(kernel_id: str) -> list[int]:
-    """The kernel processes of ``kernel_id``, without its launcher and namespace init."""
-    found = []
-    for pid in kernel_processes(kernel_id):
-        cmdline = psutil.Process(pid).cmdline()
-        if Path(cmdline[0]).name not in ("unshare", "nsenter") and str(NSINIT) not in cmdline:
-            found.append(pid)
     return found
 
 

@@ -12,7 +12,6 @@ through the REST API, one through ``%gpu_snapshot restore`` in a fresh kernel.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Coroutine, Iterator
@@ -20,16 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import yaml
 
-from jupyter_gpu_snapshot.launch.provisioner import NSINIT
 from testkit.gpu_check import no_gpu_reason
 from testkit.pods import REPO, Pod, pods
-from testkit.processes import free_port, kernel_processes
+from testkit.processes import free_port, kernel_pids, kernel_processes
 
-from ..server.conftest import ServerProcess
+from ..server.conftest import ServerProcess, base_environment
 
 FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-root-servers.yaml"
 REST_NOTEBOOK = "project/train.ipynb"
@@ -104,7 +101,7 @@ class PodUser:
         """The user's server in ``pod``, as the fragment starts it (jupyter server in
         place of jupyterhub-singleuser: no hub here)."""
         spec = self.servers_spec
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
+        env = base_environment()
         env.update(spec.env)
         server = ServerProcess(
             self.workdir, env, free_port(), pod.name, host=pod.ip,
@@ -137,7 +134,7 @@ async def _save_delete_restore(alice: PodUser) -> None:
     server = await alice.server_in(first)
     rest_kernel, ws = await server.open_notebook_kernel(alice.kernel_ids, REST_NOTEBOOK)
     await ws.execute(STATE.format(epoch=12))
-    (kernel_pid,) = _kernel_pids(rest_kernel)
+    (kernel_pid,) = kernel_pids(rest_kernel)
     assert first.holds(kernel_pid), "the kernel does not run in the user's pod"
     saved = await server.api.succeeded(await server.api.save(rest_kernel, name="by-rest"))
     rest_snapshot = saved["snapshot_id"]
@@ -200,18 +197,8 @@ async def _check_state(
     generator = random.Random(7)
     assert (await ws.execute("print(random.random())")).strip() == repr(generator.random())
     # A restored tree keeps the command line of the kernel it was saved from.
-    (kernel_pid,) = _kernel_pids(saved_kernel)
+    (kernel_pid,) = kernel_pids(saved_kernel)
     assert pod.holds(kernel_pid), "the restored kernel does not run in the new pod"
-
-
-def _kernel_pids(kernel_id: str) -> list[int]:
-    """The kernel processes of ``kernel_id``, without its launcher and namespace init."""
-    found = []
-    for pid in kernel_processes(kernel_id):
-        cmdline = psutil.Process(pid).cmdline()
-        if Path(cmdline[0]).name != "unshare" and str(NSINIT) not in cmdline:
-            found.append(pid)
-    return found
 
 
 GPU_STATE = """
@@ -268,7 +255,7 @@ async def _gpu_kernel_through_pods(alice: PodUser, figures: dict[str, Any]) -> N
     ws = await server.kernel(restored)
     said = await ws.execute(GPU_CHECK, timeout=120)
     assert said.split() == ["True", "cuda:0", second.name], said
-    (kernel_pid,) = _kernel_pids(kernel_id)
+    (kernel_pid,) = kernel_pids(kernel_id)
     assert second.holds(kernel_pid)
     # A kernel started in the new pod after the restore has a working GPU too.
     _other, other_ws = await server.open_notebook_kernel(alice.kernel_ids, MAGIC_NOTEBOOK)

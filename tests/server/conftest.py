@@ -353,6 +353,12 @@ class ServerProcess(JupyterServerProcess):
         super().kill()
 
 
+def base_environment() -> dict[str, str]:
+    """This process's environment without its Jupyter settings: a server started with it
+    reads only the configuration its test gives it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))}
+
+
 def server_environment(
     tmp_path: Path, kernel_dir: Path, store: Path, criu: str, **settings: Any
 ) -> dict[str, str]:
@@ -380,9 +386,7 @@ def server_environment(
         },
     }
     (config_dir / "jupyter_server_config.json").write_text(json.dumps(config))
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER_", "JPY_"))
-    }
+    env = base_environment()
     env.update(
         HOME=str(tmp_path),
         JUPYTER_CONFIG_DIR=str(config_dir),
