@@ -40,6 +40,14 @@ POD_CGROUPS = "jgs-test-pods"
 READY_SECONDS = 60.0
 
 
+def gpu_devices(gpus: int) -> tuple[str, ...]:
+    """What the NVIDIA device plugin gives a container with ``gpus`` GPUs: their nodes, the
+    control and UVM nodes (and the capability folder where there is one)."""
+    wanted = [f"/dev/nvidia{i}" for i in range(gpus)] + [
+        "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps"]
+    return tuple(d for d in wanted if Path(d).exists())
+
+
 class PodError(RuntimeError):
     """The pod could not be made."""
 

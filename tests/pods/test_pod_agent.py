@@ -30,11 +30,13 @@ import yaml
 from jupyter_gpu_snapshot._constants import format_bytes
 from jupyter_gpu_snapshot.agent_client.protocol import DEFAULT_SOCKET, decode, encode
 from jupyter_gpu_snapshot.cli.main import parse_bytes
-from testkit.pods import REPO, Container, Pod, pods
+from testkit.gpu_check import no_gpu_reason
+from testkit.pods import REPO, Container, Pod, gpu_devices, pods
 from testkit.processes import free_port, kernel_pids, kernel_processes
 from testkit.unix_users import UnixUser
 
 from ..server.conftest import ServerProcess, base_environment
+from .test_pod_restore import GPU_CHECK, GPU_STATE
 
 FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-agent-sidecar.yaml"
 HOME_VOLUME = "volume-{username}{servername}"  # the chart's name of the user's home volume
@@ -56,6 +58,7 @@ class SidecarPods:
     notebook_mounts: dict[str, str]  # volume name -> mount path
     agent_mounts: dict[str, str]
     agent_args: tuple[str, ...]
+    gpus: int  # the agent's container's: the kernels run there
 
     @classmethod
     def read(cls, path: Path) -> SidecarPods:
@@ -77,6 +80,7 @@ class SidecarPods:
             notebook_mounts={m["name"]: m["mountPath"] for m in storage["extraVolumeMounts"]},
             agent_mounts={m["name"]: m["mountPath"] for m in agent["volumeMounts"]},
             agent_args=tuple(agent["args"]),
+            gpus=int(agent.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)),
         )
 
     @property
@@ -116,9 +120,10 @@ class PodUser:
             os.chown(path, self.unix_user.uid, self.unix_user.gid)
         self.state.mkdir(mode=0o755)  # a hostPath the kubelet creates: root's
 
-    def new_pod(self) -> tuple[Pod, Container]:
+    def new_pod(self, devices: tuple[str, ...] = ()) -> tuple[Pod, Container]:
         """A pod for the user, as the fragment makes it, its agent listening: the notebook
-        container is the pod's first, the agent a sidecar. Blocking: called in a thread."""
+        container is the pod's first, the agent a sidecar, given ``devices`` (the GPUs the
+        device plugin allocates it). Blocking: called in a thread."""
         spec = self.spec
         emptied = self.workdir / f"{self.name}-pod-{len(self.made)}"  # the pod's emptyDirs
         hosts = {HOME_VOLUME: self.home}
@@ -129,13 +134,14 @@ class PodUser:
                   {hosts[HOME_VOLUME]: spec.home}
                   | {hosts[n]: p for n, p in spec.notebook_mounts.items()})
         self.made.append(pod)
-        agent = pod.add_container("agent", {hosts[n]: p for n, p in spec.agent_mounts.items()})
+        agent = pod.add_container(
+            "agent", {hosts[n]: p for n, p in spec.agent_mounts.items()}, devices)
         with open(self.workdir / f"{pod.name}-agent.log", "wb") as log:
             # `jupyter gpu-snapshot` is this module, run by the image's interpreter.
             process = subprocess.Popen(
                 agent.argv(sys.executable, "-m", "jupyter_gpu_snapshot.cli", "agent",
                            *spec.agent_args),
-                stdout=log, stderr=subprocess.STDOUT, env={"PATH": os.environ["PATH"]})
+                stdout=log, stderr=subprocess.STDOUT, env=_image_environment())
         self.agents.append(process)
         # The server finds the agent at its default socket, in the mounted emptyDir.
         socket_volume = next(n for n, p in spec.notebook_mounts.items()
@@ -285,6 +291,54 @@ async def _through_the_sidecar(alice: PodUser, bob: PodUser) -> None:
     job = await bobs_server.api.wait(await bobs_server.api.restore(snapshot_id, path=NOTEBOOK))
     assert job["status"] == "failed" and job["error"]["step"] == "verify", job
     assert not [p for p in pod_command_lines(bobs_pod) if "ipykernel" in " ".join(p)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(no_gpu_reason() is not None, reason=f"GPU test: {no_gpu_reason()}")
+def test_a_gpu_kernel_goes_through_the_sidecar_into_the_users_next_pod(
+    hub_users: tuple[PodUser, PodUser], figures: dict[str, Any],
+) -> None:
+    """PyTorch, CuPy and JAX on the GPU of the agent's container (where the kernels run),
+    saved through the user's server, the pod deleted, restored into the next pod; then a
+    kernel the agent launches in that pod after the restore has a working GPU too."""
+    run(hub_users, _gpu_through_the_sidecar(hub_users[0], figures))
+
+
+async def _gpu_through_the_sidecar(alice: PodUser, figures: dict[str, Any]) -> None:
+    devices = gpu_devices(alice.spec.gpus)
+    first, _agent = await asyncio.to_thread(alice.new_pod, devices)
+    server = await alice.server_in(first)
+    kernel_ids: list[str] = []
+    kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
+    await ws.execute(GPU_STATE, timeout=300)
+    started = time.monotonic()
+    job = await server.api.succeeded(await server.api.save(kernel_id, stop=True))
+    figures["save_seconds"] = round(time.monotonic() - started, 2)
+    assert job["result"]["gpu"]["moved_bytes"] > 0, job["result"]["gpu"]
+    figures["gpu_bytes"] = job["result"]["gpu"]["moved_bytes"]
+    first.delete()
+
+    second, _agent = await asyncio.to_thread(alice.new_pod, devices)
+    server = await alice.server_in(second)
+    started = time.monotonic()
+    restored = await server.restore_into_notebook(job["snapshot_id"], kernel_ids, NOTEBOOK)
+    figures["restore_seconds"] = round(time.monotonic() - started, 2)
+    ws = await server.kernel(restored)
+    said = await ws.execute(GPU_CHECK, timeout=120)
+    assert said.split() == ["True", "cuda:0", second.name], said
+    (kernel_pid,) = kernel_pids(kernel_id)
+    assert second.holds(kernel_pid)
+    assert psutil.Process(kernel_pid).uids().real == alice.unix_user.uid
+    _other, other_ws = await server.open_notebook_kernel(kernel_ids, "project/other.ipynb")
+    said = await other_ws.execute(
+        "import torch; print(float(torch.ones(4, device='cuda').sum()))", timeout=300)
+    assert said.strip() == "4.0", said
+
+
+def _image_environment() -> dict[str, str]:
+    """What the image's entrypoint gives its processes: a PATH, and where its Python
+    packages are when they are not in the interpreter's own site (a carried install)."""
+    return {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH")}
 
 
 def _pid_in_pod(pid: int) -> int:

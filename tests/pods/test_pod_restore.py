@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from testkit.gpu_check import no_gpu_reason
-from testkit.pods import REPO, Pod, pods
+from testkit.pods import REPO, Pod, gpu_devices, pods
 from testkit.processes import free_port, kernel_pids, kernel_processes
 
 from ..server.conftest import ServerProcess, base_environment
@@ -216,14 +216,6 @@ GPU_CHECK = (
 )
 
 
-def _gpu_devices(gpus: int) -> tuple[str, ...]:
-    """What the NVIDIA device plugin gives a pod with ``gpus`` GPUs: their nodes, the
-    control and UVM nodes (and the capability folder where there is one)."""
-    wanted = [f"/dev/nvidia{i}" for i in range(gpus)] + [
-        "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps"]
-    return tuple(d for d in wanted if Path(d).exists())
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(no_gpu_reason() is not None, reason=f"GPU test: {no_gpu_reason()}")
 def test_a_gpu_kernel_saved_in_a_deleted_pod_comes_back_in_the_users_next_pod(
@@ -235,7 +227,7 @@ def test_a_gpu_kernel_saved_in_a_deleted_pod_comes_back_in_the_users_next_pod(
 
 
 async def _gpu_kernel_through_pods(alice: PodUser, figures: dict[str, Any]) -> None:
-    first = alice.new_pod(_gpu_devices(alice.servers_spec.gpus))
+    first = alice.new_pod(gpu_devices(alice.servers_spec.gpus))
     server = await alice.server_in(first)
     kernel_id, ws = await server.open_notebook_kernel(alice.kernel_ids, REST_NOTEBOOK)
     await ws.execute(GPU_STATE, timeout=300)
@@ -246,7 +238,7 @@ async def _gpu_kernel_through_pods(alice: PodUser, figures: dict[str, Any]) -> N
     figures["gpu_bytes"] = job["result"]["gpu"]["moved_bytes"]
     first.delete()
 
-    second = alice.new_pod(_gpu_devices(alice.servers_spec.gpus))
+    second = alice.new_pod(gpu_devices(alice.servers_spec.gpus))
     server = await alice.server_in(second)
     started = time.monotonic()
     restored = await server.restore_into_notebook(job["snapshot_id"], alice.kernel_ids,
