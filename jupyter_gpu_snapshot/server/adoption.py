@@ -207,11 +207,12 @@ async def adopt_orphans(
         server = (record or {}).get("server") or {}
         if server.get("pid") == os.getpid():
             continue
-        if procfs.same_process(int(server.get("pid") or 0), server.get("started")):
+        if await asyncio.to_thread(
+                procfs.same_process, int(server.get("pid") or 0), server.get("started")):
             continue  # another live server's kernels
         for kernel_id, kernel in ((record or {}).get("kernels") or {}).items():
             await _adopt_one(kernel_manager, session_manager, kernel_id, kernel, report, log)
-        path.unlink(missing_ok=True)
+        await asyncio.to_thread(path.unlink, missing_ok=True)
     return report
 
 
@@ -231,7 +232,8 @@ async def _adopt_one(
     )
     if not alive:
         report.dead.append(kernel_id)
-        _remove_connection_file(kernel.get("connection_file"), kernel_id)
+        await asyncio.to_thread(_remove_connection_file, kernel.get("connection_file"),
+                                kernel_id)
         return
     launch = {ADOPT_KWARG: Adoption(root, kernel["connection_info"], None)}
     try:
