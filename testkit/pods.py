@@ -174,8 +174,11 @@ class Pod:
         _ip("addr", "add", f"{self.host_ip}/30", "dev", self.host_end)
         _ip("link", "set", self.host_end, "up")
         inside = ["nsenter", "-t", str(self.init_pid), "-n", "ip"]
+        # The default route leads to this machine, where the tests' cluster services
+        # listen (``service_address``).
         for args in (["addr", "add", f"{self.ip}/30", "dev", "eth0"],
-                     ["link", "set", "eth0", "up"]):
+                     ["link", "set", "eth0", "up"],
+                     ["route", "add", "default", "via", self.host_ip]):
             subprocess.run([*inside, *args], check=True, capture_output=True, timeout=30)
 
     def argv(self, *command: str, workdir: str = "/", user: str | None = None) -> list[str]:
@@ -244,6 +247,18 @@ class Container:
     def argv(self, *command: str, workdir: str = "/", user: str | None = None) -> list[str]:
         """``command`` as a process of this container (see ``Pod.argv``)."""
         return self.pod.enter(self.pid, command, workdir, user)
+
+
+@contextlib.contextmanager
+def service_address() -> Iterator[str]:
+    """An address of this machine's that every pod reaches through its default route, as
+    pods reach a cluster's Service: on the loopback interface, removed on leaving."""
+    address = f"10.96.{random.randrange(0, 250)}.{random.randrange(2, 250)}/32"
+    _ip("addr", "add", address, "dev", "lo")
+    try:
+        yield address.split("/")[0]
+    finally:
+        _ip("addr", "del", address, "dev", "lo")
 
 
 @contextlib.contextmanager
