@@ -128,6 +128,7 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     assert failed["error"]["details"]["fallback"] == ["portable", "replay", "both"]
 
     # By the portable copy: every array bitwise equal; what no copy carries is named.
+    fresh_kernels: list[str] = []
     job = await api.succeeded(await api.restore(snapshot_id, fallback="portable"))
     report = job["result"]["fallback"]
     assert {"weights", "table", "scaled", "np", "hashlib"} <= _names(report["loaded"])
@@ -135,6 +136,7 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     assert set(not_back) == {"log", "numbers"}, report
     assert all(not_back.values())
     assert report["replayed"] == []
+    fresh_kernels.append(job["result"]["kernel_id"])
     portable = await kernel_socket(job["result"]["kernel_id"])
     assert "Not back: log: not carried: an open file" in await _told_what_came_back(
         portable, "portable")
@@ -145,6 +147,7 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     report = job["result"]["fallback"]
     assert [entry["status"] for entry in report["replayed"]] == ["ok"] * len(report["replayed"])
     assert len(report["replayed"]) >= len(STATE)
+    fresh_kernels.append(job["result"]["kernel_id"])
     replayed = await kernel_socket(job["result"]["kernel_id"])
     assert "Re-ran" in await _told_what_came_back(replayed, "replay")
     assert (await replayed.execute(DIGEST)).strip() == _expected()
@@ -156,6 +159,7 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     assert report["not_loaded"] == [], report
     rerun = [entry["count"] for entry in report["replayed"]]
     assert len(rerun) == 2, report  # the open file's cell and the generator's
+    fresh_kernels.append(job["result"]["kernel_id"])
     both = await kernel_socket(job["result"]["kernel_id"])
     await _told_what_came_back(both, "both")
     assert (await both.execute(DIGEST)).strip() == _expected()
@@ -165,6 +169,11 @@ async def test_a_refused_image_comes_back_by_its_portable_copy_and_its_cells(
     assert snapshot_id in [s["id"] for s in await api.snapshots()]
     if refusal.id == "criu-fails":
         await asyncio.to_thread(refuse_marker.unlink)
+        # The image listens on its kernel's ports again. The fresh kernels took random
+        # ones, which may include one of those (freed when that kernel ended): they go
+        # first, as the refusal of a taken port would ask.
+        for fresh in fresh_kernels:
+            await api.ok("DELETE", "api", "kernels", fresh, expect=204)
         job = await api.succeeded(await api.restore(snapshot_id))
         image = await kernel_socket(job["result"]["kernel_id"])
         assert (await image.execute(DIGEST)).strip() == _expected()
