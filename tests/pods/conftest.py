@@ -79,6 +79,11 @@ class SidecarPods:
             gpus=int(agent.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)),
         )
 
+    def notebook_volume_at(self, mount_path: Path) -> str:
+        """The name of the volume the notebook container mounts at ``mount_path``."""
+        return next(name for name, path in self.notebook_mounts.items()
+                    if Path(path) == mount_path)
+
     @property
     def state_dir(self) -> str:
         return self.agent_args[self.agent_args.index("--state-dir") + 1]
@@ -155,8 +160,7 @@ class PodUser:
                 stdout=log, stderr=subprocess.STDOUT, env=image_environment())
         self.agents.append(process)
         # The server finds the agent at its default socket, in the mounted emptyDir.
-        socket_volume = next(n for n, p in spec.notebook_mounts.items()
-                             if Path(p) == DEFAULT_SOCKET.parent)
+        socket_volume = spec.notebook_volume_at(DEFAULT_SOCKET.parent)
         deadline = time.monotonic() + AGENT_START_SECONDS
         while not (hosts[socket_volume] / DEFAULT_SOCKET.name).is_socket():
             assert process.poll() is None and time.monotonic() < deadline, (

@@ -16,7 +16,6 @@ import random
 import shutil
 import subprocess
 import sys
-import time
 from typing import Any
 
 import psutil
@@ -30,7 +29,7 @@ from testkit.pods import gpu_devices
 from testkit.processes import kernel_pids, kernel_processes
 
 from .conftest import NOTEBOOK, STATE, PodUser, pid_in_pod, pod_command_lines, run
-from .test_pod_restore import GPU_CHECK, GPU_STATE
+from .test_pod_restore import restored_on_the_gpu, saved_on_the_gpu
 
 
 def test_a_users_kernel_goes_through_their_pods_agent_into_their_next_pod(
@@ -123,28 +122,14 @@ async def _gpu_through_the_sidecar(alice: PodUser, figures: dict[str, Any]) -> N
     server = await alice.server_in(first)
     kernel_ids: list[str] = []
     kernel_id, ws = await server.open_notebook_kernel(kernel_ids, NOTEBOOK)
-    await ws.execute(GPU_STATE, timeout=300)
-    started = time.monotonic()
-    job = await server.api.succeeded(await server.api.save(kernel_id, stop=True))
-    figures["save_seconds"] = round(time.monotonic() - started, 2)
-    assert job["result"]["gpu"]["moved_bytes"] > 0, job["result"]["gpu"]
-    figures["gpu_bytes"] = job["result"]["gpu"]["moved_bytes"]
+    snapshot_id = await saved_on_the_gpu(server, kernel_id, ws, figures)
     first.delete()
 
     second, _agent = await asyncio.to_thread(alice.new_pod, devices)
     server = await alice.server_in(second)
-    started = time.monotonic()
-    restored = await server.restore_into_notebook(job["snapshot_id"], kernel_ids, NOTEBOOK)
-    figures["restore_seconds"] = round(time.monotonic() - started, 2)
-    ws = await server.kernel(restored)
-    said = await ws.execute(GPU_CHECK, timeout=120)
-    assert said.split() == ["True", "cuda:0", second.name], said
-    (kernel_pid,) = kernel_pids(kernel_id)
-    assert second.holds(kernel_pid)
+    kernel_pid = await restored_on_the_gpu(
+        server, snapshot_id, kernel_id, kernel_ids, (NOTEBOOK, "project/other.ipynb"), second,
+        figures)
     assert psutil.Process(kernel_pid).uids().real == alice.unix_user.uid
-    _other, other_ws = await server.open_notebook_kernel(kernel_ids, "project/other.ipynb")
-    said = await other_ws.execute(
-        "import torch; print(float(torch.ones(4, device='cuda').sum()))", timeout=300)
-    assert said.strip() == "4.0", said
 
 

@@ -130,7 +130,7 @@ def _scene(alice: PodUser, bob: PodUser) -> Scene:
     assert alices_pod.holds(kernel.node_pid)
     saved = json.loads(alice.cli(alices_pod, "save", "--pid", str(kernel.pod_pid), "--name",
                                  "alices", "--json").stdout)
-    bobs_pod, bobs_agent = bob.new_pod()
+    bobs_pod, _agent = bob.new_pod()
     # A process of Bob's in his notebook container; it says its pid in the pod.
     own = subprocess.Popen(
         bobs_pod.argv("sh", "-c", "echo $$; exec sleep 600", user=bob.unix_user.name),
@@ -140,10 +140,9 @@ def _scene(alice: PodUser, bob: PodUser) -> Scene:
     bobs_own_pid = int(own.stdout.readline())
     # The agent's process in the pod (its launcher, here, names it too).
     (bobs_agent_pid,) = [
-        pid_in_pod(p.pid) for p in psutil.process_iter(["cmdline"])
-        if bobs_pod.holds(p.pid) and pid_in_pod(p.pid) is not None
+        in_pod for p in psutil.process_iter(["cmdline"])
+        if bobs_pod.holds(p.pid) and (in_pod := pid_in_pod(p.pid)) is not None
         and {"jupyter_gpu_snapshot.cli", "agent"} <= set(p.info["cmdline"] or [])]
-    assert bobs_agent_pid is not None, bobs_agent.name
     return Scene(alice, bob, alices_pod, bobs_pod, kernel, saved["id"], bobs_own_pid,
                  bobs_agent_pid)
 
@@ -192,7 +191,8 @@ def test_an_image_claiming_root_is_refused_by_her_pods_agent_though_signed(
         pod, _agent = alice.new_pod()
         alice.cli(pod, "check")  # the agent makes her realm on first contact
         uid = str(alice.unix_user.uid)
-        run_dir = alice.volumes_of[pod.name][_volume_at(alice, str(DEFAULT_SOCKET.parent))]
+        run_dir = alice.volumes_of[pod.name][alice.spec.notebook_volume_at(
+            DEFAULT_SOCKET.parent)]
         forged = _forge_a_root_image(
             run_dir, alice.store, alice.state / "users" / uid / "signing.key",
             DEFAULT_SOCKET.parent / "users" / uid / "logs")
@@ -231,10 +231,6 @@ def _forge_a_root_image(run_dir: Path, store: Path, key: Path, logs: Path) -> di
     assert done.returncode == 0, done.stderr[-3000:]
     forged: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return forged
-
-
-def _volume_at(user: PodUser, mount_path: str) -> str:
-    return next(name for name, path in user.spec.notebook_mounts.items() if path == mount_path)
 
 
 def test_the_quota_counts_per_pod_owner_though_they_share_a_uid(

@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from testkit.pods import REPO, Pod, pods, service_address
-from testkit.processes import free_port, kernel_pids
+from testkit.pods import REPO, pods, service_address
 from testkit.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedServer, serving
 
-from ..server.conftest import ServerProcess, base_environment
-from .test_pod_restore import FRAGMENT, REST_NOTEBOOK, STATE, UserServers
+from ..server.conftest import ServerProcess
+from .test_pod_restore import FRAGMENT, REST_NOTEBOOK, STATE, PodUser, UserServers, check_state
 
 REMOTE_FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-remote-store.yaml"
 USERNAME = "alice"
@@ -60,14 +58,6 @@ class RemoteValues:
         )
 
 
-@dataclass
-class Node:
-    """One node's view of Alice's pods: its own home volume for her (node-local)."""
-
-    name: str
-    home: Path
-
-
 @pytest.fixture
 def bucket(tmp_path: Path) -> Iterator[SeaweedServer]:
     values = RemoteValues.read(REMOTE_FRAGMENT, USERNAME)
@@ -84,63 +74,48 @@ def test_a_kernel_saved_in_a_pod_on_one_node_comes_back_in_a_pod_on_another(
 
 
 async def _across_nodes(tmp_path: Path, bucket: SeaweedServer) -> None:
-    spec = UserServers.read(FRAGMENT)
     values = RemoteValues.read(REMOTE_FRAGMENT, USERNAME)
     secret = _make_secret(tmp_path / values.secret_name, values.secret_mode)
-    env = base_environment() | spec.env | values.env
+    spec = UserServers.read(FRAGMENT)
     # The operator's one edit: the endpoint is this cluster's S3 service.
-    env["AWS_ENDPOINT_URL"] = bucket.endpoint_url
-    servers: list[ServerProcess] = []
-    kernel_ids: list[str] = []
+    spec = replace(spec, env=spec.env | values.env | {"AWS_ENDPOINT_URL": bucket.endpoint_url})
+    with pods(tmp_path / "pods") as made:
+        # Alice's home volume on each node: hers stays with node A.
+        node_a, node_b = (
+            PodUser(spec, tmp_path / "pods", tmp_path / f"{node}-alice-home", made,
+                    volumes={secret: values.secret_mount})
+            for node in ("node-a", "node-b"))
+        for alice in (node_a, node_b):
+            (alice.volume / "project").mkdir(parents=True)
+        saved_kernel, saved_in = await node_a.guarded(_saved_and_uploaded(node_a))
+        await node_b.guarded(_restored_from_the_bucket(node_b, saved_kernel, saved_in))
 
-    async def server_in(pod: Pod) -> ServerProcess:
-        server = ServerProcess(
-            tmp_path, env, free_port(), pod.name, host=pod.ip,
-            launcher=tuple(pod.argv(workdir=spec.workdir)),
-            options=(*spec.options,
-                     "--ServerApp.jpserver_extensions=jupyter_gpu_snapshot=True",
-                     "--GPUSnapshot.snapshot_on_shutdown=False"),
-        )
-        servers.append(server)
-        await server.ready()
-        return server
 
-    node_a, node_b = (Node(n, tmp_path / f"{n}-alice-home") for n in ("node-a", "node-b"))
-    for node in (node_a, node_b):
-        (node.home / "project").mkdir(parents=True)
-    try:
-        with pods(tmp_path / "pods") as made:
-            first = Pod("jupyter-alice", tmp_path / "pods",
-                        {node_a.home: spec.home, secret: values.secret_mount})
-            made.append(first)
-            server = await server_in(first)
-            kernel_id, ws = await server.open_notebook_kernel(kernel_ids, REST_NOTEBOOK)
-            await ws.execute(STATE.format(epoch=21))
-            saved = await server.api.succeeded(await server.api.save(kernel_id, name="moved"))
-            snapshot_id = saved["snapshot_id"]
-            await _uploaded(server, snapshot_id)
-            first.delete()
+async def _saved_and_uploaded(alice: PodUser) -> tuple[str, str]:
+    """A kernel saved in a pod of node A, uploaded, the pod then deleted: the kernel's id
+    and the pod's name."""
+    pod = alice.new_pod()
+    server = await alice.server_in(pod)
+    kernel_id, ws = await server.open_notebook_kernel(alice.kernel_ids, REST_NOTEBOOK)
+    await ws.execute(STATE.format(epoch=21))
+    saved = await server.api.succeeded(await server.api.save(kernel_id, name="moved"))
+    await _uploaded(server, saved["snapshot_id"])
+    pod.delete()
+    return kernel_id, pod.name
 
-            second = Pod("jupyter-alice", tmp_path / "pods",
-                         {node_b.home: spec.home, secret: values.secret_mount})
-            made.append(second)
-            server = await server_in(second)
-            # Only the bucket holds it: node B's home has no store of hers.
-            listed = {s["id"]: s for s in await server.api.snapshots()}
-            assert listed[snapshot_id]["location"] == "remote", listed
-            restored = await server.restore_into_notebook(snapshot_id, kernel_ids,
-                                                          REST_NOTEBOOK)
-            ws = await server.kernel(restored)
-            said = await ws.execute("print(trained['epoch'], trained['pod'], "
-                                    "socket.gethostname())")
-            assert said.split() == ["21", first.name, second.name], said
-            assert (await ws.execute("print(random.random())")).strip() == repr(
-                random.Random(7).random())
-            (kernel_pid,) = kernel_pids(kernel_id)
-            assert second.holds(kernel_pid)
-    finally:
-        for running in servers:
-            running.kill()
+
+async def _restored_from_the_bucket(alice: PodUser, saved_kernel: str, saved_in: str
+                                    ) -> None:
+    pod = alice.new_pod()
+    server = await alice.server_in(pod)
+    # Only the bucket holds it: node B's home has no store of hers.
+    (listed,) = await server.api.snapshots()
+    assert listed["name"] == "moved" and listed["location"] == "remote", listed
+    restored = await server.restore_into_notebook(listed["id"], alice.kernel_ids,
+                                                  REST_NOTEBOOK)
+    await check_state(server, restored, saved_kernel, pod, epoch=21)
+    ws = await server.kernel(restored)
+    assert (await ws.execute("print(trained['pod'])")).strip() == saved_in
 
 
 async def _uploaded(server: ServerProcess, snapshot_id: str) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import yaml
@@ -26,11 +26,12 @@ from testkit.gpu_check import no_gpu_reason
 from testkit.pods import REPO, Pod, gpu_devices, pods
 from testkit.processes import free_port, kernel_pids, kernel_processes
 
-from ..server.conftest import ServerProcess, base_environment
+from ..server.conftest import KernelSocket, ServerProcess, base_environment
 
 FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-root-servers.yaml"
 REST_NOTEBOOK = "project/train.ipynb"
 MAGIC_NOTEBOOK = "project/explore.ipynb"
+T = TypeVar("T")
 STATE = (
     "import random, socket; random.seed(7); "
     "trained = {{'epoch': {epoch}, 'pod': socket.gethostname()}}"
@@ -70,7 +71,8 @@ class UserServers:
 @dataclass
 class PodUser:
     """Alice: her home volume, and the pods and servers a test makes for her, all ended
-    when it ends."""
+    when it ends. ``volumes`` are her pods' further volumes (this machine's directory ->
+    where the pod sees it)."""
 
     servers_spec: UserServers
     workdir: Path
@@ -78,24 +80,25 @@ class PodUser:
     made: list[Pod]
     servers: list[ServerProcess] = field(default_factory=list)
     kernel_ids: list[str] = field(default_factory=list)
+    volumes: dict[Path, str] = field(default_factory=dict)
 
     def new_pod(self, devices: tuple[str, ...] = ()) -> Pod:
-        pod = Pod("jupyter-alice", self.workdir, {self.volume: self.servers_spec.home},
-                  devices)
+        pod = Pod("jupyter-alice", self.workdir,
+                  {self.volume: self.servers_spec.home} | self.volumes, devices)
         self.made.append(pod)
         return pod
 
     def run(self, scenario: Coroutine[Any, Any, None]) -> None:
-        """Runs ``scenario``, then kills the servers it started (their websockets close on
-        its event loop)."""
-        async def guarded() -> None:
-            try:
-                await scenario
-            finally:
-                for server in self.servers:
-                    server.kill()
+        asyncio.run(self.guarded(scenario))
 
-        asyncio.run(guarded())
+    async def guarded(self, scenario: Awaitable[T]) -> T:
+        """Awaits ``scenario``, then kills the servers it started (their websockets close
+        on its event loop)."""
+        try:
+            return await scenario
+        finally:
+            for server in self.servers:
+                server.kill()
 
     async def server_in(self, pod: Pod) -> ServerProcess:
         """The user's server in ``pod``, as the fragment starts it (jupyter server in
@@ -157,7 +160,7 @@ async def _save_delete_restore(alice: PodUser) -> None:
     # Through the REST API, into the notebook, as JupyterLab's dialog does.
     restored = await server.restore_into_notebook(rest_snapshot, alice.kernel_ids,
                                                   REST_NOTEBOOK)
-    await _check_state(server, restored, rest_kernel, second, epoch=12)
+    await check_state(server, restored, rest_kernel, second, epoch=12)
 
     # Through the magic, from a fresh kernel of the other notebook. The server shuts the
     # cell's kernel down once the notebook has switched: the cell never answers.
@@ -168,7 +171,7 @@ async def _save_delete_restore(alice: PodUser) -> None:
     finally:
         cell.cancel()
     alice.kernel_ids.append(switched)
-    await _check_state(server, switched, magic_kernel, second, epoch=30)
+    await check_state(server, switched, magic_kernel, second, epoch=30)
 
 
 async def _session_of(server: ServerProcess, path: str, not_kernel: str) -> str:
@@ -182,7 +185,7 @@ async def _session_of(server: ServerProcess, path: str, not_kernel: str) -> str:
     raise AssertionError(f"the notebook {path} never switched to the restored kernel")
 
 
-async def _check_state(
+async def check_state(
     server: ServerProcess, kernel_id: str, saved_kernel: str, pod: Pod, *, epoch: int
 ) -> None:
     """The kernel ``kernel_id``, restored from a snapshot of ``saved_kernel``, has the
@@ -230,27 +233,49 @@ async def _gpu_kernel_through_pods(alice: PodUser, figures: dict[str, Any]) -> N
     first = alice.new_pod(gpu_devices(alice.servers_spec.gpus))
     server = await alice.server_in(first)
     kernel_id, ws = await server.open_notebook_kernel(alice.kernel_ids, REST_NOTEBOOK)
+    snapshot_id = await saved_on_the_gpu(server, kernel_id, ws, figures)
+    first.delete()
+
+    second = alice.new_pod(gpu_devices(alice.servers_spec.gpus))
+    server = await alice.server_in(second)
+    await restored_on_the_gpu(server, snapshot_id, kernel_id, alice.kernel_ids,
+                              (REST_NOTEBOOK, MAGIC_NOTEBOOK), second, figures)
+
+
+async def saved_on_the_gpu(server: ServerProcess, kernel_id: str, ws: KernelSocket,
+                           figures: dict[str, Any]) -> str:
+    """``GPU_STATE`` run in the kernel, which is then saved and stopped through the REST
+    API; the snapshot's id. Its time and the GPU memory moved go into ``figures``."""
     await ws.execute(GPU_STATE, timeout=300)
     started = time.monotonic()
     job = await server.api.succeeded(await server.api.save(kernel_id, stop=True))
     figures["save_seconds"] = round(time.monotonic() - started, 2)
     assert job["result"]["gpu"]["moved_bytes"] > 0, job["result"]["gpu"]
     figures["gpu_bytes"] = job["result"]["gpu"]["moved_bytes"]
-    first.delete()
+    return str(job["snapshot_id"])
 
-    second = alice.new_pod(gpu_devices(alice.servers_spec.gpus))
-    server = await alice.server_in(second)
+
+async def restored_on_the_gpu(
+    server: ServerProcess, snapshot_id: str, saved_kernel: str, kernel_ids: list[str],
+    notebooks: tuple[str, str], pod: Pod, figures: dict[str, Any],
+) -> int:
+    """The snapshot of ``saved_on_the_gpu`` (of kernel ``saved_kernel``) restored into the
+    first notebook: its GPU state equal, running in ``pod``; then a kernel started for the
+    second notebook computes on the GPU too. The restored kernel's pid; its restore time
+    goes into ``figures``."""
+    notebook, other_notebook = notebooks
     started = time.monotonic()
-    restored = await server.restore_into_notebook(job["snapshot_id"], alice.kernel_ids,
-                                                  REST_NOTEBOOK)
+    restored = await server.restore_into_notebook(snapshot_id, kernel_ids, notebook)
     figures["restore_seconds"] = round(time.monotonic() - started, 2)
     ws = await server.kernel(restored)
     said = await ws.execute(GPU_CHECK, timeout=120)
-    assert said.split() == ["True", "cuda:0", second.name], said
-    (kernel_pid,) = kernel_pids(kernel_id)
-    assert second.holds(kernel_pid)
+    assert said.split() == ["True", "cuda:0", pod.name], said
+    # A restored tree keeps the command line of the kernel it was saved from.
+    (kernel_pid,) = kernel_pids(saved_kernel)
+    assert pod.holds(kernel_pid)
     # A kernel started in the new pod after the restore has a working GPU too.
-    _other, other_ws = await server.open_notebook_kernel(alice.kernel_ids, MAGIC_NOTEBOOK)
+    _other, other_ws = await server.open_notebook_kernel(kernel_ids, other_notebook)
     said = await other_ws.execute(
         "import torch; print(float(torch.ones(4, device='cuda').sum()))", timeout=300)
     assert said.strip() == "4.0", said
+    return kernel_pid
