@@ -165,6 +165,9 @@ class CriuRunner:
         # dump under other uids runs in criu's --unprivileged mode.
         self.dump_as: list[str] = []
         self.restore_as: list[str] = []
+        # How the criu binary at a path is run: itself, or (for a node agent that runs criu
+        # inside a user's container) through the agent's own loader.
+        self.program: Callable[[str], list[str]] = lambda path: [path]
         self._version: tuple[int, ...] | None = None
 
     def executable(self) -> str:
@@ -210,8 +213,8 @@ class CriuRunner:
         extras: CriuExtras | None = None,
     ) -> list[str]:
         argv = [
-            *self.dump_as, self.executable(), "dump", "-t", str(pid), "-D", str(images),
-            "-W", str(work),
+            *self.dump_as, *self.program(self.executable()), "dump", "-t", str(pid),
+            "-D", str(images), "-W", str(work),
             "-o", "dump.log", "-v4",
             # Established ZMQ connections are closed; clients reconnect with the same
             # connection file. --tcp-established would need a network lock.
@@ -240,7 +243,8 @@ class CriuRunner:
         extras: CriuExtras | None = None, stream: bool = False,
     ) -> list[str]:
         argv = [
-            *self.restore_as, self.executable(), "restore", "-D", str(images), "-W", str(work),
+            *self.restore_as, *self.program(self.executable()), "restore",
+            "-D", str(images), "-W", str(work),
             "-o", "restore.log", "-v4", "--tcp-close", "--file-locks",
             "--restore-detached", "--pidfile", str(pidfile),
             # The counterpart of --external mnt[] at dump: bind the host's mounts back.

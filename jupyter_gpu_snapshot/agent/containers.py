@@ -1,0 +1,131 @@
+"""The node agent's way into a user's container, for an agent in the node's namespaces.
+
+An agent run as a DaemonSet (``hostPID``) sees every pod's processes, but a kernel it
+launched or restored there would run in the agent's own container: its files, loopback and
+cgroup. CRIU must instead run inside the user's container, so that it dumps the kernel in
+that container's view and restores it there. ``mount --bind`` cannot carry the agent's
+files across mount namespaces, and criu's ``--join-ns`` has no mount namespace, so the
+agent runs its own programs there through a descriptor of its root: ``enter_container``
+joins the container's cgroups and namespaces, and the agent names its files, its dynamic
+loader and its libraries by that descriptor (``ContainerEntry.program``). The container's
+image supplies nothing that runs as root.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import SnapshotError
+from .enter_container import AGENT_ROOT, start_ticks
+
+ENTER = Path(__file__).with_name("enter_container.py")
+_PT_INTERP = 3
+
+
+def in_agent(path: Path | str) -> str:
+    """``path`` of the agent's file system, as a program run in a container names it."""
+    return f"{AGENT_ROOT}{os.fspath(path)}"
+
+
+def elf_interpreter(binary: Path) -> str:
+    """The dynamic loader a 64-bit little-endian ELF ``binary`` asks for (PT_INTERP)."""
+    with open(binary, "rb") as f:
+        header = f.read(64)
+        if header[:6] != b"\x7fELF\x02\x01":
+            raise SnapshotError("agent", f"{binary} is not a 64-bit little-endian ELF program")
+        phoff, = struct.unpack_from("<Q", header, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+        for index in range(phnum):
+            f.seek(phoff + index * phentsize)
+            kind, _flags, offset, _vaddr, _paddr, size = struct.unpack("<IIQQQQ", f.read(40))
+            if kind == _PT_INTERP:
+                f.seek(offset)
+                return f.read(size).rstrip(b"\0").decode()
+    raise SnapshotError("agent", f"{binary} names no dynamic loader (a static program?)")
+
+
+@functools.lru_cache(maxsize=16)
+def library_dirs(binary: Path) -> tuple[str, ...]:
+    """The directories the agent's loader takes ``binary``'s libraries from, in order."""
+    listed = subprocess.run([elf_interpreter(binary), "--list", str(binary)],
+                            capture_output=True, text=True, check=False, timeout=60)
+    if listed.returncode != 0:
+        raise SnapshotError("agent", f"cannot list the libraries of {binary}: "
+                            f"{listed.stderr.strip()[-300:]}")
+    dirs: list[str] = []
+    for line in listed.stdout.splitlines():
+        if "=>" not in line:
+            continue
+        path = line.split("=>", 1)[1].split("(", 1)[0].strip()
+        if path.startswith("/") and os.path.dirname(path) not in dirs:
+            dirs.append(os.path.dirname(path))
+    return tuple(dirs)
+
+
+def cgroup_procs(pid: int, mounts_file: str = "/proc/self/mountinfo") -> list[str]:
+    """The ``cgroup.procs`` file of process ``pid``'s cgroup in each of the agent's
+    mounted hierarchies (cgroup v2, and v1 controllers where the node has them)."""
+    points: dict[frozenset[str], str] = {}
+    with open(mounts_file) as mounts:
+        for line in mounts:
+            fields = line.split()
+            separator = fields.index("-")
+            kind, options = fields[separator + 1], fields[separator + 3]
+            # A hierarchy mounted from below its root names cgroups by another root.
+            if kind not in ("cgroup", "cgroup2") or fields[3] != "/":
+                continue
+            key = frozenset() if kind == "cgroup2" else frozenset(options.split(","))
+            points.setdefault(key, fields[4])
+    found = []
+    with open(f"/proc/{pid}/cgroup") as cgroups:
+        for line in cgroups:
+            _hierarchy, controllers, path = line.rstrip("\n").split(":", 2)
+            wanted = frozenset(c for c in controllers.split(",") if c)
+            point = next((p for key, p in points.items()
+                          if (key == wanted if not wanted else wanted <= key)), None)
+            if point is not None:
+                found.append(os.path.join(point, path.lstrip("/"), "cgroup.procs"))
+    return found
+
+
+@dataclass(frozen=True)
+class ContainerEntry:
+    """How the agent runs its programs in the container of process ``pid`` (a pid of the
+    agent's namespace), which started at ``start`` (clock ticks since boot)."""
+
+    pid: int
+    start: int
+    cgroup_procs: tuple[str, ...]
+
+    @classmethod
+    def of(cls, pid: int) -> ContainerEntry:
+        try:
+            return cls(pid, start_ticks(pid), tuple(cgroup_procs(pid)))
+        except (OSError, ValueError) as exc:
+            raise SnapshotError("agent", f"cannot read process {pid}'s container: {exc}"
+                                ) from None
+
+    def prefix(self) -> list[str]:
+        """What a command runs under to run in the container (``enter_container``)."""
+        spec = {"pid": self.pid, "start": self.start, "cgroup_procs": list(self.cgroup_procs)}
+        return [sys.executable, "-I", "-S", str(ENTER), json.dumps(spec), "--"]
+
+    @staticmethod
+    def program(binary: Path | str) -> list[str]:
+        """The agent's ``binary``, run in the container with the agent's own loader and
+        libraries: the container's image may have neither, or others."""
+        binary = Path(binary)
+        dirs = ":".join(in_agent(d) for d in library_dirs(binary))
+        return [in_agent(elf_interpreter(binary)), "--library-path", dirs,
+                "--argv0", binary.name, in_agent(binary)]
+
+
+__all__ = ["AGENT_ROOT", "ContainerEntry", "cgroup_procs", "elf_interpreter", "in_agent",
+           "library_dirs"]
