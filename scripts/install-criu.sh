@@ -28,17 +28,21 @@ version_ok() {
     [ "$(printf '%s\n%s\n' "$MIN_VERSION" "$v" | sort -V | head -1)" = "$MIN_VERSION" ]
 }
 
-# The stand-in needs only a C compiler; it is rebuilt whenever its source changes.
+# The stand-in needs only a C compiler; it is rebuilt whenever its source or its flags
+# change. Static: a node agent runs it inside a user's container (agent/containers.py),
+# where no loader or C library of the container's may run as root.
+SHIM_CFLAGS="-O2 -Wall -Werror -static"
 install_shim() {
     local want have
-    want=$(sha256sum "$SHIM_SRC" | cut -d' ' -f1)
+    want=$( (echo "$SHIM_CFLAGS"; cat "$SHIM_SRC") | sha256sum | cut -d' ' -f1)
     have=$(cat "$LIBDIR/bin/.cuda-checkpoint.sha256" 2>/dev/null || true)
     if [ -x "$LIBDIR/bin/cuda-checkpoint" ] && [ "$want" = "$have" ]; then
         return 0
     fi
     command -v cc >/dev/null || { apt-get update -qq; apt-get install -y -qq build-essential >/dev/null; }
     mkdir -p "$LIBDIR/bin"
-    cc -O2 -Wall -Werror -o "$LIBDIR/bin/cuda-checkpoint" "$SHIM_SRC"
+    # shellcheck disable=SC2086 # the flags are words
+    cc $SHIM_CFLAGS -o "$LIBDIR/bin/cuda-checkpoint" "$SHIM_SRC"
     echo "$want" > "$LIBDIR/bin/.cuda-checkpoint.sha256"
     log "installed $LIBDIR/bin/cuda-checkpoint"
 }

@@ -51,6 +51,21 @@ _KNOWN_CAUSES: list[tuple[re.Pattern[str], str]] = [
 ]
 
 
+def _same_pid(pid: int) -> int:
+    return pid
+
+
+@dataclass
+class PidView:
+    """How a criu run names our processes and threads, and back: the same pids, except
+    for a criu that a node agent runs inside a user's container, in its pid namespace
+    (``agent/containers``). Set by the agent's hook, read by criu's command line, the
+    restore's pid file and the CUDA plugin's broker."""
+
+    to_criu: Callable[[int], int] = _same_pid
+    from_criu: Callable[[int], int] = _same_pid
+
+
 @dataclass
 class CriuExtras:
     """What hooks add to one criu run: a plugin directory (``--libdir``), variables for its
@@ -66,9 +81,11 @@ class CriuExtras:
     inherited_fds: dict[str, int] = field(default_factory=dict)
     # At dump: files criu writes as external (``file[MNT:INODE]``), not as their paths.
     externals: list[str] = field(default_factory=list)
+    pids: PidView = field(default_factory=PidView)
 
-    def argv(self) -> list[str]:
-        argv = ["--libdir", self.libdir] if self.libdir else []
+    def argv(self, path: Callable[[str], str] = str) -> list[str]:
+        """criu's options for these extras, each of our paths as ``path`` names it."""
+        argv = ["--libdir", path(self.libdir)] if self.libdir else []
         for external in self.externals:
             argv += ["--external", external]
         for key, fd in self.inherited_fds.items():
@@ -165,9 +182,15 @@ class CriuRunner:
         # dump under other uids runs in criu's --unprivileged mode.
         self.dump_as: list[str] = []
         self.restore_as: list[str] = []
-        # How the criu binary at a path is run: itself, or (for a node agent that runs criu
-        # inside a user's container) through the agent's own loader.
+        # For a node agent that runs criu inside a user's container (agent/containers.py):
+        # how the criu binary at a path is run (through the agent's own loader), how criu
+        # names a path of ours (through the agent's root), the variables of criu's
+        # environment that list such paths, and whether criu may run an action script (a
+        # shell script, which the container's own shell would run there).
         self.program: Callable[[str], list[str]] = lambda path: [path]
+        self.path: Callable[[str], str] = str
+        self.path_variables: frozenset[str] = frozenset()
+        self.action_scripts = True
         self._version: tuple[int, ...] | None = None
 
     def executable(self) -> str:
@@ -213,8 +236,9 @@ class CriuRunner:
         extras: CriuExtras | None = None,
     ) -> list[str]:
         argv = [
-            *self.dump_as, *self.program(self.executable()), "dump", "-t", str(pid),
-            "-D", str(images), "-W", str(work),
+            *self.dump_as, *self.program(self.executable()), "dump",
+            "-t", str(extras.pids.to_criu(pid) if extras else pid),
+            "-D", self.path(str(images)), "-W", self.path(str(work)),
             "-o", "dump.log", "-v4",
             # Established ZMQ connections are closed; clients reconnect with the same
             # connection file. --tcp-established would need a network lock.
@@ -232,11 +256,11 @@ class CriuRunner:
             argv.append("--unprivileged")
         if leave_running:
             argv.append("--leave-running")
-        if action_script is not None:
-            argv += ["--action-script", str(action_script)]
+        if action_script is not None and self.action_scripts:
+            argv += ["--action-script", self.path(str(action_script))]
         if self.ghost_limit is not None:
             argv += ["--ghost-limit", str(self.ghost_limit)]
-        return argv + (extras.argv() if extras else [])
+        return argv + (extras.argv(self.path) if extras else [])
 
     def restore_argv(
         self, images: Path, work: Path, pidfile: Path, *, leave_stopped: bool = False,
@@ -244,9 +268,9 @@ class CriuRunner:
     ) -> list[str]:
         argv = [
             *self.restore_as, *self.program(self.executable()), "restore",
-            "-D", str(images), "-W", str(work),
+            "-D", self.path(str(images)), "-W", self.path(str(work)),
             "-o", "restore.log", "-v4", "--tcp-close", "--file-locks",
-            "--restore-detached", "--pidfile", str(pidfile),
+            "--restore-detached", "--pidfile", self.path(str(pidfile)),
             # The counterpart of --external mnt[] at dump: bind the host's mounts back.
             "--ext-mount-map", "auto", "--root", "/",
         ]
@@ -257,7 +281,7 @@ class CriuRunner:
             # The tasks stay stopped: no code of the image runs until the caller continues
             # them, so the images can be checked while criu reads them.
             argv.append("--leave-stopped")
-        return argv + (extras.argv() if extras else [])
+        return argv + (extras.argv(self.path) if extras else [])
 
     async def run(
         self,
@@ -285,7 +309,7 @@ class CriuRunner:
             # its parasite code inside the kernel, where a killed criu can take it down.
             start_new_session=True,
             pass_fds=pass_fds,
-            env={**os.environ, **env} if env else None,
+            env=self._environment(env),
         )
         wait = asyncio.ensure_future(proc.communicate())
         children: dict[int, float] = {}
@@ -305,6 +329,18 @@ class CriuRunner:
             await asyncio.to_thread(_append, log_path, b"\n-- criu stderr --\n" + stderr[-4000:])
         return CriuRun(argv, proc.returncode or 0, time.monotonic() - started, log_path,
                        children)
+
+    def _environment(self, env: dict[str, str] | None) -> dict[str, str] | None:
+        """criu's environment: ours with ``env``, each path of ours in the variables that
+        list paths as criu names it."""
+        if not env and not self.path_variables:
+            return None
+        merged = {**os.environ, **(env or {})}
+        for name in self.path_variables & merged.keys():
+            merged[name] = os.pathsep.join(
+                self.path(entry) if entry.startswith("/") else entry
+                for entry in merged[name].split(os.pathsep))
+        return merged
 
     def check_output(self) -> tuple[bool, str]:
         out = subprocess.run(

@@ -395,8 +395,12 @@ def inspect_kernel(pid: int) -> KernelProcess:
     connection_file = connection_file_of(kernel.pid)
     info = None
     if connection_file is not None:
+        # Named as the kernel sees it: a kernel in a container has its own root.
+        seen = (Path(f"/proc/{kernel.pid}/root", connection_file.relative_to("/"))
+                if connection_file.is_absolute()
+                else Path(f"/proc/{kernel.pid}/cwd", connection_file))
         with contextlib.suppress(OSError, ValueError):
-            info = json.loads(connection_file.read_text())
+            info = json.loads(seen.read_text())
     return KernelProcess(root, kernel.pid, connection_file, info, problems)
 
 

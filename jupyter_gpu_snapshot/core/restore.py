@@ -253,7 +253,7 @@ async def _restore_checked(
                             snapshot.id, left)
         if run.returncode == 0:
             with contextlib.suppress(OSError, ValueError):
-                root_pid = int(pidfile.read_text().strip())
+                root_pid = ctx.criu.pids.from_criu(int(pidfile.read_text().strip()))
         failure: SnapshotError | None = None
         if run.returncode != 0:
             kept = await asyncio.to_thread(keep_log, store, run.log_path, "restore")

@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 from .._constants import ENV_CUDA_BROKER
 from ..core import procfs
+from ..core.criu import PidView
+from ..core.errors import SnapshotError
 from .driver import CUDA_ERROR_ILLEGAL_STATE, CheckpointDriver, DriverCallError, ProcessState
 
 T = TypeVar("T")
@@ -143,6 +145,8 @@ class CheckpointBroker:
     criu and left so by its dump, restored by the engine once criu is done. The plugin is
     told that no process has a restore thread, so that it touches none: it would run one
     of a stopped tree (at the end of a failed dump) and wait on it for ever.
+    ``pids``: how criu names the processes and threads it asks about (the criu run's own
+    ``CriuExtras.pids``, which a criu inside a user's container names differently).
     """
 
     driver: CheckpointDriver
@@ -152,6 +156,7 @@ class CheckpointBroker:
     on_gate_failed: Callable[[int, BaseException], None] | None = None
     gpu_pairs: Callable[[int], Sequence[tuple[str, str]]] = lambda _pid: ()
     hands_off: bool = False
+    pids: PidView = field(default_factory=PidView)
     calls: list[BrokerCall] = field(default_factory=list)
     # The first driver error of each step, for the engine's message.
     errors: list[DriverCallError] = field(default_factory=list)
@@ -197,7 +202,11 @@ class CheckpointBroker:
         options = _parse(args)
         if options is None:
             return 2, f"unsupported request: {' '.join(args)}\n"
-        request, pid = options
+        request, seen = options
+        try:
+            pid = await asyncio.to_thread(self.pids.from_criu, seen)
+        except SnapshotError as exc:
+            return 1, f"{exc.message}\n"
         if self.gate is not None and not self._gate_passed:
             await self._pass_gate(pid)
         if self.gate_error is not None:
@@ -235,7 +244,9 @@ class CheckpointBroker:
             return 1, f"pid {pid} sleeps: its CUDA state is the engine's to restore\n"
         if request == "get-restore-tid":
             tid = await uninterruptible(driver.restore_thread_id, pid)
-            return (0, f"{tid}\n") if tid else (1, f"pid {pid} holds no CUDA state\n")
+            if not tid:
+                return 1, f"pid {pid} holds no CUDA state\n"
+            return 0, f"{await asyncio.to_thread(self.pids.to_criu, tid)}\n"
         if request == "get-state":
             state = await uninterruptible(driver.state, pid)
             return (0, f"{state.value}\n") if state else (1, f"pid {pid} holds no CUDA state\n")

@@ -269,7 +269,7 @@ class CudaCheckpointHook(SnapshotHook):
         assert save.status.driver is not None
         tree = {p.pid for p in procfs.tree(ctx.root_pid)}
         broker = CheckpointBroker(save.status.driver, self.lock_timeout, tree.__contains__,
-                                  hands_off=save.asleep is not None)
+                                  hands_off=save.asleep is not None, pids=ctx.criu.pids)
         await broker.start()
         save.broker = broker
         self._criu_extras(ctx.criu, broker)
@@ -448,12 +448,12 @@ class CudaCheckpointHook(SnapshotHook):
             # Dumped stopped, as it slept: criu restores it stopped (its plugin is told
             # there is nothing for it to do), and the tree is held before it continues.
             broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
-                                      hands_off=True)
+                                      hands_off=True, pids=ctx.criu.pids)
             ctx.resume_tree = self.gpu_sleep().hold_stopped
         else:
             broker = CheckpointBroker(driver, self.lock_timeout, _restored_by_us,
                                       gate=ctx.images_verified, on_gate_failed=kill,
-                                      gpu_pairs=pairs)
+                                      gpu_pairs=pairs, pids=ctx.criu.pids)
             ctx.criu.leave_stopped = False
         await broker.start()
         self._restores[ctx.snapshot.id] = broker
