@@ -48,14 +48,17 @@ def kernel_processes(kernel_id: str) -> list[int]:
 
 def kernel_pids(kernel_id: str) -> list[int]:
     """The kernel's own processes: those of ``kernel_processes`` without the launchers
-    (``unshare``, ``nsenter``) and the namespace init (nsinit), which name the kernel too."""
+    (``unshare``, ``nsenter``, the node agent's entry into a container) and the namespace
+    init (nsinit), which name the kernel too."""
+    from jupyter_gpu_snapshot.agent.containers import ENTER
     from jupyter_gpu_snapshot.launch.provisioner import NSINIT
 
     found = []
     for pid in kernel_processes(kernel_id):
         with contextlib.suppress(psutil.Error):
             cmdline = psutil.Process(pid).cmdline()
-            if Path(cmdline[0]).name not in ("unshare", "nsenter") and str(NSINIT) not in cmdline:
+            if (Path(cmdline[0]).name not in ("unshare", "nsenter")
+                    and not {str(NSINIT), str(ENTER)} & set(cmdline)):
                 found.append(pid)
     return found
 

@@ -34,7 +34,8 @@ _ANSWER_BYTES = 4096
 
 
 def open_for_criu(openings: list[Opening], caller: Caller,
-                  deadline_seconds: float = OPEN_DEADLINE_SECONDS) -> dict[str, int]:
+                  deadline_seconds: float = OPEN_DEADLINE_SECONDS,
+                  root: str | None = None) -> dict[str, int]:
     """The descriptors of ``openings``, opened as ``caller``, by criu's name for each.
 
     Raises :class:`InvalidRequest` naming the first file the caller cannot open, or when the
@@ -46,7 +47,8 @@ def open_for_criu(openings: list[Opening], caller: Caller,
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours, theirs:
         opener = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(OPENER), str(theirs.fileno())],
+            [sys.executable, "-I", "-S", str(OPENER), str(theirs.fileno()),
+             *([root] if root else [])],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             pass_fds=(theirs.fileno(),), user=caller.uid, group=caller.gid,
             extra_groups=sorted(caller.groups), env={}, cwd="/", start_new_session=True,

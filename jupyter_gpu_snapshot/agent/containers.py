@@ -13,20 +13,30 @@ image supplies nothing that runs as root.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import fcntl
 import functools
 import json
 import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
 
 from ..core.errors import SnapshotError
-from .enter_container import AGENT_ROOT, start_ticks
+from .enter_container import AGENT_COPY, AGENT_ROOT, start_ticks
 
 ENTER = Path(__file__).with_name("enter_container.py")
 _PT_INTERP = 3
+NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
 
 
 def in_agent(path: Path | str) -> str:
@@ -39,7 +49,10 @@ def elf_interpreter(binary: Path) -> str:
     with open(binary, "rb") as f:
         header = f.read(64)
         if header[:6] != b"\x7fELF\x02\x01":
-            raise SnapshotError("agent", f"{binary} is not a 64-bit little-endian ELF program")
+            raise SnapshotError(
+                "agent", f"{binary} is not a 64-bit little-endian ELF program (a script "
+                "that starts one?)", hint="name the program itself (for criu: "
+                "c.GPUSnapshot.criu_path), with its libraries where the loader finds them")
         phoff, = struct.unpack_from("<Q", header, 0x20)
         phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
         for index in range(phnum):
@@ -112,20 +125,162 @@ class ContainerEntry:
             raise SnapshotError("agent", f"cannot read process {pid}'s container: {exc}"
                                 ) from None
 
-    def prefix(self) -> list[str]:
-        """What a command runs under to run in the container (``enter_container``)."""
-        spec = {"pid": self.pid, "start": self.start, "cgroup_procs": list(self.cgroup_procs)}
+    def prefix(self, launch: dict[str, Any] | None = None) -> list[str]:
+        """What a command runs under to run in the container (``enter_container``); with
+        ``launch``, a kernel started there as a snapshot-ready tree."""
+        spec: dict[str, Any] = {
+            "pid": self.pid, "start": self.start, "cgroup_procs": list(self.cgroup_procs)}
+        if launch is not None:
+            spec["launch"] = launch
         return [sys.executable, "-I", "-S", str(ENTER), json.dumps(spec), "--"]
 
     @staticmethod
     def program(binary: Path | str) -> list[str]:
-        """The agent's ``binary``, run in the container with the agent's own loader and
-        libraries: the container's image may have neither, or others."""
+        """The agent's ``binary``, run in the container with the agent's own loader (a copy
+        in memory, see ``enter_container``) and libraries: the container's image may have
+        neither, or others."""
         binary = Path(binary)
         dirs = ":".join(in_agent(d) for d in library_dirs(binary))
-        return [in_agent(elf_interpreter(binary)), "--library-path", dirs,
+        return [f"{AGENT_COPY}{elf_interpreter(binary)}", "--library-path", dirs,
                 "--argv0", binary.name, in_agent(binary)]
 
 
-__all__ = ["AGENT_ROOT", "ContainerEntry", "cgroup_procs", "elf_interpreter", "in_agent",
-           "library_dirs"]
+CLONE_NEWCGROUP = 0x02000000
+
+
+def join_node_cgroup_namespace() -> bool:
+    """Join the cgroup namespace of the node's init (the agent sees it with hostPID), if
+    the agent is not in it: a container's own namespace would name other containers'
+    cgroups from its own, as ``/../..``. Call before any thread starts (a thread keeps the
+    namespace it was created in). Whether it joined."""
+    try:
+        fd = os.open("/proc/1/ns/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+    except PermissionError:
+        # An init even root may not look into (a sandbox's): the agent runs beside it,
+        # not in a container of the node's runtime.
+        return False
+    try:
+        if os.fstat(fd).st_ino == os.stat("/proc/self/ns/cgroup").st_ino:
+            return False
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWCGROUP) != 0:
+            raise SnapshotError("agent", "cannot join the node's cgroup namespace: "
+                                f"{os.strerror(ctypes.get_errno())}",
+                                hint="run the agent privileged, with hostPID")
+    finally:
+        os.close(fd)
+    return True
+
+
+CLONE_NEWNET = 0x40000000
+_T = TypeVar("_T")
+
+
+async def in_network_of(pid: int, work: Callable[[], _T]) -> _T:
+    """``work()`` in a thread of its own that joined process ``pid``'s network namespace
+    (a container's loopback is its own). The thread ends with it, and so does its
+    namespace: no thread of the agent's pool is ever moved."""
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    def joined() -> _T:
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                raise SnapshotError("agent", f"cannot enter process {pid}'s network: "
+                                    f"{os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(fd)
+        return work()
+
+    with concurrent.futures.ThreadPoolExecutor(1, "container-network") as own:
+        return await asyncio.get_running_loop().run_in_executor(own, joined)
+
+
+# -- pids: the agent's are the node's, the user's server's its container's ---------------
+def ns_pids(pid: int) -> list[int]:
+    """Process ``pid``'s pid in each pid namespace from the agent's down to its own."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("NSpid:"):
+                return [int(p) for p in line.split()[1:]]
+    return [pid]
+
+
+def pid_namespace(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/pid").st_ino
+
+
+def parent_pid_namespace(pid: int) -> int | None:
+    """The pid namespace above process ``pid``'s own (None at the top)."""
+    fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            parent = fcntl.ioctl(fd, NS_GET_PARENT)
+        except OSError:  # EPERM at the agent's own namespace's top
+            return None
+        try:
+            return os.fstat(parent).st_ino
+        finally:
+            os.close(parent)
+    finally:
+        os.close(fd)
+
+
+def pid_seen_by(pid: int, viewer: int) -> int | None:
+    """The pid process ``pid`` has in process ``viewer``'s pid namespace, where it is a
+    process of that namespace or of one below it; else None."""
+    with contextlib.suppress(OSError, ValueError):
+        level = len(ns_pids(viewer)) - 1
+        chain = ns_pids(pid)
+        if len(chain) > level and _under(pid, len(chain) - 1 - level, pid_namespace(viewer)):
+            return chain[level]
+    return None
+
+
+def _under(pid: int, levels_below: int, namespace: int) -> bool:
+    """Whether the pid namespace ``levels_below`` above ``pid``'s own is ``namespace``."""
+    if levels_below == 0:
+        return pid_namespace(pid) == namespace
+    if levels_below == 1:
+        return parent_pid_namespace(pid) == namespace
+    return False  # deeper than a kernel's tree ever is
+
+
+def agent_pid(seen: int, viewer: int, candidates: Iterable[int]) -> int | None:
+    """Which of ``candidates`` (the agent's pids) process ``viewer`` calls ``seen``."""
+    for pid in candidates:
+        if pid_seen_by(pid, viewer) == seen:
+            return pid
+    return None
+
+
+def agent_task(seen: int, viewer: int) -> int | None:
+    """The agent's pid of the process or thread that process ``viewer``'s pid namespace
+    calls ``seen`` (a task of that namespace or of one below it); None if there is none."""
+    with contextlib.suppress(OSError, ValueError):
+        level = len(ns_pids(viewer)) - 1
+        namespace = pid_namespace(viewer)
+        for pid in psutil.pids():
+            with contextlib.suppress(OSError, ValueError):
+                chain = ns_pids(pid)
+                if (len(chain) <= level
+                        or not _under(pid, len(chain) - 1 - level, namespace)):
+                    continue
+                if chain[level] == seen:
+                    return pid
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    if int(task) != pid and ns_pids(int(task))[level] == seen:
+                        return int(task)
+    return None
+
+
+def tree_pids(roots: Iterable[int]) -> list[int]:
+    """The processes of the trees under ``roots``, roots first."""
+    found: list[int] = []
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            found += [root, *(c.pid for c in psutil.Process(root).children(recursive=True))]
+    return found
+
+
+__all__ = ["AGENT_ROOT", "ContainerEntry", "agent_pid", "agent_task", "cgroup_procs",
+           "elf_interpreter",
+           "in_agent", "library_dirs", "ns_pids", "pid_seen_by", "tree_pids"]

@@ -11,6 +11,14 @@ groups the user database's. Every caller gets a realm of their own:
   for them write (the agent chooses the name; the kernel opens it as the caller);
 - the kernels the agent launched or restored for them (``launched.json``).
 
+With ``pods`` (``--pods``: a Kubernetes DaemonSet in the node's pid namespace) the callers
+are processes in users' pods, and the pod, as the container runtime reports it
+(``pod_callers``), tells them apart, whatever their uid: each pod owner's realm is kept by
+the pod's namespace and name, ``STATE/pods/NAMESPACE/NAME`` and ``RUN/pods/NAMESPACE/NAME/logs``
+(which the pod mounts at that same path). The agent launches, saves and restores each
+kernel inside the caller's container, running its own programs there (``containers``), and
+pids in requests and answers are the container's.
+
 Hibernation's gpu tier goes through the agent too: ``gpu_release`` gives back the GPU of
 one of those kernels and keeps its process, ``gpu_wake`` brings it back, ``gpu_asleep``
 says whether it sleeps (``gpu/sleep.py``). The agent does them with the GPU sleep of the
@@ -32,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import grp
 import json
 import logging
@@ -54,7 +63,7 @@ from typing import Any
 
 import psutil
 
-from .._constants import format_bytes
+from .._constants import ENV_CUDA_BROKER, format_bytes
 from .._version import __version__
 from ..agent_client.protocol import (
     DEFAULT_SOCKET,
@@ -66,14 +75,25 @@ from ..agent_client.protocol import (
 )
 from ..config import GPUSnapshot
 from ..core import locks, procfs, safe_fs
+from ..core.criu import CriuExtras
 from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, SnapshotHook
 from ..core.sequences import finish_despite_cancel
+from ..launch.liveness import kernel_answers
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
 from ..node.engines import LocalEngine, make_engine
 from ..node.gpus import GpuSleep, SleepReport
-from . import caller_files, criu_credentials, external_files, image_creds, reopened_files
-from .ownership import Caller, require_own_tree
+from . import (
+    caller_files,
+    containers,
+    criu_credentials,
+    external_files,
+    image_creds,
+    pod_callers,
+    reopened_files,
+)
+from .containers import ContainerEntry
+from .ownership import Caller, PodCaller, require_own_tree
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +133,24 @@ MAX_SLEEP_NOTE_BYTES = 4096
 def peer_ids(sock: socket.socket) -> tuple[int, int]:
     """The uid and gid of the process at the other end of ``sock``, as the kernel says
     (``SO_PEERCRED``): one system call, for the connection count of ``_serve``."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, gid = struct.unpack("3i", raw)
+    _pid, uid, gid = peer_credentials(sock)
     return uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """The pid (in the agent's pid namespace), uid and gid of the process at the other
+    end of ``sock`` when it connected (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def pod_caller_of(pid: int, uid: int, gid: int, bundles: tuple[str, ...]) -> PodCaller:
+    """The caller ``uid`` in the pod process ``pid`` runs in, as the container runtime's
+    records say (``pod_callers``); a process in no pod is refused."""
+    pod = pod_callers.identify(pid, bundles)
+    user = caller_of(uid, gid)
+    return PodCaller(user.uid, user.gid, user.groups, pod.realm_name, peer_pid=pid)
 
 
 def caller_of(uid: int, gid: int) -> Caller:
@@ -140,7 +175,15 @@ class CallerCredentials(SnapshotHook):
     def __init__(self, caller: Caller) -> None:
         self.caller = caller
 
+    def _pids_of_container(self, extras: CriuExtras) -> None:
+        """For a caller in a pod, criu runs in their container: it names processes by
+        their pids there (``PidView``)."""
+        if isinstance(self.caller, PodCaller):
+            extras.pids.to_criu = functools.partial(_seen_in_container, self.caller.peer_pid)
+            extras.pids.from_criu = functools.partial(_agent_task, self.caller.peer_pid)
+
     async def before_dump(self, ctx: SaveContext) -> None:
+        self._pids_of_container(ctx.criu)
         await asyncio.to_thread(require_own_tree, ctx.root_pid, self.caller)
         # Every file of the tree dumped as external: the restore then opens none by its
         # path as root (external_files, reopened_files).
@@ -163,6 +206,7 @@ class CallerCredentials(SnapshotHook):
 
     async def before_restore(self, ctx: RestoreContext) -> None:
         assert ctx.images_dir is not None
+        self._pids_of_container(ctx.criu)
         await asyncio.to_thread(
             image_creds.check_image_credentials, ctx.images_dir, self.caller)
         # criu, root, opens none of the paths of the caller's files: they are opened as
@@ -171,7 +215,11 @@ class CallerCredentials(SnapshotHook):
         openings = await asyncio.to_thread(
             reopened_files.plan_openings, ctx.images_dir,
             recorded if isinstance(recorded, dict) else {})
-        opened = await asyncio.to_thread(caller_files.open_for_criu, openings, self.caller)
+        # In a pod, each path is the caller's container's (its root, its links).
+        root = (f"/proc/{self.caller.peer_pid}/root" if isinstance(self.caller, PodCaller)
+                else None)
+        opened = await asyncio.to_thread(
+            caller_files.open_for_criu, openings, self.caller, root=root)
         for key, fd in opened.items():
             # The caller's opening stands for the file, whoever else offered one.
             replaced = ctx.criu.inherited_fds.pop(key, None)
@@ -205,9 +253,22 @@ class Realm:
         (the uid, its key, cannot). Called only while no save or restore of theirs runs."""
         self.caller = caller
         self.checks.caller = caller
-        self.engine.criu.dump_as = criu_credentials.dump_command(caller)
-        self.engine.criu.restore_as = criu_credentials.restore_command(caller)
+        criu = self.engine.criu
+        criu.dump_as = criu_credentials.dump_command(caller)
+        criu.restore_as = criu_credentials.restore_command(caller)
         self.engine.store.log_owner = (caller.uid, caller.gid)
+        if isinstance(caller, PodCaller):
+            # criu runs in the caller's container, with the agent's own files: its loader,
+            # the CUDA plugin's stand-in and its broker's socket among them.
+            entry = ContainerEntry.of(caller.peer_pid)
+            criu.dump_as = entry.prefix() + _through_agent_root(criu.dump_as)
+            criu.restore_as = entry.prefix() + _through_agent_root(criu.restore_as)
+            criu.program = ContainerEntry.program
+            criu.path = containers.in_agent
+            criu.path_variables = frozenset({"PATH", ENV_CUDA_BROKER})
+            criu.action_scripts = False
+            # The kernel listens on its container's loopback.
+            self.engine.kernel_answers = functools.partial(_answers_in_pod, caller.peer_pid)
 
     def launched(self) -> dict[int, float]:
         """The roots of the trees the agent launched or restored for this user that still
@@ -232,16 +293,22 @@ class Realm:
             os.replace(tmp, self.launched_file)
 
     def root_of(self, pid: int, step: str = "save") -> int:
-        """The launched tree that process ``pid`` belongs to; refused if none."""
+        """The launched tree that process ``pid`` belongs to; refused if none. A caller in
+        a pod names the process by its pid there."""
+        asked = pid
         roots = self.launched()
+        if isinstance(self.caller, PodCaller):
+            found = containers.agent_pid(pid, self.caller.peer_pid,
+                                         containers.tree_pids(roots))
+            pid = 0 if found is None else found
         if pid in roots:
             return pid
         with contextlib.suppress(psutil.Error):
-            for parent in psutil.Process(pid).parents():
+            for parent in ([] if pid <= 0 else psutil.Process(pid).parents()):
                 if parent.pid in roots:
                     return parent.pid
         raise Refused(
-            step, f"process {pid} is not a kernel the node agent launched or restored "
+            step, f"process {asked} is not a kernel the node agent launched or restored "
             f"for you ({self.caller.name})",
             hint="start the kernel from a server that uses the agent",
         )
@@ -268,6 +335,8 @@ class NodeAgent:
         settings: GPUSnapshot | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        pods: bool = False,
+        container_bundles: tuple[str, ...] = pod_callers.DEFAULT_BUNDLES,
     ) -> None:
         self.socket_path = socket_path
         self.state_dir = state_dir
@@ -279,10 +348,14 @@ class NodeAgent:
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self.settings = settings or GPUSnapshot()
-        # Open connections by the peer's uid (``_serve``).
-        self._connections: dict[int, int] = {}
+        # Serving users' pods from the node's namespaces (a DaemonSet): callers are told
+        # apart by pod, each kernel runs in its user's container (docs/cluster.md).
+        self.pods = pods
+        self.container_bundles = container_bundles
+        # Open connections by the peer's uid, and in pods mode its pid namespace (``_serve``).
+        self._connections: dict[tuple[int, int], int] = {}
         self._client_errors = _QuietLog(CLIENT_ERROR_LOG_SECONDS)
-        self._realms: dict[int, Realm] = {}
+        self._realms: dict[str, Realm] = {}
         # Two first requests of one user at once must make one realm, not two (each with
         # its own count of operations).
         self._realms_lock = asyncio.Lock()
@@ -303,23 +376,26 @@ class NodeAgent:
     # -- realms ----------------------------------------------------------------------------
     async def realm(self, caller: Caller) -> Realm:
         async with self._realms_lock:
-            realm = self._realms.get(caller.uid)
+            realm = self._realms.get(caller.realm_key)
             if realm is None:
                 realm = await asyncio.to_thread(self._make_realm, caller)
-                self._realms[caller.uid] = realm
+                self._realms[caller.realm_key] = realm
         return realm
 
     def _make_realm(self, caller: Caller) -> Realm:
-        home = self.state_dir / "users" / str(caller.uid)
+        # A user's, by uid; or a pod's, by NAMESPACE/NAME (DNS names: no "." or "..").
+        own = (Path("pods", caller.name) if isinstance(caller, PodCaller)
+               else Path("users", str(caller.uid)))
+        home = self.state_dir / own
         safe_fs.make_private_dirs(home)
         # The users' log directories: the parents are root's, so no user can swap one
-        # for a link; each user's own directory is theirs alone.
-        users_run = self.run_dir / "users"
-        users_run.mkdir(parents=True, exist_ok=True, mode=0o755)
-        os.chmod(users_run, 0o755)
-        own_run = users_run / str(caller.uid)
-        own_run.mkdir(exist_ok=True, mode=0o755)
-        log_dir = own_run / "logs"
+        # for a link; each user's own directory is theirs alone. A pod mounts its own at
+        # the same path, where its kernels write.
+        for depth in range(1, len(own.parts) + 1):
+            level = self.run_dir.joinpath(*own.parts[:depth])
+            level.mkdir(parents=True, exist_ok=True, mode=0o755)
+            os.chmod(level, 0o755)
+        log_dir = self.run_dir / own / "logs"
         log_dir.mkdir(exist_ok=True, mode=0o700)
         if log_dir.is_symlink() or not log_dir.is_dir():
             raise SnapshotError("agent", f"{log_dir} is not a directory")
@@ -354,6 +430,8 @@ class NodeAgent:
     # -- the socket ------------------------------------------------------------------------
     async def start(self) -> None:
         self.require_private_state_dir()
+        if self.pods and containers.join_node_cgroup_namespace():
+            log.info("joined the node's cgroup namespace")
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -363,10 +441,11 @@ class NodeAgent:
         if self.socket_group:
             os.chown(self.socket_path, -1, grp.getgrnam(self.socket_group).gr_gid)
         os.chmod(self.socket_path, self.socket_mode)
-        log.info("jupyter-gpu-snapshot agent %s listening on %s (mode %o%s); at most %d "
+        log.info("jupyter-gpu-snapshot agent %s listening on %s (mode %o%s)%s; at most %d "
                  "connections per user, each with %g s to send its request", __version__,
                  self.socket_path, self.socket_mode,
                  f", group {self.socket_group}" if self.socket_group else "",
+                 ", serving pods" if self.pods else "",
                  self.max_connections, self.request_timeout)
         self._warn_of_few_descriptors()
 
@@ -428,11 +507,14 @@ class NodeAgent:
         """One connection: at most ``max_connections`` of one uid open at once, the others
         refused at once, before anything is read."""
         try:
-            uid, gid = peer_ids(writer.get_extra_info("socket"))
+            pid, uid, gid = peer_credentials(writer.get_extra_info("socket"))
+            # Pods of one uid are different users: each is counted apart, by its pid
+            # namespace (one stat, before anything is read).
+            key = (uid, os.stat(f"/proc/{pid}/ns/pid").st_ino if self.pods else 0)
         except OSError:  # gone already
             writer.transport.abort()
             return
-        open_now = self._connections.get(uid, 0)
+        open_now = self._connections.get(key, 0)
         if open_now >= self.max_connections:
             self._client_errors.note(f"uid {uid}", "connections over the cap", (
                 f"uid {uid}: connection refused, {open_now} open already (--max-connections)"))
@@ -442,17 +524,17 @@ class NodeAgent:
                 hint="close the connections you no longer use, or wait for your saves and "
                 "restores under way to end"))
             return
-        self._connections[uid] = open_now + 1
+        self._connections[key] = open_now + 1
         try:
-            await self._answer(reader, writer, uid, gid)
+            await self._answer(reader, writer, pid, uid, gid)
         finally:
-            self._connections[uid] -= 1
-            if not self._connections[uid]:
-                del self._connections[uid]
+            self._connections[key] -= 1
+            if not self._connections[key]:
+                del self._connections[key]
             await _finish(writer)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      uid: int, gid: int) -> None:
+                      pid: int, uid: int, gid: int) -> None:
         """Read the request line, run it, write its answer; errors the client caused are
         answered, and logged in one short line at most (``_QuietLog``), never with a
         traceback."""
@@ -462,7 +544,9 @@ class NodeAgent:
             if not line:  # connected and closed without a word: no one to answer
                 return
             op, args = _parse_request(line)
-            caller = await asyncio.to_thread(caller_of, uid, gid)
+            caller: Caller = await (
+                asyncio.to_thread(pod_caller_of, pid, uid, gid, self.container_bundles)
+                if self.pods else asyncio.to_thread(caller_of, uid, gid))
             session = _Session(self, caller, writer)
             work = asyncio.ensure_future(session.run(op, args))
             gone = asyncio.ensure_future(_client_gone(reader, writer))
@@ -669,17 +753,33 @@ class _Session:
         if not os.path.isabs(cwd):
             raise InvalidRequest("launch", f"cwd {cwd!r} is not an absolute path")
         log_path = realm.log_dir / f"kernel-{kernel_id}.log"
-        command = [
-            shutil.which("unshare") or "unshare", "--pid", "--fork", "--",
-            sys.executable, "-I", "-S", str(NSINIT), "--log", str(log_path),
-            "--as", self.caller.id_spec, "--cwd", cwd, "--env-stdin", "--", *argv,
-        ]
+        if isinstance(self.caller, PodCaller):
+            # In the caller's container: its nsinit, named by the caller, runs as the
+            # caller once the agent's own code has set up the tree (``enter_container``).
+            nsinit = args.get("nsinit")
+            if (not isinstance(nsinit, list) or len(nsinit) != 2
+                    or not all(isinstance(p, str) and os.path.isabs(p) for p in nsinit)):
+                raise InvalidRequest(
+                    "launch", "this node agent starts kernels in your container: the "
+                    "request must name the container's Python and nsinit.py (nsinit)",
+                    hint="use the same version of jupyter_gpu_snapshot in the image")
+            entry = await asyncio.to_thread(ContainerEntry.of, self.caller.peer_pid)
+            command = [*entry.prefix({"log": str(log_path), "as": self.caller.id_spec,
+                                      "cwd": cwd, "nsinit": nsinit}), *argv]
+            script = nsinit[1]
+        else:
+            command = [
+                shutil.which("unshare") or "unshare", "--pid", "--fork", "--",
+                sys.executable, "-I", "-S", str(NSINIT), "--log", str(log_path),
+                "--as", self.caller.id_spec, "--cwd", cwd, "--env-stdin", "--", *argv,
+            ]
+            script = str(NSINIT)
         launcher = await asyncio.create_subprocess_exec(
             *command, env=_LAUNCHER_ENV, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, start_new_session=True,
         )
         try:
-            root = await self._started(launcher, env, log_path)
+            root = await self._started(launcher, env, log_path, script)
             await asyncio.to_thread(realm.remember, root)
         except BaseException:
             # A launch that does not end with its kernel recorded leaves no kernel behind,
@@ -693,10 +793,20 @@ class _Session:
             # The launcher ends with the tree; reaped then.
             self.agent.reap(launcher)
         log.info("launched kernel %s for %s: pid %d", kernel_id, self.caller.name, root)
-        return {"pid": root, "log_path": str(log_path)}
+        return {"pid": self._seen_by_caller(root), "log_path": str(log_path)}
+
+    def _seen_by_caller(self, pid: int) -> int:
+        """Process ``pid`` of the agent's as the caller names it: in a pod, by its pid
+        there."""
+        if not isinstance(self.caller, PodCaller):
+            return pid
+        seen = containers.pid_seen_by(pid, self.caller.peer_pid)
+        if seen is None:
+            raise SnapshotError("agent", f"process {pid} is not in your container")
+        return seen
 
     async def _started(self, launcher: asyncio.subprocess.Process, env: dict[str, str],
-                       log_path: Path) -> int:
+                       log_path: Path, script: str) -> int:
         """The host pid of the launched tree's namespace init, once it runs."""
         assert launcher.stdin is not None and launcher.stderr is not None
         # The kernel's environment reaches nsinit on a pipe and is applied only once it
@@ -705,7 +815,7 @@ class _Session:
         await launcher.stdin.drain()
         launcher.stdin.close()
         try:
-            return await asyncio.to_thread(wait_for_namespace_init, launcher.pid)
+            return await asyncio.to_thread(wait_for_namespace_init, launcher.pid, script=script)
         except RuntimeError as exc:
             with contextlib.suppress(ProcessLookupError):
                 launcher.kill()
@@ -763,7 +873,7 @@ class _Session:
             restored = await realm.engine.restore(_text(args, "ref"), self.progress, gpus)
         await asyncio.to_thread(realm.remember, restored.pid)
         return {
-            "pid": restored.pid,
+            "pid": self._seen_by_caller(restored.pid),
             "connection_info": restored.connection_info,
             "snapshot": snapshot_fields(restored.snapshot),
             "timings": restored.timings,
@@ -815,6 +925,10 @@ class _Session:
         holding the kernel's lock (the one its saves take). It runs in a worker thread,
         which cannot be stopped: a client that goes away gets no answer, but the lock and
         the count hold until the thread has ended."""
+        if isinstance(self.caller, PodCaller):
+            raise Refused(
+                step, "this node agent does not yet release or give back the GPU of a "
+                "kernel in a pod", hint="hibernate to the process tier (its snapshot) instead")
         root = await asyncio.to_thread(self._own_tree, realm, pid, step)
 
         def locked() -> SleepReport:
@@ -873,6 +987,36 @@ async def _client_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
                for _fd, events in poller.poll(0)):
             return
         await asyncio.sleep(HANGUP_POLL_SECONDS)
+
+
+def _through_agent_root(prefix: list[str]) -> list[str]:
+    """A command prefix of the agent's programs (setpriv), run in a user's container with
+    the agent's own loader and files (``ContainerEntry.program``)."""
+    return [*ContainerEntry.program(prefix[0]), *prefix[1:]] if prefix else []
+
+
+async def _answers_in_pod(peer_pid: int, connection_info: dict[str, Any],
+                          timeout: float) -> bool:
+    """Whether the kernel at ``connection_info`` answers, asked from the network of
+    process ``peer_pid``'s container."""
+    return await containers.in_network_of(
+        peer_pid, lambda: asyncio.run(kernel_answers(connection_info, timeout)))
+
+
+def _seen_in_container(peer_pid: int, pid: int) -> int:
+    """Process ``pid`` of the agent's by its pid in process ``peer_pid``'s container."""
+    seen = containers.pid_seen_by(pid, peer_pid)
+    if seen is None:
+        raise Refused("save", f"process {pid} is not in your container")
+    return seen
+
+
+def _agent_task(peer_pid: int, seen: int) -> int:
+    """Our pid of what criu, in process ``peer_pid``'s container, calls ``seen``."""
+    found = containers.agent_task(seen, peer_pid)
+    if found is None:
+        raise SnapshotError("restore", f"process {seen} of your container is not found")
+    return found
 
 
 def _kill_launch(launcher_pid: int) -> None:

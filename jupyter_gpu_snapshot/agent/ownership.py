@@ -29,7 +29,7 @@ hook runs inside criu, where the tree is frozen. What that leaves:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -52,6 +52,25 @@ class Caller(image_creds.Caller):
     def id_spec(self) -> str:
         """``UID:GID:G1,G2`` for ``nsinit --as``."""
         return f"{self.uid}:{self.gid}:{','.join(str(g) for g in sorted(self.groups))}"
+
+    @property
+    def realm_key(self) -> str:
+        """Whose store, logs and kernels the caller's are: a user's, by uid."""
+        return str(self.uid)
+
+
+@dataclass(frozen=True)
+class PodCaller(Caller):
+    """A caller in a pod, to an agent that serves pods (``--pods``): the pod, as the
+    container runtime reports it (``pod_callers``), tells users apart, whatever their uid;
+    ``name`` is the pod's ``NAMESPACE/NAME``. ``peer_pid`` is the calling process, through
+    which the agent enters the caller's container (``containers``)."""
+
+    peer_pid: int = field(default=0, compare=False)
+
+    @property
+    def realm_key(self) -> str:
+        return f"pod:{self.name}"
 
 
 def _status(pid: int) -> dict[str, str]:

@@ -34,6 +34,7 @@ from ..agent.daemon import (
     DEFAULT_STATE_DIR,
     NodeAgent,
 )
+from ..agent.pod_callers import DEFAULT_BUNDLES
 from ..agent_client.client import AgentClient
 from ..agent_client.protocol import DEFAULT_SOCKET
 from ..config import GPUSnapshot
@@ -262,6 +263,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         socket_group=args.socket_group, max_operations=args.max_operations,
         disk_quota_bytes=parse_bytes(args.disk_quota), settings=GPUSnapshot(config=config),
         max_connections=args.max_connections, request_timeout=args.request_timeout,
+        pods=args.pods, container_bundles=tuple(args.container_bundles or DEFAULT_BUNDLES),
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(agent.serve_forever())
@@ -698,6 +700,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
                    help="seconds a client has to send its request once connected "
                    f"(default {DEFAULT_REQUEST_TIMEOUT:g})")
+    p.add_argument("--pods", action="store_true",
+                   help="serve users' pods from the node's namespaces (a Kubernetes DaemonSet "
+                   "with hostPID): callers are told apart by pod, as the container runtime "
+                   "reports it, and kernels are launched, saved and restored inside their "
+                   "container (docs/cluster.md)")
+    p.add_argument("--container-bundles", action="append", metavar="TEMPLATE",
+                   help="with --pods: where the container runtime keeps each container's OCI "
+                   "bundle, {id} for the container's id; repeatable (default: containerd's "
+                   "and CRI-O's)")
     p.add_argument("--config", help="a Jupyter config file (Python) with the c.GPUSnapshot "
                    "settings for every user's saves and restores, e.g. "
                    "/etc/jupyter/jupyter_gpu_snapshot_agent_config.py; root runs it, so "

@@ -60,6 +60,10 @@ def _redirect_stdio(log_path: str) -> None:
 
 
 _PROC_READY = "JUPYTER_GPU_SNAPSHOT_NSINIT_PROC"
+# Set by the node agent's entry into a user's container (agent/enter_container.py), whose
+# init took the root steps (the namespace's /proc, the kernel's pid) before it ran this
+# script as the user: the note on the kernel's pid, possibly empty.
+PREPARED = "JUPYTER_GPU_SNAPSHOT_NSINIT_PREPARED"
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 
@@ -192,7 +196,8 @@ def main(argv: list[str]) -> int:
             # libraries) refers to the host's mounts, which CRIU cannot resolve inside.
             os.environ[_PROC_READY] = "1"
             os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(__file__), *argv])
-    pid_note = _choose_kernel_pid()
+    prepared = os.environ.pop(PREPARED, None)
+    pid_note = _choose_kernel_pid() if prepared is None else (prepared or None)
     kernel_env = None
     if "--env-stdin" in options:
         import json

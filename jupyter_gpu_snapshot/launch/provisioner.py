@@ -87,14 +87,16 @@ def namespaced_command(cmd: list[str], log_path: Path) -> list[str]:
     ]
 
 
-def wait_for_namespace_init(launcher_pid: int, timeout: float = _INIT_WAIT_SECONDS) -> int:
-    """Host pid of the init that ``unshare --fork`` started, once it runs nsinit."""
+def wait_for_namespace_init(launcher_pid: int, timeout: float = _INIT_WAIT_SECONDS,
+                            script: str = str(NSINIT)) -> int:
+    """Host pid of the init that ``unshare --fork`` started, once it runs nsinit (the
+    ``script``; below the launcher, as in a container the node agent entered)."""
     deadline = time.monotonic() + timeout
     launcher = psutil.Process(launcher_pid)
     while time.monotonic() < deadline:
         try:
-            for child in launcher.children():
-                if str(NSINIT) in child.cmdline():
+            for child in launcher.children(recursive=True):
+                if script in child.cmdline():
                     return int(child.pid)
         except psutil.NoSuchProcess:
             break
@@ -370,6 +372,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         started = await agent.call("launch", {
             "argv": cmd, "env": dict(kwargs.get("env") or {}),
             "cwd": str(kwargs.get("cwd") or os.getcwd()), "kernel_id": str(self.kernel_id),
+            # For an agent that starts the tree in this container: what runs it there.
+            "nsinit": [sys.executable, str(NSINIT)],
         })
         self.log_path = Path(started["log_path"])
         self.log_start = await asyncio.to_thread(log_size, self.log_path)

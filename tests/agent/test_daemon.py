@@ -98,10 +98,10 @@ def test_a_launch_whose_client_went_away_leaves_no_kernel(node, alice, monkeypat
     started, go_on = threading.Event(), threading.Event()
     wait_for_init = daemon.wait_for_namespace_init
 
-    def held(launcher_pid: int) -> int:
+    def held(launcher_pid: int, script: str) -> int:
         started.set()
         go_on.wait(60)
-        return wait_for_init(launcher_pid)
+        return wait_for_init(launcher_pid, script=script)
 
     monkeypatch.setattr(daemon, "wait_for_namespace_init", held)
 
