@@ -249,6 +249,35 @@ class Container:
         return self.pod.enter(self.pid, command, workdir, user)
 
 
+def write_runtime_record(pod: Pod, bundles: Path, namespace: str, pod_name: str,
+                         container: str = "notebook") -> None:
+    """What containerd records of the pod's container, in its bundle under ``bundles``:
+    the Kubernetes pod it belongs to (``namespace``/``pod_name``, with a uid of its own) in
+    ``config.json``'s annotations, and the host pid of its init in ``init.pid``. An agent in
+    the node's namespaces tells by this record which pod a process runs in. The bundle is
+    named by the container's id, which the runtime gives the container's cgroup as its last
+    component: the pod's name here. The runtime's directories and files are root's and
+    writable by nobody else, and a record that is not is refused."""
+    bundle = bundles / pod.name
+    for directory in (bundles, bundle):
+        directory.mkdir(mode=0o755, exist_ok=True)
+        directory.chmod(0o755)  # whatever the umask
+    annotations = {
+        "io.kubernetes.cri.sandbox-namespace": namespace,
+        "io.kubernetes.cri.sandbox-name": pod_name,
+        "io.kubernetes.cri.sandbox-uid": str(uuid.uuid4()),
+        "io.kubernetes.cri.container-name": container,
+        "io.kubernetes.cri.container-type": "container",
+    }
+    record = {
+        "config.json": json.dumps({"ociVersion": "1.0.2", "annotations": annotations}),
+        "init.pid": str(pod.init_pid),
+    }
+    for name, text in record.items():
+        (bundle / name).write_text(text)
+        (bundle / name).chmod(0o644)
+
+
 @contextlib.contextmanager
 def service_address() -> Iterator[str]:
     """An address of this machine's that every pod reaches through its default route, as
