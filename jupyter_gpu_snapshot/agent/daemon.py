@@ -292,14 +292,14 @@ class Realm:
             tmp.write_text(json.dumps({str(p): t for p, t in kernels.items()}))
             os.replace(tmp, self.launched_file)
 
-    def root_of(self, pid: int, step: str = "save") -> int:
+    def root_of(self, pid: int, step: str = "save", caller: Caller | None = None) -> int:
         """The launched tree that process ``pid`` belongs to; refused if none. A caller in
-        a pod names the process by its pid there."""
-        asked = pid
+        a pod names the process by its pid there: ``caller``, the one asking now (the
+        realm's is the last to run an operation, whose process may be gone)."""
+        asked, caller = pid, caller or self.caller
         roots = self.launched()
-        if isinstance(self.caller, PodCaller):
-            found = containers.agent_pid(pid, self.caller.peer_pid,
-                                         containers.tree_pids(roots))
+        if isinstance(caller, PodCaller):
+            found = containers.agent_pid(pid, caller.peer_pid, containers.tree_pids(roots))
             pid = 0 if found is None else found
         if pid in roots:
             return pid
@@ -309,7 +309,7 @@ class Realm:
                     return parent.pid
         raise Refused(
             step, f"process {asked} is not a kernel the node agent launched or restored "
-            f"for you ({self.caller.name})",
+            f"for you ({caller.name})",
             hint="start the kernel from a server that uses the agent",
         )
 
@@ -883,7 +883,7 @@ class _Session:
     def _own_tree(self, realm: Realm, pid: int, step: str) -> int:
         """The root of the tree of process ``pid``, refused unless the agent launched or
         restored it for the caller and every process of it is their own (``ownership``)."""
-        root = realm.root_of(pid, step)
+        root = realm.root_of(pid, step, self.caller)
         require_own_tree(root, self.caller, step)
         return root
 
