@@ -54,9 +54,15 @@ class AgentClient:
             ) from exc
         try:
             writer.write(request)
-            await writer.drain()
+            with contextlib.suppress(ConnectionError):
+                # An agent that refuses the connection (too many of ours open) answers and
+                # closes before it reads: its answer is still there to read.
+                await writer.drain()
             while True:
-                line = await reader.readline()
+                try:
+                    line = await reader.readline()
+                except ConnectionError:
+                    line = b""
                 if not line:
                     raise SnapshotError(
                         op, "the node agent closed the connection without an answer",
