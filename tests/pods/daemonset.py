@@ -192,9 +192,10 @@ class Node:
         here = self.run_dir / path.relative_to(run_dir)
         return here, str(here)
 
-    def agent_args(self) -> list[str]:
+    def agent_args(self, options: Sequence[str] = ()) -> list[str]:
         """The DaemonSet's arguments of the agent, the node's paths in them moved here, and
-        where the runtime's records are."""
+        where the runtime's records are; then ``options``, an operator's own limits, which
+        win over the manifest's (of an option given twice, the agent takes the last)."""
         args = list(self.spec.agent_args)
         for option, path in (("--socket", self.socket), ("--run-dir", self.run_dir),
                              ("--state-dir", self.state_dir)):
@@ -202,14 +203,15 @@ class Node:
                 args[args.index(option) + 1] = str(path)
             else:
                 args += [option, str(path)]
-        return [*args, "--container-bundles", f"{self.bundles}/{{id}}"]
+        return [*args, "--container-bundles", f"{self.bundles}/{{id}}", *options]
 
 
 class NodeAgent:
     """``jupyter gpu-snapshot agent`` as the DaemonSet runs it, on this machine as the node
-    and in its namespaces; its output in ``log_path``."""
+    and in its namespaces, with ``options`` after the manifest's; its output in
+    ``log_path``."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, options: Sequence[str] = ()) -> None:
         self.node = node
         self.log_path = node.root / "agent.log"
         for directory in (node.socket_dir, node.run_dir, node.state_dir, node.bundles):
@@ -218,7 +220,8 @@ class NodeAgent:
             # `jupyter gpu-snapshot` is this module, run by the image's interpreter. A
             # session of its own: ``end`` kills what it runs too.
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "agent", *node.agent_args()],
+                [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "agent",
+                 *node.agent_args(options)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=image_environment(), start_new_session=True)
 
@@ -315,9 +318,10 @@ class NodeAgentUser(PodUser):
 
 @contextlib.contextmanager
 def node_agent_users(
-    tmp_path: Path, unix_user: UnixUser
+    tmp_path: Path, unix_user: UnixUser, agent_options: Sequence[str] = ()
 ) -> Iterator[tuple[NodeAgent, NodeAgentUser, NodeAgentUser]]:
-    """The node's agent, listening, and Alice and Bob, both running as ``unix_user``'s uid
+    """The node's agent, listening, with ``agent_options`` after the manifest's arguments
+    (``--disk-quota 1``: they win), and Alice and Bob, both running as ``unix_user``'s uid
     as the values' one ``uid`` for all has them (the uid must have a name here). Their
     pods are deleted and the agent killed at the end, whatever happened, and the end of its
     log printed: pytest shows it with a failed test."""
@@ -326,7 +330,7 @@ def node_agent_users(
     os.chmod(tmp_path, 0o755)
     spec = DaemonSetPods.read(DAEMONSET, VALUES)
     assert spec.uid != 0
-    agent = NodeAgent(Node(tmp_path, spec))
+    agent = NodeAgent(Node(tmp_path, spec), agent_options)
     try:
         agent.wait_listening()
         with pods(tmp_path / "pods") as made:
