@@ -35,6 +35,13 @@ from ..agent.conftest import ASK_KERNEL, COMMAND_SECONDS, START_KERNEL
 from ..server.conftest import ServerProcess, base_environment
 
 FRAGMENT = REPO / "deploy" / "kubernetes" / "jupyterhub-agent-sidecar.yaml"
+# Run as the user: the request on stdin sent to the agent at the socket ``argv[1]``, its
+# replies printed, one a line. Only the standard library: a request costs no import of
+# the package.
+ASK_AGENT = (
+    "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+    "s.sendall(sys.stdin.buffer.read()); sys.stdout.buffer.write(s.makefile('rb').read())"
+)
 HOME_VOLUME = "volume-{username}{servername}"  # the chart's name of the user's home volume
 NOTEBOOK = "project/train.ipynb"
 AGENT_START_SECONDS = 60.0
@@ -182,16 +189,12 @@ class PodUser:
         await server.ready()
         return server
 
-    def ask_agent(self, pod: Pod, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """One request to the agent, sent by hand from the user's server container, as
-        the user; the agent's last reply line."""
-        code = (
-            "import socket, sys; s = socket.socket(socket.AF_UNIX); "
-            f"s.connect({str(DEFAULT_SOCKET)!r}); s.sendall(sys.stdin.buffer.read()); "
-            "sys.stdout.buffer.write(s.makefile('rb').read())"
-        )
+    def ask_agent(self, pod: Pod, op: str, args: dict[str, Any],
+                  socket: str = str(DEFAULT_SOCKET)) -> dict[str, Any]:
+        """One request to the agent at ``socket``, sent by hand from the user's server
+        container, as the user; the agent's last reply line."""
         done = subprocess.run(
-            pod.argv(sys.executable, "-c", code, workdir=self.spec.home,
+            pod.argv(sys.executable, "-c", ASK_AGENT, socket, workdir=self.spec.home,
                      user=self.unix_user.name),
             input=encode({"op": op, "args": args}), capture_output=True, timeout=120,
             check=True)

@@ -15,7 +15,6 @@ the agent tells them apart by pod, as the runtime records it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -44,22 +43,6 @@ SOCKET_VARIABLE = "JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET"
 # for the default server).
 USER_SERVER = "{user_server}"
 NAMESPACE_KINDS = ("mnt", "pid", "net", "uts", "ipc", "cgroup")
-
-# Run as the user in their pod: one request to the agent at the socket the container's
-# environment names, through the package's client; the agent's answer, or its error as
-# the agent sent it.
-ASK_AGENT = """
-import json, os, sys
-from jupyter_gpu_snapshot.agent_client.client import AgentClient
-from jupyter_gpu_snapshot.core.errors import SnapshotError
-client = AgentClient(os.environ["JUPYTER_GPU_SNAPSHOT_AGENT_SOCKET"])
-try:
-    said = {"result": client.call_sync(sys.argv[1], json.loads(sys.argv[2]))}
-except SnapshotError as exc:
-    said = {"error": exc.to_dict()}
-print(json.dumps(said))
-"""
-
 
 @dataclass(frozen=True)
 class DaemonSetPods(SidecarPods):
@@ -308,12 +291,11 @@ class NodeAgentUser(PodUser):
         write_runtime_record(pod, node.bundles, HUB_NAMESPACE, self.pod_name)
         return pod
 
-    def ask_agent(self, pod: Pod, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """One request to the node's agent, sent by hand from the user's pod, as the user;
-        the agent's reply."""
-        said = self.run_in(pod, sys.executable, "-c", ASK_AGENT, op, json.dumps(args))
-        reply: dict[str, Any] = json.loads(said.stdout.splitlines()[-1])
-        return reply
+    def ask_agent(self, pod: Pod, op: str, args: dict[str, Any],
+                  socket: str | None = None) -> dict[str, Any]:
+        """One request to the node's agent, sent by hand from the user's pod, as the user,
+        at the socket the container's environment names; the agent's reply."""
+        return super().ask_agent(pod, op, args, socket or self.spec.env[SOCKET_VARIABLE])
 
 
 @contextlib.contextmanager

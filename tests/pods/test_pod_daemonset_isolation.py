@@ -26,19 +26,14 @@ from typing import Any
 
 import pytest
 
+from jupyter_gpu_snapshot.agent_client.protocol import decode, encode
 from jupyter_gpu_snapshot.core import procfs
 from testkit.pods import Pod
 from testkit.unix_users import POLL, UnixUser
 
 from ..agent.conftest import COMMAND_SECONDS
-from .conftest import NOTEBOOK, PodKernel, image_environment
-from .daemonset import (
-    ASK_AGENT,
-    HUB_NAMESPACE,
-    SOCKET_VARIABLE,
-    NodeAgentUser,
-    node_agent_users,
-)
+from .conftest import ASK_AGENT, NOTEBOOK, PodKernel, image_environment
+from .daemonset import HUB_NAMESPACE, SOCKET_VARIABLE, NodeAgentUser, node_agent_users
 from .test_pod_daemonset import Node
 from .test_pod_isolation import ANSWER_SECONDS, FLOOD, NO_SNAPSHOT, NOT_LAUNCHED
 
@@ -210,15 +205,13 @@ def _ask_from_the_node(user: UnixUser, socket: Path, op: str, args: dict[str, An
     try:
         done = subprocess.run(
             ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups", "--",
-             sys.executable, "-c", ASK_AGENT, op, json.dumps(args)],
-            env=image_environment() | {
-                SOCKET_VARIABLE: f"/proc/self/fd/{directory}/{socket.name}"},
-            pass_fds=(directory,), capture_output=True, text=True, timeout=COMMAND_SECONDS,
-            check=False)
+             sys.executable, "-c", ASK_AGENT, f"/proc/self/fd/{directory}/{socket.name}"],
+            input=encode({"op": op, "args": args}), env=image_environment(),
+            pass_fds=(directory,), capture_output=True, timeout=COMMAND_SECONDS, check=False)
     finally:
         os.close(directory)
     assert done.returncode == 0, done.stderr
-    said: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    said: dict[str, Any] = decode(done.stdout.splitlines()[-1])
     return said
 
 
