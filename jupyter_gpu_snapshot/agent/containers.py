@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import psutil
 
 from ..core.errors import SnapshotError
+from ..core.procfs import ns_pids
 from .enter_container import AGENT_COPY, AGENT_ROOT, start_ticks
 
 ENTER = Path(__file__).with_name("enter_container.py")
@@ -195,15 +196,6 @@ async def in_network_of(pid: int, work: Callable[[], _T]) -> _T:
 
 
 # -- pids: the agent's are the node's, the user's server's its container's ---------------
-def ns_pids(pid: int) -> list[int]:
-    """Process ``pid``'s pid in each pid namespace from the agent's down to its own."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("NSpid:"):
-                return [int(p) for p in line.split()[1:]]
-    return [pid]
-
-
 def pid_namespace(pid: int) -> int:
     return os.stat(f"/proc/{pid}/ns/pid").st_ino
 

@@ -32,12 +32,15 @@ def _status_field(pid: int | str, key: str) -> list[str]:
     return []
 
 
+def ns_pids(pid: int) -> list[int]:
+    """Process ``pid``'s pid in each PID namespace from ours down to its own (NSpid)."""
+    return [int(p) for p in _status_field(pid, "NSpid")] or [pid]
+
+
 def ns_pid(pid: int) -> int:
     """The pid of ``pid`` inside its innermost PID namespace (itself if it has no other)."""
     with contextlib.suppress(OSError, ValueError):
-        nspids = _status_field(pid, "NSpid")
-        if nspids:
-            return int(nspids[-1])
+        return ns_pids(pid)[-1]
     return pid
 
 
