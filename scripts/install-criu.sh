@@ -18,6 +18,9 @@ PREFIX=${CRIU_PREFIX:-/usr/local}
 LIBDIR=${JGS_LIBDIR:-$PREFIX/lib/jupyter-gpu-snapshot}
 SRC_LIST=/etc/apt/sources.list.d/jupyter-gpu-snapshot-criu-src.sources
 SHIM_SRC=$(cd "$(dirname "$0")/.." && pwd)/jupyter_gpu_snapshot/gpu/cuda_checkpoint_shim.c
+# Our changes to criu, applied in name order (docs/architecture.md says why each).
+PATCHES=$(cd "$(dirname "$0")" && pwd)/criu-patches
+PATCHES_SUM=$(cat "$PATCHES"/*.patch | sha256sum | cut -c1-16)
 
 log() { echo "install-criu: $*" >&2; }
 
@@ -47,9 +50,15 @@ install_shim() {
     log "installed $LIBDIR/bin/cuda-checkpoint"
 }
 
+# What a criu built here is: its version and our patches. A criu without them (the
+# system's, or one built before a patch changed) is rebuilt.
+built_for() {
+    echo "$("$1" --version 2>/dev/null | head -1) patches $PATCHES_SUM"
+}
+
 plugin_built_for() {
     [ -f "$LIBDIR/criu/cuda_plugin.so" ] && \
-        [ "$(cat "$LIBDIR/criu/built-for" 2>/dev/null)" = "$("$1" --version 2>/dev/null | head -1)" ]
+        [ "$(cat "$LIBDIR/criu/built-for" 2>/dev/null)" = "$(built_for "$1")" ]
 }
 
 existing=$(command -v criu || true)
@@ -60,7 +69,7 @@ if [ -n "$existing" ] && version_ok "$existing"; then
             log "using $existing ($("$existing" --version | head -1)) and its CUDA plugin"
             exit 0
         fi
-        log "$existing has no CUDA plugin built for it; building criu and the plugin"
+        log "$existing is not built with our patches and CUDA plugin; building both"
     else
         log "$existing is new enough but 'criu check' fails; building a fresh one"
     fi
@@ -85,7 +94,7 @@ export DEBIAN_FRONTEND=noninteractive
 log "installing build dependencies"
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends \
-    build-essential pkg-config dpkg-dev xz-utils libprotobuf-dev libprotobuf-c-dev \
+    build-essential pkg-config dpkg-dev patch xz-utils libprotobuf-dev libprotobuf-c-dev \
     protobuf-c-compiler protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev \
     libcap-dev libbsd-dev libgnutls28-dev libnftables-dev libaio-dev uuid-dev \
     iproute2 util-linux >/dev/null
@@ -122,13 +131,17 @@ fi
 log "building $(basename "$orig")"
 tar -C "$work" -xf "$orig"
 src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | head -1)
+for p in "$PATCHES"/*.patch; do
+    log "applying $(basename "$p")"
+    patch -s -p1 -d "$src" < "$p"
+done
 make -C "$src" -j"$(nproc)" criu cuda_plugin >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
 install -D -m 0755 "$src/criu/criu" "$PREFIX/sbin/criu"
 hash -r
 log "installed $PREFIX/sbin/criu ($("$PREFIX/sbin/criu" --version | head -1))"
 # criu loads every .so of its plugin directory: this one holds the CUDA plugin alone.
 install -D -m 0644 "$src/plugins/cuda/cuda_plugin.so" "$LIBDIR/criu/cuda_plugin.so"
-"$PREFIX/sbin/criu" --version | head -1 > "$LIBDIR/criu/built-for"
+built_for "$PREFIX/sbin/criu" > "$LIBDIR/criu/built-for"
 log "installed $LIBDIR/criu/cuda_plugin.so"
 install_shim
 if ! "$PREFIX/sbin/criu" check >/dev/null 2>&1; then

@@ -68,7 +68,8 @@ async def uninterruptible(fn: Callable[..., T], *args: Any) -> T:
 @dataclass(frozen=True)
 class PluginInstall:
     """CRIU's CUDA plugin and our stand-in, where ``scripts/install-criu.sh`` puts them:
-    ``ROOT/criu/cuda_plugin.so`` (with ``built-for``, the version line of its criu) and
+    ``ROOT/criu/cuda_plugin.so`` (with ``built-for``, the version line of its criu and its
+    patches) and
     ``ROOT/bin/cuda-checkpoint``."""
 
     root: Path
@@ -99,8 +100,10 @@ class PluginInstall:
             built_for = (self.plugin_dir / "built-for").read_text().strip()
         except OSError:
             built_for = ""
-        # "Version: 4.2.1", as `criu --version` printed it when the plugin was built.
-        if built_for.split(":")[-1].strip() != criu_version.strip():
+        # "Version: 4.2.1 patches 0123abcd": criu's version line when the plugin was built,
+        # and which of our patches that criu carries (scripts/install-criu.sh).
+        version = built_for.split(" patches ")[0].split(":")[-1].strip()
+        if version != criu_version.strip():
             return (f"CRIU's CUDA plugin in {self.plugin_dir} was built for "
                     f"{built_for or 'another criu'}, not for this criu {criu_version}")
         return None
