@@ -135,3 +135,16 @@ def fails_restoring_while(marker: Path) -> str:
     return (f'if [ "$1" = restore ] && [ -e "{marker}" ]; then\n'
             '  echo "Error (criu/cr-restore.c): restore refused by the test" >&2; exit 1\n'
             f'fi\nexec "{_real()}" "$@"\n')
+
+
+def keeps_the_restore_log(copy_to: Path, fill_workers: int | None = None) -> str:
+    """The real criu, whose ``criu restore`` log is copied to ``copy_to`` when it ends (the
+    engine removes criu's working directory), with ``CRIU_FILL_WORKERS`` set when given."""
+    workers = f"CRIU_FILL_WORKERS={fill_workers} " if fill_workers is not None else ""
+    return (
+        'case "$1" in restore)\n'
+        + _value_of("-W", "work")
+        + f'  {workers}"{_real()}" "$@"; rc=$?\n'
+        + f'  cp "$work/restore.log" "{copy_to}"; exit $rc;;\n'
+        + f'*) exec "{_real()}" "$@";;\nesac\n'
+    )
