@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,34 @@ def population_rate(huge: bool, size: int = 4 << 30) -> dict[str, float]:
     return {"bytes": size, "seconds": round(seconds, 3), "bytes_per_s": round(size / seconds)}
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14
+
+
+def parallel_population_rate(threads: int, size: int = 8 << 30) -> dict[str, float]:
+    """Bytes per second of populating fresh anonymous memory on ``threads`` threads at once,
+    each a part of one mapping: what criu's fill workers (scripts/criu-patches) can reach."""
+    area = mmap.mmap(-1, size)
+    view = (ctypes.c_char * size).from_buffer(area)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        base, part = ctypes.addressof(view), size // threads
+
+        def populate(i: int) -> None:
+            if libc.madvise(base + i * part, part, MADV_POPULATE_WRITE) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+
+        with ThreadPoolExecutor(threads) as pool:
+            started = time.monotonic()
+            list(pool.map(populate, range(threads)))
+            seconds = time.monotonic() - started
+    finally:
+        del view
+        area.close()
+    return {"bytes": size, "threads": threads, "seconds": round(seconds, 3),
+            "bytes_per_s": round(size / seconds)}
+
+
 def copy_rate(size: int = 4 << 30) -> dict[str, float]:
     """Bytes per second of one memcpy between two populated buffers, one thread."""
     src = np.ones(size, np.uint8)
@@ -99,6 +129,7 @@ def machine_floors(store_files: list[Path]) -> dict[str, Any]:
         "store_read_warm": read_rate(store_files, cold=False),
         "populate_4k": population_rate(huge=False),
         "populate_thp": population_rate(huge=True),
+        "populate_8_threads": parallel_population_rate(8),
         "memcpy": copy_rate(),
         "thp_setting": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip(),
     }
