@@ -20,7 +20,9 @@ the start. Otherwise every byte criu gets is checked against the signed manifest
   directory, for the hooks that read an image before criu runs (the node agent's checks);
 - a larger file (a pages image) is spliced into criu's pipe from the page cache, without a
   copy, while a thread beside hashes the same pages and compares the digest at the end;
-  criu only copies those bytes into the tree's memory. ``verify_all`` returns once every
+  criu only copies those bytes into the tree's memory. Our criu's fill workers may ask
+  for a pages image again in stripes, one pipe each (``Stripe``); the file is still
+  hashed once. ``verify_all`` returns once every
   file matched, and no code of the tree runs before it returned: criu's CUDA plugin waits
   for it (the broker's gate), and without the plugin the tree stays stopped until then.
   A large file asked for after that is refused, so criu fails rather than read it
@@ -35,6 +37,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import socket
 import struct
 import threading
@@ -61,6 +64,9 @@ BLOCK_BYTES = 16 << 20
 # criu's pipes hold 64 KiB; a wider one lets criu copy more per read.
 PIPE_BYTES = 8 << 20
 _MAX_REQUEST_BYTES = 4096
+_STRIPE_SPEC = re.compile(r"(\d{1,2})/(\d{1,2})/(\d{1,10})")
+_MAX_STRIPES = 64
+_MIN_PIECE, _MAX_PIECE = 1 << 20, 1 << 30
 _SUN_PATH_MAX = 107
 _DAMAGED = "the snapshot is damaged; delete it"
 
@@ -94,6 +100,38 @@ class ImageFile:
         return cls(name, size, expected, read_into, splice_into, kept_whole=True)
 
 
+@dataclass(frozen=True)
+class Stripe:
+    """One of ``count`` pipes that carry a pages image to criu's fill workers at once
+    (scripts/criu-patches): the image's pieces of ``piece`` bytes whose index is ``index``
+    modulo ``count``, in order. criu asks for it as "pages-N.img@INDEX/COUNT/PIECE" after
+    the image itself, whose own pipe it then leaves unread."""
+
+    index: int
+    count: int
+    piece: int
+
+    @classmethod
+    def of(cls, name: str) -> tuple[str, Stripe | None] | None:
+        """The image file ``name`` asks for and its stripe; None for a malformed stripe."""
+        base, at, spec = name.partition("@")
+        if not at:
+            return name, None
+        match = _STRIPE_SPEC.fullmatch(spec)
+        if not match or not base.startswith(PAGES_PREFIX):
+            return None
+        index, count, piece = (int(part) for part in match.groups())
+        if not (index < count <= _MAX_STRIPES and piece % 4096 == 0
+                and _MIN_PIECE <= piece <= _MAX_PIECE):
+            return None
+        return base, cls(index, count, piece)
+
+    def ranges(self, size: int) -> Iterator[tuple[int, int]]:
+        """(offset, length) of each piece this stripe carries of a file of ``size`` bytes."""
+        for offset in range(self.index * self.piece, size, self.count * self.piece):
+            yield offset, min(self.piece, size - offset)
+
+
 @dataclass
 class ServeStats:
     """Where a restore's image time went, for the benchmarks."""
@@ -103,8 +141,9 @@ class ServeStats:
     checked_after_bytes: int = 0
     read_seconds: float = 0.0  # reading the store (packs or whole files)
     hash_seconds: float = 0.0
-    pipe_seconds: float = 0.0  # handing bytes to criu, waiting while it is busy
-    requests: int = 0
+    pipe_seconds: float = 0.0  # handing bytes to criu, waiting while it is busy; summed
+    requests: int = 0  # over the pipes of a striped image, which are served at once
+    stripes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +165,7 @@ class ImageServer:
         self._failure: SnapshotError | None = None
         self._gate_passed = False
         self._checking = 0  # checks under way; the gate waits for them, not for criu's reads
+        self._checks_started: set[str] = set()
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -202,9 +242,10 @@ class ImageServer:
         with conn:
             try:
                 while (name := _read_request(conn)) is not None:
-                    image = self._servable(name)
+                    asked = Stripe.of(name)
+                    image = self._servable(asked[0]) if asked else None
                     conn.sendall(_reply(image is not None))
-                    if image is None:
+                    if image is None or asked is None:
                         continue
                     _, fds, _, _ = socket.recv_fds(conn, 1, 4)
                     if not fds:
@@ -213,14 +254,17 @@ class ImageServer:
                         os.close(extra)
                     with self._lock:
                         self.stats.requests += 1
-                        beside = name not in self._checked_first
+                        self.stats.stripes += asked[1] is not None
+                        beside = (image.name not in self._checked_first
+                                  and image.name not in self._checks_started)
                         if beside:
+                            self._checks_started.add(image.name)
                             self._checking += 1
                     if beside:
-                        # Checked beside criu, not in its way: the hash reads the same
-                        # page cache, ahead of criu.
-                        self._start(self._check_beside, f"check-{name}", image)
-                    self._start(self._send, name, image, fds[0])
+                        # Checked once, beside criu, not in its way: the hash reads the
+                        # same page cache, ahead of criu.
+                        self._start(self._check_beside, f"check-{image.name}", image)
+                    self._start(self._send, name, image, fds[0], asked[1])
             except (OSError, ProtocolError) as exc:
                 if not self._closing.is_set():
                     log.warning("criu's image connection ended: %s", exc)
@@ -234,16 +278,18 @@ class ImageServer:
                 return None
         return image
 
-    def _send(self, image: ImageFile, pipe: int) -> None:
+    def _send(self, image: ImageFile, pipe: int, stripe: Stripe | None) -> None:
         try:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(pipe, fcntl.F_SETPIPE_SZ, _pipe_bytes())
+            ranges = stripe.ranges(image.size) if stripe else _blocks_of(image.size)
             checked = self._checked_first.get(image.name)
             if checked is not None:
                 with contextlib.suppress(BrokenPipeError):
-                    _write_all(pipe, checked)
+                    for offset, length in ranges:
+                        _write_all(pipe, checked[offset:offset + length])
             else:
-                self._splice(image, pipe)
+                self._splice(image, pipe, ranges)
         except SnapshotError as exc:
             self._fail(exc)
         except OSError as exc:
@@ -251,12 +297,11 @@ class ImageServer:
         finally:
             os.close(pipe)
 
-    def _splice(self, image: ImageFile, pipe: int) -> None:
-        """Move ``image`` into criu's pipe block by block, until criu stops reading."""
-        for offset in range(0, image.size, BLOCK_BYTES):
+    def _splice(self, image: ImageFile, pipe: int, ranges: Iterator[tuple[int, int]]) -> None:
+        """Move ``ranges`` of ``image`` into criu's pipe, until criu stops reading."""
+        for offset, length in ranges:
             if self._closing.is_set():
                 raise SnapshotError("restore", "the restore was stopped")
-            length = min(BLOCK_BYTES, image.size - offset)
             t = time.monotonic()
             try:
                 image.splice_into(pipe, offset, length)
@@ -406,6 +451,12 @@ class ImageServer:
 
 class ProtocolError(Exception):
     """criu sent what its image-streamer protocol does not."""
+
+
+def _blocks_of(size: int) -> Iterator[tuple[int, int]]:
+    """A whole file of ``size`` bytes, BLOCK_BYTES at a time."""
+    for offset in range(0, size, BLOCK_BYTES):
+        yield offset, min(BLOCK_BYTES, size - offset)
 
 
 def _read_request(conn: socket.socket) -> str | None:
