@@ -117,13 +117,15 @@ def test_a_snapshot_kept_whole_is_read_in_place_and_checked_beside(tmp_path, ker
 
 def _kill_criu_once_it_reads_pages() -> str:
     """A wrapper that SIGKILLs the real criu restore once its log shows it reading pages
-    from the stream, so criu dies with its pipes half read."""
+    from the stream (on its one pipe, or its workers on stripes of it), so criu dies with
+    its pipes half read."""
     return (
         'case "$1" in restore)\n'
         + _value_of("-W", "work")
         + """  "{real}" "$@" & pid=$!
   for i in $(seq 4000); do
-    grep -q "Read page from self" "$work/restore.log" 2>/dev/null && break
+    grep -qE "Read page from self|pages from [0-9]+ stripes" "$work/restore.log" 2>/dev/null \
+      && break
     sleep 0.005
   done
   kill -9 $pid; wait $pid; exit 137;;
