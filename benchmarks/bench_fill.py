@@ -1,0 +1,150 @@
+"""How criu fills a restored kernel's memory (scripts/criu-patches), three ways, one run.
+
+One snapshot-ready CPU kernel holding random numpy bytes is saved by content (the store's
+default), then restored in turn, from the page cache:
+
+- ``stripes``: the image server offers the pages image in stripes, one pipe per worker;
+- ``populate``: a server without stripes: one pipe, into memory the workers populated;
+- ``one worker``: ``CRIU_FILL_WORKERS=1``, criu's own way.
+
+Each way is restored ``--repeats`` times in turn; the state is compared after each. The
+machine's own limits are measured in the same run.
+
+    python benchmarks/bench_fill.py [--gib 1.5] [--repeats 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_cpu import machine_info
+from common import copy_rate, parallel_population_rate, population_rate, read_rate, settle
+from jupyter_client.blocking import BlockingKernelClient
+from jupyter_client.manager import KernelManager
+
+from jupyter_gpu_snapshot.core import image_server, procfs
+from jupyter_gpu_snapshot.core.criu import CriuRunner
+from jupyter_gpu_snapshot.core.engine import SnapshotEngine
+from jupyter_gpu_snapshot.core.hooks import SaveTarget
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
+
+STATE = """
+import hashlib, numpy as np
+block = np.random.default_rng(20261128).integers(0, 2**63, size=int({gib} * (1 << 30)) // 8,
+                                                 dtype=np.int64)
+print(hashlib.sha256(block.tobytes()).hexdigest())
+"""
+CHECK = "print(hashlib.sha256(block.tobytes()).hexdigest())"
+_OFFERED = image_server.Stripe.of
+
+
+def _no_stripes(name: str) -> tuple[str, image_server.Stripe | None] | None:
+    return None if "@" in name else (name, None)
+
+
+WAYS: dict[str, tuple[Callable[[str], Any], str | None]] = {
+    "stripes": (_OFFERED, None),
+    "populate": (_no_stripes, None),
+    "one worker": (_OFFERED, "1"),
+}
+
+
+def printed(info: dict[str, Any], code: str) -> str:
+    """What ``code`` prints in the kernel at ``info``, through a fresh client."""
+    client = BlockingKernelClient()
+    client.load_connection_info(info)
+    client.start_channels()
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+
+    try:
+        client.wait_for_ready(timeout=120)
+        reply = client.execute_interactive(code, timeout=300, output_hook=hook)
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        client.stop_channels()
+    return "".join(out).strip()
+
+
+def restore_once(engine: SnapshotEngine, snap_id: str, way: str, expect: str) -> dict[str, Any]:
+    offer, workers = WAYS[way]
+    image_server.Stripe.of = staticmethod(offer)  # type: ignore[method-assign,assignment]
+    if workers:
+        os.environ["CRIU_FILL_WORKERS"] = workers
+    try:
+        settle()
+        started = time.monotonic()
+        back = asyncio.run(engine.restore(snap_id))
+        seconds = time.monotonic() - started
+    finally:
+        os.environ.pop("CRIU_FILL_WORKERS", None)
+        image_server.Stripe.of = staticmethod(_OFFERED)  # type: ignore[method-assign,assignment]
+    try:
+        assert printed(back.connection_info, CHECK) == expect, "the restored state differs"
+    finally:
+        procfs.kill_tree(back.pid)
+    images = back.notes["images"]
+    return {"restore_s": seconds, "criu_s": back.timings.get("restore"),
+            "stripes": images["stripes"], "pipe_seconds": images["pipe_seconds"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=1.5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    install()
+    criu = CriuRunner()
+    result: dict[str, Any] = {"benchmark": "criu-fill-ways", "machine": machine_info(criu),
+                              "gib": args.gib, "runs": {way: [] for way in WAYS}}
+    with tempfile.TemporaryDirectory(prefix="jgs-bench-fill-") as tmp:
+        os.environ["JUPYTER_RUNTIME_DIR"] = str(Path(tmp) / "runtime")
+        km = KernelManager(kernel_name=KERNEL_NAME)
+        km.start_kernel()
+        expect = printed(km.get_connection_info(), STATE.format(gib=args.gib))
+        store = SnapshotStore(Path(tmp) / "store")
+        engine = SnapshotEngine(store)
+        snap = asyncio.run(engine.save(
+            SaveTarget(pid=int(km.provisioner.root_pid), connection_info=km.get_connection_info(),
+                       kernel_name="python3-snapshot"), name="fill", stop=True))
+        for _ in range(args.repeats):
+            for way in WAYS:
+                run = restore_once(engine, snap.id, way, expect)
+                result["runs"][way].append(run)
+                print(f"{way}: restore {run['restore_s']:.2f}s (criu {run['criu_s']:.2f}s, "
+                      f"stripes {run['stripes']})", flush=True)
+                while procfs.ports_in_use(snap.connection_info):
+                    time.sleep(0.5)
+        packs = sorted((store.root / "chunks").glob("*.pack"))
+        result["floors"] = {
+            "store_read_warm": read_rate(packs, cold=False),
+            "populate_4k": population_rate(huge=False, size=1 << 30),
+            "populate_2_threads": parallel_population_rate(2, size=1 << 30),
+            "memcpy": copy_rate(size=1 << 30),
+        }
+    result["median_restore_s"] = {way: statistics.median(r["restore_s"] for r in runs)
+                                  for way, runs in result["runs"].items()}
+    result["median_criu_s"] = {way: statistics.median(r["criu_s"] for r in runs)
+                               for way, runs in result["runs"].items()}
+    print(json.dumps({k: result[k] for k in ("median_restore_s", "median_criu_s")}, indent=1))
+    out = args.out or Path(__file__).parent / "results" / "fill-cpu.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
