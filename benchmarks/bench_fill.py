@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from bench_cpu import machine_info
-from common import copy_rate, parallel_population_rate, population_rate, read_rate, settle
+from common import (
+    copy_rate,
+    fill_workers_set,
+    parallel_population_rate,
+    population_rate,
+    read_rate,
+    settle,
+)
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
@@ -52,10 +59,10 @@ def _no_stripes(name: str) -> tuple[str, image_server.Stripe | None] | None:
     return None if "@" in name else (name, None)
 
 
-WAYS: dict[str, tuple[Callable[[str], Any], str | None]] = {
+WAYS: dict[str, tuple[Callable[[str], Any], int | None]] = {
     "stripes": (_OFFERED, None),
     "populate": (_no_stripes, None),
-    "one worker": (_OFFERED, "1"),
+    "one worker": (_OFFERED, 1),
 }
 
 
@@ -82,15 +89,13 @@ def printed(info: dict[str, Any], code: str) -> str:
 def restore_once(engine: SnapshotEngine, snap_id: str, way: str, expect: str) -> dict[str, Any]:
     offer, workers = WAYS[way]
     image_server.Stripe.of = staticmethod(offer)  # type: ignore[method-assign,assignment]
-    if workers:
-        os.environ["CRIU_FILL_WORKERS"] = workers
     try:
         settle()
-        started = time.monotonic()
-        back = asyncio.run(engine.restore(snap_id))
-        seconds = time.monotonic() - started
+        with fill_workers_set(workers):
+            started = time.monotonic()
+            back = asyncio.run(engine.restore(snap_id))
+            seconds = time.monotonic() - started
     finally:
-        os.environ.pop("CRIU_FILL_WORKERS", None)
         image_server.Stripe.of = staticmethod(_OFFERED)  # type: ignore[method-assign,assignment]
     try:
         assert printed(back.connection_info, CHECK) == expect, "the restored state differs"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import os
@@ -37,12 +36,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench_gpu import LLAMA_8B, STATE_CHECK, Kernel, first_cell, machine_info, pcie_rates
-from common import machine_floors, settle
+from common import fill_workers_set, machine_floors, settle
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import chunks, image_server, images, procfs
@@ -265,19 +264,6 @@ def restore(engine: SnapshotEngine, k: Kernel, snap: Snapshot, expect: str,
             "restore_to_first_cell_s": to_cell, "restore_s": restored_s,
             "first_cell_s": cell_s, "image_bytes": snap.size_bytes, "images": images,
             "timings": back.timings, "state_equal": True, **m.figures()}
-
-
-@contextlib.contextmanager
-def fill_workers_set(workers: int | None) -> Iterator[None]:
-    """criu's CRIU_FILL_WORKERS for the restores inside, when given."""
-    if workers is None:
-        yield
-        return
-    os.environ["CRIU_FILL_WORKERS"] = str(workers)
-    try:
-        yield
-    finally:
-        del os.environ["CRIU_FILL_WORKERS"]
 
 
 def store_files(engine: SnapshotEngine, snap: Snapshot) -> list[Path]:

@@ -8,12 +8,26 @@ import mmap
 import os
 import platform
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+@contextlib.contextmanager
+def fill_workers_set(workers: int | None) -> Iterator[None]:
+    """criu's CRIU_FILL_WORKERS (scripts/criu-patches) for the restores inside, when given."""
+    if workers is None:
+        yield
+        return
+    os.environ["CRIU_FILL_WORKERS"] = str(workers)
+    try:
+        yield
+    finally:
+        del os.environ["CRIU_FILL_WORKERS"]
 
 
 def settle(cold: bool = False) -> None:

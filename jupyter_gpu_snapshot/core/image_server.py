@@ -22,9 +22,9 @@ the start. Otherwise every byte criu gets is checked against the signed manifest
   copy, while a thread beside hashes the same pages and compares the digest at the end;
   criu only copies those bytes into the tree's memory. Our criu's fill workers may ask
   for a pages image again in stripes, one pipe each (``Stripe``); the file is still
-  hashed once. ``verify_all`` returns once every
-  file matched, and no code of the tree runs before it returned: criu's CUDA plugin waits
-  for it (the broker's gate), and without the plugin the tree stays stopped until then.
+  hashed once. ``verify_all`` returns once every file matched, and no code of the tree
+  runs before it returned: criu's CUDA plugin waits for it (the broker's gate), and
+  without the plugin the tree stays stopped until then.
   A large file asked for after that is refused, so criu fails rather than read it
   unchecked. The hash and criu read the same cached pages; only a writer of the store's
   own files (its owner, root for the node agent) could change them in between.
@@ -141,9 +141,11 @@ class ServeStats:
     checked_after_bytes: int = 0
     read_seconds: float = 0.0  # reading the store (packs or whole files)
     hash_seconds: float = 0.0
-    pipe_seconds: float = 0.0  # handing bytes to criu, waiting while it is busy; summed
-    requests: int = 0  # over the pipes of a striped image, which are served at once
-    stripes: int = 0
+    # Handing bytes to criu, waiting while it is busy; summed over the pipes of a striped
+    # image, which are served at once.
+    pipe_seconds: float = 0.0
+    requests: int = 0
+    stripes: int = 0  # requests for a stripe of a pages image (``Stripe``)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

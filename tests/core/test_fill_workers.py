@@ -3,9 +3,9 @@
 Real kernels, real criu, each layout of the store: pages kept by content reach criu's
 workers as stripes of its stream, one pipe each (or, from a server without stripes, on the
 one pipe, into memory the workers populated first); pages kept whole are read in place by
-the workers. Each run checks the kernel's state came back, that
-the workers ran (or, with one asked for, that criu filled the memory alone), and that their
-pids lie above every pid and thread id of the restored tree, which they must never take.
+the workers. Each run checks the kernel's state came back, that the workers ran (or, with
+one asked for, that criu filled the memory alone), and that their pids lie above every pid
+and thread id of the restored tree, which they must never take.
 """
 
 from __future__ import annotations
