@@ -1,8 +1,8 @@
 """A restore's images handed to criu where they lie in the store, through criu's image-streamer
 protocol (``criu restore --stream``): nothing is assembled or copied before criu runs.
 
-Why this way, and not packs laid out for criu to read in place, is in docs/architecture.md
-("Restoring from the packs").
+Why this way, and not packs laid out as criu's own pages images, is in
+docs/architecture.md ("Restoring from the packs").
 
 The protocol (criu's ``img-streamer.c``): criu connects once to ``<images dir>/SOCKET_NAME``;
 its restoring processes share that connection, one request at a time. A request is a
@@ -20,9 +20,10 @@ the start. Otherwise every byte criu gets is checked against the signed manifest
   directory, for the hooks that read an image before criu runs (the node agent's checks);
 - a larger file (a pages image) is spliced into criu's pipe from the page cache, without a
   copy, while a thread beside hashes the same pages and compares the digest at the end;
-  criu only copies those bytes into the tree's memory. Our criu's fill workers may ask
-  for a pages image again in stripes, one pipe each (``Stripe``); the file is still
-  hashed once. ``verify_all`` returns once every file matched, and no code of the tree
+  criu only copies those bytes into the tree's memory. Our criu's fill workers instead
+  ask where a pages image lies (``Asked``: its extents, then each file they are in, handed
+  over open) and read it in place, as from a file kept whole; the file is still hashed
+  once, from the same files. ``verify_all`` returns once every file matched, and no code of the tree
   runs before it returned: criu's CUDA plugin waits for it (the broker's gate), and
   without the plugin the tree stays stopped until then.
   A large file asked for after that is refused, so criu fails rather than read it
@@ -48,6 +49,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from . import digest
 from .chunks import pread_exactly, splice_exactly
 from .errors import SnapshotError
@@ -64,27 +68,34 @@ BLOCK_BYTES = 16 << 20
 # criu's pipes hold 64 KiB; a wider one lets criu copy more per read.
 PIPE_BYTES = 8 << 20
 _MAX_REQUEST_BYTES = 4096
-_STRIPE_SPEC = re.compile(r"(\d{1,2})/(\d{1,2})/(\d{1,10})")
-_MAX_STRIPES = 64
-_MIN_PIECE, _MAX_PIECE = 1 << 20, 1 << 30
+_FILE_SPEC = re.compile(r"file/(\d{1,4})", re.ASCII)
+# One extent of a pages image, as criu's patch reads it (scripts/criu-patches): the file
+# (its number among the image's files), the offset in it, the offset in the image, the
+# length; little-endian.
+_EXTENT = struct.Struct("<4Q")
 _SUN_PATH_MAX = 107
 _DAMAGED = "the snapshot is damaged; delete it"
 
 ReadInto = Callable[[memoryview, int], None]
 SpliceInto = Callable[[int, int, int], None]
+# Where a file's bytes lie: rows of (open fd, offset in it, offset in the file, length), in
+# the file's order; bytes in no row are zeros.
+Extents = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
 class ImageFile:
     """One image file of a snapshot as a restore reads it, from wherever the store keeps
     it: ``read_into(view, offset)`` fills ``view`` with its bytes from ``offset`` on;
-    ``splice_into(pipe, offset, length)`` moves them into a pipe from the page cache."""
+    ``splice_into(pipe, offset, length)`` moves them into a pipe from the page cache;
+    ``extents`` says where they lie, for criu to read them in place."""
 
     name: str
     size: int
     digest: str
     read_into: ReadInto
     splice_into: SpliceInto
+    extents: Extents | None = None  # None: in no file criu could read
     kept_whole: bool = False  # a file of the snapshot's directory, criu may read in place
 
     @classmethod
@@ -97,39 +108,33 @@ class ImageFile:
         def splice_into(pipe: int, offset: int, length: int) -> None:
             splice_exactly(fd, pipe, offset, length, short)
 
-        return cls(name, size, expected, read_into, splice_into, kept_whole=True)
+        extents = np.asarray([[fd, 0, 0, size]] if size else [], np.int64).reshape(-1, 4)
+        return cls(name, size, expected, read_into, splice_into, extents, kept_whole=True)
 
 
 @dataclass(frozen=True)
-class Stripe:
-    """One of ``count`` pipes that carry a pages image to criu's fill workers at once
-    (scripts/criu-patches): the image's pieces of ``piece`` bytes whose index is ``index``
-    modulo ``count``, in order. criu asks for it as "pages-N.img@INDEX/COUNT/PIECE" after
-    the image itself, whose own pipe it then leaves unread."""
+class Asked:
+    """What one request of criu names. Plain, an image file, sent on criu's pipe. Our
+    criu's fill workers (scripts/criu-patches) read a pages image in place instead: they
+    ask for "pages-N.img@extents", the image's extents (``_EXTENT``) on a pipe, then for
+    "pages-N.img@file/K", the K-th file they lie in, handed over open for reading."""
 
-    index: int
-    count: int
-    piece: int
+    image: str
+    extents: bool = False
+    file: int | None = None
 
     @classmethod
-    def of(cls, name: str) -> tuple[str, Stripe | None] | None:
-        """The image file ``name`` asks for and its stripe; None for a malformed stripe."""
+    def of(cls, name: str) -> Asked | None:
+        """What ``name`` asks for; None when malformed (answered as a missing file)."""
         base, at, spec = name.partition("@")
         if not at:
-            return name, None
-        match = _STRIPE_SPEC.fullmatch(spec)
-        if not match or not base.startswith(PAGES_PREFIX):
+            return cls(name)
+        if not base.startswith(PAGES_PREFIX):
             return None
-        index, count, piece = (int(part) for part in match.groups())
-        if not (index < count <= _MAX_STRIPES and piece % 4096 == 0
-                and _MIN_PIECE <= piece <= _MAX_PIECE):
-            return None
-        return base, cls(index, count, piece)
-
-    def ranges(self, size: int) -> Iterator[tuple[int, int]]:
-        """(offset, length) of each piece this stripe carries of a file of ``size`` bytes."""
-        for offset in range(self.index * self.piece, size, self.count * self.piece):
-            yield offset, min(self.piece, size - offset)
+        if spec == "extents":
+            return cls(base, extents=True)
+        match = _FILE_SPEC.fullmatch(spec)
+        return cls(base, file=int(match.group(1))) if match else None
 
 
 @dataclass
@@ -137,15 +142,15 @@ class ServeStats:
     """Where a restore's image time went, for the benchmarks."""
 
     checked_first_bytes: int = 0
-    streamed_bytes: int = 0
+    streamed_bytes: int = 0  # through criu's pipes
+    checked_beside_bytes: int = 0  # hashed beside criu, as it read them
     checked_after_bytes: int = 0
     read_seconds: float = 0.0  # reading the store (packs or whole files)
     hash_seconds: float = 0.0
-    # Handing bytes to criu, waiting while it is busy; summed over the pipes of a striped
-    # image, which are served at once.
-    pipe_seconds: float = 0.0
+    pipe_seconds: float = 0.0  # handing bytes to criu, waiting while it is busy
     requests: int = 0
-    stripes: int = 0  # requests for a stripe of a pages image (``Stripe``)
+    read_in_place: int = 0  # pages images criu's fill workers read from their files
+    files_handed: int = 0  # the files they lie in, handed over to criu
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,6 +173,7 @@ class ImageServer:
         self._gate_passed = False
         self._checking = 0  # checks under way; the gate waits for them, not for criu's reads
         self._checks_started: set[str] = set()
+        self._extent_fds: dict[str, list[int]] = {}  # of each image whose extents criu read
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -244,8 +250,14 @@ class ImageServer:
         with conn:
             try:
                 while (name := _read_request(conn)) is not None:
-                    asked = Stripe.of(name)
-                    image = self._servable(asked[0]) if asked else None
+                    asked = Asked.of(name)
+                    image = self._servable(asked.image) if asked else None
+                    if image is not None and asked is not None and asked.file is not None:
+                        self._hand_over(conn, image, asked.file)
+                        continue
+                    if (image is not None and asked is not None and asked.extents
+                            and (image.extents is None or image.name in self._checked_first)):
+                        image = None  # read from memory, checked already: its pipe only
                     conn.sendall(_reply(image is not None))
                     if image is None or asked is None:
                         continue
@@ -256,20 +268,52 @@ class ImageServer:
                         os.close(extra)
                     with self._lock:
                         self.stats.requests += 1
-                        self.stats.stripes += asked[1] is not None
-                        beside = (image.name not in self._checked_first
-                                  and image.name not in self._checks_started)
-                        if beside:
-                            self._checks_started.add(image.name)
-                            self._checking += 1
-                    if beside:
-                        # Checked once, beside criu, not in its way: the hash reads the
-                        # same page cache, ahead of criu.
-                        self._start(self._check_beside, f"check-{image.name}", image)
-                    self._start(self._send, name, image, fds[0], asked[1])
+                    self._check_beside_once(image)
+                    send = self._send_extents if asked.extents else self._send
+                    self._start(send, name, image, fds[0])
             except (OSError, ProtocolError) as exc:
                 if not self._closing.is_set():
                     log.warning("criu's image connection ended: %s", exc)
+
+    def _check_beside_once(self, image: ImageFile) -> None:
+        """Check ``image`` beside criu, not in its way, once however often criu asks for
+        it: the hash reads the same page cache, ahead of criu."""
+        with self._lock:
+            beside = (image.name not in self._checked_first
+                      and image.name not in self._checks_started)
+            if beside:
+                self._checks_started.add(image.name)
+                self._checking += 1
+        if beside:
+            self._start(self._check_beside, f"check-{image.name}", image)
+
+    def _send_extents(self, image: ImageFile, pipe: int) -> None:
+        """Where ``image`` lies, as ``_EXTENT`` rows, each file numbered as criu will ask
+        for it (``_hand_over``)."""
+        assert image.extents is not None
+        try:
+            fds, numbers = np.unique(image.extents[:, 0], return_inverse=True)
+            table = np.column_stack([numbers.reshape(-1), image.extents[:, 1:]])
+            with self._lock:
+                self._extent_fds[image.name] = fds.tolist()
+                self.stats.read_in_place += 1
+            with contextlib.suppress(BrokenPipeError):
+                _write_all(pipe, table.astype("<u8").tobytes())
+        finally:
+            os.close(pipe)
+
+    def _hand_over(self, conn: socket.socket, image: ImageFile, number: int) -> None:
+        """The ``number``-th file ``image`` lies in, open for reading, over the socket, to
+        criu, which read the image's extents first."""
+        with self._lock:
+            fds = self._extent_fds.get(image.name, [])
+        if number >= len(fds):
+            conn.sendall(_reply(False))
+            return
+        conn.sendall(_reply(True))
+        socket.send_fds(conn, [b"\0"], [fds[number]])
+        with self._lock:
+            self.stats.files_handed += 1
 
     def _servable(self, name: str) -> ImageFile | None:
         image = self.files.get(name)
@@ -280,11 +324,11 @@ class ImageServer:
                 return None
         return image
 
-    def _send(self, image: ImageFile, pipe: int, stripe: Stripe | None) -> None:
+    def _send(self, image: ImageFile, pipe: int) -> None:
         try:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(pipe, fcntl.F_SETPIPE_SZ, _pipe_bytes())
-            ranges = stripe.ranges(image.size) if stripe else _blocks_of(image.size)
+            ranges = _blocks_of(image.size)
             checked = self._checked_first.get(image.name)
             if checked is not None:
                 with contextlib.suppress(BrokenPipeError):
@@ -320,6 +364,8 @@ class ImageServer:
                     self._check(image)
                 except OSError as exc:
                     raise self._unreadable(image, exc) from exc
+                with self._lock:
+                    self.stats.checked_beside_bytes += image.size
         except SnapshotError as exc:
             self._fail(exc)
         finally:
@@ -328,6 +374,8 @@ class ImageServer:
     def _check_beside(self, image: ImageFile) -> None:
         try:
             self._check(image)
+            with self._lock:
+                self.stats.checked_beside_bytes += image.size
         except SnapshotError as exc:
             self._fail(exc)
         except OSError as exc:

@@ -120,7 +120,7 @@ def served_images(pages: chunks.ChunkStore, snapshot: Snapshot) -> Iterator[dict
                       for name, (fd, _) in whole.items()}
             served.update({name: ImageFile(name, plan.size, files[name]["digest"],
                                            plan.read_into, plan.splice_into,
-                                           kept_whole=False)
+                                           extents=plan.runs, kept_whole=False)
                            for name, plan in plans.items()})
             yield dict(sorted(served.items()))
 

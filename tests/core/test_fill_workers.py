@@ -1,28 +1,35 @@
 """criu fills a restored kernel's memory on several CPUs (scripts/criu-patches).
 
-Real kernels, real criu, each layout of the store: pages kept by content reach criu's
-workers as stripes of its stream, one pipe each (or, from a server without stripes, on the
-one pipe, into memory the workers populated first); pages kept whole are read in place by
-the workers. Each run checks the kernel's state came back, that the workers ran (or, with
-one asked for, that criu filled the memory alone), and that their pids lie above every pid
-and thread id of the restored tree, which they must never take.
+Real kernels, real criu, each layout of the store: pages kept by content are read by
+criu's workers from the store's packs in place, where the image server says they lie (or,
+from a server that says nothing of it, from the one pipe of the stream, into memory the
+workers populated first); pages kept whole are read in place by the workers. Each run
+checks the kernel's state came back, that the workers ran (or, with one asked for, that
+criu filled the memory alone), and that their pids lie above every pid and thread id of
+the restored tree, which they must never take.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
-from jupyter_gpu_snapshot.core import image_server, procfs
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit.criu_wrappers import install, keeps_the_restore_log
+from testkit.image_servers import offering_no_extents
 from tests.conftest import execute, run
 
 # 96 MiB of memory only this state produces, past the 64 MiB from which workers are used.
@@ -42,31 +49,24 @@ class Scenario:
     by_content: bool
     workers: int | None  # CRIU_FILL_WORKERS; None: criu's default (the CPUs, up to 8)
     expect: str | None  # what the workers did, as the log says it, or None: no workers
-    stripes: bool = True  # whether the image server offers a pages image in stripes
+    extents: bool = True  # whether the image server says where a pages image lies
 
 
 SCENARIOS = [
-    Scenario("by content: stripes of the stream read by workers", True, 2,
-             "Reading pages from 2 stripes"),
-    Scenario("by content, no stripes offered: populated by workers", True, 2,
-             "Populating premapped memory", stripes=False),
+    Scenario("by content: the packs read in place by workers", True, 2,
+             "Reading pages from 1 files in place"),
+    Scenario("by content, no extents offered: populated by workers", True, 2,
+             "Populating premapped memory", extents=False),
     Scenario("whole files, in place: read by workers", False, 2, "Reading pages"),
     Scenario("whole files, criu's default", False, None, "Reading pages"),
     Scenario("one worker asked for: criu alone", False, 1, None),
 ]
 
 
-def _no_stripes(name: str) -> tuple[str, image_server.Stripe | None] | None:
-    """The image server as one without stripes sees their names: files it does not have."""
-    return None if "@" in name else (name, None)
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_memory_filled_on_several_cpus_comes_back_whole(
-    scenario: Scenario, tmp_path: Path, kernel, restored, monkeypatch
+    scenario: Scenario, tmp_path: Path, kernel, restored
 ):
-    if not scenario.stripes:
-        monkeypatch.setattr(image_server.Stripe, "of", staticmethod(_no_stripes))
     store = SnapshotStore(tmp_path / "store", chunk_images=scenario.by_content)
     engine = SnapshotEngine(store, kernel_answers=kernel_answers)
     expected = kernel.execute(STATE).strip()
@@ -77,7 +77,8 @@ def test_memory_filled_on_several_cpus_comes_back_whole(
 
     log = tmp_path / "restore.log"
     criu = CriuRunner(install(tmp_path, keeps_the_restore_log(log, scenario.workers)))
-    back = run(SnapshotEngine(store, criu, kernel_answers=kernel_answers).restore(snap.id))
+    with contextlib.nullcontext() if scenario.extents else offering_no_extents():
+        back = run(SnapshotEngine(store, criu, kernel_answers=kernel_answers).restore(snap.id))
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, CHECK).strip() == expected
 
@@ -90,7 +91,93 @@ def test_memory_filled_on_several_cpus_comes_back_whole(
     assert sum(int(size) for _, size, *_ in filled) >= 96 << 20
     assert all(int(n) >= 2 for *_, n, _ in filled)
     served = back.notes["images"]
-    assert served["stripes"] == (2 if scenario.expect.endswith("stripes") else 0)
+    in_place = scenario.expect.endswith("in place")
+    assert (served["read_in_place"], served["files_handed"]) == ((1, 1) if in_place else (0, 0))
     taken = {tid for p in procfs.tree(back.pid)
              for tid in (procfs.ns_pid(t.id) for t in p.threads())}
     assert min(int(first) for *_, first in filled) > max(taken)
+
+
+# A child forked from the kernel after the state: its memory is the kernel's, shared
+# copy-on-write, but for the first 8 MiB of the block, which it changes. It writes the
+# digest of its block to a file once ready, and again on each SIGUSR1.
+FORKED_CHILD = """
+import os, signal
+child_digest = {path!r}
+def _write_digest(*_):
+    with open(child_digest + ".part", "w") as f:
+        f.write(hashlib.sha256(block.tobytes()).hexdigest())
+    os.rename(child_digest + ".part", child_digest)
+child = os.fork()
+if child == 0:
+    block[: 1 << 20] += 1
+    signal.signal(signal.SIGUSR1, _write_digest)
+    _write_digest()
+    while True:
+        signal.pause()
+print(child)
+"""
+SHARED = re.compile(r"(\d+) pages compared with the parent's stay shared")
+
+
+def _child_digest(path: Path, ask: int | None = None) -> str:
+    """The digest the forked child wrote, once it is ready, or the one it writes when
+    ``ask``, its pid, sends it SIGUSR1."""
+    if ask is not None:
+        path.unlink(missing_ok=True)
+        os.kill(ask, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, "the forked child wrote no digest"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def _host_pid(root: int, pid_in_kernel: int) -> int:
+    """The pid, seen from here, of the kernel's process whose pid it sees as ``pid_in_kernel``
+    (a snapshot-ready kernel has a pid namespace of its own)."""
+    return next(p.pid for p in procfs.tree(root) if procfs.ns_pid(p.pid) == pid_in_kernel)
+
+
+def _private_bytes(pid: int) -> int:
+    """Memory only this process maps (its pages no other shares)."""
+    return int(psutil.Process(pid).memory_full_info().uss)
+
+
+def test_a_forked_childs_pages_are_compared_and_stay_shared(
+    tmp_path: Path, kernel, restored
+):
+    """A child forked from the kernel (a DataLoader worker, say) holds the kernel's memory
+    copy-on-write. The workers that read its pages in place compare each with the
+    parent's, as criu does, and write only those that differ: its memory comes back right
+    and stays shared."""
+    store = SnapshotStore(tmp_path / "store", chunk_images=True)
+    engine = SnapshotEngine(store, kernel_answers=kernel_answers)
+    expected = kernel.execute(STATE).strip()
+    digest_file = tmp_path / "child-digest"
+    child_in_kernel = int(kernel.execute(FORKED_CHILD.format(path=str(digest_file))).strip())
+    child = _host_pid(kernel.root_pid, child_in_kernel)
+    child_expected = _child_digest(digest_file)
+    assert child_expected != expected
+    child_private_before = _private_bytes(child)
+    target = SaveTarget(pid=kernel.root_pid, connection_info=kernel.km.get_connection_info(),
+                        kernel_name="python3-snapshot")
+    snap = run(engine.save(target, name="forked", stop=True))
+    kernel.km.provisioner.process.wait(timeout=10)
+
+    log = tmp_path / "restore.log"
+    criu = CriuRunner(install(tmp_path, keeps_the_restore_log(log, 2)))
+    back = run(SnapshotEngine(store, criu, kernel_answers=kernel_answers).restore(snap.id))
+    client = restored.connect(back.connection_info, back.pid)
+    assert execute(client, CHECK).strip() == expected
+    child_back = _host_pid(back.pid, child_in_kernel)
+    assert _child_digest(digest_file, ask=child_back) == child_expected
+
+    text = log.read_text(errors="replace")
+    filled = FILLED.findall(text)
+    assert [what for _, _, what, _, _ in filled] == ["pages from 1 files in place"] * 2, filled
+    assert back.notes["images"]["read_in_place"] == 2
+    # Every unchanged page of the 88 MiB the child shares is left shared, not copied.
+    shared = [int(n) for n in SHARED.findall(text)]
+    assert len(shared) == 1 and shared[0] >= (88 << 20) // 4096, shared
+    assert _private_bytes(child_back) < child_private_before + (16 << 20)

@@ -80,10 +80,12 @@ def test_a_store_on_another_file_system_restores_from_its_packs(
     client = restored.connect(back.connection_info, back.pid)
     _same_state(client, expected)
     served = back.notes["images"]
-    # The pages came through criu's stream, hashed as they went; the rest was checked first.
-    assert served["streamed_bytes"] >= 96 << 20
+    # criu's workers read the pages from the packs in place, hashed beside them from the
+    # same packs; the rest was checked first, before criu got a byte of it.
+    assert served["read_in_place"] == 1 and served["files_handed"] >= 1
+    assert served["checked_beside_bytes"] >= 96 << 20
     assert served["checked_first_bytes"] > 0
-    assert served["streamed_bytes"] + served["checked_first_bytes"] \
+    assert served["checked_beside_bytes"] + served["checked_first_bytes"] \
         + served["checked_after_bytes"] >= snap.size_bytes
     assert "assemble" not in back.timings
     # Nothing of the restore is left in the store or beside criu.
@@ -117,15 +119,15 @@ def test_a_snapshot_kept_whole_is_read_in_place_and_checked_beside(tmp_path, ker
 
 def _kill_criu_once_it_reads_pages() -> str:
     """A wrapper that SIGKILLs the real criu restore once its log shows it reading pages
-    from the stream (on its one pipe, or its workers on stripes of it), so criu dies with
-    its pipes half read."""
+    (from the stream's one pipe, or its workers from the store's packs in place), so criu
+    dies with its pipe or packs half read."""
     return (
         'case "$1" in restore)\n'
         + _value_of("-W", "work")
         + """  "{real}" "$@" & pid=$!
   for i in $(seq 4000); do
-    grep -qE "Read page from self|pages from [0-9]+ stripes" "$work/restore.log" 2>/dev/null \
-      && break
+    grep -qE "Read page from self|pages from [0-9]+ files in place" "$work/restore.log" \
+      2>/dev/null && break
     sleep 0.005
   done
   kill -9 $pid; wait $pid; exit 137;;
