@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_gpu import LLAMA_8B, STATE_CHECK, Kernel, first_cell, machine_info, pcie_rates
-from common import fill_workers_set, machine_floors, settle
+from common import CriuWithRestoreLog, fill_workers_set, machine_floors, settle
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import chunks, image_server, images, procfs
@@ -186,11 +186,11 @@ def du(path: Path) -> int:
 
 
 # -- saving and restoring -------------------------------------------------------------------
-def make_engine(root: Path, chunked: bool, criu: CriuRunner) -> SnapshotEngine:
+def make_engine(root: Path, chunked: bool, criu: CriuWithRestoreLog) -> SnapshotEngine:
     store = SnapshotStore(root, chunk_images=chunked)
     plugin = PluginInstall(Path(GPUSnapshot().libdir))
     cuda = CudaCheckpointHook(60.0, drop_caches=True, plugin=plugin)
-    return SnapshotEngine(store, criu, [cuda], NodeCompatibility(gpus=cuda.node_gpus))
+    return SnapshotEngine(store, criu.runner, [cuda], NodeCompatibility(gpus=cuda.node_gpus))
 
 
 def written(snapshot: Snapshot) -> int:
@@ -236,13 +236,14 @@ def kill(k: Kernel) -> None:
         time.sleep(0.1)
 
 
-def restore(engine: SnapshotEngine, k: Kernel, snap: Snapshot, expect: str,
-            cold: bool = True, fill_workers: int | None = None) -> dict[str, Any]:
+def restore(engine: SnapshotEngine, criu: CriuWithRestoreLog, k: Kernel, snap: Snapshot,
+            expect: str, cold: bool = True, fill_workers: int | None = None) -> dict[str, Any]:
     """Kill the kernel, drop the page cache (``cold``, as after a reboot), restore ``snap``:
     seconds to the first cell's output, which must be ``expect``. The restored kernel is
     ``k`` from here on. Where the image time went: the image server's figures, each with
     its bytes and rate. ``fill_workers`` 1: criu fills the memory on one thread, as criu
-    does without our patch (scripts/criu-patches)."""
+    does without our patch (scripts/criu-patches); ``criu_fill``: what criu's log says of
+    how it filled the memory."""
     kill(k)
     settle(cold=cold)
     with Measured() as m, fill_workers_set(fill_workers):
@@ -254,16 +255,20 @@ def restore(engine: SnapshotEngine, k: Kernel, snap: Snapshot, expect: str,
         to_cell = time.monotonic() - started
     assert printed == expect, f"restored state differs: {printed!r} != {expect!r}"
     images = dict(back.notes.get("images") or {})
-    streamed = images.get("streamed_bytes", 0)
-    for part in ("read", "hash", "pipe"):
+    # The check reads and hashes what it checks; the pipes carry what criu did not read in
+    # place.
+    checked = sum(images.get(f"checked_{when}_bytes", 0) for when in ("beside", "after"))
+    for part, size in (("read", checked), ("hash", checked),
+                       ("pipe", images.get("streamed_bytes", 0))):
         seconds = images.get(f"{part}_seconds", 0.0)
-        images[f"{part}_bytes_per_s"] = round(streamed / seconds) if seconds else None
+        images[f"{part}_bytes_per_s"] = round(size / seconds) if seconds else None
     criu_s = back.timings.get("restore", 0.0)
     images["criu_bytes_per_s"] = round(snap.size_bytes / criu_s) if criu_s else None
     return {"cold": cold, "fill_workers": fill_workers or "default",
             "restore_to_first_cell_s": to_cell, "restore_s": restored_s,
             "first_cell_s": cell_s, "image_bytes": snap.size_bytes, "images": images,
-            "timings": back.timings, "state_equal": True, **m.figures()}
+            "timings": back.timings, "criu_fill": criu.fill_lines(), "state_equal": True,
+            **m.figures()}
 
 
 def store_files(engine: SnapshotEngine, snap: Snapshot) -> list[Path]:
@@ -285,7 +290,7 @@ def drop_store(engine: SnapshotEngine, snaps: list[Snapshot]) -> dict[str, Any]:
     return {"delete_s": m.wall_s, **m.figures()}
 
 
-def inference(k: Kernel, layout: str, work: Path, criu: CriuRunner) -> dict[str, Any]:
+def inference(k: Kernel, layout: str, work: Path, criu: CriuWithRestoreLog) -> dict[str, Any]:
     engine = make_engine(work / f"store-{layout}", LAYOUTS[layout], criu)
     first, rec1 = save(engine, k)
     # One forward pass: the cell computes the logits of the prompt.
@@ -298,18 +303,18 @@ def inference(k: Kernel, layout: str, work: Path, criu: CriuRunner) -> dict[str,
     with Measured() as m:
         engine.store.delete(first.id)
     result["delete_first"] = {"delete_s": m.wall_s, **m.figures()}
-    result["restore_2"] = restore(engine, k, second, k.checksum)
-    result["restore_2_warm"] = restore(engine, k, second, k.checksum, cold=False)
+    result["restore_2"] = restore(engine, criu, k, second, k.checksum)
+    result["restore_2_warm"] = restore(engine, criu, k, second, k.checksum, cold=False)
     # The same restores with criu filling memory on one thread: its own way, in this run.
-    result["restore_2_one_worker"] = restore(engine, k, second, k.checksum, fill_workers=1)
-    result["restore_2_one_worker_warm"] = restore(engine, k, second, k.checksum, cold=False,
+    result["restore_2_one_worker"] = restore(engine, criu, k, second, k.checksum, fill_workers=1)
+    result["restore_2_one_worker_warm"] = restore(engine, criu, k, second, k.checksum, cold=False,
                                                   fill_workers=1)
     result["floors"] = machine_floors(store_files(engine, second))
     result["drop"] = drop_store(engine, [second])
     return result
 
 
-def training(k: Kernel, layout: str, work: Path, criu: CriuRunner,
+def training(k: Kernel, layout: str, work: Path, criu: CriuWithRestoreLog,
              saves: int) -> dict[str, Any]:
     engine = make_engine(work / f"store-{layout}", LAYOUTS[layout], criu)
     snaps: list[tuple[Snapshot, str]] = []
@@ -329,7 +334,7 @@ def training(k: Kernel, layout: str, work: Path, criu: CriuRunner,
     result["images_sum_bytes"] = sum(s.size_bytes for s, _ in snaps)
     result["restores"] = []
     for i, (snap, digest) in enumerate(snaps):
-        r = restore(engine, k, snap, digest)
+        r = restore(engine, criu, k, snap, digest)
         result["restores"].append(r)
         print(f"  training {layout} restore {i + 1}: {fmt_restore(r)}", flush=True)
     result["drop"] = drop_store(engine, [s for s, _ in snaps])
@@ -345,7 +350,8 @@ def fmt_save(r: dict[str, Any]) -> str:
 
 def fmt_restore(r: dict[str, Any]) -> str:
     return (f"restore->first cell {r['restore_to_first_cell_s']:.2f}s "
-            f"(criu {r['timings'].get('restore', 0.0):.2f}s)")
+            f"(criu {r['timings'].get('restore', 0.0):.2f}s); criu filled: "
+            + ("; ".join(r["criu_fill"]) or "on one thread"))
 
 
 def main() -> None:
@@ -382,6 +388,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="jgs-bench-store-") as tmp:
         work = Path(tmp)
         os.environ["JUPYTER_RUNTIME_DIR"] = str(work / "runtime")
+        logged = CriuWithRestoreLog(work)
         if "inference" in args.workloads:
             case: dict[str, Any] = {"model": "Llama-3.1-8B-shaped LlamaForCausalLM, random "
                                     "bf16 weights" if not args.small else "small Llama, bf16"}
@@ -394,7 +401,7 @@ def main() -> None:
                 for layout in args.layouts:
                     case["disk_free_before_" + layout + "_gib"] = round(
                         shutil.disk_usage(tmp).free / GIB, 1)
-                    case[layout] = inference(k, layout, work, criu)
+                    case[layout] = inference(k, layout, work, logged)
                     flush()
                     r = case[layout]
                     print(f"inference {layout}: save 2: {fmt_save(r['save_2'])}; "
@@ -413,7 +420,7 @@ def main() -> None:
             case["params"], case["allocated_bytes"] = int(k.extra[0]), k.allocated
             try:
                 for layout in args.layouts:
-                    case[layout] = training(k, layout, work, criu, args.saves)
+                    case[layout] = training(k, layout, work, logged, args.saves)
                     flush()
                     r = case[layout]
                     print(f"training {layout}: {args.saves} snapshots hold "

@@ -7,6 +7,7 @@ import ctypes
 import mmap
 import os
 import platform
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from jupyter_gpu_snapshot.core.criu import CriuRunner
+from testkit.criu_wrappers import install, keeps_the_restore_log
 
 
 @contextlib.contextmanager
@@ -28,6 +32,31 @@ def fill_workers_set(workers: int | None) -> Iterator[None]:
         yield
     finally:
         del os.environ["CRIU_FILL_WORKERS"]
+
+
+# What criu's log says about its fill workers (scripts/criu-patches): the way taken, with
+# its bytes and workers, or why a task's pages were not read in place.
+_FILL_LINE = re.compile(
+    r"^\(\s*[\d.]+\)\s*(.*(?:workers \(pids from|not read in place|in place:|stay shared).*)$",
+    re.MULTILINE)
+
+
+class CriuWithRestoreLog:
+    """The real criu, whose restore log is kept after each restore, so a benchmark records
+    how criu filled the memory: read in place, populated ahead of one read, or neither."""
+
+    def __init__(self, directory: Path) -> None:
+        self.log = directory / "criu-restore.log"
+        self.runner = CriuRunner(install(directory, keeps_the_restore_log(self.log)))
+
+    def fill_lines(self) -> list[str]:
+        """The last restore's fill lines; the log is removed, so each restore has its own."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        self.log.unlink()
+        return _FILL_LINE.findall(text)
 
 
 def settle(cold: bool = False) -> None:
