@@ -374,13 +374,14 @@ def test_interrupting_a_cell_that_waits_abandons_the_copy(
         class Slow:
             def __reduce__(self):
                 open({str(flag)!r}, "w").close()
-                time.sleep(3)
+                time.sleep(6)
                 return (Slow, ())
         slow = Slow()
         """)
     copy = tmp_path / "copy"
     copy.mkdir()
-    # A copy that may wait only so long for a running cell gives up.
+    # The copy takes long enough that the interrupt below comes while it runs, on a busy
+    # machine too. A copy that may wait only so long for a running cell gives up.
     sleeping = run_async(client, "print('sleeping', flush=True); time.sleep(1.5)")
     wait_for_output(client, sleeping, "sleeping", 30, "stdout")
     reply = request(client, "gpu_snapshot_portable_request",
