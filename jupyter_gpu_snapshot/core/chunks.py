@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import mmap
 import multiprocessing
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -44,7 +46,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from . import safe_fs
+from . import digest, safe_fs
 from .errors import SnapshotError
 from .locks import HeldLock, StoreLocks
 
@@ -57,6 +59,9 @@ CHUNKS_DIR = "chunks"
 RECIPE_SUFFIX = ".chunks"
 PACK_SUFFIX = ".pack"
 IDS_SUFFIX = ".ids"
+# Where a recipe's pages were found last, named by the recipe's BLAKE3: ``RememberedPlan``.
+PLAN_SUFFIX = ".where"
+_PLAN_MAGIC = b"jgs-where 1\n"
 # Files smaller than this stay whole: CRIU's small images change at every save anyway.
 MIN_CHUNKED_BYTES = 1 << 20
 # Read this much of an image per step: one BLAKE3 update on all cores, then its pages.
@@ -275,18 +280,26 @@ class PackWriter:
 
 
 @dataclass
-class PagePlan:
-    """Where the bytes of one chunked file are: runs of (pack fd, offset in the pack,
-    offset in the file, length), in the file's order. Bytes in no run are zeros."""
+class RememberedPlan:
+    """Where the pages of one recipe are, by pack name: runs of (pack number, first slot,
+    first page of the file, pages), in the file's order; pages in no run are zeros.
 
-    size: int
+    Finding each page of a recipe sorts every id of the store (a second or more for an 8B
+    model), so a restore remembers what it found in ``<recipe BLAKE3>.where`` beside the
+    packs, and a save finds it for its restores ahead. Nothing in it is trusted: it is used
+    only once each page it names holds the recipe's id at that place (the recipe itself
+    was checked against the signed manifest), and every byte read through it is still
+    compared with the manifest's digest before any code of it runs. A plan that no longer
+    holds (a pack collected or rewritten since) or does not parse is found again."""
+
+    packs: list[str]
     runs: npt.NDArray[np.int64]  # shape (n, 4)
 
     @classmethod
-    def of(cls, where: npt.NDArray[np.int64], zero: npt.NDArray[np.bool_], index: PackIndex,
-           opened: dict[int, int]) -> PagePlan:
+    def of(cls, where: npt.NDArray[np.int64], zero: npt.NDArray[np.bool_],
+           index: PackIndex) -> RememberedPlan:
         """The plan of a file whose pages are at ``where`` in ``index`` (``zero``: pages of
-        zeros), with the packs' fds in ``opened``."""
+        zeros)."""
         real = np.nonzero(~zero)[0]
         packs = index.pack_of[where[real]]
         slots = index.slot_of[where[real]]
@@ -295,10 +308,116 @@ class PagePlan:
                             | (np.diff(slots) != 1))[0] + 1
         starts = np.concatenate(([0], breaks)).astype(np.int64) if len(real) else breaks
         lengths = np.diff(np.concatenate((starts, [len(real)])))
-        fds = np.asarray([opened.get(i, -1) for i in range(len(index.packs))], np.int64)
-        runs = np.stack([fds[packs[starts]] if len(starts) else starts,
-                         slots[starts] * PAGE, real[starts] * PAGE, lengths * PAGE], axis=1)
-        return cls(len(zero) * PAGE, runs.astype(np.int64).reshape(-1, 4))
+        used, numbers = np.unique(packs[starts], return_inverse=True)
+        runs = np.stack([numbers.reshape(-1), slots[starts], real[starts], lengths], axis=1)
+        return cls([index.packs[int(p)] for p in used],
+                   runs.astype(np.int64).reshape(-1, 4))
+
+    def plan(self, dfd: int, opened: dict[str, int], pages: int) -> PagePlan:
+        """The ``PagePlan`` of the file of ``pages`` pages, its packs opened (and kept in
+        ``opened``, by name)."""
+        for pack in self.packs:
+            if pack not in opened:
+                opened[pack] = safe_fs.open_regular(pack + PACK_SUFFIX, dfd)[0]
+        fds = np.asarray([opened[pack] for pack in self.packs], np.int64)
+        runs = self.runs
+        plan_runs = np.stack([fds[runs[:, 0]] if len(runs) else runs[:, 0], runs[:, 1] * PAGE,
+                              runs[:, 2] * PAGE, runs[:, 3] * PAGE], axis=1)
+        return PagePlan(pages * PAGE, plan_runs.astype(np.int64).reshape(-1, 4))
+
+    def write(self, dfd: int, key: str) -> None:
+        """Kept for the next restore of the recipe whose BLAKE3 is ``key``; a cache, so
+        neither durable nor needed: a failure to write it only costs the next restore."""
+        head = json.dumps({"packs": self.packs, "runs": len(self.runs)}).encode() + b"\n"
+        staged = f".{key}{PLAN_SUFFIX}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+            try:
+                write_all(fd, _PLAN_MAGIC + head + self.runs.astype("<i8").tobytes())
+            finally:
+                os.close(fd)
+            os.rename(staged, key + PLAN_SUFFIX, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError as exc:
+            log.warning("could not keep where the pages of a recipe are: %s", exc)
+            with contextlib.suppress(OSError):
+                os.unlink(staged, dir_fd=dfd)
+
+    @classmethod
+    def read(cls, dfd: int, key: str, ids: Ids,
+             read_ids: Callable[[int, str], Ids]) -> RememberedPlan | None:
+        """The plan kept for the recipe ``ids`` (whose BLAKE3 is ``key``), once it holds:
+        each page it names has the recipe's id in its pack's ids, each page it leaves out
+        is zeros. None when there is none, or it does not hold."""
+        try:
+            fd, size = safe_fs.open_regular(key + PLAN_SUFFIX, dfd)
+        except OSError:
+            return None
+        try:
+            raw = _read_all(fd, size) if size <= len(ids) * 32 + (1 << 20) else b""
+        finally:
+            os.close(fd)
+        remembered = cls._parsed(raw)
+        try:
+            if remembered is not None and remembered._holds(dfd, ids, read_ids):
+                return remembered
+        except (OSError, ValueError):
+            pass  # a pack gone since, or ids cut short: found again
+        return None
+
+    @classmethod
+    def _parsed(cls, raw: bytes) -> RememberedPlan | None:
+        if not raw.startswith(_PLAN_MAGIC):
+            return None
+        head, newline, body = raw[len(_PLAN_MAGIC):].partition(b"\n")
+        try:
+            meta = json.loads(head) if newline else None
+        except ValueError:
+            return None
+        if not isinstance(meta, dict):
+            return None
+        packs, count = meta.get("packs"), meta.get("runs")
+        if (not isinstance(packs, list) or not isinstance(count, int)
+                or not all(isinstance(p, str) and _PACK_NAME.fullmatch(p) for p in packs)
+                or len(body) != count * 32):
+            return None
+        runs = np.frombuffer(body, "<i8").astype(np.int64).reshape(-1, 4)
+        return cls(list(packs), runs)
+
+    def _holds(self, dfd: int, ids: Ids, read_ids: Callable[[int, str], Ids]) -> bool:
+        runs, pages = self.runs, len(ids)
+        if len(runs):
+            ends = runs[:, 2] + runs[:, 3]
+            if ((runs < 0).any() or (runs[:, 3] == 0).any()
+                    or int(runs[:, 0].max()) >= len(self.packs)
+                    or (runs[1:, 2] < ends[:-1]).any() or int(ends[-1]) > pages):
+                return False
+        pack_ids = [read_ids(dfd, pack) for pack in self.packs]
+        sizes = np.asarray([len(a) for a in pack_ids], np.int64)
+        if len(runs) and (runs[:, 1] + runs[:, 3] > sizes[runs[:, 0]]).any():
+            return False
+        # Every page each run names, and where it is among all the packs' ids.
+        counts = runs[:, 3]
+        first = np.cumsum(counts) - counts
+        step = np.arange(int(counts.sum()), dtype=np.int64)
+        page = np.repeat(runs[:, 2] - first, counts) + step
+        base = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        slot = np.repeat(base[runs[:, 0]] + runs[:, 1] - first, counts) + step
+        every = np.concatenate(pack_ids) if pack_ids else np.zeros((0, ID_BYTES), np.uint8)
+        if not np.array_equal(every[slot], ids[page]):
+            return False
+        covered = np.zeros(pages, bool)
+        covered[page] = True
+        return not bool(ids[~covered].any())
+
+
+@dataclass
+class PagePlan:
+    """Where the bytes of one chunked file are: runs of (pack fd, offset in the pack,
+    offset in the file, length), in the file's order. Bytes in no run are zeros."""
+
+    size: int
+    runs: npt.NDArray[np.int64]  # shape (n, 4)
 
     def _parts(self, offset: int, end: int) -> list[tuple[int, int, int, int]]:
         """The runs between ``offset`` and ``end`` of the file, cut to them: (pack fd, offset
@@ -539,13 +658,21 @@ class ChunkStore:
         Nothing read through a plan is checked here: the caller compares each file with its
         manifest digest before any of its code runs. A page the store lacks is an error.
         """
-        opened: dict[int, int] = {}
+        opened: dict[str, int] = {}  # pack name → fd
         try:
             with self._dir() as dfd, self.hold(step):
-                index = self.index(dfd)
+                index: PackIndex | None = None
                 plans = {}
                 for name, recipe in recipes.items():
                     ids = np.frombuffer(recipe, np.uint8).reshape(-1, ID_BYTES)
+                    key = digest.blake3_hex(recipe)
+                    remembered = RememberedPlan.read(dfd, key, ids, self._read_ids)
+                    if remembered is not None:
+                        plans[name] = remembered.plan(dfd, opened, len(ids))
+                        continue
+                    # Found by sorting every id of the store: a second or more for an 8B
+                    # model's 4 million pages, remembered for the next restore.
+                    index = index or self.index(dfd)
                     where = index.find(ids)
                     zero: npt.NDArray[np.bool_] = np.logical_not(ids.any(axis=1))
                     lacking = np.nonzero((where < 0) & ~zero)[0]
@@ -555,11 +682,9 @@ class ChunkStore:
                             f"page {int(lacking[0])} of {name} is in no pack of the store",
                             hint="the snapshot is damaged; delete it",
                         )
-                    for p in np.unique(index.pack_of[where[~zero]]).tolist():
-                        if p not in opened:
-                            opened[p] = safe_fs.open_regular(index.packs[p] + PACK_SUFFIX,
-                                                             dfd)[0]
-                    plans[name] = PagePlan.of(where, zero, index, opened)
+                    found = RememberedPlan.of(where, zero, index)
+                    plans[name] = found.plan(dfd, opened, len(ids))
+                    found.write(dfd, key)
             yield plans
         finally:
             for fd in opened.values():
@@ -653,12 +778,18 @@ class ChunkStore:
         rewritten pack is durable before the old one goes, and a pack stops being one when
         its ids go, before its pages do."""
         report = CollectReport()
+        live_recipes = list(live_recipes)
+        remembered = {digest.blake3_hex(recipe) for recipe in live_recipes}
         with self._dir() as dfd:
             for leftover in os.listdir(dfd):
                 stem = leftover.removesuffix(PACK_SUFFIX)
                 if leftover.startswith(".") or (
                     leftover.endswith(PACK_SUFFIX) and _PACK_NAME.fullmatch(stem)
                     and safe_fs.entry_kind(stem + IDS_SUFFIX, dfd) == "missing"
+                ) or (
+                    # Where the pages of a recipe no snapshot holds any more were.
+                    leftover.endswith(PLAN_SUFFIX)
+                    and leftover.removesuffix(PLAN_SUFFIX) not in remembered
                 ):
                     report.freed_bytes += _size_at(leftover, dfd)
                     safe_fs.remove_at(leftover, dfd)
@@ -865,6 +996,15 @@ def _write_file(name: str, plan: PagePlan, out_dfd: int, advance: Advance) -> No
 
 
 _ZEROS = bytes(1 << 20)
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    with view:
+        done = 0
+        while done < len(view):
+            with view[done:] as rest:
+                done += os.write(fd, rest)
 
 
 def write_zeros(fd: int, length: int) -> None:

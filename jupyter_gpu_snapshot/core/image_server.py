@@ -53,7 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import digest
-from .chunks import pread_exactly, splice_exactly
+from .chunks import pread_exactly, splice_exactly, write_all
 from .errors import SnapshotError
 from .images import mismatch
 from .snapshot import Snapshot
@@ -208,7 +208,7 @@ class ImageServer:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd())
             try:
-                _write_all(fd, data)
+                write_all(fd, data)
             finally:
                 os.close(fd)
         path = os.fsencode(self.directory / SOCKET_NAME)
@@ -298,7 +298,7 @@ class ImageServer:
                 self._extent_fds[image.name] = fds.tolist()
                 self.stats.read_in_place += 1
             with contextlib.suppress(BrokenPipeError):
-                _write_all(pipe, table.astype("<u8").tobytes())
+                write_all(pipe, table.astype("<u8").tobytes())
         finally:
             os.close(pipe)
 
@@ -333,7 +333,7 @@ class ImageServer:
             if checked is not None:
                 with contextlib.suppress(BrokenPipeError):
                     for offset, length in ranges:
-                        _write_all(pipe, checked[offset:offset + length])
+                        write_all(pipe, checked[offset:offset + length])
             else:
                 self._splice(image, pipe, ranges)
         except SnapshotError as exc:
@@ -557,15 +557,6 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
             return None
         data += part
     return data
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    with view:
-        done = 0
-        while done < len(view):
-            with view[done:] as rest:
-                done += os.write(fd, rest)
 
 
 def _pipe_bytes() -> int:

@@ -548,6 +548,13 @@ class SnapshotStore:
             with staging.served_images(self._chunks(root_fd), snapshot) as served:
                 yield served
 
+    def find_pages(self, snapshot: Snapshot) -> None:
+        """Find where the pages of trusted ``snapshot`` lie in the packs, and remember it
+        for its restores (``chunks.RememberedPlan``): done by a save once it is durable, so
+        that its first restore does not sort the store's ids first."""
+        with self.served_images(snapshot):
+            pass
+
     @contextlib.contextmanager
     def portable_files(self, snapshot: Snapshot) -> Iterator[Path]:
         """A private directory with the checked portable copy of trusted ``snapshot``

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks, safe_fs, staging
+from jupyter_gpu_snapshot.core import chunks, digest, safe_fs, staging
 from jupyter_gpu_snapshot.core.chunks import ID_BYTES, PAGE, ZERO_ID
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
@@ -460,3 +460,120 @@ def test_the_manifest_says_what_the_store_keeps(tmp_path):
                                   "recipe_bytes": 300 * ID_BYTES, "zero_page_bytes": 0}
     digests = np.frombuffer(recipe(snapshot), np.uint8).reshape(-1, ID_BYTES)
     assert len(np.unique(digests, axis=0)) == 300
+
+
+# -- finding the pages: remembered plans ---------------------------------------------------
+def served_bytes(store: SnapshotStore, snapshot: Snapshot, name: str = IMAGE) -> bytes:
+    """The bytes a restore would hand criu for ``name``, read through its plan."""
+    with store.served_images(store.reload(snapshot)) as served:
+        image = served[name]
+        data = bytearray(image.size)
+        image.read_into(memoryview(data), 0)
+    return bytes(data)
+
+
+def plan_file(store: SnapshotStore, snapshot: Snapshot, name: str = IMAGE) -> Path:
+    key = digest.blake3_hex(recipe(snapshot, name))
+    return store.root / chunks.CHUNKS_DIR / f"{key}{chunks.PLAN_SUFFIX}"
+
+
+def no_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sorting the store's ids fails from here on: only a remembered plan finds pages."""
+    def refused(self: chunks.ChunkStore, dfd: int) -> chunks.PackIndex:
+        raise AssertionError("the pages were looked up in the store's index")
+    monkeypatch.setattr(chunks.ChunkStore, "index", refused)
+
+
+def test_a_restore_finds_the_pages_where_the_save_remembered_them(tmp_path, monkeypatch):
+    store = make_store(tmp_path)
+    first = pages(300, 1)
+    commit(store, {IMAGE: b"".join(first)})
+    # Two packs and pages of zeros: runs from both packs, and holes.
+    image = b"".join(first[:200] + [bytes(PAGE)] * 5 + pages(50, 2) + first[100:])
+    snapshot = commit(store, {IMAGE: image})
+    assert not plan_file(store, snapshot).exists()
+    store.find_pages(snapshot)
+    assert plan_file(store, snapshot).is_file()
+
+    no_index(monkeypatch)
+    assert served_bytes(store, snapshot) == image
+
+
+def _forged_runs(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
+    runs = plan.runs.copy()
+    runs[0, 1] += 1  # the first run one page further on in its pack
+    return chunks.RememberedPlan(plan.packs, runs)
+
+
+def _zeros_claimed(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
+    return chunks.RememberedPlan(plan.packs, plan.runs[1:])  # the first run's pages left out
+
+
+def _pack_outside(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
+    return chunks.RememberedPlan(["../" + plan.packs[0][3:], *plan.packs[1:]], plan.runs)
+
+
+def _past_the_pack(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
+    runs = plan.runs.copy()
+    runs[-1, 3] += 10_000
+    return chunks.RememberedPlan(plan.packs, runs)
+
+
+FORGED_PLANS = {
+    "a run shifted within its pack": _forged_runs,
+    "pages of the image said to be zeros": _zeros_claimed,
+    "a pack named outside the store": _pack_outside,
+    "a run past the end of its pack and of the image": _past_the_pack,
+}
+
+
+@pytest.mark.parametrize("forge", FORGED_PLANS.values(), ids=FORGED_PLANS.keys())
+def test_a_plan_that_does_not_hold_is_never_used(tmp_path, forge):
+    """A plan is a cache nobody signed: one that names other pages than the recipe's is
+    found again from the store's ids, and written again right."""
+    store = make_store(tmp_path)
+    image = b"".join(pages(300, 1) + [bytes(PAGE)] * 3 + pages(20, 2))
+    snapshot = commit(store, {IMAGE: image})
+    store.find_pages(snapshot)
+    path = plan_file(store, snapshot)
+    with store._root_fd() as root_fd, safe_fs.opened_dir(chunks.CHUNKS_DIR, root_fd) as dfd:
+        good = chunks.RememberedPlan._parsed(path.read_bytes())
+        assert good is not None
+        path.unlink()
+        forge(good).write(dfd, path.name.removesuffix(chunks.PLAN_SUFFIX))
+    forged = path.read_bytes()
+
+    assert served_bytes(store, snapshot) == image
+    assert path.read_bytes() != forged
+    again = chunks.RememberedPlan._parsed(path.read_bytes())
+    assert again is not None and again.packs == good.packs
+    assert np.array_equal(again.runs, good.runs)
+
+
+def test_a_plan_is_found_again_after_the_collector_rewrote_its_pack(tmp_path, monkeypatch):
+    store = make_store(tmp_path)
+    kept = pages(100, 1)
+    old = commit(store, {IMAGE: b"".join(pages(300, 2) + kept)})
+    young = commit(store, {IMAGE: b"".join(kept + pages(300, 3))})
+    store.find_pages(young)
+    stale = plan_file(store, young).read_bytes()
+    store.delete(old.id)  # the first pack, mostly dead, is rewritten with the kept pages
+
+    assert served_bytes(store, young) == b"".join(kept + pages(300, 3))
+    assert plan_file(store, young).read_bytes() != stale
+    no_index(monkeypatch)
+    assert served_bytes(store, young) == b"".join(kept + pages(300, 3))
+
+
+def test_plans_go_with_the_last_snapshot_of_their_recipe(tmp_path):
+    store = make_store(tmp_path)
+    gone = commit(store, {IMAGE: b"".join(pages(300, 1))})
+    kept = commit(store, {IMAGE: b"".join(pages(300, 2))})
+    for snapshot in (gone, kept):
+        store.find_pages(snapshot)
+    gone_plan, kept_plan = plan_file(store, gone), plan_file(store, kept)
+    store.delete(gone.id)
+    assert not gone_plan.exists()
+    assert kept_plan.is_file()
+    store.delete(kept.id)
+    assert os.listdir(store.root / "chunks") == []

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks, procfs
+from jupyter_gpu_snapshot.core import chunks, digest, procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
@@ -212,8 +212,8 @@ def _subprocess(argv: list[str]) -> subprocess.CompletedProcess[str]:
 def assert_packs_whole(store: SnapshotStore) -> None:
     """What the collector promises once it ran: every pack complete (its ids beside it, one
     page per id) and at least half live, every page a snapshot needs in a pack, nothing else
-    in ``chunks/``, and each snapshot directory holding its manifest's files only (a file
-    kept as a recipe, never also whole)."""
+    in ``chunks/`` but the remembered plans of live recipes, and each snapshot directory
+    holding its manifest's files only (a file kept as a recipe, never also whole)."""
     recipes = []
     for snapshot in store.list():
         files = snapshot.manifest["files"]
@@ -228,6 +228,9 @@ def assert_packs_whole(store: SnapshotStore) -> None:
     live = np.unique(np.concatenate([chunks.recipe_voids(r) for r in recipes]))
     directory = store.root / chunks.CHUNKS_DIR
     names = sorted(os.listdir(directory))
+    plans = {n.removesuffix(chunks.PLAN_SUFFIX) for n in names if n.endswith(chunks.PLAN_SUFFIX)}
+    assert plans <= {digest.blake3_hex(r) for r in recipes}
+    names = [n for n in names if not n.endswith(chunks.PLAN_SUFFIX)]
     packs = sorted({n.removesuffix(".pack") for n in names if n.endswith(".pack")})
     assert names == sorted(f"{p}{suffix}" for p in packs for suffix in (".ids", ".pack"))
     held = []

@@ -75,6 +75,8 @@ def test_a_store_on_another_file_system_restores_from_its_packs(
     snap = _save(engine, kernel, "elsewhere")
     assert os.stat(store.root).st_dev != os.stat("/tmp").st_dev
     assert any(p.name.endswith(".chunks") for p in snap.path.iterdir())
+    # The save found where its pages lie, for this restore (chunks.RememberedPlan).
+    assert list((store.root / "chunks").glob("*.where"))
 
     back = run(engine.restore(snap.id))
     client = restored.connect(back.connection_info, back.pid)
