@@ -1,14 +1,18 @@
-"""How criu fills a restored kernel's memory (scripts/criu-patches), three ways, one run.
+"""How criu fills a restored kernel's memory (scripts/criu-patches), four ways, one run.
 
-One snapshot-ready CPU kernel holding random numpy bytes is saved by content (the store's
-default), then restored in turn, from the page cache:
+One snapshot-ready CPU kernel holding random numpy bytes is saved whole and by content
+(the store's default), then restored in turn, from the page cache:
 
-- ``stripes``: the image server offers the pages image in stripes, one pipe per worker;
-- ``populate``: a server without stripes: one pipe, into memory the workers populated;
-- ``one worker``: ``CRIU_FILL_WORKERS=1``, criu's own way.
+- ``in place``: by content; the workers read the pages image from the store's packs, where
+  the image server says it lies;
+- ``populate``: by content, from a server without extents: one pipe, into memory the
+  workers populated;
+- ``one worker``: by content, ``CRIU_FILL_WORKERS=1``, criu's own way;
+- ``whole``: kept whole; the workers read the files of the snapshot's directory.
 
-Each way is restored ``--repeats`` times in turn; the state is compared after each. The
-machine's own limits are measured in the same run.
+Each way is restored ``--repeats`` times in turn; the state is compared after each, and
+criu's log says how it filled the memory. The machine's own limits are measured in the
+same run.
 
     python benchmarks/bench_fill.py [--gib 1.5] [--repeats 3] [--out FILE]
 """
@@ -17,17 +21,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench_cpu import machine_info
 from common import (
+    CriuWithRestoreLog,
     copy_rate,
     fill_workers_set,
     parallel_population_rate,
@@ -38,12 +44,13 @@ from common import (
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from jupyter_gpu_snapshot.core import image_server, procfs
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
+from testkit.image_servers import offering_no_extents
 
 STATE = """
 import hashlib, numpy as np
@@ -52,17 +59,20 @@ block = np.random.default_rng(20261128).integers(0, 2**63, size=int({gib} * (1 <
 print(hashlib.sha256(block.tobytes()).hexdigest())
 """
 CHECK = "print(hashlib.sha256(block.tobytes()).hexdigest())"
-_OFFERED = image_server.Stripe.of
 
 
-def _no_stripes(name: str) -> tuple[str, image_server.Stripe | None] | None:
-    return None if "@" in name else (name, None)
+@dataclass(frozen=True)
+class Way:
+    whole: bool = False  # the snapshot kept whole, else by content
+    extents: bool = True  # whether the image server says where a pages image lies
+    workers: int | None = None  # CRIU_FILL_WORKERS; None: criu's default
 
 
-WAYS: dict[str, tuple[Callable[[str], Any], int | None]] = {
-    "stripes": (_OFFERED, None),
-    "populate": (_no_stripes, None),
-    "one worker": (_OFFERED, 1),
+WAYS = {
+    "in place": Way(),
+    "populate": Way(extents=False),
+    "one worker": Way(workers=1),
+    "whole": Way(whole=True),
 }
 
 
@@ -86,24 +96,22 @@ def printed(info: dict[str, Any], code: str) -> str:
     return "".join(out).strip()
 
 
-def restore_once(engine: SnapshotEngine, snap_id: str, way: str, expect: str) -> dict[str, Any]:
-    offer, workers = WAYS[way]
-    image_server.Stripe.of = staticmethod(offer)  # type: ignore[method-assign,assignment]
-    try:
-        settle()
-        with fill_workers_set(workers):
-            started = time.monotonic()
-            back = asyncio.run(engine.restore(snap_id))
-            seconds = time.monotonic() - started
-    finally:
-        image_server.Stripe.of = staticmethod(_OFFERED)  # type: ignore[method-assign,assignment]
+def restore_once(engine: SnapshotEngine, criu: CriuWithRestoreLog, snap_id: str, way: Way,
+                 expect: str) -> dict[str, Any]:
+    settle()
+    with fill_workers_set(way.workers), \
+            contextlib.nullcontext() if way.extents else offering_no_extents():
+        started = time.monotonic()
+        back = asyncio.run(engine.restore(snap_id))
+        seconds = time.monotonic() - started
     try:
         assert printed(back.connection_info, CHECK) == expect, "the restored state differs"
     finally:
         procfs.kill_tree(back.pid)
     images = back.notes["images"]
     return {"restore_s": seconds, "criu_s": back.timings.get("restore"),
-            "stripes": images["stripes"], "pipe_seconds": images["pipe_seconds"]}
+            "read_in_place": images["read_in_place"], "pipe_seconds": images["pipe_seconds"],
+            "criu_fill": criu.fill_lines()}
 
 
 def main() -> None:
@@ -121,20 +129,25 @@ def main() -> None:
         km = KernelManager(kernel_name=KERNEL_NAME)
         km.start_kernel()
         expect = printed(km.get_connection_info(), STATE.format(gib=args.gib))
-        store = SnapshotStore(Path(tmp) / "store")
-        engine = SnapshotEngine(store)
-        snap = asyncio.run(engine.save(
-            SaveTarget(pid=int(km.provisioner.root_pid), connection_info=km.get_connection_info(),
-                       kernel_name="python3-snapshot"), name="fill", stop=True))
+        target = SaveTarget(pid=int(km.provisioner.root_pid),
+                            connection_info=km.get_connection_info(),
+                            kernel_name="python3-snapshot")
+        logged = CriuWithRestoreLog(Path(tmp))
+        engines, snaps = {}, {}
+        for whole in (True, False):
+            store = SnapshotStore(Path(tmp) / f"store-{whole}", chunk_images=not whole)
+            engines[whole] = SnapshotEngine(store, logged.runner)
+            snaps[whole] = asyncio.run(engines[whole].save(target, name="fill", stop=not whole))
         for _ in range(args.repeats):
-            for way in WAYS:
-                run = restore_once(engine, snap.id, way, expect)
-                result["runs"][way].append(run)
-                print(f"{way}: restore {run['restore_s']:.2f}s (criu {run['criu_s']:.2f}s, "
-                      f"stripes {run['stripes']})", flush=True)
+            for name, way in WAYS.items():
+                snap = snaps[way.whole]
+                run = restore_once(engines[way.whole], logged, snap.id, way, expect)
+                result["runs"][name].append(run)
+                print(f"{name}: restore {run['restore_s']:.2f}s (criu {run['criu_s']:.2f}s): "
+                      + "; ".join(run["criu_fill"]), flush=True)
                 while procfs.ports_in_use(snap.connection_info):
                     time.sleep(0.5)
-        packs = sorted((store.root / "chunks").glob("*.pack"))
+        packs = sorted((engines[False].store.root / "chunks").glob("*.pack"))
         result["floors"] = {
             "store_read_warm": read_rate(packs, cold=False),
             "populate_4k": population_rate(huge=False, size=1 << 30),
