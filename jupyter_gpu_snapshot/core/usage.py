@@ -5,7 +5,8 @@ about its disk: its pages may be shared with other snapshots of the same kernel.
 only it needs are those no other directory's recipe names: other snapshots, saves in
 progress and partials kept for a person to look at, as the collector counts them
 (``SnapshotStore._live_recipes``). What deleting it frees now is its own directory (files
-kept whole, recipes, manifest) plus what the collector would then give back: a pack goes
+kept whole, recipes, manifest), the plans remembered for recipes only it holds
+(``chunks.RememberedPlan``), plus what the collector would then give back: a pack goes
 when its live pages fall below ``chunks.REPACK_BELOW``, so pages only it needs that sit in
 a pack others still mostly need stay on disk until a later delete empties that pack.
 
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import os
 import stat
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from . import chunks, safe_fs
+from . import chunks, digest, safe_fs
 from .errors import SnapshotError
 from .snapshot import Snapshot, is_snapshot_id
 from .store import MAX_RECIPE_BYTES, SnapshotStore, holds_recipes
@@ -79,6 +81,7 @@ class StoreUsage:
 class _Directory:
     own_bytes: int
     pages: npt.NDArray[np.void]  # the distinct ids its recipes need, sorted
+    recipes: set[str]  # the BLAKE3 of each of its recipes, which names its remembered plan
 
 
 @dataclass
@@ -100,10 +103,11 @@ def store_usage(store: SnapshotStore) -> StoreUsage:
             try:
                 directories = _read_directories(root_fd)
                 packs = _read_packs(root_fd)
+                plans = _read_plans(root_fd)
                 chunks_bytes = _dir_bytes(chunks.CHUNKS_DIR, root_fd)
             except FileNotFoundError:
                 continue
-        return _tally(store, listed, directories, packs, chunks_bytes)
+        return _tally(store, listed, directories, packs, plans, chunks_bytes)
     raise SnapshotError("usage", "the store kept changing while its sizes were counted",
                         hint="try again when no save or delete is running")
 
@@ -116,19 +120,21 @@ def _read_directories(root_fd: int) -> dict[str, _Directory]:
         with safe_fs.opened_dir(name, root_fd) as dfd:
             own = 0
             parts = []
+            recipes = set()
             for entry in os.listdir(dfd):
                 own += _file_bytes(entry, dfd)
                 if entry.endswith(chunks.RECIPE_SUFFIX) and not entry.startswith("."):
                     recipe = safe_fs.read_small(entry, dfd, MAX_RECIPE_BYTES)
+                    recipes.add(digest.blake3_hex(recipe))
                     whole = len(recipe) - len(recipe) % chunks.ID_BYTES  # a damaged one
                     parts.append(chunks.recipe_voids(recipe[:whole]))
         pages = np.unique(np.concatenate(parts)) if parts else _no_pages()
-        found[name] = _Directory(own, pages)
+        found[name] = _Directory(own, pages, recipes)
     return found
 
 
 def _tally(store: SnapshotStore, listed: list[Snapshot], directories: dict[str, _Directory],
-           packs: list[_Pack], chunks_bytes: int) -> StoreUsage:
+           packs: list[_Pack], plans: dict[str, int], chunks_bytes: int) -> StoreUsage:
     names = list(directories)
     every = [directories[n].pages for n in names]
     labels = np.repeat(np.arange(len(names)), [len(p) for p in every])
@@ -140,16 +146,20 @@ def _tally(store: SnapshotStore, listed: list[Snapshot], directories: dict[str, 
     sole_owner[inverse[single]] = labels[single]
     sole_pages = np.bincount(sole_owner[sole_owner >= 0], minlength=len(names))
     gains = _collector_gains(packs, ids, sole_owner, len(names))
+    holders = Counter(key for d in directories.values() for key in d.recipes)
     rows = []
     for snapshot in listed:
         if snapshot.id not in directories:  # deleted since it was listed
             continue
         i = names.index(snapshot.id)
         own = directories[snapshot.id].own_bytes
+        sole_plans = sum(plans.get(key, 0) for key in directories[snapshot.id].recipes
+                         if holders[key] == 1)
         rows.append(SnapshotUsage(
             id=snapshot.id, name=snapshot.name, status=snapshot.status,
             size_bytes=snapshot.size_bytes, new_bytes=snapshot.new_bytes, own_bytes=own,
-            sole_page_bytes=int(sole_pages[i]) * chunks.PAGE, frees_bytes=own + int(gains[i]),
+            sole_page_bytes=int(sole_pages[i]) * chunks.PAGE,
+            frees_bytes=own + sole_plans + int(gains[i]),
         ))
     snapshot_bytes = sum(d.own_bytes for name, d in directories.items() if is_snapshot_id(name))
     return StoreUsage(str(store.root), snapshot_bytes + chunks_bytes, chunks_bytes, rows)
@@ -169,6 +179,16 @@ def _read_packs(root_fd: int) -> list[_Pack]:
             pack = entry.removesuffix(chunks.IDS_SUFFIX) + chunks.PACK_SUFFIX
             found.append(_Pack(ids, _file_bytes(pack, dfd)))
     return found
+
+
+def _read_plans(root_fd: int) -> dict[str, int]:
+    """The remembered plans beside the packs: each one's recipe BLAKE3 and length."""
+    if safe_fs.entry_kind(chunks.CHUNKS_DIR, root_fd) != "dir":
+        return {}
+    with safe_fs.opened_dir(chunks.CHUNKS_DIR, root_fd) as dfd:
+        return {entry.removesuffix(chunks.PLAN_SUFFIX): _file_bytes(entry, dfd)
+                for entry in os.listdir(dfd)
+                if entry.endswith(chunks.PLAN_SUFFIX) and not entry.startswith(".")}
 
 
 def _collector_gains(packs: list[_Pack], live: npt.NDArray[np.void],
