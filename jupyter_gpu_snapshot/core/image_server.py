@@ -69,10 +69,10 @@ BLOCK_BYTES = 16 << 20
 PIPE_BYTES = 8 << 20
 _MAX_REQUEST_BYTES = 4096
 _FILE_SPEC = re.compile(r"file/(\d{1,4})", re.ASCII)
-# One extent of a pages image, as criu's patch reads it (scripts/criu-patches): the file
-# (its number among the image's files), the offset in it, the offset in the image, the
-# length; little-endian.
-_EXTENT = struct.Struct("<4Q")
+# One extent of a pages image, as criu's patch reads it (scripts/criu-patches): four of
+# these, the file (its number among the image's files), the offset in it, the offset in
+# the image, the length.
+_EXTENT_WORD = np.dtype("<u8")
 _SUN_PATH_MAX = 107
 _DAMAGED = "the snapshot is damaged; delete it"
 
@@ -116,8 +116,9 @@ class ImageFile:
 class Asked:
     """What one request of criu names. Plain, an image file, sent on criu's pipe. Our
     criu's fill workers (scripts/criu-patches) read a pages image in place instead: they
-    ask for "pages-N.img@extents", the image's extents (``_EXTENT``) on a pipe, then for
-    "pages-N.img@file/K", the K-th file they lie in, handed over open for reading."""
+    ask for "pages-N.img@extents", the image's extents (``_EXTENT_WORD``) on a pipe,
+    then for "pages-N.img@file/K", the K-th file they lie in, handed over open for
+    reading."""
 
     image: str
     extents: bool = False
@@ -288,8 +289,8 @@ class ImageServer:
             self._start(self._check_beside, f"check-{image.name}", image)
 
     def _send_extents(self, image: ImageFile, pipe: int) -> None:
-        """Where ``image`` lies, as ``_EXTENT`` rows, each file numbered as criu will ask
-        for it (``_hand_over``)."""
+        """Where ``image`` lies, as rows of four ``_EXTENT_WORD``, each file numbered as criu
+        will ask for it (``_hand_over``)."""
         assert image.extents is not None
         try:
             fds, numbers = np.unique(image.extents[:, 0], return_inverse=True)
@@ -298,7 +299,7 @@ class ImageServer:
                 self._extent_fds[image.name] = fds.tolist()
                 self.stats.read_in_place += 1
             with contextlib.suppress(BrokenPipeError):
-                write_all(pipe, table.astype("<u8").tobytes())
+                write_all(pipe, table.astype(_EXTENT_WORD).tobytes())
         finally:
             os.close(pipe)
 
