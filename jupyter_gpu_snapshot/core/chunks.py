@@ -28,6 +28,7 @@ packs it will read (an open pack stays readable after the collector removed it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -62,6 +63,7 @@ IDS_SUFFIX = ".ids"
 # Where a recipe's pages were found last, named by the recipe's BLAKE3: ``RememberedPlan``.
 PLAN_SUFFIX = ".where"
 _PLAN_MAGIC = b"jgs-where 1\n"
+_PLAN_ROW_BYTES = 4 * 8  # a run: pack number, first slot, first page, pages; little-endian
 # Files smaller than this stay whole: CRIU's small images change at every save anyway.
 MIN_CHUNKED_BYTES = 1 << 20
 # Read this much of an image per step: one BLAKE3 update on all cores, then its pages.
@@ -345,21 +347,21 @@ class RememberedPlan:
 
     @classmethod
     def read(cls, dfd: int, key: str, ids: Ids,
-             read_ids: Callable[[int, str], Ids]) -> RememberedPlan | None:
+             ids_of: Callable[[str], Ids]) -> RememberedPlan | None:
         """The plan kept for the recipe ``ids`` (whose BLAKE3 is ``key``), once it holds:
-        each page it names has the recipe's id in its pack's ids, each page it leaves out
-        is zeros. None when there is none, or it does not hold."""
+        each page it names has the recipe's id in its pack's ids (``ids_of(pack)``), each
+        page it leaves out is zeros. None when there is none, or it does not hold."""
         try:
             fd, size = safe_fs.open_regular(key + PLAN_SUFFIX, dfd)
         except OSError:
             return None
         try:
-            raw = _read_all(fd, size) if size <= len(ids) * 32 + (1 << 20) else b""
+            raw = _read_all(fd, size) if size <= len(ids) * _PLAN_ROW_BYTES + (1 << 20) else b""
         finally:
             os.close(fd)
         remembered = cls._parsed(raw)
         try:
-            if remembered is not None and remembered._holds(dfd, ids, read_ids):
+            if remembered is not None and remembered._holds(ids, ids_of):
                 return remembered
         except (OSError, ValueError):
             pass  # a pack gone since, or ids cut short: found again
@@ -379,12 +381,12 @@ class RememberedPlan:
         packs, count = meta.get("packs"), meta.get("runs")
         if (not isinstance(packs, list) or not isinstance(count, int)
                 or not all(isinstance(p, str) and _PACK_NAME.fullmatch(p) for p in packs)
-                or len(body) != count * 32):
+                or len(body) != count * _PLAN_ROW_BYTES):
             return None
         runs = np.frombuffer(body, "<i8").astype(np.int64).reshape(-1, 4)
         return cls(list(packs), runs)
 
-    def _holds(self, dfd: int, ids: Ids, read_ids: Callable[[int, str], Ids]) -> bool:
+    def _holds(self, ids: Ids, ids_of: Callable[[str], Ids]) -> bool:
         runs, pages = self.runs, len(ids)
         if len(runs):
             ends = runs[:, 2] + runs[:, 3]
@@ -392,7 +394,7 @@ class RememberedPlan:
                     or int(runs[:, 0].max()) >= len(self.packs)
                     or (runs[1:, 2] < ends[:-1]).any() or int(ends[-1]) > pages):
                 return False
-        pack_ids = [read_ids(dfd, pack) for pack in self.packs]
+        pack_ids = [ids_of(pack) for pack in self.packs]
         sizes = np.asarray([len(a) for a in pack_ids], np.int64)
         if len(runs) and (runs[:, 1] + runs[:, 3] > sizes[runs[:, 0]]).any():
             return False
@@ -497,9 +499,11 @@ class ChunkStore:
             os.close(fd)
         return np.frombuffer(raw, np.uint8).reshape(-1, ID_BYTES)
 
-    def index(self, dfd: int) -> PackIndex:
+    def index(self, dfd: int, ids_of: Callable[[str], Ids] | None = None) -> PackIndex:
+        """Every complete pack's ids, sorted; read with ``ids_of`` when given."""
         packs = self._packs(dfd)
-        return PackIndex.build(packs, [self._read_ids(dfd, p) for p in packs])
+        read = ids_of or functools.partial(self._read_ids, dfd)
+        return PackIndex.build(packs, [read(p) for p in packs])
 
     # -- saving ----------------------------------------------------------------------------
     def chunk_files(
@@ -662,17 +666,20 @@ class ChunkStore:
         try:
             with self._dir() as dfd, self.hold(step):
                 index: PackIndex | None = None
+                # Each pack's ids read once, however many recipes' plans or the index need.
+                ids_of = functools.cache(functools.partial(self._read_ids, dfd))
                 plans = {}
                 for name, recipe in recipes.items():
                     ids = np.frombuffer(recipe, np.uint8).reshape(-1, ID_BYTES)
                     key = digest.blake3_hex(recipe)
-                    remembered = RememberedPlan.read(dfd, key, ids, self._read_ids)
+                    remembered = RememberedPlan.read(dfd, key, ids, ids_of)
                     if remembered is not None:
                         plans[name] = remembered.plan(dfd, opened, len(ids))
                         continue
                     # Found by sorting every id of the store: a second or more for an 8B
                     # model's 4 million pages, remembered for the next restore.
-                    index = index or self.index(dfd)
+                    if index is None:
+                        index = self.index(dfd, ids_of)
                     where = index.find(ids)
                     zero: npt.NDArray[np.bool_] = np.logical_not(ids.any(axis=1))
                     lacking = np.nonzero((where < 0) & ~zero)[0]
