@@ -297,7 +297,6 @@ class ImageServer:
             table = np.column_stack([numbers.reshape(-1), image.extents[:, 1:]])
             with self._lock:
                 self._extent_fds[image.name] = fds.tolist()
-                self.stats.read_in_place += 1
             with contextlib.suppress(BrokenPipeError):
                 write_all(pipe, table.astype(_EXTENT_WORD).tobytes())
         finally:
@@ -315,6 +314,8 @@ class ImageServer:
         socket.send_fds(conn, [b"\0"], [fds[number]])
         with self._lock:
             self.stats.files_handed += 1
+            # criu asks for files only once it found the extents sound: it reads in place.
+            self.stats.read_in_place += number == 0
 
     def _servable(self, name: str) -> ImageFile | None:
         image = self.files.get(name)
