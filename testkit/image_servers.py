@@ -1,10 +1,15 @@
 """The image server as other image streamers are: one without our extents (criu's own
-image streamer, say), so that criu's fill workers take their other way."""
+image streamer, say), or one whose extents are malformed, so that criu's fill workers take
+their other way."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
 
 from jupyter_gpu_snapshot.core import image_server
 
@@ -23,3 +28,34 @@ def offering_no_extents() -> Iterator[None]:
         yield
     finally:
         image_server.Asked.of = offered  # type: ignore[method-assign]
+
+
+Extents = Any  # rows of (file, offset in it, offset in the image, length), as numpy holds them
+
+
+def a_run_of_no_length(extents: Extents) -> Extents:
+    """The extents, and after them a run that holds no byte."""
+    file, _, off, length = extents[-1]
+    return np.vstack([extents, [[file, 0, off + length, 0]]])
+
+
+def the_last_run_twice(extents: Extents) -> Extents:
+    """The extents with their last run repeated: two runs overlap."""
+    return np.vstack([extents, extents[-1:]])
+
+
+@contextlib.contextmanager
+def offering_extents_changed_by(change: Callable[[Extents], Extents]) -> Iterator[None]:
+    """Within, the image server sends criu the extents of each pages image as ``change``
+    makes them."""
+    send = image_server.ImageServer._send_extents
+
+    def send_changed(server: image_server.ImageServer, image: image_server.ImageFile,
+                     pipe: int) -> None:
+        send(server, dataclasses.replace(image, extents=change(image.extents)), pipe)
+
+    image_server.ImageServer._send_extents = send_changed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        image_server.ImageServer._send_extents = send  # type: ignore[method-assign]

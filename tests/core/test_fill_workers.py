@@ -2,11 +2,11 @@
 
 Real kernels, real criu, each layout of the store: pages kept by content are read by
 criu's workers from the store's packs in place, where the image server says they lie (or,
-from a server that says nothing of it, from the one pipe of the stream, into memory the
-workers populated first); pages kept whole are read in place by the workers. Each run
-checks the kernel's state came back, that the workers ran (or, with one asked for, that
-criu filled the memory alone), and that their pids lie above every pid and thread id of
-the restored tree, which they must never take.
+from a server that says nothing of it or says it wrongly, from the one pipe of the stream,
+into memory the workers populated first); pages kept whole are read in place by the
+workers. Each run checks the kernel's state came back, that the workers ran (or, with one
+asked for, that criu filled the memory alone), and that their pids lie above every pid and
+thread id of the restored tree, which they must never take.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit.criu_wrappers import install, keeps_the_restore_log
-from testkit.image_servers import offering_no_extents
+from testkit.image_servers import (
+    a_run_of_no_length,
+    offering_extents_changed_by,
+    offering_no_extents,
+    the_last_run_twice,
+)
 from tests.conftest import execute, run
 
 # 96 MiB of memory only this state produces, past the 64 MiB from which workers are used.
@@ -49,14 +54,35 @@ class Scenario:
     by_content: bool
     workers: int | None  # CRIU_FILL_WORKERS; None: criu's default (the CPUs, up to 8)
     expect: str | None  # what the workers did, as the log says it, or None: no workers
-    extents: bool = True  # whether the image server says where a pages image lies
+    # What the image server says of where a pages image lies ("as it lies", "nothing", or
+    # a name of EXTENTS_MALFORMED), and what criu logs of it, if it refuses them.
+    extents: str = "as it lies"
+    refused: str | None = None
+
+
+EXTENTS_MALFORMED = {"a run of no length": a_run_of_no_length,
+                     "the last run twice": the_last_run_twice}
+
+
+def _extents_offered(scenario: Scenario) -> contextlib.AbstractContextManager[None]:
+    if scenario.extents == "nothing":
+        return offering_no_extents()
+    if scenario.extents in EXTENTS_MALFORMED:
+        return offering_extents_changed_by(EXTENTS_MALFORMED[scenario.extents])
+    return contextlib.nullcontext()
 
 
 SCENARIOS = [
     Scenario("by content: the packs read in place by workers", True, 2,
              "Reading pages from 1 files in place"),
     Scenario("by content, no extents offered: populated by workers", True, 2,
-             "Populating premapped memory", extents=False),
+             "Populating premapped memory", extents="nothing"),
+    Scenario("by content, a run of no length: refused, populated by workers", True, 2,
+             "Populating premapped memory", extents="a run of no length",
+             refused="are malformed"),
+    Scenario("by content, runs overlapping: refused, populated by workers", True, 2,
+             "Populating premapped memory", extents="the last run twice",
+             refused="are malformed"),
     Scenario("whole files, in place: read by workers", False, 2, "Reading pages"),
     Scenario("whole files, criu's default", False, None, "Reading pages"),
     Scenario("one worker asked for: criu alone", False, 1, None),
@@ -77,12 +103,15 @@ def test_memory_filled_on_several_cpus_comes_back_whole(
 
     log = tmp_path / "restore.log"
     criu = CriuRunner(install(tmp_path, keeps_the_restore_log(log, scenario.workers)))
-    with contextlib.nullcontext() if scenario.extents else offering_no_extents():
+    with _extents_offered(scenario):
         back = run(SnapshotEngine(store, criu, kernel_answers=kernel_answers).restore(snap.id))
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, CHECK).strip() == expected
 
-    filled = FILLED.findall(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    filled = FILLED.findall(text)
+    if scenario.refused is not None:
+        assert re.search(rf"The streamer's pages-\d+\.img@extents {scenario.refused}", text)
     if scenario.expect is None:
         assert filled == []
         return
