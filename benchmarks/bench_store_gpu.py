@@ -14,7 +14,8 @@ is deleted before the next layout starts (the GPU machine's disk is 64 GB):
 - ``training``: a smaller Llama-shaped model (fp32 weights, about 1.5 GiB) with AdamW, saved
   four times with one optimizer step between saves; the same figures for each save, the
   disk the four snapshots hold (``du`` of the store, packs included), and each snapshot
-  restored in turn, page cache dropped, its state digest compared.
+  restored in turn, page cache dropped, its state digest compared; then the last one
+  restored warm, and the machine's floors for its files.
 
 Every save is keep-running, through the engine with the CUDA hook (allocator caches
 dropped, the default). The commit's CPU parts are timed by wrapping the store's functions
@@ -337,6 +338,12 @@ def training(k: Kernel, layout: str, work: Path, criu: CriuWithRestoreLog,
         r = restore(engine, criu, k, snap, digest)
         result["restores"].append(r)
         print(f"  training {layout} restore {i + 1}: {fmt_restore(r)}", flush=True)
+    # The last snapshot once more from the page cache, and the machine's floors for it.
+    last, digest = snaps[-1]
+    result["restore_last_warm"] = restore(engine, criu, k, last, digest, cold=False)
+    print(f"  training {layout} restore {len(snaps)}, warm: "
+          f"{fmt_restore(result['restore_last_warm'])}", flush=True)
+    result["floors"] = machine_floors(store_files(engine, last))
     result["drop"] = drop_store(engine, [s for s, _ in snaps])
     return result
 
