@@ -874,15 +874,23 @@ def page_ids(block: memoryview | bytes, key: bytes) -> tuple[Ids, npt.NDArray[np
 
 def ids_of_range(opened_file: str, start: int, end: int, key: bytes) -> tuple[bytes, bytes]:
     """In a worker process: ``page_ids`` of bytes ``start`` to ``end`` of a file the saving
-    process holds open (``/proc/PID/fd/N``), encoded for the trip back."""
+    process holds open (``/proc/PID/fd/N``), encoded for the trip back.
+
+    The range is mapped, not read: a read would fill fresh memory with a copy of each page
+    first, twice the memory traffic, while criu may still be writing the rest of the file
+    (the dump follower). A file cut short under the mapping ends this worker with SIGBUS,
+    which its pool reports as broken: the commit then reads the images itself."""
     fd = os.open(opened_file, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        data = os.pread(fd, end - start, start)
+        if os.fstat(fd).st_size < end:
+            raise OSError("the file shrank while it was read")
+        if end == start:
+            return b"", b""
+        with mmap.mmap(fd, end - start, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ,
+                       offset=start) as mapped, memoryview(mapped) as view:
+            ids, zero = page_ids(view, key)
     finally:
         os.close(fd)
-    if len(data) != end - start:
-        raise OSError("the file shrank while it was read")
-    ids, zero = page_ids(data, key)
     return ids.tobytes(), zero.tobytes()
 
 
