@@ -152,6 +152,7 @@ class ServeStats:
     requests: int = 0
     read_in_place: int = 0  # pages images criu's fill workers read from their files
     files_handed: int = 0  # the files they lie in, handed over to criu
+    extents_sent: int = 0  # the runs of those files, each a read of criu's workers
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -297,6 +298,7 @@ class ImageServer:
             table = np.column_stack([numbers.reshape(-1), image.extents[:, 1:]])
             with self._lock:
                 self._extent_fds[image.name] = fds.tolist()
+                self.stats.extents_sent += len(table)
             with contextlib.suppress(BrokenPipeError):
                 write_all(pipe, table.astype(_EXTENT_WORD).tobytes())
         finally:
