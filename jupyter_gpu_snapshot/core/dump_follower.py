@@ -39,8 +39,9 @@ POLL_SECONDS = 0.05
 # Niceness of the id workers: criu and the driver's checkpoint copies come first.
 WORKER_NICENESS = 10
 # criu writes a GPU kernel's pages at about 2 GB/s and a worker makes ids at about 1.4 GB/s,
-# so a few keep up. More do not finish sooner; they read the page cache criu is filling at
-# the same time and make the pause longer (8B shape: 4.6 s longer with 14 workers).
+# so a few keep up. More do not finish sooner: they read the page cache criu is filling at
+# the same time. With 14 workers copying their ranges, the 8B shape's pause was 4.7 s longer
+# than the same save kept whole; with 4 mapping them, 0.7 s (docs/performance.md).
 MAX_WORKERS = 4
 
 
