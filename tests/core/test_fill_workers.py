@@ -83,7 +83,6 @@ SCENARIOS = [
     Scenario("by content, runs overlapping: refused, populated by workers", True, 2,
              "Populating premapped memory", extents="the last run twice",
              refused="are malformed"),
-    Scenario("whole files, in place: read by workers", False, 2, "Reading pages"),
     Scenario("whole files, criu's default", False, None, "Reading pages"),
     Scenario("one worker asked for: criu alone", False, 1, None),
 ]
