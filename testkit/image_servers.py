@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 
 from jupyter_gpu_snapshot.core import image_server
+from jupyter_gpu_snapshot.core.image_server import Extents
 
 
 def _plain_names_only(name: str) -> image_server.Asked | None:
@@ -28,9 +28,6 @@ def offering_no_extents() -> Iterator[None]:
         yield
     finally:
         image_server.Asked.of = offered  # type: ignore[method-assign]
-
-
-Extents = Any  # rows of (file, offset in it, offset in the image, length), as numpy holds them
 
 
 def a_run_of_no_length(extents: Extents) -> Extents:
@@ -52,6 +49,7 @@ def offering_extents_changed_by(change: Callable[[Extents], Extents]) -> Iterato
 
     def send_changed(server: image_server.ImageServer, image: image_server.ImageFile,
                      pipe: int) -> None:
+        assert image.extents is not None  # extents are sent only of images that have them
         send(server, dataclasses.replace(image, extents=change(image.extents)), pipe)
 
     image_server.ImageServer._send_extents = send_changed  # type: ignore[method-assign]
