@@ -31,7 +31,7 @@ class Progress:
 
 
 ProgressCallback = Callable[[Progress], None]
-# Has the kernel write its portable copy (kernel/portable.py) into the directory given,
+# Has the kernel write its portable copy (kernel/portable/) into the directory given,
 # and returns the kernel's report of it; raises SnapshotError if it could not.
 PortableWriter = Callable[[Path], Awaitable[dict[str, Any]]]
 

@@ -34,7 +34,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # An image file name: no slash, no leading dot (so never '..'), never the manifest.
 FILE_NAME_PATTERN = r"^(?!manifest\.json$)[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 KERNEL_LOG_PATTERN = re.compile(r"^kernel-[A-Za-z0-9_-]{1,64}\.log$")
-# The files of a portable copy of the namespace (kernel/portable.py) share the snapshot's
+# The files of a portable copy of the namespace (kernel/portable/) share the snapshot's
 # directory and file list with the images; criu is never handed them.
 PORTABLE_PREFIX = "portable."
 PYTHON_NAME = {"type": "string", "maxLength": 256}

@@ -5,7 +5,7 @@ A process image restores only where the node matches it (driver branch, GPU mode
 Linux). A snapshot may also carry what survives any node: the cells the kernel ran, with the
 names each defined (the manifest's "history", recorded at every save), and, when asked for,
 a portable copy of the namespace (the manifest's "portable": tensors and arrays in
-safetensors files, the rest through dill; ``kernel/portable.py``). The three ways back:
+safetensors files, the rest through dill; ``kernel/portable/``). The three ways back:
 
 - ``portable``: load the copy; tensors go to the device kind they were on where this node
   has one, else to the CPU, and the report says so;

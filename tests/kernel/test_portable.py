@@ -36,6 +36,7 @@ from jupyter_gpu_snapshot.kernel.portable import (
     is_padding,
     load_portable,
     read_report,
+    tensor_file,
     write_portable,
 )
 from testkit.manifests import kernel_section
@@ -332,8 +333,8 @@ def test_staged_device_tensors_and_their_padding_land_in_order(
 ) -> None:
     stand_in = HostStandIn()
     monkeypatch.setitem(sys.modules, "torch", stand_in)
-    monkeypatch.setattr(portable, "STAGING_CHUNK_BYTES", chunk)
-    monkeypatch.setattr(portable, "_cuda_source", lambda tensor, failed: HostStandIn(
+    monkeypatch.setattr(tensor_file, "STAGING_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(tensor_file, "_cuda_source", lambda tensor, failed: HostStandIn(
         tensor.value, tensor.device) if tensor.device.startswith("cuda") else None)
     rng = np.random.default_rng(11)
     sizes = [(70_001, "cuda:0"), (13, "cuda:0"), (65_536, "cuda:0"), (200_003, "cuda:1"),
@@ -341,11 +342,11 @@ def test_staged_device_tensors_and_their_padding_land_in_order(
     tensors = []
     for index, (size, device) in enumerate(sizes):
         data = rng.integers(0, 256, size, dtype=np.uint8)
-        tensors.append(portable._Tensor(f"t{index}", data, "torch" if device != "cpu"
+        tensors.append(tensor_file.TensorEntry(f"t{index}", data, "torch" if device != "cpu"
                                         else "numpy", "U8", [size], size, device,
                                         {"framework": "numpy", "dtype": "uint8"}))
     path = tmp_path / TENSOR_FILE
-    assert portable._write_tensor_file(path, list(tensors), lambda: False) == {}
+    assert tensor_file.write_tensor_file(path, list(tensors), lambda: False) == {}
     checked_layout(path)
     with safe_open(str(path), framework="numpy") as handle:
         for tensor in tensors:
@@ -421,7 +422,7 @@ def test_a_torch_model_and_its_optimizer_come_back_sharing_their_tensors(
 ) -> None:
     torch = torch_or_skip(device)
     # Small, odd staging chunks: tensors cross chunk boundaries and share chunks.
-    monkeypatch.setattr(portable, "STAGING_CHUNK_BYTES", 4096 + 3)
+    monkeypatch.setattr(tensor_file, "STAGING_CHUNK_BYTES", 4096 + 3)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
                                 torch.nn.Linear(32, 4)).to(device=device, dtype=torch.bfloat16)
