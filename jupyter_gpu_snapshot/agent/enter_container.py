@@ -46,6 +46,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+__stdlib_only__ = True  # run as python -I -S: it imports the standard library alone
+
 AGENT_ROOT = "@AGENT_ROOT@"
 # A file of the agent's, handed in as a copy in memory: the program a command starts with.
 AGENT_COPY = "@AGENT_COPY@"

@@ -23,6 +23,8 @@ import socket
 import struct
 import sys
 
+__stdlib_only__ = True  # run as python -I -S: it imports the standard library alone
+
 SYS_OPENAT2 = 437  # the same number on every architecture that has it
 RESOLVE_NO_MAGICLINKS, RESOLVE_IN_ROOT = 0x02, 0x10
 

@@ -39,6 +39,8 @@ import os
 import signal
 import sys
 
+__stdlib_only__ = True  # run as python -I -S: it imports the standard library alone
+
 # The last line of a kernel's log when it ended: "nsinit: kernel ended: killed by signal 11
 # (SIGSEGV)" or "... exited with status 1". Equal to _constants.KERNEL_DEATH_PREFIX, which
 # this process cannot import (it runs with the standard library alone).
