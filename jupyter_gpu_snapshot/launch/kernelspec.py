@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-from jupyter_client.kernelspec import KernelSpecManager
 
 from .._constants import KERNEL_DISPLAY_NAME, KERNEL_NAME, PROVISIONER_NAME
 
@@ -47,8 +46,31 @@ def kernel_json(python: str | None = None) -> dict[str, Any]:
     }
 
 
+def launches_through_provisioner(metadata: Mapping[str, Any] | None) -> bool:
+    """Whether a kernelspec with this ``metadata`` (kernel.json's) launches its kernels
+    through our provisioner, which makes them snapshot-ready; the one check of it, for the
+    server's kernelspecs and a manifest's."""
+    provisioner = (metadata or {}).get("kernel_provisioner") or {}
+    return bool(provisioner.get("provisioner_name") == PROVISIONER_NAME)
+
+
+def is_snapshot_ready_kernelspec(name: str) -> bool:
+    """Whether ``name`` is an installed kernelspec that launches through our provisioner:
+    the manifest policy's ``kernel_allowed`` (``node/engines.py``)."""
+    # jupyter_client is imported when asked: the CLI starts without it.
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        spec = KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        return False
+    return launches_through_provisioner(spec.metadata)
+
+
 def install(user: bool = False, prefix: str | None = None) -> str:
     """Install the kernelspec; returns the directory it went to."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
     with tempfile.TemporaryDirectory() as tmp:
         spec_dir = Path(tmp) / KERNEL_NAME
         spec_dir.mkdir()

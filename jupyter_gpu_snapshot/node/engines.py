@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._constants import PROVISIONER_NAME
 from ..agent_client.client import AgentClient
 from ..agent_client.gpu_sleep import AgentGpuSleep
 from ..agent_client.remote_engine import AgentEngine
@@ -37,20 +36,9 @@ from ..gpu.inventory import read_inventory
 from ..gpu.remap import describe_choice
 from ..gpu.sleep import GpuSleep, SleepReport
 from ..gpu.trees import wake_tree
+from ..launch.kernelspec import is_snapshot_ready_kernelspec
 from ..launch.liveness import kernel_answers
 from .engine import NodeEngine
-
-
-def is_snapshot_ready_kernel(name: str) -> bool:
-    """Whether ``name`` is an installed kernelspec that launches through our provisioner."""
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-
-    try:
-        spec = KernelSpecManager().get_kernel_spec(name)
-    except NoSuchKernel:
-        return False
-    provisioner = (spec.metadata or {}).get("kernel_provisioner") or {}
-    return bool(provisioner.get("provisioner_name") == PROVISIONER_NAME)
 
 
 def default_hooks(settings: GPUSnapshot, follow_links: bool = True) -> list[SnapshotHook]:
@@ -137,7 +125,7 @@ def make_engine(
     follow no link (the node agent's)."""
     settings = settings or GPUSnapshot()
     policy = ManifestPolicy(
-        kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernel
+        kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernelspec
     )
     hooks = hooks if hooks is not None else default_hooks(settings, follow_links)
     # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.

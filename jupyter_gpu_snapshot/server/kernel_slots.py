@@ -26,6 +26,7 @@ from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..core import procfs
 from ..core.errors import InvalidRequest, NotFound, SnapshotError
 from ..core.snapshot import Snapshot
+from ..launch.kernelspec import launches_through_provisioner
 from ..launch.provisioner import ADOPT_KWARG, Adoption, SnapshotReadyProvisioner
 from ..node.engine import RestoredKernel
 from ..node.gpus import remap_notice
@@ -137,13 +138,8 @@ class KernelSlots:
         if self.kernel_spec_manager is None:
             return {}
         specs: dict[str, Any] = await asyncio.to_thread(self.kernel_spec_manager.get_all_specs)
-
-        def ours(spec: dict[str, Any]) -> bool:
-            meta = (spec or {}).get("spec", {}).get("metadata", {})
-            provisioner = (meta.get("kernel_provisioner") or {}).get("provisioner_name")
-            return bool(provisioner == PROVISIONER_NAME)
-
-        return {name: spec for name, spec in specs.items() if ours(spec)}
+        return {name: spec for name, spec in specs.items()
+                if launches_through_provisioner((spec or {}).get("spec", {}).get("metadata"))}
 
     def restore_kernel_name(self, snapshot: Snapshot, ours: Collection[str]) -> str:
         """The kernelspec a restored kernel runs under (it decides what a restart starts)."""
