@@ -24,12 +24,18 @@ import psutil
 from .errors import NotFound, NotReady
 
 
+def status_fields(pid: int | str = "self", thread: int | None = None) -> dict[str, str]:
+    """The fields of ``/proc/PID/status`` (of its thread ``thread``, when given) by name,
+    each value as the kernel writes it, less the blanks around it: the one reader of that
+    file. Raises OSError once the process is gone."""
+    path = f"/proc/{pid}/status" if thread is None else f"/proc/{pid}/task/{thread}/status"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        fields = (line.partition(":") for line in f)
+        return {key: value.strip() for key, colon, value in fields if colon}
+
+
 def _status_field(pid: int | str, key: str) -> list[str]:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return line.split(":", 1)[1].split()
-    return []
+    return status_fields(pid).get(key, "").split()
 
 
 def ns_pids(pid: int) -> list[int]:

@@ -158,11 +158,6 @@ def ensure_restore_thread_runs(driver: CheckpointDriver, pid: int) -> None:
         )
 
 
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
 def _task_state(pid: int, tid: int) -> str:
     """One-letter state of a thread, found by host tid or by its tid inside the namespace."""
     states = procfs.thread_states(pid)
@@ -179,7 +174,7 @@ def host_tids(pid: int, tid: int) -> list[int]:
     with contextlib.suppress(OSError):
         for name in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
-                for line in _read(f"/proc/{pid}/task/{name}/status").splitlines():
-                    if line.startswith("NSpid:") and line.split()[-1] == str(tid):
-                        found.append(int(name))
+                nspids = procfs.status_fields(pid, thread=int(name)).get("NSpid", "").split()
+                if nspids and nspids[-1] == str(tid):
+                    found.append(int(name))
     return found

@@ -133,6 +133,8 @@ def namespace_rss_bytes() -> int | None:
     if "nsinit" not in _read_small("/proc/1/cmdline"):
         return None
     total = 0
+    # Not core.procfs.status_fields, the reader of /proc/PID/status everywhere else: this
+    # runs in the user's kernel, which imports the standard library only (kernel/'s contract).
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
