@@ -338,7 +338,7 @@ class Case:
         from jupyter_gpu_snapshot.agent.criu_credentials import dump_command
         from jupyter_gpu_snapshot.agent.ownership import Caller
         from jupyter_gpu_snapshot.config import GPUSnapshot
-        from jupyter_gpu_snapshot.node.engines import make_engine
+        from jupyter_gpu_snapshot.node.local_engine import make_engine
 
         self.name, self.setup, self.user, self.agent, self.loop = name, setup, user, agent, loop
         self.dir = base / name

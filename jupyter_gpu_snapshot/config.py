@@ -1,6 +1,6 @@
 """User-facing configuration, ``c.GPUSnapshot.*``, shared by the server, provisioner and CLI.
 
-Traits only: ``engines.make_engine`` turns them into an engine.
+Traits only: ``local_engine.make_engine`` turns them into an engine.
 """
 
 from __future__ import annotations

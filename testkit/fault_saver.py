@@ -17,7 +17,7 @@ import signal
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
-from jupyter_gpu_snapshot.node.engines import make_engine
+from jupyter_gpu_snapshot.node.local_engine import make_engine
 from testkit import fault_points
 
 

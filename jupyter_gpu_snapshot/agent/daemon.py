@@ -81,8 +81,8 @@ from ..core.hooks import Progress, RestoreContext, SaveContext, SaveTarget, Snap
 from ..core.sequences import finish_despite_cancel
 from ..launch.liveness import kernel_answers
 from ..launch.provisioner import NSINIT, wait_for_namespace_init
-from ..node.engines import LocalEngine, make_engine
 from ..node.gpus import GpuSleep, SleepReport
+from ..node.local_engine import LocalEngine, make_engine
 from . import (
     caller_files,
     containers,

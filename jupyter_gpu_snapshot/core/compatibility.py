@@ -48,7 +48,7 @@ _KERNEL_SERIES = re.compile(r"^(\d+)\.(\d+)")
 class NodeGpus:
     """This node's GPUs as the check compares them: driver version and models by index.
 
-    Built from the GPU layer's inventory by whoever builds the engine (``engines.py``), so
+    Built from the GPU layer's inventory by whoever builds the engine (``local_engine.py``), so
     that the core imports no GPU code.
     """
 

@@ -80,7 +80,7 @@ Wake = Callable[[int], object]
 
 def recover_store(store: SnapshotStore, wake: Wake = procfs.continue_tree) -> RecoveryReport:
     """Recover every leftover in ``store``; ``wake`` brings back a kernel tree a killed save
-    left stopped (the server and the CLI pass ``engines.wake_kernel``, which resumes CUDA)."""
+    left stopped (the server and the CLI pass ``local_engine.wake_kernel``, which resumes CUDA)."""
     report = RecoveryReport()
     if not store.root.is_dir():
         return report

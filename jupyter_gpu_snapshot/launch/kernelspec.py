@@ -56,7 +56,7 @@ def launches_through_provisioner(metadata: Mapping[str, Any] | None) -> bool:
 
 def is_snapshot_ready_kernelspec(name: str) -> bool:
     """Whether ``name`` is an installed kernelspec that launches through our provisioner:
-    the manifest policy's ``kernel_allowed`` (``node/engines.py``)."""
+    the manifest policy's ``kernel_allowed`` (``node/local_engine.py``)."""
     # jupyter_client is imported when asked: the CLI starts without it.
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 

@@ -2,7 +2,7 @@
 
 The control channel is served by its own thread in ipykernel, so a kernel busy with a long
 cell answers too. Called by the engine after every keep-running save
-(``SnapshotEngine(kernel_answers=...)``, wired by ``engines.make_engine``): a save reports
+(``SnapshotEngine(kernel_answers=...)``, wired by ``local_engine.make_engine``): a save reports
 success only for a kernel that survived it.
 """
 

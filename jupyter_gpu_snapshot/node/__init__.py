@@ -2,8 +2,9 @@
 
 The CLI and the server stand on this layer and reach the core and the GPU layer only
 through it: ``engine.NodeEngine`` (the engine both the local engine and the node agent's
-implement), ``engines`` (the engines built from ``c.GPUSnapshot``), ``snapshots`` (each
-operation over the local and the remote store, written once), ``remotes`` (the remote store
-from the settings), ``gpus`` (the GPU layer's few names the faces use) and ``checks`` (what
-``jupyter gpu-snapshot check`` reports).
+implement), ``local_engine`` (the engine this process runs itself, built from
+``c.GPUSnapshot``, or else the node agent's), ``snapshots`` (each operation over the local
+and the remote store, written once), ``remotes`` (the remote store from the settings),
+``gpus`` (the GPU layer's few names the faces use) and ``checks`` (what ``jupyter
+gpu-snapshot check`` reports).
 """

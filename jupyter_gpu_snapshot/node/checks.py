@@ -17,7 +17,7 @@ from ..core.store import SnapshotStore
 from ..gpu.broker import PluginInstall
 from ..gpu.driver import driver_status
 from ..gpu.inventory import read_inventory
-from .engines import make_engine
+from .local_engine import make_engine
 
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21

@@ -22,7 +22,7 @@ from ..core.remote.objects import describe
 from ..core.remote.pending import PendingUploads
 from ..core.snapshot import DAMAGED, Snapshot, is_snapshot_id, validate_name
 from .engine import NodeEngine
-from .engines import process_engine
+from .local_engine import process_engine
 from .remotes import BOTH, LOCAL, REMOTE, judge_remote, make_remote_store, merge_locations
 
 log = logging.getLogger(__name__)

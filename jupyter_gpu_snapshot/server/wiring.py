@@ -30,7 +30,7 @@ from jupyter_server.serverapp import ServerApp
 from ..config import GPUSnapshot
 from ..core.errors import SnapshotError
 from ..node.engine import NodeEngine, RecoveryReport
-from ..node.engines import process_engine
+from ..node.local_engine import process_engine
 from ..node.remotes import RemoteStore, make_remote_store
 from ..node.snapshots import NodeSnapshots
 from .adoption import KernelRecord

@@ -47,7 +47,7 @@ from jupyter_gpu_snapshot.gpu.driver import (
     ProcessState,
 )
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-from jupyter_gpu_snapshot.node.engines import default_hooks, make_engine
+from jupyter_gpu_snapshot.node.local_engine import default_hooks, make_engine
 from testkit.fake_driver import (
     FORCE_CUDA_PLUGIN,
     GIB,
@@ -81,7 +81,7 @@ USER_SERVER = """
 import json, sys
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core.errors import SnapshotError
-from jupyter_gpu_snapshot.node.engines import process_engine
+from jupyter_gpu_snapshot.node.local_engine import process_engine
 settings = GPUSnapshot()
 sleep = process_engine(settings).gpu_sleep()
 print(json.dumps(type(sleep).__name__), flush=True)
@@ -99,7 +99,7 @@ for line in sys.stdin:
 # GPUs (``GET snapshots/{id}/gpus``), through ``NodeEngine.gpu_choice``.
 GPU_PREVIEW = """
 import asyncio, json, sys
-from jupyter_gpu_snapshot.node.engines import process_engine
+from jupyter_gpu_snapshot.node.local_engine import process_engine
 engine = process_engine()
 print(json.dumps(asyncio.run(engine.gpu_choice(engine.get(sys.argv[1]), None))))
 """

@@ -14,7 +14,7 @@ import pytest
 from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core.errors import Incompatible
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.node.engines import make_engine
+from jupyter_gpu_snapshot.node.local_engine import make_engine
 from tests.core.test_engine import CriuCalls
 
 from ..conftest import RestoredTrees, execute, run, start_kernel, stop_kernel

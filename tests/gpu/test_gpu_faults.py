@@ -14,7 +14,7 @@ from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.recovery import recover_store
-from jupyter_gpu_snapshot.node.engines import make_engine, wake_kernel
+from jupyter_gpu_snapshot.node.local_engine import make_engine, wake_kernel
 from tests.core.test_faults import (
     FAULTS,
     assert_nothing_partial,

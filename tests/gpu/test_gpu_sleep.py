@@ -257,12 +257,12 @@ def test_recovery_holds_a_tree_its_dump_left_stopped_before_waking_it(
     """A saver killed after the hand-over: the server's next start wakes the kernel, held
     until its CUDA state runs again."""
     from jupyter_gpu_snapshot.core import recovery
-    from jupyter_gpu_snapshot.node import engines
+    from jupyter_gpu_snapshot.node import local_engine
 
     monkeypatch.setattr(recovery, "work_base", lambda: sleep.holders.parent)
-    monkeypatch.setattr(engines, "work_base", lambda: sleep.holders.parent)
+    monkeypatch.setattr(local_engine, "work_base", lambda: sleep.holders.parent)
     sleep.release(target.pid)
     sleep.hand_over(target.pid)
-    assert engines.wake_kernel(target.pid, driver.status) == []
+    assert local_engine.wake_kernel(target.pid, driver.status) == []
     assert running(target, driver, sleep)
     assert driver.protocol_breaches() == []

@@ -29,7 +29,7 @@ from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver, ProcessState
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
 from jupyter_gpu_snapshot.gpu.inventory import read_inventory
 from jupyter_gpu_snapshot.gpu.sleep import GpuSleep, holders_dir
-from jupyter_gpu_snapshot.node.engines import make_engine
+from jupyter_gpu_snapshot.node.local_engine import make_engine
 
 from ..conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
 from .test_frameworks import FRAMEWORKS, Framework

@@ -42,7 +42,7 @@ from jupyter_gpu_snapshot.config import GPUSnapshot
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.errors import Incompatible
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.node.engines import make_engine
+from jupyter_gpu_snapshot.node.local_engine import make_engine
 from testkit.manifests import move_to_another_node
 
 from ..conftest import KernelHandle, connect, execute, run, start_kernel, stop_kernel

@@ -29,7 +29,7 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.node.engines import make_engine
+from jupyter_gpu_snapshot.node.local_engine import make_engine
 
 from ..conftest import KernelError, KernelHandle, connect, execute, run, start_kernel, stop_kernel
 

@@ -20,7 +20,7 @@ from jupyter_gpu_snapshot.core.manifest import MANIFEST
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.node.engines import LocalEngine
+from jupyter_gpu_snapshot.node.local_engine import LocalEngine
 from jupyter_gpu_snapshot.node.snapshots import Found, NodeSnapshots
 from jupyter_gpu_snapshot.server.remote_sync import RemoteSync
 from testkit.remote_snapshots import make_snapshot

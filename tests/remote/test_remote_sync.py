@@ -13,7 +13,7 @@ from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import Progress
 from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.node.engines import LocalEngine
+from jupyter_gpu_snapshot.node.local_engine import LocalEngine
 from jupyter_gpu_snapshot.node.snapshots import NodeSnapshots
 from jupyter_gpu_snapshot.server import remote_sync
 from jupyter_gpu_snapshot.server.remote_sync import RemoteSync

@@ -476,7 +476,7 @@ def serve_with_fake_cuda(monkeypatch: pytest.MonkeyPatch, gpus: Any, kernel_byte
     from jupyter_gpu_snapshot.config import GPUSnapshot
     from jupyter_gpu_snapshot.core.engine import SnapshotEngine
     from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook
-    from jupyter_gpu_snapshot.node.engines import default_hooks, make_engine
+    from jupyter_gpu_snapshot.node.local_engine import default_hooks, make_engine
     from jupyter_gpu_snapshot.server import wiring
     from testkit.fake_driver import FAKE_ENV, FORCE_CUDA_PLUGIN, GIB
 

@@ -1,4 +1,5 @@
-"""The engines this node runs, built from ``c.GPUSnapshot``: the store, criu and the GPU hook.
+"""The engine this process runs itself (``LocalEngine``), built from ``c.GPUSnapshot``: the
+store, criu and the GPU hook; and the choice between it and the node agent's.
 
 The server and the CLI call ``process_engine``: a ``LocalEngine`` where the process may run
 criu itself (root), else the node agent's (``agent_client.remote_engine``); both are a
