@@ -57,7 +57,7 @@ KERNEL_DEATH_PREFIX = "nsinit: kernel ended: "
 API_PREFIX = "gpu-snapshot"
 
 # What a save asks a snapshot-ready kernel on its control channel (kernel/cell_record.py
-# answers, node/kernel_state.py asks): the cells it ran, and its portable copy.
+# answers, node/save_requests.py asks): the cells it ran, and its portable copy.
 CELLS_REQUEST = "gpu_snapshot_cells_request"
 CELLS_REPLY = "gpu_snapshot_cells_reply"
 PORTABLE_REQUEST = "gpu_snapshot_portable_request"

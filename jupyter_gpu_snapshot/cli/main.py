@@ -52,8 +52,8 @@ from ..node import fallback
 from ..node.checks import check_this_node
 from ..node.engine import NodeEngine
 from ..node.gpus import parse_gpu_choice, remap_notice, resume_tree
-from ..node.kernel_state import kernel_history, portable_writer
 from ..node.remotes import BOTH, LOCAL, REMOTE
+from ..node.save_requests import kernel_history, portable_writer
 from ..node.snapshots import NodeSnapshots
 from .servers import chosen_servers
 

@@ -5,6 +5,7 @@ through it: ``engine.NodeEngine`` (the engine both the local engine and the node
 implement), ``local_engine`` (the engine this process runs itself, built from
 ``c.GPUSnapshot``, or else the node agent's), ``snapshots`` (each operation over the local
 and the remote store, written once), ``remotes`` (the remote store from the settings),
-``gpus`` (the GPU layer's few names the faces use) and ``checks`` (what ``jupyter
-gpu-snapshot check`` reports).
+``gpus`` (the GPU layer's few names the faces use), ``checks`` (what ``jupyter
+gpu-snapshot check`` reports), ``save_requests`` (what a save asks the kernel on its
+control channel) and ``fallback`` (a snapshot's work back in a fresh kernel).
 """

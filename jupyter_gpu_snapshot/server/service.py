@@ -36,8 +36,8 @@ from ..launch.provisioner import root_pid
 from ..node import fallback as fallback_modes
 from ..node.engine import GpuSleeper
 from ..node.gpus import parse_gpu_choice
-from ..node.kernel_state import kernel_history, portable_writer
 from ..node.remotes import BOTH
+from ..node.save_requests import kernel_history, portable_writer
 from ..node.snapshots import Found, NodeSnapshots
 from .deaths import KernelDeaths
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, kernel_key, snapshot_key

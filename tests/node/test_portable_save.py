@@ -19,7 +19,7 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import PARTIAL_PREFIX
-from jupyter_gpu_snapshot.node.kernel_state import kernel_history, portable_writer
+from jupyter_gpu_snapshot.node.save_requests import kernel_history, portable_writer
 from tests.conftest import KernelHandle, run
 
 pytestmark = pytest.mark.timeout(120)
