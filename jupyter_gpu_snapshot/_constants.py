@@ -57,7 +57,8 @@ KERNEL_DEATH_PREFIX = "nsinit: kernel ended: "
 API_PREFIX = "gpu-snapshot"
 
 # What a save asks a snapshot-ready kernel on its control channel (kernel/cell_record.py
-# answers, node/save_requests.py asks): the cells it ran, and its portable copy.
+# and kernel/portable_request.py answer, node/save_requests.py asks): the cells it ran,
+# and its portable copy.
 CELLS_REQUEST = "gpu_snapshot_cells_request"
 CELLS_REPLY = "gpu_snapshot_cells_reply"
 PORTABLE_REQUEST = "gpu_snapshot_portable_request"

@@ -1,8 +1,9 @@
-"""The kernel's record of its cells, and the control requests of the portable fallback.
+"""The kernel's record of its cells, for the portable fallback.
 
 When a snapshot's process image cannot be restored (another driver, other GPUs), the
-user's state comes back from a portable copy of the namespace (``portable``) and from
-re-running the cells this kernel ran. ``install(shell)`` sets up both, once, at start:
+user's state comes back from a portable copy of the namespace (``portable``, written on
+request by ``portable_request``) and from re-running the cells this kernel ran.
+``install(shell)`` sets up both, once, at start:
 
 - For every cell (an execution with a count: ``store_history``), the count and the user's
   names it defined or rebound (a name whose value's ``id()`` changed, names of IPython's own
@@ -10,200 +11,29 @@ re-running the cells this kernel ran. ``install(shell)`` sets up both, once, at 
   is missed: holding the old values would keep them alive). The sources are IPython's own
   history, read when asked for. A cell is listed once it has finished. Silent executions
   are not cells.
-- Two handlers on the control channel, which answers even while a cell runs:
-
+- A handler on the control channel, which answers even while a cell runs:
   ``gpu_snapshot_cells_request`` (content ``{}``) is answered by
   ``gpu_snapshot_cells_reply``: ``{"status": "ok", "cells": [{"count", "source",
   "defined", "ok"}], "complete": bool, "omitted"?: int}``, in execution order. ``ok`` is
   false for a cell that raised. The sources add up to at most 2 MiB: beyond that the
   newest cells are kept, ``complete`` is false and ``omitted`` counts the older ones left
   out.
-
-  ``gpu_snapshot_portable_request`` (content ``{"directory": str, "wait_seconds"?:
-  number}``) writes a portable copy into that existing directory and is answered, once
-  written, by ``gpu_snapshot_portable_reply``: ``{"status": "ok", "portable": REPORT}``
-  (``portable.write_portable``'s report) or ``{"status": "error", "ename", "evalue"}``.
-
-Holding still
--------------
-A copy must not mix objects from two moments, so it is written while no user code runs:
-
-- If a cell is running when the request comes, the copy waits until it ends (at most
-  ``wait_seconds`` when given; then the reply is an error, ``ename`` ``CellStillRunning``).
-- While the copy is written, the next cell waits for it before it starts (it says so on
-  its stderr if that takes more than a second). Interrupting that waiting cell abandons
-  the copy (its reply is an error, ``PortableCopyAbandoned``) and the cell runs.
-- The exception is a cell that only waits on something outside: ``%gpu_snapshot save``
-  waits for the server, which may ask for a copy meanwhile. Such code runs under
-  ``parked()``; while a cell is parked a copy may be written, and leaving ``parked()``
-  waits until that copy is finished, so the cell's next statement sees the same objects.
-
-The copy is written in a thread of its own; the control channel stays free meanwhile
-(interrupts and shutdowns are answered), and the reply comes when the copy is done. What
-runs outside cells is not held: widget callbacks (comm messages) and the user's own
-threads could still change objects while a copy is written.
+- The portable request, and the holding still of user code while a copy is written
+  (``portable_request.install``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import sys
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from .._constants import (
-    CELLS_REPLY,
-    CELLS_REQUEST,
-    HISTORY_SOURCE_BYTES,
-    PORTABLE_REPLY,
-    PORTABLE_REQUEST,
-)
-from .portable import PortableCopyAbandoned, is_user_name, write_portable
+from .._constants import CELLS_REPLY, CELLS_REQUEST, HISTORY_SOURCE_BYTES
+from . import portable_request
+from .control_channel import error_content, send_reply
+from .portable import is_user_name
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
-
-_NOTICE_AFTER_SECONDS = 1.0
-
-T = TypeVar("T")
-
-
-class CellStillRunning(Exception):
-    """The cell that was running when a copy was asked for did not end in time."""
-
-
-class _Gate:
-    """Who may run: user code (cells) or a copy being written, never both.
-
-    Cells are counted in ``pre_execute``/``post_execute`` (nested executions included); a
-    copy waits for none to run, or for the running one to be parked; a cell about to start
-    waits while a copy is written or waits its turn.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._running = 0
-        self._parked = 0
-        self._writing = False
-        self._waiting_writers = 0
-        self.abandoned = False
-
-    def cell_starts(self) -> None:
-        with self._cond:
-            # A cell inside a running one never waits on a copy that waits for its outer
-            # cell to end; only a cell starting from idle gives way to a waiting copy.
-            self._wait_in_cell(lambda: not self._writing
-                               and (self._running > 0 or self._waiting_writers == 0))
-            self._running += 1
-
-    def cell_ends(self) -> None:
-        with self._cond:
-            # An empty cell ends without having started: never count below zero.
-            self._running = max(0, self._running - 1)
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def parked(self) -> Iterator[None]:
-        with self._cond:
-            self._parked += 1
-            self._cond.notify_all()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._parked -= 1
-                self._wait_in_cell(lambda: not self._writing)
-
-    def _wait_in_cell(self, ready: Callable[[], bool]) -> None:
-        """Wait (holding the condition) in the shell's thread; an interrupt abandons the
-        copy rather than letting user code run beside it."""
-        told = False
-        while not ready():
-            try:
-                self._cond.wait(_NOTICE_AFTER_SECONDS)
-            except KeyboardInterrupt:
-                self.abandoned = True
-                continue
-            if not told and not ready():
-                told = True
-                print("Waiting for a portable copy of this kernel's variables to be "
-                      "written...", file=sys.stderr, flush=True)
-
-    @contextlib.contextmanager
-    def still(self, timeout: float | None = None) -> Iterator[None]:
-        """Hold user code still for the block: wait until no cell runs (or it is parked)."""
-        with self._cond:
-            self._waiting_writers += 1
-            try:
-                ready = self._cond.wait_for(
-                    lambda: not self._writing and (self._running == 0 or self._parked > 0),
-                    timeout)
-            finally:
-                self._waiting_writers -= 1
-                self._cond.notify_all()
-            if not ready:
-                raise CellStillRunning(
-                    f"the running cell did not end within {timeout:g} s")
-            self._writing = True
-            self.abandoned = False
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writing = False
-                self._cond.notify_all()
-
-
-_GATE = _Gate()
-
-
-def parked() -> contextlib.AbstractContextManager[None]:
-    """A block of a running cell that only waits on something outside the kernel (the
-    server), during which a portable copy may be written.
-
-    Code inside must not touch the user's objects. Leaving the block waits until a copy
-    that started meanwhile is finished. ``%gpu_snapshot save`` wraps its wait for the
-    server in it::
-
-        with cell_record.parked():
-            job = client.wait(job, progress.update)
-    """
-    return _GATE.parked()
-
-
-def hold_still(timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
-    """Wait until no user code runs (or it is parked), and keep cells from starting for the
-    block. For a thread other than the shell's; ``CellStillRunning`` after ``timeout``."""
-    return _GATE.still(timeout)
-
-
-def write_held(directory: Path, timeout: float | None = None) -> dict[str, Any]:
-    """Write a portable copy of this kernel's namespace into ``directory``, holding user
-    code still while it is written (``CellStillRunning`` if a cell runs past ``timeout``).
-
-    From the shell's own thread (a magic inside a cell) the calling cell parks itself
-    first: it is the code that would otherwise be waited for.
-    """
-    shell = _recorder.shell if _recorder is not None else _current_shell()
-    if not directory.is_dir():  # said at once, not after waiting for a cell
-        raise NotADirectoryError(f"no directory {directory}")
-    in_shell = threading.current_thread() is threading.main_thread()
-    with _GATE.parked() if in_shell else contextlib.nullcontext(), _GATE.still(timeout):
-        return write_portable(shell.user_ns, directory, hidden=shell.user_ns_hidden,
-                              should_stop=lambda: _GATE.abandoned)
-
-
-def _current_shell() -> Any:
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if shell is None:
-        raise RuntimeError("no IPython shell runs here")
-    return shell
 
 
 @dataclass(frozen=True)
@@ -214,22 +44,15 @@ class RecordedCell:
 
 
 class CellRecorder:
-    """Follows the shell's cells, and answers the control requests."""
+    """Follows the shell's cells, and answers the cells request."""
 
     def __init__(self, shell: InteractiveShell) -> None:
         self.shell = shell
         self.cells: list[RecordedCell] = []
         # The names before each running cell, by its ExecutionInfo (cells can nest).
         self._before: dict[int, dict[str, int]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- the shell's events (its thread) --------------------------------------------------
-    def pre_execute(self) -> None:
-        _GATE.cell_starts()
-
-    def post_execute(self) -> None:
-        _GATE.cell_ends()
-
     def pre_run_cell(self, info: ExecutionInfo) -> None:
         if info.silent or not info.store_history:
             return
@@ -281,65 +104,8 @@ class CellRecorder:
         try:
             content = self.cells_content()
         except Exception as exc:
-            content = _error(exc)
-        self._reply(stream, CELLS_REPLY, content, parent, ident)
-
-    def portable_request(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
-        # Answered from a task: the control channel handles one message at a time and
-        # must stay free for interrupts and shutdowns while the copy is written.
-        task = asyncio.get_running_loop().create_task(self._portable(stream, ident, parent))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _portable(self, stream: Any, ident: Any, parent: dict[str, Any]) -> None:
-        request = parent.get("content") or {}
-        try:
-            directory = Path(str(request["directory"]))
-            wait = request.get("wait_seconds")
-            timeout = None if wait is None else float(wait)
-            report = await _in_thread(lambda: write_held(directory, timeout))
-            content: dict[str, Any] = {"status": "ok", "portable": report}
-        except PortableCopyAbandoned:
-            content = {"status": "error", "ename": "PortableCopyAbandoned",
-                       "evalue": "the kernel was interrupted while the copy was written"}
-        except Exception as exc:
-            content = _error(exc)
-        self._reply(stream, PORTABLE_REPLY, content, parent, ident)
-
-    def _reply(self, stream: Any, msg_type: str, content: dict[str, Any],
-               parent: dict[str, Any], ident: Any) -> None:
-        kernel = getattr(self.shell, "kernel", None)
-        if kernel is not None and kernel.session is not None:
-            kernel.session.send(stream, msg_type, content, parent, ident)
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
-    return {"status": "error", "ename": type(exc).__name__, "evalue": str(exc)}
-
-
-async def _in_thread(work: Callable[[], T]) -> T:
-    """``work()`` in a daemon thread: a copy still waiting for a cell must never keep the
-    kernel's process from exiting (the default executor's threads would)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not future.done():
-            outcome()
-
-    def run() -> None:
-        try:
-            result = work()
-        except BaseException as exc:
-            error = exc
-            with contextlib.suppress(RuntimeError):  # the loop closed: the kernel is ending
-                loop.call_soon_threadsafe(settle, lambda: future.set_exception(error))
-            return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, lambda: future.set_result(result))
-
-    threading.Thread(target=run, name="portable-copy", daemon=True).start()
-    return await future
+            content = error_content(exc)
+        send_reply(self.shell, stream, CELLS_REPLY, content, parent, ident)
 
 
 _recorder: CellRecorder | None = None
@@ -350,17 +116,15 @@ def install(shell: InteractiveShell) -> None:
     global _recorder
     if _recorder is not None and _recorder.shell is shell:
         return
+    portable_request.install(shell)
     recorder = CellRecorder(shell)
     events = shell.events
-    events.register("pre_execute", recorder.pre_execute)
-    events.register("post_execute", recorder.post_execute)
     events.register("pre_run_cell", recorder.pre_run_cell)
     events.register("post_run_cell", recorder.post_run_cell)
     kernel = getattr(shell, "kernel", None)
     handlers = getattr(kernel, "control_handlers", None)
     if isinstance(handlers, dict):
         handlers[CELLS_REQUEST] = recorder.cells_request
-        handlers[PORTABLE_REQUEST] = recorder.portable_request
     _recorder = recorder
 
 

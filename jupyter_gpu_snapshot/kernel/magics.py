@@ -43,7 +43,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
 from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines
-from . import cell_record
+from . import cell_record, portable_request
 from .client import ClientError, JobFailed, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
 from .presentation import (
@@ -233,7 +233,7 @@ class GPUSnapshotMagics(Magics):
             progress = _ProgressLine(self.shell, "Saving")
             try:
                 # This cell only waits: the kernel may write its portable copy meanwhile.
-                with cell_record.parked():
+                with portable_request.parked():
                     job = client.wait(job, progress.update, posted_at=posted_at)
             finally:
                 progress.close()
@@ -488,8 +488,8 @@ class _ProgressLine:
 
 
 def load(shell: InteractiveShell) -> None:
-    """Register the magic and the cell recorder (``cell_record``); called by
-    ``load_ipython_extension``. Makes no network call."""
+    """Register the magic, the cell recorder and the portable request (``cell_record``);
+    called by ``load_ipython_extension``. Makes no network call."""
     cell_record.install(shell)
     link_kernel_id = None
     with contextlib.suppress(ClientError):  # outside a server: the magic says so when used

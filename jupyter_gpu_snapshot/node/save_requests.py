@@ -1,12 +1,13 @@
 """What a save asks the kernel itself, on its control channel: the cells it ran, and its
 portable copy.
 
-Snapshot-ready kernels load the extension at start (``kernel/cell_record.py``), which
-answers two control messages: the cells the kernel ran with the names each defined, and
-"write your portable copy into this directory". The control channel is served by its own
-thread in ipykernel, so a kernel answers while a cell runs, in particular while
-``%gpu_snapshot save`` waits for the save it asked for. Where the portable copy must wait
-for a running cell to end, the kernel does the waiting (it alone knows).
+Snapshot-ready kernels load the extension at start, which answers two control messages:
+the cells the kernel ran with the names each defined (``kernel/cell_record.py``), and
+"write your portable copy into this directory" (``kernel/portable_request.py``). The
+control channel is served by its own thread in ipykernel, so a kernel answers while a cell
+runs, in particular while ``%gpu_snapshot save`` waits for the save it asked for. Where the
+portable copy must wait for a running cell to end, the kernel does the waiting (it alone
+knows).
 
 Both faces call this with the kernel's connection info: the server for its kernels, the CLI
 for a kernel named by its connection file. A kernel without the extension (a plain kernel,

@@ -271,7 +271,8 @@ def test_the_cells_request_lists_counts_sources_and_defined_names(
     copy.mkdir()
     written = execute(client, f"""
         from pathlib import Path
-        report = cell_record.write_held(Path({str(copy)!r}), timeout=10)
+        from jupyter_gpu_snapshot.kernel import portable_request
+        report = portable_request.write_held(Path({str(copy)!r}), timeout=10)
         print(sorted(entry["name"] for entry in report["carried"]))
         """)
     assert "'items'" in written and "'second_blob'" in written
@@ -339,9 +340,10 @@ def test_the_copy_waits_for_the_running_cell_and_the_next_cell_waits_for_the_cop
     parked_flag = tmp_path / "parked.flag"
     execute(client, f"flag_path = {str(parked_flag)!r}")
     cell = run_async(client, f"""
+        from jupyter_gpu_snapshot.kernel import portable_request
         b = 1
         print("parked", flush=True)
-        with cell_record.parked():
+        with portable_request.parked():
             while not os.path.exists({str(parked_flag)!r}):
                 time.sleep(0.01)
         after_parked = time.time()

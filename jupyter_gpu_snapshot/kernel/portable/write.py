@@ -27,7 +27,7 @@ Honest limits
 - Functions and classes defined in the notebook are pickled by value; their globals are
   the loading kernel's namespace (``__main__``), so they see the names loaded beside them.
 - The copy is of one moment only if no other thread changes the objects meanwhile; the
-  kernel side (``cell_record``) makes sure no cell runs while it is written.
+  kernel side (``portable_request``) makes sure no cell runs while it is written.
 """
 
 from __future__ import annotations
