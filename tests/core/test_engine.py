@@ -77,8 +77,13 @@ def _probe(execute: object) -> dict[str, object]:
 
 
 def _ticks(execute: object) -> int:
+    """The background thread's count once it has moved on (at most 30 s later)."""
     assert callable(execute)
-    return int(execute("time.sleep(0.3); print(ticks[0])").strip())
+    return int(execute(
+        "_seen, _until = ticks[0], time.monotonic() + 30\n"
+        "while ticks[0] == _seen and time.monotonic() < _until:\n"
+        "    time.sleep(0.01)\n"
+        "print(ticks[0])").strip())
 
 
 def _save(engine: SnapshotEngine, kernel: KernelHandle, **kwargs: object) -> object:

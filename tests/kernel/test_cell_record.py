@@ -309,15 +309,18 @@ def test_the_copy_waits_for_the_running_cell_and_the_next_cell_waits_for_the_cop
         slow = Slow()
         """)
 
-    # 1. The request comes while a cell mutates `a` for 2 s: the copy holds its end state.
+    # 1. The request comes while a cell runs, which then mutates `a`: the copy holds its end
+    # state. The cell mutates it only once the copy waits for it to end.
     first_copy = tmp_path / "first"
     first_copy.mkdir()
     execute(client, f"flag_path = {str(tmp_path / 'first.flag')!r}")
     loop = run_async(client, """
+        from jupyter_gpu_snapshot.kernel import portable_request
         print("started", flush=True)
+        while not portable_request._GATE._waiting_writers:
+            time.sleep(0.01)
         for _ in range(20):
             a += 1
-            time.sleep(0.1)
         """)
     wait_for_output(client, loop, "started", 30, "stdout")
     portable = control(client, "gpu_snapshot_portable_request", {"directory": str(first_copy)})
@@ -369,27 +372,37 @@ def test_interrupting_a_cell_that_waits_abandons_the_copy(
     client = kernel.client
     flag = tmp_path / "writing.flag"
     execute(client, INSTALL)
+    # The copy lasts until the interrupt below has abandoned it, however late that comes.
     execute(client, f"""
-        import time
+        import os, time
         import numpy as np
+        from jupyter_gpu_snapshot.kernel import portable_request
         a = np.ones(4)
         class Slow:
             def __reduce__(self):
                 open({str(flag)!r}, "w").close()
-                time.sleep(6)
+                deadline = time.monotonic() + 60
+                while not portable_request._GATE.abandoned and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 return (Slow, ())
         slow = Slow()
         """)
     copy = tmp_path / "copy"
     copy.mkdir()
-    # The copy takes long enough that the interrupt below comes while it runs, on a busy
-    # machine too. A copy that may wait only so long for a running cell gives up.
-    sleeping = run_async(client, "print('sleeping', flush=True); time.sleep(1.5)")
+    # A copy that may wait only so long for a running cell gives up; the cell runs until
+    # the copy has given up.
+    released = tmp_path / "released.flag"
+    sleeping = run_async(client, f"""
+        print('sleeping', flush=True)
+        while not os.path.exists({str(released)!r}):
+            time.sleep(0.01)
+        """)
     wait_for_output(client, sleeping, "sleeping", 30, "stdout")
     reply = request(client, "gpu_snapshot_portable_request",
                     {"directory": str(copy), "wait_seconds": 0.2})
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "CellStillRunning"
+    released.touch()
     stdout_of(client, sleeping)
 
     portable = control(client, "gpu_snapshot_portable_request", {"directory": str(copy)})

@@ -24,8 +24,17 @@ from tests.conftest import KernelHandle, run
 
 pytestmark = pytest.mark.timeout(120)
 
-# A cell that runs while the save asks for the copy, and changes the state as it ends.
-RUNNING_CELL = "import time; time.sleep(3); stage = 'after the cell'"
+# A cell that runs while the save asks for the copy, and changes the state as it ends: once
+# the copy waits for it (a copy that may wait), or once the file at {released} exists (the
+# test makes it after the save, whose copy gave up meanwhile).
+RUNNING_CELL = """
+import os, time
+from jupyter_gpu_snapshot.kernel import portable_request
+while not os.path.exists({released!r}) and not (
+        {until_the_copy_waits} and portable_request._GATE._waiting_writers):
+    time.sleep(0.01)
+stage = 'after the cell'
+"""
 
 
 @dataclass(frozen=True)
@@ -56,12 +65,14 @@ def _connection(kernel: KernelHandle) -> dict[str, object]:
 def test_the_copy_is_of_one_moment_or_given_up(
     scenario: Scenario, kernel: KernelHandle, engine: SnapshotEngine, tmp_path: Path
 ) -> None:
+    released = tmp_path / "released"
     kernel.execute("stage = 'before the cell'; numbers = list(range(1000))")
     info = _connection(kernel)
     history = run(kernel_history(info))
     assert history is not None and history["cells"][-1]["defined"] == ["stage", "numbers"]
     # Sent without waiting for it: the save asks while the cell runs.
-    cell = kernel.client.execute(RUNNING_CELL)
+    cell = kernel.client.execute(RUNNING_CELL.format(
+        released=str(released), until_the_copy_waits=scenario.budget_seconds is None))
     try:
         target = SaveTarget(pid=kernel.root_pid, history=history,
                             portable=portable_writer(info, scenario.budget_seconds),
@@ -74,6 +85,7 @@ def test_the_copy_is_of_one_moment_or_given_up(
         else:
             snapshot = run(engine.save(target, name=scenario.id))
     finally:
+        released.touch()
         _until_replied(kernel, cell)
     # The kernel survived whatever happened, and answers.
     assert kernel.execute("print(stage, len(numbers))").strip() == "after the cell 1000"

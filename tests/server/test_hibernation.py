@@ -10,10 +10,13 @@ import json
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from jupyter_gpu_snapshot.server.hibernation_policy import idle_seconds
 
 from .conftest import JOB_TIMEOUT, Api, Json, KernelConnector, KernelSocket, recorded_events
 
@@ -146,6 +149,15 @@ async def notebook_kernel(api: Api, kernel_socket: KernelConnector, path: str = 
     return kernel_id, await kernel_socket(kernel_id)
 
 
+async def idle_past(jp_serverapp: Any, kernel_id: str, seconds: float) -> None:
+    """Until the kernel has been idle longer than ``seconds``, on the clock hibernation reads."""
+    km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while (idle_seconds(km) or 0.0) <= seconds:
+        assert time.monotonic() < deadline, f"kernel {kernel_id} never idle for {seconds} s"
+        await asyncio.sleep(0.1)
+
+
 def extension(jp_serverapp: Any) -> Any:
     return next(iter(jp_serverapp.extension_manager.extension_apps["jupyter_gpu_snapshot"]))
 
@@ -260,11 +272,15 @@ async def test_a_client_that_connects_to_a_hibernated_kernel_is_not_kept_waiting
 
 
 async def test_a_running_cell_is_never_hibernated_and_when_idle_waits_for_it(
-    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, tmp_path: Path
 ) -> None:
     extension(jp_serverapp).parts.hibernation.start()
     kernel_id, sock = await notebook_kernel(api, kernel_socket)
-    (cell,) = await send(sock, execute(sock.session, "import time; time.sleep(3); print('done')"))
+    # The cell runs until both requests below have been answered.
+    released = tmp_path / "released"
+    (cell,) = await send(sock, execute(sock.session, (
+        f"import os, time\nwhile not os.path.exists({str(released)!r}): time.sleep(0.01)\n"
+        "print('done')")))
     deadline = time.monotonic() + 30
     while (await api.ok("GET", "api", "kernels", kernel_id))["execution_state"] != "busy":
         assert time.monotonic() < deadline
@@ -274,6 +290,7 @@ async def test_a_running_cell_is_never_hibernated_and_when_idle_waits_for_it(
     state = await api.ok("POST", "gpu-snapshot", "kernels", kernel_id, "hibernate",
                          body={"when_idle": True}, expect=202)
     assert state["state"] == "requested"
+    released.touch()
     assert printed((await collect(sock, [cell]))[cell]) == "done\n"
     await until_state(api, kernel_id, "hibernated")
 
@@ -407,7 +424,8 @@ async def test_a_notebook_chooses_when_its_kernel_hibernates(
     assert policy["release_gpu_after_minutes"] == 10  # the gpu tier keeps the server's
     out = await sock.execute("%gpu_snapshot hibernate never")  # this cell wakes it
     assert out == "This notebook's kernel never hibernates by itself.\n"
-    await asyncio.sleep(4)
+    await idle_past(jp_serverapp, kernel_id, 2)
+    await extension(jp_serverapp).parts.hibernation.tick()
     assert await hibernation(api) == {}
 
 

@@ -38,6 +38,7 @@ from .test_hibernation import (
     execute,
     extension,
     hibernation,
+    idle_past,
     kept_outputs,
     notebook_kernel,
     printed,
@@ -184,7 +185,7 @@ class TestTakingTurns:
 
     async def test_three_kernels_answer_their_cells_in_turn_and_a_full_gpu_is_named(
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
-        driver: FakeCudaDriver,
+        driver: FakeCudaDriver, tmp_path: Path,
     ) -> None:
         sockets: dict[str, Any] = {}
         names: dict[str, str] = {}
@@ -217,11 +218,14 @@ class TestTakingTurns:
             assert set(asleep) == {gives_way}, asleep
             assert asleep[gives_way]["tier"] == "gpu"
         # With both awake kernels running cells, no idle kernel can make room: the cell
-        # gets one error naming who holds the GPU, and its kernel sleeps on.
+        # gets one error naming who holds the GPU, and its kernel sleeps on. Their cells run
+        # until that error has come.
         running = (second, third)
-        busy_ids = [(await send(sockets[k], execute(
-            sockets[k].session, "import time; time.sleep(4); print('done')")))[0]
-            for k in running]
+        released = tmp_path / "released"
+        busy = (f"import os, time\nwhile not os.path.exists({str(released)!r}): "
+                "time.sleep(0.01)\nprint('done')")
+        busy_ids = [(await send(sockets[k], execute(sockets[k].session, busy)))[0]
+                    for k in running]
         await until_busy(jp_serverapp, list(running))
         errors = [m for m in await cell(first) if m["msg_type"] == "error"]
         assert errors, "the cell of a kernel that cannot wake got no error"
@@ -229,6 +233,7 @@ class TestTakingTurns:
         assert "no idle kernel can give its memory back" in text
         assert f"kernel {second} (busy)" in text and f"kernel {third} (busy)" in text
         assert (await hibernation(api))[first]["state"] == "hibernated"
+        released.touch()
         for k, msg_id in zip(running, busy_ids, strict=True):
             assert printed((await collect(sockets[k], [msg_id]))[msg_id]) == "done\n"
         # Once they are idle, the same cell wakes it.
@@ -301,8 +306,6 @@ class TestANotebooksOwnReleaseTime:
         self, api: Api, kernel_socket: KernelConnector, jp_serverapp: Any,
         driver: FakeCudaDriver, monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        import asyncio
-
         app = extension(jp_serverapp)
 
         # Which kernels hold GPU memory, the server asks libcuda and NVML, which the fake
@@ -333,7 +336,8 @@ class TestANotebooksOwnReleaseTime:
 
         out = await sock.execute("%gpu_snapshot hibernate gpu default")  # this cell wakes it
         assert out == "This notebook's kernel never gives its GPU back by itself.\n"
-        await asyncio.sleep(2)
+        await idle_past(jp_serverapp, kernel_id, 1)
+        await extension(jp_serverapp).parts.hibernation.tick()
         assert await hibernation(api) == {}
         assert await sock.execute("print(state)") == "kept\n"
         assert driver.protocol_breaches() == []
