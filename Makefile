@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 JUPYTER := $(VENV)/bin/jupyter
 LAB_ARGS ?= --ip=127.0.0.1 --no-browser --allow-root
 
-.PHONY: install system criu venv kernelspec lab test lint pytest test-under-load benchmark clean
+.PHONY: installed install system criu venv kernelspec lab test lint pytest test-quick test-under-load \
+	benchmark clean
 
 install: system criu venv kernelspec
 
@@ -39,7 +40,10 @@ kernelspec: venv
 lab: install
 	cd notebooks && ../$(JUPYTER) lab $(LAB_ARGS)
 
-test: install lint pytest
+# In this order, whatever -j says: the linters and the tests need what the install puts.
+test: install
+	@$(MAKE) --no-print-directory lint
+	@$(MAKE) --no-print-directory pytest
 
 # The extension's linters (eslint, prettier, stylelint) and its unit tests (jest) are
 # devDependencies in labextension/yarn.lock; the editable install has put them in
@@ -56,8 +60,35 @@ lint: venv
 # PYTEST_ARGS picks tests or adds options, e.g. PYTEST_ARGS='tests/launch/test_provisioner.py -x'.
 PYTEST_ARGS ?=
 
-pytest: install
+# The tests alone, for the inner loop: no apt, no criu build, no pip (make install did them).
+pytest: installed
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The quick suite: the tests that need no root, no criu and no browser, in a few minutes
+# on 2 cores. They are picked by what they use: the portable copy written and loaded in
+# this process or in plain python3 kernels (no snapshot-ready kernel, whose namespace
+# needs root); the store's formats, plans, index, usage, retention and renames on files in
+# a temporary directory, and criu's log read as text (no criu run); the server's job
+# runner and notebook policies without a server; the GPU layer's plans and driver binding
+# against the scripted driver; and the project's own checks (its docs, stdlib-only
+# programs and module sizes; not its notebooks, which run the real thing). Left out: every
+# test that saves or restores (criu), starts a snapshot-ready kernel or a Jupyter server
+# that does, uses Unix users, pods or a hub (root), a browser (tests/ui) or a GPU.
+QUICK_TESTS := \
+	tests/project/test_docs.py tests/project/test_stdlib_only.py \
+	tests/project/test_module_size.py \
+	tests/kernel/test_portable.py tests/kernel/test_cell_record.py \
+	tests/core/test_chunks.py tests/core/test_chunk_workers.py tests/core/test_index.py \
+	tests/core/test_store_usage.py tests/core/test_retention.py tests/core/test_rename.py \
+	tests/core/test_criu_log.py \
+	tests/server/test_units.py tests/server/test_notebook_policies.py \
+	tests/gpu/test_gpu_remap.py tests/gpu/test_cuda_driver.py
+
+test-quick: installed
+	$(VENV)/bin/pytest $(QUICK_TESTS) $(PYTEST_ARGS)
+
+installed:
+	@test -x $(VENV)/bin/pytest || { echo "no $(VENV)/bin/pytest: run make install first" >&2; exit 1; }
 
 # The suite must hold on a busy machine: CI runs it on 2 cores, at times beside other work.
 # This runs pytest LOAD_RUNS times in a row while stress-ng keeps 2 cores busy, whatever
