@@ -37,7 +37,6 @@ kernel once its widget manager is attached.
 
 from __future__ import annotations
 
-import html
 import threading
 import time
 from collections.abc import Callable
@@ -47,13 +46,20 @@ import ipywidgets as w  # type: ignore[import-untyped]
 
 from .._constants import FALLBACK_MODES
 from .client import ApiError, ClientError, SnapshotClient
+from .panel_html import (
+    FALLBACK_EXPLANATIONS,
+    FALLBACK_LABELS,
+    html_text,
+    offered_fallbacks,
+    report_html,
+    snapshot_html,
+)
 from .presentation import (
     IDLE_POLICY_FIELDS,
     autosave_text,
     cuda_text,
     death_text,
     estimate_text,
-    format_age,
     hibernation_text,
     job_progress_text,
     last_snapshot_text,
@@ -68,34 +74,6 @@ BUSY_POLL_SECONDS = 0.25
 # less often while idle, and at once when a job ends.
 STATUS_EVERY_SECONDS = 3.0
 LIST_EVERY_SECONDS = 10.0
-
-
-# The ways back into a fresh kernel, as the buttons say them, and what each keeps.
-FALLBACK_LABELS = {
-    "portable": "Load the portable copy",
-    "replay": "Re-run the cells",
-    "both": "Both",
-}
-FALLBACK_EXPLANATIONS = {
-    "portable": "loads the variables the snapshot copied (tensors, arrays and what dill "
-    "could save); no cell runs, and what could not be copied is missing",
-    "replay": "runs again the cells the kernel ran, in order: all they built comes back, "
-    "in the time they take",
-    "both": "loads the portable copy, then re-runs only the cells that built the names it "
-    "lacks",
-}
-
-
-def offered_fallbacks(listed: Any) -> list[str]:
-    """The known ways back of a server's list, in offering order (the fullest last)."""
-    if not isinstance(listed, list):
-        return []
-    return [mode for mode in FALLBACK_MODES if mode in listed]
-
-
-def _text(value: str, color: str | None = None) -> str:
-    style = f' style="color:{color}"' if color else ""
-    return f"<span{style}>{html.escape(value)}</span>"
 
 
 class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
@@ -318,7 +296,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
 
     def _show_poll_error(self, message: str) -> None:
         with self._lock:
-            self.error.value = _text(message, "#c62828")
+            self.error.value = html_text(message, "#c62828")
             self._poll_error = True
 
     def _poll_jobs(self) -> bool:
@@ -378,7 +356,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                 error = job.get("error") or {}
                 text = error.get("message") or f"{job.get('kind')} failed"
                 what = "restore into a fresh kernel" if took_fallback else job.get("kind")
-                self.error.value = _text(f"{what}: {text}", "#c62828")
+                self.error.value = html_text(f"{what}: {text}", "#c62828")
             elif job.get("kind") == "restore" and isinstance(result.get("fallback"), dict):
                 # This kernel is retired as the fresh one takes the notebook over: the
                 # report shows for as long as it still runs.
@@ -386,12 +364,12 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                     "this notebook now uses it" if result.get("session_id")
                     else "no notebook was switched to it"
                 )
-                self.message.value = _text(
+                self.message.value = html_text(
                     f"Restored into a fresh kernel {result.get('kernel_id')}: {where}"
                 )
-                self.report.value = _report_html(result["fallback"])
+                self.report.value = report_html(result["fallback"])
             elif job.get("kind") == "save":
-                self.message.value = _text(
+                self.message.value = html_text(
                     f"Saved {result.get('name')}: {snapshot_size_text(result)}"
                 )
             elif job.get("kind") == "restore":
@@ -399,7 +377,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                     "this notebook now uses it" if result.get("session_id")
                     else "no notebook was switched to it"
                 )
-                self.message.value = _text(
+                self.message.value = html_text(
                     f"Restored into kernel {result.get('kernel_id')}: {where}"
                 )
 
@@ -407,17 +385,17 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self._show_death(status.get("death"))
         with self._lock:
             if status.get("ready"):
-                self.readiness.value = _text("Snapshot-ready", "#2e7d32")
+                self.readiness.value = html_text("Snapshot-ready", "#2e7d32")
             else:
                 reasons = "; ".join(status.get("reasons") or []) or "no reason given"
-                self.readiness.value = _text(f"Not snapshot-ready: {reasons}", "#c62828")
+                self.readiness.value = html_text(f"Not snapshot-ready: {reasons}", "#c62828")
             cuda = cuda_text(status.get("cuda"))
             estimate = estimate_text(status)
             if estimate:
                 cuda += f" {estimate}."
-            self.cuda.value = _text(cuda)
+            self.cuda.value = html_text(cuda)
             last = status.get("last_snapshot")
-            self.last.value = _text(
+            self.last.value = html_text(
                 f"Last snapshot: {last_snapshot_text(last)}" if last else "No snapshot yet"
             )
 
@@ -427,7 +405,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             if not death:
                 self.death_box.layout.display = "none"
                 return
-            text = _text(death_text(death, time.time()), "#c62828")
+            text = html_text(death_text(death, time.time()), "#c62828")
             if self.death.value != text:  # unchanged text sends nothing
                 self.death.value = text
             self.death_restore_button.layout.display = "" if death.get("snapshot") else "none"
@@ -437,10 +415,10 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         text = autosave_text(state, time.time())
         idle = hibernation_text(state)
         with self._lock:
-            if self.autosave.value != _text(text):  # unchanged text sends nothing
-                self.autosave.value = _text(text)
-            if self.hibernation.value != _text(idle):
-                self.hibernation.value = _text(idle) if idle else ""
+            if self.autosave.value != html_text(text):  # unchanged text sends nothing
+                self.autosave.value = html_text(text)
+            if self.hibernation.value != html_text(idle):
+                self.hibernation.value = html_text(idle) if idle else ""
 
     def _show_snapshots(self, snapshots: list[Json]) -> None:
         newest_first = {str(summary["id"]): summary for summary in reversed(snapshots)}
@@ -450,9 +428,9 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                 return
             self.snapshots = newest_first
             listing = "".join(
-                f"<li>{_snapshot_html(summary, now)}</li>" for summary in newest_first.values()
+                f"<li>{snapshot_html(summary, now)}</li>" for summary in newest_first.values()
             )
-            text = f"<ul>{listing}</ul>" if listing else _text("None yet.")
+            text = f"<ul>{listing}</ul>" if listing else html_text("None yet.")
             if self.snapshot_list.value != text:  # unchanged text sends nothing
                 self.snapshot_list.value = text
             options = [
@@ -485,7 +463,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             result = action()
         except ClientError as exc:
             with self._lock:
-                self.error.value = _text(f"{what}: {exc.message}", "#c62828")
+                self.error.value = html_text(f"{what}: {exc.message}", "#c62828")
             return None
         if result and result.get("status") == "running":
             self._tracked[str(result["id"])] = result
@@ -519,7 +497,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         state = self._act("hibernate", self.client.hibernate_when_idle)
         if state is not None:
             with self._lock:
-                self.message.value = _text(
+                self.message.value = html_text(
                     "Hibernating: the GPU memory is freed; the next cell wakes the kernel.")
         return state
 
@@ -578,7 +556,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         job = self._act("restore into a fresh kernel", start)
         if job is not None:
             with self._lock:
-                self.message.value = _text(
+                self.message.value = html_text(
                     f"Restoring into a fresh kernel ({FALLBACK_LABELS[mode].lower()})…")
         return job
 
@@ -590,7 +568,7 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
             for mode, button in self.fallback_buttons.items():
                 button.layout.display = "" if mode in offered else "none"
             if offered:
-                self.fallback_note.value = _text(
+                self.fallback_note.value = html_text(
                     "The snapshot's image cannot come back here, but a fresh kernel can get "
                     "back what it kept besides it: "
                     + "; ".join(f"{FALLBACK_LABELS[mode]}: {FALLBACK_EXPLANATIONS[mode]}"
@@ -624,74 +602,6 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         self.confirming_delete = snapshot_id
         self.delete_button.description = "Really delete?" if snapshot_id else "Delete"
         self.delete_button.button_style = "danger" if snapshot_id else ""
-
-
-def _snapshot_html(summary: Json, now: float) -> str:
-    """One snapshot of the list: its name, age, size, what it keeps besides its image,
-    and its id."""
-    created = float(summary.get("created", 0))
-    offered = offered_fallbacks(summary.get("fallback"))
-    keeps = (
-        "portable copy &middot; " if "portable" in offered
-        else "cells recorded &middot; " if offered else ""
-    )
-    return (
-        f"<b>{html.escape(str(summary.get('name')))}</b> &nbsp;"
-        f"{html.escape(format_age(now - created))} &middot; "
-        f"{html.escape(snapshot_size_text(summary))} &middot; {keeps}"
-        f"<code>{html.escape(str(summary.get('id')))}</code>"
-    )
-
-
-def _plural(count: int, one: str, many: str) -> str:
-    return f"{count} {one if count == 1 else many}"
-
-
-def report_summary(report: Json) -> str:
-    """A way back's report in a line: "2 names loaded, 1 not; 3 cells re-run, 1 failed"."""
-    loaded = len(report.get("loaded") or [])
-    missing = len(report.get("not_loaded") or [])
-    replayed = list(report.get("replayed") or [])
-    failed = sum(1 for cell in replayed if cell.get("status") != "ok")
-    mode = report.get("mode")
-    parts = []
-    if loaded or missing or mode != "replay":
-        text = _plural(loaded, "name loaded", "names loaded")
-        parts.append(f"{text}, {missing} not" if missing else text)
-    if replayed or mode != "portable":
-        text = _plural(len(replayed), "cell re-run", "cells re-run")
-        parts.append(f"{text}, {failed} failed" if failed else text)
-    return "; ".join(parts)
-
-
-def _report_html(report: Json) -> str:
-    """What came back and where, what did not and why, each cell re-run, and the notes."""
-    esc = html.escape
-    sections = [f"<b>{esc(report_summary(report))}</b>"]
-
-    def listing(title: str, items: list[str]) -> None:
-        if items:
-            sections.append(
-                f"{esc(title)}:<ul>{''.join(f'<li>{item}</li>' for item in items)}</ul>")
-
-    listing("Came back", [
-        f"<code>{esc(str(item.get('name')))}</code> ({esc(str(item.get('kind')))}, on "
-        f"{esc(str(item.get('device')))})"
-        + (f": {esc(str(item['note']))}" if item.get("note") else "")
-        for item in report.get("loaded") or []
-    ])
-    listing("Did not come back", [
-        f"<code>{esc(str(item.get('name')))}</code>: {esc(str(item.get('reason')))}"
-        for item in report.get("not_loaded") or []
-    ])
-    listing("Cells re-run", [
-        f"In [{esc(str(cell.get('count')))}]: ran" if cell.get("status") == "ok"
-        else _text(f"In [{cell.get('count')}]: failed: "
-                   f"{cell.get('error') or 'no reason given'}", "#c62828")
-        for cell in report.get("replayed") or []
-    ])
-    listing("Notes", [esc(str(note)) for note in report.get("notes") or []])
-    return "".join(sections)
 
 
 def _descendants(widget: Any) -> list[Any]:
