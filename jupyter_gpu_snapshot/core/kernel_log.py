@@ -1,6 +1,7 @@
 """A snapshot-ready kernel's log: where it lies, how a restore opens it, how the kernel ended.
 
-Snapshot-ready kernels of a user write their logs in one directory (``default_kernel_log_dir``).
+Snapshot-ready kernels of a user write their logs in one directory (the store's
+``default_kernel_log_dir``, where a manifest's log files must lie).
 A restore opens them before criu does (``open_log_files``): the directory is the kernel
 user's, and the node agent opens them as root, so never through a link, never waiting.
 
@@ -25,16 +26,6 @@ from .._constants import KERNEL_DEATH_PREFIX
 from . import safe_fs
 from .errors import SnapshotError
 from .snapshot import Snapshot
-
-KERNEL_LOG_SUBDIR = "gpu_snapshot"
-
-
-def default_kernel_log_dir() -> Path:
-    """Where snapshot-ready kernels of this user write their logs (the runtime dir's)."""
-    from jupyter_core.paths import jupyter_runtime_dir
-
-    return Path(os.path.realpath(Path(jupyter_runtime_dir()) / KERNEL_LOG_SUBDIR))
-
 
 # -- opening the logs for a restore ----------------------------------------------------------
 # Root opens a kernel log in a directory its user may write: never through a link, never

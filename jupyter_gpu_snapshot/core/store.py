@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
-from . import chunks, digest, images, kernel_log, safe_fs, staging
+from . import chunks, digest, images, safe_fs, staging
 from .dump_follower import DumpFollower
 from .errors import InvalidRequest, NotFound, SnapshotError
 from .image_server import ImageFile
@@ -95,6 +95,17 @@ def default_key_file() -> Path:
     return Path(jupyter_data_dir()) / "gpu_snapshot_signing.key"
 
 
+KERNEL_LOG_SUBDIR = "gpu_snapshot"
+
+
+def default_kernel_log_dir() -> Path:
+    """Where snapshot-ready kernels of this user write their logs (the runtime dir's): a
+    manifest naming a log file elsewhere is refused (``ManifestPolicy.kernel_log_dir``)."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(os.path.realpath(Path(jupyter_runtime_dir()) / KERNEL_LOG_SUBDIR))
+
+
 class SnapshotStore:
     """Snapshots on local disk under ``root``, signed with the key in ``key_file``."""
 
@@ -109,7 +120,7 @@ class SnapshotStore:
         # Large image files kept by content, each page once per store (core/chunks.py).
         self.chunk_images = chunk_images
         self.key_file = Path(key_file) if key_file else default_key_file()
-        self.policy = policy or ManifestPolicy(kernel_log_dir=kernel_log.default_kernel_log_dir)
+        self.policy = policy or ManifestPolicy(kernel_log_dir=default_kernel_log_dir)
         self._key: SigningKey | None = None
         self._key_lock = threading.Lock()
         self.locks = StoreLocks(self.root)
