@@ -24,10 +24,9 @@ from typing import Any
 import numpy as np
 from bench_cpu import machine_info
 
-from jupyter_gpu_snapshot.core import chunks
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.snapshot import Snapshot, new_snapshot_id
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot, new_snapshot_id
 from testkit.manifests import kernel_section
 
 IMAGE = "pages-1.img"

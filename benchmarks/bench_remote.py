@@ -26,8 +26,8 @@ from typing import Any
 
 from common import host_facts, settle
 
-from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
 from testkit.remote_snapshots import make_snapshot
 from testkit.seaweed import SeaweedServer
 

@@ -38,9 +38,9 @@ from jupyter_client.manager import KernelManager
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.remote import RemoteStore
-from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 
 MiB = 1 << 20

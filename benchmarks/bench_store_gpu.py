@@ -45,13 +45,13 @@ from bench_gpu import LLAMA_8B, STATE_CHECK, Kernel, first_cell, machine_info, p
 from common import CriuWithRestoreLog, fill_workers_set, machine_floors, settle
 
 from jupyter_gpu_snapshot.config import GPUSnapshot
-from jupyter_gpu_snapshot.core import chunks, image_server, images, procfs
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.snapshot import Snapshot
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks, image_server, images
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from jupyter_gpu_snapshot.gpu.broker import PluginInstall
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver
 from jupyter_gpu_snapshot.gpu.hook import CudaCheckpointHook

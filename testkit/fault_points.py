@@ -16,9 +16,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from jupyter_gpu_snapshot.core import chunks
-from jupyter_gpu_snapshot.core.snapshot import is_snapshot_id
-from jupyter_gpu_snapshot.core.store import DELETING_PREFIX, PARTIAL_PREFIX, SnapshotStore
+from jupyter_gpu_snapshot.core.store import DELETING_PREFIX, PARTIAL_PREFIX, SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store.snapshot import is_snapshot_id
 
 
 def die() -> None:

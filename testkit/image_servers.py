@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jupyter_gpu_snapshot.core import image_server
-from jupyter_gpu_snapshot.core.image_server import Extents
+from jupyter_gpu_snapshot.core.store import image_server
+from jupyter_gpu_snapshot.core.store.image_server import Extents
 
 
 def _plain_names_only(name: str) -> image_server.Asked | None:

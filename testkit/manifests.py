@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 
 CONNECTION = {
     "transport": "tcp", "ip": "127.0.0.1", "key": "k" * 36, "signature_scheme": "hmac-sha256",

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpu_snapshot.core.snapshot import Snapshot, new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot, new_snapshot_id
 from testkit.manifests import CONNECTION, kernel_section
 
 

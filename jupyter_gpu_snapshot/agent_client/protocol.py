@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core import errors
 from ..core.errors import SnapshotError
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 
 DEFAULT_SOCKET = Path("/run/jupyter-gpu-snapshot/agent.sock")
 # A request line. The largest a client sends is a launch: the kernel's argv and its whole

@@ -21,8 +21,7 @@ from ..core.errors import InvalidRequest
 from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.restore import RestoredKernel
 from ..core.save import connection_info_json
-from ..core.snapshot import Snapshot
-from ..core.usage import SnapshotUsage, StoreRoom, StoreUsage
+from ..core.store import Snapshot, SnapshotUsage, StoreRoom, StoreUsage
 from .client import AgentClient
 from .protocol import snapshot_from
 

@@ -47,7 +47,7 @@ from ..core.errors import (
 )
 from ..core.hooks import Progress as EngineProgress
 from ..core.hooks import SaveTarget
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 from ..node import fallback
 from ..node.checks import check_this_node
 from ..node.engine import NodeEngine

@@ -35,9 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import digest
 from .errors import Incompatible
 from .safe_fs import open_without_links
+from .store import digest_files, preferred_algorithm
 
 # Named in a message; the rest of a long list is counted.
 SHOWN = 5
@@ -144,7 +144,7 @@ class FileDigests:
                 with self._lock:
                     self._cache[key] = found
             if found is None:
-                found = digest.digest_files([(fd, info.st_size)], algorithm, cancel=cancel)[0]
+                found = digest_files([(fd, info.st_size)], algorithm, cancel=cancel)[0]
                 with self._lock:
                     self.misses += 1
                     if len(self._cache) >= self.max_entries:
@@ -283,7 +283,7 @@ class NodeCompatibility:
     ) -> dict[str, Any]:
         """The ``mapped_files`` section for ``paths``; blocking, run in a worker thread by
         ``SnapshotEngine.save`` while criu dumps."""
-        algorithm = digest.preferred_algorithm()
+        algorithm = preferred_algorithm()
         started = time.monotonic()
         files = [e for p in paths if (e := self.digests.describe(p, algorithm, cancel))]
         return {"algorithm": algorithm, "files": files,

@@ -20,18 +20,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import usage
 from .compatibility import NodeCompatibility
 from .criu import CriuRunner
 from .hooks import Progress, ProgressCallback, SaveTarget, SnapshotHook
-from .index import SnapshotIndex
 from .restore import RestoredKernel, restore_snapshot
 from .restore import check_compatibility as _check_compatibility
 from .restore import check_ports as _check_ports
 from .save import KERNEL_ANSWER_SECONDS, save_kernel
 from .sequences import KernelAnswers, keep_log
-from .snapshot import Snapshot
-from .store import SnapshotStore
+from .store import Snapshot, SnapshotIndex, SnapshotStore, StoreUsage, store_usage
 
 
 class SnapshotEngine:
@@ -61,9 +58,9 @@ class SnapshotEngine:
         """Where the snapshots are, as messages name it."""
         return str(self.store.root)
 
-    def store_usage(self) -> usage.StoreUsage:
+    def store_usage(self) -> StoreUsage:
         """The store's bytes on disk (``core.usage``); it reads every recipe: in a thread."""
-        return usage.store_usage(self.store)
+        return store_usage(self.store)
 
     # -- queries ---------------------------------------------------------------------------
     # These read the disk: callers on an event loop run them in a thread.

@@ -17,7 +17,7 @@ from typing import Any
 from . import procfs
 from .criu import CriuExtras
 from .errors import SnapshotError
-from .snapshot import Snapshot
+from .store import Snapshot
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 from .._constants import KERNEL_DEATH_PREFIX
 from . import safe_fs
 from .errors import SnapshotError
-from .snapshot import Snapshot
+from .store import Snapshot
 
 # -- opening the logs for a restore ----------------------------------------------------------
 # Root opens a kernel log in a directory its user may write: never through a link, never

@@ -29,21 +29,20 @@ from typing import Any
 from . import procfs, safe_fs
 from .errors import InvalidRequest
 from .locks import is_locked, snapshot_key
-from .snapshot import Snapshot, is_snapshot_id
-from .staging import (
+from .store import (
     ASSEMBLED_PREFIX,
     ASSEMBLY_LOCK,
-    MEMORY_ASSEMBLY_PREFIX,
-    MEMORY_DIR,
-    assembly_key,
-)
-from .store import (
     DELETING_PREFIX,
     DRAFT_FILE,
     DUMP_COMPLETE_FILE,
+    MEMORY_ASSEMBLY_PREFIX,
+    MEMORY_DIR,
     PARTIAL_PREFIX,
     UNFINISHED_PREFIX,
+    Snapshot,
     SnapshotStore,
+    assembly_key,
+    is_snapshot_id,
 )
 
 log = logging.getLogger(__name__)

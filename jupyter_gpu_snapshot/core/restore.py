@@ -36,10 +36,9 @@ from .background import run_in_background
 from .compatibility import NodeCompatibility, refusal
 from .errors import InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .hooks import Progress, ProgressCallback, RestoreContext, SnapshotHook
-from .image_server import ImageFile, ImageServer
 from .progress import byte_counter
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
-from .snapshot import Snapshot
+from .store import ImageFile, ImageServer, Snapshot
 
 log = logging.getLogger(__name__)
 

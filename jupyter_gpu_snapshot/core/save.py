@@ -56,19 +56,28 @@ from typing import Any, NoReturn
 
 from .._constants import KERNEL_NAME, format_bytes
 from .._version import __version__
-from . import chunks, locks, procfs
+from . import locks, procfs
 from .background import run_in_background
 from .compatibility import node_facts
 from .criu import describe_exit
-from .dump_follower import DumpFollower
 from .errors import Interrupted, InvalidRequest, SnapshotError
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
-from .manifest import ManifestProblem, bounded_history, is_portable_file, portable_problem
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
-from .snapshot import Snapshot, new_snapshot_id, validate_name
-from .store import DUMP_COMPLETE_FILE, SnapshotStore
+from .store import (
+    DUMP_COMPLETE_FILE,
+    DumpFollower,
+    FollowedFile,
+    ManifestProblem,
+    Snapshot,
+    SnapshotStore,
+    bounded_history,
+    is_portable_file,
+    new_snapshot_id,
+    portable_problem,
+    validate_name,
+)
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20
@@ -179,7 +188,7 @@ class _Save:
         self.timings: dict[str, float] = {}
         self.follower = None
         # What the follower read of the images, for the commit (empty: it reads them).
-        self.followed: dict[str, chunks.FollowedFile] = {}
+        self.followed: dict[str, FollowedFile] = {}
         self.stop_digests = threading.Event()
         # The hooks whose preflight_save passed: each is owed one after_dump, which
         # releases what its preflight took, however the save ends.

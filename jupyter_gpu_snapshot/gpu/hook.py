@@ -45,7 +45,7 @@ from ..core.criu import CriuExtras
 from ..core.errors import NotReady, SnapshotError
 from ..core.hooks import Progress, RestoreContext, SaveContext, SnapshotHook
 from ..core.recovery import work_base
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 from .allocator_caches import CacheRelease, release_in_kernel
 from .broker import CheckpointBroker, PluginInstall, uninterruptible
 from .checkpoint import LOCK_TIMED_OUT, CudaCheckpoint, CudaProcess, error_hint

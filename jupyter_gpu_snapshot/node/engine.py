@@ -19,9 +19,7 @@ from typing import Any, Protocol
 from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.recovery import RecoveryReport as RecoveryReport
 from ..core.restore import RestoredKernel as RestoredKernel
-from ..core.snapshot import Snapshot
-from ..core.store import SnapshotStore
-from ..core.usage import StoreRoom, StoreUsage
+from ..core.store import Snapshot, SnapshotStore, StoreRoom, StoreUsage
 from ..gpu.inventory import GpuInventory
 from ..gpu.sleep import SleepReport
 

@@ -42,8 +42,7 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
-from ..core.manifest import fallbacks_offered
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot, fallbacks_offered
 from .engine import NodeEngine
 
 PORTABLE, REPLAY, BOTH = FALLBACK_MODES

@@ -23,12 +23,9 @@ from ..core.criu import CriuRunner
 from ..core.engine import SnapshotEngine
 from ..core.errors import NotReady, SnapshotError
 from ..core.hooks import SnapshotHook
-from ..core.manifest import ManifestPolicy
 from ..core.open_files import OpenFilesHook
 from ..core.recovery import RecoveryReport, clean_work_dirs, recover_store, work_base
-from ..core.snapshot import Snapshot
-from ..core.store import SnapshotStore, default_kernel_log_dir
-from ..core.usage import StoreRoom
+from ..core.store import ManifestPolicy, Snapshot, SnapshotStore, StoreRoom, default_kernel_log_dir
 from ..gpu.broker import PluginInstall
 from ..gpu.driver import DriverStatus
 from ..gpu.hook import CudaCheckpointHook

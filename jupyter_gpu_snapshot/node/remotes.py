@@ -10,10 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import GPUSnapshot
-from ..core.remote import RemoteSnapshot, RemoteStore, SnapshotCache, load_key
-from ..core.remote.objects import describe
-from ..core.snapshot import DAMAGED, Snapshot
-from ..core.store import SnapshotStore
+from ..core.store import (
+    DAMAGED,
+    RemoteSnapshot,
+    RemoteStore,
+    Snapshot,
+    SnapshotCache,
+    SnapshotStore,
+    describe,
+    load_key,
+)
 
 # What the server's remote listing holds and says of a failure (``describe``: an error of
 # the object store as one line).

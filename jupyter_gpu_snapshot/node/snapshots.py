@@ -15,12 +15,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import GPUSnapshot
-from ..core import retention
 from ..core.errors import InvalidRequest, NotFound, SnapshotError
-from ..core.remote import RemoteSnapshot, RemoteStore, RemoteStoreError, SnapshotCache
-from ..core.remote.objects import describe
-from ..core.remote.pending import PendingUploads
-from ..core.snapshot import DAMAGED, Snapshot, is_snapshot_id, validate_name
+from ..core.store import (
+    DAMAGED,
+    PendingUploads,
+    RemoteSnapshot,
+    RemoteStore,
+    RemoteStoreError,
+    Snapshot,
+    SnapshotCache,
+    describe,
+    is_snapshot_id,
+    newest_per_notebook,
+    validate_name,
+)
 from .engine import NodeEngine
 from .local_engine import process_engine
 from .remotes import BOTH, LOCAL, REMOTE, judge_remote, make_remote_store, merge_locations
@@ -130,7 +138,7 @@ class NodeSnapshots:
             remote = {i: s for i, s in remote.items() if i in local_ids}
         merged = merge_locations(local, remote, self.remote_url)
         if latest:
-            return [dict(s) for s in retention.newest_per_notebook(merged)]
+            return [dict(s) for s in newest_per_notebook(merged)]
         return merged
 
     def located(self, found: Found, remote_ids: Collection[str]) -> dict[str, Any]:

@@ -18,7 +18,14 @@ import psutil
 
 from .._constants import format_bytes
 from ..config import GPUSnapshot
-from ..core import procfs, retention
+from ..core import procfs
+from ..core.store import (
+    DiskRoom,
+    autosave_bytes,
+    autosave_refusal,
+    group_of,
+    reclaimed_by_next_autosave,
+)
 from ..launch.provisioner import root_pid
 
 # Where the store is and the free bytes of its disk (``SnapshotService.store_usage``: the
@@ -63,18 +70,18 @@ class AutosaveAdmission:
         store = await self.store_room()
         if store["free_bytes"] is None:
             return f"the free space of the store ({store['path']}) cannot be read"
-        group = retention.group_of(
+        group = group_of(
             {"notebook_path": notebook, "kernel": {"kernel_id": kernel_id}}
         )
-        room = retention.DiskRoom(
+        room = DiskRoom(
             free_bytes=int(store["free_bytes"]),
-            autosave_bytes=retention.autosave_bytes(summaries),
-            reclaimed_bytes=retention.reclaimed_by_next_autosave(
+            autosave_bytes=autosave_bytes(summaries),
+            reclaimed_bytes=reclaimed_by_next_autosave(
                 summaries, group, int(self.settings.autosave_keep)
             ),
             where=str(store["path"]),
         )
-        refusal = retention.autosave_refusal(
+        refusal = autosave_refusal(
             host + gpu, room, int(self.settings.autosave_min_free_bytes),
             int(self.settings.autosave_max_bytes),
         )

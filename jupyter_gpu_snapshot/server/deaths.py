@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.kernel_log import KernelEnd, kernel_death_cause
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 from ..launch.provisioner import SnapshotReadyProvisioner
 
 # jupyter_server's record of kernel starts and shutdowns (its kernel_actions events).

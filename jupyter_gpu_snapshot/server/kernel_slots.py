@@ -25,7 +25,7 @@ from tornado import web
 from .._constants import KERNEL_NAME, PROVISIONER_NAME
 from ..core import procfs
 from ..core.errors import InvalidRequest, NotFound, SnapshotError
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 from ..launch.kernelspec import launches_through_provisioner
 from ..launch.provisioner import ADOPT_KWARG, Adoption, SnapshotReadyProvisioner
 from ..node.engine import RestoredKernel

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.errors import SnapshotError
 from ..core.hooks import Progress
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 from ..node.remotes import RemoteSnapshot, RemoteStore, describe
 from ..node.snapshots import NodeSnapshots
 

@@ -20,7 +20,7 @@ from jupyter_core.utils import ensure_async
 
 from .._constants import fallback_report_lines
 from ..config import GPUSnapshot
-from ..core import procfs, retention
+from ..core import procfs
 from ..core.errors import (
     Busy,
     InvalidRequest,
@@ -30,7 +30,7 @@ from ..core.errors import (
     SnapshotError,
 )
 from ..core.hooks import Progress, SaveTarget
-from ..core.snapshot import Snapshot, validate_name
+from ..core.store import Snapshot, to_delete, validate_name
 from ..launch.liveness import kernel_answers
 from ..launch.provisioner import root_pid
 from ..node import fallback as fallback_modes
@@ -416,7 +416,7 @@ class SnapshotService:
         Called by ``_save`` once ``snapshot`` has committed, so nothing older goes first.
         """
         trusted = await asyncio.to_thread(self.engine.list)
-        doomed = retention.to_delete(
+        doomed = to_delete(
             [s.summary() for s in trusted],
             snapshot.summary(),
             keep_autosaves=int(self.settings.autosave_keep),

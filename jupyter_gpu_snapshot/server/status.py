@@ -17,7 +17,7 @@ import psutil
 
 from ..core import procfs
 from ..core.errors import SnapshotError
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 from ..node.gpus import tree_cuda_state
 from .jobs import Job, JobRunner, kernel_key
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core.errors import Busy, SnapshotError
 from ..core.hooks import Progress
-from ..core.snapshot import Snapshot
+from ..core.store import Snapshot
 from ..node.engine import NodeEngine
 from .jobs import SNAPSHOT_KEY_PREFIX, Job, JobRunner, snapshot_key
 from .remote_sync import RemoteSync, UploadStopped

@@ -34,8 +34,8 @@ from jupyter_gpu_snapshot.agent_client.protocol import decode, encode
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit.unix_users import UnixUser
 

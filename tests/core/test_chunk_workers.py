@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks
 from jupyter_gpu_snapshot.core.locks import StoreLocks
+from jupyter_gpu_snapshot.core.store import chunks
 
 KEY = bytes(range(32))
 

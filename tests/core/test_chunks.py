@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks, digest, safe_fs, staging
-from jupyter_gpu_snapshot.core.chunks import ID_BYTES, PAGE, ZERO_ID
+from jupyter_gpu_snapshot.core import safe_fs
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
-from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION, ManifestPolicy
 from jupyter_gpu_snapshot.core.recovery import recover_store
-from jupyter_gpu_snapshot.core.snapshot import Snapshot, new_snapshot_id
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks, digest, staging
+from jupyter_gpu_snapshot.core.store.chunks import ID_BYTES, PAGE, ZERO_ID
+from jupyter_gpu_snapshot.core.store.manifest import FORMAT_VERSION, ManifestPolicy
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot, new_snapshot_id
 
 IMAGE = "pages-1.img"
 CONNECTION = {

@@ -32,9 +32,9 @@ from jupyter_gpu_snapshot.core.compatibility import (
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import Incompatible
 from jupyter_gpu_snapshot.core.hooks import Progress, SaveTarget
-from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION
-from jupyter_gpu_snapshot.core.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import FORMAT_VERSION
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from tests.conftest import RestoredTrees, execute, run, start_kernel, stop_kernel
 from tests.core.test_engine import CriuCalls
 

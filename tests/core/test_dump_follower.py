@@ -18,10 +18,9 @@ import blake3
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.locks import snapshot_key
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from tests.conftest import run
 from tests.core.test_chunks import IMAGE, assembled, commit, make_store, manifest_of, pages
@@ -69,7 +68,7 @@ def _dump_followed(store: SnapshotStore, files: dict[str, bytes],
                    then: dict[str, bytes] | None = None):
     """A save's partial directory filled as criu fills it while a follower reads it; the
     snapshot committed with what the follower handed on, and that."""
-    from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
+    from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 
     snapshot_id = new_snapshot_id()
     partial = store.begin(snapshot_id)

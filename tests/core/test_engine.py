@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.core import digest, procfs
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, digest
+from jupyter_gpu_snapshot.core.store.manifest import FORMAT_VERSION
 from testkit import stored_pages
 from tests.conftest import KernelHandle, execute, run
 

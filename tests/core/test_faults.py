@@ -29,12 +29,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks, digest, procfs
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.recovery import recover_store
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks, digest
 from testkit.criu_wrappers import install, kill_saver_while_writing_pages
 from testkit.fault_points import POINTS
 from tests.conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core.errors import NotFound
-from jupyter_gpu_snapshot.core.index import SnapshotIndex
-from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.index import SnapshotIndex
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from testkit.manifests import commit_tiny
 
 

@@ -19,9 +19,9 @@ import pytest
 
 from jupyter_gpu_snapshot.core.locks import snapshot_key
 from jupyter_gpu_snapshot.core.recovery import WORK_LOCK, clean_work_dirs, recover_store
-from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
-from jupyter_gpu_snapshot.core.staging import MEMORY_ASSEMBLY_PREFIX
 from jupyter_gpu_snapshot.core.store import DUMP_COMPLETE_FILE, SnapshotStore
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
+from jupyter_gpu_snapshot.core.store.staging import MEMORY_ASSEMBLY_PREFIX
 
 
 @pytest.fixture

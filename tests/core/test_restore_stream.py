@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.core import digest, image_server, procfs
+from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.image_server import ImageFile, ImageServer
-from jupyter_gpu_snapshot.core.snapshot import Snapshot
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, digest, image_server
+from jupyter_gpu_snapshot.core.store.image_server import ImageFile, ImageServer
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit.criu_wrappers import _real, _value_of, install
 from tests.conftest import KernelHandle, execute, run

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core import estimate, retention
+from jupyter_gpu_snapshot.core import estimate
+from jupyter_gpu_snapshot.core.store import retention
 
 
 def snap(sid: str, created: float, reason: str = "autosave", notebook: str | None = "a.ipynb",

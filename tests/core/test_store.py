@@ -11,16 +11,15 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core import digest
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
-from jupyter_gpu_snapshot.core.manifest import FORMAT_VERSION, ManifestPolicy
 from jupyter_gpu_snapshot.core.recovery import recover_store
 from jupyter_gpu_snapshot.core.safe_fs import UnsafeStore
-from jupyter_gpu_snapshot.core.signing import SigningKey
-from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id, validate_name
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, digest
+from jupyter_gpu_snapshot.core.store.manifest import FORMAT_VERSION, ManifestPolicy
+from jupyter_gpu_snapshot.core.store.signing import SigningKey
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id, validate_name
 from tests.conftest import run
 
 CONNECTION = {

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jupyter_gpu_snapshot.core import chunks
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
-from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
-from jupyter_gpu_snapshot.core.store import SnapshotStore
-from jupyter_gpu_snapshot.core.usage import StoreUsage, store_usage
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
+from jupyter_gpu_snapshot.core.store.usage import StoreUsage, store_usage
 from tests.core.test_store import CONNECTION
 
 PAGE = chunks.PAGE

@@ -20,8 +20,8 @@ from typing import Any
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
 from testkit.criu_wrappers import install, waits_after_the_dump_for
 from testkit.magic_fixtures import (
     Cell,

@@ -23,9 +23,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from jupyter_gpu_snapshot.core import chunks
-from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.kernel import portable
 from jupyter_gpu_snapshot.kernel.portable import (
     FILE_NAME,

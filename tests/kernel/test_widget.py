@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
-from jupyter_gpu_snapshot.core.store import KERNEL_LOG_SUBDIR, SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store.store import KERNEL_LOG_SUBDIR, SnapshotStore
 from testkit import stored_pages
 from testkit.criu_wrappers import install, pauses_after_the_dump
 from testkit.magic_fixtures import (

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_gpu_snapshot._constants import ENV_REMOTE_URL, ENV_SIGNING_KEY
-from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
 from testkit.remote_snapshots import make_snapshot, tree_bytes
 from testkit.seaweed import SeaweedServer
 

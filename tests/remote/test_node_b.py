@@ -26,8 +26,8 @@ from typing import Any
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 from testkit.gpu_check import no_gpu_reason
 from testkit.processes import free_port, kernel_processes, kill_kernels

@@ -13,16 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jupyter_gpu_snapshot.core import chunks
 from jupyter_gpu_snapshot.core.errors import SnapshotError
-from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
-from jupyter_gpu_snapshot.core.remote import upload as upload_module
-from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
-from jupyter_gpu_snapshot.core.remote.packs import PACKS_DIR, RECORD_BYTES, RemotePacks
-from jupyter_gpu_snapshot.core.remote.pages import PageUpload
-from jupyter_gpu_snapshot.core.remote.sealing import RECORD_OVERHEAD
-from jupyter_gpu_snapshot.core.snapshot import Snapshot
-from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore, RemoteStoreError
+from jupyter_gpu_snapshot.core.store.remote import upload as upload_module
+from jupyter_gpu_snapshot.core.store.remote.objects import REMOTE_MANIFEST
+from jupyter_gpu_snapshot.core.store.remote.packs import PACKS_DIR, RECORD_BYTES, RemotePacks
+from jupyter_gpu_snapshot.core.store.remote.pages import PageUpload
+from jupyter_gpu_snapshot.core.store.remote.sealing import RECORD_OVERHEAD
+from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from testkit.remote_snapshots import kill_upload_midway, make_snapshot
 
 PAGE = chunks.PAGE

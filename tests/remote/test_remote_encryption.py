@@ -7,15 +7,15 @@ import os
 import pytest
 
 from jupyter_gpu_snapshot.core.errors import SnapshotError
-from jupyter_gpu_snapshot.core.manifest import MANIFEST
-from jupyter_gpu_snapshot.core.remote import (
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import MANIFEST
+from jupyter_gpu_snapshot.core.store.remote import (
     ChunkSealer,
     DecryptionError,
     RemoteStore,
     RemoteStoreError,
     load_key,
 )
-from jupyter_gpu_snapshot.core.store import SnapshotStore
 from testkit.remote_snapshots import make_snapshot, tree_bytes
 
 MiB = 1 << 20

@@ -8,11 +8,11 @@ uploaded. Node B: an empty cache, a second S3 client, its own engine; it lists, 
 from __future__ import annotations
 
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.digest import TREE_CHUNK
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.digest import TREE_CHUNK
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
 
 from ..conftest import execute, run
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot._constants import ENV_REMOTE_URL, ENV_SIGNING_KEY
-from jupyter_gpu_snapshot.core.manifest import MANIFEST
-from jupyter_gpu_snapshot.core.remote import RemoteStore
-from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import MANIFEST
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
+from jupyter_gpu_snapshot.core.store.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.node.local_engine import LocalEngine
 from jupyter_gpu_snapshot.node.snapshots import Found, NodeSnapshots
 from jupyter_gpu_snapshot.server.remote_sync import RemoteSync

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core.errors import NotFound, SnapshotError
-from jupyter_gpu_snapshot.core.manifest import MANIFEST
-from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
-from jupyter_gpu_snapshot.core.remote.objects import REMOTE_MANIFEST
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import MANIFEST
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore, RemoteStoreError
+from jupyter_gpu_snapshot.core.store.remote.objects import REMOTE_MANIFEST
 from testkit.remote_snapshots import kill_upload_midway, make_snapshot, tree_bytes
 
 MiB = 1 << 20

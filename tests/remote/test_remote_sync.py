@@ -11,8 +11,8 @@ import pytest
 
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import Progress
-from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
 from jupyter_gpu_snapshot.node.local_engine import LocalEngine
 from jupyter_gpu_snapshot.node.snapshots import NodeSnapshots
 from jupyter_gpu_snapshot.server import remote_sync

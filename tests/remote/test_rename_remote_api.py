@@ -9,8 +9,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpu_snapshot.core.remote import RemoteStore
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
 from testkit.network_gate import NetworkGate
 from testkit.remote_snapshots import make_snapshot
 from testkit.seaweed import SeaweedServer

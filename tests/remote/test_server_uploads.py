@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpu_snapshot.core.remote import RemoteStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 from testkit.seaweed import SeaweedServer
 

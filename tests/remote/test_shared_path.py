@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jupyter_gpu_snapshot.core.remote import RemoteStore, RemoteStoreError
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import RemoteStore, RemoteStoreError
 from testkit.remote_snapshots import make_snapshot, tree_bytes
 
 MiB = 1 << 20

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from jupyter_gpu_snapshot.core.remote import SnapshotCache
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote import SnapshotCache
 from testkit.remote_snapshots import make_snapshot
 
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpu_snapshot.core.remote.pending import PendingUploads
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.remote.pending import PendingUploads
 from testkit.network_gate import NetworkGate
 from testkit.remote_snapshots import make_snapshot
 from testkit.seaweed import SeaweedServer

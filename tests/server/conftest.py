@@ -27,8 +27,8 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest, HTTPResponse
 from tornado.websocket import WebSocketClientConnection, websocket_connect
 from traitlets.config import Config
 
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, kernel_json
 from testkit.processes import free_port, kill_kernels
 from testkit.server_process import JupyterServerProcess

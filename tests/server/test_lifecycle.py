@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
-from jupyter_gpu_snapshot.core.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from tests.core.test_store import CONNECTION
 
 from .conftest import Api, KernelConnector

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
-from jupyter_gpu_snapshot.core.store import KERNEL_LOG_SUBDIR, SnapshotStore
+from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store.store import KERNEL_LOG_SUBDIR, SnapshotStore
 from testkit.jupyter_processes import (
     BIN,
     START_TIMEOUT,

@@ -28,7 +28,8 @@ from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 import blake3
 import numpy as np
 
-from . import chunks, safe_fs
+from .. import safe_fs
+from . import chunks
 
 log = logging.getLogger(__name__)
 

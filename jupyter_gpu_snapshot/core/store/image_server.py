@@ -52,9 +52,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import SnapshotError
 from . import digest
 from .chunks import pread_exactly, splice_exactly, write_all
-from .errors import SnapshotError
 from .images import mismatch
 from .snapshot import Snapshot
 

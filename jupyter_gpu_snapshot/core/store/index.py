@@ -13,7 +13,7 @@ import builtins
 import os
 import threading
 
-from .errors import NotFound
+from ..errors import NotFound
 from .manifest import MANIFEST
 from .snapshot import DAMAGED, Snapshot, is_snapshot_id, validate_name
 from .store import SnapshotStore

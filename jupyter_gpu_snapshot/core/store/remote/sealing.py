@@ -18,7 +18,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..errors import SnapshotError
+from ...errors import SnapshotError
 
 CIPHER = "AES-256-GCM"
 NONCE_BYTES = 12

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import chunks, digest, safe_fs
-from .errors import SnapshotError
+from .. import safe_fs
+from ..errors import SnapshotError
+from . import chunks, digest
 from .snapshot import Snapshot, is_snapshot_id
 from .store import MAX_RECIPE_BYTES, SnapshotStore, holds_recipes
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import blake3
 
-from . import safe_fs
-from .errors import SnapshotError
+from .. import safe_fs
+from ..errors import SnapshotError
 
 ALGORITHM = "HMAC-SHA256"
 KEY_BYTES = 32

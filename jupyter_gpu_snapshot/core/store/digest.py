@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .errors import SnapshotError
+from ..errors import SnapshotError
 
 _blake3: Any
 try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 
-from .._constants import HISTORY_SOURCE_BYTES
+from ..._constants import HISTORY_SOURCE_BYTES
 from .digest import ALGORITHMS
 
 # 3 added the "node" section (a reader of 2 refuses its unknown field); 4 added files kept

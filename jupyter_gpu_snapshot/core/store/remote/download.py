@@ -27,11 +27,12 @@ from typing import Any
 
 import psutil
 
-from .. import chunks, images, safe_fs
+from ... import safe_fs
+from ...errors import NotFound
+from ...progress import ProgressFn, byte_counter
+from .. import chunks, images
 from ..digest import TREE_CHUNK
-from ..errors import NotFound
 from ..manifest import MANIFEST
-from ..progress import ProgressFn, byte_counter
 from ..store import OWNER_FILE, PARTIAL_PREFIX, SnapshotStore
 from .digests import FileCheck, Hasher, file_check, sidecar_check
 from .objects import (

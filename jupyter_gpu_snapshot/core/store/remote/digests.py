@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ...errors import SnapshotError
 from ..digest import TREE_CHUNK, TREE_TAG
-from ..errors import SnapshotError
 
 
 class Hasher(Protocol):

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotFound, SnapshotError
+from ...errors import NotFound, SnapshotError
 from ..manifest import MANIFEST
 from .objects import REMOTE_MANIFEST, RemoteObjects, RemoteSnapshot, RemoteStoreError, describe
 

@@ -32,14 +32,16 @@ from typing import Any
 
 import psutil
 
-from .._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
-from . import chunks, digest, images, safe_fs, staging
+from ..._constants import ENV_SIGNING_KEY, ENV_STORE_DIR
+from .. import safe_fs
+from ..errors import InvalidRequest, NotFound, SnapshotError
+from ..locks import StoreLocks
+from ..locks import name_key as name_lock_key
+from ..locks import snapshot_key as snapshot_lock_key
+from ..progress import ProgressFn
+from . import chunks, digest, images, staging
 from .dump_follower import DumpFollower
-from .errors import InvalidRequest, NotFound, SnapshotError
 from .image_server import ImageFile
-from .locks import StoreLocks
-from .locks import name_key as name_lock_key
-from .locks import snapshot_key as snapshot_lock_key
 from .manifest import (
     CONNECTION_KEYS,
     FORMAT_VERSION,
@@ -50,7 +52,6 @@ from .manifest import (
     kernel_problem,
 )
 from .manifest import problem as manifest_problem
-from .progress import ProgressFn
 from .signing import SigningKey
 from .snapshot import DAMAGED, UNSIGNED, Snapshot, is_snapshot_id, validate_name
 

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequest, SnapshotError
+from ..errors import InvalidRequest, SnapshotError
 from .manifest import ID_PATTERN, NAME_PATTERN, fallbacks_offered
 
 # The schema's own patterns, so an id or name accepted here is one a manifest may carry.

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import psutil
 
-from . import chunks, images, locks, safe_fs
-from .errors import SnapshotError
+from .. import locks, safe_fs
+from ..errors import SnapshotError
+from . import chunks, images
 from .image_server import ImageFile
 from .manifest import MANIFEST, is_portable_file
 from .snapshot import Snapshot

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...errors import SnapshotError
+from ...progress import ProgressFn, byte_counter
 from .. import chunks, images
-from ..errors import SnapshotError
 from ..manifest import MANIFEST
-from ..progress import ProgressFn, byte_counter
 from ..snapshot import is_snapshot_id
 from ..store import SnapshotStore
 from .objects import (

@@ -17,10 +17,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import chunks, digest, safe_fs
-from .errors import SnapshotError
+from .. import safe_fs
+from ..errors import SnapshotError
+from ..progress import ProgressFn, byte_counter
+from . import chunks, digest
 from .manifest import MANIFEST
-from .progress import ProgressFn, byte_counter
 from .snapshot import Snapshot
 
 Files = dict[str, dict[str, Any]]

@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import chunks, safe_fs
+from ... import safe_fs
+from .. import chunks
 from ..chunks import ID_BYTES, PAGE, Ids, PackIndex
 from .objects import RemoteObjects, RemoteStoreError, damaged_copy, modified_time
 from .sealing import RECORD_OVERHEAD, ChunkSealer, key_id

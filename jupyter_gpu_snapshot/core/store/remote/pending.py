@@ -13,7 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from .. import safe_fs
+from ... import safe_fs
 from ..snapshot import is_snapshot_id
 from ..store import SnapshotStore
 

@@ -15,17 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..progress import ProgressFn
+from ...progress import ProgressFn
 from ..snapshot import is_snapshot_id
 from ..store import SnapshotStore
 from .download import download_snapshot
-from .objects import (
-    REMOTE_MANIFEST,
-    RemoteObjects,
-    RemoteSnapshot,
-    modified_time,
-    safe_snapshot_id,
-)
+from .objects import REMOTE_MANIFEST, RemoteObjects, RemoteSnapshot, modified_time, safe_snapshot_id
 from .packs import PACKS_DIR, RemotePacks
 from .rename import rename_remote_copy
 from .upload import abort_stale_multipart, upload_snapshot

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._constants import format_bytes
+from ..._constants import format_bytes
 
 AUTOSAVE = "autosave"
 USER = "user"

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from ..errors import NotFound, SnapshotError
+from ...errors import NotFound, SnapshotError
 from ..manifest import MANIFEST
 from ..snapshot import is_snapshot_id
 from .sealing import CIPHER, DEFAULT_CHUNK_BYTES, ChunkSealer

@@ -47,9 +47,10 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from . import digest, safe_fs
-from .errors import SnapshotError
-from .locks import HeldLock, StoreLocks
+from .. import safe_fs
+from ..errors import SnapshotError
+from ..locks import HeldLock, StoreLocks
+from . import digest
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,106 @@
+"""The snapshot store: signed snapshots on local disk, their pages kept by content, and their
+copies in object storage.
+
+This is the store's face. Everything outside ``core/store/`` (the engine beside it, node/,
+the server, the CLI, the agent) imports these names, never the store's modules; lint-imports
+keeps it so. docs/architecture.md maps the rooms behind it.
+"""
+
+from .chunks import FollowedFile
+from .digest import digest_files, preferred_algorithm
+from .dump_follower import DumpFollower
+from .image_server import ImageFile, ImageServer
+from .index import SnapshotIndex
+from .manifest import (
+    ManifestPolicy,
+    ManifestProblem,
+    bounded_history,
+    fallbacks_offered,
+    is_portable_file,
+    portable_problem,
+)
+from .remote import RemoteSnapshot, RemoteStore, RemoteStoreError, SnapshotCache, load_key
+from .remote.objects import describe
+from .remote.pending import PendingUploads
+from .retention import (
+    DiskRoom,
+    autosave_bytes,
+    autosave_refusal,
+    group_of,
+    newest_per_notebook,
+    reclaimed_by_next_autosave,
+    to_delete,
+)
+from .snapshot import DAMAGED, Snapshot, is_snapshot_id, new_snapshot_id, validate_name
+from .staging import (
+    ASSEMBLED_PREFIX,
+    ASSEMBLY_LOCK,
+    MEMORY_ASSEMBLY_PREFIX,
+    MEMORY_DIR,
+    assembly_key,
+)
+from .store import (
+    DELETING_PREFIX,
+    DRAFT_FILE,
+    DUMP_COMPLETE_FILE,
+    PARTIAL_PREFIX,
+    UNFINISHED_PREFIX,
+    SnapshotStore,
+    default_kernel_log_dir,
+    default_key_file,
+    default_store_dir,
+)
+from .usage import SnapshotUsage, StoreRoom, StoreUsage, store_usage
+
+__all__ = [
+    "ASSEMBLED_PREFIX",
+    "ASSEMBLY_LOCK",
+    "DAMAGED",
+    "DELETING_PREFIX",
+    "DRAFT_FILE",
+    "DUMP_COMPLETE_FILE",
+    "MEMORY_ASSEMBLY_PREFIX",
+    "MEMORY_DIR",
+    "PARTIAL_PREFIX",
+    "UNFINISHED_PREFIX",
+    "DiskRoom",
+    "DumpFollower",
+    "FollowedFile",
+    "ImageFile",
+    "ImageServer",
+    "ManifestPolicy",
+    "ManifestProblem",
+    "PendingUploads",
+    "RemoteSnapshot",
+    "RemoteStore",
+    "RemoteStoreError",
+    "Snapshot",
+    "SnapshotCache",
+    "SnapshotIndex",
+    "SnapshotStore",
+    "SnapshotUsage",
+    "StoreRoom",
+    "StoreUsage",
+    "assembly_key",
+    "autosave_bytes",
+    "autosave_refusal",
+    "bounded_history",
+    "default_kernel_log_dir",
+    "default_key_file",
+    "default_store_dir",
+    "describe",
+    "digest_files",
+    "fallbacks_offered",
+    "group_of",
+    "is_portable_file",
+    "is_snapshot_id",
+    "load_key",
+    "new_snapshot_id",
+    "newest_per_notebook",
+    "portable_problem",
+    "preferred_algorithm",
+    "reclaimed_by_next_autosave",
+    "store_usage",
+    "to_delete",
+    "validate_name",
+]
