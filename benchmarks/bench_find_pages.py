@@ -25,7 +25,7 @@ import numpy as np
 from bench_cpu import machine_info
 
 from jupyter_gpu_snapshot.core.criu import CriuRunner
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store import SnapshotStore, packs
 from jupyter_gpu_snapshot.core.store.snapshot import Snapshot, new_snapshot_id
 from testkit.manifests import kernel_section
 
@@ -46,7 +46,7 @@ def find(store: SnapshotStore, snapshot: Snapshot, remembered: bool) -> float:
     """Seconds to open the snapshot's images for a restore; without ``remembered``, its
     plan is removed first, so the store's ids are sorted."""
     if not remembered:
-        for plan in (store.root / chunks.CHUNKS_DIR).glob(f"*{chunks.PLAN_SUFFIX}"):
+        for plan in (store.root / packs.CHUNKS_DIR).glob(f"*{packs.PLAN_SUFFIX}"):
             plan.unlink()
     else:
         store.find_pages(snapshot)
@@ -83,19 +83,19 @@ def main() -> None:
                 data = bytearray(STEP)
                 for offset in range(0, size, STEP):
                     whole.read_into(memoryview(data), offset)
-                    pages = np.frombuffer(data, np.uint64).reshape(-1, chunks.PAGE // 8)
+                    pages = np.frombuffer(data, np.uint64).reshape(-1, packs.PAGE // 8)
                     pages[::500, 0] += 1
                     f.write(data)
 
         snapshot = commit(store, second)
-        ids = (snapshot.path / f"{IMAGE}.chunks").stat().st_size // chunks.ID_BYTES
+        ids = (snapshot.path / f"{IMAGE}.chunks").stat().st_size // packs.ID_BYTES
         runs: dict[str, list[float]] = {"sorting the ids": [], "remembered plan": []}
         for _ in range(args.repeats):
             runs["sorting the ids"].append(find(store, snapshot, remembered=False))
             runs["remembered plan"].append(find(store, snapshot, remembered=True))
         keys = np.random.default_rng(1).integers(0, 2**63, ids, dtype=np.uint64)
         started = time.monotonic()
-        chunks.argsort(keys)
+        packs.argsort(keys)
         sort_s = time.monotonic() - started
     result = {
         "benchmark": "find-pages", "machine": machine_info(CriuRunner()),

@@ -50,7 +50,16 @@ from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks, image_server, images
+from jupyter_gpu_snapshot.core.store import SnapshotStore, image_server, images
+from jupyter_gpu_snapshot.core.store.packs import (
+    CHUNKS_DIR,
+    ID_BYTES,
+    PACK_SUFFIX,
+    PAGE,
+    PackWriter,
+    PageStore,
+    id_workers,
+)
 from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from jupyter_gpu_snapshot.gpu.broker import PluginInstall
 from jupyter_gpu_snapshot.gpu.driver import LibcudaDriver
@@ -100,17 +109,17 @@ TIMED: list[tuple[Any, str, str]] = [
     (SnapshotStore, "commit", "store_commit"),  # digest_new + sign + rename + unlink
     (images, "digest_new", "digest_new"),  # whole files digested+fsynced, large ones chunked
     (images, "_digest", "whole_file_digests"),  # BLAKE3 of the files kept whole
-    (chunks.ChunkStore, "chunk_files", "chunk_files"),  # every large file, pack, recipes
-    (chunks.ChunkStore, "index", "read_index"),  # the store's page ids, sorted
-    (chunks.ChunkStore, "_chunk_one", "chunk_one"),  # read + file digest + ids + new pages
-    (chunks.ChunkStore, "_page_ids", "page_ids"),  # one keyed BLAKE3 per 4 KiB page
-    (chunks, "page_ids", "page_ids"),  # the same, where it is a function of the module
-    (chunks.ChunkStore, "_ids", "page_ids_or_wait"),  # the ids of a block: from workers, or here
-    (chunks.ChunkStore, "_store_new", "store_new"),  # lookup, dedup, gather, pack append
-    (chunks.PackWriter, "append", "pack_write"),  # write(2) of the new pages
-    (chunks.PackWriter, "finish", "pack_fsync"),  # fsync of the pack, ids written
+    (PageStore, "chunk_files", "chunk_files"),  # every large file, pack, recipes
+    (PageStore, "index", "read_index"),  # the store's page ids, sorted
+    (PageStore, "_chunk_one", "chunk_one"),  # read + file digest + ids + new pages
+    (PageStore, "_page_ids", "page_ids"),  # one keyed BLAKE3 per 4 KiB page
+    (id_workers, "page_ids", "page_ids"),  # the same, where it is a function of the module
+    (PageStore, "_ids", "page_ids_or_wait"),  # the ids of a block: from workers, or here
+    (PageStore, "_store_new", "store_new"),  # lookup, dedup, gather, pack append
+    (PackWriter, "append", "pack_write"),  # write(2) of the new pages
+    (PackWriter, "finish", "pack_fsync"),  # fsync of the pack, ids written
     (image_server.ImageServer, "prepare", "images_checked_first"),  # restore: small files
-    (chunks.ChunkStore, "collect", "collect"),  # delete: packs no recipe needs
+    (PageStore, "collect", "collect"),  # delete: packs no recipe needs
 ]
 
 
@@ -202,7 +211,7 @@ def written(snapshot: Snapshot) -> int:
         return snapshot.size_bytes
     new = int(stored["new_page_bytes"])
     return (int(stored.get("whole_bytes", 0)) + new + int(stored.get("recipe_bytes", 0))
-            + new // chunks.PAGE * chunks.ID_BYTES)
+            + new // PAGE * ID_BYTES)
 
 
 def save(engine: SnapshotEngine, k: Kernel) -> tuple[Snapshot, dict[str, Any]]:
@@ -274,7 +283,7 @@ def restore(engine: SnapshotEngine, criu: CriuWithRestoreLog, k: Kernel, snap: S
 
 def store_files(engine: SnapshotEngine, snap: Snapshot) -> list[Path]:
     """What a restore of ``snap`` reads: its packs where it is chunked, else its files."""
-    packs = sorted((engine.store.root / chunks.CHUNKS_DIR).glob(f"*{chunks.PACK_SUFFIX}"))
+    packs = sorted((engine.store.root / CHUNKS_DIR).glob(f"*{PACK_SUFFIX}"))
     return packs or sorted(p for p in snap.path.iterdir() if p.is_file())
 
 
@@ -330,8 +339,8 @@ def training(k: Kernel, layout: str, work: Path, criu: CriuWithRestoreLog,
         result["saves"].append(rec)
         print(f"  training {layout} save {i + 1}: {fmt_save(rec)}", flush=True)
     result["store_du_bytes"] = du(engine.store.root)
-    result["chunks_du_bytes"] = du(engine.store.root / chunks.CHUNKS_DIR) if (
-        engine.store.root / chunks.CHUNKS_DIR).exists() else 0
+    result["chunks_du_bytes"] = du(engine.store.root / CHUNKS_DIR) if (
+        engine.store.root / CHUNKS_DIR).exists() else 0
     result["images_sum_bytes"] = sum(s.size_bytes for s, _ in snaps)
     result["restores"] = []
     for i, (snap, digest) in enumerate(snaps):

@@ -16,7 +16,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from jupyter_gpu_snapshot.core.store import DELETING_PREFIX, PARTIAL_PREFIX, SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store import DELETING_PREFIX, PARTIAL_PREFIX, SnapshotStore, packs
+from jupyter_gpu_snapshot.core.store.packs import collector
 from jupyter_gpu_snapshot.core.store.snapshot import is_snapshot_id
 
 
@@ -57,16 +58,16 @@ def _doomed(name: str) -> bool:
 
 POINTS: dict[str, Callable[[], None]] = {
     # A commit, once some of its new pages are in its pack, before the pack's ids exist.
-    "writing-pack": lambda: _after(chunks.PackWriter, "append"),
+    "writing-pack": lambda: _after(packs.PackWriter, "append"),
     # A commit, once its pack and the pack's ids are durable, before any recipe is written.
-    "pack-written": lambda: _after(chunks.PackWriter, "finish"),
+    "pack-written": lambda: _after(packs.PackWriter, "finish"),
     # A commit, right after the rename that publishes the snapshot, before the whole image
     # files that are now recipes are removed.
     "renamed": lambda: _renamed(_partial, is_snapshot_id),
     # A delete, once the snapshot is renamed out of the listing, before it is removed.
     "deleting": lambda: _renamed(is_snapshot_id, _doomed),
     # The delete's collector, once a mostly dead pack is rewritten, before the old one goes.
-    "pack-rewritten": lambda: _after(chunks.ChunkStore, "_rewrite"),
+    "pack-rewritten": lambda: _after(collector, "rewrite"),
 }
 
 

@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from jupyter_gpu_snapshot.core.store.chunks import (
+from jupyter_gpu_snapshot.core.store.packs import (
     CHUNKS_DIR,
     ID_BYTES,
     IDS_SUFFIX,

@@ -17,9 +17,20 @@ from jupyter_gpu_snapshot.core import safe_fs
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.locks import snapshot_key
 from jupyter_gpu_snapshot.core.recovery import recover_store
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks, digest, staging
-from jupyter_gpu_snapshot.core.store.chunks import ID_BYTES, PAGE, ZERO_ID
+from jupyter_gpu_snapshot.core.store import SnapshotStore, digest, staging
 from jupyter_gpu_snapshot.core.store.manifest import FORMAT_VERSION, ManifestPolicy
+from jupyter_gpu_snapshot.core.store.packs import (
+    CHUNKS_DIR,
+    ID_BYTES,
+    PAGE,
+    PLAN_SUFFIX,
+    ZERO_ID,
+    PackIndex,
+    PageStore,
+    RememberedPlan,
+    id_workers,
+    recipe_name,
+)
 from jupyter_gpu_snapshot.core.store.snapshot import Snapshot, new_snapshot_id
 
 IMAGE = "pages-1.img"
@@ -68,7 +79,7 @@ def commit(store: SnapshotStore, files: dict[str, bytes], name: str | None = Non
 
 def packs(store: SnapshotStore) -> dict[str, int]:
     """Each complete pack's name and size in bytes."""
-    directory = store.root / chunks.CHUNKS_DIR
+    directory = store.root / CHUNKS_DIR
     return {p.stem: p.stat().st_size for p in directory.glob("*.pack")
             if (directory / f"{p.stem}.ids").exists()}
 
@@ -79,7 +90,7 @@ def pack_bytes(store: SnapshotStore) -> int:
 
 def stored_pages(store: SnapshotStore) -> set[bytes]:
     """The content of every page in the store's packs."""
-    directory = store.root / chunks.CHUNKS_DIR
+    directory = store.root / CHUNKS_DIR
     found = set()
     for name in packs(store):
         data = (directory / f"{name}.pack").read_bytes()
@@ -88,7 +99,7 @@ def stored_pages(store: SnapshotStore) -> set[bytes]:
 
 
 def recipe(snapshot: Snapshot, name: str = IMAGE) -> bytes:
-    return (snapshot.path / chunks.recipe_name(name)).read_bytes()
+    return (snapshot.path / recipe_name(name)).read_bytes()
 
 
 def assembled(store: SnapshotStore, snapshot: Snapshot) -> dict[str, bytes]:
@@ -163,7 +174,7 @@ def test_a_save_with_no_new_page_writes_no_pack(tmp_path):
 def test_pages_repeated_in_one_save_are_written_once(tmp_path, monkeypatch, step_pages):
     """In two files, and (with a step of 16 pages) in two steps of one file."""
     if step_pages:
-        monkeypatch.setattr(chunks, "STEP", step_pages * PAGE)
+        monkeypatch.setattr(id_workers, "STEP", step_pages * PAGE)
     store = make_store(tmp_path)
     page, other = pages(2, 3)
     snapshot = commit(store, {IMAGE: (page + other) * 150, "pages-2.img": page * 300})
@@ -248,7 +259,7 @@ def test_an_altered_recipe_is_refused_by_name(tmp_path):
     store = make_store(tmp_path)
     original = b"".join(pages(300, 1))
     snapshot = commit(store, {IMAGE: original})
-    path = snapshot.path / chunks.recipe_name(IMAGE)
+    path = snapshot.path / recipe_name(IMAGE)
     ids = bytearray(path.read_bytes())
 
     # Two pages swapped: every id still names a page of the store.
@@ -304,7 +315,7 @@ def test_a_whole_file_beside_its_recipe_is_ignored(tmp_path):
     report = recover_store(store)
     assert report.removed == [snapshot.path / IMAGE]
     assert sorted(p.name for p in snapshot.path.iterdir()) == ["manifest.json",
-                                                                chunks.recipe_name(IMAGE)]
+                                                                recipe_name(IMAGE)]
     store.verify(snapshot)
     store.delete(snapshot.id)
     assert pack_bytes(store) == 0 and not snapshot.path.exists()
@@ -430,12 +441,12 @@ def test_the_collector_keeps_the_pages_of_saves_in_progress(tmp_path):
 
     store.delete(doomed.id)
     assert stored_pages(store) == set(pages(300, 2))
-    (aside / chunks.recipe_name(IMAGE)).unlink()
+    (aside / recipe_name(IMAGE)).unlink()
     store.collect_garbage()
     assert stored_pages(store) == set(pages(300, 2))
 
     # Its recovery commits it from the recipe it left: no page is written again.
-    (partial / chunks.recipe_name(IMAGE)).unlink()
+    (partial / recipe_name(IMAGE)).unlink()
     (partial / IMAGE).write_bytes(theirs)
     with store.locks.hold(snapshot_key(snapshot_id), "test", "test"):
         done = store.commit(partial, manifest_of(store, snapshot_id, "recovered"))
@@ -474,14 +485,14 @@ def served_bytes(store: SnapshotStore, snapshot: Snapshot, name: str = IMAGE) ->
 
 def plan_file(store: SnapshotStore, snapshot: Snapshot, name: str = IMAGE) -> Path:
     key = digest.blake3_hex(recipe(snapshot, name))
-    return store.root / chunks.CHUNKS_DIR / f"{key}{chunks.PLAN_SUFFIX}"
+    return store.root / CHUNKS_DIR / f"{key}{PLAN_SUFFIX}"
 
 
 def no_index(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sorting the store's ids fails from here on: only a remembered plan finds pages."""
-    def refused(self: chunks.ChunkStore, dfd: int) -> chunks.PackIndex:
+    def refused(self: PageStore, dfd: int) -> PackIndex:
         raise AssertionError("the pages were looked up in the store's index")
-    monkeypatch.setattr(chunks.ChunkStore, "index", refused)
+    monkeypatch.setattr(PageStore, "index", refused)
 
 
 def test_a_restore_finds_the_pages_where_the_save_remembered_them(tmp_path, monkeypatch):
@@ -499,24 +510,24 @@ def test_a_restore_finds_the_pages_where_the_save_remembered_them(tmp_path, monk
     assert served_bytes(store, snapshot) == image
 
 
-def _forged_runs(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
+def _forged_runs(plan: RememberedPlan) -> RememberedPlan:
     runs = plan.runs.copy()
     runs[0, 1] += 1  # the first run one page further on in its pack
-    return chunks.RememberedPlan(plan.packs, runs)
+    return RememberedPlan(plan.packs, runs)
 
 
-def _zeros_claimed(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
-    return chunks.RememberedPlan(plan.packs, plan.runs[1:])  # the first run's pages left out
+def _zeros_claimed(plan: RememberedPlan) -> RememberedPlan:
+    return RememberedPlan(plan.packs, plan.runs[1:])  # the first run's pages left out
 
 
-def _pack_outside(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
-    return chunks.RememberedPlan(["../" + plan.packs[0][3:], *plan.packs[1:]], plan.runs)
+def _pack_outside(plan: RememberedPlan) -> RememberedPlan:
+    return RememberedPlan(["../" + plan.packs[0][3:], *plan.packs[1:]], plan.runs)
 
 
-def _past_the_pack(plan: chunks.RememberedPlan) -> chunks.RememberedPlan:
+def _past_the_pack(plan: RememberedPlan) -> RememberedPlan:
     runs = plan.runs.copy()
     runs[-1, 3] += 10_000
-    return chunks.RememberedPlan(plan.packs, runs)
+    return RememberedPlan(plan.packs, runs)
 
 
 FORGED_PLANS = {
@@ -536,16 +547,16 @@ def test_a_plan_that_does_not_hold_is_never_used(tmp_path, forge):
     snapshot = commit(store, {IMAGE: image})
     store.find_pages(snapshot)
     path = plan_file(store, snapshot)
-    with store._root_fd() as root_fd, safe_fs.opened_dir(chunks.CHUNKS_DIR, root_fd) as dfd:
-        good = chunks.RememberedPlan._parsed(path.read_bytes())
+    with store._root_fd() as root_fd, safe_fs.opened_dir(CHUNKS_DIR, root_fd) as dfd:
+        good = RememberedPlan._parsed(path.read_bytes())
         assert good is not None
         path.unlink()
-        forge(good).write(dfd, path.name.removesuffix(chunks.PLAN_SUFFIX))
+        forge(good).write(dfd, path.name.removesuffix(PLAN_SUFFIX))
     forged = path.read_bytes()
 
     assert served_bytes(store, snapshot) == image
     assert path.read_bytes() != forged
-    again = chunks.RememberedPlan._parsed(path.read_bytes())
+    again = RememberedPlan._parsed(path.read_bytes())
     assert again is not None and again.packs == good.packs
     assert np.array_equal(again.runs, good.runs)
 

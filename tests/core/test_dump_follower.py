@@ -20,7 +20,8 @@ import pytest
 
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.locks import snapshot_key
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store import SnapshotStore, packs
+from jupyter_gpu_snapshot.core.store.packs import id_workers
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from tests.conftest import run
 from tests.core.test_chunks import IMAGE, assembled, commit, make_store, manifest_of, pages
@@ -32,8 +33,8 @@ STEP = 256 << 10
 
 @pytest.fixture(autouse=True)
 def small_steps_and_one_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(chunks, "STEP", STEP)
-    monkeypatch.setattr(chunks, "MIN_CORES_FOR_WORKERS", 1)
+    monkeypatch.setattr(id_workers, "STEP", STEP)
+    monkeypatch.setattr(id_workers, "MIN_CORES_FOR_WORKERS", 1)
 
 
 def _image(shared: list[bytes], seed: int) -> bytes:
@@ -43,7 +44,7 @@ def _image(shared: list[bytes], seed: int) -> bytes:
     for i, (old, new) in enumerate(zip(shared, fresh, strict=True)):
         out.append(old if i % 3 else new)
         if i % 5 == 0:
-            out.append(bytes(chunks.PAGE))
+            out.append(bytes(packs.PAGE))
     return b"".join(out)
 
 
@@ -53,8 +54,8 @@ def _write_as_criu(path: Path, data: bytes, then: bytes | None = None) -> thread
 
     def write() -> None:
         with open(path, "wb", buffering=0) as f:
-            for start in range(0, len(data), 37 * chunks.PAGE):
-                f.write(data[start:start + 37 * chunks.PAGE])
+            for start in range(0, len(data), 37 * packs.PAGE):
+                f.write(data[start:start + 37 * packs.PAGE])
                 time.sleep(0.03)
         if then is not None:
             path.write_bytes(then)
@@ -91,26 +92,26 @@ def test_what_the_follower_read_is_what_the_commit_would_have_computed(tmp_path:
     store = make_store(tmp_path)
     shared = pages(300, seed=1)
     commit(store, {IMAGE: b"".join(shared)})
-    before = sum(p.stat().st_size for p in (store.root / chunks.CHUNKS_DIR).glob("*.pack"))
+    before = sum(p.stat().st_size for p in (store.root / packs.CHUNKS_DIR).glob("*.pack"))
     data = _image(shared, seed=2)
-    small = os.urandom(3 * chunks.PAGE)
+    small = os.urandom(3 * packs.PAGE)
 
     snapshot, followed, read_while_written = _dump_followed(
         store, {IMAGE: data, "core-1.img": small})
 
     assert read_while_written[IMAGE] >= STEP, read_while_written
     assert set(followed) == {IMAGE}  # small files are digested whole by the commit
-    key = store.key.derive(chunks.ID_CONTEXT)
-    ids, zero = chunks.page_ids(data, key)
+    key = store.key.derive(packs.ID_CONTEXT)
+    ids, zero = packs.page_ids(data, key)
     assert followed[IMAGE].ids.tobytes() == ids.tobytes()
     assert followed[IMAGE].digest == blake3.blake3(data).hexdigest()
     assert snapshot.manifest["files"][IMAGE]["digest"] == followed[IMAGE].digest
     # Only the new pages went to the packs: a third of them, no zeros, none twice.
-    after = sum(p.stat().st_size for p in (store.root / chunks.CHUNKS_DIR).glob("*.pack"))
-    new = {data[i:i + chunks.PAGE] for i in range(0, len(data), chunks.PAGE)} - set(shared)
-    new.discard(bytes(chunks.PAGE))
-    assert after - before == len(new) * chunks.PAGE
-    assert snapshot.manifest["stored"]["zero_page_bytes"] == int(zero.sum()) * chunks.PAGE
+    after = sum(p.stat().st_size for p in (store.root / packs.CHUNKS_DIR).glob("*.pack"))
+    new = {data[i:i + packs.PAGE] for i in range(0, len(data), packs.PAGE)} - set(shared)
+    new.discard(bytes(packs.PAGE))
+    assert after - before == len(new) * packs.PAGE
+    assert snapshot.manifest["stored"]["zero_page_bytes"] == int(zero.sum()) * packs.PAGE
     # And the snapshot reads back as the bytes written.
     assert assembled(store, snapshot) == {IMAGE: data, "core-1.img": small}
     store.verify(store.reload(snapshot))
@@ -176,6 +177,6 @@ def test_a_real_kernel_saved_while_followed_restores_bitwise(tmp_path: Path, ker
 
 def test_the_follower_does_not_start_without_cores_to_spare(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(chunks, "MIN_CORES_FOR_WORKERS", len(os.sched_getaffinity(0)) + 1)
+    monkeypatch.setattr(id_workers, "MIN_CORES_FOR_WORKERS", len(os.sched_getaffinity(0)) + 1)
     store = make_store(tmp_path)
     assert store.follow_dump(store.begin("20261127T000000Z-0badf00e")) is None

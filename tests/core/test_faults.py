@@ -34,7 +34,16 @@ from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.recovery import recover_store
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks, digest
+from jupyter_gpu_snapshot.core.store import SnapshotStore, digest
+from jupyter_gpu_snapshot.core.store.packs import (
+    CHUNKS_DIR,
+    ID_BYTES,
+    PAGE,
+    PLAN_SUFFIX,
+    REPACK_BELOW,
+    recipe_name,
+    recipe_voids,
+)
 from testkit.criu_wrappers import install, kill_saver_while_writing_pages
 from testkit.fault_points import POINTS
 from tests.conftest import KernelHandle, RestoredTrees, execute, run, start_kernel, stop_kernel
@@ -219,27 +228,27 @@ def assert_packs_whole(store: SnapshotStore) -> None:
         files = snapshot.manifest["files"]
         present = sorted(p.name for p in snapshot.path.iterdir())
         expected = sorted(["manifest.json"] + [
-            chunks.recipe_name(name) if "chunks" in entry else name
+            recipe_name(name) if "chunks" in entry else name
             for name, entry in files.items()
         ])
         assert present == expected, snapshot.id
-        recipes += [(snapshot.path / chunks.recipe_name(n)).read_bytes()
+        recipes += [(snapshot.path / recipe_name(n)).read_bytes()
                     for n, entry in files.items() if "chunks" in entry]
-    live = np.unique(np.concatenate([chunks.recipe_voids(r) for r in recipes]))
-    directory = store.root / chunks.CHUNKS_DIR
+    live = np.unique(np.concatenate([recipe_voids(r) for r in recipes]))
+    directory = store.root / CHUNKS_DIR
     names = sorted(os.listdir(directory))
-    plans = {n.removesuffix(chunks.PLAN_SUFFIX) for n in names if n.endswith(chunks.PLAN_SUFFIX)}
+    plans = {n.removesuffix(PLAN_SUFFIX) for n in names if n.endswith(PLAN_SUFFIX)}
     assert plans <= {digest.blake3_hex(r) for r in recipes}
-    names = [n for n in names if not n.endswith(chunks.PLAN_SUFFIX)]
+    names = [n for n in names if not n.endswith(PLAN_SUFFIX)]
     packs = sorted({n.removesuffix(".pack") for n in names if n.endswith(".pack")})
     assert names == sorted(f"{p}{suffix}" for p in packs for suffix in (".ids", ".pack"))
     held = []
     for pack in packs:
         ids = (directory / f"{pack}.ids").read_bytes()
-        assert (directory / f"{pack}.pack").stat().st_size * chunks.ID_BYTES == (
-            len(ids) * chunks.PAGE)
-        mine = chunks.recipe_voids(ids)
-        assert np.isin(mine, live).sum() >= chunks.REPACK_BELOW * len(mine), pack
+        assert (directory / f"{pack}.pack").stat().st_size * ID_BYTES == (
+            len(ids) * PAGE)
+        mine = recipe_voids(ids)
+        assert np.isin(mine, live).sum() >= REPACK_BELOW * len(mine), pack
         held.append(mine)
     assert np.isin(live, np.concatenate(held) if held else live[:0]).all()
 

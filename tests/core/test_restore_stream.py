@@ -75,7 +75,7 @@ def test_a_store_on_another_file_system_restores_from_its_packs(
     snap = _save(engine, kernel, "elsewhere")
     assert os.stat(store.root).st_dev != os.stat("/tmp").st_dev
     assert any(p.name.endswith(".chunks") for p in snap.path.iterdir())
-    # The save found where its pages lie, for this restore (chunks.RememberedPlan).
+    # The save found where its pages lie, for this restore (packs.RememberedPlan).
     assert list((store.root / "chunks").glob("*.where"))
 
     back = run(engine.restore(snap.id))

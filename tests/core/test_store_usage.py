@@ -7,14 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store import SnapshotStore, packs
 from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store.usage import StoreUsage, store_usage
 from tests.core.test_store import CONNECTION
 
-PAGE = chunks.PAGE
-SMALL = b"c" * 1000  # kept whole: below chunks.MIN_CHUNKED_BYTES
+PAGE = packs.PAGE
+SMALL = b"c" * 1000  # kept whole: below packs.MIN_CHUNKED_BYTES
 
 
 def _pages(*numbers: int) -> bytes:
@@ -65,14 +65,14 @@ def test_a_second_save_of_the_same_kernel_writes_only_its_changed_pages(tmp_path
     a, b = _save(store, "a", first), _save(store, "b", second)
 
     summaries = {s["name"]: s for s in (store.get(a).summary(), store.get(b).summary())}
-    recipe = 400 * chunks.ID_BYTES
+    recipe = 400 * packs.ID_BYTES
     assert summaries["a"]["size_bytes"] == len(first) + len(SMALL)
     assert summaries["a"]["new_bytes"] == len(SMALL) + 300 * PAGE + recipe
     assert summaries["b"]["new_bytes"] == len(SMALL) + 100 * PAGE + recipe
 
     usage = store_usage(store)
-    chunks_dir = store.root / chunks.CHUNKS_DIR
-    assert usage.chunks_bytes == _dir_bytes(chunks_dir) == 400 * (PAGE + chunks.ID_BYTES)
+    chunks_dir = store.root / packs.CHUNKS_DIR
+    assert usage.chunks_bytes == _dir_bytes(chunks_dir) == 400 * (PAGE + packs.ID_BYTES)
     assert usage.disk_bytes == usage.chunks_bytes + _dir_bytes(store.root / a) + _dir_bytes(
         store.root / b)
     rows = _by_name(usage)
@@ -80,7 +80,7 @@ def test_a_second_save_of_the_same_kernel_writes_only_its_changed_pages(tmp_path
     assert rows["a"]["own"] == _dir_bytes(store.root / a)
     assert rows["a"]["sole"] == rows["b"]["sole"] == 100 * PAGE
     # b's own pack holds only the pages b alone needs: deleting b empties it.
-    assert rows["b"]["frees"] == rows["b"]["own"] + 100 * (PAGE + chunks.ID_BYTES)
+    assert rows["b"]["frees"] == rows["b"]["own"] + 100 * (PAGE + packs.ID_BYTES)
     # a's 100 pages share a pack with the 200 that b needs: that pack stays for now.
     assert rows["a"]["frees"] == rows["a"]["own"]
 
@@ -96,7 +96,7 @@ def test_a_pack_mostly_dead_after_a_delete_is_counted_as_freed(tmp_path: Path):
     rows = _by_name(store_usage(store))
     # Without a, a's pack keeps 100 of 300 pages: the collector rewrites it with those.
     assert rows["a"]["sole"] == 200 * PAGE
-    assert rows["a"]["frees"] == rows["a"]["own"] + 200 * (PAGE + chunks.ID_BYTES)
+    assert rows["a"]["frees"] == rows["a"]["own"] + 200 * (PAGE + packs.ID_BYTES)
     before = store_usage(store).disk_bytes
     store.delete(a)
     assert store_usage(store).disk_bytes == before - rows["a"]["frees"]

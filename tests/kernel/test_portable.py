@@ -23,7 +23,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store import SnapshotStore, packs
 from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.kernel import portable
 from jupyter_gpu_snapshot.kernel.portable import (
@@ -196,7 +196,7 @@ def test_one_bad_name_spoils_nothing_and_every_tensor_is_written_once(tmp_path: 
 
 
 def test_large_tensors_start_on_pages_at_little_cost(tmp_path: Path) -> None:
-    assert portable.PAGE_BYTES == chunks.PAGE
+    assert portable.PAGE_BYTES == packs.PAGE
     rng = np.random.default_rng(5)
     # Sizes off the page, small and large ones mixed as in a model's weights and biases.
     arrays = {}

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from jupyter_gpu_snapshot.core.errors import SnapshotError
-from jupyter_gpu_snapshot.core.store import SnapshotStore, chunks
+from jupyter_gpu_snapshot.core.store import SnapshotStore
+from jupyter_gpu_snapshot.core.store.packs import (
+    CHUNKS_DIR,
+    ID_BYTES,
+    IDS_SUFFIX,
+    PAGE,
+    ids_in_order,
+)
 from jupyter_gpu_snapshot.core.store.remote import RemoteStore, RemoteStoreError
 from jupyter_gpu_snapshot.core.store.remote import upload as upload_module
 from jupyter_gpu_snapshot.core.store.remote.objects import REMOTE_MANIFEST
@@ -24,7 +31,6 @@ from jupyter_gpu_snapshot.core.store.remote.sealing import RECORD_OVERHEAD
 from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from testkit.remote_snapshots import kill_upload_midway, make_snapshot
 
-PAGE = chunks.PAGE
 KEY = bytes(range(32))
 MARKER = b"PLAINTEXT-MARKER-0123456789abcdef"
 
@@ -63,8 +69,8 @@ def _stored(pages: int, sealed: bool) -> int:
 
 
 def _local_pack_pages(store: SnapshotStore) -> list[int]:
-    packs = sorted((store.root / chunks.CHUNKS_DIR).glob(f"*{chunks.IDS_SUFFIX}"))
-    return [p.stat().st_size // chunks.ID_BYTES for p in packs]
+    packs = sorted((store.root / CHUNKS_DIR).glob(f"*{IDS_SUFFIX}"))
+    return [p.stat().st_size // ID_BYTES for p in packs]
 
 
 def _counting_reads(remote: RemoteStore) -> list[int]:
@@ -142,9 +148,9 @@ def test_second_upload_sends_only_new_pages_and_node_b_fetches_only_what_it_lack
     remote_b.download(snap1.id, store_b)
     assert _local_pack_pages(store_b) == [1500]
     # Its new pack holds the pages in the file's order: assembling copies long runs.
-    (ids_file,) = (store_b.root / chunks.CHUNKS_DIR).glob(f"*{chunks.IDS_SUFFIX}")
+    (ids_file,) = (store_b.root / CHUNKS_DIR).glob(f"*{IDS_SUFFIX}")
     recipe = (snap1.path / "pages-1.img.chunks").read_bytes()
-    assert ids_file.read_bytes() == chunks.ids_in_order([recipe]).tobytes()
+    assert ids_file.read_bytes() == ids_in_order([recipe]).tobytes()
     first_fetch = sum(fetched)
     assert _stored(1500, sealed) <= first_fetch <= _stored(1500, sealed) + RECORD_BYTES
     fetched.clear()

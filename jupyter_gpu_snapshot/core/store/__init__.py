@@ -6,9 +6,7 @@ the server, the CLI, the agent) imports these names, never the store's modules; 
 keeps it so. docs/architecture.md maps the rooms behind it.
 """
 
-from .chunks import FollowedFile
 from .digest import digest_files, preferred_algorithm
-from .dump_follower import DumpFollower
 from .image_server import ImageFile, ImageServer
 from .index import SnapshotIndex
 from .manifest import (
@@ -19,6 +17,7 @@ from .manifest import (
     is_portable_file,
     portable_problem,
 )
+from .packs import DumpFollower, FollowedFile
 from .remote import RemoteSnapshot, RemoteStore, RemoteStoreError, SnapshotCache, load_key
 from .remote.objects import describe
 from .remote.pending import PendingUploads

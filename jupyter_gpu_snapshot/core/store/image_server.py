@@ -54,8 +54,8 @@ import numpy.typing as npt
 
 from ..errors import SnapshotError
 from . import digest
-from .chunks import pread_exactly, splice_exactly, write_all
 from .images import mismatch
+from .packs import pread_exactly, splice_exactly, write_all
 from .snapshot import Snapshot
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Any
 from .. import safe_fs
 from ..errors import SnapshotError
 from ..progress import ProgressFn, byte_counter
-from . import chunks, digest
+from . import digest, packs
 from .manifest import MANIFEST
 from .snapshot import Snapshot
 
@@ -32,8 +32,8 @@ _ALTERED = "the snapshot is damaged or was altered; delete it"
 
 
 def digest_new(
-    dfd: int, progress: ProgressFn | None = None, chunker: chunks.ChunkStore | None = None,
-    followed: dict[str, chunks.FollowedFile] | None = None,
+    dfd: int, progress: ProgressFn | None = None, chunker: packs.PageStore | None = None,
+    followed: dict[str, packs.FollowedFile] | None = None,
 ) -> tuple[str, Files, dict[str, int]]:
     """Make the images a save wrote into ``dfd`` private (0600) and digest them on all
     cores. With ``chunker``, large files are kept by content (``core/chunks.py``): their
@@ -46,14 +46,14 @@ def digest_new(
     ``followed``: the ids and digests of large images read while criu wrote them.
     """
     for name in os.listdir(dfd):  # recipes of an earlier attempt at this commit
-        if name.endswith(chunks.RECIPE_SUFFIX):
+        if name.endswith(packs.RECIPE_SUFFIX):
             os.unlink(name, dir_fd=dfd)
     names = sorted(n for n in os.listdir(dfd) if not n.startswith(".") and n != MANIFEST)
     with _opened(dfd, names, "commit") as opened:
         for fd, _ in opened.values():
             os.fchmod(fd, 0o600)
         chunked = [n for n, (_, size) in opened.items() if chunker is not None
-                   and chunks.is_chunkable(size)]
+                   and packs.is_chunkable(size)]
         if digest.preferred_algorithm() != digest.BLAKE3:
             chunked = []
         whole = {n: image for n, image in opened.items() if n not in chunked}
@@ -71,7 +71,7 @@ def digest_new(
             stored.update(
                 new_page_bytes=sum(r.new_bytes for r in results.values()),
                 recipe_bytes=sum(len(r.recipe) for r in results.values()),
-                zero_page_bytes=sum(r.zero_pages for r in results.values()) * chunks.PAGE,
+                zero_page_bytes=sum(r.zero_pages for r in results.values()) * packs.PAGE,
             )
     return algorithm, dict(sorted(files.items())), stored
 
@@ -81,7 +81,7 @@ def read_recipe(dfd: int, name: str, entry: dict[str, Any], snapshot_id: str) ->
     manifest's ``entry``: only then may it say which pages to read."""
     expected = recipe_bytes(entry)
     try:
-        fd, size = safe_fs.open_regular(chunks.recipe_name(name), dfd)
+        fd, size = safe_fs.open_regular(packs.recipe_name(name), dfd)
         try:
             recipe = os.pread(fd, expected + 1, 0) if size == expected else b""
         finally:
@@ -99,7 +99,7 @@ def read_recipe(dfd: int, name: str, entry: dict[str, Any], snapshot_id: str) ->
 
 def recipe_bytes(entry: dict[str, Any]) -> int:
     """The length of the recipe of a manifest's ``files`` entry: one id per page."""
-    return int(entry["size"]) // chunks.PAGE * chunks.ID_BYTES
+    return int(entry["size"]) // packs.PAGE * packs.ID_BYTES
 
 
 def recipe_matches(recipe: bytes, entry: dict[str, Any]) -> bool:
@@ -116,7 +116,7 @@ def stored_as_recipes(dfd: int, files: Files) -> list[str]:
     return sorted(
         name for name, entry in files.items()
         if isinstance(entry, dict) and "chunks" in entry
-        and safe_fs.entry_kind(chunks.recipe_name(name), dfd) == "file"
+        and safe_fs.entry_kind(packs.recipe_name(name), dfd) == "file"
     )
 
 
@@ -228,14 +228,14 @@ def redigest_legacy(
 def require_listed(dfd: int, files: Files, snapshot_id: str, step: str) -> None:
     """Refuse a directory that holds other files than the manifest lists, naming one."""
     present = set(os.listdir(dfd)) - {MANIFEST}
-    recipes = {chunks.recipe_name(n) for n in stored_as_recipes(dfd, files)}
+    recipes = {packs.recipe_name(n) for n in stored_as_recipes(dfd, files)}
     extra = present - set(files) - recipes
     if extra:
         raise SnapshotError(
             step, f"snapshot {snapshot_id} has unexpected files: {', '.join(sorted(extra))}",
             hint=_ALTERED,
         )
-    missing = set(files) - present - {r.removesuffix(chunks.RECIPE_SUFFIX) for r in recipes}
+    missing = set(files) - present - {r.removesuffix(packs.RECIPE_SUFFIX) for r in recipes}
     if missing:
         raise SnapshotError(
             step, f"image file {sorted(missing)[0]} of {snapshot_id} is missing",

@@ -26,7 +26,7 @@ import psutil
 
 from .. import locks, safe_fs
 from ..errors import SnapshotError
-from . import chunks, images
+from . import images, packs
 from .image_server import ImageFile
 from .manifest import MANIFEST, is_portable_file
 from .snapshot import Snapshot
@@ -63,7 +63,7 @@ def memory_for_assembly(needed: int) -> Path | None:
 
 @contextlib.contextmanager
 def opened_images(
-    root: Path, pages: chunks.ChunkStore, snapshot: Snapshot
+    root: Path, pages: packs.PageStore, snapshot: Snapshot
 ) -> Iterator[tuple[Path, list[images.Image]]]:
     """A directory holding the whole image files of trusted ``snapshot``, and those
     files as ``(fd, size)``, checked against its manifest's list and sizes
@@ -93,7 +93,7 @@ def opened_images(
 
 
 @contextlib.contextmanager
-def served_images(pages: chunks.ChunkStore, snapshot: Snapshot) -> Iterator[dict[str, ImageFile]]:
+def served_images(pages: packs.PageStore, snapshot: Snapshot) -> Iterator[dict[str, ImageFile]]:
     """Every image file of trusted ``snapshot``, ready to be read where it is: files
     kept whole opened in its directory, files kept as recipes planned onto the store's
     packs ``pages`` (their recipes checked against the signed manifest first). Nothing is
@@ -127,7 +127,7 @@ def served_images(pages: chunks.ChunkStore, snapshot: Snapshot) -> Iterator[dict
 
 
 @contextlib.contextmanager
-def portable_files(root: Path, pages: chunks.ChunkStore, snapshot: Snapshot) -> Iterator[Path]:
+def portable_files(root: Path, pages: packs.PageStore, snapshot: Snapshot) -> Iterator[Path]:
     """A private directory holding the portable copy of trusted ``snapshot`` as whole
     files, each checked against its digest before this yields: a kernel loads them, and
     loading runs their pickles. Assembled like ``opened_images``; removed on leaving."""
@@ -150,7 +150,7 @@ def portable_files(root: Path, pages: chunks.ChunkStore, snapshot: Snapshot) -> 
 
 @contextlib.contextmanager
 def _assembled(
-    root: Path, pages: chunks.ChunkStore, snapshot: Snapshot, dfd: int, recipes: list[str],
+    root: Path, pages: packs.PageStore, snapshot: Snapshot, dfd: int, recipes: list[str],
     wanted_names: list[str] | None = None,
 ) -> Iterator[tuple[Path, int]]:
     """``wanted_names`` (default: every file, and the manifest) in a private directory:
@@ -180,7 +180,7 @@ def _assembled(
 
 
 @contextlib.contextmanager
-def _assembly_dir(root: Path, pages: chunks.ChunkStore, needed: int) -> Iterator[tuple[Path, int]]:
+def _assembly_dir(root: Path, pages: packs.PageStore, needed: int) -> Iterator[tuple[Path, int]]:
     """A private directory for assembled files, removed on leaving: in memory when it
     has room for them and for the kernel they become (criu then reads them at memory
     speed, and they are never written back to a disk), else beside the snapshots."""
@@ -222,7 +222,7 @@ def _link_or_copy(name: str, src_dfd: int, dst_dfd: int) -> None:
         dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600, dir_fd=dst_dfd)
         try:
-            chunks.copy_range(src, 0, dst, 0, size)
+            packs.copy_range(src, 0, dst, 0, size)
         finally:
             os.close(dst)
     finally:

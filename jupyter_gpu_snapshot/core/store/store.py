@@ -39,8 +39,7 @@ from ..locks import StoreLocks
 from ..locks import name_key as name_lock_key
 from ..locks import snapshot_key as snapshot_lock_key
 from ..progress import ProgressFn
-from . import chunks, digest, images, staging
-from .dump_follower import DumpFollower
+from . import digest, images, packs, staging
 from .image_server import ImageFile
 from .manifest import (
     CONNECTION_KEYS,
@@ -161,20 +160,20 @@ class SnapshotStore:
         with self._root_fd(create=False) as root_fd:
             yield root_fd
 
-    def _chunks(self, root_fd: int) -> chunks.ChunkStore:
-        return chunks.ChunkStore(root_fd, self.locks, self.key.derive(chunks.ID_CONTEXT))
+    def _chunks(self, root_fd: int) -> packs.PageStore:
+        return packs.PageStore(root_fd, self.locks, self.key.derive(packs.ID_CONTEXT))
 
     @contextlib.contextmanager
-    def chunk_store(self, keyed: bool = True) -> Iterator[chunks.ChunkStore]:
+    def chunk_store(self, keyed: bool = True) -> Iterator[packs.PageStore]:
         """The store's page packs, for a remote transfer that reads or adds pages
         (``core/remote/``): an upload reads the pages a remote lacks (by their ids: it
         needs no key, ``keyed=False``), a download adds those this store lacks."""
         with self._root_fd() as root_fd:
             assert root_fd is not None
-            yield self._chunks(root_fd) if keyed else chunks.ChunkStore(root_fd, self.locks, b"")
+            yield self._chunks(root_fd) if keyed else packs.PageStore(root_fd, self.locks, b"")
 
     @contextlib.contextmanager
-    def _holding_chunks(self, root_fd: int, step: str) -> Iterator[chunks.ChunkStore]:
+    def _holding_chunks(self, root_fd: int, step: str) -> Iterator[packs.PageStore]:
         store = self._chunks(root_fd)
         with store.hold(step):
             yield store
@@ -213,7 +212,7 @@ class SnapshotStore:
         partial: Path,
         manifest: dict[str, Any],
         progress: ProgressFn | None = None,
-        followed: dict[str, chunks.FollowedFile] | None = None,
+        followed: dict[str, packs.FollowedFile] | None = None,
     ) -> Snapshot:
         """Digest (on all cores), sign, fsync and atomically publish ``partial``.
 
@@ -259,14 +258,14 @@ class SnapshotStore:
                 os.unlink(chunked, dir_fd=dfd)
         return Snapshot(snapshot_id, self.root / snapshot_id, signed)
 
-    def follow_dump(self, partial: Path) -> DumpFollower | None:
+    def follow_dump(self, partial: Path) -> packs.DumpFollower | None:
         """A follower of the page images criu is about to write into ``partial``
-        (``dump_follower``), or None where images are kept whole or no cores are spare."""
+        (``packs.DumpFollower``), or None where images are kept whole or no cores are spare."""
         if not self.chunk_images or digest.preferred_algorithm() != digest.BLAKE3:
             return None
         with self._root_fd() as root_fd, safe_fs.opened_dir(partial.name, root_fd) as dfd:
             assert root_fd is not None
-            return DumpFollower.start(dfd, self.key.derive(chunks.ID_CONTEXT))
+            return packs.DumpFollower.start(dfd, self.key.derive(packs.ID_CONTEXT))
 
     def _sign(self, manifest: dict[str, Any], snapshot_id: str, step: str) -> dict[str, Any]:
         kernel = dict(manifest.get("kernel") or {})
@@ -395,7 +394,7 @@ class SnapshotStore:
                 return []
             with safe_fs.opened_dir(snapshot_id, root_fd) as dfd:
                 present = set(os.listdir(dfd))
-                if not any(chunks.recipe_name(name) in present for name in present):
+                if not any(packs.recipe_name(name) in present for name in present):
                     return []
                 snapshot = self._load(root_fd, snapshot_id)
                 if snapshot is None or not snapshot.trusted:
@@ -434,17 +433,17 @@ class SnapshotStore:
         self.collect_garbage()
         return snapshot
 
-    def collect_garbage(self, wait: bool = True) -> chunks.CollectReport:
+    def collect_garbage(self, wait: bool = True) -> packs.CollectReport:
         """Free the pages no snapshot, save in progress or restore needs any more. Without
         ``wait``, nothing is done while another operation holds the packs."""
         with self._root_fd(create=False) as root_fd:
-            if root_fd is None or safe_fs.entry_kind(chunks.CHUNKS_DIR, root_fd) != "dir":
-                return chunks.CollectReport()
+            if root_fd is None or safe_fs.entry_kind(packs.CHUNKS_DIR, root_fd) != "dir":
+                return packs.CollectReport()
             chunk_store = self._chunks(root_fd)
             held = chunk_store.hold("collect") if wait else self.locks.try_acquire(
-                chunks.LOCK_KEY, "collect")
+                packs.LOCK_KEY, "collect")
             if held is None:
-                return chunks.CollectReport()
+                return packs.CollectReport()
             with held:
                 return chunk_store.collect(self._live_recipes(root_fd))
 
@@ -463,7 +462,7 @@ class SnapshotStore:
                         continue
                     with safe_fs.opened_dir(name, root_fd) as dfd:
                         for entry in os.listdir(dfd):
-                            if entry.endswith(chunks.RECIPE_SUFFIX) and not entry.startswith("."):
+                            if entry.endswith(packs.RECIPE_SUFFIX) and not entry.startswith("."):
                                 found.append(safe_fs.read_small(entry, dfd, MAX_RECIPE_BYTES))
             except FileNotFoundError:
                 continue
@@ -562,7 +561,7 @@ class SnapshotStore:
 
     def find_pages(self, snapshot: Snapshot) -> None:
         """Find where the pages of trusted ``snapshot`` lie in the packs, and remember it
-        for its restores (``chunks.RememberedPlan``): done by a save once it is durable, so
+        for its restores (``packs.RememberedPlan``): done by a save once it is durable, so
         that its first restore does not sort the store's ids first."""
         with self.served_images(snapshot):
             pass

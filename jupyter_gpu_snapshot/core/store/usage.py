@@ -6,11 +6,11 @@ only it needs are those no other directory's recipe names: other snapshots, save
 progress and partials kept for a person to look at, as the collector counts them
 (``SnapshotStore._live_recipes``). What deleting it frees now is its own directory (files
 kept whole, recipes, manifest), the plans remembered for recipes only it holds
-(``chunks.RememberedPlan``), plus what the collector would then give back: a pack goes
-when its live pages fall below ``chunks.REPACK_BELOW``, so pages only it needs that sit in
+(``packs.RememberedPlan``), plus what the collector would then give back: a pack goes
+when its live pages fall below ``packs.REPACK_BELOW``, so pages only it needs that sit in
 a pack others still mostly need stay on disk until a later delete empties that pack.
 
-Sizes are the files' lengths (``st_size``), as ``ChunkStore.disk_bytes`` counts them.
+Sizes are the files' lengths (``st_size``), as ``PageStore.disk_bytes`` counts them.
 
 Called by ``jupyter gpu-snapshot du`` and by the server's ``GET gpu-snapshot/usage`` (in a
 worker thread: it reads every recipe of the store).
@@ -29,11 +29,22 @@ import numpy.typing as npt
 
 from .. import safe_fs
 from ..errors import SnapshotError
-from . import chunks, digest
+from . import digest
+from .packs import (
+    CHUNKS_DIR,
+    ID_BYTES,
+    IDS_SUFFIX,
+    PACK_SUFFIX,
+    PAGE,
+    PLAN_SUFFIX,
+    RECIPE_SUFFIX,
+    REPACK_BELOW,
+    recipe_voids,
+)
 from .snapshot import Snapshot, is_snapshot_id
 from .store import MAX_RECIPE_BYTES, SnapshotStore, holds_recipes
 
-_VOID = np.dtype((np.void, chunks.ID_BYTES))
+_VOID = np.dtype((np.void, ID_BYTES))
 _ATTEMPTS = 20
 
 
@@ -105,7 +116,7 @@ def store_usage(store: SnapshotStore) -> StoreUsage:
                 directories = _read_directories(root_fd)
                 packs = _read_packs(root_fd)
                 plans = _read_plans(root_fd)
-                chunks_bytes = _dir_bytes(chunks.CHUNKS_DIR, root_fd)
+                chunks_bytes = _dir_bytes(CHUNKS_DIR, root_fd)
             except FileNotFoundError:
                 continue
         return _tally(store, listed, directories, packs, plans, chunks_bytes)
@@ -124,11 +135,11 @@ def _read_directories(root_fd: int) -> dict[str, _Directory]:
             recipes = set()
             for entry in os.listdir(dfd):
                 own += _file_bytes(entry, dfd)
-                if entry.endswith(chunks.RECIPE_SUFFIX) and not entry.startswith("."):
+                if entry.endswith(RECIPE_SUFFIX) and not entry.startswith("."):
                     recipe = safe_fs.read_small(entry, dfd, MAX_RECIPE_BYTES)
                     recipes.add(digest.blake3_hex(recipe))
-                    whole = len(recipe) - len(recipe) % chunks.ID_BYTES  # a damaged one
-                    parts.append(chunks.recipe_voids(recipe[:whole]))
+                    whole = len(recipe) - len(recipe) % ID_BYTES  # a damaged one
+                    parts.append(recipe_voids(recipe[:whole]))
         pages = np.unique(np.concatenate(parts)) if parts else _no_pages()
         found[name] = _Directory(own, pages, recipes)
     return found
@@ -159,7 +170,7 @@ def _tally(store: SnapshotStore, listed: list[Snapshot], directories: dict[str, 
         rows.append(SnapshotUsage(
             id=snapshot.id, name=snapshot.name, status=snapshot.status,
             size_bytes=snapshot.size_bytes, new_bytes=snapshot.new_bytes, own_bytes=own,
-            sole_page_bytes=int(sole_pages[i]) * chunks.PAGE,
+            sole_page_bytes=int(sole_pages[i]) * PAGE,
             frees_bytes=own + sole_plans + int(gains[i]),
         ))
     snapshot_bytes = sum(d.own_bytes for name, d in directories.items() if is_snapshot_id(name))
@@ -168,34 +179,34 @@ def _tally(store: SnapshotStore, listed: list[Snapshot], directories: dict[str, 
 
 def _read_packs(root_fd: int) -> list[_Pack]:
     """The complete packs (their ids written), in name order: the collector's order."""
-    if safe_fs.entry_kind(chunks.CHUNKS_DIR, root_fd) != "dir":
+    if safe_fs.entry_kind(CHUNKS_DIR, root_fd) != "dir":
         return []
     found = []
-    with safe_fs.opened_dir(chunks.CHUNKS_DIR, root_fd) as dfd:
+    with safe_fs.opened_dir(CHUNKS_DIR, root_fd) as dfd:
         for entry in sorted(os.listdir(dfd)):
-            if entry.startswith(".") or not entry.endswith(chunks.IDS_SUFFIX):
+            if entry.startswith(".") or not entry.endswith(IDS_SUFFIX):
                 continue
             raw = safe_fs.read_small(entry, dfd, MAX_RECIPE_BYTES)
-            ids = np.frombuffer(raw[: len(raw) - len(raw) % chunks.ID_BYTES], _VOID)
-            pack = entry.removesuffix(chunks.IDS_SUFFIX) + chunks.PACK_SUFFIX
+            ids = np.frombuffer(raw[: len(raw) - len(raw) % ID_BYTES], _VOID)
+            pack = entry.removesuffix(IDS_SUFFIX) + PACK_SUFFIX
             found.append(_Pack(ids, _file_bytes(pack, dfd)))
     return found
 
 
 def _read_plans(root_fd: int) -> dict[str, int]:
     """The remembered plans beside the packs: each one's recipe BLAKE3 and length."""
-    if safe_fs.entry_kind(chunks.CHUNKS_DIR, root_fd) != "dir":
+    if safe_fs.entry_kind(CHUNKS_DIR, root_fd) != "dir":
         return {}
-    with safe_fs.opened_dir(chunks.CHUNKS_DIR, root_fd) as dfd:
-        return {entry.removesuffix(chunks.PLAN_SUFFIX): _file_bytes(entry, dfd)
+    with safe_fs.opened_dir(CHUNKS_DIR, root_fd) as dfd:
+        return {entry.removesuffix(PLAN_SUFFIX): _file_bytes(entry, dfd)
                 for entry in os.listdir(dfd)
-                if entry.endswith(chunks.PLAN_SUFFIX) and not entry.startswith(".")}
+                if entry.endswith(PLAN_SUFFIX) and not entry.startswith(".")}
 
 
 def _collector_gains(packs: list[_Pack], live: npt.NDArray[np.void],
                      sole_owner: npt.NDArray[np.int64], directories: int) -> npt.NDArray[np.int64]:
     """For each directory, the bytes of packs the collector would give back once it is gone
-    and not before: ``ChunkStore.collect``'s rule, pack by pack. ``live`` is every id some
+    and not before: ``PageStore.collect``'s rule, pack by pack. ``live`` is every id some
     directory needs (sorted), ``sole_owner`` the directory that alone needs it, or -1."""
     gains = np.zeros(directories, np.int64)
     held = _no_pages()  # ids kept in earlier packs: a second copy of a page is dead
@@ -222,9 +233,9 @@ def _collector_gains(packs: list[_Pack], live: npt.NDArray[np.void],
 
 def _freed(pages: int, kept: int, pack_bytes: int) -> int:
     """What collecting a pack of ``pages`` frees when ``kept`` of them are live."""
-    if kept == pages or (kept and kept >= chunks.REPACK_BELOW * pages):
+    if kept == pages or (kept and kept >= REPACK_BELOW * pages):
         return 0
-    return pack_bytes + (pages - kept) * chunks.ID_BYTES - kept * chunks.PAGE
+    return pack_bytes + (pages - kept) * ID_BYTES - kept * PAGE
 
 
 def _dir_bytes(name: str, root_fd: int) -> int:

@@ -9,7 +9,7 @@ lists a partial download.
 A chunked remote snapshot (``packs.py``) comes down as a chunked local one: its recipes go
 into the partial directory first (from then on they keep the pages this store has alive),
 then only the pages this store lacks are fetched, each checked against its keyed id, into
-a file there that becomes a new pack of the store (``ChunkStore.adopt_pack``) before the
+a file there that becomes a new pack of the store (``PageStore.adopt_pack``) before the
 rename. A later restore reads it from the packs as any chunked snapshot.
 """
 
@@ -30,7 +30,7 @@ import psutil
 from ... import safe_fs
 from ...errors import NotFound
 from ...progress import ProgressFn, byte_counter
-from .. import chunks, images
+from .. import images, packs
 from ..digest import TREE_CHUNK
 from ..manifest import MANIFEST
 from ..store import OWNER_FILE, PARTIAL_PREFIX, SnapshotStore
@@ -93,7 +93,7 @@ def download_snapshot(
                for name, entry in sorted(chunked.items())}
     checks: list[FileCheck] = []
     for name, entry in sorted(objects.items()):
-        if name == MANIFEST or name in {chunks.recipe_name(n) for n in recipes}:
+        if name == MANIFEST or name in {packs.recipe_name(n) for n in recipes}:
             continue
         safe_object_name(name, "download")
         if name in listed:
@@ -121,7 +121,7 @@ def download_snapshot(
             (partial / OWNER_FILE).write_text(str(os.getpid()))
             _write_private(partial / MANIFEST, manifest_bytes)
             for name, recipe in recipes.items():
-                _write_private(partial / chunks.recipe_name(name), recipe)
+                _write_private(partial / packs.recipe_name(name), recipe)
             pages = PageDownload(store, snapshot_id, remote, recipes, local or
                                   SnapshotStore(into_dir)) if recipes else None
             download = _Download(store, snapshot_id, sealer, partial, checks, progress,

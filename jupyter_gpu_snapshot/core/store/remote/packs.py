@@ -46,8 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ... import safe_fs
-from .. import chunks
-from ..chunks import ID_BYTES, PAGE, Ids, PackIndex
+from ..packs import ID_BYTES, PAGE, Ids, PackIndex, page_ids
 from .objects import RemoteObjects, RemoteStoreError, damaged_copy, modified_time
 from .sealing import RECORD_OVERHEAD, ChunkSealer, key_id
 
@@ -281,7 +280,7 @@ class RemotePacks:
                 PACK, start // RECORD_BYTES, int(sizes[p]), stored)
             block = np.frombuffer(data, np.uint8).reshape(-1, PAGE)
             picked = block[(slots[members] * PAGE - start) // PAGE]
-            got, _ = chunks.page_ids(picked.tobytes(), id_key)
+            got, _ = page_ids(picked.tobytes(), id_key)
             if not np.array_equal(got, wanted[members]):
                 raise damaged_copy(snapshot_id, f"a page of the remote pack {stem} does not "
                                    "match its id")

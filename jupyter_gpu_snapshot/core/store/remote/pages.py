@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import chunks
+from .. import packs
 from ..store import SnapshotStore
 from .objects import RemoteObjects, RemoteStoreError
 from .packs import RemotePacks
@@ -33,7 +33,7 @@ class PageUpload:
         self.packs = RemotePacks(store)
         self.local = local
         self.recipes = recipes
-        ids = chunks.ids_in_order(recipes.values())
+        ids = packs.ids_in_order(recipes.values())
         index = self.packs.index(self.packs.usable(self.packs.listing()))
         where = index.find(ids)
         self.lacking = ids[where < 0]
@@ -42,7 +42,7 @@ class PageUpload:
 
     @property
     def new_bytes(self) -> int:
-        return len(self.lacking) * chunks.PAGE
+        return len(self.lacking) * packs.PAGE
 
     def send(self, advance: Callable[[int], None]) -> None:
         """The new pack, before anything else of the snapshot."""
@@ -68,8 +68,8 @@ class PageUpload:
         """What the remote manifest says of the pages."""
         return {
             "packs": sorted(self.stems),
-            "chunked": {name: {"size": len(r) // chunks.ID_BYTES * chunks.PAGE,
-                               "recipe": chunks.recipe_name(name)}
+            "chunked": {name: {"size": len(r) // packs.ID_BYTES * packs.PAGE,
+                               "recipe": packs.recipe_name(name)}
                         for name, r in sorted(self.recipes.items())},
             "new_page_bytes": self.new_bytes,
         }
@@ -93,14 +93,14 @@ class PageDownload:
         self.stems = [str(s) for s in remote.get("packs", [])]
         self.packs.require(snapshot_id, self.stems)
         self.local = local
-        ids = chunks.ids_in_order(recipes.values())
+        ids = packs.ids_in_order(recipes.values())
         with local.chunk_store() as chunk_store:
             self.id_key = chunk_store.id_key
             self.lacking = ids[chunk_store.lacking(ids)] if len(ids) else ids
 
     @property
     def lacking_bytes(self) -> int:
-        return len(self.lacking) * chunks.PAGE
+        return len(self.lacking) * packs.PAGE
 
     def fetch(self, partial: Path, advance: Callable[[int], None]) -> None:
         """Fetch the lacking pages into the partial directory, then make them a pack."""

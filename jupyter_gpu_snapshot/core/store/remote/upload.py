@@ -29,7 +29,7 @@ from typing import Any
 
 from ...errors import SnapshotError
 from ...progress import ProgressFn, byte_counter
-from .. import chunks, images
+from .. import images, packs
 from ..manifest import MANIFEST
 from ..snapshot import is_snapshot_id
 from ..store import SnapshotStore
@@ -157,7 +157,7 @@ def _recipes(snapshot_id: str, opened: list[tuple[str, int, int]]) -> dict[str, 
     files = json.loads(_read_exactly(fd, 0, size, MANIFEST)).get("files", {})
     recipes: dict[str, bytes] = {}
     for name, entry in sorted(files.items()):
-        recipe_file = chunks.recipe_name(name)
+        recipe_file = packs.recipe_name(name)
         if not isinstance(entry, dict) or "chunks" not in entry or recipe_file not in by_name:
             continue
         fd, size = by_name[recipe_file]

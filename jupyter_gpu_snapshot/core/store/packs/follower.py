@@ -5,12 +5,12 @@ running again by then: on a 17.9 GB image the page ids and the whole-file digest
 of the 14 s between the end of the pause and the snapshot being durable. criu writes each
 ``pages-*.img`` from its start to its end, once; ``DumpFollower`` reads behind it, a step at
 a time, out of the page cache, and hands the ids and digests to the commit
-(``ChunkStore.chunk_files``), which then only looks the ids up and writes the pages the
+(``PageStore.chunk_files``), which then only looks the ids up and writes the pages the
 store lacks.
 
 The ids come from worker processes at a lower priority than criu and the driver, so that the
 pause is not made longer; the follower runs only where there are cores to spare for them
-(``chunks.MIN_CORES_FOR_WORKERS``). What it read is checked again where it matters: the
+(``id_workers.MIN_CORES_FOR_WORKERS``). What it read is checked again where it matters: the
 restore compares every file it assembles with the digest the manifest signs, so a file that
 changed behind the follower (criu does not do that) is refused, never restored wrong.
 """
@@ -24,12 +24,16 @@ import multiprocessing
 import os
 import threading
 from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
+from dataclasses import dataclass
 
 import blake3
 import numpy as np
+import numpy.typing as npt
 
-from .. import safe_fs
-from . import chunks
+from ... import safe_fs
+from . import id_workers
+from .layout import ID_BYTES, PAGE, Ids
+from .recipes import is_chunkable
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,17 @@ WORKER_NICENESS = 10
 MAX_WORKERS = 4
 
 
+@dataclass
+class FollowedFile:
+    """What ``DumpFollower`` read of one image while criu wrote it: its size, digest and page
+    ids, so that the commit need not read it all again."""
+
+    size: int
+    digest: str
+    ids: Ids
+    zero: npt.NDArray[np.bool_]
+
+
 class _Followed:
     """One image file as far as it has been read: its digest so far and the ids of each
     step, in order (from workers: futures, decoded at the end)."""
@@ -59,7 +74,7 @@ class _Followed:
 
 class DumpFollower:
     """Reads the page images criu writes into ``image_dfd`` as they grow; ``finish`` once
-    criu has ended well gives each file's ``chunks.FollowedFile``, ``cancel`` otherwise.
+    criu has ended well gives each file's ``FollowedFile``, ``cancel`` otherwise.
 
     A thread of its own does the reading and the digest; the ids are computed by worker
     processes that open the file through this process's fd (never a path in the store).
@@ -76,7 +91,7 @@ class DumpFollower:
         # the cores with.
         for _ in range(workers):
             self.pool.submit(os.getpid)
-        self.buffer = mmap.mmap(-1, chunks.STEP)
+        self.buffer = mmap.mmap(-1, id_workers.STEP)
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._follow, name="dump-follower", daemon=True)
@@ -87,7 +102,7 @@ class DumpFollower:
         """A follower of the images going into ``image_dfd``; None on a machine without the
         cores to spare (the commit then reads the images as before)."""
         cores = len(os.sched_getaffinity(0))
-        if cores < chunks.MIN_CORES_FOR_WORKERS:
+        if cores < id_workers.MIN_CORES_FOR_WORKERS:
             return None
         return cls(image_dfd, id_key, max(1, min(cores - 2, MAX_WORKERS)))
 
@@ -112,11 +127,11 @@ class DumpFollower:
                     continue
                 followed = self.files[name] = _Followed(fd)
             size = os.fstat(followed.fd).st_size
-            while size - followed.offset >= chunks.STEP or (final and followed.offset < size):
-                self._step(followed, min(chunks.STEP, size - followed.offset))
+            while size - followed.offset >= id_workers.STEP or (final and followed.offset < size):
+                self._step(followed, min(id_workers.STEP, size - followed.offset))
 
     def _step(self, followed: _Followed, length: int) -> None:
-        if length % chunks.PAGE:
+        if length % PAGE:
             raise OSError("an image ends inside a page")
         with memoryview(self.buffer) as view, view[:length] as block:
             n = os.preadv(followed.fd, [block], followed.offset)
@@ -125,17 +140,18 @@ class DumpFollower:
             followed.hasher.update(block)
         opened = f"/proc/{os.getpid()}/fd/{followed.fd}"
         followed.steps.append(self.pool.submit(
-            chunks.ids_of_range, opened, followed.offset, followed.offset + length, self.id_key))
+            id_workers.ids_of_range, opened, followed.offset, followed.offset + length,
+            self.id_key))
         followed.offset += length
 
     # -- the end ---------------------------------------------------------------------------
-    def finish(self) -> dict[str, chunks.FollowedFile]:
+    def finish(self) -> dict[str, FollowedFile]:
         """Once criu has written everything: the rest of each file read, and each file's
         size, digest and page ids. Files whose following failed are left out: the commit
         reads them itself."""
         self.stop.set()
         self.thread.join()
-        found: dict[str, chunks.FollowedFile] = {}
+        found: dict[str, FollowedFile] = {}
         try:
             if self.error is None:
                 self._read(final=True)
@@ -145,14 +161,14 @@ class DumpFollower:
                 ids, zero = [], []
                 for step in followed.steps:
                     encoded = step.result() if isinstance(step, Future) else step
-                    decoded = chunks.decode_ids(encoded)
+                    decoded = id_workers.decode_ids(encoded)
                     ids.append(decoded[0])
                     zero.append(decoded[1])
-                if not chunks.is_chunkable(followed.offset):
+                if not is_chunkable(followed.offset):
                     continue
-                found[name] = chunks.FollowedFile(
+                found[name] = FollowedFile(
                     followed.offset, followed.hasher.hexdigest(),
-                    np.concatenate(ids) if ids else np.zeros((0, chunks.ID_BYTES), np.uint8),
+                    np.concatenate(ids) if ids else np.zeros((0, ID_BYTES), np.uint8),
                     np.concatenate(zero) if zero else np.zeros(0, np.bool_))
         except (OSError, BrokenExecutor) as exc:
             self.error = exc
