@@ -4,7 +4,7 @@ One snapshot-ready CPU kernel holding random numpy bytes is saved whole and by c
 (the store's default), then restored in turn, from the page cache:
 
 - ``in place``: by content; the workers read the pages image from the store's packs, where
-  the image server says it lies;
+  the image streamer says it lies;
 - ``populate``: by content, from a server without extents: one pipe, into memory the
   workers populated;
 - ``one worker``: by content, ``CRIU_FILL_WORKERS=1``, criu's own way;
@@ -64,7 +64,7 @@ CHECK = "print(hashlib.sha256(block.tobytes()).hexdigest())"
 @dataclass(frozen=True)
 class Way:
     whole: bool = False  # the snapshot kept whole, else by content
-    extents: bool = True  # whether the image server says where a pages image lies
+    extents: bool = True  # whether the image streamer says where a pages image lies
     workers: int | None = None  # CRIU_FILL_WORKERS; None: criu's default
 
 

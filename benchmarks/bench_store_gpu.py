@@ -7,7 +7,7 @@ is deleted before the next layout starts (the GPU machine's disk is 64 GB):
   saved, runs one forward pass, and is saved again. For the second save: the bytes written
   (chunked: the manifest's ``stored``; whole: the image), the pause, save -> durable (the
   commit done), then, the kernel killed and the page cache dropped, restore -> first cell
-  output, cold (page cache dropped) and warm, with the image server's parts (bytes and
+  output, cold (page cache dropped) and warm, with the image streamer's parts (bytes and
   rate of the store reads, hashing and criu's pipes) beside the machine's own floors
   measured in the same run (``common.machine_floors``). One kernel serves both layouts:
   the chunked layout starts from the kernel the whole layout restored.
@@ -50,7 +50,7 @@ from jupyter_gpu_snapshot.core.compatibility import NodeCompatibility
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.store import SnapshotStore, image_server, images
+from jupyter_gpu_snapshot.core.store import SnapshotStore, images, streamer
 from jupyter_gpu_snapshot.core.store.packs import (
     CHUNKS_DIR,
     ID_BYTES,
@@ -118,7 +118,7 @@ TIMED: list[tuple[Any, str, str]] = [
     (PageStore, "_store_new", "store_new"),  # lookup, dedup, gather, pack append
     (PackWriter, "append", "pack_write"),  # write(2) of the new pages
     (PackWriter, "finish", "pack_fsync"),  # fsync of the pack, ids written
-    (image_server.ImageServer, "prepare", "images_checked_first"),  # restore: small files
+    (streamer.ImageStreamer, "prepare", "images_checked_first"),  # restore: small files
     (PageStore, "collect", "collect"),  # delete: packs no recipe needs
 ]
 
@@ -250,7 +250,7 @@ def restore(engine: SnapshotEngine, criu: CriuWithRestoreLog, k: Kernel, snap: S
             expect: str, cold: bool = True, fill_workers: int | None = None) -> dict[str, Any]:
     """Kill the kernel, drop the page cache (``cold``, as after a reboot), restore ``snap``:
     seconds to the first cell's output, which must be ``expect``. The restored kernel is
-    ``k`` from here on. Where the image time went: the image server's figures, each with
+    ``k`` from here on. Where the image time went: the image streamer's figures, each with
     its bytes and rate. ``fill_workers`` 1: criu fills the memory on one thread, as criu
     does without our patch (scripts/criu-patches); ``criu_fill``: what criu's log says of
     how it filled the memory."""

@@ -1,4 +1,4 @@
-"""The image server as other image streamers are: one without our extents (criu's own
+"""Our image streamer as other image streamers are: one without our extents (criu's own
 image streamer, say), or one whose extents are malformed, so that criu's fill workers take
 their other way."""
 
@@ -10,24 +10,25 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jupyter_gpu_snapshot.core.store import image_server
-from jupyter_gpu_snapshot.core.store.image_server import Extents
+from jupyter_gpu_snapshot.core.store import streamer, streamer_protocol
+from jupyter_gpu_snapshot.core.store.streamer_protocol import Extents
 
 
-def _plain_names_only(name: str) -> image_server.Asked | None:
-    """A server without extents sees their names as those of files it does not have."""
-    return None if "@" in name else image_server.Asked(name)
+def _plain_names_only(name: str) -> streamer_protocol.Asked | None:
+    """A streamer without extents sees their names as those of files it does not have."""
+    return None if "@" in name else streamer_protocol.Asked(name)
 
 
 @contextlib.contextmanager
 def offering_no_extents() -> Iterator[None]:
-    """Within, the image server answers no request for a pages image's extents or files."""
-    offered = image_server.Asked.of
-    image_server.Asked.of = staticmethod(_plain_names_only)  # type: ignore[method-assign,assignment]
+    """Within, the image streamer answers no request for a pages image's extents or files."""
+    offered = streamer_protocol.Asked.of
+    streamer_protocol.Asked.of = staticmethod(  # type: ignore[method-assign,assignment]
+        _plain_names_only)
     try:
         yield
     finally:
-        image_server.Asked.of = offered  # type: ignore[method-assign]
+        streamer_protocol.Asked.of = offered  # type: ignore[method-assign]
 
 
 def a_run_of_no_length(extents: Extents) -> Extents:
@@ -43,17 +44,17 @@ def the_last_run_twice(extents: Extents) -> Extents:
 
 @contextlib.contextmanager
 def offering_extents_changed_by(change: Callable[[Extents], Extents]) -> Iterator[None]:
-    """Within, the image server sends criu the extents of each pages image as ``change``
+    """Within, the image streamer sends criu the extents of each pages image as ``change``
     makes them."""
-    send = image_server.ImageServer._send_extents
+    send = streamer.ImageStreamer._send_extents
 
-    def send_changed(server: image_server.ImageServer, image: image_server.ImageFile,
+    def send_changed(server: streamer.ImageStreamer, image: streamer.ImageFile,
                      pipe: int) -> None:
         assert image.extents is not None  # extents are sent only of images that have them
         send(server, dataclasses.replace(image, extents=change(image.extents)), pipe)
 
-    image_server.ImageServer._send_extents = send_changed  # type: ignore[method-assign]
+    streamer.ImageStreamer._send_extents = send_changed  # type: ignore[method-assign]
     try:
         yield
     finally:
-        image_server.ImageServer._send_extents = send  # type: ignore[method-assign]
+        streamer.ImageStreamer._send_extents = send  # type: ignore[method-assign]

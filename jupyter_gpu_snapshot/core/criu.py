@@ -275,7 +275,7 @@ class CriuRunner:
             "--ext-mount-map", "auto", "--root", "/",
         ]
         if stream:
-            # The images come from an ImageServer listening in ``images``, not from files.
+            # The images come from an ImageStreamer listening in ``images``, not from files.
             argv.append("--stream")
         if leave_stopped:
             # The tasks stay stopped: no code of the image runs until the caller continues

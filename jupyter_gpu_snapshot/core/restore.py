@@ -38,7 +38,7 @@ from .errors import InvalidRequest, NotFound, PortsInUse, SnapshotError
 from .hooks import Progress, ProgressCallback, RestoreContext, SnapshotHook
 from .progress import byte_counter
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
-from .store import ImageFile, ImageServer, Snapshot
+from .store import ImageFile, ImageStreamer, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ async def _restore_checked(
     started: float,
 ) -> int:
     """Run ``criu restore --stream``, its images served from the store and checked against
-    their digests as criu reads them (``ImageServer``).
+    their digests as criu reads them (``ImageStreamer``).
 
     Returns the root pid of the restored tree once criu and every digest succeeded: still
     stopped with ``ctx.criu.leave_stopped``, else let run by criu's plugin after the digests
@@ -219,13 +219,13 @@ async def _restore_checked(
     pidfile = work / "restore.pid"
     root_pid = 0
     hooked: list[SnapshotHook] = []
-    server = ImageServer(snapshot, files, served_dir, byte_counter(
+    streamer = ImageStreamer(snapshot, files, served_dir, byte_counter(
         lambda done, whole: report(Progress("restore", min(done, whole), whole)), total))
-    images_dir = served_dir if server.streams else snapshot.path
+    images_dir = served_dir if streamer.streams else snapshot.path
     t = time.monotonic()
-    verifying = _Gate(lambda: run_in_background(server.verify_all))
+    verifying = _Gate(lambda: run_in_background(streamer.verify_all))
     try:
-        await asyncio.to_thread(server.prepare)
+        await asyncio.to_thread(streamer.prepare)
         timings["images_checked_first"] = time.monotonic() - t
         timings["preflight"] = time.monotonic() - started
         t = time.monotonic()
@@ -236,7 +236,7 @@ async def _restore_checked(
             hooked.append(hook)
         run = await criu.run(
             criu.restore_argv(images_dir, work, pidfile, leave_stopped=ctx.criu.leave_stopped,
-                              extras=ctx.criu, stream=server.streams),
+                              extras=ctx.criu, stream=streamer.streams),
             work / "restore.log", env=ctx.criu.env,
             pass_fds=tuple(ctx.criu.inherited_fds.values()), track_children=True,
         )
@@ -270,7 +270,7 @@ async def _restore_checked(
         timings["verify"] = await verifying
         timings["verify_wait"] = time.monotonic() - t_wait
     except BaseException as exc:
-        await asyncio.to_thread(server.close)
+        await asyncio.to_thread(streamer.close)
         if root_pid > 0:
             await asyncio.to_thread(procfs.kill_tree, root_pid)
         if verifying.started:
@@ -281,8 +281,8 @@ async def _restore_checked(
                 await hook.restore_failed(ctx, exc)
         raise
     finally:
-        await asyncio.to_thread(server.close)
-        ctx.notes["images"] = server.stats.as_dict()
+        await asyncio.to_thread(streamer.close)
+        ctx.notes["images"] = streamer.stats.as_dict()
         ctx.criu.close_inherited()
         await asyncio.to_thread(shutil.rmtree, work, True)
         work_lock.release()

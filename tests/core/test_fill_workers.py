@@ -1,7 +1,7 @@
 """criu fills a restored kernel's memory on several CPUs (scripts/criu-patches).
 
 Real kernels, real criu, each layout of the store: pages kept by content are read by
-criu's workers from the store's packs in place, where the image server says they lie (or,
+criu's workers from the store's packs in place, where the image streamer says they lie (or,
 from a server that says nothing of it or says it wrongly, from the one pipe of the stream,
 into memory the workers populated first); pages kept whole are read in place by the
 workers. Each run checks the kernel's state came back, that the workers ran (or, with one
@@ -54,7 +54,7 @@ class Scenario:
     by_content: bool
     workers: int | None  # CRIU_FILL_WORKERS; None: criu's default (the CPUs, up to 8)
     expect: str | None  # what the workers did, as the log says it, or None: no workers
-    # What the image server says of where a pages image lies ("as it lies", "nothing", or
+    # What the image streamer says of where a pages image lies ("as it lies", "nothing", or
     # a name of EXTENTS_MALFORMED), and what criu logs of it, if it refuses them.
     extents: str = "as it lies"
     refused: str | None = None

@@ -1,4 +1,4 @@
-"""Restores read the images where the store keeps them (``core/image_server.py``).
+"""Restores read the images where the store keeps them (``core/streamer.py``).
 
 End to end, with real criu and real kernels: a restore from packs on another file system
 than criu's working directory, criu killed while it reads the pages, and the bytes criu got
@@ -24,9 +24,9 @@ from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.store import SnapshotStore, digest, image_server
-from jupyter_gpu_snapshot.core.store.image_server import ImageFile, ImageServer
+from jupyter_gpu_snapshot.core.store import SnapshotStore, digest, streamer
 from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
+from jupyter_gpu_snapshot.core.store.streamer import ImageFile, ImageStreamer
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit.criu_wrappers import _real, _value_of, install
 from tests.conftest import KernelHandle, execute, run
@@ -153,7 +153,7 @@ def test_criu_killed_while_it_reads_the_stream_leaves_the_snapshot_restorable(
     assert err.value.step == "restore" and "signal 9" in err.value.message
     deadline = time.monotonic() + 10
     while threading.active_count() > threads_before:
-        assert time.monotonic() < deadline, "the image server's threads outlived the restore"
+        assert time.monotonic() < deadline, "the image streamer's threads outlived the restore"
         time.sleep(0.05)
     assert [s.id for s in store.list()] == [snap.id]
     store.verify(store.get(snap.id))
@@ -237,17 +237,17 @@ def _image(name: str, data: bytes, recorded: bytes | None = None) -> ImageFile:
     return ImageFile(name, len(data), hasher.hexdigest(), read_into, splice_into)
 
 
-def _served(tmp_path: Path, images: list[ImageFile]) -> ImageServer:
+def _served(tmp_path: Path, images: list[ImageFile]) -> ImageStreamer:
     directory = tmp_path / "images"
     directory.mkdir()
     snapshot = Snapshot(id="s1", path=tmp_path, manifest={"digest": digest.BLAKE3, "files": {}})
-    return ImageServer(snapshot, {i.name: i for i in images}, directory, lambda n: None)
+    return ImageStreamer(snapshot, {i.name: i for i in images}, directory, lambda n: None)
 
 
 @pytest.fixture
 def small_limits(monkeypatch):
-    monkeypatch.setattr(image_server, "CHECKED_FIRST_BYTES", 64 << 10)
-    monkeypatch.setattr(image_server, "BLOCK_BYTES", 256 << 10)
+    monkeypatch.setattr(streamer, "CHECKED_FIRST_BYTES", 64 << 10)
+    monkeypatch.setattr(streamer, "BLOCK_BYTES", 256 << 10)
 
 
 def test_small_files_are_checked_before_criu_reads_a_byte(tmp_path, small_limits):
@@ -265,7 +265,7 @@ def test_files_are_served_in_full_and_missing_ones_are_said_to_be(tmp_path, smal
         server.prepare()
         # The hooks read the checked small files from the images directory.
         assert (tmp_path / "images" / "core-1.img").read_bytes() == core
-        criu = CriuSide(tmp_path / "images" / image_server.SOCKET_NAME)
+        criu = CriuSide(tmp_path / "images" / streamer.SOCKET_NAME)
         assert criu.open("stats-restore.img") is None
         assert criu.open("../manifest.json") is None
         fd = criu.open("pages-1.img")
@@ -283,7 +283,7 @@ def test_damage_past_what_criu_read_is_still_found(tmp_path, small_limits):
     pages[-1] ^= 1
     with _served(tmp_path, [_image("pages-1.img", bytes(pages), recorded)]) as server:
         server.prepare()
-        criu = CriuSide(tmp_path / "images" / image_server.SOCKET_NAME)
+        criu = CriuSide(tmp_path / "images" / streamer.SOCKET_NAME)
         fd = criu.open("pages-1.img")
         assert fd is not None
         assert _read_all(fd, 4096) == recorded[:4096]
@@ -300,7 +300,7 @@ def test_files_criu_never_asked_for_are_checked_at_the_gate_and_refused_after(
     pages, other = os.urandom(1 << 20), os.urandom(1 << 20)
     with _served(tmp_path, [_image("pages-1.img", pages), _image("pages-2.img", other)]) as server:
         server.prepare()
-        criu = CriuSide(tmp_path / "images" / image_server.SOCKET_NAME)
+        criu = CriuSide(tmp_path / "images" / streamer.SOCKET_NAME)
         fd = criu.open("pages-1.img")
         assert fd is not None and _read_all(fd) == pages
         server.verify_all()
@@ -311,10 +311,10 @@ def test_files_criu_never_asked_for_are_checked_at_the_gate_and_refused_after(
 
 
 def test_the_gate_never_waits_for_criu_to_read(tmp_path, small_limits):
-    pages = os.urandom(3 * image_server.PIPE_BYTES)  # more than criu's pipe holds
+    pages = os.urandom(3 * streamer.PIPE_BYTES)  # more than criu's pipe holds
     with _served(tmp_path, [_image("pages-1.img", pages)]) as server:
         server.prepare()
-        criu = CriuSide(tmp_path / "images" / image_server.SOCKET_NAME)
+        criu = CriuSide(tmp_path / "images" / streamer.SOCKET_NAME)
         fd = criu.open("pages-1.img")
         assert fd is not None
         # criu holds the pipe unread (it may be waiting for the gate itself): the check

@@ -7,7 +7,6 @@ keeps it so. docs/architecture.md maps the rooms behind it.
 """
 
 from .digest import digest_files, preferred_algorithm
-from .image_server import ImageFile, ImageServer
 from .index import SnapshotIndex
 from .manifest import (
     ManifestPolicy,
@@ -49,6 +48,7 @@ from .store import (
     default_key_file,
     default_store_dir,
 )
+from .streamer import ImageFile, ImageStreamer
 from .usage import SnapshotUsage, StoreRoom, StoreUsage, store_usage
 
 __all__ = [
@@ -66,7 +66,7 @@ __all__ = [
     "DumpFollower",
     "FollowedFile",
     "ImageFile",
-    "ImageServer",
+    "ImageStreamer",
     "ManifestPolicy",
     "ManifestProblem",
     "PendingUploads",

@@ -146,7 +146,7 @@ def digest_files(
 
 class Incremental:
     """One file's digest, fed its bytes in order: a restore hashes what it hands to criu
-    as it goes (``core/image_server.py``). Gives what ``digest_files`` gives for the file."""
+    as it goes (``streamer.py``). Gives what ``digest_files`` gives for the file."""
 
     def __init__(self, algorithm: str) -> None:
         if algorithm == BLAKE3 and _blake3 is None:

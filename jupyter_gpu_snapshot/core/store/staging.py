@@ -2,7 +2,7 @@
 
 A snapshot keeps its large image files as recipes over the store's page packs
 (``core/chunks.py``). A restore either streams them to criu where they lie
-(``served_images``, for the ``ImageServer``), or needs them as whole files in one directory
+(``served_images``, for the ``ImageStreamer``), or needs them as whole files in one directory
 (``opened_images``: a verify, an upload): then they are assembled into a private directory,
 in memory when it has room, else beside the snapshots, removed on leaving. A directory left
 by a dead process is removed by ``recovery``, which finds it by the names and locks here.
@@ -27,9 +27,9 @@ import psutil
 from .. import locks, safe_fs
 from ..errors import SnapshotError
 from . import images, packs
-from .image_server import ImageFile
 from .manifest import MANIFEST, is_portable_file
 from .snapshot import Snapshot
+from .streamer import ImageFile
 
 # Whole image files assembled beside the snapshots, in a store entry of this prefix, locked
 # by ``assembly_key`` while in use.
@@ -97,7 +97,7 @@ def served_images(pages: packs.PageStore, snapshot: Snapshot) -> Iterator[dict[s
     """Every image file of trusted ``snapshot``, ready to be read where it is: files
     kept whole opened in its directory, files kept as recipes planned onto the store's
     packs ``pages`` (their recipes checked against the signed manifest first). Nothing is
-    assembled or checked here: a restore's ``ImageServer`` hands the bytes to criu and
+    assembled or checked here: a restore's ``ImageStreamer`` hands the bytes to criu and
     compares each file with its manifest digest as it goes. A portable copy's files are no
     image: never served, never read. Closed on leaving."""
     snapshot.require_trusted()

@@ -40,7 +40,6 @@ from ..locks import name_key as name_lock_key
 from ..locks import snapshot_key as snapshot_lock_key
 from ..progress import ProgressFn
 from . import digest, images, packs, staging
-from .image_server import ImageFile
 from .manifest import (
     CONNECTION_KEYS,
     FORMAT_VERSION,
@@ -53,6 +52,7 @@ from .manifest import (
 from .manifest import problem as manifest_problem
 from .signing import SigningKey
 from .snapshot import DAMAGED, UNSIGNED, Snapshot, is_snapshot_id, validate_name
+from .streamer import ImageFile
 
 PARTIAL_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
@@ -553,7 +553,7 @@ class SnapshotStore:
     @contextlib.contextmanager
     def served_images(self, snapshot: Snapshot) -> Iterator[dict[str, ImageFile]]:
         """Every image file of trusted ``snapshot``, ready to be read where it is, for a
-        restore's ``ImageServer`` (``staging.served_images``); closed on leaving."""
+        restore's ``ImageStreamer`` (``staging.served_images``); closed on leaving."""
         with self._root_fd() as root_fd:
             assert root_fd is not None
             with staging.served_images(self._chunks(root_fd), snapshot) as served:

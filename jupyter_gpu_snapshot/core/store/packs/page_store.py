@@ -275,7 +275,7 @@ class PageStore:
     def assemble(self, recipes: dict[str, bytes], out_dfd: int, advance: Advance) -> None:
         """Write each file of ``recipes`` (name → recipe) into ``out_dfd`` from the packs,
         for a check of the whole snapshot or an upload (a restore streams them instead:
-        ``image_server.py``). The files are not checked here."""
+        ``streamer.py``). The files are not checked here."""
         with self.opened_pages(recipes, "restore") as plans:
             for name, plan in plans.items():
                 write_file(name, plan, out_dfd, advance)

@@ -4,11 +4,9 @@ protocol (``criu restore --stream``): nothing is assembled or copied before criu
 Why this way, and not packs laid out as criu's own pages images, is in
 docs/architecture.md ("Restoring from the packs").
 
-The protocol (criu's ``img-streamer.c``): criu connects once to ``<images dir>/SOCKET_NAME``;
-its restoring processes share that connection, one request at a time. A request is a
-length-prefixed protobuf naming one image file; the answer says whether it exists; if it
-does, criu passes the write end of a pipe over the socket and reads the file from the other
-end, in order.
+The protocol (criu's ``img-streamer.c``), every byte of it, is ``streamer_protocol.py``'s:
+criu asks for one image file at a time over one socket, and reads each from a pipe it hands
+over; our criu's fill workers may ask where a pages image lies instead.
 
 A snapshot whose files are all kept whole is not served: criu reads them in place (faster
 than through pipes, see docs/performance.md) while ``verify_all``'s check runs beside from
@@ -38,9 +36,7 @@ import fcntl
 import logging
 import mmap
 import os
-import re
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,37 +46,37 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from ..errors import SnapshotError
 from . import digest
 from .images import mismatch
 from .packs import pread_exactly, splice_exactly, write_all
 from .snapshot import Snapshot
+from .streamer_protocol import (
+    PAGES_PREFIX,
+    SOCKET_NAME,
+    Asked,
+    Extents,
+    ProtocolError,
+    extents_table,
+    read_request,
+    receive_pipe,
+    send_file,
+    send_reply,
+)
 
 log = logging.getLogger(__name__)
 
-SOCKET_NAME = "streamer-serve.sock"
-PAGES_PREFIX = "pages-"
 CHECKED_FIRST_BYTES = 16 << 20
 # Read from the store this much at a time, the next block while the last goes to criu.
 BLOCK_BYTES = 16 << 20
 # criu's pipes hold 64 KiB; a wider one lets criu copy more per read.
 PIPE_BYTES = 8 << 20
-_MAX_REQUEST_BYTES = 4096
-_FILE_SPEC = re.compile(r"file/(\d{1,4})", re.ASCII)
-# One extent of a pages image, as criu's patch reads it (scripts/criu-patches): four of
-# these, the file (its number among the image's files), the offset in it, the offset in
-# the image, the length.
-_EXTENT_WORD = np.dtype("<u8")
 _SUN_PATH_MAX = 107
 _DAMAGED = "the snapshot is damaged; delete it"
 
 ReadInto = Callable[[memoryview, int], None]
 SpliceInto = Callable[[int, int, int], None]
-# Where a file's bytes lie: rows of (open fd, offset in it, offset in the file, length), in
-# the file's order; bytes in no row are zeros.
-Extents = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -112,32 +108,6 @@ class ImageFile:
         return cls(name, size, expected, read_into, splice_into, extents, kept_whole=True)
 
 
-@dataclass(frozen=True)
-class Asked:
-    """What one request of criu names. Plain, an image file, sent on criu's pipe. Our
-    criu's fill workers (scripts/criu-patches) read a pages image in place instead: they
-    ask for "pages-N.img@extents", the image's extents (``_EXTENT_WORD``) on a pipe,
-    then for "pages-N.img@file/K", the K-th file they lie in, handed over open for
-    reading."""
-
-    image: str
-    extents: bool = False
-    file: int | None = None
-
-    @classmethod
-    def of(cls, name: str) -> Asked | None:
-        """What ``name`` asks for; None when malformed (answered as a missing file)."""
-        base, at, spec = name.partition("@")
-        if not at:
-            return cls(name)
-        if not base.startswith(PAGES_PREFIX):
-            return None
-        if spec == "extents":
-            return cls(base, extents=True)
-        match = _FILE_SPEC.fullmatch(spec)
-        return cls(base, file=int(match.group(1))) if match else None
-
-
 @dataclass
 class ServeStats:
     """Where a restore's image time went, for the benchmarks."""
@@ -158,8 +128,9 @@ class ServeStats:
         return asdict(self)
 
 
-class ImageServer:
-    """Serves ``files`` of ``snapshot`` to one ``criu restore --stream -D directory``."""
+class ImageStreamer:
+    """criu's image streamer for one restore: serves ``files`` of ``snapshot`` to one
+    ``criu restore --stream -D directory``, and checks each against the signed manifest."""
 
     def __init__(self, snapshot: Snapshot, files: dict[str, ImageFile], directory: Path,
                  advance: Callable[[int], None]) -> None:
@@ -233,7 +204,7 @@ class ImageServer:
     # -- while criu runs -------------------------------------------------------------------
     def _start(self, target: Callable[..., None], label: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True,
-                                  name=f"image-server-{label}")
+                                  name=f"image-streamer-{label}")
         with self._lock:
             self._threads.append(thread)
         thread.start()
@@ -251,7 +222,7 @@ class ImageServer:
         """Answer one connection's requests until criu closes it."""
         with conn:
             try:
-                while (name := _read_request(conn)) is not None:
+                while (name := read_request(conn)) is not None:
                     asked = Asked.of(name)
                     image = self._servable(asked.image) if asked else None
                     if image is not None and asked is not None and asked.file is not None:
@@ -260,19 +231,15 @@ class ImageServer:
                     if (image is not None and asked is not None and asked.extents
                             and (image.extents is None or image.name in self._checked_first)):
                         image = None  # read from memory, checked already: its pipe only
-                    conn.sendall(_reply(image is not None))
+                    send_reply(conn, image is not None)
                     if image is None or asked is None:
                         continue
-                    _, fds, _, _ = socket.recv_fds(conn, 1, 4)
-                    if not fds:
-                        raise ProtocolError(f"no pipe came with the request for {name}")
-                    for extra in fds[1:]:
-                        os.close(extra)
+                    pipe = receive_pipe(conn, name)
                     with self._lock:
                         self.stats.requests += 1
                     self._check_beside_once(image)
                     send = self._send_extents if asked.extents else self._send
-                    self._start(send, name, image, fds[0])
+                    self._start(send, name, image, pipe)
             except (OSError, ProtocolError) as exc:
                 if not self._closing.is_set():
                     log.warning("criu's image connection ended: %s", exc)
@@ -290,17 +257,16 @@ class ImageServer:
             self._start(self._check_beside, f"check-{image.name}", image)
 
     def _send_extents(self, image: ImageFile, pipe: int) -> None:
-        """Where ``image`` lies, as rows of four ``_EXTENT_WORD``, each file numbered as criu
-        will ask for it (``_hand_over``)."""
+        """Where ``image`` lies (``extents_table``), each file numbered as criu will ask for
+        it (``_hand_over``)."""
         assert image.extents is not None
         try:
-            fds, numbers = np.unique(image.extents[:, 0], return_inverse=True)
-            table = np.column_stack([numbers.reshape(-1), image.extents[:, 1:]])
+            fds, table = extents_table(image.extents)
             with self._lock:
-                self._extent_fds[image.name] = fds.tolist()
-                self.stats.extents_sent += len(table)
+                self._extent_fds[image.name] = fds
+                self.stats.extents_sent += len(image.extents)
             with contextlib.suppress(BrokenPipeError):
-                write_all(pipe, table.astype(_EXTENT_WORD).tobytes())
+                write_all(pipe, table)
         finally:
             os.close(pipe)
 
@@ -310,10 +276,10 @@ class ImageServer:
         with self._lock:
             fds = self._extent_fds.get(image.name, [])
         if number >= len(fds):
-            conn.sendall(_reply(False))
+            send_reply(conn, False)
             return
-        conn.sendall(_reply(True))
-        socket.send_fds(conn, [b"\0"], [fds[number]])
+        send_reply(conn, True)
+        send_file(conn, fds[number])
         with self._lock:
             self.stats.files_handed += 1
             # criu asks for files only once it found the extents sound: it reads in place.
@@ -496,71 +462,17 @@ class ImageServer:
             os.close(self._dfd)
             del self._dfd
 
-    def __enter__(self) -> ImageServer:
+    def __enter__(self) -> ImageStreamer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class ProtocolError(Exception):
-    """criu sent what its image-streamer protocol does not."""
-
-
 def _blocks_of(size: int) -> Iterator[tuple[int, int]]:
     """A whole file of ``size`` bytes, BLOCK_BYTES at a time."""
     for offset in range(0, size, BLOCK_BYTES):
         yield offset, min(BLOCK_BYTES, size - offset)
-
-
-def _read_request(conn: socket.socket) -> str | None:
-    """The file name of criu's next request, or None once criu closed the connection."""
-    header = _recv_exactly(conn, 4)
-    if header is None:
-        return None
-    (size,) = struct.unpack("=I", header)
-    if size > _MAX_REQUEST_BYTES:
-        raise ProtocolError(f"a request of {size} bytes")
-    body = _recv_exactly(conn, size)
-    if body is None:
-        raise ProtocolError("the connection ended inside a request")
-    # img_streamer_request_entry: field 1 (filename), length-delimited, nothing else.
-    if not body or body[0] != 0x0A:
-        raise ProtocolError("a request without a file name")
-    length, at = _varint(body, 1)
-    if at + length != len(body):
-        raise ProtocolError("a request with more than a file name")
-    return body[at:].decode("utf-8", "surrogateescape")
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while at < len(data) and shift < 35:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, at
-        shift += 7
-    raise ProtocolError("a malformed length in a request")
-
-
-def _reply(exists: bool) -> bytes:
-    # img_streamer_reply_entry: field 1 (exists), a varint.
-    body = bytes([0x08, int(exists)])
-    return struct.pack("=I", len(body)) + body
-
-
-def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
-    data = b""
-    while len(data) < size:
-        part = conn.recv(size - len(data))
-        if not part:
-            if data:
-                raise ProtocolError("the connection ended inside a message")
-            return None
-        data += part
-    return data
 
 
 def _pipe_bytes() -> int:
