@@ -3,7 +3,29 @@ copies in object storage.
 
 This is the store's face. Everything outside ``core/store/`` (the engine beside it, node/,
 the server, the CLI, the agent) imports these names, never the store's modules; lint-imports
-keeps it so. docs/architecture.md maps the rooms behind it.
+keeps it so, and tests/project/test_store_face.py keeps the server and the CLI to a
+snapshot's view and its rules. docs/architecture.md maps the rooms behind the face.
+
+Who needs which names:
+
+- a snapshot as everyone reads it: ``Snapshot``, ``DAMAGED``, ``is_snapshot_id``,
+  ``new_snapshot_id``, ``validate_name``;
+- the store, its paths and what it accepts (node/, the agent, config): ``SnapshotStore``,
+  ``ManifestPolicy``, ``fallbacks_offered``, ``default_store_dir``, ``default_key_file``,
+  ``default_kernel_log_dir``;
+- a save (core/save.py): ``DumpFollower``, ``FollowedFile``, ``ManifestProblem``,
+  ``bounded_history``, ``is_portable_file``, ``portable_problem``, ``DUMP_COMPLETE_FILE``;
+- a restore (core/restore.py): ``ImageStreamer``, ``ImageFile``; a node's record of its
+  libraries (core/compatibility.py): ``digest_files``, ``preferred_algorithm``;
+- the layout that recovery finishes (core/recovery.py): the ``*_PREFIX`` names,
+  ``DRAFT_FILE``, ``ASSEMBLY_LOCK``, ``MEMORY_DIR``, ``assembly_key``;
+- listings and sizes (core/engine.py, node/, the agent's client): ``SnapshotIndex``,
+  ``store_usage``, ``StoreUsage``, ``StoreRoom``, ``SnapshotUsage``;
+- which snapshots to keep (the server's autosave, node/): ``to_delete``,
+  ``newest_per_notebook``, ``group_of``, ``DiskRoom``, ``autosave_bytes``,
+  ``autosave_refusal``, ``reclaimed_by_next_autosave``;
+- copies in object storage (node/): ``RemoteStore``, ``RemoteSnapshot``,
+  ``RemoteStoreError``, ``SnapshotCache``, ``PendingUploads``, ``load_key``, ``describe``.
 """
 
 from .digest import digest_files, preferred_algorithm
