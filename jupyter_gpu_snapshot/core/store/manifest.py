@@ -3,8 +3,42 @@
 A manifest is read only after its signature matched; the schema is a second wall, so that
 even a signed manifest cannot name a path outside the snapshot, a log file outside the
 kernel-log directory, or a kernel connection other than TCP.
-"""
 
+FORMAT (defined here, ``SCHEMA`` below; the store writes, signs and reads it)
+
+``<store>/<id>/manifest.json`` (``MANIFEST``, at most 4 MiB): one JSON object, written with
+sorted keys and an indent of 2, 0600, fsynced, then published with its directory by one
+rename (``SnapshotStore.commit``); a later change (a new name, a new signature) writes it
+beside, under a name with a leading dot, and renames it over. ``SCHEMA`` is its JSON Schema
+(draft 2020-12): its records are closed (no field they do not name), but for
+``kernel.spec`` and ``gpu``, kept as the save found them; its comments say what each
+section is for. In short:
+
+- ``format``: ``FORMAT_VERSION`` (5); formats 2 to 4 are still read. A manifest of format 1
+  (``LEGACY_FORMAT``) carries no signature: it is listed as unsigned, and restorable only
+  once ``jupyter gpu-snapshot trust`` signed it (``SnapshotStore.trust``);
+- ``id`` (``ID_PATTERN``, the directory's name), ``name`` (``NAME_PATTERN``), ``created``
+  (seconds since the epoch), ``host``, ``reason``;
+- ``digest``: the algorithm of every file digest, ``blake3`` or ``sha256-tree-64MiB``
+  (the sha256 of a tag and of each 64 MiB piece's sha256, ``digest.py``);
+- ``files``: each image file by name (``FILE_NAME_PATTERN``: no slash, no leading dot),
+  its ``size`` and ``digest`` (hex), and for a file kept as a recipe, ``chunks``, the
+  BLAKE3 of its recipe (``packs/recipes.py``);
+- ``stored``: the bytes the save added to the store (``whole_bytes``, ``new_page_bytes``,
+  ``recipe_bytes``, ``zero_page_bytes``), for sizes people read;
+- ``kernel``: its kernelspec name, connection info (TCP only), pids, notebook path and log
+  files (``kernel-<id>.log`` in this server's kernel-log directory, ``problem``);
+- ``node``, ``versions``, ``timings``, ``gpu``, ``external_files``, ``open_files``,
+  ``warnings``, ``history``, ``portable``, ``recovered``: see their comments in ``SCHEMA``;
+- ``signature``: ``algorithm`` ``HMAC-SHA256``, the signing key's ``key_id``, and
+  ``value``, the hex HMAC of every other field as canonical JSON (sorted keys, no spaces,
+  ASCII, no NaN: ``signing.canonical``).
+
+Before criu dumps, a save writes the manifest as far as it is known (no ``files``,
+``digest``, ``stored`` or ``signature``, and ``"verified": false``) to
+``.manifest-draft.json`` in its partial directory: what a recovery commits when the saving
+process died (``core/recovery.py``).
+"""
 from __future__ import annotations
 
 import ipaddress
@@ -85,7 +119,7 @@ SCHEMA: dict[str, Any] = {
                 required=["size", "digest"], properties={
                     "size": SIZE,
                     "digest": HEX_DIGEST,
-                    # kept as a recipe of pages (core/chunks.py): the recipe's BLAKE3
+                    # kept as a recipe of pages (packs/recipes.py): the recipe's BLAKE3
                     "chunks": HEX_DIGEST,
                 },
             ),

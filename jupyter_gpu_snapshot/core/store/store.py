@@ -11,9 +11,27 @@ the whole memory of a kernel and are code that root runs at restore, so:
 
 This module keeps the directory: partial snapshots and their commit, manifests signed,
 judged and replaced, lookups, locks. A snapshot's id, name and ``Snapshot`` view are in
-``core/snapshot.py``; its image files are digested and checked by ``core/images.py``, and
-staged for a restore or an upload by ``core/staging.py``; a restored kernel's logs are
-opened by ``core/kernel_log.py``.
+``snapshot.py``; its image files are digested and checked by ``images.py``, and staged for
+a restore or an upload by ``staging.py``; large ones are kept by content (``packs/``).
+
+FORMAT (the store's directory; this module lays it out)
+
+``<store>/`` (0700, private to its owner; every file 0600):
+
+- ``<id>/``: a snapshot: ``manifest.json`` (``manifest.py``), the image files criu wrote,
+  and for each large one kept by content its recipe ``<file>.chunks`` in its place
+  (``packs/recipes.py``); with a portable copy, its ``portable.*`` files;
+- ``.partial-<id>/``: a save in progress: ``.owner`` (JSON: pid, start time, command, for
+  people; the snapshot's lock is what owns it), ``.manifest-draft.json``, criu's images,
+  and ``.dump-complete`` once criu's post-dump action saw every image whole;
+- ``.deleting-<id>/``: a snapshot renamed out of the listing, being removed;
+- ``.unfinished-<id>/``: a partial that no recovery could commit, kept for a person;
+- ``.assembled-<token>/``: whole files assembled from the packs for a check or an upload
+  (``staging.py``);
+- ``chunks/``: the packs, their ids and the remembered plans (``packs/layout.py``,
+  ``packs/plans.py``);
+- ``logs/``: criu's logs of failed runs, their last 4 MiB each;
+- ``.locks/``: one lock file per kernel, name or snapshot in use (``core/locks.py``).
 """
 
 from __future__ import annotations
@@ -117,7 +135,7 @@ class SnapshotStore:
         chunk_images: bool = True,
     ) -> None:
         self.root = Path(root) if root is not None else default_store_dir()
-        # Large image files kept by content, each page once per store (core/chunks.py).
+        # Large image files kept by content, each page once per store (packs/).
         self.chunk_images = chunk_images
         self.key_file = Path(key_file) if key_file else default_key_file()
         self.policy = policy or ManifestPolicy(kernel_log_dir=default_kernel_log_dir)

@@ -1,14 +1,41 @@
 """criu's image-streamer protocol, as a restore's ``ImageStreamer`` speaks it: every byte
 that crosses criu's image socket is read or written here.
 
-criu (``criu restore --stream``, its ``img-streamer.c``) connects once to
-``<images dir>/SOCKET_NAME``; its restoring processes share that connection, one request at
-a time. A request is a length-prefixed protobuf naming one image file; the reply says
-whether it exists; if it does, criu passes the write end of a pipe over the socket and reads
-the file from the other end, in order. Our criu's fill workers (scripts/criu-patches) also
-ask where a pages image lies, to read it in place (``Asked``).
-"""
+FORMAT (criu's ``img-streamer.c`` and ``images/img-streamer.proto``, and our criu patch's
+extents, ``scripts/criu-patches``)
 
+criu (``criu restore --stream -D <dir>``) connects once to ``<dir>/streamer-serve.sock``
+(``SOCKET_NAME``); its restoring processes share that connection, one request at a time.
+
+- A request: a u32 length in the host's byte order, then that many bytes (at most 4096
+  here) of ``img_streamer_request_entry``, a protobuf with one field, 1, the file name
+  (``0x0A``, a varint length, the name's bytes) and nothing else (``read_request``).
+- A reply: a u32 length, then ``img_streamer_reply_entry``, field 1, ``exists``, a varint
+  (``0x08 0x00`` or ``0x08 0x01``) (``send_reply``).
+- After a reply that the file exists, criu sends one byte with the write end of a pipe
+  (``SCM_RIGHTS``) and reads the whole file from the other end, in order
+  (``receive_pipe``); a name the streamer does not serve, or a malformed one, is answered
+  as missing.
+
+Our criu's fill workers read a large pages image in place instead, in two more requests
+(``Asked``):
+
+- ``pages-<N>.img@extents``: answered like a file, on a pipe criu sends, with the image's
+  extents: rows of four little-endian unsigned 64-bit integers (``EXTENT_WORD``, 32 bytes a
+  row), the file's number among the image's files, the offset in that file, the offset in
+  the image, the length; in the image's order, not overlapping. Bytes of the image in no
+  extent are zeros. Answered as missing when the image lies in no file criu could read,
+  or was read and checked whole before criu asked (it then goes from memory, on its pipe).
+- ``pages-<N>.img@file/<K>`` (``K`` up to four digits): the ``K``-th of those files, in
+  the order their numbers give. After a reply that it exists, the streamer sends one byte
+  (``\\0``) with the file, open for reading (``SCM_RIGHTS``, ``send_file``); criu sends no pipe
+  for this request. A ``K`` past the files of the extents sent is answered as missing.
+
+criu checks the extents before it reads through them (a run of no length, runs out of
+order or overlapping, a file number of 4096 or more, or an offset that overflows makes it
+read the pipe instead), and the streamer hashes the same files beside it: every byte criu
+read is compared with the signed manifest before any code of the tree runs.
+"""
 from __future__ import annotations
 
 import os

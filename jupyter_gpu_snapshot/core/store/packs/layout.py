@@ -7,18 +7,36 @@ derived from the store's signing key (ids of two stores never match, and a copy 
 says nothing about which pages two users share), and only the pages the store lacks are
 written, appended to a new pack.
 
-Under the store's ``chunks/``:
+FORMAT (this module reads and writes it; ``PageStore`` and the collector use it)
 
-- ``<pack>.pack``: pages, 4 KiB each, in the order they were added;
-- ``<pack>.ids``: their ids, 16 bytes each. Written, fsynced and renamed into place after the
-  pack is durable, so a pack without ids is one whose save never finished; the collector
-  removes it.
+``<store>/chunks/`` (0700) holds, for each pack ``<name>`` (32 lowercase hex digits, random):
 
-One lock, ``chunks``, keeps the collector away from a save between its choice of which pages
-it need not write and the recipe that keeps them alive, and from a restore while it opens the
-packs it will read (an open pack stays readable after the collector removed it).
+- ``<name>.pack``: the pages, ``PAGE`` (4096) bytes each, back to back in the order they
+  were added, no header: page ``k`` is at byte ``k * 4096``. Never a page of zeros.
+- ``<name>.ids``: the id of each page of the pack, ``ID_BYTES`` (16) bytes each, back to
+  back, no header: the id of page ``k`` is at byte ``k * 16``. The number of pages is the
+  file's length over 16 (trailing bytes of a partial id are ignored).
+
+A page's id is the first 16 bytes of its keyed BLAKE3 (``id_workers.page_ids``): the key is
+``SigningKey.derive(ID_CONTEXT)``, the BLAKE3 key derivation of the store's signing key with
+the context ``ID_CONTEXT``. The zero id (16 zero bytes, ``ZERO_ID``) stands for a page of
+zeros, which no pack holds.
+
+A pack is written ``O_EXCL``, 0600, and fsynced; only then are its ids written to
+``.<name>.ids.new``, fsynced and renamed to ``<name>.ids``, and the directory fsynced. So a
+``.pack`` without its ``.ids`` is one whose save never finished, and only a pack with ids is
+part of the store (``list_packs``). An id may be in more than one pack (a rewrite cut off
+before the old pack went, or a download that added a page a save wrote meanwhile): any copy
+serves, and the collector keeps the first in name order.
+Entries whose names begin with a dot are leftovers of a writer that died; the collector
+removes them, and packs without ids. The directory also holds the remembered plans
+(``plans.py``, ``<recipe BLAKE3>.where``).
+
+One lock, ``chunks`` (``LOCK_KEY``, a ``StoreLocks`` lock), keeps the collector away from a
+save between its choice of which pages it need not write and the recipe that keeps them
+alive, and from a restore while it opens the packs it will read (an open pack stays
+readable after the collector removed it).
 """
-
 from __future__ import annotations
 
 import contextlib

@@ -1,11 +1,29 @@
 """Plans: where the bytes of a file kept as a recipe are, in the store's packs.
 
 A ``PagePlan`` is what a restore reads through: runs of (pack fd, offset in the pack, offset
-in the file, length). A ``RememberedPlan`` is the same by pack name, kept in
-``<recipe BLAKE3>.where`` beside the packs, so that the next restore of the recipe need not
-sort every id of the store to find its pages.
-"""
+in the file, length). A ``RememberedPlan`` is the same by pack name, kept beside the packs,
+so that the next restore of the recipe need not sort every id of the store to find its
+pages.
 
+FORMAT (``RememberedPlan`` writes and reads it; nothing else does)
+
+``<store>/chunks/<key>.where``, where ``<key>`` is the BLAKE3 (hex) of the recipe's bytes,
+the value of its manifest entry's ``"chunks"``:
+
+- the line ``jgs-where 1`` and a newline (12 bytes, the format's magic and version);
+- one line of JSON, ``{"packs": [<pack name>, ...], "runs": <n>}``, and a newline: the
+  packs the runs name, by their number in this list;
+- ``n`` runs of four little-endian signed 64-bit integers (32 bytes each): the pack's number,
+  the first page's slot in the pack, the first page's index in the file, the number of
+  pages. Runs follow the file's order and do not overlap; pages in no run are zeros.
+
+It is a cache: written ``O_EXCL`` (0600) to ``.<key>.where.<pid>.<thread>``, renamed into
+place, never fsynced; a failure to write it is only logged. Nothing in it is trusted: it is
+read only when at most 32 bytes a page of the recipe and 1 MiB more, and used only once
+every page it names holds, in its pack's ids, the recipe's id for that page, and every
+page it leaves out is a zero id (``RememberedPlan.read``). Else the pages are found again
+from every pack's ids. The collector removes plans no live recipe has.
+"""
 from __future__ import annotations
 
 import contextlib

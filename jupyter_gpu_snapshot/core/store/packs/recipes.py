@@ -1,11 +1,26 @@
 """Recipes: a large image file kept as the ids of its pages, beside the snapshot's manifest.
 
-In a snapshot directory, ``<file>.chunks`` is the recipe of ``<file>``: one id per page, the
-zero id for a page of zeros. The signed manifest lists the recipe's digest and the digest of
-the whole file, so nothing read from ``chunks/`` is trusted: a restore assembles the whole
-files and checks them against the manifest beside criu, as it checks files kept whole.
-"""
+The signed manifest lists the recipe's digest and the digest of the whole file, so nothing
+read from ``chunks/`` is trusted: a restore assembles the whole files and checks them
+against the manifest beside criu, as it checks files kept whole.
 
+FORMAT (this module names and writes it; ``images.read_recipe`` checks it before use)
+
+In a snapshot directory, ``<file>.chunks`` (``RECIPE_SUFFIX``, a name kept from before the
+packs had their own words) is the recipe of ``<file>``: the id of each of its pages
+(``layout.py``), ``ID_BYTES`` (16) bytes each, in the file's order, no header. A page of
+zeros has the zero id. So a recipe is ``size / 4096 * 16`` bytes long, and the file is
+kept as one only when it is at least ``MIN_CHUNKED_BYTES`` (1 MiB), a whole number of
+pages, and its snapshot's digest is BLAKE3.
+
+The manifest's ``files`` entry of ``<file>`` then carries ``"chunks"``: the BLAKE3
+(unkeyed, hex) of the recipe's bytes, beside the file's ``size`` and ``digest``
+(``images.digest_new``). A recipe is used only once its length and that BLAKE3 match the
+signed entry (``images.recipe_matches``). It is written as ``.<file>.chunks.new`` (0600,
+fsynced), renamed into place, and the directory fsynced (``write_recipe``); a commit's
+recipes are in the snapshot directory before it lets go of the chunks lock, so the
+collector sees every page they keep alive.
+"""
 from __future__ import annotations
 
 import contextlib
