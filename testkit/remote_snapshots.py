@@ -52,7 +52,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 UPLOADER = textwrap.dedent(
     """
     import sys, json
-    from jupyter_gpu_snapshot.core.remote import RemoteStore
+    from jupyter_gpu_snapshot.core.store import RemoteStore
     url, options, path, key = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
     store = RemoteStore(url, options, key=bytes.fromhex(key) if key else None,
                         part_bytes=5 << 20, workers=1)

@@ -157,7 +157,7 @@ from jupyter_client.manager import KernelManager
 from traitlets.config import Config
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from jupyter_gpu_snapshot.core.manifest import ManifestPolicy
+from jupyter_gpu_snapshot.core.store import ManifestPolicy
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 
