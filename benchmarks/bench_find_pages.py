@@ -1,6 +1,6 @@
 """How long a restore takes to find the pages of a snapshot kept by content, before criu
 runs: by sorting every id of the store, or from the plan its save remembered
-(``chunks.RememberedPlan``), checked against the recipe.
+(``packs.RememberedPlan``), checked against the recipe.
 
 One image of random pages (``--gib``, with a run of zero pages) is committed by content,
 then a second save of it with a few pages changed here and there, as after a forward pass;

@@ -1,4 +1,4 @@
-"""Whole image files against the content-addressed store (``core/chunks.py``), on the GPU.
+"""Whole image files against the content-addressed store (``core/store/packs/``), on the GPU.
 
 Both layouts in one run, whole images first, then chunked, each in a store of its own that
 is deleted before the next layout starts (the GPU machine's disk is 64 GB):

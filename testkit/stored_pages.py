@@ -2,8 +2,8 @@
 
 A committed snapshot keeps each large image file as a recipe (``<file>.chunks``, one 16-byte
 page id per 4 KiB page) whose pages live in the store's ``chunks/<pack>.pack``, the ids in
-``<pack>.ids`` (``core/chunks.py``). These helpers read that layout directly, as someone who
-edits the disk would, and never through the store.
+``<pack>.ids`` (``core/store/packs/layout.py``). These helpers read that layout directly,
+as someone who edits the disk would, and never through the store.
 """
 
 from __future__ import annotations

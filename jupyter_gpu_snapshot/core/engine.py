@@ -59,7 +59,8 @@ class SnapshotEngine:
         return str(self.store.root)
 
     def store_usage(self) -> StoreUsage:
-        """The store's bytes on disk (``core.usage``); it reads every recipe: in a thread."""
+        """The store's bytes on disk (``core/store/usage.py``); it reads every recipe: in a
+        thread."""
         return store_usage(self.store)
 
     # -- queries ---------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class FreshKernel:
 
 
 def offered(manifest: dict[str, Any]) -> list[str]:
-    """The ways back a snapshot offers (``core.manifest.fallbacks_offered``)."""
+    """The ways back a snapshot offers (``core.store.fallbacks_offered``)."""
     return fallbacks_offered(manifest)
 
 

@@ -2,7 +2,7 @@
 and the CLI both show of them.
 
 Callers that move snapshots between nodes call ``make_remote_store`` (None when no
-remote_url is set) and ``make_snapshot_cache``; core/remote itself knows nothing of settings.
+remote_url is set) and ``make_snapshot_cache``; core/store/remote/ itself knows nothing of settings.
 """
 
 from __future__ import annotations

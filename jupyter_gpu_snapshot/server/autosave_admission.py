@@ -3,9 +3,9 @@
 An autosave is refused (and the scheduler says why, and tries again an interval later) when
 the kernel is not snapshot-ready, when the store's disk would keep less than
 ``autosave_min_free_bytes`` free or the autosaves would pass ``autosave_max_bytes``
-(``core.retention``: what the next autosave's retention frees counts), and when the host has
-less RAM available than the kernel's GPU memory, which the driver stages there during the
-save. What it needs of the store and the service is handed in.
+(``core/store/retention.py``: what the next autosave's retention frees counts), and when
+the host has less RAM available than the kernel's GPU memory, which the driver stages there
+during the save. What it needs of the store and the service is handed in.
 """
 
 from __future__ import annotations

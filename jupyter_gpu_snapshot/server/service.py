@@ -410,8 +410,8 @@ class SnapshotService:
         )
 
     async def _apply_retention(self, snapshot: Snapshot) -> list[str]:
-        """Delete what ``core.retention`` says the new snapshot makes obsolete; return the
-        ids deleted.
+        """Delete what the store's retention rules (``core/store/retention.py``) say the new
+        snapshot makes obsolete; return the ids deleted.
 
         Called by ``_save`` once ``snapshot`` has committed, so nothing older goes first.
         """

@@ -41,7 +41,7 @@ export namespace CommandIDs {
   export const hibernate = 'gpu-snapshot:hibernate';
 }
 
-/** The store's rule for names (core/store.py, NAME_PATTERN), checked before asking. */
+/** The store's rule for names (core/store/manifest.py, NAME_PATTERN), checked before asking. */
 const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
 /** The toolbar item name used in schema/plugin.json. */

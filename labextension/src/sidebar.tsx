@@ -660,7 +660,7 @@ export class SnapshotsSidebar extends ReactWidget {
     if (!answer.button.accept || !name || name === s.name) {
       return;
     }
-    // The store's rule for names (core/store.py, validate_name), checked before asking.
+    // The store's rule for names (core/store/snapshot.py, validate_name), checked before asking.
     if (!NAME_PATTERN.test(name) || /\.\.|[.-]$/.test(name)) {
       this._error = trans.__(
         'Could not rename \'%1\': invalid snapshot name \'%2\' (use 1-64 letters, digits, ".", "_" or "-", starting with a letter or digit)',

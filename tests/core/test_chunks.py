@@ -1,4 +1,4 @@
-"""Images kept by content (``core/chunks.py``), on real files in a real store: what a commit
+"""Images kept by content (``core/store/packs/``), on real files in a real store: what a commit
 writes to the packs, what a restore assembles, what the store refuses, and what the
 collector frees. No kernel: the images are bytes the tests choose, committed as a save does.
 """

@@ -1,4 +1,4 @@
-"""The page images read while criu writes them (``core/dump_follower.py``), so that a commit
+"""The page images read while criu writes them (``core/store/packs/follower.py``), so that a commit
 only looks the pages up: the ids and digests it hands on must be those a commit computes
 from the finished files, a follower that fails or falls behind must leave the commit to read
 the images itself, and a save of a real kernel must restore through what it followed.

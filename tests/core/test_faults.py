@@ -8,7 +8,7 @@ a server start does, and every run asserts the same contract:
 - nothing partial is listed or left behind;
 - the earlier snapshot is byte-identical.
 
-A second table kills the work on page packs (images kept by content, ``core/chunks.py``) at
+A second table kills the work on page packs (images kept by content, ``core/store/packs/``) at
 its points (``testkit/fault_points.py``): a commit while it writes its pack, after the pack and
 before the recipes, after its rename and before the whole files go; a delete; the delete's
 collector between a rewritten pack and the removal of the old one. After each: nothing

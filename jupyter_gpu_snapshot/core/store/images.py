@@ -2,7 +2,7 @@
 checked against the manifest when a snapshot is read, checked against the old sha256s
 when an unsigned snapshot is trusted.
 
-The store (``core/store.py``) keeps the directory: it opens it (never through a link),
+The store (``store.py``) keeps the directory: it opens it (never through a link),
 holds the locks, and signs and writes the manifest. The functions here get that directory
 as an open fd and see only the image files in it, each opened by name as a regular file
 (``safe_fs.open_regular``), and the manifest's ``files``: name → size and digest.
@@ -36,7 +36,7 @@ def digest_new(
     followed: dict[str, packs.FollowedFile] | None = None,
 ) -> tuple[str, Files, dict[str, int]]:
     """Make the images a save wrote into ``dfd`` private (0600) and digest them on all
-    cores. With ``chunker``, large files are kept by content (``core/chunks.py``): their
+    cores. With ``chunker``, large files are kept by content (``packs/``): their
     new pages go to the store's packs and a recipe goes beside them; the rest are fsynced.
     Returns the algorithm, the manifest's ``files`` and its ``stored`` section (the bytes
     this save added to the store).

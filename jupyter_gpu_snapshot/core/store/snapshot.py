@@ -1,7 +1,7 @@
 """One snapshot as its readers see it: its id and name, and the ``Snapshot`` view of its
 signed manifest (fields, trust status, the summary shown to clients).
 
-The store (``core/store.py``) makes these views; everyone else reads them. Ids and names
+The store (``store.py``) makes these views; everyone else reads them. Ids and names
 are checked here before any of them becomes a path in the store.
 """
 

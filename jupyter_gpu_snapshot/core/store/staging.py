@@ -1,7 +1,7 @@
 """Restore staging: the image files of a trusted snapshot, made ready for criu or an upload.
 
 A snapshot keeps its large image files as recipes over the store's page packs
-(``core/chunks.py``). A restore either streams them to criu where they lie
+(``packs/``). A restore either streams them to criu where they lie
 (``served_images``, for the ``ImageStreamer``), or needs them as whole files in one directory
 (``opened_images``: a verify, an upload): then they are assembled into a private directory,
 in memory when it has room, else beside the snapshots, removed on leaving. A directory left

@@ -174,7 +174,7 @@ class SnapshotStore:
     @contextlib.contextmanager
     def opened_root(self) -> Iterator[int | None]:
         """The store's directory opened (never through a link inside), or None while there
-        is no store; for readers of the whole store, such as ``core/usage.py``."""
+        is no store; for readers of the whole store, such as ``usage.py``."""
         with self._root_fd(create=False) as root_fd:
             yield root_fd
 
@@ -184,7 +184,7 @@ class SnapshotStore:
     @contextlib.contextmanager
     def chunk_store(self, keyed: bool = True) -> Iterator[packs.PageStore]:
         """The store's page packs, for a remote transfer that reads or adds pages
-        (``core/remote/``): an upload reads the pages a remote lacks (by their ids: it
+        (``remote/``): an upload reads the pages a remote lacks (by their ids: it
         needs no key, ``keyed=False``), a download adds those this store lacks."""
         with self._root_fd() as root_fd:
             assert root_fd is not None

@@ -1,6 +1,6 @@
 """What a snapshot store takes on disk, and what deleting each snapshot would free now.
 
-Since images are kept by content (``core/chunks.py``), a snapshot's logical size says little
+Since images are kept by content (``packs/``), a snapshot's logical size says little
 about its disk: its pages may be shared with other snapshots of the same kernel. The pages
 only it needs are those no other directory's recipe names: other snapshots, saves in
 progress and partials kept for a person to look at, as the collector counts them

@@ -2,7 +2,7 @@
 
 The manifest names its digest algorithm (``"digest"``, sha256 when absent) and gives each
 file's hex digest under that name. For sha256, files larger than the store's tree chunk
-carry the sha256 of their chunks' sha256s (``core.images._legacy_sha256``): each chunk then
+carry the sha256 of their chunks' sha256s (``images._legacy_sha256``): each chunk then
 downloads and hashes on its own thread, and the file's digest is put together at the end.
 """
 

@@ -10,7 +10,7 @@ Remote layout, under the configured URL::
     <id>/<file>.chunks           a file kept by content: its recipe (one page id per page)
     packs/...                    the pages of the snapshots kept by content (``packs.py``)
 
-A snapshot kept by content (``core/chunks.py``) goes up chunked: its remote manifest
+A snapshot kept by content (``core/store/packs/``) goes up chunked: its remote manifest
 (format 2) names the packs holding its pages (``packs``) and its chunked files with their
 sizes (``chunked``); its ``objects`` are the manifest, the small files and the recipes.
 Whole-file snapshots keep format 1, which every version reads.

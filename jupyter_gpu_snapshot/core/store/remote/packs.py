@@ -9,7 +9,7 @@ Under the URL::
     packs/<pack>.<key id>.ids
 
 ``<pack>`` is random: no object name says anything of the content. The ids are the local
-store's (``core/chunks.py``): BLAKE3 keyed with a key derived from the signing key, so nodes
+store's (``core/store/packs/``): BLAKE3 keyed with a key derived from the signing key, so nodes
 that share a signing key share ids, and a reader who lacks that key learns nothing from
 them; when the remote store is encrypted the ids are sealed as well, so the bucket does not
 even show which pages two snapshots of one user share.

@@ -1,6 +1,6 @@
 """The pages a chunked snapshot moves through the remote store: those an upload sends (no
 usable remote pack holds them) and those a download fetches (the local store lacks them).
-The remote side's layout is ``packs.py``; the local side's is ``core/chunks.py``. Called
+The remote side's layout is ``packs.py``; the local side's is ``core/store/packs/``. Called
 by ``upload.py`` and ``download.py``.
 """
 

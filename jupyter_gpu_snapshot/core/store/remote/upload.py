@@ -1,6 +1,6 @@
 """Uploading a committed local snapshot: parallel multipart parts, the remote manifest last.
 
-A snapshot kept by content (recipes beside its manifest, ``core/chunks.py``) goes up
+A snapshot kept by content (recipes beside its manifest, ``core/store/packs/``) goes up
 chunked: first one new remote pack with the pages no usable remote pack holds yet
 (``packs.RemotePacks``), then its small files and its recipes, then the remote manifest,
 which names the packs it needs. A whole-file snapshot goes up as whole files.
