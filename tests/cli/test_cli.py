@@ -279,7 +279,7 @@ def _flat(text: str) -> str:
 
 
 def test_unsigned_and_damaged_snapshots_are_listed_and_trust_is_explicit(tmp_path: Path):
-    from tests.core.test_store import _commit, _manifest, _rewrite, _store
+    from tests.core.store.test_store import _commit, _manifest, _rewrite, _store
 
     store = _store(tmp_path)
     store.policy = SnapshotStore(store.root).policy  # the CLI's: this runtime dir's logs
@@ -314,8 +314,8 @@ def test_unsigned_and_damaged_snapshots_are_listed_and_trust_is_explicit(tmp_pat
 
 
 def test_du_says_what_each_snapshot_wrote_and_what_deleting_it_frees(tmp_path: Path):
-    from tests.core.test_store_usage import _pages, _save
-    from tests.core.test_store_usage import _store as usage_store
+    from tests.core.store.test_usage import _pages, _save
+    from tests.core.store.test_usage import _store as usage_store
 
     store = usage_store(tmp_path)
     store.policy = SnapshotStore(store.root).policy  # the CLI's: this runtime dir's logs

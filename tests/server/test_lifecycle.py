@@ -11,7 +11,7 @@ import pytest
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
-from tests.core.test_store import CONNECTION
+from tests.core.store.test_store import CONNECTION
 
 from .conftest import Api, KernelConnector
 

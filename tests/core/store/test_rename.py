@@ -10,7 +10,7 @@ import pytest
 
 from jupyter_gpu_snapshot.core.errors import Busy, InvalidRequest, NotFound, SnapshotError
 from jupyter_gpu_snapshot.core.locks import name_key, snapshot_key
-from tests.core.test_store import _commit, _manifest, _rewrite, _store
+from tests.core.store.test_store import _commit, _manifest, _rewrite, _store
 
 
 def test_rename_re_signs_the_manifest_and_keeps_everything_else(tmp_path):

@@ -24,8 +24,15 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore, packs
 from jupyter_gpu_snapshot.core.store.packs import id_workers
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from tests.conftest import run
-from tests.core.test_chunks import IMAGE, assembled, commit, make_store, manifest_of, pages
-from tests.core.test_restore_stream import STATE, _same_state, _save
+from tests.core.store.packs.test_page_store import (
+    IMAGE,
+    assembled,
+    commit,
+    make_store,
+    manifest_of,
+    pages,
+)
+from tests.core.store.test_streamer import STATE, _same_state, _save
 
 # Small steps, so that a few MiB make many: the follower reads a step once criu wrote it.
 STEP = 256 << 10

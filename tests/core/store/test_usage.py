@@ -11,7 +11,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore, packs
 from jupyter_gpu_snapshot.core.store.manifest import ManifestPolicy
 from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.core.store.usage import StoreUsage, store_usage
-from tests.core.test_store import CONNECTION
+from tests.core.store.test_store import CONNECTION
 
 PAGE = packs.PAGE
 SMALL = b"c" * 1000  # kept whole: below packs.MIN_CHUNKED_BYTES
@@ -130,7 +130,7 @@ def test_snapshots_kept_whole_free_their_own_files(tmp_path: Path):
 
 
 def test_a_snapshot_from_before_chunking_counts_all_of_itself_as_new(tmp_path: Path):
-    from tests.core.test_store import _manifest, _rewrite
+    from tests.core.store.test_store import _manifest, _rewrite
 
     store = _store(tmp_path)
     a = _save(store, "old", _pages(1, 2, 3))  # small: kept whole
