@@ -78,8 +78,9 @@ QUICK_TESTS := \
 	tests/project/test_docs.py tests/project/test_stdlib_only.py \
 	tests/project/test_module_size.py \
 	tests/kernel/test_portable.py tests/kernel/test_cell_record.py \
-	tests/core/test_chunks.py tests/core/test_chunk_workers.py tests/core/test_index.py \
-	tests/core/test_store_usage.py tests/core/test_retention.py tests/core/test_rename.py \
+	tests/core/store/packs/test_page_store.py tests/core/store/packs/test_id_workers.py \
+	tests/core/store/test_index.py tests/core/store/test_usage.py tests/core/test_retention.py \
+	tests/core/store/test_rename.py \
 	tests/core/test_criu_log.py \
 	tests/server/test_units.py tests/server/test_notebook_policies.py \
 	tests/gpu/test_gpu_remap.py tests/gpu/test_cuda_driver.py
