@@ -89,7 +89,7 @@ class Build:
         binary = binary if binary.exists() else criu
         version = subprocess.run([str(criu), "--version"], capture_output=True, text=True)
         usage = subprocess.run([str(criu), "--help"], capture_output=True, text=True)
-        return {"directory": str(self.directory),
+        return {"directory": self.directory.name,
                 "version": version.stdout.splitlines()[0] if version.stdout else "",
                 "sha256": hashlib.sha256(binary.read_bytes()).hexdigest(),
                 "has_fill_workers_option": "--fill-workers" in usage.stdout,
