@@ -73,8 +73,9 @@ wait_for "$work/after" || fail "the restored process wrote no digest"
 [ "$(cat "$work/before")" = "$(cat "$work/after")" ] \
     || fail "the restored memory differs from the dumped memory"
 
-# "Reading N bytes of pages on K workers (pids from P)" (the patch's log line).
-workers=$(grep -oE 'bytes of [a-z0-9 ]+ on [0-9]+ workers' "$work/images/restore.log" \
+# "Reading N bytes of pages on K workers (pids from P)", "Read N bytes of pages-1.img on K
+# workers (tids from T)": the patches' log line.
+workers=$(grep -oE 'bytes of .* on [0-9]+ workers' "$work/images/restore.log" \
     | grep -oE '[0-9]+ workers' | sort -n | tail -1 | cut -d' ' -f1 || true)
 if [ -z "$workers" ] || [ "$workers" -lt 2 ]; then
     fail "criu restored the memory on one thread: it has no parallel fill"

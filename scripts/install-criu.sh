@@ -197,6 +197,9 @@ build_tree() {
         [ "$mode" = stock ] || cp "$work/why" "$tree.failed"
         return 1
     fi
+    # What the tree is, for scripts/criu-zdtm.py: "stock" or "patches SUM".
+    if [ "$mode" = stock ]; then echo stock; else echo "patches $PATCHES_SUM"; fi > "$tree/.mode"
+    echo "$(basename "$tarball") sha256 $(sha256 "$tarball")" > "$tree/.source"
     touch "$tree/.built"
     echo "$tree"
 }
@@ -266,7 +269,7 @@ if [ "$WANT" = stock ]; then
     why="stock criu was asked for (CRIU_STOCK)"
 elif tree=$(build_tree "$tarball" patched); then
     log "self-check of the patched criu $(tree_version "$tree")"
-    if bash "$HERE/criu-fill-check.sh" "$tree/criu/criu" 2>"$work/why"; then
+    if bash "$HERE/criu-fill-check.sh" "$tree/criu/criu" 1>&2 2>"$work/why"; then
         fill=parallel
     else
         why="the self-check failed: $(grep '^criu-fill-check: ' "$work/why" | tail -1 | sed 's/^criu-fill-check: //')"
