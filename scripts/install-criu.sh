@@ -233,10 +233,12 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 export DEBIAN_FRONTEND=noninteractive
+# criu's build, its zdtm (python3-yaml, python3-protobuf) and zdtm's network namespaces
+# (iptables), for scripts/criu-zdtm.py.
 DEPS="build-essential pkg-config patch xz-utils libprotobuf-dev libprotobuf-c-dev
     protobuf-c-compiler protobuf-compiler python3-protobuf python3-yaml libnl-3-dev
     libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev libaio-dev uuid-dev
-    iproute2 util-linux"
+    iproute2 util-linux iptables"
 missing=""
 for p in $DEPS; do
     dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing="$missing $p"
