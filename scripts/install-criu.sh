@@ -283,7 +283,13 @@ if [ -z "$fill" ]; then
     if [ "$WANT" != stock ]; then
         log "our patches do not fit this criu ($why); installing stock criu: it works, its restores are slower"
     fi
-    tree=$(build_tree "$tarball" stock) || { log "$(cat "$work/why")"; exit 1; }
+    if ! tree=$(build_tree "$tarball" stock); then
+        # Stock criu does not build either: this machine's fault, not the patches'; the
+        # patched build is tried again next time.
+        rm -f "$CACHE/build/$(echo "$tarball_sha" | cut -c1-16)-patched-$PATCHES_SUM.failed"
+        log "$(cat "$work/why")"
+        exit 1
+    fi
     fill="one thread"
 fi
 
