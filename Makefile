@@ -39,7 +39,8 @@ criu-zdtm: criu
 # The restore path (CPU kernels, the content store, the fallbacks) on stock criu: the
 # product never depends on the patches.
 STOCK_CRIU_TESTS ?= tests/core/store/test_streamer.py tests/core/test_fill_workers.py \
-	tests/server/test_roundtrip.py tests/server/test_fallback.py
+	tests/server/test_roundtrip.py tests/server/test_fallback.py \
+	tests/server/test_api.py::test_status_and_lookup_of_a_ready_kernel
 
 test-stock-criu: criu-stock venv kernelspec
 	PATH="$(STOCK_CRIU)/sbin:$$PATH" JUPYTER_GPU_SNAPSHOT_CRIU=$(STOCK_CRIU)/sbin/criu \
