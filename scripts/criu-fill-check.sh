@@ -43,12 +43,11 @@ wait_for() {
 
 cc -O2 -Wall -Werror -o "$work/criu-fill-check" "$here/criu-fill-check.c"
 
-# The workers' number: an option where this criu has one, else the variable the first
-# version of the patch reads.
-fill_option=$("$criu" --help 2>&1 | grep -oE -- '--[a-z-]*fill-workers' | head -1 || true)
+# The workers' number, where this criu has the option (scripts/criu-patches/0001-*); a criu
+# without it restores on one thread, which the log check below names.
 fill_args=()
-if [ -n "$fill_option" ]; then
-    fill_args=("$fill_option" "$WORKERS")
+if "$criu" --help 2>&1 | grep -q -- '--fill-workers'; then
+    fill_args=(--fill-workers "$WORKERS")
 fi
 
 # The process is the init of a PID namespace, as a snapshot-ready kernel is: its restore
@@ -65,7 +64,7 @@ pid=$(pgrep -P "$holder" -x criu-fill-check) || fail "cannot find the test proce
 pid=""  # criu ended it, and so unshare
 holder=""
 
-CRIU_FILL_WORKERS=$WORKERS "$criu" restore -D "$work/images" -o restore.log -v4 -d \
+"$criu" restore -D "$work/images" -o restore.log -v4 -d \
     --pidfile "$work/restored.pid" "${fill_args[@]}" \
     || fail "criu restore failed: $(grep Error "$work/images/restore.log" | grep -v rlimit | head -1)"
 kill -USR1 "$(cat "$work/restored.pid")"
@@ -73,10 +72,10 @@ wait_for "$work/after" || fail "the restored process wrote no digest"
 [ "$(cat "$work/before")" = "$(cat "$work/after")" ] \
     || fail "the restored memory differs from the dumped memory"
 
-# "Reading N bytes of pages on K workers (pids from P)", "Read N bytes of pages-1.img on K
-# workers (tids from T)": the patches' log line.
-workers=$(grep -oE 'bytes of .* on [0-9]+ workers' "$work/images/restore.log" \
-    | grep -oE '[0-9]+ workers' | sort -n | tail -1 | cut -d' ' -f1 || true)
+# "Read N bytes of pages-K.img[ in place from F files] on W workers (tids from T)": the
+# series' log line for each pages image its fill workers read.
+workers=$(grep -oE 'Read [0-9]+ bytes of pages-[0-9]+\.img( in place from [0-9]+ files)? on [0-9]+ workers' \
+    "$work/images/restore.log" | grep -oE '[0-9]+ workers$' | sort -n | tail -1 | cut -d' ' -f1 || true)
 if [ -z "$workers" ] || [ "$workers" -lt 2 ]; then
     fail "criu restored the memory on one thread: it has no parallel fill"
 fi

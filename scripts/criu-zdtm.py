@@ -6,13 +6,15 @@
 TREE is the build tree of the criu to test (default: the installed criu's, which its
 ``built-for`` note names); zdtm and its scenarios are built in that tree, from the same
 source, once. Each scenario of scripts/criu-zdtm.list runs with each count of fill workers
-(a patched criu; a stock one runs each once): first with the most, and with the others
-only where the restore log says workers filled memory (elsewhere the patch leaves the
-fill to criu's own loop, whatever the count). ``--out`` writes the results (the criu, its source, the date, the
+(``--fill-workers`` on criu's restores; a stock criu runs each once, without it): first
+with the most, then with the others where that restore's log says the fill workers read
+its pages. Elsewhere (no private memory with pages in the image) criu restores the same
+way whatever the count. ``--out`` writes the results (the criu, its source, the date, the
 machine, and one line per run); ``--against`` names the results of stock criu: a scenario
 that passes there and fails here is a bug in our patches, and is named as one. Exit 1 when
 any run failed; a scenario zdtm skips (a kernel feature missing), or one of the series'
-own that this source lacks, is shown as skipped. Debian's python3 runs zdtm (python3-yaml, python3-protobuf).
+own that this source lacks, is shown as skipped. Debian's python3 runs zdtm
+(python3-yaml, python3-protobuf).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ ENV_PATH = "/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The scenarios with MAP_HUGETLB need huge pages reserved; a run reserves them, and gives
 # back what it reserved.
 HUGE_PAGES = 64
-# "Reading N bytes of pages on K workers" (parallel-page-fill.patch), "Read N bytes of
-# pages-K.img in place on K workers" (the series).
-FILLED = re.compile(rb"bytes of \S.*? on (\d+) workers")
+# "Read N bytes of pages-K.img[ in place from F files] on W workers (tids from T)", or "on
+# 1 worker": the series' line for each pages image its fill workers read.
+FILLED = re.compile(rb"Read \d+ bytes of pages-\d+\.img(?: in place from \d+ files)? "
+                    rb"on (\d+) workers?")
 # criu's log lines begin with the seconds since it started: "(01.043327) ...".
 STAMP = re.compile(rb"^\((\d+\.\d+)\)", re.M)
 RESULT = re.compile(r"Test (\S+) (PASS|FAIL at .*?) *[=#]*$")
@@ -79,25 +82,22 @@ def prepare(tree: Path) -> None:
         (tree / ".zdtm-built").touch()
 
 
-def fill_option(criu: Path) -> str | None:
-    """The criu option that sets the workers' number, where there is one (else criu reads
-    CRIU_FILL_WORKERS)."""
+def has_fill_workers(criu: Path) -> bool:
+    """Whether ``criu`` has the series' ``--fill-workers`` (scripts/criu-patches/0001-*)."""
     out = subprocess.run([str(criu), "--help"], capture_output=True, text=True).stdout
-    found = re.search(r"--[a-z-]*fill-workers", out)
-    return found.group(0) if found else None
+    return "--fill-workers" in out
 
 
 def criu_bin(tree: Path, workers: int | None, work: Path) -> Path:
-    """The criu zdtm runs: the tree's, with the workers' option on restores where it has
-    one."""
+    """The criu zdtm runs: the tree's, with ``--fill-workers`` on its restores when
+    ``workers`` is given."""
     criu = tree / "criu" / "criu"
-    option = fill_option(criu)
-    if workers is None or option is None:
+    if workers is None:
         return criu
     wrapper = work / f"criu-{workers}-workers"
     wrapper.write_text(
         "#!/bin/sh\n"
-        f'if [ "$1" = restore ]; then exec {criu} "$@" {option} {workers}; fi\n'
+        f'if [ "$1" = restore ]; then exec {criu} "$@" --fill-workers {workers}; fi\n'
         f'exec {criu} "$@"\n')
     wrapper.chmod(0o755)
     return wrapper
@@ -106,16 +106,14 @@ def criu_bin(tree: Path, workers: int | None, work: Path) -> Path:
 def run_one(tree: Path, test: str, flavour: str, workers: int | None,
             work: Path) -> tuple[str, float, float | None, int | None, str]:
     """(PASS / FAIL at STEP, seconds of the whole run, seconds of criu's restores, the most
-    workers a restore used, the output's tail)."""
+    workers a restore's fill used (None: no fill line in any restore log), the output's
+    tail)."""
     if not (tree / "test" / f"{test}.c").exists():
         # A scenario of the patch series itself, absent from other sources.
         return "SKIP (not in this source)", 0.0, None, None, ""
     dump = tree / "test" / "dump"
     shutil.rmtree(dump, ignore_errors=True)
     env = {**os.environ, "PATH": ENV_PATH}
-    env.pop("CRIU_FILL_WORKERS", None)
-    if workers is not None:
-        env["CRIU_FILL_WORKERS"] = str(workers)
     argv = ["/usr/bin/python3", "zdtm.py", "run", "-t", test, "-f", flavour, "-k", "always",
             "--criu-bin", str(criu_bin(tree, workers, work))]
     started = time.monotonic()
@@ -166,6 +164,9 @@ def main() -> int:
     args = parser.parse_args()
     tree = args.tree or installed_tree()
     stock = (tree / ".mode").exists() and (tree / ".mode").read_text().strip() == "stock"
+    if not stock and not has_fill_workers(tree / "criu" / "criu"):
+        sys.exit(f"criu-zdtm: {tree}'s criu has no --fill-workers: not a build of "
+                 "scripts/criu-patches")
     counts: list[int | None] = [None] if stock else list(args.workers)
     counts_desc = sorted(counts, key=lambda n: -(n or 0))
     prepare(tree)
@@ -180,9 +181,9 @@ def main() -> int:
             if args.test and test not in args.test and test.split("/")[-1] not in args.test:
                 continue
             workers_seen: int | None = None
-            # The most workers first: a scenario whose restore used none (below the
-            # 64 MiB from which the patch splits the reads) runs the same with one, so
-            # it runs with the others only when its log says the workers filled.
+            # The most workers first: a scenario whose restores' logs have no fill line
+            # (no private pages the workers read) restores the same with one, so it runs
+            # with the others only when its log has one.
             for workers in counts_desc:
                 if workers != counts_desc[0] and workers_seen is None:
                     continue

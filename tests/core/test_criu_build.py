@@ -23,7 +23,7 @@ criu-sha256: {sha}
 """
 STOCK = """Version: 4.3 stock
 fill: one thread
-why: parallel-page-fill.patch does not apply: 1 out of 4 hunks FAILED
+why: 0001-mem-fill-private-memory-on-several-threads-at-restor.patch does not apply: 1 out of 4 hunks FAILED
 source: criu_4.3.orig.tar.xz sha256 0123
 base: no, the patches' base is 4.2.1
 wanted: patches f2bb4ace75b1a30f
@@ -60,8 +60,9 @@ def test_a_stock_criu_names_what_it_costs_and_why(tmp_path: Path):
     assert (fill.version, fill.fast) == ("4.3", False)
     assert fill.detail == (
         "stock criu 4.3: restored memory is filled on one thread, so restores of large "
-        f"kernels take about {SLOWER_WITHOUT_FAST_FILL}x as long; parallel-page-fill.patch "
-        "does not apply: 1 out of 4 hunks FAILED")
+        f"kernels take about {SLOWER_WITHOUT_FAST_FILL}x as long; "
+        "0001-mem-fill-private-memory-on-several-threads-at-restor.patch does not apply: 1 out "
+        "of 4 hunks FAILED")
 
 
 def test_a_criu_the_note_does_not_describe_is_not_taken_for_it(tmp_path: Path):

@@ -1,8 +1,10 @@
 """criu fills a restored kernel's memory on several CPUs (scripts/criu-patches).
 
-On a stock criu (make test-stock-criu) every scenario restores the kernel whole the
-way criu does by itself: on one thread, pages by content from the stream's pipe, and
-the image streamer hands no pack over.
+On a stock criu (make test-stock-criu), which has no ``--fill-workers`` and never asks for
+a pages image in place, a restore depends only on the layout: the first scenario of each
+layout restores the kernel whole the way criu does by itself, on one thread, pages by
+content from the stream's pipe, and the image streamer hands no pack over; the others
+would run that same restore again, and are skipped.
 
 Real kernels, real criu, each layout of the store: pages kept by content are handed over
 in place by the image streamer and read by criu's fill workers from the store's packs, where
@@ -94,10 +96,18 @@ SCENARIOS = [
 ]
 
 
+def _first_of_its_layout(scenario: Scenario) -> bool:
+    return scenario is next(s for s in SCENARIOS if s.by_content == scenario.by_content)
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_memory_filled_on_several_cpus_comes_back_whole(
     scenario: Scenario, tmp_path: Path, kernel, restored
 ):
+    fills = criu_fills_on_workers()
+    if not fills and not _first_of_its_layout(scenario):
+        pytest.skip("stock criu restores this layout the same whatever the workers or the "
+                    "place offered: the layout's first scenario runs that restore")
     store = SnapshotStore(tmp_path / "store", chunk_images=scenario.by_content)
     engine = SnapshotEngine(store, kernel_answers=kernel_answers)
     expected = kernel.execute(STATE).strip()
@@ -107,7 +117,9 @@ def test_memory_filled_on_several_cpus_comes_back_whole(
     kernel.km.provisioner.process.wait(timeout=10)
 
     log = tmp_path / "restore.log"
-    criu = CriuRunner(install(tmp_path, keeps_the_restore_log(log, scenario.workers)))
+    # Stock criu refuses an option it does not know.
+    workers = scenario.workers if fills else None
+    criu = CriuRunner(install(tmp_path, keeps_the_restore_log(log, workers)))
     with _extents_offered(scenario):
         back = run(SnapshotEngine(store, criu, kernel_answers=kernel_answers).restore(snap.id))
     client = restored.connect(back.connection_info, back.pid)
@@ -116,7 +128,7 @@ def test_memory_filled_on_several_cpus_comes_back_whole(
     text = log.read_text(errors="replace")
     filled = FILLED.findall(text)
     served = back.notes["images"]
-    if not criu_fills_on_workers():
+    if not fills:
         assert filled == []
         assert (served["read_in_place"], served["files_handed"]) == (0, 0)
         return
@@ -214,14 +226,15 @@ def test_a_forked_childs_pages_are_compared_and_stay_shared(
     kernel.km.provisioner.process.wait(timeout=10)
 
     log = tmp_path / "restore.log"
-    criu = CriuRunner(install(tmp_path, keeps_the_restore_log(log, 2)))
+    fills = criu_fills_on_workers()
+    criu = CriuRunner(install(tmp_path, keeps_the_restore_log(log, 2 if fills else None)))
     back = run(SnapshotEngine(store, criu, kernel_answers=kernel_answers).restore(snap.id))
     client = restored.connect(back.connection_info, back.pid)
     assert execute(client, CHECK).strip() == expected
     child_back = _host_pid(back.pid, child_in_kernel)
     assert _child_digest(digest_file, ask=child_back) == child_expected
 
-    if not criu_fills_on_workers():
+    if not fills:
         # criu's own loop compares the child's pages with its parent's too.
         assert _private_bytes(child_back) < child_private_before + (16 << 20)
         return
