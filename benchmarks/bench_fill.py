@@ -3,11 +3,11 @@
 One snapshot-ready CPU kernel holding random numpy bytes is saved whole and by content
 (the store's default), then restored in turn, from the page cache:
 
-- ``in place``: by content; the workers read the pages image from the store's packs, where
-  the image streamer says it lies;
-- ``populate``: by content, from a server without extents: one pipe, into memory the
-  workers populated;
-- ``one worker``: by content, ``CRIU_FILL_WORKERS=1``, criu's own way;
+- ``in place``: by content; the image streamer hands the pages image over in place and the
+  workers read it from the store's packs, where the streamer says it lies;
+- ``pipe``: by content, from a server that never hands an image over in place: criu alone
+  reads the stream's one pipe;
+- ``one worker``: by content, in place, ``--fill-workers 1``: criu reads the packs alone;
 - ``whole``: kept whole; the workers read the files of the snapshot's directory.
 
 Each way is restored ``--repeats`` times in turn; the state is compared after each, and
@@ -64,13 +64,13 @@ CHECK = "print(hashlib.sha256(block.tobytes()).hexdigest())"
 @dataclass(frozen=True)
 class Way:
     whole: bool = False  # the snapshot kept whole, else by content
-    extents: bool = True  # whether the image streamer says where a pages image lies
-    workers: int | None = None  # CRIU_FILL_WORKERS; None: criu's default
+    extents: bool = True  # whether the image streamer hands a pages image over in place
+    workers: int | None = None  # --fill-workers; None: criu's default
 
 
 WAYS = {
     "in place": Way(),
-    "populate": Way(extents=False),
+    "pipe": Way(extents=False),
     "one worker": Way(workers=1),
     "whole": Way(whole=True),
 }

@@ -8,6 +8,7 @@ import mmap
 import os
 import platform
 import re
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,31 +24,48 @@ from testkit.criu_wrappers import install, keeps_the_restore_log
 
 @contextlib.contextmanager
 def fill_workers_set(workers: int | None) -> Iterator[None]:
-    """criu's CRIU_FILL_WORKERS (scripts/criu-patches) for the restores inside, when given."""
+    """criu's ``--fill-workers`` (scripts/criu-patches) for the restores inside, when given:
+    a configuration file of criu's, which criu reads beside its command line where
+    ``CRIU_CONFIG_FILE`` names one. Only for a criu with the option: criu refuses a file
+    with an option it does not know."""
     if workers is None:
         yield
         return
-    os.environ["CRIU_FILL_WORKERS"] = str(workers)
-    try:
-        yield
-    finally:
-        del os.environ["CRIU_FILL_WORKERS"]
+    before = os.environ.get("CRIU_CONFIG_FILE")
+    with tempfile.NamedTemporaryFile("w", prefix="criu-fill-", suffix=".conf") as conf:
+        conf.write(f"fill-workers {workers}\n")
+        conf.flush()
+        os.environ["CRIU_CONFIG_FILE"] = conf.name
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["CRIU_CONFIG_FILE"]
+            else:
+                os.environ["CRIU_CONFIG_FILE"] = before
 
 
-# What criu's log says about its fill workers (scripts/criu-patches): the way taken, with
-# its bytes and workers, or why a task's pages were not read in place.
+# What criu's log says about how it filled the memory (scripts/criu-patches): the bytes
+# its fill workers read, in place or from an image file, on how many; whether the image
+# streamer handed a pages image over in place, or sent it through a pipe, and why; and
+# the lines of the previous patch (one parallel-page-fill.patch), for comparisons.
 _FILL_LINE = re.compile(
-    r"^\(\s*[\d.]+\)\s*(.*(?:workers \(pids from|not read in place|in place:|stay shared).*)$",
+    r"^\(\s*[\d.]+\)\s*(.*(?:Read \d+ bytes of pages|The streamer (?:hands|sends)|"
+    r"place of .* is malformed|nr_shared_pages|(?:Reading|Populating) \d+ bytes|"
+    r"not read in place).*)$",
     re.MULTILINE)
 
 
 class CriuWithRestoreLog:
-    """The real criu, whose restore log is kept after each restore, so a benchmark records
-    how criu filled the memory: read in place, populated ahead of one read, or neither."""
+    """A criu (the one on PATH, or ``criu``), whose restore log is kept after each
+    restore, so a benchmark records how criu filled the memory: read in place, read from
+    the image files, or through the stream's pipe."""
 
-    def __init__(self, directory: Path) -> None:
-        self.log = directory / "criu-restore.log"
-        self.runner = CriuRunner(install(directory, keeps_the_restore_log(self.log)))
+    def __init__(self, directory: Path, criu: str | None = None, name: str = "criu-wrapper"
+                 ) -> None:
+        self.log = directory / f"{name}-restore.log"
+        self.runner = CriuRunner(install(directory, keeps_the_restore_log(self.log, real=criu),
+                                         name=name))
 
     def fill_lines(self) -> list[str]:
         """The last restore's fill lines; the log is removed, so each restore has its own."""

@@ -137,14 +137,17 @@ def fails_restoring_while(marker: Path) -> str:
             f'fi\nexec "{_real()}" "$@"\n')
 
 
-def keeps_the_restore_log(copy_to: Path, fill_workers: int | None = None) -> str:
-    """The real criu, whose ``criu restore`` log is copied to ``copy_to`` when it ends (the
-    engine removes criu's working directory), with ``CRIU_FILL_WORKERS`` set when given."""
-    workers = f"CRIU_FILL_WORKERS={fill_workers} " if fill_workers is not None else ""
+def keeps_the_restore_log(copy_to: Path, fill_workers: int | None = None,
+                          real: str | None = None) -> str:
+    """The real criu (or ``real``), whose ``criu restore`` log is copied to ``copy_to`` when
+    it ends (the engine removes criu's working directory), with ``--fill-workers``
+    (scripts/criu-patches) when given."""
+    criu = real or _real()
+    workers = f" --fill-workers {fill_workers}" if fill_workers is not None else ""
     return (
         'case "$1" in restore)\n'
         + _value_of("-W", "work")
-        + f'  {workers}"{_real()}" "$@"; rc=$?\n'
+        + f'  "{criu}" "$@"{workers}; rc=$?\n'
         + f'  cp "$work/restore.log" "{copy_to}"; exit $rc;;\n'
-        + f'*) exec "{_real()}" "$@";;\nesac\n'
+        + f'*) exec "{criu}" "$@";;\nesac\n'
     )

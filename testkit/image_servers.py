@@ -1,34 +1,35 @@
-"""Our image streamer as other image streamers are: one without our extents (criu's own
-image streamer, say), or one whose extents are malformed, so that criu's fill workers take
-their other way."""
+"""Our image streamer as other image streamers are: one that never hands a pages image
+over in place (criu's own image streamer, say), or one whose extents are malformed, so
+that criu reads the pages through the stream's pipe instead."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jupyter_gpu_snapshot.core.store import streamer, streamer_protocol
-from jupyter_gpu_snapshot.core.store.streamer_protocol import Extents
-
-
-def _plain_names_only(name: str) -> streamer_protocol.Asked | None:
-    """A streamer without extents sees their names as those of files it does not have."""
-    return None if "@" in name else streamer_protocol.Asked(name)
+from jupyter_gpu_snapshot.core.store import streamer
+from jupyter_gpu_snapshot.core.store.streamer_protocol import Extents, Request
 
 
 @contextlib.contextmanager
 def offering_no_extents() -> Iterator[None]:
-    """Within, the image streamer answers no request for a pages image's extents or files."""
-    offered = streamer_protocol.Asked.of
-    streamer_protocol.Asked.of = staticmethod(  # type: ignore[method-assign,assignment]
-        _plain_names_only)
+    """Within, the image streamer reads criu's requests as a streamer that does not know
+    the field asking for a file in place: every file goes through a pipe."""
+    read = streamer.read_request
+
+    def read_names_only(conn: socket.socket) -> Request | None:
+        request = read(conn)
+        return None if request is None else dataclasses.replace(request, in_place=False)
+
+    streamer.read_request = read_names_only
     try:
         yield
     finally:
-        streamer_protocol.Asked.of = offered  # type: ignore[method-assign]
+        streamer.read_request = read
 
 
 def a_run_of_no_length(extents: Extents) -> Extents:
@@ -44,17 +45,16 @@ def the_last_run_twice(extents: Extents) -> Extents:
 
 @contextlib.contextmanager
 def offering_extents_changed_by(change: Callable[[Extents], Extents]) -> Iterator[None]:
-    """Within, the image streamer sends criu the extents of each pages image as ``change``
-    makes them."""
-    send = streamer.ImageStreamer._send_extents
+    """Within, the image streamer hands criu each pages image in place with the extents
+    ``change`` makes of them."""
+    hand_over = streamer.ImageStreamer._hand_over
 
-    def send_changed(server: streamer.ImageStreamer, image: streamer.ImageFile,
-                     pipe: int) -> None:
-        assert image.extents is not None  # extents are sent only of images that have them
-        send(server, dataclasses.replace(image, extents=change(image.extents)), pipe)
+    def hand_over_changed(server: streamer.ImageStreamer, conn: socket.socket,
+                          image: streamer.ImageFile, extents: Extents) -> None:
+        hand_over(server, conn, image, change(extents))
 
-    streamer.ImageStreamer._send_extents = send_changed  # type: ignore[method-assign]
+    streamer.ImageStreamer._hand_over = hand_over_changed  # type: ignore[method-assign]
     try:
         yield
     finally:
-        streamer.ImageStreamer._send_extents = send  # type: ignore[method-assign]
+        streamer.ImageStreamer._hand_over = hand_over  # type: ignore[method-assign]

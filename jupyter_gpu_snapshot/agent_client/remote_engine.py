@@ -73,6 +73,10 @@ class AgentEngine(Generic[SleeperT]):
         """The agent checks criu at each save, and names any problem then."""
         return []
 
+    def criu_fill(self) -> None:
+        """The agent's criu: `jupyter gpu-snapshot check`, run on the node, names it."""
+        return None
+
     def portable_files(self, snapshot: Snapshot) -> contextlib.AbstractContextManager[Path]:
         raise InvalidRequest(
             "preflight", "a portable copy cannot go through the node agent yet: the agent "

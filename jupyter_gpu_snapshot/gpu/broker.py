@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from .._constants import ENV_CUDA_BROKER
 from ..core import procfs
 from ..core.criu import PidView
+from ..core.criu_build import read_note
 from ..core.errors import SnapshotError
 from .driver import CUDA_ERROR_ILLEGAL_STATE, CheckpointDriver, DriverCallError, ProcessState
 
@@ -68,8 +69,8 @@ async def uninterruptible(fn: Callable[..., T], *args: Any) -> T:
 @dataclass(frozen=True)
 class PluginInstall:
     """CRIU's CUDA plugin and our stand-in, where ``scripts/install-criu.sh`` puts them:
-    ``ROOT/criu/cuda_plugin.so`` (with ``built-for``, the version line of its criu and its
-    patches) and
+    ``ROOT/criu/cuda_plugin.so`` (with ``built-for``, the install's note of its criu:
+    ``core.criu_build``) and
     ``ROOT/bin/cuda-checkpoint``."""
 
     root: Path
@@ -96,16 +97,12 @@ class PluginInstall:
             unsafe = _unsafe_owner(path)
             if unsafe:
                 return f"{path} {unsafe}: criu, run with our privileges, would load it"
-        try:
-            built_for = (self.plugin_dir / "built-for").read_text().strip()
-        except OSError:
-            built_for = ""
-        # "Version: 4.2.1 patches 0123abcd": criu's version line when the plugin was built,
-        # and which of our patches that criu carries (scripts/install-criu.sh).
-        version = built_for.split(" patches ")[0].split(":")[-1].strip()
-        if version != criu_version.strip():
+        # The install's note: the criu the plugin was built with (core/criu_build.py).
+        build = read_note(self.plugin_dir)
+        if build is None or build.version != criu_version.strip():
+            built_for = f"criu {build.version}" if build else "another criu"
             return (f"CRIU's CUDA plugin in {self.plugin_dir} was built for "
-                    f"{built_for or 'another criu'}, not for this criu {criu_version}")
+                    f"{built_for}, not for this criu {criu_version}")
         return None
 
     def criu_env(self, socket_path: Path) -> dict[str, str]:

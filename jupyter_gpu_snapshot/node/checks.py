@@ -12,6 +12,7 @@ from pathlib import Path
 from ..config import GPUSnapshot
 from ..core import procfs
 from ..core.criu import MIN_VERSION, CriuRunner
+from ..core.criu_build import describe_fill
 from ..core.errors import SnapshotError
 from ..core.store import SnapshotStore
 from ..gpu.broker import PluginInstall
@@ -48,6 +49,21 @@ def check_criu(criu: CriuRunner) -> list[Check]:
         Check("criu", True, f"criu {text} at {criu.executable()}"),
         Check("criu check", ok, last or "no output", fix="" if ok else "see 'criu check' output"),
     ]
+
+
+def check_criu_fill(criu: CriuRunner, plugin_dir: Path) -> Check:
+    """Which criu this is: ours, filling restored memory on several CPUs, or stock, which
+    works, slower. Never required: the product restores the same with either."""
+    try:
+        executable = Path(criu.executable())
+    except SnapshotError as exc:
+        return Check("criu fill", False, f"cannot check without criu: {exc.cause}",
+                     required=False)
+    fill = describe_fill(executable, plugin_dir)
+    fix = "" if fill.fast else ("nothing is needed; for the fast fill, run "
+                                "scripts/install-criu.sh (make criu) with a criu source our "
+                                "patches fit (docs/criu.md)")
+    return Check("criu fill", bool(fill.fast), fill.detail, required=False, fix=fix)
 
 
 def check_privileges() -> Check:
@@ -169,7 +185,8 @@ def run_checks(
 ) -> list[Check]:
     checks = [
         *check_criu(criu),
-        *([check_cuda_plugin(criu, plugin)] if plugin is not None else []),
+        *([check_criu_fill(criu, plugin.plugin_dir),
+           check_cuda_plugin(criu, plugin)] if plugin is not None else []),
         check_privileges(),
         check_pid_namespaces(),
         check_kernel_features(),

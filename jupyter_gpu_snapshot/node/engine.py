@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..core.criu_build import CriuFill
 from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.recovery import RecoveryReport as RecoveryReport
 from ..core.restore import RestoredKernel as RestoredKernel
@@ -87,6 +88,11 @@ class NodeEngine(Protocol):
     def node_problems(self) -> builtins.list[str]:
         """Why this node cannot save any kernel now (criu missing or too old), for the
         kernels' status; empty when it can."""
+
+    def criu_fill(self) -> CriuFill | None:
+        """Which criu this node restores with and whether it fills memory on several CPUs
+        (``core.criu_build``), for the kernels' status; None where the node agent runs
+        criu. Blocks: call it in a worker thread."""
 
     def portable_files(self, snapshot: Snapshot) -> contextlib.AbstractContextManager[Path]:
         """A directory holding the checked portable copy of ``snapshot`` (every file

@@ -20,6 +20,7 @@ from ..agent_client.remote_engine import AgentEngine
 from ..config import GPUSnapshot
 from ..core.compatibility import NodeCompatibility
 from ..core.criu import CriuRunner
+from ..core.criu_build import CriuFill, describe_fill
 from ..core.engine import SnapshotEngine
 from ..core.errors import NotReady, SnapshotError
 from ..core.hooks import SnapshotHook
@@ -93,6 +94,16 @@ class LocalEngine(SnapshotEngine):
         except SnapshotError as exc:
             return [exc.cause]
         return []
+
+    def criu_fill(self) -> CriuFill | None:
+        hook = self._cuda_hook()
+        if hook is None:
+            return None
+        try:
+            executable = Path(self.criu.executable())
+        except SnapshotError as exc:
+            return CriuFill(None, None, exc.cause)
+        return describe_fill(executable, hook.plugin.plugin_dir)
 
     def _cuda_hook(self) -> CudaCheckpointHook | None:
         return next((h for h in self.hooks if isinstance(h, CudaCheckpointHook)), None)

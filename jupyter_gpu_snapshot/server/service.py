@@ -255,6 +255,8 @@ class SnapshotService:
             self.deaths.get(kernel_id),
         )
         status["hibernation"] = self.sleepers.describe(kernel_id)
+        fill = await asyncio.to_thread(self.engine.criu_fill)
+        status["criu"] = fill.to_dict() if fill is not None else None
         return status
 
     def dismiss_death(self, kernel_id: str) -> None:

@@ -231,6 +231,16 @@ export interface IKernelStatus {
   death?: IKernelDeath | null;
   /** The kernel's hibernation, while there is one; older servers leave it out. */
   hibernation?: IHibernation | null;
+  /** The server's criu; null where the node agent runs it, left out by older servers. */
+  criu?: ICriuFill | null;
+}
+
+/** Which criu restores on the server: ours fills memory on several CPUs, stock is slower. */
+export interface ICriuFill {
+  version: string | null;
+  /** null: a criu the install did not build, not known. */
+  fast_fill: boolean | null;
+  detail: string;
 }
 
 /** An error answer of the API, carrying the server's own message and error object. */

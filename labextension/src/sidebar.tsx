@@ -171,6 +171,7 @@ export class SnapshotsSidebar extends ReactWidget {
                   formatBytes(total, trans)
                 )}
           </div>
+          {this._criuNotice(panel)}
           <div className="jp-gpu-snapshot-controls">
             <input
               type="search"
@@ -219,6 +220,24 @@ export class SnapshotsSidebar extends ReactWidget {
               'others'
             )}
           </>
+        )}
+      </div>
+    );
+  }
+
+  /** A server whose criu lacks our patches restores slower: said under the store, with
+   * the server's why in the title. */
+  private _criuNotice(panel: NotebookPanel | null): JSX.Element | null {
+    const kernelId = this._controller.polledKernel(panel);
+    const criu = this._controller.entry(kernelId)?.status?.criu;
+    if (!criu || criu.fast_fill !== false) {
+      return null;
+    }
+    return (
+      <div className="jp-gpu-snapshot-criu" title={criu.detail}>
+        {this._trans.__(
+          'Stock criu %1 on this server: restores take longer',
+          criu.version ?? ''
         )}
       </div>
     );

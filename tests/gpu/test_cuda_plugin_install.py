@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_gpu_snapshot._constants import DEFAULT_LIBDIR
+from jupyter_gpu_snapshot.core.criu_build import read_note
 from jupyter_gpu_snapshot.gpu.broker import PluginInstall
 
 
@@ -23,15 +24,17 @@ def install(tmp_path: Path) -> PluginInstall:
 
 
 def criu_version_built_for(install: PluginInstall) -> str:
-    """'4.2.1' of built-for's 'Version: 4.2.1 patches 0123abcd'."""
-    line = (install.plugin_dir / "built-for").read_text()
-    return line.split(" patches ")[0].split(":")[-1].strip()
+    """'4.2.1' of the install's note, 'Version: 4.2.1 patches 0123abcd' (or '... stock')."""
+    build = read_note(install.plugin_dir)
+    assert build is not None, "scripts/install-criu.sh left no note of its criu"
+    return build.version
 
 
 def test_the_installed_plugin_fits_this_criu(install: PluginInstall):
     built_for = criu_version_built_for(install)
     assert install.problem(built_for) is None
-    assert "built for Version: " in (install.problem("9.9.9") or "")
+    assert f"built for criu {built_for}, not for this criu 9.9.9" in (
+        install.problem("9.9.9") or "")
 
 
 @pytest.mark.parametrize("part", ["criu", "criu/cuda_plugin.so", "bin", "bin/cuda-checkpoint"])

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from jupyter_server.auth import Authorizer
 
+from testkit.criu_fill import criu_fills_on_workers
+
 from .conftest import Api, KernelConnector
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")
@@ -193,6 +195,10 @@ async def test_status_and_lookup_of_a_ready_kernel(api: Api, kernel_socket: Kern
     assert status["kernel_name"] == "python3-snapshot"
     assert status["cuda"] == {"state": "none", "memory_bytes": 0}
     assert status["last_snapshot"] is None and status["job"] is None
+    # Which criu restores here, as the install's note says (ours, or stock and slower).
+    assert status["criu"]["fast_fill"] is criu_fills_on_workers(), status["criu"]
+    assert status["criu"]["detail"].startswith(
+        "criu " if criu_fills_on_workers() else "stock criu "), status["criu"]
 
     job = await api.save(kernel_id)
     running = await api.ok("GET", "gpu-snapshot", "kernels", kernel_id, "status")

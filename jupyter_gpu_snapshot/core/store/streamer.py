@@ -6,7 +6,8 @@ docs/architecture.md ("Restoring from the packs").
 
 The protocol (criu's ``img-streamer.c``), every byte of it, is ``streamer_protocol.py``'s:
 criu asks for one image file at a time over one socket, and reads each from a pipe it hands
-over; our criu's fill workers may ask where a pages image lies instead.
+over; our criu may ask for a pages image in place instead, and read it from the files it
+lies in.
 
 A snapshot whose files are all kept whole is not served: criu reads them in place (faster
 than through pipes, see docs/performance.md) while ``verify_all``'s check runs beside from
@@ -18,12 +19,13 @@ the start. Otherwise every byte criu gets is checked against the signed manifest
   directory, for the hooks that read an image before criu runs (the node agent's checks);
 - a larger file (a pages image) is spliced into criu's pipe from the page cache, without a
   copy, while a thread beside hashes the same pages and compares the digest at the end;
-  criu only copies those bytes into the tree's memory. Our criu's fill workers instead
-  ask where a pages image lies (``Asked``: its extents, then each file they are in, handed
-  over open) and read it in place, as from a file kept whole; the file is still hashed
-  once, from the same files. ``verify_all`` returns once every file matched, and no code of the tree
-  runs before it returned: criu's CUDA plugin waits for it (the broker's gate), and
-  without the plugin the tree stays stopped until then.
+  criu only copies those bytes into the tree's memory. Our criu asks for a pages image in
+  place instead (the request's ``in_place``): the answer says where its bytes lie (its
+  extents) and hands over the files they lie in, open, and criu's fill workers read them
+  there, as from a file kept whole; the file is still hashed once, from the same files.
+  ``verify_all`` returns once every file matched, and no code of the tree runs before it
+  returned: criu's CUDA plugin waits for it (the broker's gate), and without the plugin
+  the tree stays stopped until then.
   A large file asked for after that is refused, so criu fails rather than read it
   unchecked. The hash and criu read the same cached pages; only a writer of the store's
   own files (its owner, root for the node agent) could change them in between.
@@ -55,13 +57,11 @@ from .snapshot import Snapshot
 from .streamer_protocol import (
     PAGES_PREFIX,
     SOCKET_NAME,
-    Asked,
     Extents,
     ProtocolError,
-    extents_table,
     read_request,
     receive_pipe,
-    send_file,
+    send_place,
     send_reply,
 )
 
@@ -120,7 +120,7 @@ class ServeStats:
     hash_seconds: float = 0.0
     pipe_seconds: float = 0.0  # handing bytes to criu, waiting while it is busy
     requests: int = 0
-    read_in_place: int = 0  # pages images criu's fill workers read from their files
+    read_in_place: int = 0  # pages images handed over in place, read from their files
     files_handed: int = 0  # the files they lie in, handed over to criu
     extents_sent: int = 0  # the runs of those files, each a read of criu's workers
 
@@ -146,7 +146,6 @@ class ImageStreamer:
         self._gate_passed = False
         self._checking = 0  # checks under way; the gate waits for them, not for criu's reads
         self._checks_started: set[str] = set()
-        self._extent_fds: dict[str, list[int]] = {}  # of each image whose extents criu read
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
@@ -222,24 +221,22 @@ class ImageStreamer:
         """Answer one connection's requests until criu closes it."""
         with conn:
             try:
-                while (name := read_request(conn)) is not None:
-                    asked = Asked.of(name)
-                    image = self._servable(asked.image) if asked else None
-                    if image is not None and asked is not None and asked.file is not None:
-                        self._hand_over(conn, image, asked.file)
+                while (request := read_request(conn)) is not None:
+                    image = self._servable(request.name)
+                    if image is None:
+                        send_reply(conn, False)
                         continue
-                    if (image is not None and asked is not None and asked.extents
-                            and (image.extents is None or image.name in self._checked_first)):
-                        image = None  # read from memory, checked already: its pipe only
-                    send_reply(conn, image is not None)
-                    if image is None or asked is None:
+                    self._check_beside_once(image)
+                    # A file read from memory, checked already, goes through its pipe.
+                    if (request.in_place and image.extents is not None
+                            and image.name not in self._checked_first):
+                        self._hand_over(conn, image, image.extents)
                         continue
-                    pipe = receive_pipe(conn, name)
+                    send_reply(conn, True)
+                    pipe = receive_pipe(conn, request.name)
                     with self._lock:
                         self.stats.requests += 1
-                    self._check_beside_once(image)
-                    send = self._send_extents if asked.extents else self._send
-                    self._start(send, name, image, pipe)
+                    self._start(self._send, request.name, image, pipe)
             except (OSError, ProtocolError) as exc:
                 if not self._closing.is_set():
                     log.warning("criu's image connection ended: %s", exc)
@@ -256,34 +253,14 @@ class ImageStreamer:
         if beside:
             self._start(self._check_beside, f"check-{image.name}", image)
 
-    def _send_extents(self, image: ImageFile, pipe: int) -> None:
-        """Where ``image`` lies (``extents_table``), each file numbered as criu will ask for
-        it (``_hand_over``)."""
-        assert image.extents is not None
-        try:
-            fds, table = extents_table(image.extents)
-            with self._lock:
-                self._extent_fds[image.name] = fds
-                self.stats.extents_sent += len(image.extents)
-            with contextlib.suppress(BrokenPipeError):
-                write_all(pipe, table)
-        finally:
-            os.close(pipe)
-
-    def _hand_over(self, conn: socket.socket, image: ImageFile, number: int) -> None:
-        """The ``number``-th file ``image`` lies in, open for reading, over the socket, to
-        criu, which read the image's extents first."""
+    def _hand_over(self, conn: socket.socket, image: ImageFile, extents: Extents) -> None:
+        """``image`` in place (``send_place``): where its bytes lie, then the files they
+        lie in, open for reading; criu reads them itself and sets up no pipe."""
+        handed = send_place(conn, image.size, extents)
         with self._lock:
-            fds = self._extent_fds.get(image.name, [])
-        if number >= len(fds):
-            send_reply(conn, False)
-            return
-        send_reply(conn, True)
-        send_file(conn, fds[number])
-        with self._lock:
-            self.stats.files_handed += 1
-            # criu asks for files only once it found the extents sound: it reads in place.
-            self.stats.read_in_place += number == 0
+            self.stats.read_in_place += 1
+            self.stats.files_handed += handed.files
+            self.stats.extents_sent += handed.extents
 
     def _servable(self, name: str) -> ImageFile | None:
         image = self.files.get(name)

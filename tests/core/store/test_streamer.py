@@ -15,8 +15,10 @@ import struct
 import subprocess
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
@@ -28,6 +30,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore, digest, streamer
 from jupyter_gpu_snapshot.core.store.snapshot import Snapshot
 from jupyter_gpu_snapshot.core.store.streamer import ImageFile, ImageStreamer
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
+from testkit.criu_fill import criu_fills_on_workers
 from testkit.criu_wrappers import _real, _value_of, install
 from tests.conftest import KernelHandle, execute, run
 
@@ -82,9 +85,13 @@ def test_a_store_on_another_file_system_restores_from_its_packs(
     client = restored.connect(back.connection_info, back.pid)
     _same_state(client, expected)
     served = back.notes["images"]
-    # criu's workers read the pages from the packs in place, hashed beside them from the
-    # same packs; the rest was checked first, before criu got a byte of it.
-    assert served["read_in_place"] == 1 and served["files_handed"] >= 1
+    # criu's workers read the pages from the packs in place (a stock criu reads them from
+    # the stream's pipe), hashed beside them from the same packs; the rest was checked
+    # first, before criu got a byte of it.
+    if criu_fills_on_workers():
+        assert served["read_in_place"] == 1 and served["files_handed"] >= 1
+    else:
+        assert served["read_in_place"] == 0 and served["files_handed"] == 0
     assert served["checked_beside_bytes"] >= 96 << 20
     assert served["checked_first_bytes"] > 0
     assert served["checked_beside_bytes"] + served["checked_first_bytes"] \
@@ -121,14 +128,14 @@ def test_a_snapshot_kept_whole_is_read_in_place_and_checked_beside(tmp_path, ker
 
 def _kill_criu_once_it_reads_pages() -> str:
     """A wrapper that SIGKILLs the real criu restore once its log shows it reading pages
-    (from the stream's one pipe, or its workers from the store's packs in place), so criu
-    dies with its pipe or packs half read."""
+    (from the stream's one pipe, or a pages image handed over in place, which its workers
+    read from the store's packs next), so criu dies with its pipe or packs half read."""
     return (
         'case "$1" in restore)\n'
         + _value_of("-W", "work")
         + """  "{real}" "$@" & pid=$!
   for i in $(seq 4000); do
-    grep -qE "Read page from self|pages from [0-9]+ files in place" "$work/restore.log" \
+    grep -qE "Read page from self|over in place" "$work/restore.log" \
       2>/dev/null && break
     sleep 0.005
   done
@@ -183,17 +190,45 @@ class CriuSide:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
 
-    def open(self, name: str) -> int | None:
-        """Ask for ``name``; the read end of its pipe, or None when it does not exist."""
+    def open(self, name: str, extra: bytes = b"") -> int | None:
+        """Ask for ``name`` (``extra``: more fields of the request); the read end of its
+        pipe, or None when it does not exist."""
+        reply = self._ask(name, extra)
+        if not reply[1]:
+            return None
+        assert len(reply) == 2, "a place came in reply to a plain request"
+        return self._pipe()
+
+    def open_in_place(self, name: str) -> InPlace | int | None:
+        """Ask for ``name`` in place (the request's ``in_place``), as our criu asks for a
+        pages image: its place and the files handed over, or the read end of its pipe
+        where the server sends it through one, or None when it does not exist."""
+        reply = self._ask(name, b"\x10\x01")
+        if not reply[1]:
+            return None
+        if len(reply) == 2:
+            return self._pipe()
+        assert reply[2] == 0x12  # field 2, the place
+        length, at = _varint(reply, 3)
+        place = InPlace.parse(reply[at:at + length])
+        fds: list[int] = []
+        while len(fds) < place.nr_files:
+            _, got, _, _ = socket.recv_fds(self.sock, 1, 252)
+            fds += got
+        place.fds = fds
+        return place
+
+    def _ask(self, name: str, extra: bytes) -> bytes:
         raw = name.encode()
-        body = bytes([0x0A, len(raw)]) + raw
+        body = bytes([0x0A, len(raw)]) + raw + extra
         self.sock.sendall(struct.pack("=I", len(body)) + body)
         header = self._recv(4)
         (size,) = struct.unpack("=I", header)
         reply = self._recv(size)
         assert reply[0] == 0x08
-        if not reply[1]:
-            return None
+        return reply
+
+    def _pipe(self) -> int:
         read_end, write_end = os.pipe()
         socket.send_fds(self.sock, [b"\0"], [write_end])
         os.close(write_end)
@@ -209,6 +244,61 @@ class CriuSide:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
+@dataclass
+class InPlace:
+    """A pages image handed over in place, as criu reads the answer
+    (img_streamer_place_entry): its size, its extents (offset in the image, length, offset
+    in the file, the file's number), and the files."""
+
+    size: int
+    nr_files: int
+    extents: list[tuple[int, int, int, int]]
+    fds: list[int] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, data: bytes) -> InPlace:
+        size = nr_files = 0
+        extents = []
+        at = 0
+        while at < len(data):
+            key, at = _varint(data, at)
+            if key == 0x08:
+                size, at = _varint(data, at)
+            elif key == 0x10:
+                nr_files, at = _varint(data, at)
+            else:
+                assert key == 0x1A and data[at] == 32, "an extent of another form"
+                entry = data[at + 1:at + 33]
+                assert entry[0::9][:4] == bytes([0x09, 0x11, 0x19, 0x25])
+                off, length, file_off = struct.unpack_from("<Q", entry, 1)[0], \
+                    struct.unpack_from("<Q", entry, 10)[0], struct.unpack_from("<Q", entry, 19)[0]
+                extents.append((off, length, file_off, struct.unpack_from("<I", entry, 28)[0]))
+                at += 33
+        return cls(size, nr_files, extents)
+
+    def read(self) -> bytes:
+        """The image, read where the extents say; zeros in no extent."""
+        data = bytearray(self.size)
+        for off, length, file_off, number in self.extents:
+            data[off:off + length] = os.pread(self.fds[number], length, file_off)
+        return bytes(data)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
 
 def _read_all(fd: int, limit: int | None = None) -> bytes:
@@ -324,4 +414,65 @@ def test_the_gate_never_waits_for_criu_to_read(tmp_path, small_limits):
         gate.join(timeout=30)
         assert not gate.is_alive(), "the gate waited for criu to read"
         assert _read_all(fd) == pages
+        criu.close()
+
+
+def _image_in_files(name: str, directory: Path) -> tuple[ImageFile, bytes]:
+    """A pages image of 1 MiB kept in two files, as a store keeps one in its packs: its
+    first quarter from one, its last half from the other, zeros between; and its bytes."""
+    first, second = os.urandom(512 << 10), os.urandom(1 << 20)
+    paths = [directory / "pack-a", directory / "pack-b"]
+    paths[0].write_bytes(first)
+    paths[1].write_bytes(second)
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    data = first[4096:4096 + (256 << 10)] + bytes(256 << 10) + second[:512 << 10]
+    extents = np.array([[fds[0], 4096, 0, 256 << 10], [fds[1], 0, 512 << 10, 512 << 10]],
+                       np.int64)
+    image = _image(name, data)
+    return ImageFile(image.name, image.size, image.digest, image.read_into, image.splice_into,
+                     extents), data
+
+
+def test_a_pages_image_is_handed_over_in_place_where_criu_asks_for_it(tmp_path, small_limits):
+    (tmp_path / "packs").mkdir()
+    pages, data = _image_in_files("pages-1.img", tmp_path / "packs")
+    with _served(tmp_path, [pages]) as server:
+        server.prepare()
+        criu = CriuSide(tmp_path / "images" / streamer.SOCKET_NAME)
+        place = criu.open_in_place("pages-1.img")
+        assert isinstance(place, InPlace), "the image came through a pipe"
+        try:
+            assert (place.size, place.nr_files, len(place.extents)) == (1 << 20, 2, 2)
+            assert place.read() == data
+        finally:
+            place.close()
+        # No pipe was asked for; the image is still checked beside, from the same files.
+        assert server.stats.requests == 0
+        assert (server.stats.read_in_place, server.stats.files_handed,
+                server.stats.extents_sent) == (1, 2, 2)
+        # Asked for again plainly (as criu does when it refuses a place), it comes through
+        # a pipe.
+        fd = criu.open("pages-1.img")
+        assert fd is not None and _read_all(fd) == data
+        assert server.verify_all() >= 0
+        assert server.stats.streamed_bytes == len(data)
+        criu.close()
+
+
+def test_what_cannot_be_read_in_place_comes_through_a_pipe(tmp_path, small_limits):
+    core, pages = os.urandom(4096), os.urandom(1 << 20)
+    with _served(tmp_path, [_image("core-1.img", core), _image("pages-1.img", pages)]) as server:
+        server.prepare()
+        criu = CriuSide(tmp_path / "images" / streamer.SOCKET_NAME)
+        # Checked before criu ran, from memory: its pipe, whatever criu asks.
+        fd = criu.open_in_place("core-1.img")
+        assert isinstance(fd, int) and _read_all(fd) == core
+        # Kept in no file criu could read.
+        fd = criu.open_in_place("pages-1.img")
+        assert isinstance(fd, int) and _read_all(fd) == pages
+        assert criu.open_in_place("pages-2.img") is None
+        # A field the server does not know (a later criu's) is skipped.
+        fd = criu.open("core-1.img", extra=b"\x48\x07")
+        assert fd is not None and _read_all(fd) == core
+        assert server.stats.read_in_place == 0
         criu.close()
