@@ -27,14 +27,14 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColum
 from rich.table import Table
 
 from .._constants import KERNEL_NAME, fallback_report_lines, format_bytes
-from ..agent.daemon import (
+from ..agent.pods.identity import DEFAULT_BUNDLES
+from ..agent.server import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_RUN_DIR,
     DEFAULT_STATE_DIR,
     NodeAgent,
 )
-from ..agent.pod_callers import DEFAULT_BUNDLES
 from ..agent_client.client import AgentClient
 from ..agent_client.protocol import DEFAULT_SOCKET
 from ..config import GPUSnapshot

@@ -41,6 +41,8 @@ class SnapshotEngine:
         hooks: Sequence[SnapshotHook] = (),
         compatibility: NodeCompatibility | None = None,
         kernel_answers: KernelAnswers | None = None,
+        log_owner: tuple[int, int] | None = None,
+        index: SnapshotIndex | None = None,
     ) -> None:
         self.store = store or SnapshotStore()
         # Asks a kernel (by its connection info) for kernel_info: part of the check that a
@@ -51,7 +53,12 @@ class SnapshotEngine:
         self.hooks = list(hooks)
         # Also caches the digests of mapped files across saves and restores.
         self.compatibility = compatibility or NodeCompatibility()
-        self.index = SnapshotIndex(self.store)
+        # (uid, gid) of the user whose kernels this engine restores, when that is not the
+        # process running it (the node agent): the logs a restore recreates are theirs
+        # (``kernel_log.open_log_files``).
+        self.log_owner = log_owner
+        # Shared by engines of one store (the node agent builds one per operation).
+        self.index = index or SnapshotIndex(self.store)
 
     @property
     def location(self) -> str:

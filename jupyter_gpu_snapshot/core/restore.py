@@ -156,9 +156,9 @@ async def _restore(
     files = await opening
     try:
         # Checked (and a missing one made) before criu runs; criu reopens them, through the
-        # node agent from descriptors its user opened (agent/external_files.py).
+        # node agent from descriptors its user opened (agent/files/).
         logs = await asyncio.to_thread(kernel_log.open_log_files, ctx.snapshot,
-                                       engine.store.log_owner)
+                                       engine.log_owner)
         for fd in logs.values():
             os.close(fd)
         ctx.root_pid = await _restore_checked(engine, ctx, files, timings, started)
@@ -185,6 +185,7 @@ async def _preflight(
     await check_compatibility(engine.compatibility, snapshot, report, timings)
     criu_version = await asyncio.to_thread(engine.criu.require_version)
     ctx = RestoreContext(snapshot, report, gpus=gpus, criu_version=criu_version)
+    ctx.criu.pids = engine.criu.launch.pids
     for hook in engine.hooks:
         await hook.preflight_restore(ctx)
     if gpus is not None and not ctx.gpus_taken:

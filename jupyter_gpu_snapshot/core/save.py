@@ -184,6 +184,7 @@ class _Save:
         self.claims = list(claims)  # criu inherits them, and the partial's owner lock
         self.interrupt = interrupt
         self.ctx = SaveContext(target, kernel, new_snapshot_id(), Path(), stop, report)
+        self.ctx.criu.pids = engine.criu.launch.pids
         self.manifest: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
         self.follower = None

@@ -47,6 +47,9 @@ class EngineParts(Protocol):
     @property
     def kernel_answer_seconds(self) -> float: ...
 
+    @property
+    def log_owner(self) -> tuple[int, int] | None: ...
+
 
 def work_dir(kind: str) -> tuple[Path, HeldLock]:
     """A private temp directory for one criu run, locked while in use (see recovery)."""

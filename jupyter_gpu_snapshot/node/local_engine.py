@@ -2,30 +2,33 @@
 store, criu and the GPU hook; and the choice between it and the node agent's.
 
 The server and the CLI call ``process_engine``: a ``LocalEngine`` where the process may run
-criu itself (root), else the node agent's (``agent_client.remote_engine``); both are a
-``NodeEngine``. The agent and the benchmarks call ``make_engine``; the core itself knows
-nothing of settings or of the GPU layer.
+criu itself (root), else the node agent's (``agent_client.agent_engine``); both are a
+``NodeEngine``. The agent and the benchmarks call ``make_engine``, the agent with an
+``EngineLaunch`` for each caller's operation; the core itself knows nothing of settings or
+of the GPU layer.
 """
 
 from __future__ import annotations
 
 import builtins
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..agent_client.agent_engine import AgentEngine
 from ..agent_client.client import AgentClient
 from ..agent_client.gpu_sleep import AgentGpuSleep
-from ..agent_client.remote_engine import AgentEngine
 from ..config import GPUSnapshot
 from ..core.compatibility import NodeCompatibility
-from ..core.criu import CriuRunner
+from ..core.criu import CriuLaunch, CriuRunner
 from ..core.criu_build import CriuFill, describe_fill
 from ..core.engine import SnapshotEngine
 from ..core.errors import NotReady, SnapshotError
 from ..core.hooks import SnapshotHook
 from ..core.open_files import OpenFilesHook
 from ..core.recovery import RecoveryReport, clean_work_dirs, recover_store, work_base
+from ..core.sequences import KernelAnswers
 from ..core.store import ManifestPolicy, Snapshot, SnapshotStore, StoreRoom, default_kernel_log_dir
 from ..gpu.broker import PluginInstall
 from ..gpu.driver import DriverStatus
@@ -60,6 +63,21 @@ def wake_kernel(root_pid: int, driver: Callable[[], DriverStatus] | None = None)
     return wake_tree(root_pid, work_base(), driver)
 
 
+@dataclass(frozen=True)
+class EngineLaunch:
+    """How an engine reaches the kernels it saves and restores, given when it is made: as
+    this process, by default. The node agent builds one for each operation of a caller
+    (``agent/realms.engine_launch``): criu's credentials and, in a pod, the container's
+    view (``criu``), how a kernel is asked whether it answers (``kernel_answers``), whose
+    the logs a restore recreates are (``log_owner``), and hooks that run after the
+    engine's own (``hooks``: the caller's checks)."""
+
+    criu: CriuLaunch = field(default_factory=CriuLaunch)
+    kernel_answers: KernelAnswers = kernel_answers
+    log_owner: tuple[int, int] | None = None
+    hooks: tuple[SnapshotHook, ...] = ()
+
+
 class LocalEngine(SnapshotEngine):
     """The core's engine, run by this process (root), with what callers ask of a
     ``NodeEngine`` besides the store and the two sequences."""
@@ -78,6 +96,15 @@ class LocalEngine(SnapshotEngine):
         except OSError:
             free = None
         return StoreRoom(str(self.store.root), free)
+
+    def with_launch(self, launch: EngineLaunch) -> LocalEngine:
+        """An engine of this one's store, index, compatibility cache and hooks that runs
+        as ``launch`` says: the node agent's for one operation of one caller. Nothing of
+        this engine changes."""
+        return LocalEngine(
+            self.store, self.criu.with_launch(launch.criu), [*self.hooks, *launch.hooks],
+            self.compatibility, kernel_answers=launch.kernel_answers,
+            log_owner=launch.log_owner, index=self.index)
 
     def trust(self, ref: str) -> Snapshot:
         return self.store.trust(self.store.get(ref).id)
@@ -127,10 +154,13 @@ def make_engine(
     hooks: list[SnapshotHook] | None = None,
     kernel_log_dir: Callable[[], Path] = default_kernel_log_dir,
     follow_links: bool = True,
+    launch: EngineLaunch | None = None,
 ) -> LocalEngine:
     """``kernel_log_dir``: where the kernels' logs live; the node agent names each user's.
     ``follow_links`` false: the kernels' files are another user's, and the checks of them
-    follow no link (the node agent's)."""
+    follow no link (the node agent's). ``launch``: how criu runs and kernels are reached
+    (``EngineLaunch``; by default as this process)."""
+    launch = launch or EngineLaunch()
     settings = settings or GPUSnapshot()
     policy = ManifestPolicy(
         kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernelspec
@@ -141,10 +171,11 @@ def make_engine(
     return LocalEngine(
         SnapshotStore(settings.store_dir, settings.signing_key_file, policy,
                       chunk_images=settings.chunk_images),
-        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
-        hooks,
+        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit, launch=launch.criu),
+        [*hooks, *launch.hooks],
         NodeCompatibility(gpus=cuda.node_gpus if cuda else None, follow_links=follow_links),
-        kernel_answers=kernel_answers,
+        kernel_answers=launch.kernel_answers,
+        log_owner=launch.log_owner,
     )
 
 

@@ -1,7 +1,7 @@
 """Opens files as the user it runs as, and sends the descriptors back to the node agent.
 
 Run by the agent as the caller (their uid, gid and groups; no capabilities) with
-``python -I -S open_as_caller.py FD [ROOT]``, where FD is one end of a SOCK_SEQPACKET socket
+``python -I -S opener_program.py FD [ROOT]``, where FD is one end of a SOCK_SEQPACKET socket
 pair. With ROOT (``/proc/PID/root`` of a process of the caller's container, for an agent
 that serves pods), every path is resolved inside that root, its links and ``..`` included
 (``openat2`` with ``RESOLVE_IN_ROOT``), as the container itself would resolve it.

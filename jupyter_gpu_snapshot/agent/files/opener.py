@@ -1,8 +1,8 @@
 """Opening, as the caller, every file criu needs for their restore.
 
 The node agent's criu runs as root. So that no path the caller controls is ever resolved
-with root's privileges, the agent runs ``open_as_caller`` as the caller (their uid, gid
-and groups, no capabilities), which opens each file of the plan (``reopened_files``) and
+with root's privileges, the agent runs ``opener_program`` as the caller (their uid, gid
+and groups, no capabilities), which opens each file of the plan (``restore_plan``) and
 sends the descriptors back; criu gets them as ``--inherit-fd`` and opens none of those
 paths itself. The caller's own permissions decide, links and every directory of the path
 included: a link to a root-only file fails as it would for the caller. Nothing is checked
@@ -22,11 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..core.errors import InvalidRequest, SnapshotError
-from .ownership import Caller
-from .reopened_files import Opening
+from ...core.errors import InvalidRequest, SnapshotError
+from ..credentials.ownership import Caller
+from .restore_plan import Opening
 
-OPENER = Path(__file__).with_name("open_as_caller.py")
+OPENER = Path(__file__).with_name("opener_program.py")
 # A caller's file system can make open() wait (FUSE, a hung NFS server): past this the
 # opener is killed and the restore refused, so no root thread waits on the caller.
 OPEN_DEADLINE_SECONDS = 60.0

@@ -6,7 +6,7 @@ controls. So at the dump every such file is named external (``--external
 file[MNT:INODE]``, criu's own key for it): the image then holds that key instead of the
 path, the manifest (signed) holds the path, and at the restore criu takes the file only
 from a descriptor the agent hands it (``--inherit-fd``), opened by a helper running as the
-user (``caller_files``). criu reopens that descriptor through ``/proc`` with each file's own
+user (``opener``). criu reopens that descriptor through ``/proc`` with each file's own
 flags and position, so every opening keeps its own mode and offset.
 
 It also keeps re-saves working: a restored kernel's files were opened outside its mount
@@ -26,8 +26,8 @@ import stat
 
 import psutil
 
-from ..core import procfs
-from ..core.open_files import DELETED
+from ...core import procfs
+from ...core.open_files import DELETED
 
 
 def ext_id(mnt_id: int, inode: int) -> str:

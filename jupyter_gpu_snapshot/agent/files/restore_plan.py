@@ -4,10 +4,10 @@ criu opens a restored process's files and mappings again, and follows links. Run
 for a user, opening a path the user controls would let a file of theirs swapped for a link
 to a root-only file come back open, readable and writable (docs/cluster.md). So the agent
 has criu dump every regular file and directory of the tree as external
-(``external_files``): the image holds criu's key for it, ``file[MNT:INODE]``, the signed
+(``dump_externals``): the image holds criu's key for it, ``file[MNT:INODE]``, the signed
 manifest its path. Before a restore, ``plan_openings`` lists what criu will need: one
 opening per key, with the access its every use needs, which a helper running as the caller
-makes (``caller_files``) and criu takes through ``--inherit-fd``, reopening it through
+makes (``opener``) and criu takes through ``--inherit-fd``, reopening it through
 ``/proc`` with each file's own flags and position.
 
 What criu may still open by path, as root: the working directory, the root and the
@@ -30,8 +30,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import InvalidRequest
-from .criu_wire import (
+from ...core.errors import InvalidRequest
+from ..credentials.criu_wire import (
     FILES_MAGIC,
     FS_MAGIC,
     MM_MAGIC,
