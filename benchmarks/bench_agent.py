@@ -340,6 +340,7 @@ class Case:
                  loop: asyncio.AbstractEventLoop, direct_dump: str = "as-agent") -> None:
         from jupyter_gpu_snapshot.agent.credentials.criu_runs_as import dump_command
         from jupyter_gpu_snapshot.agent.credentials.ownership import Caller
+        from jupyter_gpu_snapshot.agent.files.opener import CallerFiles
         from jupyter_gpu_snapshot.config import GPUSnapshot
         from jupyter_gpu_snapshot.core.criu import CriuLaunch
         from jupyter_gpu_snapshot.node.local_engine import EngineLaunch, make_engine
@@ -358,11 +359,13 @@ class Case:
                                signing_key_file=str(self.dir / "signing.key"))
         log_dir = agent.log_dir(user.uid)
         self.direct_dump_as: list[str] = []
+        caller = Caller(user.uid, user.gid, frozenset(user.groups), user.name)
         if not has_cap_sys_resource() and direct_dump == "as-agent":
-            caller = Caller(user.uid, user.gid, frozenset(user.groups), user.name)
             self.direct_dump_as = dump_command(caller)
+        # The user's files (the kernel's log among them) opened as the user, as the
+        # agent's engines open them.
         launch = EngineLaunch(CriuLaunch(dump_as=tuple(self.direct_dump_as)),
-                              log_owner=(user.uid, user.gid))
+                              files=CallerFiles(caller))
         self.engine = make_engine(settings, kernel_log_dir=lambda: log_dir, launch=launch)
         self.holder: subprocess.Popen[str] | None = None
         self.result: dict[str, Any] = {}

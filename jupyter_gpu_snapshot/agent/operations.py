@@ -161,13 +161,16 @@ class Session:
         target.pid = await asyncio.to_thread(self._own_tree, realm, target.pid, "save")
         with self._operation(realm):
             engine = await asyncio.to_thread(realm.engine_for, self.caller)
-            reserved = await self._admit_under_quota(realm, target.pid)
             try:
-                snapshot = await engine.save(
-                    target, name=args.get("name"), stop=bool(args.get("stop")),
-                    progress=self.progress)
+                reserved = await self._admit_under_quota(realm, target.pid)
+                try:
+                    snapshot = await engine.save(
+                        target, name=args.get("name"), stop=bool(args.get("stop")),
+                        progress=self.progress)
+                finally:
+                    realm.reserved_bytes -= reserved
             finally:
-                realm.reserved_bytes -= reserved
+                await asyncio.to_thread(engine.files.close)
         return snapshot_fields(snapshot)
 
     async def _admit_under_quota(self, realm: Realm, root: int) -> int:
@@ -199,7 +202,10 @@ class Session:
         gpus = args.get("gpus")
         with self._operation(realm):
             engine = await asyncio.to_thread(realm.engine_for, self.caller)
-            restored = await engine.restore(_text(args, "ref"), self.progress, gpus)
+            try:
+                restored = await engine.restore(_text(args, "ref"), self.progress, gpus)
+            finally:
+                await asyncio.to_thread(engine.files.close)
         await asyncio.to_thread(realm.remember, restored.pid)
         return {
             "pid": self._seen_by_caller(restored.pid),

@@ -35,6 +35,7 @@ from ..node.local_engine import EngineLaunch, LocalEngine, make_engine
 from .caller_hook import CallerCredentials
 from .credentials import criu_runs_as
 from .credentials.ownership import Caller, PodCaller
+from .files.opener import CallerFiles
 from .pods import identity, pids
 from .pods.entry import ContainerEntry, in_agent, in_network_of
 
@@ -60,17 +61,18 @@ def pod_caller_of(pid: int, uid: int, gid: int, bundles: tuple[str, ...]) -> Pod
 
 def engine_launch(caller: Caller) -> EngineLaunch:
     """How the engine of one operation of ``caller`` runs criu and reaches their kernel:
-    criu with the credentials ``credentials/criu_runs_as`` gives them; in a pod, inside
-    their container with the agent's own files, its loader, the CUDA plugin's stand-in
-    and its broker's socket among them, naming processes by their pids there; and the
-    caller's checks last. Reads the caller's container (blocking: call in a thread)."""
+    criu with the credentials ``credentials/criu_runs_as`` gives them; their files opened
+    as them, by a helper of theirs (``files/opener``: its ``close`` ends it); in a pod,
+    criu inside their container with the agent's own files, its loader, the CUDA plugin's
+    stand-in and its broker's socket among them, naming processes by their pids there,
+    and every path of theirs resolved in their container's root; and the caller's checks
+    last. Reads the caller's container (blocking: call in a thread)."""
     dump_as = tuple(criu_runs_as.dump_command(caller))
     restore_as = tuple(criu_runs_as.restore_command(caller))
     checks = (CallerCredentials(caller),)
-    owner = (caller.uid, caller.gid)
     if not isinstance(caller, PodCaller):
         return EngineLaunch(CriuLaunch(dump_as=dump_as, restore_as=restore_as),
-                            log_owner=owner, hooks=checks)
+                            files=CallerFiles(caller), hooks=checks)
     entry = ContainerEntry.of(caller.peer_pid)
     criu = CriuLaunch(
         dump_as=(*entry.prefix(), *_through_agent_root(dump_as)),
@@ -81,7 +83,8 @@ def engine_launch(caller: Caller) -> EngineLaunch:
                      from_criu=functools.partial(pids.agent_task_of, caller.peer_pid)))
     # The kernel listens on its container's loopback.
     return EngineLaunch(criu, functools.partial(_answers_in_pod, caller.peer_pid),
-                        log_owner=owner, hooks=checks)
+                        files=CallerFiles(caller, root=f"/proc/{caller.peer_pid}/root"),
+                        hooks=checks)
 
 
 def _through_agent_root(prefix: tuple[str, ...]) -> list[str]:
@@ -123,13 +126,9 @@ class Realm:
     def engine_for(self, caller: Caller) -> LocalEngine:
         """An engine of this realm's store that runs as ``caller``, with their credentials
         as the user database says now (their gid and groups may have changed since the
-        realm was made; the uid, its key, cannot). Blocking: call in a thread."""
+        realm was made; the uid, its key, cannot). Its ``files`` are closed by whoever
+        asked for it, once done. Blocking: call in a thread."""
         return self.shared.with_launch(engine_launch(caller))
-
-    @property
-    def engine(self) -> LocalEngine:
-        """An engine for the caller who made the realm (``engine_for``)."""
-        return self.engine_for(self.caller)
 
     def launched(self) -> dict[int, float]:
         """The roots of the trees the agent launched or restored for this user that still
@@ -206,5 +205,5 @@ def make_realm(caller: Caller, state_dir: Path, run_dir: Path,
         parent=None, config=settings.config,
         store_dir=str(home / "snapshots"), signing_key_file=str(home / "signing.key"),
     )
-    shared = make_engine(store_settings, kernel_log_dir=lambda: log_dir, follow_links=False)
+    shared = make_engine(store_settings, kernel_log_dir=lambda: log_dir)
     return Realm(caller, shared, log_dir, home / "launched.json")

@@ -22,6 +22,7 @@ from typing import Any
 
 from .compatibility import NodeCompatibility
 from .criu import CriuRunner
+from .file_access import OWN_FILES, FileAccess
 from .hooks import Progress, ProgressCallback, SaveTarget, SnapshotHook
 from .restore import RestoredKernel, restore_snapshot
 from .restore import check_compatibility as _check_compatibility
@@ -41,7 +42,7 @@ class SnapshotEngine:
         hooks: Sequence[SnapshotHook] = (),
         compatibility: NodeCompatibility | None = None,
         kernel_answers: KernelAnswers | None = None,
-        log_owner: tuple[int, int] | None = None,
+        files: FileAccess | None = None,
         index: SnapshotIndex | None = None,
     ) -> None:
         self.store = store or SnapshotStore()
@@ -53,10 +54,9 @@ class SnapshotEngine:
         self.hooks = list(hooks)
         # Also caches the digests of mapped files across saves and restores.
         self.compatibility = compatibility or NodeCompatibility()
-        # (uid, gid) of the user whose kernels this engine restores, when that is not the
-        # process running it (the node agent): the logs a restore recreates are theirs
-        # (``kernel_log.open_log_files``).
-        self.log_owner = log_owner
+        # How the kernels' files are opened: as this process, or (the node agent's) as
+        # their user.
+        self.files = files or OWN_FILES
         # Shared by engines of one store (the node agent builds one per operation).
         self.index = index or SnapshotIndex(self.store)
 
@@ -147,7 +147,8 @@ class SnapshotEngine:
         """Raise Incompatible when this node cannot run the snapshot (see compatibility);
         ``gpu_targets`` are the models of the GPUs chosen for a restore, by default this
         node's GPUs."""
-        await _check_compatibility(self.compatibility, snapshot, report, timings, gpu_targets)
+        await _check_compatibility(self.compatibility, snapshot, report, timings, gpu_targets,
+                                   self.files)
 
 
 def _throttled(progress: ProgressCallback | None, interval: float = 0.1) -> ProgressCallback:

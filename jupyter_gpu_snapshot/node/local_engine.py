@@ -25,6 +25,7 @@ from ..core.criu import CriuLaunch, CriuRunner
 from ..core.criu_build import CriuFill, describe_fill
 from ..core.engine import SnapshotEngine
 from ..core.errors import NotReady, SnapshotError
+from ..core.file_access import OWN_FILES, FileAccess
 from ..core.hooks import SnapshotHook
 from ..core.open_files import OpenFilesHook
 from ..core.recovery import RecoveryReport, clean_work_dirs, recover_store, work_base
@@ -42,12 +43,11 @@ from ..launch.liveness import kernel_answers
 from .engine import NodeEngine
 
 
-def default_hooks(settings: GPUSnapshot, follow_links: bool = True) -> list[SnapshotHook]:
+def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
     """The hooks every engine runs: the open-files check, and the GPU layer (inert for kernels
     without CUDA state)."""
     return [
-        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files,
-                      follow_links=follow_links),
+        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files),
         CudaCheckpointHook(
             lock_timeout=settings.cuda_lock_timeout,
             drop_caches=settings.drop_allocator_caches,
@@ -68,13 +68,13 @@ class EngineLaunch:
     """How an engine reaches the kernels it saves and restores, given when it is made: as
     this process, by default. The node agent builds one for each operation of a caller
     (``agent/realms.engine_launch``): criu's credentials and, in a pod, the container's
-    view (``criu``), how a kernel is asked whether it answers (``kernel_answers``), whose
-    the logs a restore recreates are (``log_owner``), and hooks that run after the
-    engine's own (``hooks``: the caller's checks)."""
+    view (``criu``), how a kernel is asked whether it answers (``kernel_answers``), how
+    the kernel user's files are opened (``files``: as that user), and hooks that run after
+    the engine's own (``hooks``: the caller's checks)."""
 
     criu: CriuLaunch = field(default_factory=CriuLaunch)
     kernel_answers: KernelAnswers = kernel_answers
-    log_owner: tuple[int, int] | None = None
+    files: FileAccess = OWN_FILES
     hooks: tuple[SnapshotHook, ...] = ()
 
 
@@ -104,7 +104,7 @@ class LocalEngine(SnapshotEngine):
         return LocalEngine(
             self.store, self.criu.with_launch(launch.criu), [*self.hooks, *launch.hooks],
             self.compatibility, kernel_answers=launch.kernel_answers,
-            log_owner=launch.log_owner, index=self.index)
+            files=launch.files, index=self.index)
 
     def trust(self, ref: str) -> Snapshot:
         return self.store.trust(self.store.get(ref).id)
@@ -153,19 +153,17 @@ def make_engine(
     settings: GPUSnapshot | None = None,
     hooks: list[SnapshotHook] | None = None,
     kernel_log_dir: Callable[[], Path] = default_kernel_log_dir,
-    follow_links: bool = True,
     launch: EngineLaunch | None = None,
 ) -> LocalEngine:
     """``kernel_log_dir``: where the kernels' logs live; the node agent names each user's.
-    ``follow_links`` false: the kernels' files are another user's, and the checks of them
-    follow no link (the node agent's). ``launch``: how criu runs and kernels are reached
+    ``launch``: how criu runs and the kernels and their files are reached
     (``EngineLaunch``; by default as this process)."""
     launch = launch or EngineLaunch()
     settings = settings or GPUSnapshot()
     policy = ManifestPolicy(
         kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernelspec
     )
-    hooks = hooks if hooks is not None else default_hooks(settings, follow_links)
+    hooks = hooks if hooks is not None else default_hooks(settings)
     # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.
     cuda = next((h for h in hooks if isinstance(h, CudaCheckpointHook)), None)
     return LocalEngine(
@@ -173,9 +171,9 @@ def make_engine(
                       chunk_images=settings.chunk_images),
         CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit, launch=launch.criu),
         [*hooks, *launch.hooks],
-        NodeCompatibility(gpus=cuda.node_gpus if cuda else None, follow_links=follow_links),
+        NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
         kernel_answers=launch.kernel_answers,
-        log_owner=launch.log_owner,
+        files=launch.files,
     )
 
 

@@ -161,12 +161,17 @@ def test_a_tree_that_is_no_longer_the_callers_is_refused_right_before_the_dump(n
     realm = run(node.realm(alice))
     kernel = start_kernel(config=Config(
         {"SnapshotReadyProvisioner": {"log_dir": str(realm.log_dir)}}))
+    engine = realm.engine_for(alice)
     try:
         with pytest.raises(SnapshotError, match=r"runs as uid \[0\], not as you"):
-            run(realm.engine.save(SaveTarget(pid=kernel.root_pid), name="roots"))
+            # With its connection, as a server sends it: the agent reads no file of root's.
+            run(engine.save(SaveTarget(
+                pid=kernel.root_pid, connection_info=dict(kernel.km.get_connection_info())),
+                name="roots"))
         assert procfs.tree_alive(kernel.root_pid)
-        assert [s.name for s in realm.engine.catalog()] == []
+        assert [s.name for s in realm.shared.catalog()] == []
     finally:
+        engine.files.close()
         stop_kernel(kernel)
 
 

@@ -210,7 +210,7 @@ def gpu_agent(agent_root: Path, unix_users: tuple[UnixUser, UnixUser],
         cuda = CudaCheckpointHook(driver=driver.status, inventory=gpus, lock_timeout=1.0,
                                   drop_caches=False, memory_available=lambda: 64 * GIB,
                                   criu_env=FORCE_CUDA_PLUGIN)
-        hooks = default_hooks(settings, options.get("follow_links", True))[:-1]
+        hooks = default_hooks(settings)[:-1]
         return make_engine(settings, hooks=[*hooks, cuda], **options)
 
     monkeypatch.setattr(realms, "make_engine", engine_with_fake_cuda)
@@ -384,7 +384,7 @@ def test_a_refused_or_failed_release_leaves_the_kernel_running_and_a_failed_wake
         alice_server.call("wake", kernel.root_pid)
     # One request at a time per kernel: a save of it holds the lock a release takes too.
     realm = gpu_agent.run(gpu_agent.node.realm(realms.caller_of(alice.uid, alice.gid)))
-    with realm.engine.store.locks.hold(locks.kernel_key(kernel.root_pid), "kernel", "save",
+    with realm.shared.store.locks.hold(locks.kernel_key(kernel.root_pid), "kernel", "save",
                                        note="save of the kernel"), \
             pytest.raises(Busy, match="is busy"):
         alice_server.call("release", kernel.root_pid, {})
