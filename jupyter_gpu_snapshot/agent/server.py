@@ -33,6 +33,7 @@ import logging
 import os
 import resource
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,21 @@ class NodeAgent:
                 self._realms[caller.realm_key] = realm
         return realm
 
+    def private_temp_dir(self) -> Path:
+        """``RUN/tmp``, made root's alone (0700) and checked with every parent up to /."""
+        directory = self.run_dir / "tmp"
+        # The run directory holds the users' log directories too: they pass through it.
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        safe_fs.make_private_dirs(directory)
+        problems = safe_fs.chain_problems(directory)
+        if problems:
+            raise SnapshotError(
+                "agent", f"the run directory {self.run_dir} is not root's alone: "
+                f"{'; '.join(problems)}",
+                hint="use a directory that only root can change (--run-dir), such as "
+                f"the default {DEFAULT_RUN_DIR}")
+        return directory
+
     def require_private_state_dir(self) -> None:
         """Refuse a state directory that someone but root could change: what root restores
         and the keys it signs with live there. Its ``users`` directory is made (0700) and
@@ -213,7 +229,13 @@ class NodeAgent:
         """Serve until SIGTERM (systemd's stop) or SIGINT, then close the socket. The
         kernels the agent started keep running: they are the users', not the agent's.
         The handlers are set here because a process started in the background by a shell
-        inherits SIGINT ignored, and Python's default would not stop it either way."""
+        inherits SIGINT ignored, and Python's default would not stop it either way.
+
+        The agent's process serves only this: its temporary files (criu's work
+        directories, the CUDA broker's and the GPU holders' sockets) go into ``RUN/tmp``,
+        root's alone, never into the /tmp every user may write."""
+        await asyncio.to_thread(self.require_private_state_dir)
+        tempfile.tempdir = str(await asyncio.to_thread(self.private_temp_dir))
         await self.start()
         assert self._server is not None
         serving = asyncio.ensure_future(self._server.serve_forever())
