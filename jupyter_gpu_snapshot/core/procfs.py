@@ -128,10 +128,12 @@ def stderr_file(pid: int) -> str | None:
 
 
 def executable(pid: int) -> str | None:
-    """The path of the program a process runs, or None when it cannot be read."""
+    """The path of the program a process runs, as /proc names it (with " (deleted)" when
+    it was removed), or None when it cannot be read. Only the link is read: psutil's
+    ``exe`` stats a deleted program's path, a path of the kernel's user."""
     try:
-        return str(psutil.Process(pid).exe()) or None
-    except psutil.Error:
+        return os.readlink(f"/proc/{pid}/exe") or None
+    except OSError:
         return None
 
 

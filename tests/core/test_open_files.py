@@ -192,3 +192,32 @@ def test_the_checks_open_a_kernels_files_only_through_the_engines_file_access(tm
     assert files.asked == [(str(tmp_path / name), UserPath.OPEN_FILE)
                            for name in ("data", "refused", "fifo", "data")]
 
+
+
+def test_a_removed_executable_is_named_from_its_link_alone(tmp_path, monkeypatch):
+    """A kernel's program, removed since it started: its path is a path of the kernel's
+    user, so it is named from /proc's link and never looked up (psutil's ``exe`` stats it)."""
+    import shutil
+    import subprocess
+
+    from jupyter_gpu_snapshot.core import procfs
+
+    program = tmp_path / "program"
+    shutil.copy("/bin/sleep", program)
+    process = subprocess.Popen([str(program), "60"])
+    try:
+        program.unlink()
+        looked_up: list[str] = []
+        real_stat = os.stat
+
+        def stat(path, *args, **kwargs):
+            if not str(path).startswith("/proc/"):
+                looked_up.append(str(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", stat)
+        assert procfs.executable(process.pid) == f"{program} (deleted)"
+        assert looked_up == []
+    finally:
+        process.kill()
+        process.wait()
