@@ -15,6 +15,7 @@ a hung file system of the caller's never holds a thread of the agent.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -50,12 +51,17 @@ class CallerFiles(FileAccess):
         self._lock = threading.Lock()
         self._helper: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
+        # Once closed, nothing starts a helper again: a digest still running in a thread
+        # after its save failed must not leave one behind.
+        self._closed = False
 
     def open(self, path: str, flags: int, what: UserPath) -> int:
         """``path`` (``what`` of the registry) opened as the caller with ``flags`` (and
         ``O_NONBLOCK``); OSError as the caller's own open(2) fails. SnapshotError when the
         helper fails or takes longer than the deadline (it is then ended)."""
         with self._lock:
+            if self._closed:
+                raise OSError(errno.ECANCELED, "the operation that opened it has ended", path)
             channel = self._start()
             channel.settimeout(self.deadline_seconds)
             try:
@@ -146,6 +152,7 @@ class CallerFiles(FileAccess):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._end()
 
 
