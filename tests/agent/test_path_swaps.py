@@ -60,18 +60,23 @@ SCENARIOS: dict[UserPath, Scenario] = {
         "restore", lambda t: t.files / "opened.txt", REFUSED_BUT_A_FILE),
     UserPath.MAPPED_FILE: Scenario(
         "restore", lambda t: t.files / "mapped.txt", REFUSED_BUT_A_FILE),
+    # Even a copy of the same program is another file than the one recorded at the save.
+    UserPath.EXECUTABLE: Scenario(
+        "restore", lambda t: t.files / "program", dict.fromkeys(KINDS, "refused")),
     UserPath.KERNEL_LOG: Scenario(
         "restore", lambda t: Path(t.stopped_log), REFUSED_BUT_A_FILE),
 }
 
 # Run in the kernel of the restore cases: a working directory of hers, and apart from it
-# (each swap alone decides) a file of hers open for reading and another mapped.
+# (each swap alone decides) a file of hers open for reading, another mapped, and a child
+# running a program of hers.
 HOLD_FILES = (
-    "import os, mmap\n"
+    "import os, mmap, subprocess\n"
     "os.chdir({workdir!r})\n"
     "held = open({files!r} + '/opened.txt')\n"
     "_m = open({files!r} + '/mapped.txt', 'rb')\n"
     "mapped = mmap.mmap(_m.fileno(), 0, access=mmap.ACCESS_READ)\n"
+    "child = subprocess.Popen([{files!r} + '/program', '100000'])\n"
 )
 
 
@@ -98,6 +103,8 @@ def table(agent: Agent, unix_users: tuple[UnixUser, UnixUser]) -> Iterator[Table
     for name in ("opened.txt", "mapped.txt"):
         (files / name).write_text(CONTENT)
         os.chown(files / name, alice.uid, alice.gid)
+    shutil.copy("/bin/sleep", files / "program")
+    os.chown(files / "program", alice.uid, alice.gid)
     root_secret = Path("/root/jgs-swap-secret")
     root_secret.write_text(ROOT_SECRET)
     os.chmod(root_secret, 0o600)
@@ -137,7 +144,7 @@ def swap(path: Path, kind: str, table: Table) -> None:
     directory = path.with_name(path.name + ".orig").is_dir()
     if kind == "file":
         source = path.with_name(path.name + ".orig")
-        path.write_text(source.read_text() if source.is_file() else CONTENT)
+        path.write_bytes(source.read_bytes() if source.is_file() else CONTENT.encode())
     elif kind == "fifo":
         os.mkfifo(path)
     elif kind == "device":
