@@ -145,6 +145,8 @@ def swap(path: Path, kind: str, table: Table) -> None:
     if kind == "file":
         source = path.with_name(path.name + ".orig")
         path.write_bytes(source.read_bytes() if source.is_file() else CONTENT.encode())
+        if source.is_file():  # a copy as she would make it: criu checks a file's mode
+            shutil.copymode(source, path)
     elif kind == "fifo":
         os.mkfifo(path)
     elif kind == "device":
