@@ -39,6 +39,10 @@ def open_one(path: str, flags: int, root: int | None = None) -> int:
     # O_NONBLOCK: a FIFO or a device planted at the path must not hold the agent (criu
     # reopens each file with the flags each use had).
     flags |= os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    if flags & os.O_PATH:
+        # A handle opens nothing (no FIFO can hold it); openat2 refuses (EINVAL) any flag
+        # beside these, where open(2) ignores them.
+        flags &= os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     mode = CREATED_MODE if flags & os.O_CREAT else 0
     if root is None:
         return os.open(path, flags, mode)
