@@ -60,7 +60,7 @@ from . import locks, procfs
 from .background import run_in_background
 from .compatibility import node_facts
 from .criu import describe_exit
-from .errors import Interrupted, InvalidRequest, SnapshotError
+from .errors import Busy, Interrupted, InvalidRequest, SnapshotError
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
@@ -73,6 +73,7 @@ from .store import (
     Snapshot,
     SnapshotStore,
     bounded_history,
+    default_name,
     is_portable_file,
     new_snapshot_id,
     portable_problem,
@@ -102,11 +103,16 @@ async def save_kernel(
         validate_name(name)
     kernel = await asyncio.to_thread(procfs.inspect_kernel, target.pid)
     procfs.require_ready(kernel)
-    with _claimed(engine.store, kernel, name) as claims:
+    with contextlib.ExitStack() as held:
+        claims = held.enter_context(_claimed(engine.store, kernel, name))
         if name is not None:
             await _require_name_free(engine.store, name)
+            chosen = name
+        else:
+            chosen, lock = await asyncio.to_thread(_claim_default_name, engine.store, target)
+            claims.append(held.enter_context(lock))
         interrupt = asyncio.Event()
-        steps = _Save(engine, target, kernel, name, stop, report, started, claims, interrupt)
+        steps = _Save(engine, target, kernel, chosen, stop, report, started, claims, interrupt)
         return await finish_despite_cancel(asyncio.ensure_future(steps.run()), interrupt)
 
 
@@ -127,6 +133,25 @@ def _claimed(
                 note=f"save as {name}",
             )))
         yield claims
+
+
+# How many numbered default names one minute may give a notebook's saves.
+_DEFAULT_NAME_TRIES = 99
+
+
+def _claim_default_name(store: SnapshotStore, target: SaveTarget) -> tuple[str, HeldLock]:
+    """A free default name (``snapshot.default_name``, then ``-2``, ``-3``...) and its
+    lock, held like a chosen name's until the commit; a name another save holds is passed
+    over, not waited for. Blocks."""
+    base = default_name(target.notebook_path, target.kernel_name or KERNEL_NAME, time.time())
+    for candidate in [base, *(f"{base}-{n}" for n in range(2, _DEFAULT_NAME_TRIES + 1))]:
+        if store.find_name(candidate) is not None:
+            continue
+        lock = store.locks.try_acquire(locks.name_key(candidate), f"save as {candidate}")
+        if lock is not None:
+            return candidate, lock
+    raise Busy("preflight", f"every default name from {base!r} to {base}-"
+               f"{_DEFAULT_NAME_TRIES} is taken", hint="give the snapshot a name")
 
 
 async def _require_name_free(store: SnapshotStore, name: str) -> None:
@@ -169,7 +194,7 @@ class _Save:
         engine: EngineParts,
         target: SaveTarget,
         kernel: procfs.KernelProcess,
-        name: str | None,
+        name: str,
         stop: bool,
         report: ProgressCallback,
         started: float,
@@ -224,10 +249,23 @@ class _Save:
                 await self.roll_back(error, resume_error)
             snapshot = await self.commit()
         await self.find_pages(snapshot)
+        snapshot = await self.record_timings(snapshot)
         if not self.ctx.stop:
             await self.require_survival(snapshot)
         self.report(Progress("done", snapshot.size_bytes, snapshot.size_bytes))
         return snapshot
+
+    async def record_timings(self, snapshot: Snapshot) -> Snapshot:
+        """The save's whole timings into its manifest, signed again: the commit is signed
+        before its own time is known, and the next saves are timed from these (the shutdown
+        budget's estimate). A failure only leaves the manifest with the earlier ones."""
+        try:
+            return await asyncio.to_thread(
+                self.store.record_timings, snapshot.id, dict(self.timings))
+        except (OSError, SnapshotError) as exc:
+            log.warning("snapshot %s: its timings stay those of before its commit: %s",
+                        snapshot.id, exc)
+            return snapshot
 
     # -- 1. preflight ----------------------------------------------------------------------
     async def preflight(self) -> None:
@@ -422,7 +460,7 @@ class _Save:
         self.report(Progress("commit"))
         t = time.monotonic()
         await self._add_mapped_files()
-        self.manifest["timings"] = self.timings
+        self.manifest["timings"] = dict(self.timings)  # this far; record_timings adds the rest
         try:
             snapshot = await run_in_background(
                 self.store.commit,
@@ -524,7 +562,7 @@ class _Save:
         kernel_name = target.kernel_name or KERNEL_NAME
         return {
             "id": ctx.snapshot_id,
-            "name": self.name or f"{kernel_name}-{ctx.snapshot_id}",
+            "name": self.name,
             "created": time.time(),
             "host": socket.gethostname(),
             "reason": target.reason,
