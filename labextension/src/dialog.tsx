@@ -15,21 +15,24 @@ import {
   describeLocation,
   formatAge,
   formatSnapshotSize,
-  formatTime
+  formatTime,
+  reasonBadge
 } from './format';
+import { type IRunningKernel, describeRefusal, heldByRunningKernel } from './remedy';
 import { untranslated } from './translation';
 
-/** The notebook's running kernel, whose own snapshots cannot be restored while it runs. */
-export interface IRunningKernel {
-  kernelId: string | null;
-  /** The snapshot the running kernel was restored from, when known. */
-  originId: string | null;
-}
+export type { IRunningKernel };
 
-/** The dialog's answer: the snapshot, and how to restore it (null: its image). */
+/**
+ * The dialog's answer: the snapshot, how to restore it (null: its image), and whether
+ * the notebook's running kernel holds its ports (restoring it replaces that kernel).
+ */
 export interface IPicked {
   snapshot: ISnapshotSummary;
   fallback: FallbackMode | null;
+  held: boolean;
+  /** What the dialog listed, for a later look at the kernel's line of snapshots. */
+  listing: ISnapshotSummary[];
 }
 
 export class SnapshotPicker
@@ -59,7 +62,12 @@ export class SnapshotPicker
     const offered = offeredFallbacks(snapshot.fallback);
     const fallback =
       this._fallback && offered.includes(this._fallback) ? this._fallback : null;
-    return { snapshot, fallback };
+    return {
+      snapshot,
+      fallback,
+      held: this.heldByRunningKernel(snapshot),
+      listing: this._snapshots
+    };
   }
 
   /** The selected snapshot, if any. */
@@ -67,10 +75,17 @@ export class SnapshotPicker
     return this._snapshots.find(s => s.id === this._selected) ?? null;
   }
 
-  /** Whether the running kernel holds this snapshot's ports: taken of it, or restored from it. */
+  /** Whether the running kernel holds this snapshot's ports (``remedy.heldByRunningKernel``). */
   heldByRunningKernel(s: ISnapshotSummary): boolean {
-    const { kernelId, originId } = this._running;
-    return (kernelId !== null && s.kernel?.kernel_id === kernelId) || s.id === originId;
+    return heldByRunningKernel(s, this._running, this._snapshots);
+  }
+
+  /**
+   * This notebook's snapshots: those of its path, and those the running kernel holds
+   * the ports of (its own, whatever path they were saved under).
+   */
+  private _isOwn(s: ISnapshotSummary): boolean {
+    return s.notebook_path === this._notebookPath || this.heldByRunningKernel(s);
   }
 
   async reload(): Promise<void> {
@@ -80,15 +95,18 @@ export class SnapshotPicker
       this._snapshots = [...all].sort((a, b) => b.created - a.created);
       this._error = null;
       if (!this._snapshots.some(s => s.id === this._selected)) {
-        // Never pre-select what the running kernel holds: that restore would be refused.
-        const free = this._ordered().filter(s => !this.heldByRunningKernel(s));
+        // This notebook's newest that its running kernel does not hold: restoring it
+        // replaces nothing the user did. Another notebook's is never picked for them.
+        const free = this._snapshots.filter(
+          s => this._isOwn(s) && !this.heldByRunningKernel(s)
+        );
         this._selected = free[0]?.id ?? null;
       }
     } catch (error) {
       this._error = (error as Error).message;
     }
     this._loaded = true;
-    this.update();
+    this._redraw();
   }
 
   render(): JSX.Element {
@@ -96,12 +114,22 @@ export class SnapshotPicker
     if (!this._loaded) {
       return <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>;
     }
-    const own = this._snapshots.filter(s => s.notebook_path === this._notebookPath);
-    const others = this._snapshots.filter(s => s.notebook_path !== this._notebookPath);
+    const own = this._snapshots.filter(s => this._isOwn(s));
+    const others = this._snapshots.filter(s => !this._isOwn(s));
     // One table, two sections: the columns of both line up.
     return (
       <div>
         {this._error && <p className="jp-gpu-snapshot-error">{this._error}</p>}
+        {/* Nothing selected: the dialog's own check keeps its Restore button disabled. */}
+        <input
+          className="jp-gpu-snapshot-chosen"
+          hidden
+          required
+          tabIndex={-1}
+          aria-hidden="true"
+          value={this._selected ?? ''}
+          onChange={() => undefined}
+        />
         <table className="jp-gpu-snapshot-table">
           <thead>
             <tr>
@@ -216,12 +244,13 @@ export class SnapshotPicker
         </td>
         <td className="jp-gpu-snapshot-name">
           {s.name}
-          {s.reason === 'shutdown' && (
+          {reasonBadge(s.reason, trans) && (
             <span
               className="jp-gpu-snapshot-badge"
-              title={trans.__('Saved when the server shut down')}
+              data-reason={s.reason}
+              title={reasonBadge(s.reason, trans)?.title}
             >
-              {trans.__('before shutdown')}
+              {reasonBadge(s.reason, trans)?.text}
             </span>
           )}
           {location && (
@@ -248,7 +277,9 @@ export class SnapshotPicker
         <td title={formatTime(s.created)}>{formatAge(s.created, undefined, trans)}</td>
         <td>{formatSnapshotSize(s, trans)}</td>
         <td>{describeGpu(s, trans)}</td>
-        <td className="jp-gpu-snapshot-path">{s.notebook_path ?? '—'}</td>
+        <td className="jp-gpu-snapshot-path" title={s.notebook_path ?? ''}>
+          {s.notebook_path ?? '—'}
+        </td>
         <td>
           {this._deleteButtons.render(s, trans, event => {
             event.stopPropagation();
@@ -271,7 +302,19 @@ export class SnapshotPicker
       this._fallback = null; // a way chosen for one snapshot is no choice for another
     }
     this._selected = id;
+    this._redraw();
+  }
+
+  /**
+   * Draw again, then have the dialog check its inputs: it does on an input event, and
+   * disables its Restore button while one is invalid (the hidden one, with nothing
+   * selected).
+   */
+  private _redraw(): void {
     this.update();
+    requestAnimationFrame(() =>
+      this.node.dispatchEvent(new Event('input', { bubbles: true }))
+    );
   }
 
   private _onKeyDown = (event: KeyboardEvent): void => {
@@ -305,7 +348,7 @@ export class SnapshotPicker
       this._error = this._trans.__(
         "Could not delete '%1': %2",
         s.name,
-        (error as Error).message
+        describeRefusal(error, this._trans)
       );
       this.update();
       return;
