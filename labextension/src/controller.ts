@@ -153,6 +153,12 @@ interface IKernelEntry {
   autosave: IAutosaveState | null;
   /** The server's last answer was that it knows no such kernel (404). */
   gone: boolean;
+  /**
+   * How many times a job that ended here changed the status: an answer to a request sent
+   * before the last is older than what the page knows (a snapshot committed since), and
+   * is dropped.
+   */
+  settled: number;
 }
 
 export interface IAvailability {
@@ -264,11 +270,18 @@ export class SnapshotController {
 
   private async _fetchStatus(kernelId: string): Promise<void> {
     const entry = this._entry(kernelId);
+    const settled = entry.settled;
     try {
       const [status, autosave] = await Promise.all([
         this.api.kernelStatus(kernelId),
         this.api.autosave(kernelId).catch(() => null)
       ]);
+      if (entry.settled !== settled) {
+        // Asked before a job ended here: it would show the kernel as it was ("No
+        // snapshot yet" after a save). Asked again instead.
+        this._refreshAgain.add(kernelId);
+        return;
+      }
       entry.status = status;
       entry.autosave = autosave;
       entry.error = null;
@@ -446,6 +459,7 @@ export class SnapshotController {
       const status = this.entry(kernelId)?.status;
       if (status) {
         status.last_snapshot = summary;
+        this._entry(kernelId).settled++;
         this._changed.emit(kernelId);
       }
       void this.refresh(kernelId);
@@ -1003,6 +1017,7 @@ export class SnapshotController {
         entry.status &&
         final.result
       ) {
+        entry.settled++;
         entry.status = {
           ...entry.status,
           last_snapshot: final.result as ISnapshotSummary
@@ -1097,7 +1112,14 @@ export class SnapshotController {
   private _entry(kernelId: string): IKernelEntry {
     let entry = this._entries.get(kernelId);
     if (!entry) {
-      entry = { status: null, error: null, job: null, autosave: null, gone: false };
+      entry = {
+        status: null,
+        error: null,
+        job: null,
+        autosave: null,
+        gone: false,
+        settled: 0
+      };
       this._entries.set(kernelId, entry);
     }
     return entry;

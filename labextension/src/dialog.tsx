@@ -106,30 +106,26 @@ export class SnapshotPicker
       this._error = (error as Error).message;
     }
     this._loaded = true;
-    this._redraw();
+    this.update();
   }
 
   render(): JSX.Element {
     const trans = this._trans;
     if (!this._loaded) {
-      return <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>;
+      // The same focusable box as the list that follows: the dialog focuses it at once.
+      return (
+        <div className="jp-gpu-snapshot-list" tabIndex={-1}>
+          <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>
+        </div>
+      );
     }
     const own = this._snapshots.filter(s => this._isOwn(s));
     const others = this._snapshots.filter(s => !this._isOwn(s));
     // One table, two sections: the columns of both line up.
     return (
-      <div>
+      <div className="jp-gpu-snapshot-list" tabIndex={-1}>
         {this._error && <p className="jp-gpu-snapshot-error">{this._error}</p>}
-        {/* Nothing selected: the dialog's own check keeps its Restore button disabled. */}
-        <input
-          className="jp-gpu-snapshot-chosen"
-          hidden
-          required
-          tabIndex={-1}
-          aria-hidden="true"
-          value={this._selected ?? ''}
-          onChange={() => undefined}
-        />
+
         <table className="jp-gpu-snapshot-table">
           <thead>
             <tr>
@@ -156,6 +152,17 @@ export class SnapshotPicker
           )}
         </table>
         {this._howToRestore()}
+        {/* Nothing selected: the dialog's own check keeps its Restore button disabled. */}
+        <input
+          className="jp-gpu-snapshot-chosen"
+          hidden
+          required
+          tabIndex={-1}
+          aria-hidden="true"
+          value={this._selected ?? ''}
+          onChange={() => undefined}
+          ref={node => node && this._askDialogToCheck(node)}
+        />
       </div>
     );
   }
@@ -302,19 +309,16 @@ export class SnapshotPicker
       this._fallback = null; // a way chosen for one snapshot is no choice for another
     }
     this._selected = id;
-    this._redraw();
+    this.update();
   }
 
   /**
-   * Draw again, then have the dialog check its inputs: it does on an input event, and
-   * disables its Restore button while one is invalid (the hidden one, with nothing
-   * selected).
+   * Once a drawing is on the page (React hands the hidden field's ref over then): the
+   * dialog checks its inputs on an input event, and disables its Restore button while
+   * one is invalid (the hidden one is, with nothing selected).
    */
-  private _redraw(): void {
-    this.update();
-    requestAnimationFrame(() =>
-      this.node.dispatchEvent(new Event('input', { bubbles: true }))
-    );
+  private _askDialogToCheck(node: HTMLInputElement): void {
+    queueMicrotask(() => node.dispatchEvent(new Event('input', { bubbles: true })));
   }
 
   private _onKeyDown = (event: KeyboardEvent): void => {
@@ -379,6 +383,8 @@ export async function pickSnapshot(
   const result = await showDialog({
     title: trans.__('Restore kernel from snapshot'),
     body: new SnapshotPicker(api, notebookPath, onDeleted, running, trans),
+    // The list takes the keys (arrows, Enter, Escape), whether Restore is enabled or not.
+    focusNodeSelector: '.jp-gpu-snapshot-list',
     // JupyterLab words the default Cancel in its own domain.
     buttons: [Dialog.cancelButton(), Dialog.okButton({ label: trans.__('Restore') })]
   });

@@ -1375,3 +1375,27 @@ describe('restoreAsked: going back on the kernel that runs is one confirmation',
     expect(mockedShowDialog).not.toHaveBeenCalled();
   });
 });
+
+describe('a status asked before a save ended', () => {
+  it('does not bring back "no snapshot" once the save committed: it is asked again', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    const saved = makeSnapshot({ id: 's-new', kernel: { kernel_id: 'k-b' } });
+    api.startSave.mockResolvedValue(makeJob({ kernel_id: 'k-b' }));
+    let answerStale: (status: IKernelStatus) => void = () => undefined;
+    api.kernelStatus.mockReturnValueOnce(new Promise(resolve => (answerStale = resolve)));
+    const polled = controller.refresh('k-b'); // a poll, while the save runs
+    api.getJob.mockResolvedValue(
+      makeJob({ kernel_id: 'k-b', status: 'succeeded', phase: 'done', result: saved })
+    );
+    let answerFresh: (status: IKernelStatus) => void = () => undefined;
+    api.kernelStatus.mockReturnValue(new Promise(resolve => (answerFresh = resolve)));
+    await controller.save(notebook);
+    expect(controller.entry('k-b')?.status?.last_snapshot?.id).toBe('s-new');
+    answerStale(status({ last_snapshot: null })); // the poll's answer, from before the commit
+    await polled;
+    // Until the server answers again, the page keeps what it knows.
+    expect(controller.entry('k-b')?.status?.last_snapshot?.id).toBe('s-new');
+    expect(api.kernelStatus).toHaveBeenCalledTimes(3);
+    answerFresh(status({ last_snapshot: saved }));
+  });
+});
