@@ -1,6 +1,7 @@
 """The save sequence: how a running kernel becomes a snapshot, in one place.
 
-``save_kernel`` claims the kernel (and the name) in the store; ``_Save.run`` then takes
+``save_kernel`` claims the kernel and the name in the store (``save_claims``: the name
+asked for, or one made from the notebook and the local time); ``_Save.run`` then takes
 these steps, in order, each a method of ``_Save``:
 
 1. preflight  read what the manifest records while the tree exists (criu's version, the
@@ -49,7 +50,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -60,10 +60,11 @@ from . import locks, procfs
 from .background import run_in_background
 from .compatibility import node_facts
 from .criu import describe_exit
-from .errors import Busy, Interrupted, InvalidRequest, SnapshotError
+from .errors import Interrupted, SnapshotError
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
+from .save_claims import claimed
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
 from .store import (
     DUMP_COMPLETE_FILE,
@@ -71,9 +72,7 @@ from .store import (
     FollowedFile,
     ManifestProblem,
     Snapshot,
-    SnapshotStore,
     bounded_history,
-    default_name,
     is_portable_file,
     new_snapshot_id,
     portable_problem,
@@ -103,64 +102,10 @@ async def save_kernel(
         validate_name(name)
     kernel = await asyncio.to_thread(procfs.inspect_kernel, target.pid)
     procfs.require_ready(kernel)
-    with contextlib.ExitStack() as held:
-        claims = held.enter_context(_claimed(engine.store, kernel, name))
-        if name is not None:
-            await _require_name_free(engine.store, name)
-            chosen = name
-        else:
-            chosen, lock = await asyncio.to_thread(_claim_default_name, engine.store, target)
-            claims.append(held.enter_context(lock))
+    async with claimed(engine.store, kernel, target, name) as (chosen, claims):
         interrupt = asyncio.Event()
         steps = _Save(engine, target, kernel, chosen, stop, report, started, claims, interrupt)
         return await finish_despite_cancel(asyncio.ensure_future(steps.run()), interrupt)
-
-
-@contextlib.contextmanager
-def _claimed(
-    store: SnapshotStore, kernel: procfs.KernelProcess, name: str | None
-) -> Iterator[list[HeldLock]]:
-    """Locks in the store: the CLI and the server never dump one kernel at once, nor commit
-    two snapshots under one name."""
-    with contextlib.ExitStack() as held:
-        claims = [held.enter_context(store.locks.hold(
-            locks.kernel_key(kernel.root_pid), f"kernel pid {kernel.kernel_pid}",
-            "preflight", note=f"save of kernel pid {kernel.kernel_pid}",
-        ))]
-        if name is not None:
-            claims.append(held.enter_context(store.locks.hold(
-                locks.name_key(name), f"the snapshot name {name!r}", "preflight",
-                note=f"save as {name}",
-            )))
-        yield claims
-
-
-# How many numbered default names one minute may give a notebook's saves.
-_DEFAULT_NAME_TRIES = 99
-
-
-def _claim_default_name(store: SnapshotStore, target: SaveTarget) -> tuple[str, HeldLock]:
-    """A free default name (``snapshot.default_name``, then ``-2``, ``-3``...) and its
-    lock, held like a chosen name's until the commit; a name another save holds is passed
-    over, not waited for. Blocks."""
-    base = default_name(target.notebook_path, target.kernel_name or KERNEL_NAME, time.time())
-    for candidate in [base, *(f"{base}-{n}" for n in range(2, _DEFAULT_NAME_TRIES + 1))]:
-        if store.find_name(candidate) is not None:
-            continue
-        lock = store.locks.try_acquire(locks.name_key(candidate), f"save as {candidate}")
-        if lock is not None:
-            return candidate, lock
-    raise Busy("preflight", f"every default name from {base!r} to {base}-"
-               f"{_DEFAULT_NAME_TRIES} is taken", hint="give the snapshot a name")
-
-
-async def _require_name_free(store: SnapshotStore, name: str) -> None:
-    if await asyncio.to_thread(store.find_name, name) is not None:
-        raise InvalidRequest(
-            "preflight",
-            f"a snapshot named {name!r} exists already",
-            hint="pick another name, or delete the old one first",
-        )
 
 
 @dataclass(frozen=True)
