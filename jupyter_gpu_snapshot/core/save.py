@@ -1,6 +1,7 @@
 """The save sequence: how a running kernel becomes a snapshot, in one place.
 
-``save_kernel`` claims the kernel (and the name) in the store; ``_Save.run`` then takes
+``save_kernel`` claims the kernel and the name in the store (``save_claims``: the name
+asked for, or one made from the notebook and the local time); ``_Save.run`` then takes
 these steps, in order, each a method of ``_Save``:
 
 1. preflight  read what the manifest records while the tree exists (criu's version, the
@@ -49,7 +50,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -60,10 +60,11 @@ from . import locks, procfs
 from .background import run_in_background
 from .compatibility import node_facts
 from .criu import describe_exit
-from .errors import Interrupted, InvalidRequest, SnapshotError
+from .errors import Interrupted, SnapshotError
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
+from .save_claims import claimed
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
 from .store import (
     DUMP_COMPLETE_FILE,
@@ -71,7 +72,6 @@ from .store import (
     FollowedFile,
     ManifestProblem,
     Snapshot,
-    SnapshotStore,
     bounded_history,
     is_portable_file,
     new_snapshot_id,
@@ -102,40 +102,10 @@ async def save_kernel(
         validate_name(name)
     kernel = await asyncio.to_thread(procfs.inspect_kernel, target.pid)
     procfs.require_ready(kernel)
-    with _claimed(engine.store, kernel, name) as claims:
-        if name is not None:
-            await _require_name_free(engine.store, name)
+    async with claimed(engine.store, kernel, target, name) as (chosen, claims):
         interrupt = asyncio.Event()
-        steps = _Save(engine, target, kernel, name, stop, report, started, claims, interrupt)
+        steps = _Save(engine, target, kernel, chosen, stop, report, started, claims, interrupt)
         return await finish_despite_cancel(asyncio.ensure_future(steps.run()), interrupt)
-
-
-@contextlib.contextmanager
-def _claimed(
-    store: SnapshotStore, kernel: procfs.KernelProcess, name: str | None
-) -> Iterator[list[HeldLock]]:
-    """Locks in the store: the CLI and the server never dump one kernel at once, nor commit
-    two snapshots under one name."""
-    with contextlib.ExitStack() as held:
-        claims = [held.enter_context(store.locks.hold(
-            locks.kernel_key(kernel.root_pid), f"kernel pid {kernel.kernel_pid}",
-            "preflight", note=f"save of kernel pid {kernel.kernel_pid}",
-        ))]
-        if name is not None:
-            claims.append(held.enter_context(store.locks.hold(
-                locks.name_key(name), f"the snapshot name {name!r}", "preflight",
-                note=f"save as {name}",
-            )))
-        yield claims
-
-
-async def _require_name_free(store: SnapshotStore, name: str) -> None:
-    if await asyncio.to_thread(store.find_name, name) is not None:
-        raise InvalidRequest(
-            "preflight",
-            f"a snapshot named {name!r} exists already",
-            hint="pick another name, or delete the old one first",
-        )
 
 
 @dataclass(frozen=True)
@@ -169,7 +139,7 @@ class _Save:
         engine: EngineParts,
         target: SaveTarget,
         kernel: procfs.KernelProcess,
-        name: str | None,
+        name: str,
         stop: bool,
         report: ProgressCallback,
         started: float,
@@ -224,10 +194,23 @@ class _Save:
                 await self.roll_back(error, resume_error)
             snapshot = await self.commit()
         await self.find_pages(snapshot)
+        snapshot = await self.record_timings(snapshot)
         if not self.ctx.stop:
             await self.require_survival(snapshot)
         self.report(Progress("done", snapshot.size_bytes, snapshot.size_bytes))
         return snapshot
+
+    async def record_timings(self, snapshot: Snapshot) -> Snapshot:
+        """The save's whole timings into its manifest, signed again: the commit is signed
+        before its own time is known, and the next saves are timed from these (the shutdown
+        budget's estimate). A failure only leaves the manifest with the earlier ones."""
+        try:
+            return await asyncio.to_thread(
+                self.store.record_timings, snapshot.id, dict(self.timings))
+        except (OSError, SnapshotError) as exc:
+            log.warning("snapshot %s: its timings stay those of before its commit: %s",
+                        snapshot.id, exc)
+            return snapshot
 
     # -- 1. preflight ----------------------------------------------------------------------
     async def preflight(self) -> None:
@@ -422,7 +405,7 @@ class _Save:
         self.report(Progress("commit"))
         t = time.monotonic()
         await self._add_mapped_files()
-        self.manifest["timings"] = self.timings
+        self.manifest["timings"] = dict(self.timings)  # this far; record_timings adds the rest
         try:
             snapshot = await run_in_background(
                 self.store.commit,
@@ -524,7 +507,7 @@ class _Save:
         kernel_name = target.kernel_name or KERNEL_NAME
         return {
             "id": ctx.snapshot_id,
-            "name": self.name or f"{kernel_name}-{ctx.snapshot_id}",
+            "name": self.name,
             "created": time.time(),
             "host": socket.gethostname(),
             "reason": target.reason,

@@ -50,6 +50,7 @@ from .presentation import (
     IDLE_POLICY_FIELDS,
     autosave_lines,
     format_age,
+    hibernate_note,
     idle_policy_line,
     job_progress_text,
     local_time,
@@ -374,13 +375,8 @@ class GPUSnapshotMagics(Magics):
         # This cell is running, and a kernel never hibernates under a running cell: the
         # server does it as soon as this cell has ended.
         client.hibernate_when_idle(tier)
-        if tier == "gpu":
-            print("This kernel gives its GPU back once this cell ends: its GPU memory moves "
-                  "into its host memory and its process waits. The next cell you run wakes "
-                  "it in seconds, with everything in place.")
-            return
-        print("This kernel hibernates once this cell ends: its process stops and its GPU "
-              "memory is freed. The next cell you run wakes it, with everything in place.")
+        cuda = client.status().get("cuda") if tier == "process" else None
+        print(hibernate_note(tier, cuda))
 
     def _widget(self, client: SnapshotClient, args: Any) -> None:
         from .widget import SnapshotPanel  # ipywidgets only when asked for

@@ -295,3 +295,18 @@ def autosave_text(state: dict[str, Any], now: float) -> str:
     else:
         text += "; nothing to save"
     return text + "."
+
+
+def hibernate_note(tier: str, cuda: Mapping[str, Any] | None) -> str:
+    """What ``%gpu_snapshot hibernate`` and the panel's Hibernate button say: once the
+    running cell ends, the kernel gives its GPU back (the gpu tier) or its process stops;
+    a kernel that never loaded the CUDA driver (``cuda`` of its status) frees host memory,
+    and the GPU goes unsaid."""
+    if tier == "gpu":
+        return ("This kernel gives its GPU back once this cell ends: its GPU memory moves "
+                "into its host memory and its process waits. The next cell you run wakes "
+                "it in seconds, with everything in place.")
+    freed = ("its memory is freed" if cuda is not None and cuda.get("state") == "none"
+             else "its GPU and host memory are freed")
+    return (f"This kernel hibernates once this cell ends: its process stops and {freed}. "
+            "The next cell you run wakes it, with everything in place.")

@@ -9,7 +9,7 @@ snapshot's view and its rules. docs/architecture.md maps the rooms behind the fa
 Who needs which names:
 
 - a snapshot as everyone reads it: ``Snapshot``, ``DAMAGED``, ``is_snapshot_id``,
-  ``new_snapshot_id``, ``validate_name``;
+  ``new_snapshot_id``, ``validate_name``, ``default_name`` (a save nobody named);
 - the store, its paths and what it accepts (node/, the agent, config): ``SnapshotStore``,
   ``ManifestPolicy``, ``fallbacks_offered``, ``default_store_dir``, ``default_key_file``,
   ``default_kernel_log_dir``;
@@ -51,7 +51,14 @@ from .retention import (
     reclaimed_by_next_autosave,
     to_delete,
 )
-from .snapshot import DAMAGED, Snapshot, is_snapshot_id, new_snapshot_id, validate_name
+from .snapshot import (
+    DAMAGED,
+    Snapshot,
+    default_name,
+    is_snapshot_id,
+    new_snapshot_id,
+    validate_name,
+)
 from .staging import (
     ASSEMBLED_PREFIX,
     ASSEMBLY_LOCK,
@@ -108,6 +115,7 @@ __all__ = [
     "bounded_history",
     "default_kernel_log_dir",
     "default_key_file",
+    "default_name",
     "default_store_dir",
     "describe",
     "digest_files",

@@ -528,6 +528,19 @@ class SnapshotStore:
             warnings = [*current.manifest.get("warnings", []), warning]
             return self._resign(root_fd, current, {"warnings": warnings}, "commit")
 
+    def record_timings(self, ref: str, timings: dict[str, float]) -> Snapshot:
+        """Replace a trusted snapshot's timings, re-signed: a save's commit and total are
+        known only once the manifest is signed."""
+        snapshot = self.get(ref)
+        with self.locks.hold(
+            snapshot_lock_key(snapshot.id), f"snapshot {snapshot.name} ({snapshot.id})",
+            "commit", note="timings",
+        ), self._root_fd() as root_fd:
+            assert root_fd is not None
+            current = self.get(snapshot.id)
+            current.require_trusted("commit")
+            return self._resign(root_fd, current, {"timings": timings}, "commit")
+
     def _resign(self, root_fd: int, current: Snapshot, changes: dict[str, Any],
                 step: str) -> Snapshot:
         """Replace ``current``'s manifest, with ``changes`` and signed again, atomically."""
