@@ -618,8 +618,9 @@ class SnapshotService:
         say("starting a fresh kernel")
         km = await self.slots.start_fresh(kernel_id, kernel_name, path)
         client = shell_client(km)
+        alive, stop_following = _alive_until_it_dies(km)
         try:
-            fresh = fallback_modes.FreshKernel(client, lambda: ensure_async(km.is_alive()))
+            fresh = fallback_modes.FreshKernel(client, alive)
             report = await fallback_modes.bring_back(fresh, self.engine, snapshot, mode, say)
             session_id = await self.slots.attach_fresh(kernel_id, session, path)
             # A notebook that asked from a cell sees the report there: the cell that asked
@@ -631,5 +632,31 @@ class SnapshotService:
             await self.slots.shutdown_quietly(kernel_id)
             raise
         finally:
+            stop_following()
             client.stop_channels()
         return {"kernel_id": kernel_id, "session_id": session_id, "fallback": report}
+
+
+def _alive_until_it_dies(km: Any) -> tuple[Callable[[], Awaitable[bool]], Callable[[], None]]:
+    """Whether the fresh kernel of a fallback still lives, and how to stop asking its
+    restarter. The server's restarter replaces a kernel that died with a blank one in the
+    same manager, for which ``is_alive`` says yes again: a death the restarter reports
+    (before it restarts, or when it gives up) ends the fresh kernel for the fallback, whose
+    wait for a reply would otherwise never end."""
+    died = False
+
+    def on_death() -> None:
+        nonlocal died
+        died = True
+
+    for event in ("restart", "dead"):
+        km.add_restart_callback(on_death, event)
+
+    async def alive() -> bool:
+        return not died and bool(await ensure_async(km.is_alive()))
+
+    def stop_following() -> None:
+        for event in ("restart", "dead"):
+            km.remove_restart_callback(on_death, event)
+
+    return alive, stop_following
