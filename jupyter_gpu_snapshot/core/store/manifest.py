@@ -41,18 +41,20 @@ process died (``core/recovery.py``).
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import jsonschema
+from typing import TYPE_CHECKING, Any
 
 from ..._constants import HISTORY_SOURCE_BYTES
 from .digest import ALGORITHMS
+
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
 
 # 3 added the "node" section (a reader of 2 refuses its unknown field); 4 added files kept
 # by content ("chunks") and the "stored" section; 5 the cells the kernel ran ("history")
@@ -252,7 +254,17 @@ SCHEMA: dict[str, Any] = {
 CONNECTION_KEYS = tuple(
     SCHEMA["properties"]["kernel"]["properties"]["connection_info"]["properties"]
 )
-_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
+
+
+@functools.cache
+def _validator(section: str | None = None) -> Validator:
+    """The schema's validator, or its ``section``'s, made at its first use: jsonschema is
+    imported only by a process that checks a manifest (a listing through the node agent
+    checks none)."""
+    import jsonschema
+
+    schema = SCHEMA if section is None else SCHEMA["properties"][section]
+    return jsonschema.Draft202012Validator(schema)
 
 
 @dataclass(frozen=True)
@@ -273,7 +285,7 @@ class ManifestProblem(ValueError):
 
 def problem(manifest: Any, directory_name: str, policy: ManifestPolicy) -> str | None:
     """Why ``manifest`` is not a valid manifest of the snapshot ``directory_name``, or None."""
-    error = next(iter(sorted(_VALIDATOR.iter_errors(manifest), key=lambda e: e.path)), None)
+    error = next(iter(sorted(_validator().iter_errors(manifest), key=lambda e: e.path)), None)
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "(top)"
         return f"manifest field {where}: {error.message[:200]}"
@@ -312,15 +324,11 @@ def is_portable_file(name: str) -> bool:
     return name.startswith(PORTABLE_PREFIX)
 
 
-HISTORY_SCHEMA = jsonschema.Draft202012Validator(SCHEMA["properties"]["history"])
-PORTABLE_SCHEMA = jsonschema.Draft202012Validator(SCHEMA["properties"]["portable"])
-
-
 def bounded_history(history: Any) -> dict[str, Any]:
     """``history`` as a manifest keeps it: checked against the schema (it comes from the
     kernel, which any code in it may have changed), and cut to the newest cells whose
     source fits HISTORY_SOURCE_BYTES. Raises ManifestProblem for a malformed one."""
-    error = next(iter(HISTORY_SCHEMA.iter_errors(history)), None)
+    error = next(iter(_validator("history").iter_errors(history)), None)
     if error is not None:
         raise ManifestProblem(f"the kernel's cell history: {error.message[:200]}")
     cells = list(history["cells"])
@@ -343,7 +351,7 @@ def bounded_history(history: Any) -> dict[str, Any]:
 def portable_problem(report: Any, written: Sequence[str]) -> str | None:
     """Why the kernel's report of its portable copy cannot go into a manifest, or None.
     ``written``: the names of the files found in the snapshot's directory."""
-    error = next(iter(PORTABLE_SCHEMA.iter_errors(report)), None)
+    error = next(iter(_validator("portable").iter_errors(report)), None)
     if error is not None:
         return f"the portable copy's report: {error.message[:200]}"
     listed = set(report["files"])
