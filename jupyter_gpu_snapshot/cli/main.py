@@ -12,10 +12,9 @@ command's arguments are built, so that ``--help`` and ``list`` answer at once
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .._constants import FALLBACK_MODES, KERNEL_NAME
@@ -281,27 +280,6 @@ def chosen_command(argv: Sequence[str]) -> str:
     return ""
 
 
-# Modules that jsonschema's format checker imports when they are installed (the server's
-# jupyter_events asks for them), and that cost more than the rest of a command's start:
-# rfc3987_syntax compiles its grammar at import (1.2 s on a 2-core machine), isoduration
-# brings arrow and dateutil. The manifests' schema is checked without formats, and nothing
-# else in this process checks any, so while a command runs they are not imported.
-_FORMAT_GRAMMARS = ("rfc3987_syntax", "isoduration")
-
-
-@contextlib.contextmanager
-def _without_format_grammars() -> Iterator[None]:
-    blocked = [name for name in _FORMAT_GRAMMARS if name not in sys.modules]
-    for name in blocked:
-        sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError
-    try:
-        yield
-    finally:
-        for name in blocked:
-            if sys.modules.get(name, ...) is None:
-                del sys.modules[name]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(chosen_command(words)).parse_args(words)
@@ -309,8 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = getattr(
         importlib.import_module(f"{__package__}.{module}"), function)
     try:
-        with _without_format_grammars():
-            return run(args)
+        return run(args)
     except SnapshotError as exc:
         warn(f"[red]error:[/] {exc.message}")
         return 2
