@@ -26,7 +26,7 @@ alternating run by run, so that both trees meet the same load; the load average 
 around each group. Steps 1 and 3 use this checkout only.
 
     python benchmarks/bench_cli.py [--snapshots 10] [--repeats 10] [--restores 5]
-        [--magic-kernels 3] [--compare TREE] [--agent] [--out FILE]
+        [--magic-kernels 3] [--compare TREE --compare-name NAME] [--agent] [--out FILE]
 """
 
 from __future__ import annotations
@@ -395,7 +395,9 @@ def main() -> None:
     parser.add_argument("--magic-kernels", type=int, default=3,
                         help="fresh kernels whose first %%gpu_snapshot list is timed")
     parser.add_argument("--compare", type=Path, default=None,
-                        help="another checkout, each command run as often from it")
+                        help="another tree of the package, each command run as often from it")
+    parser.add_argument("--compare-name", default="compared",
+                        help="what the results call the --compare tree (e.g. its commit)")
     parser.add_argument("--agent", action="store_true",
                         help="also list as a user without root, through a node agent")
     parser.add_argument("--out", type=Path, default=None)
@@ -410,7 +412,7 @@ def main() -> None:
     install()
     trees: dict[str, Path | None] = {THIS: None}
     if args.compare is not None:
-        trees[str(args.compare)] = args.compare.resolve()
+        trees[args.compare_name] = args.compare.resolve()
     base = Path(tempfile.mkdtemp(prefix="bench-cli-"))
     os.chmod(base, 0o711)
     # The server's runtime directory for everything: the kernels' logs, which its manifest
@@ -426,11 +428,11 @@ def main() -> None:
         "machine": host_facts(),
         "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
                                  capture_output=True, text=True).stdout.strip(),
-        "trees": {label: package_of(tree, cwd) for label, tree in trees.items()},
+        "trees": list(trees),
         "repeats": args.repeats,
     }
-    for label, found in result["trees"].items():
-        tree = trees[label]
+    for label, tree in trees.items():
+        found = package_of(tree, cwd)
         if tree is not None and not found.startswith(str(tree)):
             raise SystemExit(f"{label}: the package came from {found}, not from the tree")
     km = start_kernel()
