@@ -81,9 +81,8 @@ from .store import (
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20
-# How long a kernel that a keep-running save left running has to answer kernel_info, and
-# how long its namespace init has to write what ended it, when it did not survive.
-KERNEL_ANSWER_SECONDS = 30.0
+# How long a kernel's namespace init has to write what ended it, when a kernel that a
+# keep-running save left running did not survive.
 DEATH_RECORD_SECONDS = 5.0
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines
+from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines, table
 from . import cell_record, portable_request
 from .client import ClientError, JobFailed, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
@@ -57,7 +57,6 @@ from .presentation import (
     saved_line,
     snapshot_size_text,
     status_lines,
-    table,
 )
 
 if TYPE_CHECKING:

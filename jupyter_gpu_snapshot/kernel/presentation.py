@@ -187,14 +187,6 @@ def local_time(epoch: float) -> str:
     return datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
-
-
 def format_minutes(value: float) -> str:
     return f"{round(value, 1):g} min" if value >= 1 else f"{round(value * 60):g} s"
 
