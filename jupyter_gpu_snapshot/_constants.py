@@ -1,5 +1,6 @@
 """Names shared by every side of the kernel boundary: environment variables, the kernel and
-provisioner names, the API prefix, and how a byte count reads.
+provisioner names, the API prefix, and how a byte count, a table and a fallback's report
+read.
 
 Only the standard library may be used here: snapshot-ready kernels import this module, and
 so does ``launch/nsinit.py``'s parent. The TypeScript side reads these names from the
@@ -8,6 +9,7 @@ server (``GET gpu-snapshot/info``), never from a copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 # What a snapshot-ready kernel learns from its environment about the server that owns it.
@@ -81,6 +83,17 @@ def format_bytes(n: float) -> str:
         size /= 1024
         i += 1
     return f"{int(size)} B" if i == 0 else f"{size:.1f} {_UNITS[i]}"
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows as aligned columns, the first row the header, the same in the magic and the CLI:
+    no cell is ever cut or wrapped, so ids and paths copy whole (a terminal may fold a long
+    line)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
 
 
 def fallback_report_lines(report: dict[str, Any]) -> list[str]:

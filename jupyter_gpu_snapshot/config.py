@@ -20,7 +20,6 @@ from ._constants import (
     ENV_REMOTE_URL,
 )
 from .agent_client.protocol import DEFAULT_SOCKET
-from .core.store import default_key_file, default_store_dir
 
 
 class GPUSnapshot(Configurable):
@@ -34,6 +33,8 @@ class GPUSnapshot(Configurable):
 
     @default("store_dir")
     def _default_store_dir(self) -> str:
+        from .core.store import default_store_dir
+
         return str(default_store_dir())
 
     signing_key_file = Unicode(
@@ -46,6 +47,8 @@ class GPUSnapshot(Configurable):
 
     @default("signing_key_file")
     def _default_signing_key_file(self) -> str:
+        from .core.store import default_key_file
+
         return str(default_key_file())
 
     use_agent = Enum(

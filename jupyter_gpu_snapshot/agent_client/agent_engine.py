@@ -15,15 +15,19 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ..core.errors import InvalidRequest
 from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.restore import RestoredKernel
 from ..core.save import connection_info_json
-from ..core.store import Snapshot, SnapshotUsage, StoreRoom, StoreUsage
+from ..core.store import Snapshot
 from .client import AgentClient
 from .protocol import snapshot_from
+
+# The usage count needs numpy; its reports are imported by the calls that return them.
+if TYPE_CHECKING:
+    from ..core.store import StoreRoom, StoreUsage
 
 SleeperT = TypeVar("SleeperT")
 
@@ -55,6 +59,8 @@ class AgentEngine(Generic[SleeperT]):
         return self._own_dir
 
     def store_room(self) -> StoreRoom:
+        from ..core.store import StoreRoom
+
         found = self.client.call_sync("store_room")
         free = found.get("free_bytes")
         return StoreRoom(str(found["path"]), int(free) if free is not None else None)
@@ -94,6 +100,8 @@ class AgentEngine(Generic[SleeperT]):
         return found
 
     def store_usage(self) -> StoreUsage:
+        from ..core.store import SnapshotUsage, StoreUsage
+
         found = self.client.call_sync("usage")
         return StoreUsage(found["path"], found["disk_bytes"], found["chunks_bytes"],
                           [SnapshotUsage(**s) for s in found["snapshots"]])

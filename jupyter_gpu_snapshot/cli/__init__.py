@@ -1,4 +1,5 @@
-"""``jupyter gpu-snapshot``: the command line (``main``) and its machine checks (``checks``)."""
+"""``jupyter gpu-snapshot``: the command table (``main``) and the commands, each module
+imported only when one of its commands runs."""
 
 from .main import main
 

@@ -18,18 +18,19 @@ import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .compatibility import NodeCompatibility
 from .criu import CriuRunner
 from .file_access import OWN_FILES, FileAccess
 from .hooks import Progress, ProgressCallback, SaveTarget, SnapshotHook
-from .restore import RestoredKernel, restore_snapshot
-from .restore import check_compatibility as _check_compatibility
-from .restore import check_ports as _check_ports
-from .save import KERNEL_ANSWER_SECONDS, save_kernel
-from .sequences import KernelAnswers, keep_log
-from .store import Snapshot, SnapshotIndex, SnapshotStore, StoreUsage, store_usage
+from .sequences import KERNEL_ANSWER_SECONDS, KernelAnswers, keep_log
+from .store import Snapshot, SnapshotIndex, SnapshotStore
+
+# The sequences and the usage count are imported when first run: a listing needs none.
+if TYPE_CHECKING:
+    from .restore import RestoredKernel
+    from .store import StoreUsage
 
 
 class SnapshotEngine:
@@ -68,6 +69,8 @@ class SnapshotEngine:
     def store_usage(self) -> StoreUsage:
         """The store's bytes on disk (``core/store/usage.py``); it reads every recipe: in a
         thread."""
+        from .store import store_usage
+
         return store_usage(self.store)
 
     # -- queries ---------------------------------------------------------------------------
@@ -115,6 +118,8 @@ class SnapshotEngine:
 
         The steps, and where CUDA happens inside criu, are in ``save.py``.
         """
+        from .save import save_kernel
+
         return await save_kernel(self, target, name, stop, _throttled(progress))
 
     async def restore(
@@ -129,13 +134,17 @@ class SnapshotEngine:
         UUID, cuda:0 first); without it, the GPU layer chooses. The steps are in
         ``restore.py``.
         """
+        from .restore import restore_snapshot
+
         report = _throttled(progress)
         snapshot = ref if isinstance(ref, Snapshot) else await asyncio.to_thread(self.get, ref)
         return await restore_snapshot(self, snapshot, report, gpus)
 
     async def check_ports(self, snapshot: Snapshot) -> None:
         """Raise PortsInUse when a port the restored kernel would listen on is taken."""
-        await _check_ports(snapshot)
+        from .restore import check_ports
+
+        await check_ports(snapshot)
 
     async def check_compatibility(
         self,
@@ -147,8 +156,10 @@ class SnapshotEngine:
         """Raise Incompatible when this node cannot run the snapshot (see compatibility);
         ``gpu_targets`` are the models of the GPUs chosen for a restore, by default this
         node's GPUs."""
-        await _check_compatibility(self.compatibility, snapshot, report, timings, gpu_targets,
-                                   self.files)
+        from .restore import check_compatibility
+
+        await check_compatibility(self.compatibility, snapshot, report, timings, gpu_targets,
+                                  self.files)
 
 
 def _throttled(progress: ProgressCallback | None, interval: float = 0.1) -> ProgressCallback:

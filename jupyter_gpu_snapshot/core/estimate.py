@@ -6,10 +6,11 @@ fsyncs it. So the model is::
 
     seconds = fixed + gpu_bytes / gpu_rate + (host_bytes + gpu_bytes) / image_rate
 
-with ``image_rate`` the combined rate of the dump and the commit. The defaults are the
-figures measured on the H100 and H200 machines (DESIGN.md): checkpoint 1.45 GB/s, criu
-dump 1.1 GB/s, commit about 1.74 GB/s. Past saves on this machine replace them: their
-manifests keep the bytes and the timings of each stage.
+with ``image_rate`` the rate of the rest of a save (the dump, the commit and the checks
+around them). The defaults are the figures measured on the H100 and H200 machines
+(DESIGN.md): checkpoint 1.45 GB/s, criu dump 1.1 GB/s, commit about 1.74 GB/s. Past saves
+on this machine replace them, the kernel's own first: their manifests keep the bytes and
+the timings of each stage.
 """
 
 from __future__ import annotations
@@ -60,35 +61,62 @@ def learn_rates(
     """Rates measured by this machine's past saves (snapshot summaries), else ``defaults``.
 
     Each rate is the median over the newest saves large enough to measure it; a rate with
-    no such save keeps its default.
+    no such save keeps its default. The image rate is a whole save's: every step but the
+    GPU's checkpoint counts (the dump, the commit's digests and page lookups, the checks
+    before and after), since a shutdown waits for all of them.
     """
     defaults = defaults or SaveRates()
     newest = sorted(summaries, key=lambda s: float(s.get("created", 0)))[-LEARN_FROM_NEWEST:]
-    image_rates: list[float] = []
     gpu_rates: list[float] = []
+    for s in newest:
+        t = s.get("timings") or {}
+        moved = int((s.get("gpu") or {}).get("moved_bytes") or 0)
+        suspend = float(t.get("suspend", 0.0))
+        if moved >= LEARN_MIN_BYTES and suspend > 0 and _made_here(t):
+            gpu_rates.append(moved / suspend)
+    gpu_rate = statistics.median(gpu_rates) if gpu_rates else defaults.gpu_rate
+    image_rates: list[float] = []
     fixed: list[float] = []
     for s in newest:
         t = s.get("timings") or {}
-        size = int(s.get("size_bytes", 0))
-        dump, commit, suspend = (float(t.get(k, 0.0)) for k in ("dump", "commit", "suspend"))
-        total = float(t.get("total", 0.0))
-        if not total or not dump or not commit:
+        if not _made_here(t):
             continue  # not a save made by this engine
+        size = int(s.get("size_bytes", 0))
+        total = float(t["total"])
         moved = int((s.get("gpu") or {}).get("moved_bytes") or 0)
-        if size >= LEARN_MIN_BYTES:
-            image_rates.append(size / (dump + commit))
-        if moved >= LEARN_MIN_BYTES and suspend > 0:
-            gpu_rates.append(moved / suspend)
         if size < LEARN_MIN_BYTES:
             fixed.append(total)
+            continue
+        rest = total - moved / gpu_rate
+        if rest > 0:
+            image_rates.append(size / rest)
     if not (image_rates or gpu_rates or fixed):
         return defaults
     return SaveRates(
-        gpu_rate=statistics.median(gpu_rates) if gpu_rates else defaults.gpu_rate,
+        gpu_rate=gpu_rate,
         image_rate=statistics.median(image_rates) if image_rates else defaults.image_rate,
         fixed_seconds=statistics.median(fixed) if fixed else defaults.fixed_seconds,
         learned_from=len(image_rates) + len(gpu_rates) + len(fixed),
     )
+
+
+def _made_here(timings: Mapping[str, Any]) -> bool:
+    """Whether a save's timings are this engine's (a total, a dump and a commit)."""
+    return all(float(timings.get(k, 0.0) or 0.0) > 0 for k in ("total", "dump", "commit"))
+
+
+def learn_kernel_rates(
+    summaries: Iterable[Mapping[str, Any]], kernel_id: str | None, notebook: str | None,
+    defaults: SaveRates | None = None,
+) -> SaveRates:
+    """The rates of one kernel's next save: measured by its own past saves (of the kernel,
+    or of its notebook), where there are any, over those of the whole store."""
+    every = list(summaries)
+    store = learn_rates(every, defaults)
+    own = [s for s in every
+           if (kernel_id and (s.get("kernel") or {}).get("kernel_id") == kernel_id)
+           or (notebook and s.get("notebook_path") == notebook)]
+    return learn_rates(own, store) if own else store
 
 
 @dataclass(frozen=True)

@@ -230,6 +230,8 @@ class OpenFilesHook(SnapshotHook):
             "preflight",
             f"files the kernel had open changed since snapshot {ctx.snapshot.id}: {what}; "
             "the restored kernel would read the new content as if it were the old",
-            hint="put the files back as they were, or set c.GPUSnapshot.changed_files = 'warn' "
-            "to restore anyway",
+            hint="put the files back as they were",
+            # For whoever runs the server, not the notebook's user: docs/server.md says it.
+            details={"changed_files": changed,
+                     "setting": "c.GPUSnapshot.changed_files = 'warn' restores anyway"},
         )

@@ -29,7 +29,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import kernel_log, locks, procfs
 from .background import run_in_background
@@ -39,7 +39,12 @@ from .file_access import OWN_FILES, FileAccess
 from .hooks import Progress, ProgressCallback, RestoreContext, SnapshotHook
 from .progress import byte_counter
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
-from .store import ImageFile, ImageStreamer, Snapshot
+from .store import Snapshot
+
+# The image streamer is imported by the restore that runs it: ``RestoredKernel`` alone, as
+# node/ holds it, needs neither it nor numpy.
+if TYPE_CHECKING:
+    from .store import ImageFile
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +220,8 @@ async def _restore_checked(
     stopped with ``ctx.criu.leave_stopped``, else let run by criu's plugin after the digests
     matched. If either fails, the tree is killed before any of its code ran.
     """
+    from .store import ImageStreamer
+
     snapshot, report, store, criu = ctx.snapshot, ctx.report, engine.store, engine.criu
     total = snapshot.size_bytes
     report(Progress("restore", 0, total))

@@ -1,6 +1,7 @@
 """The save sequence: how a running kernel becomes a snapshot, in one place.
 
-``save_kernel`` claims the kernel (and the name) in the store; ``_Save.run`` then takes
+``save_kernel`` claims the kernel and the name in the store (``save_claims``: the name
+asked for, or one made from the notebook and the local time); ``_Save.run`` then takes
 these steps, in order, each a method of ``_Save``:
 
 1. preflight  read what the manifest records while the tree exists (criu's version, the
@@ -49,7 +50,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -60,11 +60,12 @@ from . import locks, procfs
 from .background import run_in_background
 from .compatibility import node_facts
 from .criu import describe_exit
-from .errors import Interrupted, InvalidRequest, NotReady, SnapshotError
+from .errors import Interrupted, NotReady, SnapshotError
 from .file_access import FileAccess
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
+from .save_claims import claimed
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
 from .store import (
     DUMP_COMPLETE_FILE,
@@ -72,7 +73,6 @@ from .store import (
     FollowedFile,
     ManifestProblem,
     Snapshot,
-    SnapshotStore,
     bounded_history,
     is_portable_file,
     new_snapshot_id,
@@ -83,9 +83,8 @@ from .user_paths import UserPath
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20
-# How long a kernel that a keep-running save left running has to answer kernel_info, and
-# how long its namespace init has to write what ended it, when it did not survive.
-KERNEL_ANSWER_SECONDS = 30.0
+# How long a kernel's namespace init has to write what ended it, when a kernel that a
+# keep-running save left running did not survive.
 DEATH_RECORD_SECONDS = 5.0
 log = logging.getLogger(__name__)
 
@@ -116,40 +115,10 @@ async def save_kernel(
             "not a regular file or not JSON; the node agent reads it as the kernel's user)",
             hint="save the kernel from the server that runs it (it sends the connection), "
             "or put its connection file back")
-    with _claimed(engine.store, kernel, name) as claims:
-        if name is not None:
-            await _require_name_free(engine.store, name)
+    async with claimed(engine.store, kernel, target, name) as (chosen, claims):
         interrupt = asyncio.Event()
-        steps = _Save(engine, target, kernel, name, stop, report, started, claims, interrupt)
+        steps = _Save(engine, target, kernel, chosen, stop, report, started, claims, interrupt)
         return await finish_despite_cancel(asyncio.ensure_future(steps.run()), interrupt)
-
-
-@contextlib.contextmanager
-def _claimed(
-    store: SnapshotStore, kernel: procfs.KernelProcess, name: str | None
-) -> Iterator[list[HeldLock]]:
-    """Locks in the store: the CLI and the server never dump one kernel at once, nor commit
-    two snapshots under one name."""
-    with contextlib.ExitStack() as held:
-        claims = [held.enter_context(store.locks.hold(
-            locks.kernel_key(kernel.root_pid), f"kernel pid {kernel.kernel_pid}",
-            "preflight", note=f"save of kernel pid {kernel.kernel_pid}",
-        ))]
-        if name is not None:
-            claims.append(held.enter_context(store.locks.hold(
-                locks.name_key(name), f"the snapshot name {name!r}", "preflight",
-                note=f"save as {name}",
-            )))
-        yield claims
-
-
-async def _require_name_free(store: SnapshotStore, name: str) -> None:
-    if await asyncio.to_thread(store.find_name, name) is not None:
-        raise InvalidRequest(
-            "preflight",
-            f"a snapshot named {name!r} exists already",
-            hint="pick another name, or delete the old one first",
-        )
 
 
 @dataclass(frozen=True)
@@ -183,7 +152,7 @@ class _Save:
         engine: EngineParts,
         target: SaveTarget,
         kernel: procfs.KernelProcess,
-        name: str | None,
+        name: str,
         stop: bool,
         report: ProgressCallback,
         started: float,
@@ -240,10 +209,23 @@ class _Save:
                 await self.roll_back(error, resume_error)
             snapshot = await self.commit()
         await self.find_pages(snapshot)
+        snapshot = await self.record_timings(snapshot)
         if not self.ctx.stop:
             await self.require_survival(snapshot)
         self.report(Progress("done", snapshot.size_bytes, snapshot.size_bytes))
         return snapshot
+
+    async def record_timings(self, snapshot: Snapshot) -> Snapshot:
+        """The save's whole timings into its manifest, signed again: the commit is signed
+        before its own time is known, and the next saves are timed from these (the shutdown
+        budget's estimate). A failure only leaves the manifest with the earlier ones."""
+        try:
+            return await asyncio.to_thread(
+                self.store.record_timings, snapshot.id, dict(self.timings))
+        except (OSError, SnapshotError) as exc:
+            log.warning("snapshot %s: its timings stay those of before its commit: %s",
+                        snapshot.id, exc)
+            return snapshot
 
     # -- 1. preflight ----------------------------------------------------------------------
     async def preflight(self) -> None:
@@ -438,7 +420,7 @@ class _Save:
         self.report(Progress("commit"))
         t = time.monotonic()
         await self._add_mapped_files()
-        self.manifest["timings"] = self.timings
+        self.manifest["timings"] = dict(self.timings)  # this far; record_timings adds the rest
         try:
             snapshot = await run_in_background(
                 self.store.commit,
@@ -540,7 +522,7 @@ class _Save:
         kernel_name = target.kernel_name or KERNEL_NAME
         return {
             "id": ctx.snapshot_id,
-            "name": self.name or f"{kernel_name}-{ctx.snapshot_id}",
+            "name": self.name,
             "created": time.time(),
             "host": socket.gethostname(),
             "reason": target.reason,

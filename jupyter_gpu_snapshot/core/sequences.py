@@ -24,6 +24,8 @@ from .store import SnapshotStore
 
 # Asks a kernel (by its connection info) for kernel_info within a timeout, in seconds.
 KernelAnswers = Callable[[dict[str, Any], float], Awaitable[bool]]
+# How long a kernel that a keep-running save left running has to answer kernel_info.
+KERNEL_ANSWER_SECONDS = 30.0
 T = TypeVar("T")
 
 

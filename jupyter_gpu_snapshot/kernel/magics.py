@@ -42,7 +42,7 @@ from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines
+from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines, table
 from . import cell_record, portable_request
 from .client import ClientError, JobFailed, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
@@ -50,13 +50,13 @@ from .presentation import (
     IDLE_POLICY_FIELDS,
     autosave_lines,
     format_age,
+    hibernate_note,
     idle_policy_line,
     job_progress_text,
     local_time,
     saved_line,
     snapshot_size_text,
     status_lines,
-    table,
 )
 
 if TYPE_CHECKING:
@@ -374,13 +374,8 @@ class GPUSnapshotMagics(Magics):
         # This cell is running, and a kernel never hibernates under a running cell: the
         # server does it as soon as this cell has ended.
         client.hibernate_when_idle(tier)
-        if tier == "gpu":
-            print("This kernel gives its GPU back once this cell ends: its GPU memory moves "
-                  "into its host memory and its process waits. The next cell you run wakes "
-                  "it in seconds, with everything in place.")
-            return
-        print("This kernel hibernates once this cell ends: its process stops and its GPU "
-              "memory is freed. The next cell you run wakes it, with everything in place.")
+        cuda = client.status().get("cuda") if tier == "process" else None
+        print(hibernate_note(tier, cuda))
 
     def _widget(self, client: SnapshotClient, args: Any) -> None:
         from .widget import SnapshotPanel  # ipywidgets only when asked for

@@ -187,14 +187,6 @@ def local_time(epoch: float) -> str:
     return datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
-
-
 def format_minutes(value: float) -> str:
     return f"{round(value, 1):g} min" if value >= 1 else f"{round(value * 60):g} s"
 
@@ -295,3 +287,18 @@ def autosave_text(state: dict[str, Any], now: float) -> str:
     else:
         text += "; nothing to save"
     return text + "."
+
+
+def hibernate_note(tier: str, cuda: Mapping[str, Any] | None) -> str:
+    """What ``%gpu_snapshot hibernate`` and the panel's Hibernate button say: once the
+    running cell ends, the kernel gives its GPU back (the gpu tier) or its process stops;
+    a kernel that never loaded the CUDA driver (``cuda`` of its status) frees host memory,
+    and the GPU goes unsaid."""
+    if tier == "gpu":
+        return ("This kernel gives its GPU back once this cell ends: its GPU memory moves "
+                "into its host memory and its process waits. The next cell you run wakes "
+                "it in seconds, with everything in place.")
+    freed = ("its memory is freed" if cuda is not None and cuda.get("state") == "none"
+             else "its GPU and host memory are freed")
+    return (f"This kernel hibernates once this cell ends: its process stops and {freed}. "
+            "The next cell you run wakes it, with everything in place.")

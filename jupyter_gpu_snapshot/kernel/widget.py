@@ -60,6 +60,7 @@ from .presentation import (
     cuda_text,
     death_text,
     estimate_text,
+    hibernate_note,
     hibernation_text,
     job_progress_text,
     last_snapshot_text,
@@ -368,6 +369,13 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
                     f"Restored into a fresh kernel {result.get('kernel_id')}: {where}"
                 )
                 self.report.value = report_html(result["fallback"])
+            elif job.get("kind") == "save" and job.get("reason") == "hibernate":
+                # The kernel's own hibernation: the user saved nothing; a cell woke it.
+                self.message.value = html_text(
+                    f"Woke from hibernation (snapshot {result.get('name')})"
+                )
+            elif job.get("kind") == "wake":
+                self.message.value = html_text("Woke from hibernation")
             elif job.get("kind") == "save":
                 self.message.value = html_text(
                     f"Saved {result.get('name')}: {snapshot_size_text(result)}"
@@ -383,8 +391,13 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
 
     def _show_status(self, status: Json) -> None:
         self._show_death(status.get("death"))
+        hibernation = status.get("hibernation") or {}
         with self._lock:
-            if status.get("ready"):
+            if hibernation.get("state") in ("requested", "hibernating"):
+                # Said before it sleeps: a hibernated kernel's panel cannot update itself.
+                self.readiness.value = html_text(
+                    "Hibernating: the next cell you run wakes the kernel", "#e65100")
+            elif status.get("ready"):
                 self.readiness.value = html_text("Snapshot-ready", "#2e7d32")
             else:
                 reasons = "; ".join(status.get("reasons") or []) or "no reason given"
@@ -496,9 +509,11 @@ class SnapshotPanel(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
         handling has ended (a kernel never hibernates while it runs something)."""
         state = self._act("hibernate", self.client.hibernate_when_idle)
         if state is not None:
+            cuda = self._act("status", self.client.status)
             with self._lock:
-                self.message.value = html_text(
-                    "Hibernating: the GPU memory is freed; the next cell wakes the kernel.")
+                self.message.value = html_text(hibernate_note("process", (cuda or {}).get("cuda")))
+                self.readiness.value = html_text(
+                    "Hibernating: the next cell you run wakes the kernel", "#e65100")
         return state
 
     def restore_after_death(self) -> Json | None:

@@ -14,15 +14,19 @@ import builtins
 import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.criu_build import CriuFill
 from ..core.hooks import ProgressCallback, SaveTarget
 from ..core.recovery import RecoveryReport as RecoveryReport
 from ..core.restore import RestoredKernel as RestoredKernel
-from ..core.store import Snapshot, SnapshotStore, StoreRoom, StoreUsage
-from ..gpu.inventory import GpuInventory
-from ..gpu.sleep import SleepReport
+from ..core.store import Snapshot, SnapshotStore
+
+# Named in signatures only: the usage count needs numpy, the GPU layer the driver's types.
+if TYPE_CHECKING:
+    from ..core.store import StoreRoom, StoreUsage
+    from ..gpu.inventory import GpuInventory
+    from ..gpu.sleep import SleepReport
 
 
 class GpuSleeper(Protocol):

@@ -172,7 +172,10 @@ async def _bring_back(
         say(f"re-running cell [{cell['count']}] ({number} of {len(cells)})")
         report["replayed"].append(await _replay(kernel, cell))
     if mode == BOTH:
-        missing = _still_missing(manifest, loaded, cells)
+        # A cell that failed again rebuilt nothing: what only it defined is still missing.
+        rebuilt = [cell for cell, ran in zip(cells, report["replayed"], strict=True)
+                   if ran["status"] == "ok"]
+        missing = _still_missing(manifest, loaded, rebuilt)
         report["not_loaded"] = [entry for entry in report["not_loaded"]
                                 if entry.get("name") in missing]
     return report
@@ -231,7 +234,7 @@ async def _execute(kernel: FreshKernel, code: str, store_history: bool,
 
 def _still_missing(manifest: dict[str, Any], loaded: set[str],
                    replayed: list[dict[str, Any]]) -> set[str]:
-    """The names neither loaded nor defined by a re-run cell."""
+    """The names neither loaded nor defined by a cell that ran again without an error."""
     rebuilt = {name for cell in replayed for name in cell["defined"]}
     carried_or_not = {entry["name"] for entry in
                       (manifest.get("portable") or {}).get("not_carried", [])}

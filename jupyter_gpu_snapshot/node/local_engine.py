@@ -14,11 +14,8 @@ import builtins
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..agent_client.agent_engine import AgentEngine
-from ..agent_client.client import AgentClient
-from ..agent_client.gpu_sleep import AgentGpuSleep
 from ..config import GPUSnapshot
 from ..core.compatibility import NodeCompatibility
 from ..core.criu import CriuLaunch, CriuRunner
@@ -30,7 +27,7 @@ from ..core.hooks import SnapshotHook
 from ..core.open_files import OpenFilesHook
 from ..core.recovery import RecoveryReport, clean_work_dirs, recover_store, work_base
 from ..core.sequences import KernelAnswers
-from ..core.store import ManifestPolicy, Snapshot, SnapshotStore, StoreRoom, default_kernel_log_dir
+from ..core.store import ManifestPolicy, Snapshot, SnapshotStore, default_kernel_log_dir
 from ..gpu.broker import PluginInstall
 from ..gpu.driver import DriverStatus
 from ..gpu.hook import CudaCheckpointHook
@@ -41,6 +38,9 @@ from ..gpu.trees import wake_tree
 from ..launch.kernelspec import is_snapshot_ready_kernelspec
 from ..launch.liveness import kernel_answers
 from .engine import NodeEngine
+
+if TYPE_CHECKING:
+    from ..core.store import StoreRoom
 
 
 def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
@@ -91,6 +91,8 @@ class LocalEngine(SnapshotEngine):
         return self.store.root
 
     def store_room(self) -> StoreRoom:
+        from ..core.store import StoreRoom
+
         try:
             free: int | None = self.store.free_bytes()
         except OSError:
@@ -182,6 +184,10 @@ def process_engine(settings: GPUSnapshot | None = None) -> NodeEngine:
     agent's (``GPUSnapshot.through_agent``). The server and the CLI call this."""
     settings = settings or GPUSnapshot()
     if settings.through_agent():
+        from ..agent_client.agent_engine import AgentEngine
+        from ..agent_client.client import AgentClient
+        from ..agent_client.gpu_sleep import AgentGpuSleep
+
         # The user's own directory keeps what the server writes beside its snapshots
         # (the notebooks' autosave choices); the snapshots are the agent's.
         return AgentEngine(AgentClient(settings.agent_socket), Path(settings.store_dir),

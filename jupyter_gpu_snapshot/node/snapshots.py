@@ -9,8 +9,9 @@ fetched; one signed with another key, or unsigned, is listed as such and never d
 
 from __future__ import annotations
 
+import builtins
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from ..core.store import (
 )
 from .engine import NodeEngine
 from .local_engine import process_engine
+from .notebook_moves import NotebookMoves
 from .remotes import BOTH, LOCAL, REMOTE, judge_remote, make_remote_store, merge_locations
 
 log = logging.getLogger(__name__)
@@ -61,11 +63,14 @@ class NodeSnapshots:
     """The engine's snapshots and, with ``c.GPUSnapshot.remote_url``, the remote store's.
 
     Through the node agent there is no remote store: the agent keeps snapshots on this node.
+    Every snapshot handed out has its notebook where it is now (``moves``, the renames the
+    server saw; none kept without it).
     """
 
     def __init__(self, engine: NodeEngine, remote: RemoteStore | None = None,
-                 cache_max_bytes: int = 0) -> None:
+                 cache_max_bytes: int = 0, moves: NotebookMoves | None = None) -> None:
         self.engine = engine
+        self.moves = moves or NotebookMoves(None)
         self.remote = remote if engine.local_store is not None else None
         store = engine.local_store
         self._store = store
@@ -78,7 +83,8 @@ class NodeSnapshots:
         settings = settings or GPUSnapshot()
         engine = process_engine(settings)
         remote = make_remote_store(settings) if engine.local_store is not None else None
-        return cls(engine, remote, int(settings.remote_cache_max_bytes))
+        return cls(engine, remote, int(settings.remote_cache_max_bytes),
+                   NotebookMoves(engine.own_dir))
 
     @property
     def remote_url(self) -> str | None:
@@ -92,10 +98,26 @@ class NodeSnapshots:
         return self.remote
 
     # -- listings ------------------------------------------------------------------------------
+    def list(self, notebook_path: str | None = None) -> builtins.list[Snapshot]:
+        """The trusted local snapshots (of the notebook now at ``notebook_path``), oldest
+        first: what retention, status and restores act on."""
+        return self._of(self.engine.list(), notebook_path)
+
+    def get(self, ref: str) -> Snapshot:
+        """The local snapshot ``ref`` names (an id, or a trusted one's name); NotFound."""
+        return self.moves.place(self.engine.get(ref))
+
+    def _of(self, snapshots: Iterable[Snapshot], notebook_path: str | None
+            ) -> builtins.list[Snapshot]:
+        placed = [self.moves.place(s) for s in snapshots]
+        if notebook_path is None:
+            return placed
+        return [s for s in placed if s.status != DAMAGED and s.notebook_path == notebook_path]
+
     def judge(self, remote: RemoteSnapshot) -> Snapshot:
         """A remote snapshot as a ``Snapshot`` of the local store, its status by its key."""
         assert self._store is not None  # a remote store implies the local one
-        return judge_remote(self._store, remote)
+        return self.moves.place(judge_remote(self._store, remote))
 
     def remote_snapshots(self) -> dict[str, Snapshot]:
         """Every remote snapshot, judged; none without a remote store. Raises
@@ -123,16 +145,14 @@ class NodeSnapshots:
         }
 
     def summaries(self, remote: Mapping[str, Snapshot], notebook_path: str | None = None,
-                  latest: bool = False, remote_only: bool = True) -> list[dict[str, Any]]:
+                  latest: bool = False, remote_only: bool = True) -> builtins.list[dict[str, Any]]:
         """Summaries of the local snapshots and of ``remote`` (a listing of the remote
         store), each with its ``location``; oldest first. ``latest``: what a restart offers
         back, the newest trusted snapshot of each notebook, newest first. ``remote_only``
         false: the local snapshots only (the remote listing says which have a copy there)."""
         remote = self.remote_of(remote, notebook_path, trusted=latest)
-        if latest:
-            local = [s.summary() for s in self.engine.list(notebook_path)]
-        else:
-            local = [s.summary() for s in self.engine.catalog(notebook_path)]
+        listed = self.engine.list() if latest else self.engine.catalog()
+        local = [s.summary() for s in self._of(listed, notebook_path)]
         if not remote_only:
             local_ids = {s["id"] for s in local}
             remote = {i: s for i, s in remote.items() if i in local_ids}
@@ -157,7 +177,7 @@ class NodeSnapshots:
         NotFound when neither side has it, RemoteStoreError when the remote store cannot be
         asked."""
         try:
-            return Found(self.engine.get(ref), True)
+            return Found(self.get(ref), True)
         except NotFound:
             if self.remote is None:
                 raise
@@ -225,7 +245,7 @@ class NodeSnapshots:
         call ``check_rename`` first. Returns the renamed snapshot and, with a remote store,
         how the remote copy went: ``status`` "renamed", "none" (no copy there) or "failed"
         (with ``error``: the remote copy keeps its old name, the local rename stays)."""
-        renamed = self.engine.rename(found.snapshot.id, new_name)
+        renamed = self.moves.place(self.engine.rename(found.snapshot.id, new_name))
         if self.remote is None:
             return renamed, None
         try:
@@ -319,10 +339,10 @@ class NodeSnapshots:
         # It came from there: nothing of it is owed to the remote store.
         self.pending.clear(snapshot.id)
         log.info("gpu-snapshot: downloaded snapshot %s from %s", snapshot.id, remote.url)
-        return self.engine.get(snapshot.id)
+        return self.get(snapshot.id)
 
     def evict(self, remote_ids: Collection[str], protected: Collection[str] = (),
-              incoming_bytes: int = 0) -> list[str]:
+              incoming_bytes: int = 0) -> builtins.list[str]:
         """Keep the local store under ``remote_cache_max_bytes``: only snapshots that also
         exist remotely (``remote_ids``) and are not ``protected`` (in use) go, least
         recently used first."""

@@ -21,7 +21,7 @@ from traitlets.config import Config
 
 from .._constants import API_PREFIX
 from ..config import GPUSnapshot
-from ..core.estimate import SaveRates, learn_rates
+from ..core.estimate import SaveRates
 from ..launch.provisioner import SnapshotReadyProvisioner
 from .adoption import KernelRecord, adopt_orphans
 from .connections import HIBERNATION_SETTING, HibernationAwareConnection
@@ -135,16 +135,9 @@ class GPUSnapshotApp(ExtensionApp):
             serverapp.kernel_websocket_connection_class = HibernationAwareConnection
 
     async def save_rates(self) -> SaveRates:
-        """The shutdown's save-time rates: configured, else learned from past saves."""
-        parts = self.parts
-        s = parts.settings
-        learned = learn_rates(await parts.service.list_snapshots())
-        return SaveRates(
-            gpu_rate=s.save_gpu_rate or learned.gpu_rate,
-            image_rate=s.save_image_rate or learned.image_rate,
-            fixed_seconds=s.save_fixed_seconds or learned.fixed_seconds,
-            learned_from=learned.learned_from,
-        )
+        """The shutdown's save-time rates of a kernel without saves of its own:
+        configured, else learned from past saves."""
+        return await self.parts.service.save_rates()
 
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
@@ -263,6 +256,7 @@ class GPUSnapshotApp(ExtensionApp):
                 rates,
                 work_at_risk=autosave.work_at_risk,
                 newest_snapshot=autosave.newest_snapshot,
+                rates_of=service.save_rates,
             )
             # Every kernel is saved locally first; uploads get what is left of the budget.
             uploads = service.uploads

@@ -147,6 +147,22 @@ class NotebookPolicies:
         self.log.info("gpu-snapshot: autosave policy of %s is now %s", key, policy)
         return policy
 
+    async def moved(self, source: str, dest: str) -> None:
+        """The notebook (or folder) ``source`` is now ``dest``: its overrides go with it.
+        Called by ``notebook_renames.NotebookRenames`` for each rename the server sees."""
+        moved = {}
+        for key, values in self.overrides.items():
+            if key == source:
+                moved[dest] = values
+            elif key.startswith(source + "/"):
+                moved[dest + key[len(source):]] = values
+            else:
+                moved.setdefault(key, values)
+        if moved == self.overrides:
+            return
+        self.overrides = moved
+        await asyncio.to_thread(self.write_overrides, dict(self.overrides))
+
     def read_overrides(self) -> dict[str, dict[str, Any]]:
         """The overrides kept in the file; a link or non-file there is ignored. Blocks."""
         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from jupyter_core.utils import ensure_async
@@ -29,6 +29,7 @@ from ..core.errors import (
     PortsInUse,
     SnapshotError,
 )
+from ..core.estimate import SaveRates, learn_kernel_rates
 from ..core.hooks import Progress, SaveTarget
 from ..core.store import Snapshot, to_delete, validate_name
 from ..launch.liveness import kernel_answers
@@ -71,6 +72,7 @@ class SnapshotService:
         sleepers: Sleepers,
         log: logging.Logger | None = None,
         remote: RemoteSync | None = None,
+        listing_changed: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         # This node's snapshots, local and remote: each operation on them is the node's.
         self.node = node
@@ -95,6 +97,8 @@ class SnapshotService:
         self.tree_facts = TreeFacts(self.engine.node_problems)
         # Kernels that did not say which cells they ran: not asked again at each save.
         self._unrecorded_kernels: set[str] = set()
+        # Tells clients that the listing changed without a job (the snapshots/v1 event).
+        self._listing_changed = listing_changed or (lambda _data: None)
 
     # -- snapshots -------------------------------------------------------------------------
     # The engine reads and removes files: every call of it runs in a worker thread, so the
@@ -135,7 +139,7 @@ class SnapshotService:
         """The snapshot ``ref`` names (an id, or a trusted one's name): the local one, else
         the remote one, from a fresh listing. Raises NotFound."""
         try:
-            return Found(await asyncio.to_thread(self.engine.get, ref), True)
+            return Found(await asyncio.to_thread(self.node.get, ref), True)
         except NotFound as exc:
             if self.remote is None:
                 raise
@@ -188,6 +192,7 @@ class SnapshotService:
             raise Busy(
                 step, f"snapshot {snapshot_id} holds a hibernated kernel, which wakes from it",
                 hint="wake the kernel or shut it down first",
+                details={"in_use_by": "hibernation"},
             )
         holder = self.jobs.busy_with(snapshot_key(snapshot_id))
         if holder is not None:
@@ -195,6 +200,7 @@ class SnapshotService:
                 step,
                 f"snapshot {snapshot_id} is in use by a {holder.kind} job ({holder.id})",
                 hint="wait for it to finish",
+                details={"in_use_by": holder.kind, "job_id": holder.id},
             )
 
     async def rename_snapshot(self, ref: str, new_name: str) -> dict[str, Any]:
@@ -216,6 +222,7 @@ class SnapshotService:
         summary = renamed.summary()
         if remote_rename is not None:
             summary["remote_rename"] = remote_rename
+        self._listing_changed({"action": "renamed", "snapshot_id": renamed.id})
         return summary
 
     async def delete_snapshot(self, ref: str, where: str = BOTH) -> None:
@@ -228,6 +235,7 @@ class SnapshotService:
         finally:
             if self.remote is not None:
                 self.remote.forget()
+        self._listing_changed({"action": "deleted", "snapshot_id": found.snapshot.id})
 
     # -- kernels ---------------------------------------------------------------------------
     def kernel(self, kernel_id: str) -> Any:
@@ -241,23 +249,57 @@ class SnapshotService:
         return self.kernel_manager.get_kernel(kernel_id)
 
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
-        """Readiness, CUDA state, last snapshot and running job of a kernel."""
+        """Readiness, CUDA state, last snapshot and running job of a kernel, and whether
+        its save at shutdown fits the budget."""
         km = self.kernel(kernel_id)
+        root = root_pid(km)
         status = await describe_kernel(
             kernel_id,
             km.kernel_name,
-            root_pid(km),
+            root,
             await self.slots.notebook_path(kernel_id),
-            await asyncio.to_thread(self.engine.list),
+            await asyncio.to_thread(self.node.list),
             self.running_job(kernel_id),
             self.tree_facts,
             self.log,
             self.deaths.get(kernel_id),
+            restored_from=getattr(km.provisioner, "adopted_snapshot", None),
         )
         status["hibernation"] = self.sleepers.describe(kernel_id)
         fill = await asyncio.to_thread(self.engine.criu_fill)
         status["criu"] = fill.to_dict() if fill is not None else None
+        status["shutdown_save"] = (
+            await self._shutdown_save(kernel_id, root, status["cuda"])
+            if status["ready"] and self.settings.snapshot_on_shutdown else None
+        )
         return status
+
+    async def _shutdown_save(
+        self, kernel_id: str, root: int | None, cuda: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """How long the kernel's save at shutdown would take now, and whether it fits
+        ``shutdown_budget`` (the shutdown saves only what fits)."""
+        host = await asyncio.to_thread(procfs.tree_rss, root) if root else 0
+        gpu = int((cuda or {}).get("memory_bytes") or 0)
+        rates = await self.save_rates(kernel_id)
+        seconds = rates.seconds(host, gpu)
+        budget = float(self.settings.shutdown_budget)
+        return {"seconds": round(seconds, 1), "budget": budget, "fits": seconds <= budget,
+                "learned_from": rates.learned_from}
+
+    async def save_rates(self, kernel_id: str | None = None) -> SaveRates:
+        """The rates a save of ``kernel_id`` (of any kernel: None) is timed with: the
+        configured ``c.GPUSnapshot.save_*``, else learned from this store's past saves,
+        the kernel's own (or its notebook's) first. Called by the shutdown and the status."""
+        notebook = await self.slots.notebook_path(kernel_id) if kernel_id else None
+        learned = learn_kernel_rates(await self.list_snapshots(), kernel_id, notebook)
+        s = self.settings
+        return SaveRates(
+            gpu_rate=s.save_gpu_rate or learned.gpu_rate,
+            image_rate=s.save_image_rate or learned.image_rate,
+            fixed_seconds=s.save_fixed_seconds or learned.fixed_seconds,
+            learned_from=learned.learned_from,
+        )
 
     def dismiss_death(self, kernel_id: str) -> None:
         """Called by ``DELETE kernels/{id}/death``: the user has read of the death."""
@@ -417,7 +459,7 @@ class SnapshotService:
 
         Called by ``_save`` once ``snapshot`` has committed, so nothing older goes first.
         """
-        trusted = await asyncio.to_thread(self.engine.list)
+        trusted = await asyncio.to_thread(self.node.list)
         doomed = to_delete(
             [s.summary() for s in trusted],
             snapshot.summary(),
@@ -576,8 +618,9 @@ class SnapshotService:
         say("starting a fresh kernel")
         km = await self.slots.start_fresh(kernel_id, kernel_name, path)
         client = shell_client(km)
+        alive, stop_following = _alive_until_it_dies(km)
         try:
-            fresh = fallback_modes.FreshKernel(client, lambda: ensure_async(km.is_alive()))
+            fresh = fallback_modes.FreshKernel(client, alive)
             report = await fallback_modes.bring_back(fresh, self.engine, snapshot, mode, say)
             session_id = await self.slots.attach_fresh(kernel_id, session, path)
             # A notebook that asked from a cell sees the report there: the cell that asked
@@ -589,5 +632,31 @@ class SnapshotService:
             await self.slots.shutdown_quietly(kernel_id)
             raise
         finally:
+            stop_following()
             client.stop_channels()
         return {"kernel_id": kernel_id, "session_id": session_id, "fallback": report}
+
+
+def _alive_until_it_dies(km: Any) -> tuple[Callable[[], Awaitable[bool]], Callable[[], None]]:
+    """Whether the fresh kernel of a fallback still lives, and how to stop asking its
+    restarter. The server's restarter replaces a kernel that died with a blank one in the
+    same manager, for which ``is_alive`` says yes again: a death the restarter reports
+    (before it restarts, or when it gives up) ends the fresh kernel for the fallback, whose
+    wait for a reply would otherwise never end."""
+    died = False
+
+    def on_death() -> None:
+        nonlocal died
+        died = True
+
+    for event in ("restart", "dead"):
+        km.add_restart_callback(on_death, event)
+
+    async def alive() -> bool:
+        return not died and bool(await ensure_async(km.is_alive()))
+
+    def stop_following() -> None:
+        for event in ("restart", "dead"):
+            km.remove_restart_callback(on_death, event)
+
+    return alive, stop_following

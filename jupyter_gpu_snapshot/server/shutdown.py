@@ -45,6 +45,7 @@ async def snapshot_kernels_on_shutdown(
     rates: SaveRates | None = None,
     work_at_risk: Callable[[str], float] | None = None,
     newest_snapshot: Callable[[str], str | None] | None = None,
+    rates_of: Callable[[str], Awaitable[SaveRates]] | None = None,
 ) -> ShutdownReport:
     """Save the snapshot-ready kernels (stopping them) that fit in ``budget`` seconds.
 
@@ -54,8 +55,9 @@ async def snapshot_kernels_on_shutdown(
     ``work_at_risk(kernel_id)`` (the autosave scheduler's) says how many seconds of work
     since its newest snapshot a kernel would lose: kernels with none are not saved again,
     and the others go in that order, most first. Each save's time is estimated from the
-    kernel's size with ``rates``; a kernel whose save does not fit in what is left of the
-    budget is passed over for the next one, and keeps its newest snapshot. A save still
+    kernel's size with ``rates_of(kernel_id)`` (the rates its own past saves measured, the
+    service's ``save_rates``), else ``rates``; a kernel whose save does not fit in what is
+    left of the budget is passed over for the next one, and keeps its newest snapshot. A save still
     running when the budget ends is left to it: the engine rolls back on its own, and a
     half-written directory of a server that exits meanwhile is removed at the next start.
     """
@@ -86,8 +88,8 @@ async def snapshot_kernels_on_shutdown(
         kernel_id = kernel.kernel_id
         if kernel_id not in kernel_manager:
             continue
+        needed = kernel.seconds(await rates_of(kernel_id) if rates_of else rates)
         remaining = deadline - time.monotonic()
-        needed = kernel.seconds(rates)
         if needed > remaining:
             kept = kernel.newest_snapshot or "none: its work since start is lost"
             report.skipped[kernel_id] = (

@@ -88,15 +88,17 @@ async def kernel_status(
     facts: TreeFacts,
     log: logging.Logger,
     death: dict[str, Any] | None = None,
+    restored_from: str | None = None,
 ) -> dict[str, Any]:
     """The status object of the API (openapi.yaml, KernelStatus).
 
-    ``snapshots`` are the store's, oldest first; the newest of this kernel's or its
-    notebook's is the last snapshot. ``death``: the record of the slot's last kernel death
-    that the user has not dismissed (``deaths.KernelDeaths``).
+    ``snapshots`` are the store's, oldest first; the newest of this kernel's, its
+    notebook's or the one it was restored from (``restored_from``) is the last snapshot.
+    ``death``: the record of the slot's last kernel death that the user has not dismissed
+    (``deaths.KernelDeaths``).
     """
     reasons, uses_cuda = await asyncio.to_thread(facts.get, root, job is not None)
-    last = newest_snapshot(snapshots, kernel_id, notebook)
+    last = newest_snapshot(snapshots, kernel_id, notebook, restored_from)
     return {
         "kernel_id": kernel_id,
         "ready": not reasons,

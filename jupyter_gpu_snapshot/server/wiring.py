@@ -12,8 +12,8 @@ and sets nothing on any of them afterwards:
   record of this server's kernels for adoption by a later server.
 
 It registers the extension's events and the listeners of jupyter_server's kernel_actions
-events. The app keeps the one ``ServerParts`` it returns, and starts, routes to and stops
-what it holds.
+and contents events (a renamed notebook keeps its snapshots: ``notebook_renames``). The
+app keeps the one ``ServerParts`` it returns, and starts, routes to and stops what it holds.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..config import GPUSnapshot
 from ..core.errors import SnapshotError
 from ..node.engine import NodeEngine, RecoveryReport
 from ..node.local_engine import process_engine
+from ..node.notebook_moves import NotebookMoves
 from ..node.remotes import RemoteStore, make_remote_store
 from ..node.snapshots import NodeSnapshots
 from .adoption import KernelRecord
@@ -41,10 +42,12 @@ from .hibernation_policy import HibernationPolicy
 from .jobs import Job, JobRunner
 from .kernel_slots import KernelSlots
 from .notebook_policies import policy_key
+from .notebook_renames import CONTENTS_EVENT_ID, NotebookRenames
 from .remote_sync import RemoteSync
 from .service import SnapshotService
 from .sleepers import Sleepers
 from .status import newest_once_saved
+from .wake_notes import drop_wake_notes
 
 EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "job-v1.yaml"
 JOB_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/job/v1"
@@ -52,6 +55,8 @@ DEATH_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "kernel-death-v1.
 DEATH_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/kernel-death/v1"
 HIBERNATION_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "hibernation-v1.yaml"
 HIBERNATION_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/hibernation/v1"
+SNAPSHOTS_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "snapshots-v1.yaml"
+SNAPSHOTS_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/snapshots/v1"
 # What the operator may set for kernels' provisioners themselves; it wins over the app's.
 PROVISIONER_OVERRIDES = ("server_url", "server_token")
 
@@ -93,13 +98,15 @@ def build_server_parts(
     # Through the agent, the agent recovers the user's store; this one holds no snapshot.
     recovery = engine.recover()
     recovered = _log_recovery(recovery, log) if recovery is not None else []
+    # A renamed notebook takes its snapshots along (``notebook_renames``).
     node = NodeSnapshots(engine, _remote_store(engine, settings, log),
-                         int(settings.remote_cache_max_bytes))
+                         int(settings.remote_cache_max_bytes), NotebookMoves(engine.own_dir))
     event_logger = serverapp.event_logger
     assert event_logger is not None
     event_logger.register_event_schema(EVENT_SCHEMA)
     event_logger.register_event_schema(DEATH_EVENT_SCHEMA)
     event_logger.register_event_schema(HIBERNATION_EVENT_SCHEMA)
+    event_logger.register_event_schema(SNAPSHOTS_EVENT_SCHEMA)
 
     def emit_job(job: Job) -> None:
         # Jobs start once the server runs, after this function has returned: the autosave
@@ -116,6 +123,9 @@ def build_server_parts(
     def emit_hibernation(data: dict[str, object]) -> None:
         event_logger.emit(schema_id=HIBERNATION_EVENT_ID, data=data)
 
+    def emit_listing_changed(data: dict[str, Any]) -> None:
+        event_logger.emit(schema_id=SNAPSHOTS_EVENT_ID, data=data)
+
     jobs = JobRunner(on_change=emit_job, log=log)
     slots = KernelSlots(
         serverapp.kernel_manager, serverapp.session_manager, serverapp.contents_manager,
@@ -125,7 +135,7 @@ def build_server_parts(
     # Every kernel that starts from now on is followed (restored and adopted ones too),
     # through jupyter_server's own kernel_actions events.
     deaths = KernelDeaths(
-        serverapp.kernel_manager, newest_once_saved(jobs, engine.list), slots.notebook_path,
+        serverapp.kernel_manager, newest_once_saved(jobs, node.list), slots.notebook_path,
         log, on_death=emit_death,
     )
     service = SnapshotService(
@@ -137,6 +147,7 @@ def build_server_parts(
         sleepers=sleepers,
         log=log,
         remote=RemoteSync(node, log=log) if node.remote is not None else None,
+        listing_changed=emit_listing_changed,
     )
     if service.remote is not None:
         # Saves that a killed server left committed here never uploaded: they owe it.
@@ -166,6 +177,13 @@ def build_server_parts(
         event_logger.add_listener(
             modified=False, schema_id=KERNEL_ACTIONS_EVENT_ID, listener=listener,
         )
+    contents: Any = serverapp.contents_manager
+    if hasattr(contents, "register_pre_save_hook"):
+        contents.register_pre_save_hook(drop_wake_notes)
+    renames = NotebookRenames(node.moves, autosave.policies, log, emit_listing_changed)
+    event_logger.add_listener(
+        modified=False, schema_id=CONTENTS_EVENT_ID, listener=renames.on_contents_action,
+    )
     # Made now, before the server takes requests: it records each kernel as it starts,
     # before the start is answered.
     kernel_record = (

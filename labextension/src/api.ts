@@ -9,6 +9,9 @@ import { ServerConnection } from '@jupyterlab/services';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import { untranslated } from './translation';
 
+/** The kernelspec of snapshot-ready kernels, which the package installs. */
+export const SNAPSHOT_KERNEL_NAME = 'python3-snapshot';
+
 export type Phase =
   | 'preflight'
   | 'suspend'
@@ -36,8 +39,17 @@ export interface ISnapshotSummary {
    */
   new_bytes?: number;
   host: string | null;
+  /** The notebook it belongs to: where that notebook is now, renames followed. */
   notebook_path: string | null;
-  kernel: { name?: string; kernel_id?: string; [key: string]: unknown };
+  /** Where that notebook was when the snapshot was saved (older servers leave it out). */
+  saved_notebook_path?: string | null;
+  kernel: {
+    name?: string;
+    kernel_id?: string;
+    /** Ports and transport, the key left out: a restore listens on these again. */
+    connection_info?: { [key: string]: unknown };
+    [key: string]: unknown;
+  };
   /** Why it was taken; servers may add kinds (autosave). */
   reason: 'user' | 'shutdown' | 'autosave' | string;
   timings: { [key: string]: number };
@@ -49,6 +61,8 @@ export interface ISnapshotSummary {
    * servers and snapshots leave it out or list none.
    */
   fallback?: FallbackMode[];
+  /** The count of the last cell the kernel ran before the save, when it recorded them. */
+  execution_count?: number | null;
 }
 
 /**
@@ -69,7 +83,14 @@ export interface IFallbackReport {
 
 /** The server's error kinds (server/openapi.yaml, Error.code): branch on these, not on text. */
 export type ErrorCode =
-  'failed' | 'invalid_request' | 'not_found' | 'busy' | 'not_ready' | 'ports_in_use';
+  | 'failed'
+  | 'invalid_request'
+  | 'forbidden'
+  | 'not_found'
+  | 'busy'
+  | 'not_ready'
+  | 'ports_in_use'
+  | 'incompatible_node';
 
 export interface ISnapshotListing {
   snapshots: ISnapshotSummary[];
@@ -84,6 +105,9 @@ export interface IJobError {
     holder_notebook_path?: string | null;
     /** What the snapshot offers instead, when its image was refused or failed to restore. */
     fallback?: FallbackMode[];
+    /** A busy snapshot: what holds it (a job's kind, or hibernation) and the job. */
+    in_use_by?: string;
+    job_id?: string;
     [key: string]: unknown;
   };
   step: string;
@@ -233,6 +257,12 @@ export interface IKernelStatus {
   hibernation?: IHibernation | null;
   /** The server's criu; null where the node agent runs it, left out by older servers. */
   criu?: ICriuFill | null;
+  /**
+   * Its save when the server stops (snapshot_on_shutdown): the time it would take now,
+   * from the rates of past saves, and whether that fits the server's budget. Null when
+   * no save would be made; older servers leave it out.
+   */
+  shutdown_save?: IShutdownSave | null;
 }
 
 /** Which criu restores on the server: ours fills memory on several CPUs, stock is slower. */
@@ -241,6 +271,18 @@ export interface ICriuFill {
   /** null: a criu the install did not build, not known. */
   fast_fill: boolean | null;
   detail: string;
+}
+
+/** A kernel's save at shutdown, as its status estimates it. */
+export interface IShutdownSave {
+  seconds: number;
+  budget: number;
+  fits: boolean;
+}
+
+/** What the store takes on disk (GET usage): pages shared by snapshots count once. */
+export interface IStoreUsage {
+  disk_bytes: number;
 }
 
 /** An error answer of the API, carrying the server's own message and error object. */
@@ -294,6 +336,11 @@ export class SnapshotAPI {
 
   getSnapshot(id: string): Promise<ISnapshotSummary> {
     return this._request<ISnapshotSummary>('snapshots/' + encodeURIComponent(id));
+  }
+
+  /** What the store takes on disk, shared pages counted once (GET usage). */
+  usage(): Promise<IStoreUsage> {
+    return this._request<IStoreUsage>('usage');
   }
 
   /** Forget the kernel's death record (DELETE kernels/{id}/death). */

@@ -19,6 +19,7 @@ import {
   IKernelStatus,
   IRestoreResult,
   ISnapshotSummary,
+  SNAPSHOT_KERNEL_NAME,
   SnapshotAPI,
   SnapshotAPIError
 } from './api';
@@ -26,9 +27,9 @@ import {
   describeProgress,
   describeSaved,
   estimateSecondsLeft,
+  formatAge,
   formatBytes,
   formatSeconds,
-  jobFraction,
   toastProgress
 } from './format';
 import {
@@ -39,8 +40,10 @@ import {
   summarizeReport
 } from './fallback';
 import { JobFollower } from './jobs';
+import { overallFraction } from './phases';
 import { JobNotification } from './progress';
-import { portsHolder } from './remedy';
+import { heldByRunningKernel, portsHolder } from './remedy';
+import { markRestorePoint } from './restorepoint';
 import { untranslated } from './translation';
 import { rebindWidgets } from './widgets';
 
@@ -55,8 +58,9 @@ export function shortError(error: IJobError | null, trans = untranslated): strin
   if (!error.step || !error.cause) {
     return error.message;
   }
-  // A refused request (a bad name) is no failed step: say what was wrong.
-  const refused = error.code === 'invalid_request' || error.code === 'busy';
+  // A refusal (a bad name, a busy or unready kernel, taken ports, another node's image)
+  // is no failed step: say what was wrong, in the server's words.
+  const refused = error.code !== undefined && error.code !== 'failed';
   const text = refused ? error.cause : trans.__('%1 failed: %2', error.step, error.cause);
   return error.hint
     ? trans.__('%1. %2', text, error.hint[0].toUpperCase() + error.hint.slice(1))
@@ -138,7 +142,7 @@ interface IFallbackOffer {
   asking: boolean;
 }
 
-export const SNAPSHOT_KERNEL_NAME = 'python3-snapshot';
+export { SNAPSHOT_KERNEL_NAME };
 export const SNAPSHOT_KERNEL_DISPLAY_NAME = 'Python 3 (snapshots)';
 
 interface IKernelEntry {
@@ -149,6 +153,12 @@ interface IKernelEntry {
   autosave: IAutosaveState | null;
   /** The server's last answer was that it knows no such kernel (404). */
   gone: boolean;
+  /**
+   * How many times a job that ended here changed the status: an answer to a request sent
+   * before the last is older than what the page knows (a snapshot committed since), and
+   * is dropped.
+   */
+  settled: number;
 }
 
 export interface IAvailability {
@@ -260,11 +270,18 @@ export class SnapshotController {
 
   private async _fetchStatus(kernelId: string): Promise<void> {
     const entry = this._entry(kernelId);
+    const settled = entry.settled;
     try {
       const [status, autosave] = await Promise.all([
         this.api.kernelStatus(kernelId),
         this.api.autosave(kernelId).catch(() => null)
       ]);
+      if (entry.settled !== settled) {
+        // Asked before a job ended here: it would show the kernel as it was ("No
+        // snapshot yet" after a save). Asked again instead.
+        this._refreshAgain.add(kernelId);
+        return;
+      }
       entry.status = status;
       entry.autosave = autosave;
       entry.error = null;
@@ -378,9 +395,10 @@ export class SnapshotController {
         callback: () => window.open(HELP_URL, '_blank', 'noopener')
       });
     }
+    // Under JupyterLab's 140 characters a notification shows.
     const text = availability.changeKernel
       ? trans.__(
-          "Snapshots need the '%1' kernel, which runs the notebook's code so that it can be saved and restored. Switch this notebook to it (its variables start afresh).",
+          "Snapshots need the '%1' kernel. Switch this notebook to it (its variables start afresh).",
           SNAPSHOT_KERNEL_DISPLAY_NAME
         )
       : availability.reason;
@@ -432,7 +450,7 @@ export class SnapshotController {
     const final = await this._follow(kernelId, job, current =>
       toast.progress(
         trans.__('Snapshot of %1: %2', notebook, this.describeJob(current)),
-        toastProgress(current)
+        toastProgress(this.progressOf(current))
       )
     );
     if (final.status === 'succeeded' && final.result) {
@@ -441,6 +459,7 @@ export class SnapshotController {
       const status = this.entry(kernelId)?.status;
       if (status) {
         status.last_snapshot = summary;
+        this._entry(kernelId).settled++;
         this._changed.emit(kernelId);
       }
       void this.refresh(kernelId);
@@ -464,13 +483,33 @@ export class SnapshotController {
 
   /** A running job's phase, bytes and, once the rate is known, the time left. */
   describeJob(job: IJob): string {
-    let clock = this._phaseClocks.get(job.id);
-    if (!clock || clock.phase !== job.phase) {
-      clock = { phase: job.phase, since: Date.now() };
-      this._phaseClocks.set(job.id, clock);
+    const fraction = this.progressOf(job);
+    const bar = this._bars.get(job.id);
+    const elapsed = bar ? (Date.now() - bar.since) / 1000 : 0;
+    return describeProgress(job, estimateSecondsLeft(fraction, elapsed), this.trans);
+  }
+
+  /**
+   * How far the whole job is, in [0, 1], never less than it was shown before (the
+   * phases' shares are the kernel's last save's, ``phases.overallFraction``); undefined
+   * until some phase has a size.
+   */
+  progressOf(job: IJob): number | undefined {
+    let bar = this._bars.get(job.id);
+    if (!bar) {
+      const timings =
+        job.kind === 'save' && job.kernel_id
+          ? (this.entry(job.kernel_id)?.status?.last_snapshot?.timings ?? null)
+          : null;
+      bar = { since: Date.now(), seen: new Set(), furthest: undefined, timings };
+      this._bars.set(job.id, bar);
     }
-    const eta = estimateSecondsLeft(jobFraction(job), (Date.now() - clock.since) / 1000);
-    return describeProgress(job, eta, this.trans);
+    bar.seen.add(job.phase);
+    if (job.total > 0 || bar.furthest !== undefined) {
+      const now = overallFraction(job, bar.seen, bar.timings);
+      bar.furthest = Math.max(bar.furthest ?? 0, now);
+    }
+    return bar.furthest;
   }
 
   /** The snapshot each kernel restored here came from (kernel id to snapshot id). */
@@ -645,7 +684,7 @@ export class SnapshotController {
           );
       if (modes.length) {
         offer.modes = modes;
-        offer.failure = text;
+        offer.failure = ports?.message ?? message; // the dialog's title names the restore
       }
       toast.finish('error', text, {
         autoClose: false,
@@ -717,7 +756,7 @@ export class SnapshotController {
               this.describeJob(current)
             )
           : trans.__("Restoring '%1': %2", snapshot.name, this.describeJob(current)),
-        toastProgress(current)
+        toastProgress(this.progressOf(current))
       );
     });
     this._restores.delete(path);
@@ -743,6 +782,19 @@ export class SnapshotController {
       );
     }
     void this.refresh(result.kernel_id);
+    if (!fallback) {
+      markRestorePoint(
+        panel,
+        snapshot.execution_count,
+        snapshot.execution_count
+          ? trans.__(
+              "The kernel went back to here: '%1', after In [%2]",
+              snapshot.name,
+              snapshot.execution_count
+            )
+          : trans.__("The kernel went back to here: '%1'", snapshot.name)
+      );
+    }
     void rebindWidgets(panel).catch(error =>
       console.warn(
         'jupyter-gpu-snapshot: widgets of the restored kernel not shown',
@@ -822,8 +874,52 @@ export class SnapshotController {
   }
 
   /**
+   * Restore ``snapshot`` as the user asked for it (the restore dialog, the sidebar). One
+   * whose ports the notebook's running kernel holds (``remedy.heldByRunningKernel``;
+   * ``listing`` is what the asker listed) means going back in that kernel's own history:
+   * restoring it replaces the kernel, so the user is asked once, then it is done, without
+   * a refusal first.
+   */
+  async restoreAsked(
+    panel: NotebookPanel,
+    snapshot: ISnapshotSummary,
+    options: IRestoreOptions = {},
+    listing: readonly ISnapshotSummary[] = []
+  ): Promise<boolean> {
+    const kernelId = this.kernelId(panel);
+    const running = { kernelId, originId: this.originOf(kernelId) };
+    if (options.fallback || !heldByRunningKernel(snapshot, running, listing)) {
+      return this.restore(panel, snapshot, options);
+    }
+    const trans = this.trans;
+    const answer = await showDialog({
+      title: trans.__("Go back to '%1'?", snapshot.name),
+      body: trans.__(
+        "Replace this notebook's kernel with '%1', saved %2? What the kernel did since is lost.",
+        snapshot.name,
+        formatAge(snapshot.created, undefined, trans)
+      ),
+      buttons: [
+        Dialog.cancelButton(),
+        Dialog.warnButton({
+          label: trans.__('Replace kernel'),
+          caption: trans.__(
+            "Shut down this notebook's kernel and restore '%1' in its place",
+            snapshot.name
+          )
+        })
+      ]
+    });
+    if (!answer.button.accept || panel.isDisposed) {
+      return false;
+    }
+    return this._restoreReplacing(panel, snapshot, null);
+  }
+
+  /**
    * Shut down the kernel holding the snapshot's ports (``holder``, or this notebook's own
-   * when null), then restore. Called from the refused restore's remedy button.
+   * when null), then restore. Called from the refused restore's remedy button, and for a
+   * confirmed ``restoreAsked``.
    */
   private async _restoreReplacing(
     panel: NotebookPanel,
@@ -910,7 +1006,7 @@ export class SnapshotController {
       };
     }
     this._followed.delete(job.id);
-    this._phaseClocks.delete(job.id);
+    this._bars.delete(job.id);
     if (kernelId) {
       const entry = this._entry(kernelId);
       entry.job = null;
@@ -921,6 +1017,7 @@ export class SnapshotController {
         entry.status &&
         final.result
       ) {
+        entry.settled++;
         entry.status = {
           ...entry.status,
           last_snapshot: final.result as ISnapshotSummary
@@ -1015,7 +1112,14 @@ export class SnapshotController {
   private _entry(kernelId: string): IKernelEntry {
     let entry = this._entries.get(kernelId);
     if (!entry) {
-      entry = { status: null, error: null, job: null, autosave: null, gone: false };
+      entry = {
+        status: null,
+        error: null,
+        job: null,
+        autosave: null,
+        gone: false,
+        settled: 0
+      };
       this._entries.set(kernelId, entry);
     }
     return entry;
@@ -1027,7 +1131,16 @@ export class SnapshotController {
 
   private _entries = new Map<string, IKernelEntry>();
   private _origins = new Map<string, string>();
-  private _phaseClocks = new Map<string, { phase: string; since: number }>();
+  /** Each followed job's bar: since when, the phases seen, how far it was shown. */
+  private _bars = new Map<
+    string,
+    {
+      since: number;
+      seen: Set<string>;
+      furthest: number | undefined;
+      timings: { [phase: string]: number } | null;
+    }
+  >();
   private _restores = new Map<string, IJob>();
   private _followed = new Set<string>();
   /** Fallback restores started elsewhere whose report was shown here. */

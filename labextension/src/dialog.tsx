@@ -15,21 +15,24 @@ import {
   describeLocation,
   formatAge,
   formatSnapshotSize,
-  formatTime
+  formatTime,
+  reasonBadge
 } from './format';
+import { type IRunningKernel, describeRefusal, heldByRunningKernel } from './remedy';
 import { untranslated } from './translation';
 
-/** The notebook's running kernel, whose own snapshots cannot be restored while it runs. */
-export interface IRunningKernel {
-  kernelId: string | null;
-  /** The snapshot the running kernel was restored from, when known. */
-  originId: string | null;
-}
+export type { IRunningKernel };
 
-/** The dialog's answer: the snapshot, and how to restore it (null: its image). */
+/**
+ * The dialog's answer: the snapshot, how to restore it (null: its image), and whether
+ * the notebook's running kernel holds its ports (restoring it replaces that kernel).
+ */
 export interface IPicked {
   snapshot: ISnapshotSummary;
   fallback: FallbackMode | null;
+  held: boolean;
+  /** What the dialog listed, for a later look at the kernel's line of snapshots. */
+  listing: ISnapshotSummary[];
 }
 
 export class SnapshotPicker
@@ -59,7 +62,12 @@ export class SnapshotPicker
     const offered = offeredFallbacks(snapshot.fallback);
     const fallback =
       this._fallback && offered.includes(this._fallback) ? this._fallback : null;
-    return { snapshot, fallback };
+    return {
+      snapshot,
+      fallback,
+      held: this.heldByRunningKernel(snapshot),
+      listing: this._snapshots
+    };
   }
 
   /** The selected snapshot, if any. */
@@ -67,10 +75,17 @@ export class SnapshotPicker
     return this._snapshots.find(s => s.id === this._selected) ?? null;
   }
 
-  /** Whether the running kernel holds this snapshot's ports: taken of it, or restored from it. */
+  /** Whether the running kernel holds this snapshot's ports (``remedy.heldByRunningKernel``). */
   heldByRunningKernel(s: ISnapshotSummary): boolean {
-    const { kernelId, originId } = this._running;
-    return (kernelId !== null && s.kernel?.kernel_id === kernelId) || s.id === originId;
+    return heldByRunningKernel(s, this._running, this._snapshots);
+  }
+
+  /**
+   * This notebook's snapshots: those of its path, and those the running kernel holds
+   * the ports of (its own, whatever path they were saved under).
+   */
+  private _isOwn(s: ISnapshotSummary): boolean {
+    return s.notebook_path === this._notebookPath || this.heldByRunningKernel(s);
   }
 
   async reload(): Promise<void> {
@@ -80,8 +95,11 @@ export class SnapshotPicker
       this._snapshots = [...all].sort((a, b) => b.created - a.created);
       this._error = null;
       if (!this._snapshots.some(s => s.id === this._selected)) {
-        // Never pre-select what the running kernel holds: that restore would be refused.
-        const free = this._ordered().filter(s => !this.heldByRunningKernel(s));
+        // This notebook's newest that its running kernel does not hold: restoring it
+        // replaces nothing the user did. Another notebook's is never picked for them.
+        const free = this._snapshots.filter(
+          s => this._isOwn(s) && !this.heldByRunningKernel(s)
+        );
         this._selected = free[0]?.id ?? null;
       }
     } catch (error) {
@@ -94,14 +112,20 @@ export class SnapshotPicker
   render(): JSX.Element {
     const trans = this._trans;
     if (!this._loaded) {
-      return <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>;
+      // The same focusable box as the list that follows: the dialog focuses it at once.
+      return (
+        <div className="jp-gpu-snapshot-list" tabIndex={-1}>
+          <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>
+        </div>
+      );
     }
-    const own = this._snapshots.filter(s => s.notebook_path === this._notebookPath);
-    const others = this._snapshots.filter(s => s.notebook_path !== this._notebookPath);
+    const own = this._snapshots.filter(s => this._isOwn(s));
+    const others = this._snapshots.filter(s => !this._isOwn(s));
     // One table, two sections: the columns of both line up.
     return (
-      <div>
+      <div className="jp-gpu-snapshot-list" tabIndex={-1}>
         {this._error && <p className="jp-gpu-snapshot-error">{this._error}</p>}
+
         <table className="jp-gpu-snapshot-table">
           <thead>
             <tr>
@@ -128,6 +152,17 @@ export class SnapshotPicker
           )}
         </table>
         {this._howToRestore()}
+        {/* Nothing selected: the dialog's own check keeps its Restore button disabled. */}
+        <input
+          className="jp-gpu-snapshot-chosen"
+          hidden
+          required
+          tabIndex={-1}
+          aria-hidden="true"
+          value={this._selected ?? ''}
+          onChange={() => undefined}
+          ref={node => node && this._askDialogToCheck(node)}
+        />
       </div>
     );
   }
@@ -216,12 +251,13 @@ export class SnapshotPicker
         </td>
         <td className="jp-gpu-snapshot-name">
           {s.name}
-          {s.reason === 'shutdown' && (
+          {reasonBadge(s.reason, trans) && (
             <span
               className="jp-gpu-snapshot-badge"
-              title={trans.__('Saved when the server shut down')}
+              data-reason={s.reason}
+              title={reasonBadge(s.reason, trans)?.title}
             >
-              {trans.__('before shutdown')}
+              {reasonBadge(s.reason, trans)?.text}
             </span>
           )}
           {location && (
@@ -248,7 +284,9 @@ export class SnapshotPicker
         <td title={formatTime(s.created)}>{formatAge(s.created, undefined, trans)}</td>
         <td>{formatSnapshotSize(s, trans)}</td>
         <td>{describeGpu(s, trans)}</td>
-        <td className="jp-gpu-snapshot-path">{s.notebook_path ?? '—'}</td>
+        <td className="jp-gpu-snapshot-path" title={s.notebook_path ?? ''}>
+          {s.notebook_path ?? '—'}
+        </td>
         <td>
           {this._deleteButtons.render(s, trans, event => {
             event.stopPropagation();
@@ -272,6 +310,15 @@ export class SnapshotPicker
     }
     this._selected = id;
     this.update();
+  }
+
+  /**
+   * Once a drawing is on the page (React hands the hidden field's ref over then): the
+   * dialog checks its inputs on an input event, and disables its Restore button while
+   * one is invalid (the hidden one is, with nothing selected).
+   */
+  private _askDialogToCheck(node: HTMLInputElement): void {
+    queueMicrotask(() => node.dispatchEvent(new Event('input', { bubbles: true })));
   }
 
   private _onKeyDown = (event: KeyboardEvent): void => {
@@ -305,7 +352,7 @@ export class SnapshotPicker
       this._error = this._trans.__(
         "Could not delete '%1': %2",
         s.name,
-        (error as Error).message
+        describeRefusal(error, this._trans)
       );
       this.update();
       return;
@@ -336,6 +383,8 @@ export async function pickSnapshot(
   const result = await showDialog({
     title: trans.__('Restore kernel from snapshot'),
     body: new SnapshotPicker(api, notebookPath, onDeleted, running, trans),
+    // The list takes the keys (arrows, Enter, Escape), whether Restore is enabled or not.
+    focusNodeSelector: '.jp-gpu-snapshot-list',
     // JupyterLab words the default Cancel in its own domain.
     buttons: [Dialog.cancelButton(), Dialog.okButton({ label: trans.__('Restore') })]
   });

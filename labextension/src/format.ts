@@ -4,14 +4,16 @@
  * Each function takes the extension's TranslationBundle last; without one it speaks
  * English, so the pure functions keep working outside JupyterLab (unit tests).
  */
-import type {
-  HibernationTier,
-  IAutosavePolicy,
-  IAutosaveState,
-  IHibernation,
-  IJob,
-  IKernelStatus,
-  ISnapshotSummary
+import {
+  SNAPSHOT_KERNEL_NAME,
+  type HibernationTier,
+  type IAutosavePolicy,
+  type IAutosaveState,
+  type IHibernation,
+  type IJob,
+  type IKernelStatus,
+  type IShutdownSave,
+  type ISnapshotSummary
 } from './api';
 import { untranslated } from './translation';
 
@@ -83,7 +85,11 @@ export function phaseLabels(trans = untranslated): { [phase: string]: string } {
 /** The phase labels in English, as the kernel side words them. */
 export const PHASE_LABELS = phaseLabels();
 
-/** One line on a running job: its phase, the bytes moved when known, and an ETA. */
+/**
+ * One line on a running job: its phase, the bytes moved when known, and an ETA. A dump's
+ * total is an estimate (the kernel's memory, of which criu writes less): only the bytes
+ * written show, so that no size disagrees with the snapshot's.
+ */
 export function describeProgress(
   job: IJob,
   etaSeconds?: number,
@@ -91,7 +97,7 @@ export function describeProgress(
 ): string {
   const phase = phaseLabels(trans)[job.phase] ?? job.phase;
   let text: string;
-  if (job.total > 0) {
+  if (job.total > 0 && job.phase !== 'dump') {
     text = trans.__(
       '%1: %2 of %3',
       phase,
@@ -117,7 +123,7 @@ export function formatEta(seconds: number, trans = untranslated): string {
 }
 
 /**
- * Seconds left in a phase at its rate so far; undefined while too early to tell (under a
+ * Seconds left of a job at its rate so far; undefined while too early to tell (under a
  * second in, or under 2 % done), or once done.
  */
 export function estimateSecondsLeft(
@@ -131,12 +137,12 @@ export function estimateSecondsLeft(
 }
 
 /**
- * The progress bar of a running job's notification. A bar at 1 followed within a few
- * milliseconds by the success update leaves that notification open for good (the toast
- * library treats a full bar as its own close timer): a running job's bar stops short.
+ * The progress bar of a running job's notification, from the fraction of the whole job
+ * done. A bar at 1 followed within a few milliseconds by the success update leaves that
+ * notification open for good (the toast library treats a full bar as its own close
+ * timer): a running job's bar stops short.
  */
-export function toastProgress(job: IJob): number | undefined {
-  const fraction = jobFraction(job);
+export function toastProgress(fraction: number | undefined): number | undefined {
   return fraction === undefined ? undefined : Math.min(fraction, 0.99);
 }
 
@@ -335,7 +341,8 @@ export function describeFreed(hibernation: IHibernation, trans = untranslated): 
  */
 export function describeHibernation(
   hibernation: IHibernation | null | undefined,
-  trans = untranslated
+  trans = untranslated,
+  cellRunning = true
 ): { text: string; title: string } | null {
   if (!hibernation) {
     return null;
@@ -343,7 +350,10 @@ export function describeHibernation(
   const gpuTier = hibernation.tier === 'gpu';
   const gpu = formatBytes(hibernation.gpu_bytes_freed ?? 0, trans);
   const since = hibernation.since ? formatTime(hibernation.since) : '?';
-  switch (hibernation.state) {
+  // Asked for while no cell runs: it goes now, there is no cell to wait for.
+  const state =
+    hibernation.state === 'requested' && !cellRunning ? 'hibernating' : hibernation.state;
+  switch (state) {
     case 'requested':
       return {
         text: gpuTier
@@ -456,6 +466,11 @@ export function describeLastSnapshot(
   if (last?.reason === 'autosave') {
     return autosaved(last.created, last.name, null);
   }
+  if (!status.ready && status.kernel_name !== SNAPSHOT_KERNEL_NAME) {
+    // A kernel that cannot be saved has no snapshots of its own; its notebook's are in
+    // the restore dialog. The button says why it cannot be saved.
+    return { text: '', title: '' };
+  }
   if (last) {
     return {
       text: trans.__('Snapshot %1', formatAge(last.created, now, trans)),
@@ -474,4 +489,53 @@ export function describeLastSnapshot(
     };
   }
   return { text: '', title: '' };
+}
+
+/** Why a snapshot was taken, as its badge says it (the sidebar's, the dialog's). */
+export function reasonLabel(reason: string, trans = untranslated): string {
+  const labels: { [reason: string]: string } = {
+    user: trans.__('saved by hand'),
+    autosave: trans.__('autosave'),
+    shutdown: trans.__('before shutdown'),
+    hibernate: trans.__('hibernation')
+  };
+  return labels[reason] ?? reason;
+}
+
+/**
+ * The restore dialog's badge of a snapshot the user did not save by hand (none for one
+ * saved by hand): its reason, with a tooltip that says it in a sentence.
+ */
+export function reasonBadge(
+  reason: string,
+  trans = untranslated
+): { text: string; title: string } | null {
+  const titles: { [reason: string]: string } = {
+    autosave: trans.__('Saved by the autosave'),
+    shutdown: trans.__('Saved when the server shut down'),
+    hibernate: trans.__('Saved when the kernel hibernated')
+  };
+  if (reason === 'user') {
+    return null;
+  }
+  return { text: reasonLabel(reason, trans), title: titles[reason] ?? reason };
+}
+
+/**
+ * A warning for a kernel whose save at shutdown would not fit the server's budget, or ''
+ * when it fits (or no save would be made): the server then stops it without a save, and
+ * after the restart its notebook is offered an older snapshot.
+ */
+export function describeShutdownSave(
+  save: IShutdownSave | null,
+  trans = untranslated
+): string {
+  if (!save || save.fits) {
+    return '';
+  }
+  return trans.__(
+    'Too big to be saved when the server stops: its save would take about %1, and the server allows %2 (c.GPUSnapshot.shutdown_budget). A restart would offer its newest snapshot instead; take one now to keep this work.',
+    formatSeconds(save.seconds, trans),
+    formatSeconds(save.budget, trans)
+  );
 }

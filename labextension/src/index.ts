@@ -8,7 +8,6 @@ import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application'
 import {
   ICommandPalette,
   IToolbarWidgetRegistry,
-  InputDialog,
   Notification
 } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
@@ -23,8 +22,9 @@ import { SnapshotController } from './controller';
 import { DeathNotice } from './death';
 import { pickSnapshot } from './dialog';
 import { restoreIcon, snapshotIcon } from './icons';
+import { askSnapshotName } from './names';
 import { ShutdownOffer } from './reboot';
-import { SnapshotsSidebar } from './sidebar';
+import { SNAPSHOTS_EVENT_PREFIX, SnapshotsSidebar } from './sidebar';
 import { DEFAULT_REFRESH_SECONDS, SnapshotStatusItem } from './statusbar';
 import { TRANSLATION_DOMAIN } from './translation';
 
@@ -40,9 +40,6 @@ export namespace CommandIDs {
   export const restore = 'gpu-snapshot:restore';
   export const hibernate = 'gpu-snapshot:hibernate';
 }
-
-/** The store's rule for names (core/store/manifest.py, NAME_PATTERN), checked before asking. */
-const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 
 /** The toolbar item name used in schema/plugin.json. */
 const TOOLBAR_ITEM = 'gpu-snapshot';
@@ -95,37 +92,32 @@ const plugin: JupyterFrontEndPlugin<void> = {
         if (!panel) {
           return;
         }
-        const answer = await InputDialog.getText({
+        // The names in use, so that the dialog refuses a taken one as it is typed.
+        const taken = await controller.api
+          .listSnapshots()
+          .then(all => all.map(s => s.name))
+          .catch(() => []);
+        const answer = await askSnapshotName({
           title: trans.__('Snapshot kernel as'),
-          label: trans.__("Name (letters, digits, '.', '_' or '-')"),
+          okLabel: trans.__('Snapshot'),
           // An example of a valid name: ASCII in every language.
           placeholder: 'before-training',
-          okLabel: trans.__('Snapshot'),
+          taken,
           checkbox: {
             label: trans.__('Also save a portable copy'),
             caption: trans.__(
               "Also keep the kernel's variables in a portable form (tensors and arrays in safetensors, the rest through dill): a fresh kernel can load them where the snapshot's image cannot come back, e.g. on another GPU or driver. The save takes longer."
             ),
             checked: askedPortable
-          }
+          },
+          trans
         });
+        if (!answer) {
+          return;
+        }
         // The next save asks the same way until the user says otherwise.
-        askedPortable = answer.isChecked ?? askedPortable;
-        const name = answer.value?.trim();
-        if (!answer.button.accept || !name) {
-          return;
-        }
-        if (!NAME_PATTERN.test(name)) {
-          Notification.warning(
-            trans.__(
-              "'%1' cannot be a snapshot name: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
-              name
-            ),
-            { autoClose: 8000 }
-          );
-          return;
-        }
-        await controller.save(panel, name, { portable: answer.isChecked === true });
+        askedPortable = answer.checked ?? askedPortable;
+        await controller.save(panel, answer.name, { portable: answer.checked === true });
       }
     });
 
@@ -158,10 +150,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
           trans
         );
         if (picked && !panel.isDisposed) {
-          await controller.restore(
+          await controller.restoreAsked(
             panel,
             picked.snapshot,
-            picked.fallback ? { fallback: picked.fallback } : {}
+            picked.fallback ? { fallback: picked.fallback } : {},
+            picked.listing
           );
         }
       }
@@ -256,7 +249,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       controller,
       tracker,
       DEFAULT_REFRESH_SECONDS,
-      trans
+      trans,
+      app.serviceManager.events ?? null
     );
     app.shell.add(sidebar, 'left', { rank: 850 });
 
@@ -268,7 +262,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
       trans
     );
 
-    // A kernel that hibernated or woke: its notebook's status bar says so at once.
+    // A kernel that hibernated or woke: its notebook's status bar says so at once. A
+    // snapshot renamed or deleted anywhere, or a notebook renamed: the current notebook's
+    // status names its newest snapshot again.
     app.serviceManager.events?.stream.connect((_, event) => {
       const kernelId = (event as unknown as { kernel_id?: unknown }).kernel_id;
       if (
@@ -277,10 +273,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
         tracker.find(panel => controller.kernelId(panel) === kernelId)
       ) {
         void controller.refresh(kernelId);
+      } else if (event.schema_id?.startsWith(SNAPSHOTS_EVENT_PREFIX)) {
+        const current = controller.polledKernel(tracker.currentWidget);
+        if (current) {
+          void controller.refresh(current);
+        }
       }
     });
 
-    const offer = new ShutdownOffer(controller, stateDB, trans);
+    const offer = new ShutdownOffer(
+      controller,
+      stateDB,
+      trans,
+      path => tracker.find(panel => panel.context.path === path) ?? null
+    );
     let offerAfterShutdown = true;
     tracker.widgetAdded.connect((_, panel) => {
       if (offerAfterShutdown) {

@@ -1,10 +1,14 @@
 /**
- * The Snapshots sidebar in JupyterLab's left area: this notebook's snapshots and all the
- * others, searchable and sortable, with restore and delete, the store's size and free
- * disk, and the notebook's autosave state with its per-notebook override. Added to the shell by the plugin; it refreshes while it is shown.
+ * The Snapshots sidebar in JupyterLab's left area: the store's size on disk and its free
+ * disk, this notebook's snapshots and all the others, searchable and sortable, with
+ * restore, rename and delete; the server's hibernated kernels; then this notebook's
+ * settings (autosave, and hibernation's two tiers), folded away until asked for. Added to
+ * the shell by the plugin; it refreshes while it is shown, and at once when the server
+ * says the listing changed (a job ended, a snapshot was renamed or deleted anywhere, a
+ * notebook was renamed).
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
-import { InputDialog } from '@jupyterlab/apputils';
+import type { Event } from '@jupyterlab/services';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
@@ -28,16 +32,23 @@ import {
   describeIdlePolicy,
   describeLocation,
   describeNextAutosave,
+  describeShutdownSave,
   formatAge,
   formatBytes,
   formatSnapshotSize,
   formatSeconds,
-  formatTime
+  formatTime,
+  reasonLabel
 } from './format';
 import { FallbackOfferBadge } from './fallback';
 import { snapshotIcon } from './icons';
+import { JOB_EVENT_PREFIX } from './jobs';
+import { askSnapshotName } from './names';
+import { describeRefusal, heldByRunningKernel } from './remedy';
 
-const NAME_PATTERN = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
+/** The server's events that change the listing without a job (event_schemas/snapshots-v1). */
+export const SNAPSHOTS_EVENT_PREFIX =
+  'https://events.jupyter.org/jupyter_gpu_snapshot/snapshots/';
 
 type SortKey = 'newest' | 'oldest' | 'name' | 'size';
 
@@ -48,16 +59,6 @@ const SORTS: { [key in SortKey]: (a: ISnapshotSummary, b: ISnapshotSummary) => n
     name: (a, b) => a.name.localeCompare(b.name),
     size: (a, b) => b.size_bytes - a.size_bytes
   };
-
-function reasonLabel(reason: string, trans: TranslationBundle): string {
-  const labels: { [reason: string]: string } = {
-    user: trans.__('saved by hand'),
-    autosave: trans.__('autosave'),
-    shutdown: trans.__('before shutdown'),
-    hibernate: trans.__('hibernation')
-  };
-  return labels[reason] ?? reason;
-}
 
 /** The sidebar section (and class names) of each tier's idle time. */
 const IDLE_SECTIONS: { [tier in HibernationTier]: string } = {
@@ -81,19 +82,22 @@ export function matches(s: ISnapshotSummary, search: string): boolean {
 }
 
 export class SnapshotsSidebar extends ReactWidget {
+  /** ``events``: the server's event stream, which makes changes show at once. */
   constructor(
     private readonly _controller: SnapshotController,
     private readonly _tracker: INotebookTracker,
     refreshSeconds: number,
-    private readonly _trans: TranslationBundle
+    private readonly _trans: TranslationBundle,
+    private readonly _events: Event.IManager | null = null
   ) {
     super();
     this.id = 'jp-gpu-snapshot-sidebar';
     this.addClass('jp-gpu-snapshot-sidebar');
     this.title.icon = snapshotIcon;
     this.title.caption = _trans.__('Snapshots');
-    _tracker.currentChanged.connect(() => this.update());
+    _tracker.currentChanged.connect(this._onCurrentChanged, this);
     _controller.changed.connect(() => this._poll.refresh());
+    _events?.stream.connect(this._onEvent, this);
     this._poll = new Poll({
       auto: true,
       factory: () => this.reload(),
@@ -114,6 +118,7 @@ export class SnapshotsSidebar extends ReactWidget {
       const listing = await this._controller.api.listing();
       this._snapshots = listing.snapshots;
       this._freeBytes = listing.store?.free_bytes ?? null;
+      await this._readDiskBytes();
       const kernelId = this._controller.polledKernel(this._tracker.currentWidget);
       // Servers without autosave answer 404: the section is left out.
       this._autosave = kernelId
@@ -122,6 +127,7 @@ export class SnapshotsSidebar extends ReactWidget {
       // Servers without hibernation answer 404: the section is left out.
       this._hibernated = await this._controller.api.hibernation().catch(() => []);
       this._listingError = null;
+      await this._forgetEndedRefusals();
     } catch (error) {
       this._listingError = (error as Error).message;
     }
@@ -131,6 +137,7 @@ export class SnapshotsSidebar extends ReactWidget {
 
   dispose(): void {
     this._poll.dispose();
+    this._events?.stream.disconnect(this._onEvent, this);
     super.dispose();
   }
 
@@ -138,38 +145,87 @@ export class SnapshotsSidebar extends ReactWidget {
     void this._poll.refresh();
   }
 
+  /**
+   * What the store takes on disk, pages shared by snapshots counted once (GET usage):
+   * asked again only when the set of snapshots changed, since it reads every recipe.
+   */
+  private async _readDiskBytes(): Promise<void> {
+    const ids = this._snapshots.map(s => s.id).join(' ');
+    if (ids === this._diskBytesOf) {
+      return;
+    }
+    try {
+      this._diskBytes = (await this._controller.api.usage()).disk_bytes;
+    } catch {
+      this._diskBytes = null; // an older server: the header says no size
+    }
+    this._diskBytesOf = ids;
+  }
+
+  /** A refusal for a snapshot that a job held (a restore, say) goes once that job ended. */
+  private async _forgetEndedRefusals(): Promise<void> {
+    for (const [id, refusal] of [...this._refusals]) {
+      if (!this._snapshots.some(s => s.id === id)) {
+        this._refusals.delete(id);
+      } else if (refusal.jobId) {
+        const job = await this._controller.api.getJob(refusal.jobId).catch(() => null);
+        if (job?.status !== 'running') {
+          this._refusals.delete(id);
+        }
+      }
+    }
+  }
+
+  private _onCurrentChanged(): void {
+    this._watchedPanel?.context.pathChanged.disconnect(this._onPathChanged, this);
+    this._watchedPanel = this._tracker.currentWidget;
+    this._watchedPanel?.context.pathChanged.connect(this._onPathChanged, this);
+    this.update();
+    void this._poll.refresh();
+  }
+
+  /** The notebook was renamed: the server moved its snapshots along; list them again. */
+  private _onPathChanged(): void {
+    void this._poll.refresh();
+  }
+
+  private _onEvent(_: unknown, event: Event.Emission): void {
+    const schema = event.schema_id ?? '';
+    const status = (event as unknown as { status?: unknown }).status;
+    if (
+      schema.startsWith(SNAPSHOTS_EVENT_PREFIX) ||
+      (schema.startsWith(JOB_EVENT_PREFIX) && status !== 'running')
+    ) {
+      void this._poll.refresh();
+    }
+  }
+
   render(): JSX.Element {
     const trans = this._trans;
     const panel = this._tracker.currentWidget;
     const path = panel?.context.path ?? null;
+    const kernelId = this._controller.kernelId(panel);
+    const running = { kernelId, originId: this._controller.originOf(kernelId) };
+    // This notebook's: those of its path, and those its running kernel holds.
+    const isOwn = (s: ISnapshotSummary) =>
+      path !== null &&
+      (s.notebook_path === path || heldByRunningKernel(s, running, this._snapshots));
     const shown = this._snapshots
       .filter(s => matches(s, this._search))
       .sort(SORTS[this._sort]);
-    const own = path ? shown.filter(s => s.notebook_path === path) : [];
-    const others = shown.filter(s => !path || s.notebook_path !== path);
-    const total = this._snapshots.reduce((sum, s) => sum + s.size_bytes, 0);
+    const own = shown.filter(isOwn);
+    const others = shown.filter(s => !isOwn(s));
     return (
       <div className="jp-gpu-snapshot-sidebar-body">
         <header className="jp-gpu-snapshot-sidebar-header">
           <h2>{trans.__('Snapshots')}</h2>
           <div
             className="jp-gpu-snapshot-store"
-            title={trans.__('The snapshot store on the server')}
+            title={trans.__(
+              'The snapshot store on the server: what its snapshots take on disk (pages they share counted once), and the free disk'
+            )}
           >
-            {this._freeBytes !== null
-              ? trans._n(
-                  '%1 in the store, %2, %3 free',
-                  '%1 in the store, %2, %3 free',
-                  this._snapshots.length,
-                  formatBytes(total, trans),
-                  formatBytes(this._freeBytes, trans)
-                )
-              : trans._n(
-                  '%1 in the store, %2',
-                  '%1 in the store, %2',
-                  this._snapshots.length,
-                  formatBytes(total, trans)
-                )}
+            {this._storeText()}
           </div>
           {this._criuNotice(panel)}
           <div className="jp-gpu-snapshot-controls">
@@ -200,17 +256,14 @@ export class SnapshotsSidebar extends ReactWidget {
             </select>
           </div>
         </header>
-        {(this._error ?? this._listingError) && (
-          <p className="jp-gpu-snapshot-error">{this._error ?? this._listingError}</p>
+        {this._listingError && (
+          <p className="jp-gpu-snapshot-error">{this._listingError}</p>
         )}
         {!this._loaded ? (
           <p className="jp-gpu-snapshot-empty">{trans.__('Loading snapshots…')}</p>
         ) : (
           <>
-            {this._hibernationSection()}
-            {path && this._autosaveSection()}
-            {path && this._idleSection('gpu')}
-            {path && this._idleSection('process')}
+            {path && this._shutdownWarning(kernelId)}
             {path &&
               this._section(trans.__('This notebook: %1', path), own, panel, 'own')}
             {this._section(
@@ -219,6 +272,8 @@ export class SnapshotsSidebar extends ReactWidget {
               panel,
               'others'
             )}
+            {this._hibernationSection()}
+            {path && this._settings(kernelId)}
           </>
         )}
       </div>
@@ -243,6 +298,64 @@ export class SnapshotsSidebar extends ReactWidget {
     );
   }
 
+  /** "3 in the store, 1.2 GiB on disk, 40.0 GiB free". */
+  private _storeText(): string {
+    const trans = this._trans;
+    const count = this._snapshots.length;
+    const parts = [trans._n('%1 in the store', '%1 in the store', count)];
+    if (this._diskBytes !== null) {
+      parts.push(trans.__('%1 on disk', formatBytes(this._diskBytes, trans)));
+    }
+    if (this._freeBytes !== null) {
+      parts.push(trans.__('%1 free', formatBytes(this._freeBytes, trans)));
+    }
+    return parts.join(', ');
+  }
+
+  /**
+   * A warning when the notebook's kernel has grown too big for its save at shutdown: the
+   * server would stop it without a save, and a restart would offer an older snapshot.
+   */
+  private _shutdownWarning(kernelId: string | null): JSX.Element | null {
+    const save = this._controller.entry(kernelId)?.status?.shutdown_save;
+    const text = describeShutdownSave(save ?? null, this._trans);
+    return text ? (
+      <p className="jp-gpu-snapshot-warning" data-warning="shutdown">
+        {text}
+      </p>
+    ) : null;
+  }
+
+  /**
+   * This notebook's settings, folded: autosave, and the idle times of hibernation's two
+   * tiers (the GPU tier only for a kernel that holds GPU memory).
+   */
+  private _settings(kernelId: string | null): JSX.Element | null {
+    const autosave = this._autosaveSection();
+    if (!autosave) {
+      return null;
+    }
+    const cuda = this._controller.entry(kernelId)?.status?.cuda;
+    const usesGpu = cuda === null || cuda === undefined || cuda.state !== 'none';
+    return (
+      <details
+        className="jp-gpu-snapshot-settings"
+        open={this._settingsOpen}
+        onToggle={event => {
+          this._settingsOpen = (event.target as HTMLDetailsElement).open;
+        }}
+      >
+        <summary>{this._trans.__("This notebook's settings")}</summary>
+        {this._settingsError && (
+          <p className="jp-gpu-snapshot-error">{this._settingsError}</p>
+        )}
+        {autosave}
+        {usesGpu && this._idleSection('gpu')}
+        {this._idleSection('process')}
+      </details>
+    );
+  }
+
   /** The server's hibernated kernels, each with the memory it freed and a way to wake it. */
   private _hibernationSection(): JSX.Element | null {
     const trans = this._trans;
@@ -252,6 +365,7 @@ export class SnapshotsSidebar extends ReactWidget {
     return (
       <section className="jp-gpu-snapshot-sidebar-section" data-section="hibernated">
         <h3>{trans.__('Hibernated kernels')}</h3>
+        {this._wakeError && <p className="jp-gpu-snapshot-error">{this._wakeError}</p>}
         <ul>
           {this._hibernated.map(k => (
             <li
@@ -299,9 +413,9 @@ export class SnapshotsSidebar extends ReactWidget {
   private async _wake(kernel: IHibernation): Promise<void> {
     try {
       await this._controller.api.wake(kernel.kernel_id);
-      this._error = null;
+      this._wakeError = null;
     } catch (error) {
-      this._error = this._trans.__(
+      this._wakeError = this._trans.__(
         'Could not wake the kernel: %1',
         (error as Error).message
       );
@@ -529,15 +643,15 @@ export class SnapshotsSidebar extends ReactWidget {
     const words = this._idleWords(tier);
     const override = idleOverride(tier, mode, minutes);
     if (!override) {
-      this._error = words.invalid;
+      this._settingsError = words.invalid;
       this.update();
       return;
     }
     try {
       this._autosave = await this._controller.setAutosave(kernelId, override);
-      this._error = null;
+      this._settingsError = null;
     } catch (error) {
-      this._error = words.failed((error as Error).message);
+      this._settingsError = words.failed((error as Error).message);
     }
     this.update();
   }
@@ -555,7 +669,7 @@ export class SnapshotsSidebar extends ReactWidget {
       override = { enabled: false };
     } else {
       if (!(minutes > 0)) {
-        this._error = this._trans.__(
+        this._settingsError = this._trans.__(
           'The autosave interval must be a number of minutes above 0.'
         );
         this.update();
@@ -565,9 +679,9 @@ export class SnapshotsSidebar extends ReactWidget {
     }
     try {
       this._autosave = await this._controller.setAutosave(kernelId, override);
-      this._error = null;
+      this._settingsError = null;
     } catch (error) {
-      this._error = this._trans.__(
+      this._settingsError = this._trans.__(
         'Could not change autosave: %1',
         (error as Error).message
       );
@@ -602,7 +716,18 @@ export class SnapshotsSidebar extends ReactWidget {
     const where = describeLocation(s, trans);
     const busy = panel !== null && this._controller.activeJob(panel) !== null;
     const target = panel?.context.localPath ?? null;
-    const location = [s.host, s.notebook_path].filter(Boolean).join(': ');
+    const refusal = this._refusals.get(s.id);
+    const saved =
+      s.saved_notebook_path && s.saved_notebook_path !== s.notebook_path
+        ? trans.__('saved as %1', s.saved_notebook_path)
+        : null;
+    const origin = [
+      s.host ? trans.__('saved on %1', s.host) : null,
+      saved,
+      trans.__('id %1', s.id)
+    ]
+      .filter(Boolean)
+      .join('; ');
     return (
       <li
         key={s.id}
@@ -631,8 +756,8 @@ export class SnapshotsSidebar extends ReactWidget {
             </span>
           )}
         </div>
-        <div className="jp-gpu-snapshot-item-location" title={location}>
-          {location || trans.__('location unknown')}
+        <div className="jp-gpu-snapshot-item-location" title={origin}>
+          {s.notebook_path ?? trans.__('no notebook')}
         </div>
         <div className="jp-gpu-snapshot-item-actions">
           <button
@@ -645,7 +770,9 @@ export class SnapshotsSidebar extends ReactWidget {
             }
             onClick={() => {
               if (panel) {
-                void this._controller.restore(panel, s).then(() => this._poll.refresh());
+                void this._controller
+                  .restoreAsked(panel, s, {}, this._snapshots)
+                  .then(() => this._poll.refresh());
               }
             }}
           >
@@ -660,67 +787,66 @@ export class SnapshotsSidebar extends ReactWidget {
           </button>
           {this._deleteButtons.render(s, trans, () => void this._delete(s))}
         </div>
+        {refusal && (
+          <div className="jp-gpu-snapshot-error jp-gpu-snapshot-item-error" role="alert">
+            <span>{refusal.message}</span>
+            <button
+              className="jp-gpu-snapshot-dismiss"
+              title={trans.__('Dismiss')}
+              aria-label={trans.__('Dismiss')}
+              onClick={() => {
+                this._refusals.delete(s.id);
+                this.update();
+              }}
+            >
+              ×
+            </button>
+          </div>
+        )}
       </li>
     );
   }
 
-  /** Called by an item's Rename button: ask for the name, then PATCH the snapshot. */
+  /** Called by an item's Rename button: ask for a valid, free name, then PATCH it. */
   private async _rename(s: ISnapshotSummary): Promise<void> {
     const trans = this._trans;
-    const answer = await InputDialog.getText({
+    const answer = await askSnapshotName({
       title: trans.__("Rename '%1'", s.name),
-      label: trans.__(
-        '1-64 letters, digits, ".", "_" or "-", starting with a letter or digit'
-      ),
+      okLabel: trans.__('Rename'),
       text: s.name,
-      okLabel: trans.__('Rename')
+      taken: this._snapshots.filter(other => other.id !== s.id).map(other => other.name),
+      trans
     });
-    const name = answer.value?.trim();
-    if (!answer.button.accept || !name || name === s.name) {
+    if (!answer) {
       return;
     }
-    // The store's rule for names (core/store/snapshot.py, validate_name), checked before asking.
-    if (!NAME_PATTERN.test(name) || /\.\.|[.-]$/.test(name)) {
-      this._error = trans.__(
-        'Could not rename \'%1\': invalid snapshot name \'%2\' (use 1-64 letters, digits, ".", "_" or "-", starting with a letter or digit)',
-        s.name,
-        name
-      );
-      this.update();
-      return;
-    }
-    await this._change(
-      () => this._controller.api.renameSnapshot(s.id, name),
-      message => trans.__("Could not rename '%1': %2", s.name, message)
-    );
+    await this._change(s, () => this._controller.api.renameSnapshot(s.id, answer.name));
   }
 
   private async _delete(s: ISnapshotSummary): Promise<void> {
     if (!this._deleteButtons.confirms(s.id)) {
       return;
     }
-    await this._change(
-      () => this._controller.api.deleteSnapshot(s.id),
-      message => this._trans.__("Could not delete '%1': %2", s.name, message)
-    );
+    await this._change(s, () => this._controller.api.deleteSnapshot(s.id));
   }
 
   /**
-   * Rename or delete through ``run``; on failure show ``failed(message)``, else ask the
-   * server again, here and for the status bar and the button, which may name the snapshot.
+   * Rename or delete ``s`` through ``run``; a refusal shows under its item, in words, until
+   * dismissed or, for a snapshot a job held, until that job ended; else ask the server
+   * again, here and for the status bar and the button, which may name the snapshot.
    */
-  private async _change(
-    run: () => Promise<unknown>,
-    failed: (message: string) => string
-  ): Promise<void> {
+  private async _change(s: ISnapshotSummary, run: () => Promise<unknown>): Promise<void> {
     try {
       await run();
     } catch (error) {
-      this._error = failed((error as Error).message);
+      const jobId =
+        (error as { error?: { details?: { job_id?: string } } }).error?.details?.job_id ??
+        null;
+      this._refusals.set(s.id, { message: describeRefusal(error, this._trans), jobId });
       this.update();
       return;
     }
-    this._error = null;
+    this._refusals.delete(s.id);
     const kernelId = this._controller.kernelId(this._tracker.currentWidget);
     if (kernelId) {
       void this._controller.refresh(kernelId);
@@ -730,13 +856,22 @@ export class SnapshotsSidebar extends ReactWidget {
 
   private _snapshots: ISnapshotSummary[] = [];
   private _freeBytes: number | null = null;
+  /** The store's bytes on disk (GET usage), and the snapshots they were read for. */
+  private _diskBytes: number | null = null;
+  private _diskBytesOf: string | null = null;
   private _autosave: IAutosaveState | null = null;
   private _hibernated: IHibernation[] = [];
   private _search = '';
   private _sort: SortKey = 'newest';
+  private _settingsOpen = false;
+  private _watchedPanel: NotebookPanel | null = null;
   private readonly _deleteButtons = new DeleteButtons(() => this.update());
-  /** What the last rename, delete or autosave change refused; stays until the next one works. */
-  private _error: string | null = null;
+  /** Why a rename or delete of each snapshot was refused, and the job that held it. */
+  private _refusals = new Map<string, { message: string; jobId: string | null }>();
+  /** Why the last Wake failed; the next one that works clears it. */
+  private _wakeError: string | null = null;
+  /** What the last settings change refused; stays until the next one works. */
+  private _settingsError: string | null = null;
   /** Why the last listing failed; the next listing clears it. */
   private _listingError: string | null = null;
   private _loaded = false;

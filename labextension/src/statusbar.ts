@@ -7,7 +7,11 @@ import type { TranslationBundle } from '@jupyterlab/translation';
 import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 import type { SnapshotController } from './controller';
-import { describeHibernation, describeLastSnapshot, jobFraction } from './format';
+import {
+  describeHibernation,
+  describeLastSnapshot,
+  describeShutdownSave
+} from './format';
 import { KernelWatch } from './watch';
 
 /** How often the current kernel's status is asked again (settings: statusRefreshSeconds). */
@@ -99,7 +103,7 @@ export class SnapshotStatusItem extends Widget {
       };
     }
     if (job && job.kind === 'wake') {
-      const fraction = jobFraction(job);
+      const fraction = this._controller.progressOf(job);
       const percent = fraction === undefined ? null : Math.round(fraction * 100);
       return {
         text:
@@ -110,7 +114,7 @@ export class SnapshotStatusItem extends Widget {
       };
     }
     if (job) {
-      const fraction = jobFraction(job);
+      const fraction = this._controller.progressOf(job);
       const percent = fraction === undefined ? null : Math.round(fraction * 100);
       const progress = this._controller.describeJob(job);
       if (job.kind === 'save') {
@@ -144,11 +148,16 @@ export class SnapshotStatusItem extends Widget {
     if (!status) {
       return { text: '', title: '' };
     }
-    const hibernation = describeHibernation(status.hibernation, trans);
+    const busy = panel.sessionContext.session?.kernel?.status === 'busy';
+    const hibernation = describeHibernation(status.hibernation, trans, busy);
     if (hibernation) {
       return hibernation;
     }
-    return describeLastSnapshot(status, autosave ?? null, trans);
+    const last = describeLastSnapshot(status, autosave ?? null, trans);
+    const shutdown = describeShutdownSave(status.shutdown_save ?? null, trans);
+    return shutdown && last.text
+      ? { text: last.text, title: `${last.title}\n${shutdown}` }
+      : last;
   }
 
   private _onCurrentChanged(): void {

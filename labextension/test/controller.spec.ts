@@ -103,7 +103,10 @@ function fakePanel(path: string, kernelId: string | null, sessionId: string) {
   return {
     sessionContext,
     context: { path, localPath: path },
-    isDisposed: false
+    isDisposed: false,
+    // No cells: neither widgets to draw again nor a restore point to mark.
+    node: document.createElement('div'),
+    content: { widgets: [] }
   };
 }
 
@@ -224,6 +227,18 @@ describe('shortError', () => {
     expect(shortError({ ...invalid, code: 'busy', cause: 'a snapshot is running' })).toBe(
       'a snapshot is running. Use letters, digits, dots, dashes and underscores'
     );
+    // Any refusal: a kernel that cannot be saved now, another node's image.
+    expect(
+      shortError({ ...invalid, code: 'not_ready', cause: 'files changed', hint: null })
+    ).toBe('files changed');
+    expect(
+      shortError({
+        ...invalid,
+        code: 'incompatible_node',
+        cause: 'another GPU',
+        hint: null
+      })
+    ).toBe('another GPU');
   });
 
   it("falls back to the server's message, or says that there was no result", () => {
@@ -356,7 +371,7 @@ describe('saveAvailability', () => {
     await new Promise(resolve => setTimeout(resolve, 5));
     expect(controller.saveAvailability(notebook)).toEqual({
       enabled: false,
-      reason: 'A snapshot of this kernel is running: writing memory: 0 B of 4.0 MiB'
+      reason: 'A snapshot of this kernel is running: writing memory…'
     });
     expect(controller.activeJob(notebook)?.kind).toBe('save');
     finish(makeJob({ status: 'succeeded', phase: 'done', result: makeSnapshot() }));
@@ -411,35 +426,74 @@ describe('explainUnavailable', () => {
   });
 });
 
-describe('describeJob: the time left, per phase', () => {
-  it('gives an estimate once a second has passed in the phase, and starts over in the next', () => {
+describe('describeJob and progressOf: one bar for the whole job', () => {
+  const save = (phase: string, done: number, total: number) =>
+    makeJob({ kind: 'save', phase: phase as IJob['phase'], done, total });
+
+  it('gives the time left of the whole job, once a second has passed', () => {
     jest.useFakeTimers({ now: 1_000_000 });
     const { controller } = setUp();
-    const dump = (done: number) => makeJob({ phase: 'dump', done, total: 4 * MiB });
-    expect(controller.describeJob(dump(0))).toBe('writing memory: 0 B of 4.0 MiB');
+    expect(controller.describeJob(save('dump', 0, 4 * MiB))).toBe('writing memory…');
     jest.advanceTimersByTime(3000);
-    expect(controller.describeJob(dump(MiB))).toBe(
-      'writing memory: 1.0 MiB of 4.0 MiB, about 9 s left'
+    // A dump's total is an estimate of the image: only the bytes written show.
+    expect(controller.describeJob(save('dump', MiB, 4 * MiB))).toMatch(
+      /^writing memory: 1\.0 MiB, about \d+ s left$/
     );
-    const verify = makeJob({ phase: 'verify', done: MiB, total: 4 * MiB });
-    expect(controller.describeJob(verify)).toBe('verifying: 1.0 MiB of 4.0 MiB');
-    jest.advanceTimersByTime(1000);
-    expect(controller.describeJob({ ...verify, done: 2 * MiB })).toBe(
-      'verifying: 2.0 MiB of 4.0 MiB, about 1 s left'
+    const commit = save('commit', MiB, 4 * MiB);
+    expect(controller.describeJob(commit)).toMatch(
+      /^committing: 1\.0 MiB of 4\.0 MiB, about \d+ s left$/
     );
   });
 
-  it('keeps a clock per job', () => {
+  it('never goes back when the next phase starts its bytes over', () => {
+    const { controller } = setUp();
+    const seen = [
+      save('preflight', 0, 0),
+      save('suspend', 0, 0),
+      save('dump', 10 * MiB, 100 * MiB),
+      save('dump', 90 * MiB, 100 * MiB),
+      save('resume', 0, 0),
+      save('commit', 2 * MiB, 54 * MiB),
+      save('commit', 30 * MiB, 54 * MiB),
+      save('commit', 54 * MiB, 54 * MiB)
+    ].map(job => controller.progressOf(job));
+    expect(seen[0]).toBeUndefined(); // no size yet: no bar
+    const bars = seen.filter((f): f is number => f !== undefined);
+    expect(bars.length).toBe(6);
+    bars.slice(1).forEach((f, at) => expect(f).toBeGreaterThanOrEqual(bars[at]));
+    // The commit's bytes move the bar on from where the dump left it.
+    expect(bars[5]).toBeGreaterThan(bars[2]);
+    expect(bars[5]).toBeLessThanOrEqual(1);
+  });
+
+  it("shares the bar out as the kernel's last save took its time", async () => {
+    const { api, controller } = setUp();
+    // The last save spent 1 s dumping and 9 s committing.
+    api.kernelStatus.mockResolvedValue(
+      status({
+        last_snapshot: makeSnapshot({
+          timings: { preflight: 0.1, suspend: 0.1, dump: 1, resume: 0.1, commit: 9 }
+        })
+      })
+    );
+    await controller.refresh('k-b');
+    const dumped = controller.progressOf(
+      makeJob({ id: 'j9', kernel_id: 'k-b', phase: 'dump', done: 1, total: 1 })
+    );
+    expect(dumped).toBeLessThan(0.2);
+  });
+
+  it('keeps a bar and a clock per job', () => {
     jest.useFakeTimers({ now: 1_000_000 });
     const { controller } = setUp();
-    controller.describeJob(makeJob({ id: 'j1', done: 0, total: 4 }));
+    controller.describeJob(makeJob({ id: 'j1', phase: 'commit', done: 0, total: 4 }));
     jest.advanceTimersByTime(3000);
-    expect(controller.describeJob(makeJob({ id: 'j2', done: 1, total: 4 }))).toBe(
-      'writing memory: 1 B of 4 B'
-    );
-    expect(controller.describeJob(makeJob({ id: 'j1', done: 1, total: 4 }))).toBe(
-      'writing memory: 1 B of 4 B, about 9 s left'
-    );
+    expect(
+      controller.describeJob(makeJob({ id: 'j2', phase: 'commit', done: 1, total: 4 }))
+    ).toBe('committing: 1 B of 4 B');
+    expect(
+      controller.describeJob(makeJob({ id: 'j1', phase: 'commit', done: 1, total: 4 }))
+    ).toMatch(/^committing: 1 B of 4 B, about \d+ s left$/);
   });
 });
 
@@ -1256,5 +1310,92 @@ describe('save with a portable copy', () => {
     expect(shown()[0].message).toMatch(/, with a portable copy$/);
     await controller.save(notebook);
     expect(api.startSave).toHaveBeenLastCalledWith('k-b', {});
+  });
+});
+
+describe('restoreAsked: going back on the kernel that runs is one confirmation', () => {
+  const own = makeSnapshot({
+    id: 's-own',
+    name: 'first-steps',
+    kernel: { kernel_id: 'k-b' }
+  });
+
+  function restoring(api: ReturnType<typeof fakeApi>) {
+    api.startRestore.mockResolvedValue(
+      makeJob({ id: 'r1', kind: 'restore', kernel_id: 'k-new', phase: 'restore' })
+    );
+    api.getJob.mockResolvedValue(
+      makeJob({
+        id: 'r1',
+        kind: 'restore',
+        status: 'succeeded',
+        phase: 'done',
+        result: { kernel_id: 'k-new', session_id: null }
+      })
+    );
+    api.kernelStatus.mockResolvedValue(status({ kernel_id: 'k-new' }));
+  }
+
+  it("asks once, then shuts down the notebook's kernel and restores, without a refusal", async () => {
+    const { api, controller, panel, notebook } = await readyToSave();
+    restoring(api);
+    mockedShowDialog.mockResolvedValue({
+      button: { accept: true, label: 'Replace kernel' },
+      value: null,
+      isChecked: null
+    } as never);
+    expect(await controller.restoreAsked(notebook, own, {}, [own])).toBe(true);
+    const asked = mockedShowDialog.mock.calls[0][0] ?? {};
+    expect(asked.title).toBe("Go back to 'first-steps'?");
+    expect(asked.body).toMatch(
+      /^Replace this notebook's kernel with 'first-steps', saved .*\? What the kernel did since is lost\.$/
+    );
+    expect(panel.sessionContext.shutdown).toHaveBeenCalledTimes(1);
+    expect(api.startRestore).toHaveBeenCalledTimes(1);
+    expect(shown().map(n => n.type)).not.toContain('error');
+  });
+
+  it('does nothing when the user keeps the kernel', async () => {
+    const { api, controller, panel, notebook } = await readyToSave();
+    mockedShowDialog.mockResolvedValue({
+      button: { accept: false, label: 'Cancel' },
+      value: null,
+      isChecked: null
+    } as never);
+    expect(await controller.restoreAsked(notebook, own, {}, [own])).toBe(false);
+    expect(panel.sessionContext.shutdown).not.toHaveBeenCalled();
+    expect(api.startRestore).not.toHaveBeenCalled();
+  });
+
+  it("restores another kernel's snapshot at once, without asking", async () => {
+    const { api, controller, notebook } = await readyToSave();
+    restoring(api);
+    const other = makeSnapshot({ id: 's-other', kernel: { kernel_id: 'k-gone' } });
+    expect(await controller.restoreAsked(notebook, other, {}, [other])).toBe(true);
+    expect(mockedShowDialog).not.toHaveBeenCalled();
+  });
+});
+
+describe('a status asked before a save ended', () => {
+  it('does not bring back "no snapshot" once the save committed: it is asked again', async () => {
+    const { api, controller, notebook } = await readyToSave();
+    const saved = makeSnapshot({ id: 's-new', kernel: { kernel_id: 'k-b' } });
+    api.startSave.mockResolvedValue(makeJob({ kernel_id: 'k-b' }));
+    let answerStale: (status: IKernelStatus) => void = () => undefined;
+    api.kernelStatus.mockReturnValueOnce(new Promise(resolve => (answerStale = resolve)));
+    const polled = controller.refresh('k-b'); // a poll, while the save runs
+    api.getJob.mockResolvedValue(
+      makeJob({ kernel_id: 'k-b', status: 'succeeded', phase: 'done', result: saved })
+    );
+    let answerFresh: (status: IKernelStatus) => void = () => undefined;
+    api.kernelStatus.mockReturnValue(new Promise(resolve => (answerFresh = resolve)));
+    await controller.save(notebook);
+    expect(controller.entry('k-b')?.status?.last_snapshot?.id).toBe('s-new');
+    answerStale(status({ last_snapshot: null })); // the poll's answer, from before the commit
+    await polled;
+    // Until the server answers again, the page keeps what it knows.
+    expect(controller.entry('k-b')?.status?.last_snapshot?.id).toBe('s-new');
+    expect(api.kernelStatus).toHaveBeenCalledTimes(3);
+    answerFresh(status({ last_snapshot: saved }));
   });
 });

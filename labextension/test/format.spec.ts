@@ -10,6 +10,7 @@ import {
   describeLastSnapshot,
   describeProgress,
   describeSaved,
+  describeShutdownSave,
   estimateSecondsLeft,
   formatAge,
   formatBytes,
@@ -18,6 +19,7 @@ import {
   formatSnapshotSize,
   formatTime,
   jobFraction,
+  reasonBadge,
   toastProgress
 } from '../src/format';
 import type { IAutosaveState, IKernelStatus, ISnapshotSummary } from '../src/api';
@@ -144,14 +146,19 @@ describe('time left', () => {
 
 describe('describeProgress: the phase, the bytes and the time left', () => {
   it('names the phase and the bytes of both sides', () => {
+    const job = makeJob({ phase: 'commit', done: 412 * MiB, total: 1.1 * GiB });
+    expect(describeProgress(job)).toBe('committing: 412.0 MiB of 1.1 GiB');
+  });
+
+  it("gives a dump's bytes written alone: its total is an estimate of the image", () => {
     const job = makeJob({ phase: 'dump', done: 412 * MiB, total: 1.1 * GiB });
-    expect(describeProgress(job)).toBe('writing memory: 412.0 MiB of 1.1 GiB');
+    expect(describeProgress(job)).toBe('writing memory: 412.0 MiB');
   });
 
   it('adds the time left when known', () => {
-    const job = makeJob({ phase: 'dump', done: 256 * MiB, total: 1024 * MiB });
+    const job = makeJob({ phase: 'commit', done: 256 * MiB, total: 1024 * MiB });
     expect(describeProgress(job, 9)).toBe(
-      'writing memory: 256.0 MiB of 1.0 GiB, about 9 s left'
+      'committing: 256.0 MiB of 1.0 GiB, about 9 s left'
     );
   });
 
@@ -206,11 +213,9 @@ describe('fractions and the notification bar', () => {
   });
 
   it('never fills the bar of a running job (that kept success toasts open)', () => {
-    expect(toastProgress(makeJob({ phase: 'commit', done: 5, total: 5 }))).toBe(0.99);
-    expect(toastProgress(makeJob({ phase: 'dump', done: 1, total: 4 }))).toBe(0.25);
-    expect(
-      toastProgress(makeJob({ phase: 'suspend', done: 0, total: 0 }))
-    ).toBeUndefined();
+    expect(toastProgress(1)).toBe(0.99);
+    expect(toastProgress(0.25)).toBe(0.25);
+    expect(toastProgress(undefined)).toBeUndefined();
   });
 });
 
@@ -304,16 +309,16 @@ describe('describeSaved: the notification after a save', () => {
 describe('a TranslationBundle given to the formatters', () => {
   it("words a job's progress in the bundle's language, figures left as they are", () => {
     const trans = new ShoutingBundle();
-    const job = makeJob({ phase: 'dump', done: 50 * MiB, total: 100 * MiB });
+    const job = makeJob({ phase: 'commit', done: 50 * MiB, total: 100 * MiB });
     expect(describeProgress(job, 12, trans)).toBe(
-      'WRITING MEMORY: 50.0 MIB OF 100.0 MIB, ABOUT 12 S LEFT'
+      'COMMITTING: 50.0 MIB OF 100.0 MIB, ABOUT 12 S LEFT'
     );
     expect(trans.asked).toEqual(
-      expect.arrayContaining(['writing memory', '%1: %2 of %3', 'about %1 s left'])
+      expect.arrayContaining(['committing', '%1: %2 of %3', 'about %1 s left'])
     );
     // Without a bundle the same line is the English one.
     expect(describeProgress(job, 12)).toBe(
-      'writing memory: 50.0 MiB of 100.0 MiB, about 12 s left'
+      'committing: 50.0 MiB of 100.0 MiB, about 12 s left'
     );
   });
 
@@ -511,5 +516,46 @@ describe('describeIdlePolicy', () => {
       'GIVES ITS GPU BACK AFTER 2.5 MIN IDLE'
     );
     expect(trans.asked).toEqual(['gives its GPU back after %1 min idle']);
+  });
+});
+
+describe('what the status bar and the sidebar say of a kernel', () => {
+  it('says nothing of snapshots for a kernel that cannot be saved', () => {
+    const plain = makeStatus({
+      ready: false,
+      kernel_name: 'python3',
+      reasons: ['not launched by the snapshot-ready provisioner'],
+      last_snapshot: makeSnapshot()
+    });
+    expect(describeLastSnapshot(plain, null)).toEqual({ text: '', title: '' });
+  });
+
+  it('says a kernel hibernates now, not after a cell, when no cell runs', () => {
+    const requested = {
+      kernel_id: 'k',
+      state: 'requested' as const,
+      tier: 'process' as const
+    };
+    expect(describeHibernation(requested, undefined, true)?.text).toBe(
+      'Hibernates after this cell'
+    );
+    expect(describeHibernation(requested, undefined, false)?.text).toBe('Hibernating…');
+  });
+
+  it("warns of a save that would not fit the shutdown's budget, and only then", () => {
+    expect(describeShutdownSave(null)).toBe('');
+    expect(describeShutdownSave({ seconds: 5, budget: 25, fits: true })).toBe('');
+    expect(describeShutdownSave({ seconds: 40.2, budget: 25, fits: false })).toMatch(
+      /^Too big to be saved when the server stops: its save would take about 40\.2 s, and the server allows 25\.0 s/
+    );
+  });
+
+  it("badges a snapshot's reason in the dialog, except one saved by hand", () => {
+    expect(reasonBadge('user')).toBeNull();
+    expect(reasonBadge('hibernate')).toEqual({
+      text: 'hibernation',
+      title: 'Saved when the kernel hibernated'
+    });
+    expect(reasonBadge('shutdown')?.text).toBe('before shutdown');
   });
 });

@@ -130,11 +130,14 @@ describe('the plugin and its settings', () => {
 
 /** A notebook as it opens, without a kernel. */
 function openedNotebook(path: string): NotebookPanel {
-  return {
+  const panel = {
     context: { ready: Promise.resolve(), path, localPath: path },
     sessionContext: { session: null },
-    isDisposed: false
-  } as unknown as NotebookPanel;
+    isDisposed: false,
+    disposed: null as unknown
+  };
+  panel.disposed = new Signal<unknown, void>(panel);
+  return panel as unknown as NotebookPanel;
 }
 
 /** Lets the promises of an opened notebook's offer run (jest's clock stands still). */

@@ -10,9 +10,10 @@ import { Notification } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import { KernelAPI } from '@jupyterlab/services';
 import { StateDB } from '@jupyterlab/statedb';
+import { Signal } from '@lumino/signaling';
 import type { ISnapshotSummary } from '../src/api';
 import type { SnapshotController } from '../src/controller';
-import { ShutdownOffer } from '../src/reboot';
+import { MESSAGE_LIMIT, ShutdownOffer, describeOffers } from '../src/reboot';
 import { makeSnapshot } from './fixtures';
 
 // JupyterLab's real notification manager, without the rest of apputils.
@@ -20,12 +21,21 @@ jest.mock('@jupyterlab/apputils', () => ({
   Notification: jest.requireActual('@jupyterlab/apputils/lib/notification').Notification
 }));
 
-/** A notebook panel as far as the offer reads it: its path, once its context is ready. */
+/**
+ * A notebook panel as far as the offer reads it: its path, once its context is ready,
+ * and its closing (a real signal).
+ */
 function fakePanel(path: string): NotebookPanel {
-  return {
+  const panel = {
     context: { ready: Promise.resolve(), path, localPath: path },
-    isDisposed: false
-  } as unknown as NotebookPanel;
+    isDisposed: false,
+    dispose: () => {
+      panel.isDisposed = true;
+      panel.disposed.emit(undefined);
+    }
+  } as unknown as { isDisposed: boolean; disposed: Signal<unknown, void> };
+  panel.disposed = new Signal<unknown, void>(panel);
+  return panel as unknown as NotebookPanel;
 }
 
 /**
@@ -110,11 +120,29 @@ afterEach(() => {
 async function openPage(newest: ISnapshotSummary[], ...paths: string[]) {
   const state = new StateDB({ connector: storedWorkspace });
   const { controller, asController } = fakeController(newest);
-  const offer = new ShutdownOffer(asController, state);
+  // The notebooks open in the page, by path, as JupyterLab's tracker finds them.
+  const open = new Map<string, NotebookPanel>();
+  const offer = new ShutdownOffer(
+    asController,
+    state,
+    undefined,
+    path => open.get(path) ?? null
+  );
+  const openNotebook = async (path: string) => {
+    const panel = fakePanel(path);
+    open.set(path, panel);
+    panel.disposed.connect(() => {
+      if (open.get(path) === panel) {
+        open.delete(path);
+      }
+    });
+    await offer.check(panel);
+    return panel;
+  };
   for (const path of paths) {
-    await offer.check(fakePanel(path));
+    await openNotebook(path);
   }
-  return { state, controller, offer };
+  return { state, controller, offer, openNotebook, open };
 }
 
 /** Clicks ``label`` on the one offer; resolves once the page stored the answer. */
@@ -192,5 +220,96 @@ describe('ShutdownOffer answers kept in IStateDB', () => {
     expect(Object.values(stored)).toContainEqual(['s-a']);
     expect(setItem).not.toHaveBeenCalled();
     expect(localStorage).toHaveLength(0);
+  });
+});
+
+describe('one offer names every notebook, whenever their answers come', () => {
+  const both = [shutdownSnapshot, autosaveSnapshot];
+
+  it('replaces the offer on screen by one naming both when the second answer comes late', async () => {
+    const page = await openPage(both, 'work/a.ipynb');
+    expect(offersShown()).toHaveLength(1);
+    const first = offersShown()[0].id;
+    await page.openNotebook('work/b.ipynb');
+    // One notification, a new one: the toast and the notification center agree.
+    expect(offersShown()).toHaveLength(1);
+    expect(offersShown()[0].id).not.toBe(first);
+    expect(offersShown()[0].message).toMatch(
+      /^Restore the kernels of 2 notebooks\? a\.ipynb: saved at shutdown, .*; b\.ipynb: an autosave, /
+    );
+    expect(offersShown()[0].options.actions?.map(a => a.label)).toEqual([
+      'Restore all',
+      'Not now'
+    ]);
+    await answerAndStore(page.state, 'Restore all');
+    const calls = page.controller.restore.mock.calls as unknown as [
+      NotebookPanel,
+      ISnapshotSummary
+    ][];
+    expect(calls.map(([panel, s]) => [panel.context.path, s.id])).toEqual([
+      ['work/a.ipynb', 's-a'],
+      ['work/b.ipynb', 's-b']
+    ]);
+    expect(offersShown()).toHaveLength(0);
+  });
+
+  it('restores into a notebook closed and opened again before the answer', async () => {
+    const page = await openPage(both, 'work/a.ipynb', 'work/b.ipynb');
+    page.open.get('work/b.ipynb')!.dispose();
+    expect(offersShown()[0].message).not.toContain('b.ipynb');
+    const reopened = await page.openNotebook('work/b.ipynb');
+    expect(offersShown()).toHaveLength(1);
+    expect(offersShown()[0].message).toContain('b.ipynb');
+    await answerAndStore(page.state, 'Restore all');
+    expect(page.controller.restore).toHaveBeenCalledWith(reopened, autosaveSnapshot);
+    expect(
+      await page.state.fetch('jupyter-gpu-snapshot:shutdown-offers-answered')
+    ).toEqual(['s-a', 's-b']);
+  });
+
+  it('does not count a notebook closed for good as answered: it is offered again', async () => {
+    const page = await openPage(both, 'work/a.ipynb', 'work/b.ipynb');
+    page.open.get('work/b.ipynb')!.dispose();
+    await answerAndStore(page.state, 'Restore');
+    expect(page.controller.restore).toHaveBeenCalledTimes(1);
+    Notification.dismiss();
+
+    await openPage(both, 'work/a.ipynb', 'work/b.ipynb');
+    expect(offersShown()).toHaveLength(1);
+    expect(offersShown()[0].message).toContain('b.ipynb');
+    expect(offersShown()[0].message).not.toContain('a.ipynb');
+  });
+});
+
+describe('describeOffers: within the 140 characters JupyterLab shows', () => {
+  const snapshot = (path: string) =>
+    makeSnapshot({ id: path, notebook_path: path, reason: 'autosave' });
+
+  it('names each notebook with its reason and age when that fits', () => {
+    const text = describeOffers([
+      ['a.ipynb', snapshot('a.ipynb')],
+      ['b.ipynb', snapshot('b.ipynb')]
+    ]);
+    expect(text).toMatch(/^Restore the kernels of 2 notebooks\? a\.ipynb: an autosave, /);
+    expect(text.length).toBeLessThanOrEqual(MESSAGE_LIMIT);
+  });
+
+  it('names them alone, then as many as fit and how many more', () => {
+    const many = Array.from({ length: 9 }, (_, i) => `experiment-${i}.ipynb`);
+    const text = describeOffers(many.map(path => [path, snapshot(path)]));
+    expect(text.length).toBeLessThanOrEqual(MESSAGE_LIMIT);
+    expect(text).toMatch(
+      /^Restore the kernels of 9 notebooks\? experiment-0\.ipynb, .* and \d more\.$/
+    );
+  });
+
+  it('offers the whole list in Details when not every notebook is named', async () => {
+    const many = Array.from({ length: 9 }, (_, i) => `work/experiment-${i}.ipynb`);
+    await openPage(many.map(snapshot), ...many);
+    expect(offersShown()[0].options.actions?.map(a => a.label)).toEqual([
+      'Restore all',
+      'Details',
+      'Not now'
+    ]);
   });
 });

@@ -21,13 +21,14 @@ base: yes
 wanted: patches f2bb4ace75b1a30f
 criu-sha256: {sha}
 """
-STOCK = """Version: 4.3 stock
+PATCH = "0001-mem-fill-private-memory-on-several-threads-at-restor.patch"
+STOCK = f"""Version: 4.3 stock
 fill: one thread
-why: 0001-mem-fill-private-memory-on-several-threads-at-restor.patch does not apply: 1 out of 4 hunks FAILED
+why: {PATCH} does not apply: 1 out of 4 hunks FAILED
 source: criu_4.3.orig.tar.xz sha256 0123
 base: no, the patches' base is 4.2.1
 wanted: patches f2bb4ace75b1a30f
-criu-sha256: {sha}
+criu-sha256: {{sha}}
 """
 
 

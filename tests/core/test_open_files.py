@@ -105,7 +105,10 @@ def test_open_file_case(
         with pytest.raises(NotReady) as err:
             run(restorer.restore(snapshot, progress))
         assert err.value.step == "preflight" and "changed since snapshot" in err.value.message
-        assert "changed_files" in err.value.message
+        # A notebook's user is told what to do; the server's setting is for its operator.
+        assert err.value.hint == "put the files back as they were"
+        assert "changed_files" in err.value.details["setting"]
+        assert err.value.details["changed_files"]
         return
     back = run(restorer.restore(snapshot, progress))
     client = restored.connect(back.connection_info, back.pid)

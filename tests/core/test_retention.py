@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 import pytest
 
 from jupyter_gpu_snapshot.core import estimate
-from jupyter_gpu_snapshot.core.store import retention
+from jupyter_gpu_snapshot.core.store import default_name, retention, validate_name
 
 
 def snap(sid: str, created: float, reason: str = "autosave", notebook: str | None = "a.ipynb",
@@ -90,10 +92,32 @@ def test_rates_are_learned_from_past_saves() -> None:
         snap("foreign", 3, size=10**10, timings={}),
     ]
     rates = estimate.learn_rates(past)
-    assert rates.image_rate == pytest.approx(1e9)
+    # The image's rate is the whole save's but the GPU's checkpoint: 2 GB in 3.5 - 1 s.
+    assert rates.image_rate == pytest.approx(0.8e9)
     assert rates.gpu_rate == pytest.approx(1e9)
     assert rates.fixed_seconds == pytest.approx(0.8)
     assert estimate.learn_rates([]) == estimate.SaveRates()
+
+
+def test_a_kernels_own_saves_time_its_next_one() -> None:
+    """A 3 GiB kernel whose saves took 14 s is estimated from them, not from the store's
+    quicker saves of other kernels (or the defaults, which said 6 s)."""
+    size = 3 * 2**30
+    mine = {"kernel_id": "k-big", "name": "python3-snapshot"}
+    past = [
+        snap("big-1", 1, size=size, kernel=mine, timings={"dump": 6.0, "commit": 7.0,
+                                                            "total": 14.0}),
+        snap("other", 2, size=size, timings={"dump": 1.0, "commit": 1.0, "total": 2.5}),
+    ]
+    own = estimate.learn_kernel_rates(past, "k-big", None)
+    assert own.seconds(host_bytes=size, gpu_bytes=0) == pytest.approx(14.0 + own.fixed_seconds)
+    store = estimate.learn_kernel_rates(past, "k-new", None)
+    assert store.image_rate == pytest.approx(
+        statistics.median([size / 14.0, size / 2.5]))
+    # A kernel of the same notebook counts as its own.
+    notebook = estimate.learn_kernel_rates(
+        [{**past[0], "notebook_path": "train.ipynb"}, past[1]], "k-restarted", "train.ipynb")
+    assert notebook.image_rate == pytest.approx(size / 14.0)
 
 
 def test_shutdown_order_puts_the_most_work_first() -> None:
@@ -114,3 +138,19 @@ def test_autosaves_count_what_their_saves_wrote() -> None:
                  new_bytes=50), snap("a3", 3, size=700), snap("u1", 4, "user", size=5000)]
     assert retention.autosave_bytes(summaries) == 1000 + 50 + 700
     assert retention.reclaimed_by_next_autosave(summaries, "notebook:a.ipynb", 2) == 50 + 1000
+
+
+def test_default_names_read_as_notebook_and_local_time_and_count_as_unnamed() -> None:
+    now = time.mktime((2026, 12, 7, 14, 32, 5, 0, 0, -1))
+    assert default_name("work/demo.ipynb", "python3-snapshot", now) == "demo-14.32"
+    assert default_name(None, "python3-snapshot", now) == "python3-snapshot-14.32"
+    # Whatever the notebook is called, the name is one the store takes.
+    for path in ("Données 2.ipynb", "..ipynb", "-x-.ipynb", "a" * 90 + ".ipynb", "日本.ipynb"):
+        validate_name(default_name(path, "python3-snapshot", now))
+    assert default_name("日本.ipynb", "python3-snapshot", now) == "snapshot-14.32"
+    # Retention keeps what the user named, not what the save named.
+    saved = {"reason": "user", "created": now + 20, "kernel": {"name": "python3-snapshot"}}
+    assert not retention.user_named({**saved, "name": "demo-14.32"})
+    assert not retention.user_named({**saved, "name": "demo-14.32-2"})
+    assert retention.user_named({**saved, "name": "demo-09.15"})
+    assert retention.user_named({**saved, "name": "before-training"})

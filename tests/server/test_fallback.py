@@ -207,3 +207,30 @@ async def test_a_fallback_that_fails_too_loses_nothing(
     assert set(await api.kernel_ids()) == kernels_before
     assert snapshot_id in [s["id"] for s in await api.snapshots()]
     assert (await ws.execute("print(value)")).strip() == "42"
+
+
+async def test_both_names_what_a_cell_that_fails_again_did_not_bring_back(
+    api: Api, kernel_socket: KernelConnector, jp_serverapp: Any, store_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """An open file is in no portable copy; its cell re-runs, and when that fails (the file
+    is gone) the report says the name did not come back, rather than leaving it out."""
+    data = tmp_path / "data.txt"
+    data.write_text("rows")
+    kernel_id = await api.start_kernel()
+    ws = await kernel_socket(kernel_id)
+    await ws.execute("import numpy as np")
+    await ws.execute(f"log = open({str(data)!r})")
+    await ws.execute("weights = np.ones(10)")
+    job = await api.succeeded(
+        await api.save(kernel_id, name="with-a-file", portable=True, stop=True))
+    snapshot_id = job["result"]["id"]
+    data.unlink()
+    move_to_another_node(_store(store_dir, jp_serverapp), snapshot_id)
+
+    job = await api.succeeded(await api.restore(snapshot_id, fallback="both"))
+    report = job["result"]["fallback"]
+    assert [entry["status"] for entry in report["replayed"]] == ["error"], report
+    assert _names(report["not_loaded"]) == {"log"}, report
+    assert {"weights", "np"} <= _names(report["loaded"])
+    assert snapshot_id in [s["id"] for s in await api.snapshots()]

@@ -9,7 +9,7 @@ snapshot's view and its rules. docs/architecture.md maps the rooms behind the fa
 Who needs which names:
 
 - a snapshot as everyone reads it: ``Snapshot``, ``DAMAGED``, ``is_snapshot_id``,
-  ``new_snapshot_id``, ``validate_name``;
+  ``new_snapshot_id``, ``validate_name``, ``default_name`` (a save nobody named);
 - the store, its paths and what it accepts (node/, the agent, config): ``SnapshotStore``,
   ``ManifestPolicy``, ``fallbacks_offered``, ``default_store_dir``, ``default_key_file``,
   ``default_kernel_log_dir``;
@@ -26,7 +26,18 @@ Who needs which names:
   ``autosave_refusal``, ``reclaimed_by_next_autosave``;
 - copies in object storage (node/): ``RemoteStore``, ``RemoteSnapshot``,
   ``RemoteStoreError``, ``SnapshotCache``, ``PendingUploads``, ``load_key``, ``describe``.
+
+The names whose rooms need numpy or worker processes (the packs, the streamer, the usage
+count) are imported when first named (``__getattr__`` below): a listing, which reads the
+manifests alone, imports none of them. Outside the store, a module that only names them in
+signatures imports them for the type checker alone, and a call that uses one imports it in
+its body.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .digest import digest_files, preferred_algorithm
 from .index import SnapshotIndex
@@ -38,7 +49,6 @@ from .manifest import (
     is_portable_file,
     portable_problem,
 )
-from .packs import DumpFollower, FollowedFile
 from .remote import RemoteSnapshot, RemoteStore, RemoteStoreError, SnapshotCache, load_key
 from .remote.objects import describe
 from .remote.pending import PendingUploads
@@ -51,7 +61,14 @@ from .retention import (
     reclaimed_by_next_autosave,
     to_delete,
 )
-from .snapshot import DAMAGED, Snapshot, is_snapshot_id, new_snapshot_id, validate_name
+from .snapshot import (
+    DAMAGED,
+    Snapshot,
+    default_name,
+    is_snapshot_id,
+    new_snapshot_id,
+    validate_name,
+)
 from .staging import (
     ASSEMBLED_PREFIX,
     ASSEMBLY_LOCK,
@@ -70,8 +87,23 @@ from .store import (
     default_key_file,
     default_store_dir,
 )
-from .streamer import ImageFile, ImageStreamer
-from .usage import SnapshotUsage, StoreRoom, StoreUsage, store_usage
+
+if TYPE_CHECKING:
+    from .packs import DumpFollower, FollowedFile
+    from .streamer import ImageFile, ImageStreamer
+    from .usage import SnapshotUsage, StoreRoom, StoreUsage, store_usage
+
+# Each name imported on its first use, and the room it lives in.
+_ROOM_OF_HEAVY_NAME = {
+    "DumpFollower": "packs",
+    "FollowedFile": "packs",
+    "ImageFile": "streamer",
+    "ImageStreamer": "streamer",
+    "SnapshotUsage": "usage",
+    "StoreRoom": "usage",
+    "StoreUsage": "usage",
+    "store_usage": "usage",
+}
 
 __all__ = [
     "ASSEMBLED_PREFIX",
@@ -108,6 +140,7 @@ __all__ = [
     "bounded_history",
     "default_kernel_log_dir",
     "default_key_file",
+    "default_name",
     "default_store_dir",
     "describe",
     "digest_files",
@@ -125,3 +158,13 @@ __all__ = [
     "to_delete",
     "validate_name",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A heavy name, imported from its room on first use and kept (PEP 562)."""
+    room = _ROOM_OF_HEAVY_NAME.get(name)
+    if room is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{room}"), name)
+    globals()[name] = value
+    return value

@@ -47,14 +47,19 @@ class SnapshotIndex:
                 self._stamps.pop(gone, None)
                 self._by_id.pop(gone, None)
             for name in names:
-                stamp = _stamp(os.path.join(root, name, MANIFEST))
-                if name in self._stamps and self._stamps[name] == stamp:
-                    continue
-                self._stamps[name] = stamp
-                try:
-                    self._by_id[name] = self.store.get(name)
-                except NotFound:
-                    self._by_id.pop(name, None)
+                self._reread(name)
+
+    def _reread(self, name: str) -> None:
+        """Read snapshot ``name`` again if its manifest changed since it was read (or it
+        is new); drop it when the store has it no more. Called with the lock held."""
+        stamp = _stamp(os.path.join(self.store.root, name, MANIFEST))
+        if name in self._stamps and self._stamps[name] == stamp:
+            return
+        self._stamps[name] = stamp
+        try:
+            self._by_id[name] = self.store.get(name)
+        except NotFound:
+            self._by_id.pop(name, None)
 
     def catalog(self, notebook_path: str | None = None) -> builtins.list[Snapshot]:
         """Every snapshot whatever its status, oldest first; optionally one notebook's."""
@@ -76,10 +81,12 @@ class SnapshotIndex:
         return next((s for s in self.list() if s.name == name), None)
 
     def get(self, ref: str) -> Snapshot:
-        """By id (whatever its status) or by name (trusted ones only), as the store says it."""
+        """By id (whatever its status) or by name (trusted ones only), as the store says it.
+        By id, that snapshot alone is read again: a command's one lookup in a fresh process
+        reads one manifest, not the store's every one."""
         if is_snapshot_id(ref):
-            self.refresh()
             with self._lock:
+                self._reread(ref)
                 found = self._by_id.get(ref)
         else:
             found = self.find_name(validate_name(ref))

@@ -41,6 +41,7 @@ process died (``core/recovery.py``).
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -48,8 +49,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import jsonschema
 
 from ..._constants import HISTORY_SOURCE_BYTES
 from .digest import ALGORITHMS
@@ -263,7 +262,29 @@ SCHEMA: dict[str, Any] = {
 CONNECTION_KEYS = tuple(
     SCHEMA["properties"]["kernel"]["properties"]["connection_info"]["properties"]
 )
-_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
+
+
+@functools.cache
+def _validator(section: str | None = None) -> Callable[[Any], Any]:
+    """The schema, or its ``section``, compiled to Python by fastjsonschema at its first use:
+    a listing checks every manifest, and the compiled check costs a small part of what
+    jsonschema's took, nor does it import any format grammar (docs/performance.md)."""
+    import fastjsonschema
+
+    return fastjsonschema.compile(SCHEMA if section is None else SCHEMA["properties"][section])
+
+
+def _schema_error(instance: Any, section: str | None = None) -> tuple[str, str] | None:
+    """Where ``instance`` first breaks the schema (its fields joined by /, "(top)" for the
+    whole) and how, or None when it holds."""
+    import fastjsonschema
+
+    try:
+        _validator(section)(instance)
+    except fastjsonschema.JsonSchemaValueException as exc:
+        where = "/".join(str(p) for p in exc.path[1:]) or "(top)"
+        return where, exc.message.removeprefix(str(exc.name)).strip()[:200]
+    return None
 
 
 @dataclass(frozen=True)
@@ -284,10 +305,10 @@ class ManifestProblem(ValueError):
 
 def problem(manifest: Any, directory_name: str, policy: ManifestPolicy) -> str | None:
     """Why ``manifest`` is not a valid manifest of the snapshot ``directory_name``, or None."""
-    error = next(iter(sorted(_VALIDATOR.iter_errors(manifest), key=lambda e: e.path)), None)
+    error = _schema_error(manifest)
     if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path) or "(top)"
-        return f"manifest field {where}: {error.message[:200]}"
+        where, how = error
+        return f"manifest field {where}: {how}"
     if manifest["id"] != directory_name:
         return f"manifest names id {manifest['id']}, but lives in {directory_name}"
     missing = [name for name in (manifest.get("portable") or {}).get("files", ())
@@ -323,17 +344,13 @@ def is_portable_file(name: str) -> bool:
     return name.startswith(PORTABLE_PREFIX)
 
 
-HISTORY_SCHEMA = jsonschema.Draft202012Validator(SCHEMA["properties"]["history"])
-PORTABLE_SCHEMA = jsonschema.Draft202012Validator(SCHEMA["properties"]["portable"])
-
-
 def bounded_history(history: Any) -> dict[str, Any]:
     """``history`` as a manifest keeps it: checked against the schema (it comes from the
     kernel, which any code in it may have changed), and cut to the newest cells whose
     source fits HISTORY_SOURCE_BYTES. Raises ManifestProblem for a malformed one."""
-    error = next(iter(HISTORY_SCHEMA.iter_errors(history)), None)
+    error = _schema_error(history, "history")
     if error is not None:
-        raise ManifestProblem(f"the kernel's cell history: {error.message[:200]}")
+        raise ManifestProblem(f"the kernel's cell history: {error[0]} {error[1]}")
     cells = list(history["cells"])
     kept: list[dict[str, Any]] = []
     size = 0
@@ -354,9 +371,9 @@ def bounded_history(history: Any) -> dict[str, Any]:
 def portable_problem(report: Any, written: Sequence[str]) -> str | None:
     """Why the kernel's report of its portable copy cannot go into a manifest, or None.
     ``written``: the names of the files found in the snapshot's directory."""
-    error = next(iter(PORTABLE_SCHEMA.iter_errors(report)), None)
+    error = _schema_error(report, "portable")
     if error is not None:
-        return f"the portable copy's report: {error.message[:200]}"
+        return f"the portable copy's report: {error[0]} {error[1]}"
     listed = set(report["files"])
     found = {name for name in written if is_portable_file(name)}
     if listed != found:

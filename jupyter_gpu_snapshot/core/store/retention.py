@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._constants import format_bytes
+from .snapshot import is_default_name
 
 AUTOSAVE = "autosave"
 USER = "user"
@@ -42,7 +43,8 @@ def user_named(summary: Summary) -> bool:
     name = str(summary.get("name") or "")
     kernel_name = str((summary.get("kernel") or {}).get("name") or "")
     generated = {str(summary.get("id")), f"{kernel_name}-{summary.get('id')}"}
-    return bool(name) and name not in generated
+    created = float(summary.get("created") or 0)
+    return bool(name) and name not in generated and not is_default_name(name, created)
 
 
 def _newest_first(summaries: Iterable[Summary]) -> list[Summary]:

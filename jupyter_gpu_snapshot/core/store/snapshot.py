@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 import secrets
 import time
+import unicodedata
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import InvalidRequest, SnapshotError
@@ -24,6 +25,11 @@ _NAME = re.compile(NAME_PATTERN)
 
 OK, UNSIGNED, DAMAGED = "ok", "unsigned", "damaged"
 
+# A default name ends in the local time of its save, and a number when that one was taken.
+_DEFAULT_SUFFIX = re.compile(r"-(\d\d\.\d\d)(?:-\d+)?$")
+# How long before the manifest's ``created`` a save may have picked its default name.
+_NAMED_BEFORE_CREATED = 300
+
 
 def validate_name(name: str) -> str:
     if not _NAME.fullmatch(name) or name.endswith((".", "-")) or ".." in name:
@@ -33,6 +39,28 @@ def validate_name(name: str) -> str:
             hint="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
         )
     return name
+
+
+def default_name(notebook_path: str | None, kernel_name: str, when: float) -> str:
+    """What a save nobody named is called: its notebook's name and the local time,
+    ``demo-14.32`` (the kernelspec's name for a kernel without a notebook), valid by
+    ``validate_name``. Called by the save, which adds ``-2``, ``-3``... while it is taken."""
+    stem = PurePosixPath(notebook_path).stem if notebook_path else kernel_name
+    ascii_stem = unicodedata.normalize("NFKD", stem).encode("ascii", "ignore").decode()
+    stem = re.sub(r"[^A-Za-z0-9_]+", "-", ascii_stem).strip("-_")[:50].rstrip("-_")
+    stamp = time.strftime("%H.%M", time.localtime(when))
+    return validate_name(f"{stem or 'snapshot'}-{stamp}")
+
+
+def is_default_name(name: str, created: float) -> bool:
+    """Whether ``name`` is one ``default_name`` gave a save that began at about ``created``
+    (retention keeps the snapshots the user named)."""
+    match = _DEFAULT_SUFFIX.search(name)
+    if match is None:
+        return False
+    start = int(created) - _NAMED_BEFORE_CREATED
+    return any(time.strftime("%H.%M", time.localtime(t)) == match.group(1)
+               for t in range(start, int(created) + 61, 60))
 
 
 def is_snapshot_id(ref: str) -> bool:
@@ -61,6 +89,9 @@ class Snapshot:
     manifest: dict[str, Any]
     status: str = OK
     problem: str | None = None
+    # Where its notebook is now, when it moved since the save (``node.notebook_moves``);
+    # the signed manifest keeps the path it was saved from.
+    moved_notebook: str | None = None
 
     @property
     def trusted(self) -> bool:
@@ -103,8 +134,22 @@ class Snapshot:
 
     @property
     def notebook_path(self) -> str | None:
+        """The notebook the snapshot belongs to: where it is now."""
+        return self.moved_notebook or self.saved_notebook_path
+
+    @property
+    def saved_notebook_path(self) -> str | None:
+        """The notebook's path when the snapshot was saved, as the manifest says."""
         value = self._field("kernel", "notebook_path")
         return value if isinstance(value, str) and value else None
+
+    @property
+    def execution_count(self) -> int | None:
+        """The count of the last cell the kernel ran before the save, when it said."""
+        cells = (self._field("history") or {}).get("cells")
+        counts = [c["count"] for c in cells or [] if isinstance(c, dict)
+                  and isinstance(c.get("count"), int)]
+        return max(counts) if counts else None
 
     @property
     def connection_info(self) -> dict[str, Any]:
@@ -149,6 +194,8 @@ class Snapshot:
             "new_bytes": self.new_bytes,
             "host": shown("host", None),
             "notebook_path": self.notebook_path if self.status != DAMAGED else None,
+            "saved_notebook_path": (self.saved_notebook_path if self.status != DAMAGED
+                                    else None),
             "kernel": kernel,
             "reason": shown("reason", "user"),
             "timings": shown("timings", {}),
@@ -159,4 +206,5 @@ class Snapshot:
             # What a fallback could bring back if the image cannot come back.
             "fallback": fallbacks_offered(self.manifest) if self.trusted else [],
             "cells_recorded": len((shown("history", None) or {}).get("cells", [])),
+            "execution_count": self.execution_count if self.status != DAMAGED else None,
         }

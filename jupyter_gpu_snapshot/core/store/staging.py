@@ -21,15 +21,20 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from .. import locks, safe_fs
 from ..errors import SnapshotError
-from . import images, packs
 from .manifest import MANIFEST, is_portable_file
 from .snapshot import Snapshot
-from .streamer import ImageFile
+
+# The packs, the image files and the streamer are imported by the functions that stage
+# them: the names and locks below, which a recovery reads, need none of them (nor numpy).
+if TYPE_CHECKING:
+    from . import images, packs
+    from .streamer import ImageFile
 
 # Whole image files assembled beside the snapshots, in a store entry of this prefix, locked
 # by ``assembly_key`` while in use.
@@ -76,6 +81,8 @@ def opened_images(
     ``root`` is the store's path, ``pages`` its page packs, opened on its directory (whose
     descriptor and locks they carry).
     """
+    from . import images
+
     snapshot.require_trusted()
     with safe_fs.opened_dir(snapshot.id, pages.root_fd) as dfd:
         files = snapshot.manifest["files"]
@@ -100,6 +107,9 @@ def served_images(pages: packs.PageStore, snapshot: Snapshot) -> Iterator[dict[s
     assembled or checked here: a restore's ``ImageStreamer`` hands the bytes to criu and
     compares each file with its manifest digest as it goes. A portable copy's files are no
     image: never served, never read. Closed on leaving."""
+    from . import images
+    from .streamer import ImageFile
+
     snapshot.require_trusted()
     with safe_fs.opened_dir(snapshot.id, pages.root_fd) as dfd:
         images.require_listed(dfd, snapshot.manifest["files"], snapshot.id, "verify")
@@ -131,6 +141,8 @@ def portable_files(root: Path, pages: packs.PageStore, snapshot: Snapshot) -> It
     """A private directory holding the portable copy of trusted ``snapshot`` as whole
     files, each checked against its digest before this yields: a kernel loads them, and
     loading runs their pickles. Assembled like ``opened_images``; removed on leaving."""
+    from . import images
+
     snapshot.require_trusted()
     names = sorted((snapshot.manifest.get("portable") or {}).get("files", []))
     with safe_fs.opened_dir(snapshot.id, pages.root_fd) as dfd:
@@ -155,6 +167,8 @@ def _assembled(
 ) -> Iterator[tuple[Path, int]]:
     """``wanted_names`` (default: every file, and the manifest) in a private directory:
     ``recipes`` among them assembled, the others linked."""
+    from . import images
+
     files = snapshot.manifest["files"]
     linked = set(files) | {MANIFEST} if wanted_names is None else set(wanted_names)
     wanted = {name: images.read_recipe(dfd, name, files[name], snapshot.id)
@@ -211,6 +225,8 @@ def _assembly_dir(root: Path, pages: packs.PageStore, needed: int) -> Iterator[t
 def _link_or_copy(name: str, src_dfd: int, dst_dfd: int) -> None:
     """``name`` from one directory into another: a hard link on one filesystem, else a
     copy; a link in the source is never followed."""
+    from . import packs
+
     try:
         os.link(name, name, src_dir_fd=src_dfd, dst_dir_fd=dst_dfd, follow_symlinks=False)
         return

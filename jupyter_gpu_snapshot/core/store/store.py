@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -57,7 +57,7 @@ from ..locks import StoreLocks
 from ..locks import name_key as name_lock_key
 from ..locks import snapshot_key as snapshot_lock_key
 from ..progress import ProgressFn
-from . import digest, images, packs, staging
+from . import digest
 from .manifest import (
     CONNECTION_KEYS,
     FORMAT_VERSION,
@@ -70,7 +70,13 @@ from .manifest import (
 from .manifest import problem as manifest_problem
 from .signing import SigningKey
 from .snapshot import DAMAGED, UNSIGNED, Snapshot, is_snapshot_id, validate_name
-from .streamer import ImageFile
+
+# The packs, the image files, their staging and the streamer are imported by the operations
+# that move pages (saves, restores, deletes, transfers): reading the manifests, as a listing
+# does, needs none of them (nor numpy).
+if TYPE_CHECKING:
+    from . import images, packs
+    from .streamer import ImageFile
 
 PARTIAL_PREFIX = ".partial-"
 DELETING_PREFIX = ".deleting-"
@@ -175,6 +181,8 @@ class SnapshotStore:
             yield root_fd
 
     def _chunks(self, root_fd: int) -> packs.PageStore:
+        from . import packs
+
         return packs.PageStore(root_fd, self.locks, self.key.derive(packs.ID_CONTEXT))
 
     @contextlib.contextmanager
@@ -182,6 +190,8 @@ class SnapshotStore:
         """The store's page packs, for a remote transfer that reads or adds pages
         (``remote/``): an upload reads the pages a remote lacks (by their ids: it
         needs no key, ``keyed=False``), a download adds those this store lacks."""
+        from . import packs
+
         with self._root_fd() as root_fd:
             assert root_fd is not None
             yield self._chunks(root_fd) if keyed else packs.PageStore(root_fd, self.locks, b"")
@@ -234,6 +244,8 @@ class SnapshotStore:
         the name is checked again here, right before the rename. ``followed``: what
         ``follow_dump``'s follower read of the images while criu wrote them.
         """
+        from . import images
+
         snapshot_id = manifest["id"]
         with (
             self._root_fd() as root_fd,
@@ -277,6 +289,8 @@ class SnapshotStore:
         (``packs.DumpFollower``), or None where images are kept whole or no cores are spare."""
         if not self.chunk_images or digest.preferred_algorithm() != digest.BLAKE3:
             return None
+        from . import packs
+
         with self._root_fd() as root_fd, safe_fs.opened_dir(partial.name, root_fd) as dfd:
             assert root_fd is not None
             return packs.DumpFollower.start(dfd, self.key.derive(packs.ID_CONTEXT))
@@ -403,6 +417,8 @@ class SnapshotStore:
         their recipes: a snapshot reads the recipe (``images.stored_as_recipes``), the whole
         file only takes room. Called by a recovery; a snapshot in use, or not trusted, is
         left as it is. Returns the names removed."""
+        from . import images, packs
+
         with self._root_fd(create=False) as root_fd:
             if root_fd is None or safe_fs.entry_kind(snapshot_id, root_fd) != "dir":
                 return []
@@ -450,6 +466,8 @@ class SnapshotStore:
     def collect_garbage(self, wait: bool = True) -> packs.CollectReport:
         """Free the pages no snapshot, save in progress or restore needs any more. Without
         ``wait``, nothing is done while another operation holds the packs."""
+        from . import packs
+
         with self._root_fd(create=False) as root_fd:
             if root_fd is None or safe_fs.entry_kind(packs.CHUNKS_DIR, root_fd) != "dir":
                 return packs.CollectReport()
@@ -466,6 +484,8 @@ class SnapshotStore:
         for a person to look at, read under the chunks lock. A directory that moves while
         it is read (a recovery keeps a partial aside) makes the whole scan start again:
         missing one recipe would free pages a snapshot needs."""
+        from .packs import RECIPE_SUFFIX
+
         for _ in range(20):
             found: builtins.list[bytes] = []
             try:
@@ -476,7 +496,7 @@ class SnapshotStore:
                         continue
                     with safe_fs.opened_dir(name, root_fd) as dfd:
                         for entry in os.listdir(dfd):
-                            if entry.endswith(packs.RECIPE_SUFFIX) and not entry.startswith("."):
+                            if entry.endswith(RECIPE_SUFFIX) and not entry.startswith("."):
                                 found.append(safe_fs.read_small(entry, dfd, MAX_RECIPE_BYTES))
             except FileNotFoundError:
                 continue
@@ -524,6 +544,19 @@ class SnapshotStore:
             warnings = [*current.manifest.get("warnings", []), warning]
             return self._resign(root_fd, current, {"warnings": warnings}, "commit")
 
+    def record_timings(self, ref: str, timings: dict[str, float]) -> Snapshot:
+        """Replace a trusted snapshot's timings, re-signed: a save's commit and total are
+        known only once the manifest is signed."""
+        snapshot = self.get(ref)
+        with self.locks.hold(
+            snapshot_lock_key(snapshot.id), f"snapshot {snapshot.name} ({snapshot.id})",
+            "commit", note="timings",
+        ), self._root_fd() as root_fd:
+            assert root_fd is not None
+            current = self.get(snapshot.id)
+            current.require_trusted("commit")
+            return self._resign(root_fd, current, {"timings": timings}, "commit")
+
     def _resign(self, root_fd: int, current: Snapshot, changes: dict[str, Any],
                 step: str) -> Snapshot:
         """Replace ``current``'s manifest, with ``changes`` and signed again, atomically."""
@@ -559,6 +592,8 @@ class SnapshotStore:
         """A directory holding the whole image files of trusted ``snapshot``, and those
         files as ``(fd, size)``, assembled from the store's pages where needed
         (``staging.opened_images``); removed and closed on leaving."""
+        from . import staging
+
         with self._root_fd() as root_fd:
             assert root_fd is not None
             with staging.opened_images(self.root, self._chunks(root_fd), snapshot) as found:
@@ -568,6 +603,8 @@ class SnapshotStore:
     def served_images(self, snapshot: Snapshot) -> Iterator[dict[str, ImageFile]]:
         """Every image file of trusted ``snapshot``, ready to be read where it is, for a
         restore's ``ImageStreamer`` (``staging.served_images``); closed on leaving."""
+        from . import staging
+
         with self._root_fd() as root_fd:
             assert root_fd is not None
             with staging.served_images(self._chunks(root_fd), snapshot) as served:
@@ -584,6 +621,8 @@ class SnapshotStore:
     def portable_files(self, snapshot: Snapshot) -> Iterator[Path]:
         """A private directory with the checked portable copy of trusted ``snapshot``
         (``staging.portable_files``); removed on leaving."""
+        from . import staging
+
         with self._root_fd() as root_fd:
             assert root_fd is not None
             with staging.portable_files(self.root, self._chunks(root_fd), snapshot) as found:
@@ -591,6 +630,8 @@ class SnapshotStore:
 
     def verify(self, snapshot: Snapshot, progress: ProgressFn | None = None) -> None:
         """Check the signature, the file list, every size and every digest."""
+        from . import images
+
         snapshot = self.reload(snapshot)
         with self.opened_images(snapshot) as (_, opened):
             images.check_digests(snapshot, opened, progress)
@@ -614,6 +655,8 @@ class SnapshotStore:
         files = legacy.get("files")
         if not isinstance(files, dict) or not files:
             raise SnapshotError("trust", f"snapshot {snapshot.id} lists no files")
+        from . import images
+
         with self._root_fd() as root_fd, safe_fs.opened_dir(snapshot.id, root_fd) as dfd:
             assert root_fd is not None
             algorithm, redigested = images.redigest_legacy(dfd, snapshot.id, files, progress)

@@ -30,6 +30,7 @@ from ..sleepers import (
     Sleepers,
     SleepingKernel,
 )
+from ..wake_notes import WAKE_NOTE
 
 # Requests a client makes by itself when it (re)connects: held until the kernel wakes,
 # but they do not wake it. A kernel_info request is answered from the kernel's own
@@ -92,7 +93,7 @@ class HeldMessages:
         """A line in the held cell's output saying that the kernel wakes, and how far."""
         content = {
             "data": {"text/plain": text or f"Waking the kernel ({waking_moves(sleeper)})…"},
-            "metadata": {},
+            "metadata": WAKE_NOTE,  # a notebook saved meanwhile leaves it out
             "transient": {"display_id": f"gpu-snapshot-wake-{parent.get('msg_id')}"},
         }
         if not update:

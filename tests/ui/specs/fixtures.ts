@@ -78,6 +78,12 @@ export class Lab {
       .waitFor({ timeout: STEP_TIMEOUT });
   }
 
+  /** Opens JupyterLab on a fresh workspace, its launcher and no notebook. */
+  async openLab(): Promise<void> {
+    await this.page.goto('?reset');
+    await this.page.locator('.jp-Launcher').first().waitFor({ timeout: STEP_TIMEOUT });
+  }
+
   /** Opens a notebook of the server's root from the file browser (galata's helper). */
   async openFromFileBrowser(notebook: string): Promise<void> {
     expect(await this.page.notebook.openByPath(notebook), `open ${notebook}`).toBe(true);
@@ -132,6 +138,54 @@ export class Lab {
   async openSidebar(): Promise<Locator> {
     await this.page.sidebar.openTab('jp-gpu-snapshot-sidebar');
     return this.page.locator('#jp-gpu-snapshot-sidebar');
+  }
+
+  /** Unfolds the sidebar's settings of the current notebook (autosave, hibernation). */
+  async openSettings(sidebar: Locator): Promise<Locator> {
+    const settings = sidebar.locator('details.jp-gpu-snapshot-settings');
+    await settings.waitFor({ timeout: STEP_TIMEOUT });
+    if (!(await settings.evaluate(node => (node as HTMLDetailsElement).open))) {
+      await settings.locator('summary').click();
+    }
+    return settings;
+  }
+
+  /** A new notebook on ``kernel``, as File › New › Notebook makes it (Untitled.ipynb). */
+  async newNotebook(kernel = 'python3-snapshot'): Promise<string> {
+    const before = await this.page
+      .locator('.lm-TabBar-tab.lm-mod-current')
+      .innerText()
+      .catch(() => '');
+    await this.page.evaluate(async kernelName => {
+      await (window as any).jupyterapp.commands.execute('notebook:create-new', {
+        kernelName
+      });
+    }, kernel);
+    const tab = this.page.locator('.lm-TabBar-tab.lm-mod-current', {
+      hasText: /Untitled\d*\.ipynb/
+    });
+    await expect(tab).not.toHaveText(before, { timeout: STEP_TIMEOUT });
+    await this.page
+      .locator(`${CURRENT} .jp-Cell`)
+      .first()
+      .waitFor({ timeout: STEP_TIMEOUT });
+    return (await tab.innerText()).trim();
+  }
+
+  /** Types ``source`` into a cell of the notebook on show, runs it, gives its output. */
+  async runCode(index: number, source: string): Promise<string> {
+    const cells = await this.page.notebook.getCellCount();
+    const typed =
+      index < cells
+        ? await this.page.notebook.setCell(index, 'code', source)
+        : await this.page.notebook.addCell('code', source);
+    expect(typed, `type cell ${index}`).toBe(true);
+    return this.runCell(index);
+  }
+
+  /** Whether the dialog's accepting button (Restore, Rename) can be clicked. */
+  async acceptEnabled(dialog: Locator): Promise<boolean> {
+    return dialog.locator('.jp-Dialog-footer .jp-mod-accept').isEnabled();
   }
 
   // --- the extension's toolbar button ---
@@ -298,10 +352,16 @@ const DOCS_IMAGES: Record<string, string> = {
   'round-trip/restore-dialog-dark': 'restore-dialog-dark.png',
   'restore-from-other-notebook/refused-names-other-notebook':
     'refused-restore-names-other-notebook.png',
+  'restore-from-other-notebook/restore-needs-a-choice': 'restore-needs-a-choice.png',
+  'restore-over-running-kernel/confirm-going-back': 'go-back-confirmation.png',
+  'restore-over-running-kernel/went-back-to-here': 'restore-point.png',
   'sidebar/sidebar-light': 'sidebar-light.png',
   'sidebar/sidebar-dark': 'sidebar-dark.png',
+  'sidebar/rename-refused-in-dialog': 'rename-checked.png',
   'autosave/sidebar-autosave': 'autosave.png',
-  'after-restart/restart-offer-names-both': 'restart-offer.png'
+  'after-restart/restart-offer-names-both': 'restart-offer.png',
+  'first-save-rename/snapshot-follows-rename': 'snapshot-follows-rename.png',
+  'save-progress/save-progress': 'save-progress.png'
 };
 
 // JupyterLab's debugger logs this when a kernel it asks about is shut down, as the

@@ -194,8 +194,9 @@ test('save-fails', async ({ lab, page }) => {
   seen.snapshots_left = (await lab.snapshots()).length;
 });
 
-// Going back to an earlier snapshot of the kernel that still runs: the restore is refused
-// (the ports are taken) and the error offers to shut that kernel down first.
+// Going back to an earlier snapshot of the kernel that still runs: the dialog marks it and
+// does not pre-select it; picked, one confirmation replaces the kernel, with no refusal on
+// the way; the notebook then shows where the kernel went back to.
 test('restore-over-running-kernel', async ({ lab, page }) => {
   const { seen } = lab;
   await lab.openNotebook();
@@ -207,13 +208,18 @@ test('restore-over-running-kernel', async ({ lab, page }) => {
   seen.changed_output = await lab.runCell(2);
   seen.kernel_before = await lab.kernelOf();
 
+  await lab.recordToasts();
   await (await lab.kernelMenu('gpu-snapshot:restore')).click();
-  const dialog = page.locator('.jp-Dialog');
+  const dialog = page.locator('.jp-Dialog', {
+    has: page.locator('.jp-gpu-snapshot-picker')
+  });
   const row = dialog.locator('tr[data-snapshot-id]').first();
   await row.waitFor({ timeout: STEP_TIMEOUT });
-  // The snapshot of the running kernel is marked and not pre-selected.
+  // The snapshot of the running kernel is marked, in this notebook's section, and not
+  // pre-selected: with nothing selected, Restore waits for a choice.
   seen.row_text = (await row.innerText()).trim();
   seen.preselected = await dialog.locator('tr.jp-mod-selected').count();
+  seen.restore_enabled_before = await lab.acceptEnabled(dialog);
   await lab.screenshot('dialog-marks-this-kernel');
   // The arrow keys move the selection.
   await dialog.locator('.jp-gpu-snapshot-picker').focus();
@@ -222,28 +228,36 @@ test('restore-over-running-kernel', async ({ lab, page }) => {
     .locator('tr.jp-mod-selected')
     .evaluateAll(rows => rows.map(r => r.getAttribute('data-snapshot-id')));
   seen.first_row = await row.getAttribute('data-snapshot-id');
+  await expect(dialog.locator('.jp-Dialog-footer .jp-mod-accept')).toBeEnabled();
   await dialog.locator('.jp-mod-accept').click();
-  seen.refused_toast = await lab.toast(/Restore of .* failed/);
-  await lab.screenshot('restore-refused');
-  const refused = lab.toasts('failed');
-  // Details leaves the notification, and its remedy, in place; the dialog offers it too.
-  await refused.getByRole('button', { name: 'Details' }).click();
-  const details = page.locator('.jp-Dialog');
-  await details.waitFor({ timeout: STEP_TIMEOUT });
-  seen.details_text = (await details.locator('.jp-Dialog-body').innerText()).trim();
-  seen.details_buttons = await details
+
+  // One confirmation, in words, before anything happens.
+  const confirm = page.locator('.jp-Dialog', { hasText: 'Go back to' });
+  await confirm.waitFor({ timeout: STEP_TIMEOUT });
+  seen.confirm_title = (await confirm.locator('.jp-Dialog-header').innerText()).trim();
+  seen.confirm_text = (await confirm.locator('.jp-Dialog-body').innerText()).trim();
+  seen.confirm_buttons = await confirm
     .locator('.jp-Dialog-footer button')
     .evaluateAll(buttons => buttons.map(b => (b as HTMLElement).innerText.trim()));
-  await lab.screenshot('refused-details');
-  await details.getByRole('button', { name: 'Close' }).click();
-  await details.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
-  seen.toast_after_details = await refused.count();
-  await refused
-    .getByRole('button', { name: 'Shut down this kernel and restore' })
-    .click();
+  await lab.screenshot('confirm-going-back');
+  await confirm.getByRole('button', { name: 'Replace kernel' }).click();
   seen.restored_toast = await lab.toast(/Kernel restored/);
   await lab.buttonState('ready');
+  seen.toasts = await lab.recordedToasts();
   seen.kernel_after_restore = await lab.kernelOf();
+  // Where it went back to: the cell marked, the later one dimmed until it runs again.
+  seen.restore_point = await page
+    .locator(`${CURRENT} .jp-Cell[data-gpu-snapshot-restore-point]`)
+    .evaluateAll(cells =>
+      cells.map(c => [
+        [...c.parentElement!.children].indexOf(c),
+        c.getAttribute('data-gpu-snapshot-restore-point')
+      ])
+    );
+  seen.dimmed = await page
+    .locator(`${CURRENT} .jp-Cell.jp-gpu-snapshot-stale`)
+    .evaluateAll(cells => cells.map(c => [...c.parentElement!.children].indexOf(c)));
+  await lab.screenshot('went-back-to-here');
   seen.after_restore_output = await lab.runCell(1);
   await lab.screenshot('state-after-restore');
   seen.kernels = await lab.kernelIds();
@@ -269,7 +283,17 @@ test('restore-from-other-notebook', async ({ lab, page }) => {
   const dialog = page.locator('.jp-Dialog');
   const row = dialog.locator(`tr[data-snapshot-name="${seen.snapshot_name}"]`);
   await row.waitFor({ timeout: STEP_TIMEOUT });
+  // This notebook has no snapshot: nothing is picked for it, and Restore waits for a
+  // choice, whether clicked or asked for with Enter.
+  seen.preselected = await dialog.locator('tr.jp-mod-selected').count();
+  await expect(dialog.locator('.jp-Dialog-footer .jp-mod-accept')).toBeDisabled();
+  seen.restore_enabled_before = await lab.acceptEnabled(dialog);
+  await lab.screenshot('restore-needs-a-choice');
+  await dialog.locator('.jp-gpu-snapshot-picker').focus();
+  await page.keyboard.press('Enter');
+  seen.dialog_after_enter = await dialog.count();
   await row.click();
+  seen.restore_enabled_after = await lab.acceptEnabled(dialog);
   await lab.screenshot('dialog-other-notebook-snapshot');
   await dialog.locator('.jp-mod-accept').click();
   seen.refused_toast = await lab.toast(/Restore of .* failed/);
@@ -344,18 +368,26 @@ test('sidebar', async ({ lab, page }) => {
   seen.after_restore_output = await lab.runCell(1);
   await lab.screenshot('restored-from-sidebar');
 
-  // Rename: the server re-signs the manifest; a taken or invalid name is said inline.
+  // Rename: a bad name is caught in the dialog as it is typed, which stays open; the
+  // server re-signs the manifest for a good one.
   await item.locator('.jp-gpu-snapshot-rename').click();
   const ask = page.locator('.jp-Dialog');
-  await ask.locator('input').fill('bad/name');
-  await ask.locator('.jp-mod-accept').click();
-  const error = sidebar.locator('.jp-gpu-snapshot-error');
-  await error.waitFor({ timeout: STEP_TIMEOUT });
-  seen.rename_error = (await error.innerText()).trim();
-  await item.locator('.jp-gpu-snapshot-rename').click();
-  await ask.locator('input').fill('sidebar-renamed');
+  const field = ask.locator('input.jp-gpu-snapshot-name-input');
+  await field.fill('bad/name');
+  await expect(ask.locator('.jp-Dialog-footer .jp-mod-accept')).toBeDisabled();
+  seen.rename_why = (await ask.locator('.jp-gpu-snapshot-name-why').innerText()).trim();
+  seen.rename_field_invalid = await field.evaluate(
+    node => !(node as HTMLInputElement).checkValidity()
+  );
+  await lab.screenshot('rename-refused-in-dialog');
+  await page.keyboard.press('Enter');
+  seen.rename_dialog_after_enter = await ask.count();
+  seen.sidebar_errors_after_bad_name = await sidebar.locator('.jp-gpu-snapshot-error').count();
+  await field.fill('sidebar-renamed');
+  await expect(ask.locator('.jp-Dialog-footer .jp-mod-accept')).toBeEnabled();
   await lab.screenshot('rename');
   await ask.locator('.jp-mod-accept').click();
+  const error = sidebar.locator('.jp-gpu-snapshot-error');
   const renamed = sidebar.locator(
     '[data-section="own"] [data-snapshot-name="sidebar-renamed"]'
   );
@@ -469,6 +501,7 @@ test('autosave', async ({ lab, page }) => {
   await lab.screenshot('autosave-status');
 
   const sidebar = await lab.openSidebar();
+  await lab.openSettings(sidebar);
   const section = sidebar.locator('[data-section="autosave"]');
   const text = async (selector: string) =>
     (await section.locator(selector).innerText()).trim();
@@ -554,8 +587,36 @@ test('before-shutdown', async ({ lab }) => {
 
 test('after-restart', async ({ lab, page }) => {
   const { seen } = lab;
+  // The answers come at different times, the second while the first offer's toast is
+  // still being drawn: the page's first notification waits for JupyterLab to load its
+  // toast library, which is held here until the second notebook's offer was made.
+  let releaseToasts: () => void = () => undefined;
+  const toastsReleased = new Promise<void>(resolve => (releaseToasts = resolve));
+  await page.route(/\/static\/[\w.-]+\.js$/, async route => {
+    const response = await route.fetch();
+    const body = await response.text();
+    if (body.includes('Toastify__toast-container') && body.includes('onOpen')) {
+      await toastsReleased;
+    }
+    await route.fulfill({ response, body });
+  });
+  let otherAnswered = false;
+  let kernelsAsked: () => void = () => undefined;
+  const kernelsAskedAfter = new Promise<void>(resolve => (kernelsAsked = resolve));
+  await page.route(/gpu-snapshot\/snapshots\?.*latest=true/, async route => {
+    await route.continue();
+    if (route.request().url().includes(encodeURIComponent(OTHER_NOTEBOOK))) {
+      otherAnswered = true;
+    }
+  });
+  await page.route(/\/api\/kernels(\?.*)?$/, async route => {
+    await route.continue();
+    if (otherAnswered && route.request().method() === 'GET') {
+      kernelsAsked(); // the second notebook's offer asked which kernels run: it is made
+    }
+  });
+
   await lab.openNotebook();
-  seen.offer = await lab.toast(/Restore the kernel of .*\? Its newest snapshot:/);
   // The notebook started a fresh kernel meanwhile; the restore replaces it.
   await lab.buttonState('ready');
   await expect(
@@ -564,10 +625,22 @@ test('after-restart', async ({ lab, page }) => {
       .first()
   ).toBeVisible();
   seen.fresh_kernel = await lab.kernelOf();
-  await lab.screenshot('restore-offered');
-  // A second notebook opens: one offer names both, not two identical ones.
+  // The first offer is made: the notification center counts it, its toast waits.
+  await expect(page.locator('.jp-Notification-Status-Text')).toHaveText('1', {
+    timeout: STEP_TIMEOUT
+  });
+  // A second notebook opens, and its answer comes: one offer names both.
   await lab.openFromFileBrowser(OTHER_NOTEBOOK);
+  await kernelsAskedAfter;
+  await page.evaluate(() => new Promise(resolve => setTimeout(resolve, 0)));
+  releaseToasts();
   seen.merged_offer = await lab.toast(/Restore the kernels of 2 notebooks/);
+  // A single notebook's offer shown before may slide out; none may stay.
+  seen.single_offer_left = await lab
+    .toasts(/Restore the kernel of /)
+    .waitFor({ state: 'detached', timeout: 10_000 })
+    .then(() => 0)
+    .catch(() => 1);
   seen.offer_count = await lab.toasts(/Restore the kernels? of/).count();
   await lab.screenshot('restart-offer-names-both');
   const offer = lab.toasts(/Restore the kernels of/);
@@ -674,6 +747,7 @@ test('hibernate', async ({ lab, page }) => {
   seen.sidebar_after_wake = await sidebar.locator('[data-section="hibernated"]').count();
 
   // This notebook's own choice: never hibernate by itself.
+  await lab.openSettings(sidebar);
   const idle = sidebar.locator('[data-section="hibernate"]');
   seen.idle_policy_before = await idle.locator('.jp-gpu-snapshot-hibernate-policy').innerText();
   await idle.locator('.jp-gpu-snapshot-hibernate-mode').selectOption('never');
@@ -783,4 +857,125 @@ test('fallback-restore', async ({ lab, page }) => {
   await lab.screenshot('state-after-fallback');
   seen.restore_toasts = await lab.recordedToasts();
   seen.kernels = await lab.kernelIds();
+});
+
+// --- a new user's first day: one server for these two --------------------------------
+
+// A new notebook is Untitled.ipynb until its first save renames it: a snapshot taken
+// before stays the notebook's (the sidebar, the dialog, the status bar and the magic
+// agree), and the next new Untitled.ipynb, an empty kernel, has none and is offered none.
+test('first-save-rename', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openLab();
+  seen.first_tab = await lab.newNotebook();
+  await lab.buttonState('ready');
+  seen.set_output = await lab.runCode(0, "answer = 41\nprint('set', answer)");
+  await lab.clickSnapshot();
+  seen.saved_toast = await lab.toast(/Snapshot saved/);
+  await lab.buttonState('ready');
+  seen.kernel = await lab.kernelOf(seen.first_tab as string);
+
+  // The first save asks for a name, and renames the file.
+  await page.keyboard.press('Control+s');
+  const ask = page.locator('.jp-Dialog', { hasText: 'Rename' });
+  const name = ask.locator('input[type="text"]');
+  await name.waitFor({ timeout: STEP_TIMEOUT });
+  await name.fill('demo.ipynb');
+  await ask.locator('.jp-mod-accept').click();
+  await page
+    .locator('.lm-TabBar-tab.lm-mod-current', { hasText: 'demo.ipynb' })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  // A listing of the file browser's folder that ran across the rename fails in
+  // jupyter_server (the file went between its listing and its stat), and JupyterLab says
+  // so in a dialog; once the browser lists the new name, that listing is over.
+  await page
+    .locator('.jp-DirListing-item', { hasText: 'demo.ipynb' })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  const stray = page.locator('.jp-Dialog', { hasText: 'Directory not found' });
+  seen.stray_listing_error = await stray.count();
+  if (seen.stray_listing_error) {
+    await stray.getByRole('button', { name: 'Close' }).click();
+  }
+
+  const status = page.locator('.jp-gpu-snapshot-status');
+  await expect(status).toHaveText(/^Snapshot (just now|\d+ min ago)$/);
+  seen.status_demo = await status.innerText();
+  const sidebar = await lab.openSidebar();
+  const own = sidebar.locator('[data-section="own"]');
+  await expect(own.locator('h3')).toHaveText('This notebook: demo.ipynb');
+  await own.locator('[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  seen.sidebar_own = await own.locator('[data-snapshot-id]').evaluateAll(items =>
+    items.map(i => [i.getAttribute('data-snapshot-name'), (i as HTMLElement).innerText])
+  );
+  seen.sidebar_others = await sidebar
+    .locator('[data-section="others"] [data-snapshot-id]')
+    .count();
+  await lab.screenshot('snapshot-follows-rename');
+  seen.magic_list = await lab.runCode(1, '%gpu_snapshot list');
+  seen.magic_status = await lab.runCode(2, '%gpu_snapshot status');
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  const dialog = page.locator('.jp-Dialog', {
+    has: page.locator('.jp-gpu-snapshot-picker')
+  });
+  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  seen.dialog_sections = await dialog.locator('tbody').evaluateAll(bodies =>
+    bodies.map(b => [
+      b.querySelector('.jp-gpu-snapshot-section')?.textContent ?? '',
+      [...b.querySelectorAll('tr[data-snapshot-id]')].map(r => (r as HTMLElement).innerText)
+    ])
+  );
+  await lab.screenshot('dialog-after-rename');
+  await dialog.locator('.jp-Dialog-footer .jp-mod-reject').click();
+  await dialog.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+
+  // The next new notebook: Untitled.ipynb again, an empty kernel with no snapshot.
+  await lab.recordToasts();
+  const offerAsked = page.waitForResponse(
+    r => r.url().includes('latest=true') && r.url().includes('Untitled.ipynb')
+  );
+  seen.second_tab = await lab.newNotebook();
+  await lab.buttonState('ready');
+  await offerAsked;
+  await expect(status).toHaveText('No snapshot yet');
+  seen.status_new = await status.innerText();
+  await expect(
+    sidebar.locator('[data-section="own"] h3')
+  ).toHaveText(`This notebook: ${seen.second_tab}`);
+  seen.sidebar_new_own = await sidebar
+    .locator('[data-section="own"] [data-snapshot-id]')
+    .count();
+  await (await lab.kernelMenu('gpu-snapshot:restore')).click();
+  await dialog.locator('tr[data-snapshot-id]').first().waitFor({ timeout: STEP_TIMEOUT });
+  seen.new_dialog_own = (
+    await dialog.locator('tbody').first().locator('.jp-gpu-snapshot-empty').allInnerTexts()
+  ).map(t => t.trim());
+  seen.new_dialog_selected = await dialog.locator('tr.jp-mod-selected').count();
+  seen.new_dialog_restore_enabled = await lab.acceptEnabled(dialog);
+  await lab.screenshot('new-untitled-has-none');
+  await dialog.locator('.jp-Dialog-footer .jp-mod-reject').click();
+  seen.toasts = await lab.recordedToasts();
+});
+
+// The save of a kernel with a few hundred MiB: its progress (the status bar's percent)
+// only moves on, from the pause through the commit, and the sizes its notification gives
+// agree with the saved snapshot's.
+test('save-progress', async ({ lab, page }) => {
+  const { seen } = lab;
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.state_output = await lab.runCell(0);
+  seen.big_output = await lab.runCell(3);
+  await lab.recordToasts();
+  await lab.recordStatusTexts();
+  await lab.clickSnapshot();
+  await lab
+    .toasts(/Snapshot of .*: committing/)
+    .first()
+    .waitFor({ timeout: STEP_TIMEOUT });
+  await lab.screenshot('save-progress');
+  seen.saved_toast = await lab.toast(/Snapshot saved/);
+  seen.status_texts = await lab.recordedStatusTexts();
+  seen.toasts = await lab.recordedToasts();
+  await lab.buttonState('ready');
+  await page.keyboard.press('Escape');
 });

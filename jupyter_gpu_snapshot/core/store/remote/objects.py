@@ -39,8 +39,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-import fsspec
-
 from ...errors import NotFound, SnapshotError
 from ..manifest import MANIFEST
 from ..snapshot import is_snapshot_id
@@ -199,6 +197,9 @@ class RemoteObjects:
         attempts: int = 4,
         retry_delay: float = 0.5,
     ) -> None:
+        # fsspec is imported by the first remote store: a node without one needs none.
+        import fsspec.core
+
         fs, root = fsspec.core.url_to_fs(url, **(options or {}))
         self.url = url.rstrip("/")
         self.fs: Any = fs

@@ -15,9 +15,6 @@ import stat
 import struct
 from pathlib import Path
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from ...errors import SnapshotError
 
 CIPHER = "AES-256-GCM"
@@ -79,6 +76,9 @@ class ChunkSealer:
     def __init__(self, key: bytes, snapshot_id: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if len(key) != KEY_BYTES:
             raise ValueError("AES-256-GCM needs a 32-byte key")
+        # cryptography is imported by the first sealer: a store without a key needs none.
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
         self._aead = AESGCM(key)
         self.key_id = key_id(key)
         self.snapshot_id = snapshot_id
@@ -124,6 +124,8 @@ class ChunkSealer:
 
     def open_run(self, name: str, first_index: int, plain_size: int, stored: bytes) -> bytes:
         """The plaintext of consecutive records; raises DecryptionError on any bad record."""
+        from cryptography.exceptions import InvalidTag
+
         record = self.chunk_bytes + RECORD_OVERHEAD
         out: list[bytes] = []
         for i, off in enumerate(range(0, max(len(stored), 1), record)):

@@ -18,11 +18,10 @@ from typing import Any
 from ...progress import ProgressFn
 from ..snapshot import is_snapshot_id
 from ..store import SnapshotStore
-from .download import download_snapshot
 from .objects import REMOTE_MANIFEST, RemoteObjects, RemoteSnapshot, modified_time, safe_snapshot_id
-from .packs import PACKS_DIR, RemotePacks
-from .rename import rename_remote_copy
-from .upload import abort_stale_multipart, upload_snapshot
+
+# The transfers and the packs are imported by the calls that run them: holding a remote
+# store, or none, costs a listing nothing of them (nor numpy).
 
 
 class RemoteStore(RemoteObjects):
@@ -48,6 +47,8 @@ class RemoteStore(RemoteObjects):
         Another node may be uploading right now, so young leftovers stay. On S3, multipart
         uploads that were started and never finished are aborted too.
         """
+        from .packs import PACKS_DIR
+
         cutoff = time.time() - older_than
         self.fs.invalidate_cache()
         try:
@@ -69,6 +70,8 @@ class RemoteStore(RemoteObjects):
             self.discard(snapshot_id)
         self.collect_packs(cutoff)
         if self.is_s3:
+            from .upload import abort_stale_multipart
+
             abort_stale_multipart(self, cutoff)
         return removed
 
@@ -80,6 +83,8 @@ class RemoteStore(RemoteObjects):
         The remote manifests are listed again right before the removal: one that went up
         meanwhile (an upload that reused an old pack) makes the count start over.
         """
+        from .packs import RemotePacks
+
         packs = RemotePacks(self)
         for _ in range(3):
             revisions = self.revisions()
@@ -106,10 +111,14 @@ class RemoteStore(RemoteObjects):
     ) -> RemoteSnapshot:
         """Upload a committed local snapshot of ``local`` (needed when it is kept by
         content); see ``upload.upload_snapshot``."""
+        from .upload import upload_snapshot
+
         return upload_snapshot(self, Path(snapshot_dir), progress, local)
 
     def rename_copy(self, snapshot_dir: Path | str) -> RemoteSnapshot | None:
         """Carry a local rename to the remote copy; see ``rename.rename_remote_copy``."""
+        from .rename import rename_remote_copy
+
         return rename_remote_copy(self, Path(snapshot_dir))
 
     def download(
@@ -118,5 +127,7 @@ class RemoteStore(RemoteObjects):
     ) -> Path:
         """Download a remote snapshot into a store (or a store's directory, with the default
         signing key); see ``download.download_snapshot``."""
+        from .download import download_snapshot
+
         target = into if isinstance(into, SnapshotStore) else Path(into)
         return download_snapshot(self, safe_snapshot_id(snapshot_id), target, progress)
