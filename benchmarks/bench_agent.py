@@ -208,7 +208,10 @@ def nvidia(query: str) -> str:
 
 
 def has_cap_sys_resource() -> bool:
-    from jupyter_gpu_snapshot.agent.criu_credentials import CAP_SYS_RESOURCE, own_capabilities
+    from jupyter_gpu_snapshot.agent.credentials.criu_runs_as import (
+        CAP_SYS_RESOURCE,
+        own_capabilities,
+    )
 
     return bool(own_capabilities() >> CAP_SYS_RESOURCE & 1)
 
@@ -335,10 +338,12 @@ class Agent:
 class Case:
     def __init__(self, name: str, setup: str, user: BenchUser, agent: Agent, base: Path,
                  loop: asyncio.AbstractEventLoop, direct_dump: str = "as-agent") -> None:
-        from jupyter_gpu_snapshot.agent.criu_credentials import dump_command
-        from jupyter_gpu_snapshot.agent.ownership import Caller
+        from jupyter_gpu_snapshot.agent.credentials.criu_runs_as import dump_command
+        from jupyter_gpu_snapshot.agent.credentials.ownership import Caller
+        from jupyter_gpu_snapshot.agent.files.opener import CallerFiles
         from jupyter_gpu_snapshot.config import GPUSnapshot
-        from jupyter_gpu_snapshot.node.local_engine import make_engine
+        from jupyter_gpu_snapshot.core.criu import CriuLaunch
+        from jupyter_gpu_snapshot.node.local_engine import EngineLaunch, make_engine
 
         self.name, self.setup, self.user, self.agent, self.loop = name, setup, user, agent, loop
         self.dir = base / name
@@ -353,13 +358,15 @@ class Case:
         settings = GPUSnapshot(store_dir=str(self.dir / "store"),
                                signing_key_file=str(self.dir / "signing.key"))
         log_dir = agent.log_dir(user.uid)
-        self.engine = make_engine(settings, kernel_log_dir=lambda: log_dir)
-        self.engine.store.log_owner = (user.uid, user.gid)
         self.direct_dump_as: list[str] = []
+        caller = Caller(user.uid, user.gid, frozenset(user.groups), user.name)
         if not has_cap_sys_resource() and direct_dump == "as-agent":
-            caller = Caller(user.uid, user.gid, frozenset(user.groups), user.name)
             self.direct_dump_as = dump_command(caller)
-            self.engine.criu.dump_as = self.direct_dump_as
+        # The user's files (the kernel's log among them) opened as the user, as the
+        # agent's engines open them.
+        launch = EngineLaunch(CriuLaunch(dump_as=tuple(self.direct_dump_as)),
+                              files=CallerFiles(caller))
+        self.engine = make_engine(settings, kernel_log_dir=lambda: log_dir, launch=launch)
         self.holder: subprocess.Popen[str] | None = None
         self.result: dict[str, Any] = {}
 

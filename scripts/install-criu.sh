@@ -57,7 +57,7 @@ version_ok() {
 sha256() { sha256sum "$1" | cut -d' ' -f1; }
 
 # The stand-in needs only a C compiler; it is rebuilt whenever its source or its flags
-# change. Static: a node agent runs it inside a user's container (agent/containers.py),
+# change. Static: a node agent runs it inside a user's container (agent/pods/entry.py),
 # where no loader or C library of the container's may run as root.
 SHIM_CFLAGS="-O2 -Wall -Werror -static"
 install_shim() {

@@ -3,8 +3,10 @@
 # missing, so a second run does nothing (and needs no network).
 set -euo pipefail
 
-# stress-ng: `make test-under-load` runs the suite beside it.
-needed=(util-linux iproute2 python3-venv stress-ng)
+# stress-ng: `make test-under-load` runs the suite beside it. bpftrace: the node agent's
+# test of its privilege rule watches every file call of the agent and criu (ptrace-free:
+# strace's tracing would take criu's own ptrace from it).
+needed=(util-linux iproute2 python3-venv stress-ng bpftrace)
 
 missing=()
 for pkg in "${needed[@]}"; do

@@ -50,7 +50,7 @@ def kernel_pids(kernel_id: str) -> list[int]:
     """The kernel's own processes: those of ``kernel_processes`` without the launchers
     (``unshare``, ``nsenter``, the node agent's entry into a container) and the namespace
     init (nsinit), which name the kernel too."""
-    from jupyter_gpu_snapshot.agent.containers import ENTER
+    from jupyter_gpu_snapshot.agent.pods.entry import ENTER
     from jupyter_gpu_snapshot.launch.provisioner import NSINIT
 
     found = []

@@ -93,8 +93,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from traitlets.config import Config
     from traitlets.config.loader import ConfigFileNotFound, PyFileConfigLoader
 
-    from ..agent.daemon import NodeAgent
-    from ..agent.pod_callers import DEFAULT_BUNDLES
+    from ..agent.pods.identity import DEFAULT_BUNDLES
+    from ..agent.server import NodeAgent
 
     if os.geteuid() != 0:
         raise InvalidRequest("agent", "the node agent runs as root",

@@ -52,7 +52,7 @@ def _check(p: argparse.ArgumentParser) -> None:
 
 def _agent(p: argparse.ArgumentParser) -> None:
     # The agent's defaults live with the agent; only `agent` and a full table import them.
-    from ..agent.daemon import (
+    from ..agent.server import (
         DEFAULT_MAX_CONNECTIONS,
         DEFAULT_REQUEST_TIMEOUT,
         DEFAULT_RUN_DIR,

@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Incompatible
-from .safe_fs import open_without_links
+from .file_access import OWN_FILES, FileAccess
 from .store import digest_files, preferred_algorithm
+from .user_paths import UserPath
 
 # Named in a message; the rest of a long list is counted.
 SHOWN = 5
@@ -105,11 +106,8 @@ class FileDigests:
     engine (a server's lifetime); thread-safe.
     """
 
-    def __init__(self, max_entries: int = 20000, follow_links: bool = True) -> None:
+    def __init__(self, max_entries: int = 20000) -> None:
         self.max_entries = max_entries
-        # False where the files are another user's (the node agent's): a link planted on
-        # the way is not followed, so root never digests a file of its own for them.
-        self.follow_links = follow_links
         self._cache: dict[tuple[object, ...], str] = {}
         self._lock = threading.Lock()
         self.hits = 0
@@ -117,15 +115,15 @@ class FileDigests:
 
     def describe(
         self, path: str, algorithm: str, cancel: threading.Event | None = None,
-        recorded: dict[str, Any] | None = None,
+        recorded: dict[str, Any] | None = None, files: FileAccess = OWN_FILES,
     ) -> dict[str, Any] | None:
         """``{"path", "size", "digest", "identity"}`` of a regular file, or None when there is
         none. A ``recorded`` entry (from an authenticated manifest) whose identity and size
         the file still has gives its digest without reading the file, as a cache hit does:
-        a server started after the save restores without digesting every library again."""
-        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+        a server started after the save restores without digesting every library again.
+        ``files`` opens it: as the kernel's user, for the node agent."""
         try:
-            fd = os.open(path, flags) if self.follow_links else open_without_links(path, flags)
+            fd = files.open(path, os.O_RDONLY, UserPath.MAPPED_FILE)
         except OSError:
             return None
         try:
@@ -210,14 +208,14 @@ def kernel_differences(saved: dict[str, Any], found: Findings) -> None:
 
 def file_differences(
     saved: dict[str, Any], digests: FileDigests, found: Findings,
-    cancel: threading.Event | None = None,
+    cancel: threading.Event | None = None, files: FileAccess = OWN_FILES,
 ) -> None:
     algorithm = str(saved.get("algorithm"))
     missing: list[str] = []
     changed: list[str] = []
     for entry in saved.get("files", []):
         path = str(entry["path"])
-        now = digests.describe(path, algorithm, cancel, recorded=entry)
+        now = digests.describe(path, algorithm, cancel, recorded=entry, files=files)
         if now is None:
             missing.append(path)
         elif now["size"] != entry["size"]:
@@ -274,19 +272,21 @@ class NodeCompatibility:
     that hold CUDA state. ``digests`` caches file digests across saves and restores.
     """
 
-    def __init__(self, gpus: GpuReader | None = None, follow_links: bool = True) -> None:
+    def __init__(self, gpus: GpuReader | None = None) -> None:
         self._gpus = gpus or (lambda: None)
-        self.digests = FileDigests(follow_links=follow_links)
+        self.digests = FileDigests()
 
     def record_files(
-        self, paths: Sequence[str], cancel: threading.Event | None = None
+        self, paths: Sequence[str], cancel: threading.Event | None = None,
+        files: FileAccess = OWN_FILES,
     ) -> dict[str, Any]:
-        """The ``mapped_files`` section for ``paths``; blocking, run in a worker thread by
-        ``SnapshotEngine.save`` while criu dumps."""
+        """The ``mapped_files`` section for ``paths``, each opened by ``files``; blocking,
+        run in a worker thread by ``SnapshotEngine.save`` while criu dumps."""
         algorithm = preferred_algorithm()
         started = time.monotonic()
-        files = [e for p in paths if (e := self.digests.describe(p, algorithm, cancel))]
-        return {"algorithm": algorithm, "files": files,
+        found = [e for p in paths
+                 if (e := self.digests.describe(p, algorithm, cancel, files=files))]
+        return {"algorithm": algorithm, "files": found,
                 "seconds": round(time.monotonic() - started, 4)}
 
     def differences(
@@ -294,6 +294,7 @@ class NodeCompatibility:
         manifest: dict[str, Any],
         gpu_targets: Sequence[str] | None = None,
         cancel: threading.Event | None = None,
+        files: FileAccess = OWN_FILES,
     ) -> Findings:
         """Every way ``manifest``'s node differs from this one; blocking (file digests).
 
@@ -312,7 +313,7 @@ class NodeCompatibility:
             if "kernel" in node:
                 kernel_differences(node["kernel"], found)
             if "mapped_files" in node:
-                file_differences(node["mapped_files"], self.digests, found, cancel)
+                file_differences(node["mapped_files"], self.digests, found, cancel, files)
             else:
                 found.skipped.append("the save recorded no mapped files (it was committed by a "
                                      "recovery): the environment check is skipped")

@@ -55,15 +55,46 @@ def _same_pid(pid: int) -> int:
     return pid
 
 
-@dataclass
+@dataclass(frozen=True)
 class PidView:
     """How a criu run names our processes and threads, and back: the same pids, except
     for a criu that a node agent runs inside a user's container, in its pid namespace
-    (``agent/containers``). Set by the agent's hook, read by criu's command line, the
-    restore's pid file and the CUDA plugin's broker."""
+    (``agent/pods/pids``). Part of the engine's ``CriuLaunch``; read by criu's command
+    line, the restore's pid file and the CUDA plugin's broker."""
 
     to_criu: Callable[[int], int] = _same_pid
     from_criu: Callable[[int], int] = _same_pid
+
+
+def _program_itself(path: str) -> list[str]:
+    return [path]
+
+
+@dataclass(frozen=True)
+class CriuLaunch:
+    """How criu runs: as this process is, by default; for the node agent, as one caller's
+    operation needs (``agent/realms.engine_launch``). Given to ``CriuRunner`` when it is
+    made and never changed after, as jupyter_client hands a provisioner its configuration.
+
+    - ``dump_as``, ``restore_as``: the commands ``criu dump`` and ``criu restore`` run
+      under, with the credentials the node agent gives criu for one user's kernel
+      (``agent/credentials/criu_runs_as``); a dump under other uids runs in criu's
+      ``--unprivileged`` mode;
+    - for a node agent that runs criu inside a user's container (``agent/pods/entry``):
+      ``program``, how the criu binary at a path is run (through the agent's own loader);
+      ``path``, how criu names a path of ours (through the agent's root);
+      ``path_variables``, the variables of criu's environment that list such paths; and
+      ``action_scripts``, whether criu may run an action script (a shell script, which
+      the container's own shell would run there);
+    - ``pids``: how criu names our processes (``PidView``)."""
+
+    dump_as: tuple[str, ...] = ()
+    restore_as: tuple[str, ...] = ()
+    program: Callable[[str], list[str]] = _program_itself
+    path: Callable[[str], str] = str
+    path_variables: frozenset[str] = frozenset()
+    action_scripts: bool = True
+    pids: PidView = field(default_factory=PidView)
 
 
 @dataclass
@@ -81,6 +112,7 @@ class CriuExtras:
     inherited_fds: dict[str, int] = field(default_factory=dict)
     # At dump: files criu writes as external (``file[MNT:INODE]``), not as their paths.
     externals: list[str] = field(default_factory=list)
+    # The engine's (``CriuLaunch.pids``), set when the run's context is made.
     pids: PidView = field(default_factory=PidView)
 
     def argv(self, path: Callable[[str], str] = str) -> list[str]:
@@ -174,24 +206,19 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 class CriuRunner:
     """Builds criu command lines and runs them without blocking the event loop."""
 
-    def __init__(self, criu_path: str = "criu", ghost_limit: int | None = None) -> None:
+    def __init__(self, criu_path: str = "criu", ghost_limit: int | None = None,
+                 launch: CriuLaunch | None = None) -> None:
         self.criu_path = criu_path
         self.ghost_limit = ghost_limit
-        # Commands that ``criu dump`` and ``criu restore`` run under, with the credentials
-        # the node agent gives criu for one user's kernel (``agent/criu_credentials``); a
-        # dump under other uids runs in criu's --unprivileged mode.
-        self.dump_as: list[str] = []
-        self.restore_as: list[str] = []
-        # For a node agent that runs criu inside a user's container (agent/containers.py):
-        # how the criu binary at a path is run (through the agent's own loader), how criu
-        # names a path of ours (through the agent's root), the variables of criu's
-        # environment that list such paths, and whether criu may run an action script (a
-        # shell script, which the container's own shell would run there).
-        self.program: Callable[[str], list[str]] = lambda path: [path]
-        self.path: Callable[[str], str] = str
-        self.path_variables: frozenset[str] = frozenset()
-        self.action_scripts = True
+        self.launch = launch or CriuLaunch()
         self._version: tuple[int, ...] | None = None
+
+    def with_launch(self, launch: CriuLaunch) -> CriuRunner:
+        """A runner of the same criu that runs it as ``launch`` says (its version, once
+        read, is not asked again)."""
+        runner = CriuRunner(self.criu_path, self.ghost_limit, launch)
+        runner._version = self._version
+        return runner
 
     def executable(self) -> str:
         found = shutil.which(self.criu_path)
@@ -236,9 +263,9 @@ class CriuRunner:
         extras: CriuExtras | None = None,
     ) -> list[str]:
         argv = [
-            *self.dump_as, *self.program(self.executable()), "dump",
-            "-t", str(extras.pids.to_criu(pid) if extras else pid),
-            "-D", self.path(str(images)), "-W", self.path(str(work)),
+            *self.launch.dump_as, *self.launch.program(self.executable()), "dump",
+            "-t", str(self.launch.pids.to_criu(pid)),
+            "-D", self.launch.path(str(images)), "-W", self.launch.path(str(work)),
             "-o", "dump.log", "-v4",
             # Established ZMQ connections are closed; clients reconnect with the same
             # connection file. --tcp-established would need a network lock.
@@ -252,25 +279,25 @@ class CriuRunner:
             # inherited are recorded as external and bound back at restore.
             "--external", "mnt[]",
         ]
-        if self.dump_as:
+        if self.launch.dump_as:
             argv.append("--unprivileged")
         if leave_running:
             argv.append("--leave-running")
-        if action_script is not None and self.action_scripts:
-            argv += ["--action-script", self.path(str(action_script))]
+        if action_script is not None and self.launch.action_scripts:
+            argv += ["--action-script", self.launch.path(str(action_script))]
         if self.ghost_limit is not None:
             argv += ["--ghost-limit", str(self.ghost_limit)]
-        return argv + (extras.argv(self.path) if extras else [])
+        return argv + (extras.argv(self.launch.path) if extras else [])
 
     def restore_argv(
         self, images: Path, work: Path, pidfile: Path, *, leave_stopped: bool = False,
         extras: CriuExtras | None = None, stream: bool = False,
     ) -> list[str]:
         argv = [
-            *self.restore_as, *self.program(self.executable()), "restore",
-            "-D", self.path(str(images)), "-W", self.path(str(work)),
+            *self.launch.restore_as, *self.launch.program(self.executable()), "restore",
+            "-D", self.launch.path(str(images)), "-W", self.launch.path(str(work)),
             "-o", "restore.log", "-v4", "--tcp-close", "--file-locks",
-            "--restore-detached", "--pidfile", self.path(str(pidfile)),
+            "--restore-detached", "--pidfile", self.launch.path(str(pidfile)),
             # The counterpart of --external mnt[] at dump: bind the host's mounts back.
             "--ext-mount-map", "auto", "--root", "/",
         ]
@@ -281,7 +308,7 @@ class CriuRunner:
             # The tasks stay stopped: no code of the image runs until the caller continues
             # them, so the images can be checked while criu reads them.
             argv.append("--leave-stopped")
-        return argv + (extras.argv(self.path) if extras else [])
+        return argv + (extras.argv(self.launch.path) if extras else [])
 
     async def run(
         self,
@@ -333,12 +360,12 @@ class CriuRunner:
     def _environment(self, env: dict[str, str] | None) -> dict[str, str] | None:
         """criu's environment: ours with ``env``, each path of ours in the variables that
         list paths as criu names it."""
-        if not env and not self.path_variables:
+        if not env and not self.launch.path_variables:
             return None
         merged = {**os.environ, **(env or {})}
-        for name in self.path_variables & merged.keys():
+        for name in self.launch.path_variables & merged.keys():
             merged[name] = os.pathsep.join(
-                self.path(entry) if entry.startswith("/") else entry
+                self.launch.path(entry) if entry.startswith("/") else entry
                 for entry in merged[name].split(os.pathsep))
         return merged
 

@@ -28,6 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .user_paths import OWN_OPENER, OpensUserPaths, UserPath
+
 DEV_SHM = "/dev/shm/"
 DELETED = " (deleted)"
 # Names listed in a warning; the rest are counted.
@@ -101,11 +103,12 @@ class ShmFiles:
         found.allocated = max(found.allocated, allocated)
         found.pids.add(pid)
 
-    def resolve(self) -> None:
+    def resolve(self, files: OpensUserPaths = OWN_OPENER) -> None:
         """Called by ``open_files.inspect_files`` once every process was read: where each
-        file lives now. Read after the processes, so a file made meanwhile is not taken
-        for an unlinked one."""
-        names = names_in_dev_shm()
+        file lives now, in /dev/shm as ``files`` opens it (the kernel's user's, for the
+        node agent). Read after the processes, so a file made meanwhile is not taken for
+        an unlinked one."""
+        names = names_in_dev_shm(files)
         for key, found in self.files.items():
             found.name = names.get(key)
 
@@ -159,12 +162,21 @@ def _listed(paths: Iterable[str]) -> str:
     return ", ".join(ordered[:SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
 
 
-def names_in_dev_shm() -> dict[tuple[int, int], str]:
-    """Every file of /dev/shm by (device, inode): where a renamed file lives on."""
+def names_in_dev_shm(files: OpensUserPaths = OWN_OPENER) -> dict[tuple[int, int], str]:
+    """Every file of /dev/shm by (device, inode): where a renamed file lives on. The
+    directory is opened by ``files`` (by default, this process) and read by its descriptor:
+    each entry's inode comes with its name, so no path in it is looked up."""
     found: dict[tuple[int, int], str] = {}
-    with contextlib.suppress(OSError), os.scandir(DEV_SHM) as entries:
-        for entry in entries:
-            with contextlib.suppress(OSError):
-                info = entry.stat(follow_symlinks=False)
-                found[(info.st_dev, info.st_ino)] = entry.path
+    flags = os.O_RDONLY | os.O_DIRECTORY
+    try:
+        fd = files.open(DEV_SHM, flags, UserPath.DEV_SHM)
+    except OSError:
+        return found
+    try:
+        device = os.fstat(fd).st_dev
+        with contextlib.suppress(OSError), os.scandir(fd) as entries:
+            for entry in entries:
+                found[(device, entry.inode())] = DEV_SHM + entry.name
+    finally:
+        os.close(fd)
     return found

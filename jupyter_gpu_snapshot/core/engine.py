@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .compatibility import NodeCompatibility
 from .criu import CriuRunner
+from .file_access import OWN_FILES, FileAccess
 from .hooks import Progress, ProgressCallback, SaveTarget, SnapshotHook
 from .sequences import KERNEL_ANSWER_SECONDS, KernelAnswers, keep_log
 from .store import Snapshot, SnapshotIndex, SnapshotStore
@@ -42,6 +43,8 @@ class SnapshotEngine:
         hooks: Sequence[SnapshotHook] = (),
         compatibility: NodeCompatibility | None = None,
         kernel_answers: KernelAnswers | None = None,
+        files: FileAccess | None = None,
+        index: SnapshotIndex | None = None,
     ) -> None:
         self.store = store or SnapshotStore()
         # Asks a kernel (by its connection info) for kernel_info: part of the check that a
@@ -52,7 +55,11 @@ class SnapshotEngine:
         self.hooks = list(hooks)
         # Also caches the digests of mapped files across saves and restores.
         self.compatibility = compatibility or NodeCompatibility()
-        self.index = SnapshotIndex(self.store)
+        # How the kernels' files are opened: as this process, or (the node agent's) as
+        # their user.
+        self.files = files or OWN_FILES
+        # Shared by engines of one store (the node agent builds one per operation).
+        self.index = index or SnapshotIndex(self.store)
 
     @property
     def location(self) -> str:
@@ -151,7 +158,8 @@ class SnapshotEngine:
         node's GPUs."""
         from .restore import check_compatibility
 
-        await check_compatibility(self.compatibility, snapshot, report, timings, gpu_targets)
+        await check_compatibility(self.compatibility, snapshot, report, timings, gpu_targets,
+                                  self.files)
 
 
 def _throttled(progress: ProgressCallback | None, interval: float = 0.1) -> ProgressCallback:

@@ -17,6 +17,7 @@ from typing import Any
 from . import procfs
 from .criu import CriuExtras
 from .errors import SnapshotError
+from .file_access import OWN_FILES, FileAccess
 from .store import Snapshot
 
 
@@ -72,6 +73,8 @@ class SaveContext:
     extra_bytes: int = 0
     # What hooks add to the criu dump (the GPU layer: CRIU's CUDA plugin and its broker).
     criu: CriuExtras = field(default_factory=CriuExtras)
+    # How the kernel user's files are opened: the engine's (``FileAccess``).
+    files: FileAccess = OWN_FILES
     criu_version: str = ""
     # When the kernel process started: with its pid, it names the process that must survive.
     kernel_started: float | None = None
@@ -103,6 +106,8 @@ class RestoreContext:
     # tasks run at its end (the GPU layer's plugin, once CUDA is back) and gates that on
     # ``images_verified``, which resolves once every digest of the images matched.
     criu: CriuExtras = field(default_factory=CriuExtras)
+    # How the kernel user's files are opened: the engine's (``FileAccess``).
+    files: FileAccess = OWN_FILES
     images_verified: Awaitable[float] | None = None
     criu_version: str = ""
     # The directory criu will read the images from, set before ``before_restore``.
@@ -144,6 +149,11 @@ class SnapshotHook:
 
     async def restore_failed(self, ctx: RestoreContext, error: BaseException) -> None:
         """Called by ``restore`` when criu or the digests failed after ``before_restore``."""
+
+    async def before_resume(self, ctx: RestoreContext) -> None:
+        """Called by ``restore`` once criu has recreated the tree (``ctx.root_pid``) and every
+        digest matched, before the tree is let run where criu left it stopped
+        (``ctx.criu.leave_stopped``); raise to refuse it (the tree is killed)."""
 
     async def after_restore(self, ctx: RestoreContext) -> None:
         """Called by ``restore`` once criu has recreated the tree (``ctx.root_pid``) and it

@@ -2,8 +2,9 @@
 
 Snapshot-ready kernels of a user write their logs in one directory (the store's
 ``default_kernel_log_dir``, where a manifest's log files must lie).
-A restore opens them before criu does (``open_log_files``): the directory is the kernel
-user's, and the node agent opens them as root, so never through a link, never waiting.
+A restore opens them before criu does (``open_log_files``), through the engine's
+``FileAccess``: as this process (``open_own_log``), or, for the node agent, as the
+kernel's user.
 
 ``launch/nsinit.py`` writes one line when the kernel process ends:
 ``nsinit: kernel ended: killed by signal 11 (SIGSEGV)`` or ``... exited with status 1``.
@@ -20,37 +21,38 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .._constants import KERNEL_DEATH_PREFIX
 from . import safe_fs
 from .errors import SnapshotError
 from .store import Snapshot
+from .user_paths import OWN_OPENER, OpensUserPaths, UserPath
 
 # -- opening the logs for a restore ----------------------------------------------------------
-# Root opens a kernel log in a directory its user may write: never through a link, never
-# waiting (a FIFO or a device there must not hold the restore).
+# A kernel log is opened never through a link, never waiting (a FIFO or a device there must
+# not hold the restore).
 _LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NOT_A_LOG_HINT = "remove it and restore again: the restore creates the kernel's log anew"
 
 
-def open_log_files(snapshot: Snapshot, owner: tuple[int, int] | None) -> dict[str, int]:
-    """The log files of trusted ``snapshot``'s kernel, each opened for appending (path ->
-    descriptor; the caller closes them), checked before criu reopens them: through the node
-    agent, from a descriptor the kernel's user opened, never by root following the path.
+class LogOpener(OpensUserPaths, Protocol):
+    """What opens a kernel's log for a restore: the engine's ``FileAccess``."""
 
-    Each is in the kernel-log directory only (the manifest's check put it there), a
-    directory its user may write. So each is opened without following a link and
-    without waiting (a FIFO would hold root's open, and the restore, forever), and must
-    be a regular file of the kernel's user ``owner`` (uid, gid; without one, ours), linked
-    once. A missing one is created anew (``O_EXCL``) and handed to that user. Anything else
-    is refused, naming what it is.
-    """
+    def open_log(self, path: str) -> int:
+        """The log at ``path`` for appending, made if missing (``FileAccess.open_log``)."""
+        ...
+
+
+def open_log_files(snapshot: Snapshot, files: LogOpener) -> dict[str, int]:
+    """The log files of trusted ``snapshot``'s kernel, each opened for appending by
+    ``files`` (path -> descriptor; the caller closes them), checked before criu reopens
+    them. Each is in the kernel-log directory only (the manifest's check put it there)."""
     snapshot.require_trusted()
     opened: dict[str, int] = {}
     try:
         for path in snapshot.manifest["kernel"]["log_files"]:
-            opened[path] = _open_log_file(path, owner)
+            opened[path] = files.open_log(path)
     except BaseException:
         for fd in opened.values():
             os.close(fd)
@@ -58,7 +60,11 @@ def open_log_files(snapshot: Snapshot, owner: tuple[int, int] | None) -> dict[st
     return opened
 
 
-def _open_log_file(path: str, owner: tuple[int, int] | None) -> int:
+def open_own_log(path: str) -> int:
+    """A kernel log of this process's own kernels (``OwnFiles.open_log``): opened without
+    following a link and without waiting, a regular file of ours linked once; a missing
+    one (and its directory) is made anew (``O_EXCL``). Anything else is refused, naming
+    what it is."""
     parent, name = os.path.split(path)
     safe_fs.make_private_dirs(Path(parent))
     with safe_fs.opened_dir(parent) as dfd:
@@ -71,7 +77,12 @@ def _open_log_file(path: str, owner: tuple[int, int] | None) -> int:
         except OSError as exc:
             raise _log_refused(path, name, dfd, exc) from exc
         try:
-            _require_own_log(fd, path, created, owner)
+            require_regular_log(fd, path)
+            facts = os.fstat(fd)
+            if facts.st_nlink != 1 or not (created or facts.st_uid == os.geteuid()):
+                raise SnapshotError(
+                    "preflight", f"the kernel log {path} is not the kernel user's own file",
+                    hint="remove it and restore again")
             # Blocking again, as the kernel had its log: it is a regular file.
             os.set_blocking(fd, True)
         except BaseException:
@@ -80,48 +91,42 @@ def _open_log_file(path: str, owner: tuple[int, int] | None) -> int:
         return fd
 
 
+def require_regular_log(fd: int, path: str) -> None:
+    """Refuse a kernel log that is no regular file, naming what it is."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        raise not_a_regular_log(path, mode)
+
+
 def _log_refused(path: str, name: str, dfd: int, exc: OSError) -> SnapshotError:
     """The error for a kernel log that could not be opened, naming what is there instead:
     a FIFO with no reader and a socket both fail with ENXIO."""
+    mode = None
+    with contextlib.suppress(OSError):
+        mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
+    return log_refused(path, exc, mode)
+
+
+def log_refused(path: str, exc: OSError, mode: int | None) -> SnapshotError:
+    """The error for the kernel log at ``path`` that could not be opened (``exc``), naming
+    what is there instead (``mode``, as ``lstat`` saw it, where known)."""
     if exc.errno == errno.ELOOP:
         return SnapshotError("preflight", f"the kernel log {path} is a link: it is never "
                              "followed", hint="remove it and restore again")
-    with contextlib.suppress(OSError):
-        mode = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            return _not_a_regular_log(path, mode)
+    if mode is not None and not stat.S_ISREG(mode):
+        return not_a_regular_log(path, mode)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return SnapshotError(
+            "preflight", f"the kernel log {path} is not the kernel user's own file "
+            f"({exc.strerror})", hint="remove it and restore again")
     return SnapshotError("preflight", f"the kernel log {path} cannot be opened: {exc.strerror}",
                          hint=_NOT_A_LOG_HINT)
 
 
-def _not_a_regular_log(path: str, mode: int) -> SnapshotError:
+def not_a_regular_log(path: str, mode: int) -> SnapshotError:
     return SnapshotError(
         "preflight", f"the kernel log {path} is {safe_fs.kind_of(mode)}, not a regular file",
         hint=_NOT_A_LOG_HINT)
-
-
-def _require_own_log(fd: int, path: str, created: bool, owner: tuple[int, int] | None) -> None:
-    """A kernel log must be a regular file of the kernel's user (``owner``; without one,
-    ours), linked once. One this restore created is handed to that user; so is an empty one
-    of root's, linked once (an earlier restore that stopped before it handed it over).
-    Anything else is refused: a user who placed it there could otherwise be handed, or
-    have root write to, a file that is not theirs."""
-    facts = os.fstat(fd)
-    if not stat.S_ISREG(facts.st_mode):
-        raise _not_a_regular_log(path, facts.st_mode)
-    uid = owner[0] if owner is not None else os.geteuid()
-    if facts.st_nlink == 1 and (created or facts.st_uid == uid):
-        if owner is not None and facts.st_uid != uid:
-            os.fchown(fd, *owner)
-        return
-    if (owner is not None and facts.st_uid == os.geteuid() and facts.st_nlink == 1
-            and facts.st_size == 0):
-        os.fchown(fd, *owner)
-        return
-    raise SnapshotError(
-        "preflight", f"the kernel log {path} is not the kernel user's own file",
-        hint="remove it and restore again",
-    )
 
 
 # -- how the kernel ended --------------------------------------------------------------------
@@ -134,19 +139,21 @@ _SIGNAL = re.compile(r"killed by signal (\d+)(?: \((\w+)\))?")
 _EXIT = re.compile(r"exited with status (-?\d+)")
 
 
-def kernel_death_cause(log_path: str | os.PathLike[str], start: int = 0) -> str | None:
+def kernel_death_cause(log_path: str | os.PathLike[str], start: int = 0,
+                       files: OpensUserPaths = OWN_OPENER) -> str | None:
     """What ended the kernel, in nsinit's words ('killed by signal 11 (SIGSEGV)'), or None.
 
     The last such line written at or after byte ``start`` of the log counts (a slot's log
     holds every kernel that ran in it; ``start`` is where the current one began). None when
     the log is missing or unreadable, or holds no such line: the init itself was killed
     (SIGKILL to the whole tree), or the kernel was not launched by nsinit; also when it is
-    no regular file: the log's directory is its user's, and the node agent reads it as root,
-    so it is opened without following a link and without waiting (a FIFO would hold the
-    open forever). Reads the disk: call it off the event loop.
+    no regular file: the log's directory is its user's, so it is opened without following
+    a link and without waiting (a FIFO would hold the open forever), by ``files`` (the
+    engine's ``FileAccess``: as the kernel's user, for the node agent; by default this
+    process). Reads the disk: call it off the event loop.
     """
     try:
-        fd = os.open(log_path, _READ_FLAGS)
+        fd = files.open(os.fspath(log_path), _READ_FLAGS, UserPath.KERNEL_LOG)
     except OSError:
         return None
     try:

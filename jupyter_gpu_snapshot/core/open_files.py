@@ -31,8 +31,9 @@ from .._constants import format_bytes
 from . import procfs
 from .dev_shm import DEV_SHM, ShmFiles
 from .errors import NotReady
+from .file_access import OWN_FILES, FileAccess
 from .hooks import Progress, RestoreContext, SaveContext, SnapshotHook
-from .safe_fs import open_without_links
+from .user_paths import UserPath
 
 # Files up to this size also get a digest: a same-size, same-mtime change is then caught.
 DIGEST_LIMIT = 1 << 20
@@ -86,7 +87,9 @@ def _mapped_bytes(pid: int, addresses: str) -> int:
     return 0
 
 
-def inspect_files(root_pid: int) -> KernelFiles:
+def inspect_files(root_pid: int, files: FileAccess = OWN_FILES) -> KernelFiles:
+    """What the tree under ``root_pid`` has open or mapped, from /proc; its /dev/shm read
+    through ``files``."""
     found = KernelFiles()
     for proc in procfs.tree(root_pid):
         pid = proc.pid
@@ -127,34 +130,35 @@ def inspect_files(root_pid: int) -> KernelFiles:
                         found.deleted[target.removesuffix(DELETED)] = info.st_size
                     elif _read_only(pid, fd) and not target.startswith(OS_PREFIXES):
                         found.recorded.add(target)
-    found.shared_memory.resolve()
+    found.shared_memory.resolve(files)
     return found
 
 
-def describe_file(path: str, follow_links: bool = True) -> dict[str, Any] | None:
-    """Size, mtime and (for small files) sha256 of a file, or None when it is gone (or,
-    with ``follow_links`` false, reached through a link)."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+def describe_file(path: str, files: FileAccess = OWN_FILES) -> dict[str, Any] | None:
+    """Size, mtime and (for small regular files) sha256 of a file, or None when it is gone
+    or cannot be opened by ``files`` (as the kernel's user, for the node agent)."""
     try:
-        fd = os.open(path, flags) if follow_links else open_without_links(path, flags)
+        fd = files.open(path, os.O_RDONLY, UserPath.OPEN_FILE)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as file:
         info = os.fstat(fd)
         entry: dict[str, Any] = {
             "path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+        # Only a regular file is read: a FIFO or a device opened without waiting stays so.
         if stat.S_ISREG(info.st_mode) and info.st_size <= DIGEST_LIMIT:
             with contextlib.suppress(OSError):
                 entry["sha256"] = hashlib.sha256(file.read(DIGEST_LIMIT + 1)).hexdigest()
     return entry
 
 
-def changes(recorded: list[dict[str, Any]], follow_links: bool = True) -> list[str]:
-    """How each recorded file differs now; empty when all are as they were."""
+def changes(recorded: list[dict[str, Any]], files: FileAccess = OWN_FILES) -> list[str]:
+    """How each recorded file differs now (each opened by ``files``); empty when all are as
+    they were."""
     found = []
     for entry in recorded:
         path = str(entry.get("path"))
-        now = describe_file(path, follow_links)
+        now = describe_file(path, files)
         if now is None:
             found.append(f"{path} is missing")
         elif now["size"] != entry.get("size"):
@@ -171,17 +175,13 @@ class OpenFilesHook(SnapshotHook):
 
     name = "open-files"
 
-    def __init__(self, ghost_limit: int = 1 << 20, changed_files: str = "refuse",
-                 follow_links: bool = True) -> None:
+    def __init__(self, ghost_limit: int = 1 << 20, changed_files: str = "refuse") -> None:
         self.ghost_limit = ghost_limit
         self.changed_files = changed_files
-        # False where the kernels are another user's (the node agent's): root then reads
-        # no file through a link that user planted (``safe_fs.open_without_links``).
-        self.follow_links = follow_links
 
     async def preflight_save(self, ctx: SaveContext) -> None:
         """Called by ``SnapshotEngine.save`` before anything touches the kernel."""
-        files = await asyncio.to_thread(inspect_files, ctx.root_pid)
+        files = await asyncio.to_thread(inspect_files, ctx.root_pid, ctx.files)
         undumpable = files.shared_memory.refusal()
         if undumpable is not None:
             raise NotReady(
@@ -203,7 +203,7 @@ class OpenFilesHook(SnapshotHook):
             )
         recorded = await asyncio.to_thread(lambda: [
             e for p in sorted(files.recorded)
-            if (e := describe_file(p, self.follow_links)) is not None])
+            if (e := describe_file(p, ctx.files)) is not None])
         warnings = files.warnings()
         ctx.manifest["open_files"] = recorded
         ctx.manifest["warnings"] = [*ctx.manifest.get("warnings", []), *warnings]
@@ -216,7 +216,7 @@ class OpenFilesHook(SnapshotHook):
         if not isinstance(recorded, list):
             return
         changed = await asyncio.to_thread(
-            changes, [e for e in recorded if isinstance(e, dict)], self.follow_links)
+            changes, [e for e in recorded if isinstance(e, dict)], ctx.files)
         if not changed:
             return
         what = "; ".join(changed)

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from .errors import NotFound, NotReady
+from .user_paths import OWN_OPENER, OpensUserPaths, UserPath
 
 
 def status_fields(pid: int | str = "self", thread: int | None = None) -> dict[str, str]:
@@ -93,12 +94,25 @@ def pids_with_open(pids: list[int], path_prefix: str) -> list[int]:
 
 
 def append_only_files(root: int) -> list[str]:
-    """Files the tree has open write-only for appending (kernel logs)."""
+    """Regular files the tree has open write-only for appending (kernel logs), each read
+    through its descriptor in /proc: no path of the kernel's user is looked up (psutil's
+    ``open_files`` would stat each by its path)."""
     found: set[str] = set()
     for proc in tree(root):
-        with contextlib.suppress(psutil.Error):
-            found.update(f.path for f in proc.open_files() if f.mode == "a")
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                with contextlib.suppress(OSError, ValueError):
+                    if _appends_to_a_file(proc.pid, fd):
+                        found.add(os.readlink(f"/proc/{proc.pid}/fd/{fd}"))
     return sorted(found)
+
+
+def _appends_to_a_file(pid: int, fd: str) -> bool:
+    with open(f"/proc/{pid}/fdinfo/{fd}", encoding="ascii") as info:
+        flags = next((int(line.split()[1], 8) for line in info if line.startswith("flags:")), 0)
+    if flags & os.O_ACCMODE != os.O_WRONLY or not flags & os.O_APPEND:
+        return False
+    return stat.S_ISREG(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)
 
 
 def stderr_file(pid: int) -> str | None:
@@ -114,10 +128,12 @@ def stderr_file(pid: int) -> str | None:
 
 
 def executable(pid: int) -> str | None:
-    """The path of the program a process runs, or None when it cannot be read."""
+    """The path of the program a process runs, as /proc names it (with " (deleted)" when
+    it was removed), or None when it cannot be read. Only the link is read: psutil's
+    ``exe`` stats a deleted program's path, a path of the kernel's user."""
     try:
-        return str(psutil.Process(pid).exe()) or None
-    except psutil.Error:
+        return os.readlink(f"/proc/{pid}/exe") or None
+    except OSError:
         return None
 
 
@@ -307,6 +323,10 @@ def _descriptors_shared_within(procs: list[psutil.Process]) -> Callable[[int, in
     return internal
 
 
+# A connection file is a few hundred bytes; more is not one.
+MAX_CONNECTION_FILE_BYTES = 64 * 1024
+
+
 def connection_file_of(pid: int) -> Path | None:
     """The ``-f`` argument of an ipykernel command line."""
     try:
@@ -359,8 +379,10 @@ class KernelProcess:
         return not self.problems
 
 
-def inspect_kernel(pid: int) -> KernelProcess:
-    """Find the tree to dump for ``pid`` and everything that would make the dump unsafe."""
+def inspect_kernel(pid: int, files: OpensUserPaths | None = OWN_OPENER) -> KernelProcess:
+    """Find the tree to dump for ``pid`` and everything that would make the dump unsafe.
+    Its connection file is read with ``files`` (the engine's ``FileAccess``: as the
+    kernel's user, for the node agent), or not at all with None."""
     if not psutil.pid_exists(pid):
         raise NotFound("preflight", f"no process with pid {pid}")
     problems: list[str] = []
@@ -403,14 +425,28 @@ def inspect_kernel(pid: int) -> KernelProcess:
                 )
     connection_file = connection_file_of(kernel.pid)
     info = None
-    if connection_file is not None:
-        # Named as the kernel sees it: a kernel in a container has its own root.
-        seen = (Path(f"/proc/{kernel.pid}/root", connection_file.relative_to("/"))
-                if connection_file.is_absolute()
-                else Path(f"/proc/{kernel.pid}/cwd", connection_file))
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(seen.read_text())
+    if connection_file is not None and files is not None:
+        info = read_connection_file(kernel.pid, connection_file, files)
     return KernelProcess(root, kernel.pid, connection_file, info, problems)
+
+
+def read_connection_file(pid: int, path: Path, files: OpensUserPaths) -> dict[str, Any] | None:
+    """The connection info in kernel ``pid``'s connection file ``path`` (as the kernel
+    names it), opened by ``files``; None unless it is a regular file of JSON."""
+    try:
+        fd = files.open(str(path if path.is_absolute() else Path(f"/proc/{pid}/cwd", path)),
+                        os.O_RDONLY, UserPath.CONNECTION_FILE)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        # Only a regular file is read: a FIFO or a device there, opened without waiting,
+        # would otherwise hold the save (and its thread) until someone wrote to it.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            found = json.loads(file.read(MAX_CONNECTION_FILE_BYTES))
+            return found if isinstance(found, dict) else None
+    return None
 
 
 def require_ready(kernel: KernelProcess) -> None:

@@ -35,6 +35,7 @@ from . import kernel_log, locks, procfs
 from .background import run_in_background
 from .compatibility import NodeCompatibility, refusal
 from .errors import InvalidRequest, NotFound, PortsInUse, SnapshotError
+from .file_access import OWN_FILES, FileAccess
 from .hooks import Progress, ProgressCallback, RestoreContext, SnapshotHook
 from .progress import byte_counter
 from .sequences import EngineParts, finish_despite_cancel, keep_log, work_dir
@@ -116,8 +117,10 @@ async def check_compatibility(
     report: ProgressCallback,
     timings: dict[str, float],
     gpu_targets: Sequence[str] | None = None,
+    files: FileAccess = OWN_FILES,
 ) -> None:
-    """Raise Incompatible when this node cannot run the snapshot (see compatibility).
+    """Raise Incompatible when this node cannot run the snapshot (see compatibility); its
+    mapped files are opened by ``files``.
 
     Called by ``restore`` once the manifest is authenticated and before criu runs;
     ``gpu_targets`` are the models of the GPUs chosen for the restore, by default this
@@ -125,7 +128,8 @@ async def check_compatibility(
     """
     t = time.monotonic()
     report(Progress("preflight", message="checking that this node can run the snapshot"))
-    findings = await run_in_background(compatibility.differences, snapshot.manifest, gpu_targets)
+    findings = await run_in_background(
+        compatibility.differences, snapshot.manifest, gpu_targets, None, files)
     timings["compatibility"] = time.monotonic() - t
     for note in findings.skipped:
         log.info("restore of %s: %s", snapshot.id, note)
@@ -161,9 +165,8 @@ async def _restore(
     files = await opening
     try:
         # Checked (and a missing one made) before criu runs; criu reopens them, through the
-        # node agent from descriptors its user opened (agent/external_files.py).
-        logs = await asyncio.to_thread(kernel_log.open_log_files, ctx.snapshot,
-                                       engine.store.log_owner)
+        # node agent from descriptors its user opened (agent/files/).
+        logs = await asyncio.to_thread(kernel_log.open_log_files, ctx.snapshot, engine.files)
         for fd in logs.values():
             os.close(fd)
         ctx.root_pid = await _restore_checked(engine, ctx, files, timings, started)
@@ -187,9 +190,11 @@ async def _preflight(
     """Refuse what cannot be restored here, before criu runs; the context for the hooks.
     ``snapshot`` was read again from disk and authenticated."""
     await check_ports(snapshot)
-    await check_compatibility(engine.compatibility, snapshot, report, timings)
+    await check_compatibility(engine.compatibility, snapshot, report, timings, files=engine.files)
     criu_version = await asyncio.to_thread(engine.criu.require_version)
     ctx = RestoreContext(snapshot, report, gpus=gpus, criu_version=criu_version)
+    ctx.criu.pids = engine.criu.launch.pids
+    ctx.files = engine.files
     for hook in engine.hooks:
         await hook.preflight_restore(ctx)
     if gpus is not None and not ctx.gpus_taken:
@@ -321,6 +326,8 @@ async def _resume(engine: EngineParts, ctx: RestoreContext, timings: dict[str, f
     # hook's criu plugin has already let it run, gated on the same digests).
     t = time.monotonic()
     try:
+        for hook in engine.hooks:
+            await hook.before_resume(ctx)
         if ctx.criu.leave_stopped:
             await asyncio.to_thread(ctx.resume_tree, ctx.root_pid)
         ctx.report(Progress("resume"))

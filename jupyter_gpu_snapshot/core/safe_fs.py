@@ -9,7 +9,6 @@ as /tmp is allowed: nobody can rename what we own in it). Inside it, every open 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -22,32 +21,6 @@ from .errors import SnapshotError
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-
-
-_SYS_OPENAT2 = 437  # the same number on every architecture (the unified syscall table)
-_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS = 0x02, 0x04
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
-                ("resolve", ctypes.c_uint64)]
-
-
-def open_without_links(path: str, flags: int) -> int:
-    """``open(path, flags)`` that follows no symlink in any component (openat2's
-    ``RESOLVE_NO_SYMLINKS``): ELOOP where one is on the way.
-
-    For root checking, for another user, a file that user's process had open: a path that
-    ran through no link then cannot be made to run through one to a file of root's."""
-    how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    fd = libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(-100),  # AT_FDCWD
-                      os.fsencode(path), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return int(fd)
 
 
 class UnsafeStore(SnapshotError):

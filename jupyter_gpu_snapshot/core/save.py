@@ -60,7 +60,8 @@ from . import locks, procfs
 from .background import run_in_background
 from .compatibility import node_facts
 from .criu import describe_exit
-from .errors import Interrupted, SnapshotError
+from .errors import Interrupted, NotReady, SnapshotError
+from .file_access import FileAccess
 from .hooks import Progress, ProgressCallback, SaveContext, SaveTarget, SnapshotHook
 from .kernel_log import kernel_death_cause
 from .locks import HeldLock
@@ -78,6 +79,7 @@ from .store import (
     portable_problem,
     validate_name,
 )
+from .user_paths import UserPath
 
 # Free disk must exceed the estimated image by this much; a full disk can hang the machine.
 DISK_MARGIN_BYTES = 256 << 20
@@ -99,8 +101,20 @@ async def save_kernel(
     report(Progress("preflight"))
     if name is not None:
         validate_name(name)
-    kernel = await asyncio.to_thread(procfs.inspect_kernel, target.pid)
+    # The kernel's connection file is read only when the caller did not send its
+    # connection, and then as the kernel's user (the engine's ``files``).
+    kernel = await asyncio.to_thread(
+        procfs.inspect_kernel, target.pid,
+        None if target.connection_info else engine.files)
     procfs.require_ready(kernel)
+    if (not target.connection_info and kernel.connection_file is not None
+            and kernel.connection_info is None):
+        raise NotReady(
+            "preflight", f"the kernel's connection file {kernel.connection_file} cannot be "
+            "read (missing, "
+            "not a regular file or not JSON; the node agent reads it as the kernel's user)",
+            hint="save the kernel from the server that runs it (it sends the connection), "
+            "or put its connection file back")
     async with claimed(engine.store, kernel, target, name) as (chosen, claims):
         interrupt = asyncio.Event()
         steps = _Save(engine, target, kernel, chosen, stop, report, started, claims, interrupt)
@@ -153,6 +167,8 @@ class _Save:
         self.claims = list(claims)  # criu inherits them, and the partial's owner lock
         self.interrupt = interrupt
         self.ctx = SaveContext(target, kernel, new_snapshot_id(), Path(), stop, report)
+        self.ctx.criu.pids = engine.criu.launch.pids
+        self.ctx.files = engine.files
         self.manifest: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
         self.follower = None
@@ -288,8 +304,8 @@ class _Save:
     def digest_mapped_files(self) -> None:
         """Digest the mapped files in a thread while the kernel is paused; commit waits."""
         self.digesting = asyncio.ensure_future(run_in_background(
-            self.engine.compatibility.record_files, self.facts.mapped, self.stop_digests
-        ))
+            self.engine.compatibility.record_files, self.facts.mapped, self.stop_digests,
+            self.engine.files))
 
     # -- 3. suspend ------------------------------------------------------------------------
     async def suspend(self) -> None:
@@ -487,7 +503,7 @@ class _Save:
             what = (f"the kernel (pid {kernel.kernel_pid}) has not answered for "
                     f"{seconds:g} s since its dump")
         else:
-            what = await _describe_death(snapshot, ctx.dump_ended)
+            what = await _describe_death(snapshot, ctx.dump_ended, self.engine.files)
         log.warning("snapshot %s: %s", snapshot.id, what)
         try:
             await asyncio.to_thread(self.store.add_warning, snapshot.id, what)
@@ -564,19 +580,20 @@ def _read_facts(kernel: procfs.KernelProcess) -> _KernelFacts:
     )
 
 
-async def _describe_death(snapshot: Snapshot, dump_ended: float) -> str:
+async def _describe_death(snapshot: Snapshot, dump_ended: float, files: FileAccess) -> str:
     """'the kernel died 0.4 s after its dump: killed by signal 11 (SIGSEGV)', from the
-    line its namespace init writes into the kernel's log as it reaps it."""
+    line its namespace init writes into the kernel's log as it reaps it (read by
+    ``files``)."""
     logs = snapshot.manifest["kernel"].get("log_files") or []
     deadline = time.monotonic() + DEATH_RECORD_SECONDS
     cause = None
     while logs and cause is None and time.monotonic() < deadline:
-        cause = await asyncio.to_thread(kernel_death_cause, logs[0])
+        cause = await asyncio.to_thread(kernel_death_cause, logs[0], 0, files)
         if cause is None:
             await asyncio.sleep(0.05)
     if cause is None:
         return "the kernel died after its dump (what ended it is not in its log)"
-    died = await asyncio.to_thread(_mtime, logs[0])
+    died = await asyncio.to_thread(_mtime, logs[0], files)
     after = f" {max(0.0, died - dump_ended):.1f} s" if died else ""
     return f"the kernel died{after} after its dump: {cause}"
 
@@ -645,11 +662,15 @@ def _same_process(pid: int, started: float | None) -> bool:
     return procfs.tree_alive(pid) and started is not None and procfs.start_time(pid) == started
 
 
-def _mtime(path: str) -> float | None:
+def _mtime(path: str, files: FileAccess) -> float | None:
     try:
-        return os.stat(path).st_mtime
+        fd = files.open(path, os.O_RDONLY, UserPath.KERNEL_LOG)
     except OSError:
         return None
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
 
 
 def _python_of(pid: int) -> str:

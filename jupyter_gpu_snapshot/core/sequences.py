@@ -16,6 +16,7 @@ from . import locks
 from .compatibility import NodeCompatibility
 from .criu import CriuRunner
 from .errors import SnapshotError
+from .file_access import FileAccess
 from .hooks import SnapshotHook
 from .locks import HeldLock
 from .recovery import WORK_LOCK, work_base
@@ -48,6 +49,9 @@ class EngineParts(Protocol):
 
     @property
     def kernel_answer_seconds(self) -> float: ...
+
+    @property
+    def files(self) -> FileAccess: ...
 
 
 def work_dir(kind: str) -> tuple[Path, HeldLock]:

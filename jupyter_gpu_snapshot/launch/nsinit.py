@@ -62,7 +62,7 @@ def _redirect_stdio(log_path: str) -> None:
 
 
 _PROC_READY = "JUPYTER_GPU_SNAPSHOT_NSINIT_PROC"
-# Set by the node agent's entry into a user's container (agent/enter_container.py), whose
+# Set by the node agent's entry into a user's container (agent/pods/entry_program.py), whose
 # init took the root steps (the namespace's /proc, the kernel's pid) before it ran this
 # script as the user: the note on the kernel's pid, possibly empty.
 PREPARED = "JUPYTER_GPU_SNAPSHOT_NSINIT_PREPARED"

@@ -1,7 +1,7 @@
 """The engine as the CLI and the server hold it, however it is reached: ``NodeEngine``.
 
 Two engines implement it: ``LocalEngine`` (``local_engine.py``), the core's engine run by this
-process itself (root), and ``agent_client.remote_engine.AgentEngine``, which asks the node
+process itself (root), and ``agent_client.agent_engine.AgentEngine``, which asks the node
 agent. Callers ask the engine for what they used to find by its type or by digging into its
 store: where the snapshots are and how much room is left, whether this process holds the
 store (recovery, trust, a remote store's cache), where a restore would put the GPUs, and the

@@ -2,27 +2,31 @@
 store, criu and the GPU hook; and the choice between it and the node agent's.
 
 The server and the CLI call ``process_engine``: a ``LocalEngine`` where the process may run
-criu itself (root), else the node agent's (``agent_client.remote_engine``); both are a
-``NodeEngine``. The agent and the benchmarks call ``make_engine``; the core itself knows
-nothing of settings or of the GPU layer.
+criu itself (root), else the node agent's (``agent_client.agent_engine``); both are a
+``NodeEngine``. The agent and the benchmarks call ``make_engine``, the agent with an
+``EngineLaunch`` for each caller's operation; the core itself knows nothing of settings or
+of the GPU layer.
 """
 
 from __future__ import annotations
 
 import builtins
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import GPUSnapshot
 from ..core.compatibility import NodeCompatibility
-from ..core.criu import CriuRunner
+from ..core.criu import CriuLaunch, CriuRunner
 from ..core.criu_build import CriuFill, describe_fill
 from ..core.engine import SnapshotEngine
 from ..core.errors import NotReady, SnapshotError
+from ..core.file_access import OWN_FILES, FileAccess
 from ..core.hooks import SnapshotHook
 from ..core.open_files import OpenFilesHook
 from ..core.recovery import RecoveryReport, clean_work_dirs, recover_store, work_base
+from ..core.sequences import KernelAnswers
 from ..core.store import ManifestPolicy, Snapshot, SnapshotStore, default_kernel_log_dir
 from ..gpu.broker import PluginInstall
 from ..gpu.driver import DriverStatus
@@ -39,12 +43,11 @@ if TYPE_CHECKING:
     from ..core.store import StoreRoom
 
 
-def default_hooks(settings: GPUSnapshot, follow_links: bool = True) -> list[SnapshotHook]:
+def default_hooks(settings: GPUSnapshot) -> list[SnapshotHook]:
     """The hooks every engine runs: the open-files check, and the GPU layer (inert for kernels
     without CUDA state)."""
     return [
-        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files,
-                      follow_links=follow_links),
+        OpenFilesHook(ghost_limit=settings.ghost_limit, changed_files=settings.changed_files),
         CudaCheckpointHook(
             lock_timeout=settings.cuda_lock_timeout,
             drop_caches=settings.drop_allocator_caches,
@@ -58,6 +61,21 @@ def wake_kernel(root_pid: int, driver: Callable[[], DriverStatus] | None = None)
     (``gpu.trees.wake_tree``); recovery's ``wake``. One line per process whose CUDA stays
     suspended; ``driver`` replaces the machine's CUDA driver (the tests' scripted one)."""
     return wake_tree(root_pid, work_base(), driver)
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """How an engine reaches the kernels it saves and restores, given when it is made: as
+    this process, by default. The node agent builds one for each operation of a caller
+    (``agent/realms.engine_launch``): criu's credentials and, in a pod, the container's
+    view (``criu``), how a kernel is asked whether it answers (``kernel_answers``), how
+    the kernel user's files are opened (``files``: as that user), and hooks that run after
+    the engine's own (``hooks``: the caller's checks)."""
+
+    criu: CriuLaunch = field(default_factory=CriuLaunch)
+    kernel_answers: KernelAnswers = kernel_answers
+    files: FileAccess = OWN_FILES
+    hooks: tuple[SnapshotHook, ...] = ()
 
 
 class LocalEngine(SnapshotEngine):
@@ -80,6 +98,15 @@ class LocalEngine(SnapshotEngine):
         except OSError:
             free = None
         return StoreRoom(str(self.store.root), free)
+
+    def with_launch(self, launch: EngineLaunch) -> LocalEngine:
+        """An engine of this one's store, index, compatibility cache and hooks that runs
+        as ``launch`` says: the node agent's for one operation of one caller. Nothing of
+        this engine changes."""
+        return LocalEngine(
+            self.store, self.criu.with_launch(launch.criu), [*self.hooks, *launch.hooks],
+            self.compatibility, kernel_answers=launch.kernel_answers,
+            files=launch.files, index=self.index)
 
     def trust(self, ref: str) -> Snapshot:
         return self.store.trust(self.store.get(ref).id)
@@ -128,25 +155,27 @@ def make_engine(
     settings: GPUSnapshot | None = None,
     hooks: list[SnapshotHook] | None = None,
     kernel_log_dir: Callable[[], Path] = default_kernel_log_dir,
-    follow_links: bool = True,
+    launch: EngineLaunch | None = None,
 ) -> LocalEngine:
     """``kernel_log_dir``: where the kernels' logs live; the node agent names each user's.
-    ``follow_links`` false: the kernels' files are another user's, and the checks of them
-    follow no link (the node agent's)."""
+    ``launch``: how criu runs and the kernels and their files are reached
+    (``EngineLaunch``; by default as this process)."""
+    launch = launch or EngineLaunch()
     settings = settings or GPUSnapshot()
     policy = ManifestPolicy(
         kernel_log_dir=kernel_log_dir, kernel_allowed=is_snapshot_ready_kernelspec
     )
-    hooks = hooks if hooks is not None else default_hooks(settings, follow_links)
+    hooks = hooks if hooks is not None else default_hooks(settings)
     # The node's GPUs as the CUDA hook reads them, so the check and the restore agree.
     cuda = next((h for h in hooks if isinstance(h, CudaCheckpointHook)), None)
     return LocalEngine(
         SnapshotStore(settings.store_dir, settings.signing_key_file, policy,
                       chunk_images=settings.chunk_images),
-        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit),
-        hooks,
-        NodeCompatibility(gpus=cuda.node_gpus if cuda else None, follow_links=follow_links),
-        kernel_answers=kernel_answers,
+        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit, launch=launch.criu),
+        [*hooks, *launch.hooks],
+        NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
+        kernel_answers=launch.kernel_answers,
+        files=launch.files,
     )
 
 
@@ -155,9 +184,9 @@ def process_engine(settings: GPUSnapshot | None = None) -> NodeEngine:
     agent's (``GPUSnapshot.through_agent``). The server and the CLI call this."""
     settings = settings or GPUSnapshot()
     if settings.through_agent():
+        from ..agent_client.agent_engine import AgentEngine
         from ..agent_client.client import AgentClient
         from ..agent_client.gpu_sleep import AgentGpuSleep
-        from ..agent_client.remote_engine import AgentEngine
 
         # The user's own directory keeps what the server writes beside its snapshots
         # (the notebooks' autosave choices); the snapshots are the agent's.

@@ -21,8 +21,8 @@ import psutil
 import pytest
 from traitlets.config import Config
 
-from jupyter_gpu_snapshot.agent import daemon
-from jupyter_gpu_snapshot.agent.ownership import Caller
+from jupyter_gpu_snapshot.agent import launching, operations, realms, server
+from jupyter_gpu_snapshot.agent.credentials.ownership import Caller
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.core.errors import SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
@@ -32,11 +32,11 @@ from ..conftest import run, start_kernel, stop_kernel
 
 
 @pytest.fixture
-def node(agent_root: Path, request: pytest.FixtureRequest) -> Iterator[daemon.NodeAgent]:
+def node(agent_root: Path, request: pytest.FixtureRequest) -> Iterator[server.NodeAgent]:
     directory = agent_root / request.node.name
     directory.mkdir(mode=0o711)  # Alice's kernels reach their logs in it
     os.chmod(directory, 0o711)
-    yield daemon.NodeAgent(socket_path=directory / "agent.sock", state_dir=directory / "state",
+    yield server.NodeAgent(socket_path=directory / "agent.sock", state_dir=directory / "state",
                            run_dir=directory / "run")
     shutil.rmtree(directory, ignore_errors=True)
 
@@ -49,7 +49,7 @@ def alice(unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int]) ->
 
 
 def test_first_requests_at_once_make_one_realm(node, alice):
-    async def both() -> list[daemon.Realm]:
+    async def both() -> list[realms.Realm]:
         return await asyncio.gather(node.realm(alice), node.realm(alice))
 
     first, second = run(both())
@@ -71,7 +71,7 @@ def test_kernels_remembered_at_once_are_all_remembered(node, alice):
             sleeper.wait()
 
 
-def _remember_at_once(realm: daemon.Realm, pids: list[int]) -> list[BaseException]:
+def _remember_at_once(realm: realms.Realm, pids: list[int]) -> list[BaseException]:
     """``realm.remember`` of each pid, each in a thread, all let go at once; what they
     raised."""
     start = threading.Barrier(len(pids))
@@ -96,18 +96,18 @@ def test_a_launch_whose_client_went_away_leaves_no_kernel(node, alice, monkeypat
     """The client closes the connection once the tree runs, before the agent knows its
     pid: the agent kills the tree and reaps its launcher."""
     started, go_on = threading.Event(), threading.Event()
-    wait_for_init = daemon.wait_for_namespace_init
+    wait_for_init = launching.wait_for_namespace_init
 
     def held(launcher_pid: int, script: str) -> int:
         started.set()
         go_on.wait(60)
         return wait_for_init(launcher_pid, script=script)
 
-    monkeypatch.setattr(daemon, "wait_for_namespace_init", held)
+    monkeypatch.setattr(launching, "wait_for_namespace_init", held)
 
     async def launch_then_go() -> list[int]:
         realm = await node.realm(alice)
-        session = daemon._Session(node, alice, None)  # type: ignore[arg-type]
+        session = operations.Session(node, alice, None)  # type: ignore[arg-type]
         launch = asyncio.ensure_future(session.op_launch(realm, {
             "argv": [shutil.which("sleep") or "sleep", "120"], "kernel_id": "abandoned"}))
         assert await asyncio.to_thread(started.wait, 60)
@@ -161,12 +161,17 @@ def test_a_tree_that_is_no_longer_the_callers_is_refused_right_before_the_dump(n
     realm = run(node.realm(alice))
     kernel = start_kernel(config=Config(
         {"SnapshotReadyProvisioner": {"log_dir": str(realm.log_dir)}}))
+    engine = realm.engine_for(alice)
     try:
         with pytest.raises(SnapshotError, match=r"runs as uid \[0\], not as you"):
-            run(realm.engine.save(SaveTarget(pid=kernel.root_pid), name="roots"))
+            # With its connection, as a server sends it: the agent reads no file of root's.
+            run(engine.save(SaveTarget(
+                pid=kernel.root_pid, connection_info=dict(kernel.km.get_connection_info())),
+                name="roots"))
         assert procfs.tree_alive(kernel.root_pid)
-        assert [s.name for s in realm.engine.catalog()] == []
+        assert [s.name for s in realm.shared.catalog()] == []
     finally:
+        engine.files.close()
         stop_kernel(kernel)
 
 

@@ -1,7 +1,7 @@
 """Hibernation's gpu tier through the node agent: a user without root has their kernel's GPU
 released and given back, its process kept.
 
-A real agent (``daemon.NodeAgent``), served by an event loop of its own in this process so
+A real agent (``server.NodeAgent``), served by an event loop of its own in this process so
 that its CUDA hook's driver is the scripted one of the test (``testkit/fake_driver.py``);
 real kernels that Alice's jupyter_client starts through it; a real holder process, root's,
 stopping their threads under ptrace. The calls come from a process of the user's that holds
@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.agent import daemon
+import jupyter_gpu_snapshot.agent
+from jupyter_gpu_snapshot.agent import realms, server
 from jupyter_gpu_snapshot.agent_client.gpu_sleep import AgentGpuSleep
 from jupyter_gpu_snapshot.agent_client.protocol import Refused, error_from
 from jupyter_gpu_snapshot.config import GPUSnapshot
@@ -113,11 +114,11 @@ class AgentInThisProcess:
         self.socket = directory / "agent.sock"
         self.log_path = directory / "agent.log"
         self._log = logging.FileHandler(self.log_path)
-        logging.getLogger(daemon.__name__).addHandler(self._log)
+        logging.getLogger(jupyter_gpu_snapshot.agent.__name__).addHandler(self._log)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.served: list[daemon.NodeAgent] = []
+        self.served: list[server.NodeAgent] = []
         self.node = self._start()
 
     def log(self) -> str:
@@ -126,8 +127,8 @@ class AgentInThisProcess:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(STOP_SECONDS)
 
-    def _start(self) -> daemon.NodeAgent:
-        node = daemon.NodeAgent(socket_path=self.socket, state_dir=self.directory / "state",
+    def _start(self) -> server.NodeAgent:
+        node = server.NodeAgent(socket_path=self.socket, state_dir=self.directory / "state",
                                 run_dir=self.directory / "run")
         self.run(node.start())
         self.served.append(node)
@@ -152,7 +153,7 @@ class AgentInThisProcess:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(STOP_SECONDS)
         self.loop.close()
-        logging.getLogger(daemon.__name__).removeHandler(self._log)
+        logging.getLogger(jupyter_gpu_snapshot.agent.__name__).removeHandler(self._log)
         self._log.close()
 
 
@@ -209,10 +210,10 @@ def gpu_agent(agent_root: Path, unix_users: tuple[UnixUser, UnixUser],
         cuda = CudaCheckpointHook(driver=driver.status, inventory=gpus, lock_timeout=1.0,
                                   drop_caches=False, memory_available=lambda: 64 * GIB,
                                   criu_env=FORCE_CUDA_PLUGIN)
-        hooks = default_hooks(settings, options.get("follow_links", True))[:-1]
+        hooks = default_hooks(settings)[:-1]
         return make_engine(settings, hooks=[*hooks, cuda], **options)
 
-    monkeypatch.setattr(daemon, "make_engine", engine_with_fake_cuda)
+    monkeypatch.setattr(realms, "make_engine", engine_with_fake_cuda)
     # Short: the agent's socket is in it. The users' kernels reach their logs in it.
     directory = Path(tempfile.mkdtemp(prefix="gpu-", dir=agent_root))
     os.chmod(directory, 0o711)
@@ -382,8 +383,8 @@ def test_a_refused_or_failed_release_leaves_the_kernel_running_and_a_failed_wake
     with pytest.raises(NotFound, match="is not sleeping"):
         alice_server.call("wake", kernel.root_pid)
     # One request at a time per kernel: a save of it holds the lock a release takes too.
-    realm = gpu_agent.run(gpu_agent.node.realm(daemon.caller_of(alice.uid, alice.gid)))
-    with realm.engine.store.locks.hold(locks.kernel_key(kernel.root_pid), "kernel", "save",
+    realm = gpu_agent.run(gpu_agent.node.realm(realms.caller_of(alice.uid, alice.gid)))
+    with realm.shared.store.locks.hold(locks.kernel_key(kernel.root_pid), "kernel", "save",
                                        note="save of the kernel"), \
             pytest.raises(Busy, match="is busy"):
         alice_server.call("release", kernel.root_pid, {})

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpu_snapshot.agent.image_creds import (
+from jupyter_gpu_snapshot.agent.credentials.in_images import (
     Caller,
     check_image_credentials,
     image_credentials,

@@ -120,7 +120,7 @@ def test_other_users_processes_are_refused(agent, unix_users):
 def test_a_tree_with_a_process_that_is_not_the_callers_own_is_refused(agent, unix_users):
     """``ownership`` on real processes: root's, and one that dropped from root to Alice (the
     kernel marks it undumpable: its memory may hold what she must not read)."""
-    from jupyter_gpu_snapshot.agent.ownership import Caller, process_problem
+    from jupyter_gpu_snapshot.agent.credentials.ownership import Caller, process_problem
 
     alice, _ = unix_users
     caller = Caller(alice.uid, alice.gid, frozenset(os.getgrouplist(alice.name, alice.gid)),

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.agent.pod_callers import (
+from jupyter_gpu_snapshot.agent.pods.identity import (
     NotInPod,
     PodIdentity,
     container_id_of,

@@ -3,8 +3,8 @@ kernel: every file criu would reopen is opened as her and handed to criu.
 
 The attack, tried for each kind of object a restore reopens: Alice's kernel holds a file of
 hers (read-only, write-only, read-write, mapped); she saves it, and swaps the file for a
-link to a root-only one of the same size and mode. criu opens a working directory by its
-path, as root: one swapped for a link to root's directory must grant her nothing.
+link to a root-only one of the same size and mode. A working directory swapped for a link
+to root's directory is refused, before the kernel runs there.
 
 Two flavours, a table as zdtm keeps one:
 - ``before``: the link is there when she asks for the restore. The restore is refused,
@@ -256,11 +256,12 @@ def test_a_restored_kernel_saves_again_and_each_opening_keeps_its_own_offset(
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_a_working_directory_swapped_for_root_s_grants_nothing(
+def test_a_working_directory_swapped_for_root_s_is_refused(
         swapping_agent, agent_root, unix_users, flavour):
-    """criu enters each working directory by its path, as root: the restored kernel may then
-    sit in root's directory, but every lookup from there is checked against Alice's own
-    permissions, so she can neither list it nor open what is in it."""
+    """A working directory swapped for a link to root's directory, before the agent's
+    checks or right before criu: the restore is refused, naming the directory, before the
+    kernel runs a single instruction there (her own opening fails, or criu's lookup finds
+    another directory than the one she opened), and the snapshot stays for later."""
     agent, hook = swapping_agent
     alice, _ = unix_users
     slug = re.sub(r"\W+", "-", flavour)
@@ -276,14 +277,9 @@ def test_a_working_directory_swapped_for_root_s_grants_nothing(
     procfs.kill_tree(kernel.root_pid)
     swap = _as(alice, f"mv {mine} {mine}.real && ln -s {secret_dir} {mine}")
     done = _swap_then_restore(alice, agent, hook, swap, flavour, saved["id"])
-    assert done.returncode == 0, done.stdout + done.stderr
-    restored = json.loads(done.stdout)
     assert mine.is_symlink(), "the link was not swapped in"
-    connection = restored["connection_file"]
-    for attempt in ("os.listdir('.')", "open('secret', 'rb').read()"):
-        code = (f"import os\ntry:\n    {attempt}\n    seen = 'read'\n"
-                "except PermissionError:\n    seen = 'denied'")
-        assert ask_kernel(alice, agent, connection, f"exec({code!r}) or seen") == "denied"
-    assert ask_kernel(alice, agent, connection, "x + 1") == "42"
-    procfs.kill_tree(restored["pid"])
+    assert done.returncode != 0, done.stdout
+    assert str(mine) in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert saved["id"] in [s["id"] for s in json.loads(
+        cli(alice, agent, "list", "--json").stdout)]
     assert (secret_dir / "secret").read_bytes() == SECRET

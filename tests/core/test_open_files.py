@@ -7,6 +7,7 @@ what happens to the files after the save, and what the restore must do.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,18 +165,62 @@ def test_anonymous_memory_files_are_no_ghosts(
     assert execute(client, "print(os.fstat(fd).st_size)").strip() == str(3 << 20)
 
 
-def test_checks_for_another_user_follow_no_link_on_the_way(tmp_path):
-    """The node agent's checks read a user's files as root: a link anywhere on the path (the
-    file, or a directory above it) reads as the file being gone, never as its target."""
-    from jupyter_gpu_snapshot.core.open_files import describe_file
+def test_the_checks_open_a_kernels_files_only_through_the_engines_file_access(tmp_path):
+    """The node agent's checks read a user's files as that user: every file is opened by
+    the engine's ``FileAccess`` (the agent's opens as the user), named as what it is, and
+    what cannot be opened reads as gone; a FIFO there is never read."""
+    from jupyter_gpu_snapshot.core.file_access import OwnFiles
+    from jupyter_gpu_snapshot.core.open_files import changes, describe_file
+    from jupyter_gpu_snapshot.core.user_paths import UserPath
 
-    (tmp_path / "real").mkdir()
-    (tmp_path / "real" / "data").write_bytes(b"theirs")
-    (tmp_path / "secret").write_bytes(b"root's")
-    (tmp_path / "linked-dir").symlink_to(tmp_path / "real")
-    (tmp_path / "real" / "linked-file").symlink_to(tmp_path / "secret")
-    found = describe_file(str(tmp_path / "real" / "data"), follow_links=False)
+    class Recording(OwnFiles):
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, UserPath]] = []
+
+        def open(self, path: str, flags: int, what: UserPath) -> int:
+            self.asked.append((path, what))
+            if path.endswith("refused"):
+                raise PermissionError(13, "Permission denied", path)
+            return super().open(path, flags, what)
+
+    (tmp_path / "data").write_bytes(b"theirs")
+    os.mkfifo(tmp_path / "fifo")
+    files = Recording()
+    found = describe_file(str(tmp_path / "data"), files)
     assert found is not None and found["size"] == 6
-    for through_a_link in (tmp_path / "linked-dir" / "data", tmp_path / "real" / "linked-file"):
-        assert describe_file(str(through_a_link), follow_links=False) is None
-        assert describe_file(str(through_a_link)) is not None  # root's own engine follows
+    assert describe_file(str(tmp_path / "refused"), files) is None
+    fifo = describe_file(str(tmp_path / "fifo"), files)
+    assert fifo is not None and "sha256" not in fifo
+    assert changes([found], files) == []
+    assert files.asked == [(str(tmp_path / name), UserPath.OPEN_FILE)
+                           for name in ("data", "refused", "fifo", "data")]
+
+
+
+def test_a_removed_executable_is_named_from_its_link_alone(tmp_path, monkeypatch):
+    """A kernel's program, removed since it started: its path is a path of the kernel's
+    user, so it is named from /proc's link and never looked up (psutil's ``exe`` stats it)."""
+    import shutil
+    import subprocess
+
+    from jupyter_gpu_snapshot.core import procfs
+
+    program = tmp_path / "program"
+    shutil.copy("/bin/sleep", program)
+    process = subprocess.Popen([str(program), "60"])
+    try:
+        program.unlink()
+        looked_up: list[str] = []
+        real_stat = os.stat
+
+        def stat(path, *args, **kwargs):
+            if not str(path).startswith("/proc/"):
+                looked_up.append(str(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", stat)
+        assert procfs.executable(process.pid) == f"{program} (deleted)"
+        assert looked_up == []
+    finally:
+        process.kill()
+        process.wait()

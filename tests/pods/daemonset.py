@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from jupyter_gpu_snapshot.agent.daemon import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
+from jupyter_gpu_snapshot.agent.server import DEFAULT_RUN_DIR, DEFAULT_STATE_DIR
 from jupyter_gpu_snapshot.agent_client.protocol import DEFAULT_SOCKET
 from testkit.pods import REPO, Pod, pods, write_runtime_record
 from testkit.unix_users import UnixUser

@@ -1,9 +1,9 @@
-"""The node agent's criu, run inside a user's container (``agent/containers``).
+"""The node agent's criu, run inside a user's container (``agent/pods/entry``).
 
 An agent in the node's namespaces (a DaemonSet) must dump a kernel in the user's container
 and restore it into the user's container, the same pod or the user's next one, with a criu
 the container's image does not have. Here the pods' image hides criu and its plugin
-directory; the agent's criu reaches the pod through ``enter_container`` with its own loader
+directory; the agent's criu reaches the pod through ``pods/entry_program`` with its own loader
 and libraries, read through a descriptor of the agent's root, and works with the engine's
 own criu command lines (``CriuRunner``).
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jupyter_gpu_snapshot.agent.containers import ContainerEntry, in_agent
-from jupyter_gpu_snapshot.agent.enter_container import ENTRY_FAILED
-from jupyter_gpu_snapshot.core.criu import CriuRunner
+from jupyter_gpu_snapshot.agent.pods.entry import ContainerEntry, in_agent
+from jupyter_gpu_snapshot.agent.pods.entry_program import ENTRY_FAILED
+from jupyter_gpu_snapshot.core.criu import CriuLaunch, CriuRunner
 from testkit.pods import Pod, pods
 
 from .conftest import pid_in_pod
@@ -109,10 +109,9 @@ def criu_in_agent_only(tmp_path: Path) -> dict[Path, str]:
 
 
 def criu_in(entry: ContainerEntry) -> CriuRunner:
-    runner = CriuRunner()
-    runner.dump_as = runner.restore_as = entry.prefix()
-    runner.program = ContainerEntry.program
-    return runner
+    prefix = tuple(entry.prefix())
+    return CriuRunner(launch=CriuLaunch(dump_as=prefix, restore_as=prefix,
+                                        program=ContainerEntry.program))
 
 
 def test_agent_criu_dumps_in_a_pod_and_restores_into_the_next(

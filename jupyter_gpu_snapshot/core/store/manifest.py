@@ -165,6 +165,17 @@ SCHEMA: dict[str, Any] = {
             "propertyNames": {"pattern": r"^file\[[0-9a-f]+:[0-9a-f]+\]$"},
             "additionalProperties": ABSOLUTE_PATH,
         },
+        # The device and inode at the save of each external file and working directory,
+        # by path: a restore through the node agent refuses a working directory or an
+        # executable whose path now leads elsewhere.
+        "path_identities": {
+            "type": "object", "maxProperties": 65536,
+            "propertyNames": ABSOLUTE_PATH,
+            "additionalProperties": {
+                "type": "array", "minItems": 2, "maxItems": 2,
+                "items": {"type": "integer", "minimum": 0},
+            },
+        },
         # The node that saved it, compared at restore (core/compatibility.py).
         "node": _record({
             "hostname": _string(255),

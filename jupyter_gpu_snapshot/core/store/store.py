@@ -148,10 +148,6 @@ class SnapshotStore:
         self._key: SigningKey | None = None
         self._key_lock = threading.Lock()
         self.locks = StoreLocks(self.root)
-        # (uid, gid) of the user whose kernels this store holds, when that is not the
-        # process running the engine (the node agent): the logs a restore recreates are
-        # theirs (``kernel_log.open_log_files``).
-        self.log_owner: tuple[int, int] | None = None
 
     @property
     def key(self) -> SigningKey:

@@ -3,8 +3,8 @@ library, refusing whatever protobuf-c (CRIU's decoder) might read differently.
 
 A CRIU image is a header of magic numbers, then entries: each a little-endian uint32
 length and that many bytes of one protobuf message. The agent decodes two kinds before it
-lets criu restore for a caller: the threads' credentials (``image_creds``) and the files
-criu would reopen (``reopened_files``).
+lets criu restore for a caller: the threads' credentials (``in_images``) and the files
+criu would reopen (``files/restore_plan``).
 """
 
 from __future__ import annotations

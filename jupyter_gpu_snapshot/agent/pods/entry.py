@@ -5,7 +5,7 @@ launched or restored there would run in the agent's own container: its files, lo
 cgroup. CRIU must instead run inside the user's container, so that it dumps the kernel in
 that container's view and restores it there. ``mount --bind`` cannot carry the agent's
 files across mount namespaces, and criu's ``--join-ns`` has no mount namespace, so the
-agent runs its own programs there through a descriptor of its root: ``enter_container``
+agent runs its own programs there through a descriptor of its root: ``entry_program``
 joins the container's cgroups and namespaces, and the agent names its files, its dynamic
 loader and its libraries by that descriptor (``ContainerEntry.program``). The container's
 image supplies nothing that runs as root.
@@ -15,29 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import ctypes
-import fcntl
 import functools
 import json
 import os
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psutil
+from ...core.errors import SnapshotError
+from .entry_program import AGENT_COPY, AGENT_ROOT, start_ticks
 
-from ..core.errors import SnapshotError
-from ..core.procfs import ns_pids
-from .enter_container import AGENT_COPY, AGENT_ROOT, start_ticks
-
-ENTER = Path(__file__).with_name("enter_container.py")
+ENTER = Path(__file__).with_name("entry_program.py")
 _PT_INTERP = 3
-NS_GET_PARENT = 0xB702  # ioctl_ns(2): _IO(0xb7, 0x2)
 
 
 def in_agent(path: Path | str) -> str:
@@ -127,7 +121,7 @@ class ContainerEntry:
                                 ) from None
 
     def prefix(self, launch: dict[str, Any] | None = None) -> list[str]:
-        """What a command runs under to run in the container (``enter_container``); with
+        """What a command runs under to run in the container (``entry_program``); with
         ``launch``, a kernel started there as a snapshot-ready tree."""
         spec: dict[str, Any] = {
             "pid": self.pid, "start": self.start, "cgroup_procs": list(self.cgroup_procs)}
@@ -138,7 +132,7 @@ class ContainerEntry:
     @staticmethod
     def program(binary: Path | str) -> list[str]:
         """The agent's ``binary``, run in the container with the agent's own loader (a copy
-        in memory, see ``enter_container``) and libraries: the container's image may have
+        in memory, see ``entry_program``) and libraries: the container's image may have
         neither, or others."""
         binary = Path(binary)
         dirs = ":".join(in_agent(d) for d in library_dirs(binary))
@@ -195,84 +189,5 @@ async def in_network_of(pid: int, work: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(own, joined)
 
 
-# -- pids: the agent's are the node's, the user's server's its container's ---------------
-def pid_namespace(pid: int) -> int:
-    return os.stat(f"/proc/{pid}/ns/pid").st_ino
-
-
-def parent_pid_namespace(pid: int) -> int | None:
-    """The pid namespace above process ``pid``'s own (None at the top)."""
-    fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        try:
-            parent = fcntl.ioctl(fd, NS_GET_PARENT)
-        except OSError:  # EPERM at the agent's own namespace's top
-            return None
-        try:
-            return os.fstat(parent).st_ino
-        finally:
-            os.close(parent)
-    finally:
-        os.close(fd)
-
-
-def pid_seen_by(pid: int, viewer: int) -> int | None:
-    """The pid process ``pid`` has in process ``viewer``'s pid namespace, where it is a
-    process of that namespace or of one below it; else None."""
-    with contextlib.suppress(OSError, ValueError):
-        level = len(ns_pids(viewer)) - 1
-        chain = ns_pids(pid)
-        if len(chain) > level and _under(pid, len(chain) - 1 - level, pid_namespace(viewer)):
-            return chain[level]
-    return None
-
-
-def _under(pid: int, levels_below: int, namespace: int) -> bool:
-    """Whether the pid namespace ``levels_below`` above ``pid``'s own is ``namespace``."""
-    if levels_below == 0:
-        return pid_namespace(pid) == namespace
-    if levels_below == 1:
-        return parent_pid_namespace(pid) == namespace
-    return False  # deeper than a kernel's tree ever is
-
-
-def agent_pid(seen: int, viewer: int, candidates: Iterable[int]) -> int | None:
-    """Which of ``candidates`` (the agent's pids) process ``viewer`` calls ``seen``."""
-    for pid in candidates:
-        if pid_seen_by(pid, viewer) == seen:
-            return pid
-    return None
-
-
-def agent_task(seen: int, viewer: int) -> int | None:
-    """The agent's pid of the process or thread that process ``viewer``'s pid namespace
-    calls ``seen`` (a task of that namespace or of one below it); None if there is none."""
-    with contextlib.suppress(OSError, ValueError):
-        level = len(ns_pids(viewer)) - 1
-        namespace = pid_namespace(viewer)
-        for pid in psutil.pids():
-            with contextlib.suppress(OSError, ValueError):
-                chain = ns_pids(pid)
-                if (len(chain) <= level
-                        or not _under(pid, len(chain) - 1 - level, namespace)):
-                    continue
-                if chain[level] == seen:
-                    return pid
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    if int(task) != pid and ns_pids(int(task))[level] == seen:
-                        return int(task)
-    return None
-
-
-def tree_pids(roots: Iterable[int]) -> list[int]:
-    """The processes of the trees under ``roots``, roots first."""
-    found: list[int] = []
-    for root in roots:
-        with contextlib.suppress(psutil.Error):
-            found += [root, *(c.pid for c in psutil.Process(root).children(recursive=True))]
-    return found
-
-
-__all__ = ["AGENT_ROOT", "ContainerEntry", "agent_pid", "agent_task", "cgroup_procs",
-           "elf_interpreter",
-           "in_agent", "library_dirs", "ns_pids", "pid_seen_by", "tree_pids"]
+__all__ = ["AGENT_ROOT", "ContainerEntry", "cgroup_procs", "elf_interpreter", "in_agent",
+           "in_network_of", "join_node_cgroup_namespace", "library_dirs"]

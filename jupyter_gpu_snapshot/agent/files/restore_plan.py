@@ -4,18 +4,19 @@ criu opens a restored process's files and mappings again, and follows links. Run
 for a user, opening a path the user controls would let a file of theirs swapped for a link
 to a root-only file come back open, readable and writable (docs/cluster.md). So the agent
 has criu dump every regular file and directory of the tree as external
-(``external_files``): the image holds criu's key for it, ``file[MNT:INODE]``, the signed
+(``dump_externals``): the image holds criu's key for it, ``file[MNT:INODE]``, the signed
 manifest its path. Before a restore, ``plan_openings`` lists what criu will need: one
 opening per key, with the access its every use needs, which a helper running as the caller
-makes (``caller_files``) and criu takes through ``--inherit-fd``, reopening it through
+makes (``opener``) and criu takes through ``--inherit-fd``, reopening it through
 ``/proc`` with each file's own flags and position.
 
-What criu may still open by path, as root: the working directory, the root and the
-executable (a directory or executable swapped for a link grants nothing: every lookup and
-reopen through them is checked against the process's own permissions), device files under
-``/dev`` (no user can create one) and the kernel's own ``/proc`` (criu mounts it afresh for
-the restored PID namespace). Anything else named by its path is refused, as is what criu
-would create or open by path as root:
+What criu may still open by path, as root: each process's root, which must be ``/`` (the
+root of its own mount namespace, which no user can swap), its working directory (looked up
+with ``O_PATH`` inside the restored mount namespace, where no descriptor from outside could
+serve: the caller opens it first and the restore checks what criu found before the tree
+runs, ``caller_hook``), device files under ``/dev`` (no user can create one) and the
+kernel's own ``/proc`` (criu mounts it afresh for the restored PID namespace). Anything
+else named by its path is refused, as is what criu would create or open by path as root:
 
 - deleted files kept open (ghost files and link remaps): criu creates them again, as root,
   in the directory the file was in;
@@ -30,8 +31,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import InvalidRequest
-from .criu_wire import (
+from ...core.errors import InvalidRequest
+from ...core.user_paths import UserPath
+from ..credentials.criu_wire import (
     FILES_MAGIC,
     FS_MAGIC,
     MM_MAGIC,
@@ -180,41 +182,75 @@ def _refuse_remaps(images_dir: Path) -> None:
 @dataclass(frozen=True)
 class Opening:
     """One file the agent opens as the caller and hands to criu under ``key``, criu's name
-    of an external file; criu reopens it for each of its uses with that use's own flags."""
+    of an external file; criu reopens it for each of its uses with that use's own flags.
+    ``executable``: some process's executable, whose identity the restore checks."""
 
     key: str
     path: str
     flags: int
+    executable: bool = False
+    mapped: bool = False
+
+    @property
+    def what(self) -> UserPath:
+        if self.executable:
+            return UserPath.EXECUTABLE
+        return UserPath.MAPPED_FILE if self.mapped else UserPath.OPEN_FILE
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What a restore of an image needs of the caller's files: the ``openings`` to hand
+    criu, and the ``working_directories`` criu looks up by path (each checked)."""
+
+    openings: list[Opening]
+    working_directories: list[str]
 
 
 _READS, _WRITES = (os.O_RDONLY, os.O_RDWR), (os.O_WRONLY, os.O_RDWR)
 
 
-def plan_openings(images_dir: Path, external_paths: dict[str, str]) -> list[Opening]:
-    """The openings criu needs for the image in ``images_dir``; ``external_paths`` maps
-    criu's key of each external file to its path (the signed manifest's).
+def plan_openings(images_dir: Path, external_paths: dict[str, str]) -> RestorePlan:
+    """What criu needs for the image in ``images_dir``; ``external_paths`` maps criu's key
+    of each external file to its path (the signed manifest's).
 
     Raises :class:`InvalidRequest` for what the agent does not restore: a file named by a
-    path criu would open as root, an external file without a recorded path, and what
-    ``files_to_reopen`` refuses."""
+    path criu would open as root, a root other than ``/``, an external file without a
+    recorded path, and what ``files_to_reopen`` refuses."""
     try:
         files = files_to_reopen(images_dir)
         mapped = _mapping_access(images_dir)
-        by_path_harmless = _directories_and_executables(images_dir)
+        cwds, roots = _task_directories(images_dir)
+        executables = _executables(images_dir)
     except MalformedImage as error:
         raise InvalidRequest(
             "restore", f"an image file {error}",
             hint="the snapshot's images are damaged; restore another snapshot") from None
     needs: dict[str, list[int]] = {}
+    executable_keys: set[str] = set()
+    mapped_keys: set[str] = set()
+    directories: list[str] = []
     for found in files:
         if not found.external:
-            if found.id not in by_path_harmless and not _left_to_criu(found):
+            if found.id in roots and found.name != "/":
+                raise InvalidRequest(
+                    "restore", f"a process of the kernel had {found.name} as its root "
+                    "(chroot); the node agent restores only processes rooted at /",
+                    hint="save a kernel that does not chroot")
+            if found.id in cwds:
+                if found.name not in directories:
+                    directories.append(found.name)
+            elif found.id not in roots and not _left_to_criu(found):
                 raise InvalidRequest(
                     "restore", f"the image names {found.name} by its path, which criu "
                     "would open as root; the node agent has criu open only what you can",
                     hint="save the kernel again (a file it opened during the save itself "
                     "is named so), then restore that snapshot")
             continue
+        if found.id in executables:
+            executable_keys.add(found.name)
+        if found.id in mapped:
+            mapped_keys.add(found.name)
         access = mapped.get(found.id, found.flags)
         needs.setdefault(found.name, []).append(access)
     openings = []
@@ -224,8 +260,9 @@ def plan_openings(images_dir: Path, external_paths: dict[str, str]) -> list[Open
             raise InvalidRequest(
                 "restore", f"the snapshot does not record which file {key} was",
                 hint="the snapshot's manifest is incomplete; restore another snapshot")
-        openings.append(Opening(key, path, _widest(accesses)))
-    return openings
+        openings.append(Opening(key, path, _widest(accesses), key in executable_keys,
+                                key in mapped_keys))
+    return RestorePlan(openings, directories)
 
 
 def _widest(accesses: list[int]) -> int:
@@ -247,13 +284,21 @@ def _left_to_criu(found: ReopenedFile) -> bool:
     return is_device and path.startswith("/dev/")
 
 
-def _directories_and_executables(images_dir: Path) -> set[int]:
-    """The file ids of every task's working directory, root and executable."""
-    ids: set[int] = set()
+def _task_directories(images_dir: Path) -> tuple[set[int], set[int]]:
+    """The file ids of every task's working directory, and of every task's root."""
+    cwds: set[int] = set()
+    roots: set[int] = set()
     for fs_image in sorted(images_dir.glob("fs-*.img")):
         for entry in image_entries(read_image(fs_image, _MAX_FILES_IMAGE_BYTES), FS_MAGIC, "fs"):
-            ids |= {uint32(v) for n, t, v in fields(entry)
-                    if n in (_FS_CWD_ID, _FS_ROOT_ID) and t == VARINT}
+            for number, wire_type, value in fields(entry):
+                if wire_type == VARINT and number in (_FS_CWD_ID, _FS_ROOT_ID):
+                    (cwds if number == _FS_CWD_ID else roots).add(uint32(value))
+    return cwds, roots
+
+
+def _executables(images_dir: Path) -> set[int]:
+    """The file ids of every task's executable."""
+    ids: set[int] = set()
     for mm_image in sorted(images_dir.glob("mm-*.img")):
         for entry in image_entries(read_image(mm_image, _MAX_FILES_IMAGE_BYTES), MM_MAGIC, "mm"):
             ids |= {uint32(v) for n, t, v in fields(entry)

@@ -16,7 +16,7 @@ What this check cannot see, and the agent must do itself:
 
 - check the very files that criu will read, where the caller cannot change them (the
   agent's store is root's alone);
-- run criu with the caller's groups only (``criu_credentials``): a thread whose image
+- run criu with the caller's groups only (``criu_runs_as``): a thread whose image
   lists none keeps criu's own, as CRIU calls setgroups only for a non-empty list;
 - images with a user namespace, whose ids are relative to it, and LSM labels
   (``lsm_profile``), which root may set to any context, are not judged here.
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import InvalidRequest
+from ...core.errors import InvalidRequest
 from .criu_wire import (
     CORE_MAGIC,
     VARINT,

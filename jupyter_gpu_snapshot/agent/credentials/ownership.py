@@ -10,17 +10,17 @@ A caller may have dumped only a tree whose every process is theirs and unprivile
   dropped root) is marked undumpable, since its memory may hold what its owner must not
   read, and a snapshot of it would give its owner exactly that.
 
-When: before the engine's save starts, and again right before ``criu dump`` (the daemon's
-``CallerCredentials.before_dump``, the last hook). The tree runs until criu seizes it, so
-a process can still exec a setuid program between the second check and the freeze; no
-hook runs inside criu, where the tree is frozen. What that leaves:
+When: before the engine's save starts, and again right before ``criu dump``
+(``caller_hook.CallerCredentials.before_dump``, the last hook). The tree runs until criu
+seizes it, so a process can still exec a setuid program between the second check and the
+freeze; no hook runs inside criu, where the tree is frozen. What that leaves:
 
-- criu dumping as the caller (``criu_credentials.dump_command``'s ``--unprivileged``
+- criu dumping as the caller (``criu_runs_as.dump_command``'s ``--unprivileged``
   mode) cannot seize such a process: the dump fails;
 - criu dumping as root writes its memory into the store, which is root's alone: the
   caller cannot read the image, only ask for a restore, and the restore refuses every
   image with a thread that was not running as the caller, unprivileged
-  (``image_creds``): a setuid-root program frozen mid-way is refused there;
+  (``in_images``): a setuid-root program frozen mid-way is refused there;
 - not caught: a setuid program that went back to exactly the caller's ids and dropped
   every capability before the freeze (its memory may still hold what it read as root).
   The image records no "undumpable" mark that the restore could check.
@@ -33,18 +33,18 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ..agent_client.protocol import Refused
-from ..core import procfs
-from . import image_creds
+from ...agent_client.protocol import Refused
+from ...core import procfs
+from . import in_images
 
 _CAPABILITY_SETS = ("CapInh", "CapPrm", "CapEff", "CapAmb")
 
 
 @dataclass(frozen=True)
-class Caller(image_creds.Caller):
+class Caller(in_images.Caller):
     """A user at the other end of the agent's socket, as the kernel and the user database
     say; nothing of it comes from the request. The credentials an image must hold are its
-    own (``image_creds.Caller``); the name is for messages."""
+    own (``in_images.Caller``); the name is for messages."""
 
     name: str
 
@@ -62,9 +62,9 @@ class Caller(image_creds.Caller):
 @dataclass(frozen=True)
 class PodCaller(Caller):
     """A caller in a pod, to an agent that serves pods (``--pods``): the pod, as the
-    container runtime reports it (``pod_callers``), tells users apart, whatever their uid;
+    container runtime reports it (``pods/identity``), tells users apart, whatever their uid;
     ``name`` is the pod's ``NAMESPACE/NAME``. ``peer_pid`` is the calling process, through
-    which the agent enters the caller's container (``containers``)."""
+    which the agent enters the caller's container (``pods/entry``)."""
 
     peer_pid: int = field(default=0, compare=False)
 

@@ -31,8 +31,8 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..agent_client.protocol import Refused
-from ..core.safe_fs import DIR_FLAGS, kind_of, open_regular
+from ...agent_client.protocol import Refused
+from ...core.safe_fs import DIR_FLAGS, kind_of, open_regular
 
 DEFAULT_BUNDLES: tuple[str, ...] = (
     "/run/containerd/io.containerd.runtime.v2.task/k8s.io/{id}",  # containerd's CRI plugin

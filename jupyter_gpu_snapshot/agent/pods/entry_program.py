@@ -1,6 +1,6 @@
 """Runs one of the node agent's own programs inside a user's container.
 
-Run by the agent, as root, with ``python -I -S enter_container.py SPEC -- COMMAND...``.
+Run by the agent, as root, with ``python -I -S entry_program.py SPEC -- COMMAND...``.
 SPEC (JSON) names a process of the container by its pid in the agent's pid namespace and
 its start time (``"pid"``, ``"start"``: the clock ticks of /proc/PID/stat), and the
 ``cgroup.procs`` files of the container's cgroups as the agent sees them
@@ -61,7 +61,7 @@ PR_SET_PDEATHSIG = 1
 # Reported as a failure of the entry itself, not of the command: 128 + n is a signal.
 ENTRY_FAILED = 125
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-AGENT_NSINIT = Path(__file__).resolve().parents[1] / "launch" / "nsinit.py"
+AGENT_NSINIT = Path(__file__).resolve().parents[2] / "launch" / "nsinit.py"
 # What the container's nsinit finds in its environment once the init took its root steps:
 # the note on the kernel's pid (possibly empty). Equal to nsinit's PREPARED.
 PREPARED = "JUPYTER_GPU_SNAPSHOT_NSINIT_PREPARED"
@@ -184,7 +184,7 @@ def _launch(nsinit: ModuleType, launch: dict[str, Any], command: list[str]) -> i
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        return _fail("usage: enter_container.py SPEC -- COMMAND...")
+        return _fail("usage: entry_program.py SPEC -- COMMAND...")
     spec = json.loads(argv[0])
     command = argv[2:]
     pid = int(spec["pid"])
