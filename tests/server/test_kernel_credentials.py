@@ -142,8 +142,6 @@ async def test_a_kernel_reaches_its_own_notebooks_snapshots_only(
     assert [s["id"] for s in await api.snapshots()] == [their["id"]]
 
 
-@pytest.mark.xfail(strict=True, reason="a kernel's credential may restore into a new session "
-                   "at any path (issue 48, item 5)")
 async def test_a_kernel_restores_into_a_new_session_at_its_own_notebook_only(
     api: Api, jp_serverapp: Any
 ) -> None:
