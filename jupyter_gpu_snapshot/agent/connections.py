@@ -48,6 +48,9 @@ def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
         request = json.loads(line)
     except ValueError as exc:  # not UTF-8 or not JSON
         raise InvalidRequest("agent", f"the request is not JSON: {exc}", hint=shape) from None
+    except RecursionError:  # lists in lists deeper than the parser's stack
+        raise InvalidRequest("agent", "the request is nested too deeply to be read",
+                             hint=shape) from None
     if not isinstance(request, dict):
         raise InvalidRequest(
             "agent", f"the request is a JSON {type(request).__name__}, not an object",

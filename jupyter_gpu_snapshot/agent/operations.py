@@ -34,7 +34,7 @@ from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress, SaveTarget
 from ..core.sequences import finish_despite_cancel
 from ..node.gpus import GpuSleep, SleepReport
-from . import launching
+from . import launching, requests
 from .credentials.ownership import Caller, PodCaller, require_own_tree
 from .pods import pids
 from .realms import Realm
@@ -70,6 +70,8 @@ class Session:
             self.writer.write(encode({"progress": dataclasses.asdict(p)}))
 
     async def run(self, op: str, args: dict[str, Any]) -> Any:
+        # Every field of its kind before anything is done for the request.
+        requests.check(op, args)
         realm = await self.agent.realm(self.caller)
         handler: Callable[[Realm, dict[str, Any]], Any] = getattr(self, f"op_{op}")
         return await handler(realm, args)

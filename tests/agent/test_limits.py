@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
 from jupyter_gpu_snapshot.agent_client.protocol import MAX_REQUEST_BYTES, encode
 from jupyter_gpu_snapshot.core import procfs
@@ -309,8 +308,6 @@ MALFORMED_FIELDS = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason="fields of the wrong kind reach the engine and fail "
-                   "there, with a traceback (issue 48, item 5)")
 def test_malformed_fields_are_invalid_requests_before_any_work(agent, unix_users):
     """Each is answered ``invalid_request`` naming the field, before anything is done for
     it (the kernel untouched and answering, nothing saved, no kernel launched), and the
