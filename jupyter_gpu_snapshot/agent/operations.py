@@ -37,8 +37,12 @@ from ..node.gpus import GpuSleep, SleepReport
 from . import launching, requests
 from .credentials.ownership import Caller, PodCaller, require_own_tree
 from .pods import pids
+from .pods.entry_program import start_ticks
 from .realms import Realm
 
+# What reaches into a pod caller's container through the process that connected.
+PEER_OPERATIONS = frozenset({"launch", "save", "restore", "gpu_release", "gpu_wake",
+                             "gpu_asleep"})
 # What a GPU release leaves with its holder for a server that asks later (the kernel's id):
 # it rides on the holder's command line, which is root's and which every user can read.
 MAX_SLEEP_NOTE_BYTES = 4096
@@ -72,9 +76,26 @@ class Session:
     async def run(self, op: str, args: dict[str, Any]) -> Any:
         # Every field of its kind before anything is done for the request.
         requests.check(op, args)
+        if op in PEER_OPERATIONS:
+            await asyncio.to_thread(self._require_peer)
         realm = await self.agent.realm(self.caller)
         handler: Callable[[Realm, dict[str, Any]], Any] = getattr(self, f"op_{op}")
         return await handler(realm, args)
+
+    def _require_peer(self) -> None:
+        """In a pod, the operations that reach into the caller's container go through the
+        process that connected: refused once that process has ended (its pid may be
+        another's by then; ``pods/entry`` checks again where it enters)."""
+        caller = self.caller
+        if not isinstance(caller, PodCaller) or not caller.peer_start:
+            return
+        try:
+            same = start_ticks(caller.peer_pid) == caller.peer_start
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            raise Refused("agent", f"the process that connected (pid {caller.peer_pid}) has "
+                          "ended", hint="ask from a process that stays until the answer comes")
 
     # -- queries ---------------------------------------------------------------------------
     async def op_hello(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:

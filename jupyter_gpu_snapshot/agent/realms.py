@@ -51,12 +51,15 @@ def caller_of(uid: int, gid: int) -> Caller:
     return Caller(uid, entry.pw_gid, groups, entry.pw_name)
 
 
-def pod_caller_of(pid: int, uid: int, gid: int, bundles: tuple[str, ...]) -> PodCaller:
+def pod_caller_of(pid: int, uid: int, gid: int, bundles: tuple[str, ...],
+                  pidfd: int | None = None, start: int = 0) -> PodCaller:
     """The caller ``uid`` in the pod process ``pid`` runs in, as the container runtime's
-    records say (``pods/identity``); a process in no pod is refused."""
-    pod = identity.identify(pid, bundles)
+    records say (``pods/identity``); a process in no pod is refused. ``pidfd`` and
+    ``start``: of the process that connected, as the agent accepted it."""
+    pod = identity.identify(pid, bundles, pidfd)
     user = caller_of(uid, gid)
-    return PodCaller(user.uid, user.gid, user.groups, pod.realm_name, peer_pid=pid)
+    return PodCaller(user.uid, user.gid, user.groups, pod.realm_name, peer_pid=pid,
+                     peer_start=start)
 
 
 def engine_launch(caller: Caller) -> EngineLaunch:
@@ -73,7 +76,7 @@ def engine_launch(caller: Caller) -> EngineLaunch:
     if not isinstance(caller, PodCaller):
         return EngineLaunch(CriuLaunch(dump_as=dump_as, restore_as=restore_as),
                             files=CallerFiles(caller), hooks=checks)
-    entry = ContainerEntry.of(caller.peer_pid)
+    entry = ContainerEntry.of(caller.peer_pid, caller.peer_start or None)
     criu = CriuLaunch(
         dump_as=(*entry.prefix(), *_through_agent_root(dump_as)),
         restore_as=(*entry.prefix(), *_through_agent_root(restore_as)),

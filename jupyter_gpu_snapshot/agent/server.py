@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
@@ -42,13 +43,13 @@ from .._version import __version__
 from ..agent_client.protocol import DEFAULT_SOCKET, MAX_REQUEST_BYTES, Refused, encode
 from ..config import GPUSnapshot
 from ..core import safe_fs
-from ..core.errors import InvalidRequest, SnapshotError
+from ..core.errors import Busy, InvalidRequest, SnapshotError
 from .connections import (
+    Peer,
     QuietLog,
     client_gone,
     finish,
     parse_request,
-    peer_credentials,
     say_and_close,
 )
 from .credentials.ownership import Caller
@@ -109,8 +110,8 @@ class NodeAgent:
         # apart by pod, each kernel runs in its user's container (docs/cluster.md).
         self.pods = pods
         self.container_bundles = container_bundles
-        # Open connections by the peer's uid, and in pods mode its pid namespace (``_serve``).
-        self._connections: dict[tuple[int, int], int] = {}
+        # Open connections by whose they are (``_count_key``): a uid's, or a pod's.
+        self._connections: dict[tuple[str, str], int] = {}
         self._client_errors = QuietLog(CLIENT_ERROR_LOG_SECONDS)
         self._realms: dict[str, Realm] = {}
         # Two first requests of one user at once must make one realm, not two (each with
@@ -252,49 +253,92 @@ class NodeAgent:
             await self.stop()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection: at most ``max_connections`` of one uid open at once, the others
-        refused at once, before anything is read."""
+        """One connection: at most ``max_connections`` of one user open at once, the others
+        refused at once, before anything is read. Whose it is is fixed here, at accept: its
+        peer's process as it is now (``Peer``), and in a pod, the pod, identified from that
+        process while it is known to be the one that connected."""
         try:
-            pid, uid, gid = peer_credentials(writer.get_extra_info("socket"))
-            # Pods of one uid are different users: each is counted apart, by its pid
-            # namespace (one stat, before anything is read).
-            key = (uid, os.stat(f"/proc/{pid}/ns/pid").st_ino if self.pods else 0)
-        except OSError:  # gone already
-            writer.transport.abort()
+            peer = Peer.of(writer.get_extra_info("socket"), in_pod=self.pods)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):  # gone already
+                writer.transport.abort()
+                return
+            # No descriptor left for the peer's pidfd: said, as a refusal over the cap is.
+            self._client_errors.note("the agent", "descriptors used up", (
+                f"connection refused: no descriptor left for its pidfd ({exc})"))
+            say_and_close(writer, Busy(
+                "agent", "the node agent has no descriptor left to take your connection",
+                hint="try again once connections under way end"))
             return
-        open_now = self._connections.get(key, 0)
-        if open_now >= self.max_connections:
-            self._client_errors.note(f"uid {uid}", "connections over the cap", (
-                f"uid {uid}: connection refused, {open_now} open already (--max-connections)"))
-            say_and_close(writer, Refused(
-                "agent", f"you have {open_now} connections open with the node agent, the "
-                "most it allows one user",
-                hint="close the connections you no longer use, or wait for your saves and "
-                "restores under way to end"))
-            return
-        self._connections[key] = open_now + 1
         try:
-            await self._answer(reader, writer, pid, uid, gid)
+            key = self._count_key(peer)
+            open_now = self._connections.get(key, 0)
+            if open_now >= self.max_connections:
+                self._client_errors.note(key[1], "connections over the cap", (
+                    f"{key[1]}: connection refused, {open_now} open already "
+                    "(--max-connections)"))
+                say_and_close(writer, Refused(
+                    "agent", f"you have {open_now} connections open with the node agent, "
+                    f"the most it allows one {'pod' if key[0] == 'pod' else 'user'}",
+                    hint="close the connections you no longer use, or wait for your saves "
+                    "and restores under way to end"))
+                return
+            self._connections[key] = open_now + 1
+            try:
+                await self._answer(reader, writer, peer)
+            finally:
+                self._connections[key] -= 1
+                if not self._connections[key]:
+                    del self._connections[key]
+                await finish(writer)
         finally:
-            self._connections[key] -= 1
-            if not self._connections[key]:
-                del self._connections[key]
-            await finish(writer)
+            peer.close()
+
+    def _count_key(self, peer: Peer) -> tuple[str, str]:
+        """Whose connections this one counts among: in a pod, the pod's (its container, as
+        its cgroup names it, read while the pidfd says the process that connected is
+        still the one at its pid); else, and for a process in no container, its uid's.
+        A process cannot leave its container's cgroup, nor count apart by making pid
+        namespaces of its own (``unshare -Urpf``)."""
+        if self.pods:
+            with contextlib.suppress(SnapshotError, OSError):
+                container = identity.container_id_of(peer.pid)
+                if peer.pidfd is None or identity.pid_of(peer.pidfd) == peer.pid:
+                    return ("pod", f"container {container}")
+        return ("uid", f"uid {peer.uid}")
+
+    async def _caller(self, peer: Peer) -> Caller:
+        """The caller at the other end: their groups as the user database says now and, in
+        a pod, the pod as the runtime's records say, read through the connection's own
+        pidfd of its peer; the pidfd is closed then."""
+        def identify() -> Caller:
+            try:
+                if not self.pods:
+                    return caller_of(peer.uid, peer.gid)
+                with peer.pidfd_in_use() as pidfd:
+                    if pidfd is None:  # the connection ended first
+                        raise SnapshotError("agent", "the connection has ended")
+                    return pod_caller_of(peer.pid, peer.uid, peer.gid,
+                                         self.container_bundles, pidfd, peer.start)
+            finally:
+                peer.close()
+
+        return await asyncio.to_thread(identify)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      pid: int, uid: int, gid: int) -> None:
+                      peer: Peer) -> None:
         """Read the request line, run it, write its answer; errors the client caused are
         answered, and logged in one short line at most (``QuietLog``), never with a
-        traceback."""
-        op = "?"
+        traceback. Who the caller is is read meanwhile, from the peer as it was when the
+        agent accepted the connection."""
+        op, uid = "?", peer.uid
+        identifying = asyncio.ensure_future(self._caller(peer))
         try:
             line = await self._request_line(reader)
             if not line:  # connected and closed without a word: no one to answer
                 return
             op, args = parse_request(line)
-            caller: Caller = await (
-                asyncio.to_thread(pod_caller_of, pid, uid, gid, self.container_bundles)
-                if self.pods else asyncio.to_thread(caller_of, uid, gid))
+            caller = await identifying
             session = Session(self, caller, writer)
             work = asyncio.ensure_future(session.run(op, args))
             gone = asyncio.ensure_future(client_gone(reader, writer))
@@ -320,6 +364,11 @@ class NodeAgent:
             log.exception("agent: %s of uid %d failed", op, uid)
             writer.write(encode({"error": SnapshotError(
                 "agent", f"{type(exc).__name__}: {exc}").to_dict()}))
+        finally:
+            if not identifying.done():
+                identifying.cancel()
+            elif not identifying.cancelled():
+                identifying.exception()  # read: a caller refused unasked is no loop error
 
     async def _request_line(self, reader: asyncio.StreamReader) -> bytes:
         """The request line, within ``request_timeout`` and ``MAX_REQUEST_BYTES``; b"" if

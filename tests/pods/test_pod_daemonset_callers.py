@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
 from jupyter_gpu_snapshot.agent.pods import identity
 from jupyter_gpu_snapshot.agent_client.protocol import decode
@@ -67,8 +66,6 @@ def _agent_descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-@pytest.mark.xfail(strict=True, reason="the agent counts connections per pid namespace, "
-                   "which any user can make more of (issue 48, item 4)")
 def test_pid_namespaces_of_ones_own_do_not_multiply_a_pods_connections(
         tmp_path: Path, unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int]
 ) -> None:
@@ -193,8 +190,6 @@ def _spawn_at(helper: Path, pod: Pod, node_pid: int, user: UnixUser) -> int:
     raise AssertionError(f"pid {node_pid} could not be had again")
 
 
-@pytest.mark.xfail(strict=True, reason="the caller's pod is looked up by its pid when the "
-                   "request line arrives, not at accept (issue 48, item 4)")
 def test_a_pid_taken_by_another_pod_after_the_connection_does_not_make_it_theirs(
         tmp_path: Path, unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int]
 ) -> None:
