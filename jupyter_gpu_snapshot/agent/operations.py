@@ -34,7 +34,7 @@ from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress, SaveTarget
 from ..core.sequences import finish_despite_cancel
 from ..node.gpus import GpuSleep, SleepReport
-from . import launching, requests
+from . import launching, requests, workers
 from .credentials.ownership import Caller, PodCaller, require_own_tree
 from .pods import pids
 from .pods.entry_program import start_ticks
@@ -80,7 +80,9 @@ class Session:
             await asyncio.to_thread(self._require_peer)
         realm = await self.agent.realm(self.caller)
         handler: Callable[[Realm, dict[str, Any]], Any] = getattr(self, f"op_{op}")
-        return await handler(realm, args)
+        # Its blocking steps in the caller's share of the agent's threads.
+        with workers.serve_realm(realm.workers):
+            return await handler(realm, args)
 
     def _require_peer(self) -> None:
         """In a pod, the operations that reach into the caller's container go through the

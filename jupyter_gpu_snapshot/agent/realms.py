@@ -38,6 +38,7 @@ from .credentials.ownership import Caller, PodCaller
 from .files.opener import CallerFiles
 from .pods import identity, pids
 from .pods.entry import ContainerEntry, in_agent, in_network_of
+from .workers import REALM_THREADS, Pool
 
 
 def caller_of(uid: int, gid: int) -> Caller:
@@ -125,6 +126,9 @@ class Realm:
     # once cannot both see the room only one of them has.
     reserved_bytes: int = 0
     quota_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    # The worker threads this user's steps run in, at most a share of the agent's
+    # (``workers``): one user's hung steps hold only theirs.
+    workers: Pool = dataclasses.field(default_factory=lambda: Pool("a realm", REALM_THREADS))
 
     def engine_for(self, caller: Caller) -> LocalEngine:
         """An engine of this realm's store that runs as ``caller``, with their credentials
@@ -209,4 +213,5 @@ def make_realm(caller: Caller, state_dir: Path, run_dir: Path,
         store_dir=str(home / "snapshots"), signing_key_file=str(home / "signing.key"),
     )
     shared = make_engine(store_settings, kernel_log_dir=lambda: log_dir)
-    return Realm(caller, shared, log_dir, home / "launched.json")
+    return Realm(caller, shared, log_dir, home / "launched.json",
+                 workers=Pool(caller.name, REALM_THREADS))

@@ -35,6 +35,7 @@ import os
 import resource
 import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from ..agent_client.protocol import DEFAULT_SOCKET, MAX_REQUEST_BYTES, Refused, 
 from ..config import GPUSnapshot
 from ..core import safe_fs
 from ..core.errors import Busy, InvalidRequest, SnapshotError
+from . import workers
 from .connections import (
     Peer,
     QuietLog,
@@ -76,6 +78,10 @@ FEW_USERS = 8
 # One log line per user and kind of client error in this many seconds: a client that
 # floods the agent with bad connections must not flood its log too.
 CLIENT_ERROR_LOG_SECONDS = 60.0
+# Seconds the agent's stop waits for the operations under way to roll back once told to
+# stop; one that is not done by then is left (criu runs on in its own session, and the
+# next start recovers what it leaves). systemd gives a unit 90 s to stop.
+STOP_GRACE_SECONDS = 20.0
 
 
 class NodeAgent:
@@ -119,6 +125,9 @@ class NodeAgent:
         self._realms_lock = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
         self._launchers: set[asyncio.Task[Any]] = set()
+        # The connections being served and their operations, which the stop ends.
+        self._serving: set[asyncio.Task[Any]] = set()
+        self._router: workers.Router | None = None
 
     def reap(self, launcher: asyncio.subprocess.Process) -> None:
         """Wait for a kernel's launcher in the background, reading what it says."""
@@ -171,10 +180,18 @@ class NodeAgent:
                 f"the default {DEFAULT_STATE_DIR}")
 
     # -- the socket ------------------------------------------------------------------------
+    def _use_workers(self) -> None:
+        """Each realm's blocking steps in a share of the threads of its own (``workers``),
+        from the agent's first step on: the loop's default executor, set once."""
+        if self._router is None:
+            self._router = workers.Router()
+            asyncio.get_running_loop().set_default_executor(self._router)
+
     async def start(self) -> None:
         self.require_private_state_dir()
         if self.pods and join_node_cgroup_namespace():
             log.info("joined the node's cgroup namespace")
+        self._use_workers()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -219,22 +236,38 @@ class NodeAgent:
             return
         loop.default_exception_handler(context)
 
-    async def stop(self) -> None:
+    async def stop(self) -> int:
+        """Stop listening, ask every operation under way to stop (each rolls back as for a
+        client that went away) and wait for them ``STOP_GRACE_SECONDS`` at most; the number
+        of those still under way then, which the agent leaves: a hung one never holds the
+        stop."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        serving = set(self._serving)
+        for task in serving:
+            task.cancel()
+        if not serving:
+            return 0
+        _done, left = await asyncio.wait(serving, timeout=STOP_GRACE_SECONDS)
+        if left:
+            log.warning("stopping with %d operations still under way after %.0f s; the next "
+                        "start recovers what they leave", len(left), STOP_GRACE_SECONDS)
+        return len(left)
 
-    async def serve_forever(self) -> None:
-        """Serve until SIGTERM (systemd's stop) or SIGINT, then close the socket. The
-        kernels the agent started keep running: they are the users', not the agent's.
-        The handlers are set here because a process started in the background by a shell
-        inherits SIGINT ignored, and Python's default would not stop it either way.
+    async def serve_forever(self) -> int:
+        """Serve until SIGTERM (systemd's stop) or SIGINT, then close the socket and stop
+        (``stop``): the number of operations left under way. The kernels the agent started
+        keep running: they are the users', not the agent's. The handlers are set here
+        because a process started in the background by a shell inherits SIGINT ignored,
+        and Python's default would not stop it either way.
 
         The agent's process serves only this: its temporary files (criu's work
         directories, the CUDA broker's and the GPU holders' sockets) go into ``RUN/tmp``,
         root's alone, never into the /tmp every user may write."""
+        self._use_workers()
         await asyncio.to_thread(self.require_private_state_dir)
         tempfile.tempdir = str(await asyncio.to_thread(self.private_temp_dir))
         await self.start()
@@ -250,16 +283,21 @@ class NodeAgent:
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
-            await self.stop()
+            left = await self.stop()
+        return left
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection: at most ``max_connections`` of one user open at once, the others
         refused at once, before anything is read. Whose it is is fixed here, at accept: its
         peer's process as it is now (``Peer``), and in a pod, the pod, identified from that
         process while it is known to be the one that connected."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
         try:
             peer = Peer.of(writer.get_extra_info("socket"), in_pod=self.pods)
         except OSError as exc:
+            self._serving.discard(task)
             if exc.errno not in (errno.EMFILE, errno.ENFILE):  # gone already
                 writer.transport.abort()
                 return
@@ -293,6 +331,7 @@ class NodeAgent:
                 await finish(writer)
         finally:
             peer.close()
+            self._serving.discard(task)
 
     def _count_key(self, peer: Peer) -> tuple[str, str]:
         """Whose connections this one counts among: in a pod, the pod's (its container, as
@@ -333,6 +372,7 @@ class NodeAgent:
         agent accepted the connection."""
         op, uid = "?", peer.uid
         identifying = asyncio.ensure_future(self._caller(peer))
+        work: asyncio.Future[Any] | None = None
         try:
             line = await self._request_line(reader)
             if not line:  # connected and closed without a word: no one to answer
@@ -352,7 +392,12 @@ class NodeAgent:
             result = await work
             writer.write(encode({"result": result}))
         except asyncio.CancelledError:
-            pass
+            # The agent stops: the operation is asked to stop too, and waited for (the
+            # stop waits a while for it, then leaves it).
+            if work is not None and not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
         except InvalidRequest as exc:
             if exc.step == "agent":  # the request itself, not what it asked for
                 self._client_errors.note(f"uid {uid}", "bad requests",
@@ -389,5 +434,34 @@ class NodeAgent:
             return b""
 
 
+def run(agent: NodeAgent) -> None:
+    """Serve with ``agent`` in this process until it is told to stop (``cmd_agent``).
+
+    Not ``asyncio.run``, which waits for every task and every thread it cancels: an
+    operation that hangs on a user's behalf (a thread in a hung file system, criu that never
+    ends) would hold the stop for good. What is still under way once ``NodeAgent.stop``
+    gave up on it is left, and the process ends without waiting for it."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    left = 0
+    try:
+        left = loop.run_until_complete(agent.serve_forever())
+        pending = asyncio.all_tasks(loop)
+        for task in pending:  # launchers' reaping, and the like: they end when cancelled
+            task.cancel()
+        if pending:
+            _done, still = loop.run_until_complete(asyncio.wait(pending, timeout=5))
+            left += len(still)
+    except KeyboardInterrupt:
+        pass
+    hung = [t for t in threading.enumerate()
+            if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if left or hung:
+        logging.shutdown()
+        os._exit(0)
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "DEFAULT_REQUEST_TIMEOUT", "DEFAULT_RUN_DIR",
-           "DEFAULT_STATE_DIR", "NodeAgent"]
+           "DEFAULT_STATE_DIR", "NodeAgent", "run"]

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import psutil
-import pytest
 
 from jupyter_gpu_snapshot.agent_client.protocol import encode
 from testkit.criu_wrappers import install
@@ -90,8 +89,6 @@ class Lines:
         return json.loads(line)  # type: ignore[no-any-return]
 
 
-@pytest.mark.xfail(strict=True, reason="root reads the connection file, blocking on a FIFO, "
-                   "in the agent's shared worker threads (issue 48, items 1 and 2)")
 def test_a_fifo_at_ones_connection_file_holds_up_no_one_else(start_agent, unix_users):
     alice, bob = unix_users
     agent = start_agent("fifo-connection", "--max-operations", str(DEFAULT_WORKERS))
