@@ -39,6 +39,7 @@ from .credentials.ownership import Caller, PodCaller, require_own_tree
 from .pods import pids
 from .pods.entry_program import start_ticks
 from .realms import Realm
+from .recovery import SAVES_FILE, SavesUnderWay
 
 # What reaches into a pod caller's container through the process that connected.
 PEER_OPERATIONS = frozenset({"launch", "save", "restore", "gpu_release", "gpu_wake",
@@ -184,14 +185,25 @@ class Session:
         known = {f.name for f in dataclasses.fields(SaveTarget)}
         target = SaveTarget(**{k: v for k, v in target_fields.items() if k in known})
         target.pid = await asyncio.to_thread(self._own_tree, realm, target.pid, "save")
+        stop = bool(args.get("stop"))
+        # Noted until it ends, so that an agent killed meanwhile names its kernel at its
+        # next start (``recovery``).
+        saves = SavesUnderWay(realm.state_home / SAVES_FILE)
+        under_way = await asyncio.to_thread(saves.begin, target.pid, target.kernel_id, stop)
+        try:
+            return await self._save(realm, target, args.get("name"), stop)
+        finally:
+            await asyncio.to_thread(saves.end, under_way)
+
+    async def _save(self, realm: Realm, target: SaveTarget, name: str | None,
+                    stop: bool) -> dict[str, Any]:
         with self._operation(realm):
             engine = await asyncio.to_thread(realm.engine_for, self.caller)
             try:
                 reserved = await self._admit_under_quota(realm, target.pid)
                 try:
-                    snapshot = await engine.save(
-                        target, name=args.get("name"), stop=bool(args.get("stop")),
-                        progress=self.progress)
+                    snapshot = await engine.save(target, name=name, stop=stop,
+                                                 progress=self.progress)
                 finally:
                     realm.reserved_bytes -= reserved
             finally:

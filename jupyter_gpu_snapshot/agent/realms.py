@@ -130,6 +130,11 @@ class Realm:
     # (``workers``): one user's hung steps hold only theirs.
     workers: Pool = dataclasses.field(default_factory=lambda: Pool("a realm", REALM_THREADS))
 
+    @property
+    def state_home(self) -> Path:
+        """``STATE/users/UID`` or ``STATE/pods/NAMESPACE/NAME``: root's alone."""
+        return self.launched_file.parent
+
     def engine_for(self, caller: Caller) -> LocalEngine:
         """An engine of this realm's store that runs as ``caller``, with their credentials
         as the user database says now (their gid and groups may have changed since the
@@ -208,10 +213,16 @@ def make_realm(caller: Caller, state_dir: Path, run_dir: Path,
         raise SnapshotError("agent", f"{log_dir} is not a directory")
     os.chown(log_dir, caller.uid, caller.gid, follow_symlinks=False)
     os.chmod(log_dir, 0o700, follow_symlinks=False)
+    return Realm(caller, store_engine(home, log_dir, settings), log_dir,
+                 home / "launched.json", workers=Pool(caller.name, REALM_THREADS))
+
+
+def store_engine(home: Path, log_dir: Path, settings: GPUSnapshot) -> LocalEngine:
+    """The engine of the store of the realm at ``home`` (``STATE/users/UID``,
+    ``STATE/pods/NAMESPACE/NAME``), whose kernels write their logs in ``log_dir``: the
+    node's hooks, no caller's launch."""
     store_settings = GPUSnapshot(
         parent=None, config=settings.config,
         store_dir=str(home / "snapshots"), signing_key_file=str(home / "signing.key"),
     )
-    shared = make_engine(store_settings, kernel_log_dir=lambda: log_dir)
-    return Realm(caller, shared, log_dir, home / "launched.json",
-                 workers=Pool(caller.name, REALM_THREADS))
+    return make_engine(store_settings, kernel_log_dir=lambda: log_dir)

@@ -45,7 +45,8 @@ from ..agent_client.protocol import DEFAULT_SOCKET, MAX_REQUEST_BYTES, Refused, 
 from ..config import GPUSnapshot
 from ..core import safe_fs
 from ..core.errors import Busy, InvalidRequest, SnapshotError
-from . import workers
+from ..core.recovery import clean_work_dirs
+from . import recovery, workers
 from .connections import (
     Peer,
     QuietLog,
@@ -125,6 +126,8 @@ class NodeAgent:
         self._realms_lock = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
         self._launchers: set[asyncio.Task[Any]] = set()
+        # Each realm found at the start, by key, recovered before it serves (``recovery``).
+        self._recoveries: dict[str, asyncio.Future[Any]] = {}
         # The connections being served and their operations, which the stop ends.
         self._serving: set[asyncio.Task[Any]] = set()
         self._router: workers.Router | None = None
@@ -142,6 +145,7 @@ class NodeAgent:
 
     # -- realms ----------------------------------------------------------------------------
     async def realm(self, caller: Caller) -> Realm:
+        await self._recovered(caller.realm_key)
         async with self._realms_lock:
             realm = self._realms.get(caller.realm_key)
             if realm is None:
@@ -164,6 +168,39 @@ class NodeAgent:
                 hint="use a directory that only root can change (--run-dir), such as "
                 f"the default {DEFAULT_RUN_DIR}")
         return directory
+
+    def _start_recovery(self) -> None:
+        """Recover each realm's store in the background, the agent serving meanwhile: a
+        realm serves its first request once its own is done (``_recovered``). criu's work
+        directories that the agent's earlier life left go once every store is done."""
+        homes = recovery.realm_homes(self.state_dir, self.run_dir)
+        for home in homes:
+            self._recoveries[home.key] = asyncio.ensure_future(
+                asyncio.to_thread(recovery.recover_realm, home, self.settings))
+        stores = list(self._recoveries.values())
+
+        async def then_work_dirs() -> None:
+            await asyncio.gather(*stores, return_exceptions=True)
+            removed = await asyncio.to_thread(clean_work_dirs)
+            if removed:
+                log.info("removed criu's work directories of saves and restores that "
+                         "ended with the agent: %s", ", ".join(str(p) for p in removed))
+
+        self._recoveries[""] = asyncio.ensure_future(then_work_dirs())
+
+    async def _recovered(self, key: str) -> None:
+        """Wait for the recovery of realm ``key``'s store, if it had one to do; a recovery
+        that failed is logged, and the realm serves all the same."""
+        recovering = self._recoveries.get(key)
+        if recovering is None:
+            return
+        try:
+            await asyncio.shield(recovering)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the recovery of realm %s failed; it serves all the same", key)
+        self._recoveries.pop(key, None)
 
     def require_private_state_dir(self) -> None:
         """Refuse a state directory that someone but root could change: what root restores
@@ -192,6 +229,7 @@ class NodeAgent:
         if self.pods and join_node_cgroup_namespace():
             log.info("joined the node's cgroup namespace")
         self._use_workers()
+        self._start_recovery()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -246,6 +284,8 @@ class NodeAgent:
             await self._server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        for recovering in self._recoveries.values():
+            recovering.cancel()
         serving = set(self._serving)
         for task in serving:
             task.cancel()

@@ -134,8 +134,6 @@ def _require_recovered(user: UnixUser, agent: Agent, temp: Path, row: str) -> No
     assert abs(used - on_disk) <= on_disk // 50 + (64 << 10), (row, used, on_disk)
 
 
-@pytest.mark.xfail(strict=True, reason="the agent never recovers its store at start "
-                   "(issue 48, item 3)")
 @pytest.mark.timeout(900)
 def test_an_agent_killed_at_each_moment_comes_back_with_its_store_whole(
         agent_root, unix_users, user_paths):
