@@ -161,6 +161,8 @@ _CHILD_TICK = 0.05
 # ``--inherit-fd fd[N]:KEY``, and criu's name of such a file in its messages.
 _INHERITED = re.compile(r"fd\[(\d+)\]:(.+)")
 _FD_NAME = re.compile(r"(/proc/self/)?\bfd/(\d+)\b")
+# criu's copy of an inherited descriptor, taken as it is used (``inherit_fd_lookup_id``).
+_INHERITED_COPY = re.compile(r"Found id (\S+) \(fd (\d+)\) in inherit fd list")
 
 
 def _children(pid: int) -> dict[int, float]:
@@ -410,18 +412,34 @@ class CriuRunner:
                 hint="is a file system of the kernel's files hung? The limit is "
                 "c.GPUSnapshot.criu_timeout", log_path=kept_log)
         cause = explain_log(run.log_path, run.returncode)
-        return SnapshotError(step, _named_files(cause, run.argv, file_names or {}),
-                             log_path=kept_log)
+        return SnapshotError(
+            step, _named_files(cause, run.log_path, run.argv, file_names or {}),
+            log_path=kept_log)
 
 
-def _named_files(text: str, argv: list[str], file_names: Mapping[str, str]) -> str:
+def _named_files(text: str, log_path: Path, argv: list[str],
+                 file_names: Mapping[str, str]) -> str:
     """``text`` with each descriptor criu got (``--inherit-fd fd[N]:KEY``) that it names
-    as ``fd/N`` named by its file instead."""
+    as ``fd/N`` named by its file instead. criu moves each into its store of descriptors
+    and takes a fresh copy at each use, whose number its log says ("Found id KEY (fd N)"):
+    the copy taken last before the first error naming ``fd/N`` is the one it means."""
+    if not file_names:
+        return text
     names: dict[str, str] = {}
     for option, value in itertools.pairwise(argv):
         found = _INHERITED.fullmatch(value) if option == "--inherit-fd" else None
         if found is not None and found.group(2) in file_names:
             names[found.group(1)] = file_names[found.group(2)]
+    copies: dict[str, str] = {}
+    with contextlib.suppress(OSError), open(log_path, errors="replace") as log:
+        for line in log:
+            copy = _INHERITED_COPY.search(line)
+            if copy is not None and copy.group(1) in file_names:
+                copies[copy.group(2)] = file_names[copy.group(1)]
+            elif _ERROR_LINE.match(line.strip()):
+                for number in _FD_NAME.findall(line):
+                    if number[1] in copies:
+                        names.setdefault(number[1], copies[number[1]])
     if not names:
         return text
     return _FD_NAME.sub(lambda m: names.get(m.group(2), m.group(0)), text)
