@@ -52,8 +52,6 @@ def _in_kernel(user: UnixUser, agent: Agent, connection_file: str, code: str) ->
     return ask_kernel(user, agent, connection_file, f"exec({code!r}) or seen")
 
 
-@pytest.mark.xfail(strict=True, reason="the engine reads the connection file named on the "
-                   "kernel's command line as root, following links (issue 48, item 1)")
 def test_a_connection_file_linked_to_another_users_gives_nothing_of_theirs(agent, unix_users):
     alice, bob = unix_users
     alices = start_user_kernel(alice, agent)
@@ -110,8 +108,6 @@ def bobs_project(unix_users: tuple[UnixUser, UnixUser]) -> Iterator[Path]:
         subprocess.run(["rm", "-rf", str(project)], check=True)
 
 
-@pytest.mark.xfail(strict=True, reason="criu enters the recorded working directory by its "
-                   "path as root, following links (issue 48, item 1)")
 def test_a_working_directory_linked_into_another_users_home_gives_nothing_of_theirs(
         agent, unix_users, bobs_project):
     alice, _ = unix_users
