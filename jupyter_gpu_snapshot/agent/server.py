@@ -172,7 +172,9 @@ class NodeAgent:
     def _start_recovery(self) -> None:
         """Recover each realm's store in the background, the agent serving meanwhile: a
         realm serves its first request once its own is done (``_recovered``). criu's work
-        directories that the agent's earlier life left go once every store is done."""
+        directories that the agent's earlier life left go once every store is done: only
+        those in the agent's own temporary directory (``RUN/tmp``, root's alone), where it
+        makes them; root never looks into /tmp or /dev/shm, where every user writes."""
         homes = recovery.realm_homes(self.state_dir, self.run_dir)
         for home in homes:
             self._recoveries[home.key] = asyncio.ensure_future(
@@ -181,7 +183,7 @@ class NodeAgent:
 
         async def then_work_dirs() -> None:
             await asyncio.gather(*stores, return_exceptions=True)
-            removed = await asyncio.to_thread(clean_work_dirs)
+            removed = await asyncio.to_thread(clean_work_dirs, Path(tempfile.gettempdir()))
             if removed:
                 log.info("removed criu's work directories of saves and restores that "
                          "ended with the agent: %s", ", ".join(str(p) for p in removed))
