@@ -169,26 +169,21 @@ class NodeAgent:
                 f"the default {DEFAULT_RUN_DIR}")
         return directory
 
-    def _start_recovery(self) -> None:
-        """Recover each realm's store in the background, the agent serving meanwhile: a
-        realm serves its first request once its own is done (``_recovered``). criu's work
-        directories that the agent's earlier life left go once every store is done: only
-        those in the agent's own temporary directory (``RUN/tmp``, root's alone), where it
-        makes them; root never looks into /tmp or /dev/shm, where every user writes."""
-        homes = recovery.realm_homes(self.state_dir, self.run_dir)
+    async def _start_recovery(self) -> None:
+        """criu's work directories that the agent's earlier life left are removed now,
+        before the agent serves: only those in its own temporary directory (``RUN/tmp``,
+        root's alone), where it makes them; root never looks into /tmp or /dev/shm, where
+        every user writes. Then each realm's store is recovered in the background, the
+        agent serving meanwhile: a realm serves its first request once its own is done
+        (``_recovered``)."""
+        removed = await asyncio.to_thread(clean_work_dirs, Path(tempfile.gettempdir()))
+        if removed:
+            log.info("removed criu's work directories of saves and restores that ended "
+                     "with the agent: %s", ", ".join(str(p) for p in removed))
+        homes = await asyncio.to_thread(recovery.realm_homes, self.state_dir, self.run_dir)
         for home in homes:
             self._recoveries[home.key] = asyncio.ensure_future(
                 asyncio.to_thread(recovery.recover_realm, home, self.settings))
-        stores = list(self._recoveries.values())
-
-        async def then_work_dirs() -> None:
-            await asyncio.gather(*stores, return_exceptions=True)
-            removed = await asyncio.to_thread(clean_work_dirs, Path(tempfile.gettempdir()))
-            if removed:
-                log.info("removed criu's work directories of saves and restores that "
-                         "ended with the agent: %s", ", ".join(str(p) for p in removed))
-
-        self._recoveries[""] = asyncio.ensure_future(then_work_dirs())
 
     async def _recovered(self, key: str) -> None:
         """Wait for the recovery of realm ``key``'s store, if it had one to do; a recovery
@@ -231,7 +226,7 @@ class NodeAgent:
         if self.pods and join_node_cgroup_namespace():
             log.info("joined the node's cgroup namespace")
         self._use_workers()
-        self._start_recovery()
+        await self._start_recovery()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()

@@ -119,7 +119,11 @@ def _listed(user: UnixUser, agent: Agent) -> dict[str, dict[str, object]]:
 
 
 def _require_recovered(user: UnixUser, agent: Agent, temp: Path, row: str) -> None:
-    """Nothing partial in the store nor in the temp directory; the quota as du counts."""
+    """Nothing partial in the store nor in the temp directory; the quota as du counts.
+
+    The agent serves while it recovers the stores; each realm's first request waits for
+    its own store's recovery: the user's ``hello`` is the moment it is done."""
+    said = send(user, agent, encode({"op": "hello", "args": {}}))
     store = agent.store_of(user)
     leftovers = [p.name for p in store.iterdir() if p.name.startswith(LEFTOVERS)]
     assert leftovers == [], (row, leftovers)
@@ -127,7 +131,6 @@ def _require_recovered(user: UnixUser, agent: Agent, temp: Path, row: str) -> No
     work = [p.name for where in (temp, agent.run_dir / "tmp") if where.is_dir()
             for p in where.iterdir() if p.name.startswith(WORK_PREFIXES)]
     assert work == [], (row, work)
-    said = send(user, agent, encode({"op": "hello", "args": {}}))
     used = said[-1]["result"]["limits"]["used_bytes"]
     du = subprocess.run(["du", "-sb", str(store)], capture_output=True, text=True, check=True)
     on_disk = int(du.stdout.split()[0])
