@@ -430,7 +430,10 @@ def _named_files(text: str, log_path: Path, argv: list[str],
         found = _INHERITED.fullmatch(value) if option == "--inherit-fd" else None
         if found is not None and found.group(2) in file_names:
             names[found.group(1)] = file_names[found.group(2)]
+    # What the log says of a number wins over the number criu was handed: criu's copy of
+    # one descriptor may take the number another was handed as.
     copies: dict[str, str] = {}
+    meant: dict[str, str] = {}
     with contextlib.suppress(OSError), open(log_path, errors="replace") as log:
         for line in log:
             copy = _INHERITED_COPY.search(line)
@@ -439,7 +442,8 @@ def _named_files(text: str, log_path: Path, argv: list[str],
             elif _ERROR_LINE.match(line.strip()):
                 for number in _FD_NAME.findall(line):
                     if number[1] in copies:
-                        names.setdefault(number[1], copies[number[1]])
+                        meant.setdefault(number[1], copies[number[1]])
+    names.update(meant)
     if not names:
         return text
     return _FD_NAME.sub(lambda m: names.get(m.group(2), m.group(0)), text)

@@ -32,8 +32,9 @@ def test_a_file_criu_got_as_a_descriptor_is_named_by_its_path(tmp_path):
         "(00.011000)      1: Found id file[2b:78] (fd 46) in inherit fd list\n"
         "(00.012000)      1: Error (criu/files-reg.c:2175): File fd/45 has bad size 12 "
         "(expect 6)\n")
+    # The copy of one takes the number the other was handed as.
     argv = ["criu", "restore", "--inherit-fd", "fd[9]:file[2b:77]",
-            "--inherit-fd", "fd[10]:file[2b:78]"]
+            "--inherit-fd", "fd[45]:file[2b:78]"]
     names = {"file[2b:77]": "/home/alice/out.log", "file[2b:78]": "/home/alice/read.bin"}
     said = CriuRunner.failure("restore", CriuRun(argv, 1, 0.1, log), None, names).cause
     assert "File /home/alice/out.log has bad size 12" in said, said
