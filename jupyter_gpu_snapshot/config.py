@@ -370,6 +370,14 @@ class GPUSnapshot(Configurable):
         this in the runtime dir (gpu_snapshot/servers, mode 0600).""",
     ).tag(config=True)
 
+    criu_timeout = Float(
+        1800.0,
+        help="""Seconds one run of criu (a save's dump, a restore) may take before it is killed
+        and the operation fails, saying so; 0 for no limit. A deadline for a criu that hangs
+        (a file of the kernel's on a file system that never answers), far above any run that
+        works: a criu killed while it dumps can end the kernel.""",
+    ).tag(config=True)
+
     ghost_limit = Int(
         1 << 20,
         help="""Bytes up to which criu carries the content of a file the kernel holds open but

@@ -208,8 +208,12 @@ class Pod:
                 lines = [line.strip() for line in cgroups if line.strip()]
         except OSError:  # ended, or not ours to read (this machine's own init)
             return False
-        return same_network and all(
-            line.endswith(f"/{POD_CGROUPS}/{self.name}") for line in lines)
+        # Only the hierarchies the pods have cgroups in: a hierarchy that no one mounted
+        # (one that criu's zdtm suite named and left) holds every process at its root.
+        mounted = {options for _point, _kind, options in host_cgroup_mounts()}
+        ours = [line for line in lines if line.split(":")[1] in mounted | {""}]
+        return same_network and bool(ours) and all(
+            line.endswith(f"/{POD_CGROUPS}/{self.name}") for line in ours)
 
     def delete(self) -> None:
         """Kills the pod: PID 1 first, which takes every process of its pid namespace with

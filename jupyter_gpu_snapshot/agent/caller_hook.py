@@ -13,10 +13,12 @@ from ..core import procfs
 from ..core.errors import InvalidRequest
 from ..core.file_access import FileAccess
 from ..core.hooks import RestoreContext, SaveContext, SnapshotHook
+from ..core.safe_fs import kind_of
 from ..core.user_paths import UserPath
 from .credentials import in_images
 from .credentials.ownership import Caller, PodCaller, require_own_tree
 from .files import dump_externals, opener, restore_plan
+from .files.restore_plan import Opening
 
 # The manifest's section of the files dumped as external: criu's key -> path.
 EXTERNAL_FILES = "external_files"
@@ -84,6 +86,7 @@ class CallerCredentials(SnapshotHook):
         # the caller (files/opener) and handed to it.
         opened = await asyncio.to_thread(opener.open_for_criu, plan.openings, ctx.files)
         try:
+            _require_files_or_directories(opened, plan.openings)
             for opening in plan.openings:
                 if opening.executable:
                     _require_identity(opened[opening.key], opening.path,
@@ -98,6 +101,8 @@ class CallerCredentials(SnapshotHook):
             if replaced is not None:
                 os.close(replaced)
             ctx.criu.inherited_fds[key] = fd
+        # criu names each by its descriptor; its errors are told by its path.
+        ctx.criu.file_names.update({o.key: o.path for o in plan.openings})
 
     async def before_resume(self, ctx: RestoreContext) -> None:
         """criu looked each working directory up by its path, in the restored mount
@@ -154,3 +159,19 @@ def _require_directories(root_pid: int, directories: dict[tuple[int, int], str])
                 "working directory than the one you could open "
                 f"({', '.join(sorted(directories.values())) or 'none'}): it was moved or "
                 "replaced during the restore", hint=_MOVED_HINT)
+
+
+def _require_files_or_directories(opened: dict[str, int], openings: list[Opening]) -> None:
+    """Refuse openings that are no regular file or directory, which is all a kernel's
+    external files are at its save (``dump_externals``): criu reopens each through its
+    descriptor without ``O_NONBLOCK``, and a FIFO put in a file's place would hold it (and
+    the restore) for good. The caller closes the descriptors."""
+    for opening in openings:
+        fd = opened.get(opening.key)
+        if fd is None:
+            continue
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise InvalidRequest(
+                "restore", f"the kernel had {opening.path} open as a file; it is "
+                f"{kind_of(mode)} now", hint="put the file back where it was")

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import os
 import select
 import socket
 import struct
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..agent_client.protocol import OPERATIONS, encode
 from ..core.errors import InvalidRequest, SnapshotError
+from .pods.entry_program import start_ticks
+from .pods.identity import pid_of
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,85 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+# getsockopt(2): a pidfd of the peer's process (Linux 6.5+; the same number everywhere).
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+@dataclass
+class Peer:
+    """The process at the other end of a connection, as the agent accepted it: its pid (in
+    the agent's namespace), uid and gid (``SO_PEERCRED``), a pidfd of it (``SO_PEERPIDFD``)
+    and its start (clock ticks since boot). The pidfd stands for that very process: a pid
+    reused later is never taken for it. Closed once the caller is known, or the connection
+    ends (``close``): whichever comes first, and never under a thread that reads with it
+    (``pidfd_in_use``), so that its number is never another descriptor's by then."""
+
+    pid: int
+    uid: int
+    gid: int
+    pidfd: int | None
+    start: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _users: int = 0
+    _closing: bool = False
+
+    @classmethod
+    def of(cls, sock: socket.socket, in_pod: bool) -> Peer:
+        """The peer of ``sock``, read when it is accepted. Only a caller in a pod
+        (``in_pod``, an agent that serves pods) is known by its process, which takes a
+        pidfd and a start; a user is known by their uid alone, and takes no descriptor.
+        Where the kernel gives no pidfd of the peer (before Linux 6.5), one is opened now,
+        and the start read with it is that of the process found at the pid: its start is
+        then checked at each later use (``start_ticks``). OSError: the peer is gone
+        already (ProcessLookupError, FileNotFoundError), or no descriptor is left."""
+        pid, uid, gid = peer_credentials(sock)
+        if not in_pod:
+            return cls(pid, uid, gid, None, 0)
+        try:
+            pidfd: int | None = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOPROTOOPT, errno.EINVAL):
+                raise
+            pidfd = os.pidfd_open(pid) if pid > 0 else None
+        try:
+            start = start_ticks(pid) if pid > 0 else 0
+            # Read while the pidfd's process was still at the pid: the start is its own.
+            if pidfd is not None and pid_of(pidfd) != pid:
+                raise ProcessLookupError(errno.ESRCH, f"process {pid} has ended")
+        except BaseException:
+            if pidfd is not None:
+                os.close(pidfd)
+            raise
+        return cls(pid, uid, gid, pidfd, start)
+
+    @contextlib.contextmanager
+    def pidfd_in_use(self) -> Iterator[int | None]:
+        """The pidfd, kept open until the block ends whoever closes the peer meanwhile;
+        None once it was closed."""
+        with self._lock:
+            self._users += 1
+            pidfd = None if self._closing else self.pidfd
+        try:
+            yield pidfd
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._closing and not self._users:
+                    self._close_now()
+
+    def close(self) -> None:
+        """Close the pidfd now, or once the last block that uses it ends."""
+        with self._lock:
+            self._closing = True
+            if not self._users:
+                self._close_now()
+
+    def _close_now(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
 def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
     """The operation and arguments of a request line; InvalidRequest naming what is wrong."""
     shape = 'send {"op": NAME, "args": {...}} on one line'
@@ -48,6 +134,9 @@ def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
         request = json.loads(line)
     except ValueError as exc:  # not UTF-8 or not JSON
         raise InvalidRequest("agent", f"the request is not JSON: {exc}", hint=shape) from None
+    except RecursionError:  # lists in lists deeper than the parser's stack
+        raise InvalidRequest("agent", "the request is nested too deeply to be read",
+                             hint=shape) from None
     if not isinstance(request, dict):
         raise InvalidRequest(
             "agent", f"the request is a JSON {type(request).__name__}, not an object",

@@ -63,7 +63,8 @@ async def launch_kernel(caller: Caller, realm: Realm, kernel_id: str, args: dict
                 "launch", "this node agent starts kernels in your container: the "
                 "request must name the container's Python and nsinit.py (nsinit)",
                 hint="use the same version of jupyter_gpu_snapshot in the image")
-        entry = await asyncio.to_thread(ContainerEntry.of, caller.peer_pid)
+        entry = await asyncio.to_thread(ContainerEntry.of, caller.peer_pid,
+                                        caller.peer_start or None)
         command = [*entry.prefix({"log": str(log_path), "as": caller.id_spec,
                                   "cwd": cwd, "nsinit": nsinit}), *argv]
         script = nsinit[1]

@@ -34,11 +34,16 @@ from ..core.errors import InvalidRequest, NotReady, SnapshotError
 from ..core.hooks import Progress, SaveTarget
 from ..core.sequences import finish_despite_cancel
 from ..node.gpus import GpuSleep, SleepReport
-from . import launching
+from . import launching, requests, workers
 from .credentials.ownership import Caller, PodCaller, require_own_tree
 from .pods import pids
+from .pods.entry_program import start_ticks
 from .realms import Realm
+from .recovery import SAVES_FILE, SavesUnderWay
 
+# What reaches into a pod caller's container through the process that connected.
+PEER_OPERATIONS = frozenset({"launch", "save", "restore", "gpu_release", "gpu_wake",
+                             "gpu_asleep"})
 # What a GPU release leaves with its holder for a server that asks later (the kernel's id):
 # it rides on the holder's command line, which is root's and which every user can read.
 MAX_SLEEP_NOTE_BYTES = 4096
@@ -70,9 +75,30 @@ class Session:
             self.writer.write(encode({"progress": dataclasses.asdict(p)}))
 
     async def run(self, op: str, args: dict[str, Any]) -> Any:
+        # Every field of its kind before anything is done for the request.
+        requests.check(op, args)
+        if op in PEER_OPERATIONS:
+            await asyncio.to_thread(self._require_peer)
         realm = await self.agent.realm(self.caller)
         handler: Callable[[Realm, dict[str, Any]], Any] = getattr(self, f"op_{op}")
-        return await handler(realm, args)
+        # Its blocking steps in the caller's share of the agent's threads.
+        with workers.serve_realm(realm.workers):
+            return await handler(realm, args)
+
+    def _require_peer(self) -> None:
+        """In a pod, the operations that reach into the caller's container go through the
+        process that connected: refused once that process has ended (its pid may be
+        another's by then; ``pods/entry`` checks again where it enters)."""
+        caller = self.caller
+        if not isinstance(caller, PodCaller) or not caller.peer_start:
+            return
+        try:
+            same = start_ticks(caller.peer_pid) == caller.peer_start
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            raise Refused("agent", f"the process that connected (pid {caller.peer_pid}) has "
+                          "ended", hint="ask from a process that stays until the answer comes")
 
     # -- queries ---------------------------------------------------------------------------
     async def op_hello(self, realm: Realm, args: dict[str, Any]) -> dict[str, Any]:
@@ -159,14 +185,25 @@ class Session:
         known = {f.name for f in dataclasses.fields(SaveTarget)}
         target = SaveTarget(**{k: v for k, v in target_fields.items() if k in known})
         target.pid = await asyncio.to_thread(self._own_tree, realm, target.pid, "save")
+        stop = bool(args.get("stop"))
+        # Noted until it ends, so that an agent killed meanwhile names its kernel at its
+        # next start (``recovery``).
+        saves = SavesUnderWay(realm.state_home / SAVES_FILE)
+        under_way = await asyncio.to_thread(saves.begin, target.pid, target.kernel_id, stop)
+        try:
+            return await self._save(realm, target, args.get("name"), stop)
+        finally:
+            await asyncio.to_thread(saves.end, under_way)
+
+    async def _save(self, realm: Realm, target: SaveTarget, name: str | None,
+                    stop: bool) -> dict[str, Any]:
         with self._operation(realm):
             engine = await asyncio.to_thread(realm.engine_for, self.caller)
             try:
                 reserved = await self._admit_under_quota(realm, target.pid)
                 try:
-                    snapshot = await engine.save(
-                        target, name=args.get("name"), stop=bool(args.get("stop")),
-                        progress=self.progress)
+                    snapshot = await engine.save(target, name=name, stop=stop,
+                                                 progress=self.progress)
                 finally:
                     realm.reserved_bytes -= reserved
             finally:

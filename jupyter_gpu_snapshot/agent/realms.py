@@ -38,6 +38,7 @@ from .credentials.ownership import Caller, PodCaller
 from .files.opener import CallerFiles
 from .pods import identity, pids
 from .pods.entry import ContainerEntry, in_agent, in_network_of
+from .workers import REALM_THREADS, Pool
 
 
 def caller_of(uid: int, gid: int) -> Caller:
@@ -51,12 +52,15 @@ def caller_of(uid: int, gid: int) -> Caller:
     return Caller(uid, entry.pw_gid, groups, entry.pw_name)
 
 
-def pod_caller_of(pid: int, uid: int, gid: int, bundles: tuple[str, ...]) -> PodCaller:
+def pod_caller_of(pid: int, uid: int, gid: int, bundles: tuple[str, ...],
+                  pidfd: int | None = None, start: int = 0) -> PodCaller:
     """The caller ``uid`` in the pod process ``pid`` runs in, as the container runtime's
-    records say (``pods/identity``); a process in no pod is refused."""
-    pod = identity.identify(pid, bundles)
+    records say (``pods/identity``); a process in no pod is refused. ``pidfd`` and
+    ``start``: of the process that connected, as the agent accepted it."""
+    pod = identity.identify(pid, bundles, pidfd)
     user = caller_of(uid, gid)
-    return PodCaller(user.uid, user.gid, user.groups, pod.realm_name, peer_pid=pid)
+    return PodCaller(user.uid, user.gid, user.groups, pod.realm_name, peer_pid=pid,
+                     peer_start=start)
 
 
 def engine_launch(caller: Caller) -> EngineLaunch:
@@ -73,7 +77,7 @@ def engine_launch(caller: Caller) -> EngineLaunch:
     if not isinstance(caller, PodCaller):
         return EngineLaunch(CriuLaunch(dump_as=dump_as, restore_as=restore_as),
                             files=CallerFiles(caller), hooks=checks)
-    entry = ContainerEntry.of(caller.peer_pid)
+    entry = ContainerEntry.of(caller.peer_pid, caller.peer_start or None)
     criu = CriuLaunch(
         dump_as=(*entry.prefix(), *_through_agent_root(dump_as)),
         restore_as=(*entry.prefix(), *_through_agent_root(restore_as)),
@@ -122,6 +126,14 @@ class Realm:
     # once cannot both see the room only one of them has.
     reserved_bytes: int = 0
     quota_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    # The worker threads this user's steps run in, at most a share of the agent's
+    # (``workers``): one user's hung steps hold only theirs.
+    workers: Pool = dataclasses.field(default_factory=lambda: Pool("a realm", REALM_THREADS))
+
+    @property
+    def state_home(self) -> Path:
+        """``STATE/users/UID`` or ``STATE/pods/NAMESPACE/NAME``: root's alone."""
+        return self.launched_file.parent
 
     def engine_for(self, caller: Caller) -> LocalEngine:
         """An engine of this realm's store that runs as ``caller``, with their credentials
@@ -201,9 +213,16 @@ def make_realm(caller: Caller, state_dir: Path, run_dir: Path,
         raise SnapshotError("agent", f"{log_dir} is not a directory")
     os.chown(log_dir, caller.uid, caller.gid, follow_symlinks=False)
     os.chmod(log_dir, 0o700, follow_symlinks=False)
+    return Realm(caller, store_engine(home, log_dir, settings), log_dir,
+                 home / "launched.json", workers=Pool(caller.name, REALM_THREADS))
+
+
+def store_engine(home: Path, log_dir: Path, settings: GPUSnapshot) -> LocalEngine:
+    """The engine of the store of the realm at ``home`` (``STATE/users/UID``,
+    ``STATE/pods/NAMESPACE/NAME``), whose kernels write their logs in ``log_dir``: the
+    node's hooks, no caller's launch."""
     store_settings = GPUSnapshot(
         parent=None, config=settings.config,
         store_dir=str(home / "snapshots"), signing_key_file=str(home / "signing.key"),
     )
-    shared = make_engine(store_settings, kernel_log_dir=lambda: log_dir)
-    return Realm(caller, shared, log_dir, home / "launched.json")
+    return make_engine(store_settings, kernel_log_dir=lambda: log_dir)

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
 import resource
 import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +44,15 @@ from .._version import __version__
 from ..agent_client.protocol import DEFAULT_SOCKET, MAX_REQUEST_BYTES, Refused, encode
 from ..config import GPUSnapshot
 from ..core import safe_fs
-from ..core.errors import InvalidRequest, SnapshotError
+from ..core.errors import Busy, InvalidRequest, SnapshotError
+from ..core.recovery import clean_work_dirs
+from . import recovery, workers
 from .connections import (
+    Peer,
     QuietLog,
     client_gone,
     finish,
     parse_request,
-    peer_credentials,
     say_and_close,
 )
 from .credentials.ownership import Caller
@@ -75,6 +79,10 @@ FEW_USERS = 8
 # One log line per user and kind of client error in this many seconds: a client that
 # floods the agent with bad connections must not flood its log too.
 CLIENT_ERROR_LOG_SECONDS = 60.0
+# Seconds the agent's stop waits for the operations under way to roll back once told to
+# stop; one that is not done by then is left (criu runs on in its own session, and the
+# next start recovers what it leaves). systemd gives a unit 90 s to stop.
+STOP_GRACE_SECONDS = 20.0
 
 
 class NodeAgent:
@@ -109,8 +117,8 @@ class NodeAgent:
         # apart by pod, each kernel runs in its user's container (docs/cluster.md).
         self.pods = pods
         self.container_bundles = container_bundles
-        # Open connections by the peer's uid, and in pods mode its pid namespace (``_serve``).
-        self._connections: dict[tuple[int, int], int] = {}
+        # Open connections by whose they are (``_count_key``): a uid's, or a pod's.
+        self._connections: dict[tuple[str, str], int] = {}
         self._client_errors = QuietLog(CLIENT_ERROR_LOG_SECONDS)
         self._realms: dict[str, Realm] = {}
         # Two first requests of one user at once must make one realm, not two (each with
@@ -118,6 +126,11 @@ class NodeAgent:
         self._realms_lock = asyncio.Lock()
         self._server: asyncio.AbstractServer | None = None
         self._launchers: set[asyncio.Task[Any]] = set()
+        # Each realm found at the start, by key, recovered before it serves (``recovery``).
+        self._recoveries: dict[str, asyncio.Future[Any]] = {}
+        # The connections being served and their operations, which the stop ends.
+        self._serving: set[asyncio.Task[Any]] = set()
+        self._router: workers.Router | None = None
 
     def reap(self, launcher: asyncio.subprocess.Process) -> None:
         """Wait for a kernel's launcher in the background, reading what it says."""
@@ -132,6 +145,7 @@ class NodeAgent:
 
     # -- realms ----------------------------------------------------------------------------
     async def realm(self, caller: Caller) -> Realm:
+        await self._recovered(caller.realm_key)
         async with self._realms_lock:
             realm = self._realms.get(caller.realm_key)
             if realm is None:
@@ -155,6 +169,36 @@ class NodeAgent:
                 f"the default {DEFAULT_RUN_DIR}")
         return directory
 
+    async def _start_recovery(self) -> None:
+        """criu's work directories that the agent's earlier life left are removed now,
+        before the agent serves: only those in its own temporary directory (``RUN/tmp``,
+        root's alone), where it makes them; root never looks into /tmp or /dev/shm, where
+        every user writes. Then each realm's store is recovered in the background, the
+        agent serving meanwhile: a realm serves its first request once its own is done
+        (``_recovered``)."""
+        removed = await asyncio.to_thread(clean_work_dirs, Path(tempfile.gettempdir()))
+        if removed:
+            log.info("removed criu's work directories of saves and restores that ended "
+                     "with the agent: %s", ", ".join(str(p) for p in removed))
+        homes = await asyncio.to_thread(recovery.realm_homes, self.state_dir, self.run_dir)
+        for home in homes:
+            self._recoveries[home.key] = asyncio.ensure_future(
+                asyncio.to_thread(recovery.recover_realm, home, self.settings))
+
+    async def _recovered(self, key: str) -> None:
+        """Wait for the recovery of realm ``key``'s store, if it had one to do; a recovery
+        that failed is logged, and the realm serves all the same."""
+        recovering = self._recoveries.get(key)
+        if recovering is None:
+            return
+        try:
+            await asyncio.shield(recovering)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the recovery of realm %s failed; it serves all the same", key)
+        self._recoveries.pop(key, None)
+
     def require_private_state_dir(self) -> None:
         """Refuse a state directory that someone but root could change: what root restores
         and the keys it signs with live there. Its ``users`` directory is made (0700) and
@@ -170,10 +214,19 @@ class NodeAgent:
                 f"the default {DEFAULT_STATE_DIR}")
 
     # -- the socket ------------------------------------------------------------------------
+    def _use_workers(self) -> None:
+        """Each realm's blocking steps in a share of the threads of its own (``workers``),
+        from the agent's first step on: the loop's default executor, set once."""
+        if self._router is None:
+            self._router = workers.Router()
+            asyncio.get_running_loop().set_default_executor(self._router)
+
     async def start(self) -> None:
         self.require_private_state_dir()
         if self.pods and join_node_cgroup_namespace():
             log.info("joined the node's cgroup namespace")
+        self._use_workers()
+        await self._start_recovery()
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -218,22 +271,40 @@ class NodeAgent:
             return
         loop.default_exception_handler(context)
 
-    async def stop(self) -> None:
+    async def stop(self) -> int:
+        """Stop listening, ask every operation under way to stop (each rolls back as for a
+        client that went away) and wait for them ``STOP_GRACE_SECONDS`` at most; the number
+        of those still under way then, which the agent leaves: a hung one never holds the
+        stop."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
+        for recovering in self._recoveries.values():
+            recovering.cancel()
+        serving = set(self._serving)
+        for task in serving:
+            task.cancel()
+        if not serving:
+            return 0
+        _done, left = await asyncio.wait(serving, timeout=STOP_GRACE_SECONDS)
+        if left:
+            log.warning("stopping with %d operations still under way after %.0f s; the next "
+                        "start recovers what they leave", len(left), STOP_GRACE_SECONDS)
+        return len(left)
 
-    async def serve_forever(self) -> None:
-        """Serve until SIGTERM (systemd's stop) or SIGINT, then close the socket. The
-        kernels the agent started keep running: they are the users', not the agent's.
-        The handlers are set here because a process started in the background by a shell
-        inherits SIGINT ignored, and Python's default would not stop it either way.
+    async def serve_forever(self) -> int:
+        """Serve until SIGTERM (systemd's stop) or SIGINT, then close the socket and stop
+        (``stop``): the number of operations left under way. The kernels the agent started
+        keep running: they are the users', not the agent's. The handlers are set here
+        because a process started in the background by a shell inherits SIGINT ignored,
+        and Python's default would not stop it either way.
 
         The agent's process serves only this: its temporary files (criu's work
         directories, the CUDA broker's and the GPU holders' sockets) go into ``RUN/tmp``,
         root's alone, never into the /tmp every user may write."""
+        self._use_workers()
         await asyncio.to_thread(self.require_private_state_dir)
         tempfile.tempdir = str(await asyncio.to_thread(self.private_temp_dir))
         await self.start()
@@ -249,52 +320,102 @@ class NodeAgent:
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
-            await self.stop()
+            left = await self.stop()
+        return left
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection: at most ``max_connections`` of one uid open at once, the others
-        refused at once, before anything is read."""
+        """One connection: at most ``max_connections`` of one user open at once, the others
+        refused at once, before anything is read. Whose it is is fixed here, at accept: its
+        peer's process as it is now (``Peer``), and in a pod, the pod, identified from that
+        process while it is known to be the one that connected."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
         try:
-            pid, uid, gid = peer_credentials(writer.get_extra_info("socket"))
-            # Pods of one uid are different users: each is counted apart, by its pid
-            # namespace (one stat, before anything is read).
-            key = (uid, os.stat(f"/proc/{pid}/ns/pid").st_ino if self.pods else 0)
-        except OSError:  # gone already
-            writer.transport.abort()
+            peer = Peer.of(writer.get_extra_info("socket"), in_pod=self.pods)
+        except OSError as exc:
+            self._serving.discard(task)
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):  # gone already
+                writer.transport.abort()
+                return
+            # No descriptor left for the peer's pidfd: said, as a refusal over the cap is.
+            self._client_errors.note("the agent", "descriptors used up", (
+                f"connection refused: no descriptor left for its pidfd ({exc})"))
+            say_and_close(writer, Busy(
+                "agent", "the node agent has no descriptor left to take your connection",
+                hint="try again once connections under way end"))
             return
-        open_now = self._connections.get(key, 0)
-        if open_now >= self.max_connections:
-            self._client_errors.note(f"uid {uid}", "connections over the cap", (
-                f"uid {uid}: connection refused, {open_now} open already (--max-connections)"))
-            say_and_close(writer, Refused(
-                "agent", f"you have {open_now} connections open with the node agent, the "
-                "most it allows one user",
-                hint="close the connections you no longer use, or wait for your saves and "
-                "restores under way to end"))
-            return
-        self._connections[key] = open_now + 1
         try:
-            await self._answer(reader, writer, pid, uid, gid)
+            key = self._count_key(peer)
+            open_now = self._connections.get(key, 0)
+            if open_now >= self.max_connections:
+                self._client_errors.note(key[1], "connections over the cap", (
+                    f"{key[1]}: connection refused, {open_now} open already "
+                    "(--max-connections)"))
+                say_and_close(writer, Refused(
+                    "agent", f"you have {open_now} connections open with the node agent, "
+                    f"the most it allows one {'pod' if key[0] == 'pod' else 'user'}",
+                    hint="close the connections you no longer use, or wait for your saves "
+                    "and restores under way to end"))
+                return
+            self._connections[key] = open_now + 1
+            try:
+                await self._answer(reader, writer, peer)
+            finally:
+                self._connections[key] -= 1
+                if not self._connections[key]:
+                    del self._connections[key]
+                await finish(writer)
         finally:
-            self._connections[key] -= 1
-            if not self._connections[key]:
-                del self._connections[key]
-            await finish(writer)
+            peer.close()
+            self._serving.discard(task)
+
+    def _count_key(self, peer: Peer) -> tuple[str, str]:
+        """Whose connections this one counts among: in a pod, the pod's (its container, as
+        its cgroup names it, read while the pidfd says the process that connected is
+        still the one at its pid); else, and for a process in no container, its uid's.
+        A process cannot leave its container's cgroup, nor count apart by making pid
+        namespaces of its own (``unshare -Urpf``)."""
+        if self.pods:
+            with contextlib.suppress(SnapshotError, OSError):
+                container = identity.container_id_of(peer.pid)
+                if peer.pidfd is None or identity.pid_of(peer.pidfd) == peer.pid:
+                    return ("pod", f"container {container}")
+        return ("uid", f"uid {peer.uid}")
+
+    async def _caller(self, peer: Peer) -> Caller:
+        """The caller at the other end: their groups as the user database says now and, in
+        a pod, the pod as the runtime's records say, read through the connection's own
+        pidfd of its peer; the pidfd is closed then."""
+        def identify() -> Caller:
+            try:
+                if not self.pods:
+                    return caller_of(peer.uid, peer.gid)
+                with peer.pidfd_in_use() as pidfd:
+                    if pidfd is None:  # the connection ended first
+                        raise SnapshotError("agent", "the connection has ended")
+                    return pod_caller_of(peer.pid, peer.uid, peer.gid,
+                                         self.container_bundles, pidfd, peer.start)
+            finally:
+                peer.close()
+
+        return await asyncio.to_thread(identify)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      pid: int, uid: int, gid: int) -> None:
+                      peer: Peer) -> None:
         """Read the request line, run it, write its answer; errors the client caused are
         answered, and logged in one short line at most (``QuietLog``), never with a
-        traceback."""
-        op = "?"
+        traceback. Who the caller is is read meanwhile, from the peer as it was when the
+        agent accepted the connection."""
+        op, uid = "?", peer.uid
+        identifying = asyncio.ensure_future(self._caller(peer))
+        work: asyncio.Future[Any] | None = None
         try:
             line = await self._request_line(reader)
             if not line:  # connected and closed without a word: no one to answer
                 return
             op, args = parse_request(line)
-            caller: Caller = await (
-                asyncio.to_thread(pod_caller_of, pid, uid, gid, self.container_bundles)
-                if self.pods else asyncio.to_thread(caller_of, uid, gid))
+            caller = await identifying
             session = Session(self, caller, writer)
             work = asyncio.ensure_future(session.run(op, args))
             gone = asyncio.ensure_future(client_gone(reader, writer))
@@ -308,7 +429,12 @@ class NodeAgent:
             result = await work
             writer.write(encode({"result": result}))
         except asyncio.CancelledError:
-            pass
+            # The agent stops: the operation is asked to stop too, and waited for (the
+            # stop waits a while for it, then leaves it).
+            if work is not None and not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
         except InvalidRequest as exc:
             if exc.step == "agent":  # the request itself, not what it asked for
                 self._client_errors.note(f"uid {uid}", "bad requests",
@@ -320,6 +446,11 @@ class NodeAgent:
             log.exception("agent: %s of uid %d failed", op, uid)
             writer.write(encode({"error": SnapshotError(
                 "agent", f"{type(exc).__name__}: {exc}").to_dict()}))
+        finally:
+            if not identifying.done():
+                identifying.cancel()
+            elif not identifying.cancelled():
+                identifying.exception()  # read: a caller refused unasked is no loop error
 
     async def _request_line(self, reader: asyncio.StreamReader) -> bytes:
         """The request line, within ``request_timeout`` and ``MAX_REQUEST_BYTES``; b"" if
@@ -340,5 +471,34 @@ class NodeAgent:
             return b""
 
 
+def run(agent: NodeAgent) -> None:
+    """Serve with ``agent`` in this process until it is told to stop (``cmd_agent``).
+
+    Not ``asyncio.run``, which waits for every task and every thread it cancels: an
+    operation that hangs on a user's behalf (a thread in a hung file system, criu that never
+    ends) would hold the stop for good. What is still under way once ``NodeAgent.stop``
+    gave up on it is left, and the process ends without waiting for it."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    left = 0
+    try:
+        left = loop.run_until_complete(agent.serve_forever())
+        pending = asyncio.all_tasks(loop)
+        for task in pending:  # launchers' reaping, and the like: they end when cancelled
+            task.cancel()
+        if pending:
+            _done, still = loop.run_until_complete(asyncio.wait(pending, timeout=5))
+            left += len(still)
+    except KeyboardInterrupt:
+        pass
+    hung = [t for t in threading.enumerate()
+            if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if left or hung:
+        logging.shutdown()
+        os._exit(0)
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "DEFAULT_REQUEST_TIMEOUT", "DEFAULT_RUN_DIR",
-           "DEFAULT_STATE_DIR", "NodeAgent"]
+           "DEFAULT_STATE_DIR", "NodeAgent", "run"]

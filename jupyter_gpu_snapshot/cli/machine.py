@@ -4,7 +4,6 @@ snapshot-ready kernelspec (``kernelspec install``) and the node agent (``agent``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 from pathlib import Path
@@ -88,13 +87,12 @@ def cmd_kernelspec(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    import asyncio
-
     from traitlets.config import Config
     from traitlets.config.loader import ConfigFileNotFound, PyFileConfigLoader
 
     from ..agent.pods.identity import DEFAULT_BUNDLES
     from ..agent.server import NodeAgent
+    from ..agent.server import run as serve_agent
 
     if os.geteuid() != 0:
         raise InvalidRequest("agent", "the node agent runs as root",
@@ -119,6 +117,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
         max_connections=args.max_connections, request_timeout=args.request_timeout,
         pods=args.pods, container_bundles=tuple(args.container_bundles or DEFAULT_BUNDLES),
     )
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(agent.serve_forever())
+    # Not asyncio.run: a step hung on a user's behalf must not hold the agent's stop.
+    serve_agent(agent)
     return 0

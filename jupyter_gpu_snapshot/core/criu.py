@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +112,9 @@ class CriuExtras:
     timeout: int | None = None
     leave_stopped: bool = True
     inherited_fds: dict[str, int] = field(default_factory=dict)
+    # What each of those stands for, by criu's name, for messages: criu names a file it got
+    # as a descriptor by that descriptor ("File fd/46 has bad size").
+    file_names: dict[str, str] = field(default_factory=dict)
     # At dump: files criu writes as external (``file[MNT:INODE]``), not as their paths.
     externals: list[str] = field(default_factory=list)
     # The engine's (``CriuLaunch.pids``), set when the run's context is made.
@@ -142,6 +147,8 @@ class CriuRun:
     log_path: Path
     # With ``track_children``: criu's children seen while it ran (pid → start time).
     children: dict[int, float] = field(default_factory=dict)
+    # The deadline it was killed at (``CriuRunner.timeout``), if it ran that long.
+    timed_out: float | None = None
 
 
 # How often a restore's criu is looked at for new children: criu forks the tree's init in
@@ -149,6 +156,13 @@ class CriuRun:
 _CHILD_TICK_EARLY = 0.01
 _CHILD_EARLY_SECONDS = 2.0
 _CHILD_TICK = 0.05
+
+
+# ``--inherit-fd fd[N]:KEY``, and criu's name of such a file in its messages.
+_INHERITED = re.compile(r"fd\[(\d+)\]:(.+)")
+_FD_NAME = re.compile(r"(/proc/self/)?\bfd/(\d+)\b")
+# criu's copy of an inherited descriptor, taken as it is used (``inherit_fd_lookup_id``).
+_INHERITED_COPY = re.compile(r"Found id (\S+) \(fd (\d+)\) in inherit fd list")
 
 
 def _children(pid: int) -> dict[int, float]:
@@ -207,16 +221,20 @@ class CriuRunner:
     """Builds criu command lines and runs them without blocking the event loop."""
 
     def __init__(self, criu_path: str = "criu", ghost_limit: int | None = None,
-                 launch: CriuLaunch | None = None) -> None:
+                 launch: CriuLaunch | None = None, timeout: float | None = None) -> None:
         self.criu_path = criu_path
         self.ghost_limit = ghost_limit
         self.launch = launch or CriuLaunch()
+        # Seconds one run may take before criu is killed (``c.GPUSnapshot.criu_timeout``):
+        # for a criu that hangs (a file it opens that never answers), far above any run
+        # that works. None: no limit.
+        self.timeout = timeout
         self._version: tuple[int, ...] | None = None
 
     def with_launch(self, launch: CriuLaunch) -> CriuRunner:
         """A runner of the same criu that runs it as ``launch`` says (its version, once
         read, is not asked again)."""
-        runner = CriuRunner(self.criu_path, self.ghost_limit, launch)
+        runner = CriuRunner(self.criu_path, self.ghost_limit, launch, self.timeout)
         runner._version = self._version
         return runner
 
@@ -325,7 +343,8 @@ class CriuRunner:
 
         ``track_children`` notes criu's children as they appear: a restore's tree hangs
         below them, and a criu that dies midway leaves them orphaned for the caller to
-        kill (``CriuRun.children``)."""
+        kill (``CriuRun.children``). A criu still running after ``timeout`` seconds is
+        killed, with its session (``CriuRun.timed_out``)."""
         started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -340,6 +359,7 @@ class CriuRunner:
         )
         wait = asyncio.ensure_future(proc.communicate())
         children: dict[int, float] = {}
+        timed_out = None
         while True:
             if track_children:
                 children.update(await asyncio.to_thread(_children, proc.pid))
@@ -349,13 +369,18 @@ class CriuRunner:
                 if track_children else tick_seconds)
             if done:
                 break
+            if self.timeout and timed_out is None and time.monotonic() - started > self.timeout:
+                timed_out = self.timeout
+                # Its session: criu, and a wrapper or a prefix that runs it.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             if on_tick:
                 on_tick()
         _, stderr = wait.result()
         if stderr and proc.returncode:
             await asyncio.to_thread(_append, log_path, b"\n-- criu stderr --\n" + stderr[-4000:])
         return CriuRun(argv, proc.returncode or 0, time.monotonic() - started, log_path,
-                       children)
+                       children, timed_out)
 
     def _environment(self, env: dict[str, str] | None) -> dict[str, str] | None:
         """criu's environment: ours with ``env``, each path of ours in the variables that
@@ -377,5 +402,48 @@ class CriuRunner:
         return out.returncode == 0, text
 
     @staticmethod
-    def failure(step: str, run: CriuRun, kept_log: Path | None) -> SnapshotError:
-        return SnapshotError(step, explain_log(run.log_path, run.returncode), log_path=kept_log)
+    def failure(step: str, run: CriuRun, kept_log: Path | None,
+                file_names: Mapping[str, str] | None = None) -> SnapshotError:
+        """The error of a failed run; ``file_names`` (criu's key -> path, as
+        ``CriuExtras.file_names``) name the files criu got as descriptors."""
+        if run.timed_out is not None:
+            return SnapshotError(
+                step, f"criu did not finish within {run.timed_out:.0f} s and was stopped",
+                hint="is a file system of the kernel's files hung? The limit is "
+                "c.GPUSnapshot.criu_timeout", log_path=kept_log)
+        cause = explain_log(run.log_path, run.returncode)
+        return SnapshotError(
+            step, _named_files(cause, run.log_path, run.argv, file_names or {}),
+            log_path=kept_log)
+
+
+def _named_files(text: str, log_path: Path, argv: list[str],
+                 file_names: Mapping[str, str]) -> str:
+    """``text`` with each descriptor criu got (``--inherit-fd fd[N]:KEY``) that it names
+    as ``fd/N`` named by its file instead. criu moves each into its store of descriptors
+    and takes a fresh copy at each use, whose number its log says ("Found id KEY (fd N)"):
+    the copy taken last before the first error naming ``fd/N`` is the one it means."""
+    if not file_names:
+        return text
+    names: dict[str, str] = {}
+    for option, value in itertools.pairwise(argv):
+        found = _INHERITED.fullmatch(value) if option == "--inherit-fd" else None
+        if found is not None and found.group(2) in file_names:
+            names[found.group(1)] = file_names[found.group(2)]
+    # What the log says of a number wins over the number criu was handed: criu's copy of
+    # one descriptor may take the number another was handed as.
+    copies: dict[str, str] = {}
+    meant: dict[str, str] = {}
+    with contextlib.suppress(OSError), open(log_path, errors="replace") as log:
+        for line in log:
+            copy = _INHERITED_COPY.search(line)
+            if copy is not None and copy.group(1) in file_names:
+                copies[copy.group(2)] = file_names[copy.group(1)]
+            elif _ERROR_LINE.match(line.strip()):
+                for number in _FD_NAME.findall(line):
+                    if number[1] in copies:
+                        meant.setdefault(number[1], copies[number[1]])
+    names.update(meant)
+    if not names:
+        return text
+    return _FD_NAME.sub(lambda m: names.get(m.group(2), m.group(0)), text)

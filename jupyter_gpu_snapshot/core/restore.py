@@ -268,7 +268,7 @@ async def _restore_checked(
         failure: SnapshotError | None = None
         if run.returncode != 0:
             kept = await asyncio.to_thread(keep_log, store, run.log_path, "restore")
-            failure = criu.failure("restore", run, kept)
+            failure = criu.failure("restore", run, kept, ctx.criu.file_names)
         elif root_pid <= 0:
             failure = SnapshotError("restore", "criu reported success but wrote no pid file")
         if failure is not None:

@@ -354,7 +354,7 @@ class _Save:
             _add_warning(self.manifest, late)
         elif run.returncode != 0:
             kept = await asyncio.to_thread(keep_log, self.store, run.log_path, "dump")
-            return criu.failure("dump", run, kept)
+            return criu.failure("dump", run, kept, ctx.criu.file_names)
         elif self.interrupt.is_set() and not ctx.stop:
             return Interrupted("dump")
         return None

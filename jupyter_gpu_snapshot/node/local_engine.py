@@ -171,7 +171,8 @@ def make_engine(
     return LocalEngine(
         SnapshotStore(settings.store_dir, settings.signing_key_file, policy,
                       chunk_images=settings.chunk_images),
-        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit, launch=launch.criu),
+        CriuRunner(settings.criu_path, ghost_limit=settings.ghost_limit, launch=launch.criu,
+                   timeout=settings.criu_timeout or None),
         [*hooks, *launch.hooks],
         NodeCompatibility(gpus=cuda.node_gpus if cuda else None),
         kernel_answers=launch.kernel_answers,

@@ -307,7 +307,12 @@ class RestoreHandler(JobCreatingHandler):
                     await self.service.slots.session_kernel_id(session_id))
             elif path:
                 owner = await self.service.slots.session_kernel_id_at(path)
-                await self.require_kernel(owner or self.kernel_scope)
+                if owner is not None:
+                    await self.require_kernel(owner)
+                else:
+                    reach = await self.reach()
+                    assert reach is not None
+                    reach.require_new_session_at(path)
             ref = await self.reachable_snapshot(ref)
         job = await self.service.start_restore(
             ref, path=body.get("path") or None, session_id=body.get("session_id") or None,

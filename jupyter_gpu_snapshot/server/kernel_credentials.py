@@ -16,10 +16,11 @@ of it, so it reaches what ``%gpu_snapshot`` needs and no more, only while the ke
   snapshots of its notebook (``notebook_path`` the path of the session that runs the
   kernel), those taken of this kernel (a kernel without a notebook has only those) and the
   one it was restored from: reading, renaming, deleting them and restoring them into its own
-  session or a new one; the jobs of its kernel, those it asked for, and those about the
-  snapshot it was restored from (a copy restored in the middle of a save asks for the save
-  that made it). Not the store's usage, not other notebooks' snapshots, not other kernels'
-  jobs or sessions.
+  session, or into a new session at its own notebook's path only (whoever opens a notebook
+  next runs in the kernel its new session holds); the jobs of its kernel, those it asked
+  for, and those about the snapshot it was restored from (a copy restored in the middle of
+  a save asks for the save that made it). Not the store's usage, not other notebooks'
+  snapshots, not other kernels' jobs or sessions.
 
 The handlers check every request of a kernel's credential through ``KernelReach``, and
 nothing else decides it. Refusals are 403s with code ``forbidden``.
@@ -105,6 +106,15 @@ class KernelReach:
         if notebook_path is not None and notebook_path != self.notebook_path:
             raise self._refuse(
                 f"lists {self._its_snapshots()} only, not the snapshots of {notebook_path}")
+
+    def require_new_session_at(self, path: str) -> None:
+        """A restore into a new session at ``path`` (no session holds it): whoever opens
+        that notebook next runs in the restored kernel, so its own notebook's path only."""
+        if path != self.notebook_path:
+            where = (f"its own notebook ({self.notebook_path})" if self.notebook_path
+                     else "no notebook: it runs none")
+            raise self._refuse(
+                f"restores into a new session at {where} only, not at {path}")
 
     def require_store(self, what: str) -> None:
         """What covers every notebook's snapshots (the store's usage): never."""

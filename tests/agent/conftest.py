@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
-from testkit.unix_users import POLL, UnixUser
+from testkit.unix_users import POLL, REPO, UnixUser
 
 AGENT_START_SECONDS = 60.0
 COMMAND_SECONDS = 180.0
@@ -117,17 +117,25 @@ class UserKernel:
     log: str
 
 
-def start_node_agent(directory: Path, *options: str) -> Agent:
+def start_node_agent(directory: Path, *options: str, program: list[str] | None = None,
+                     env: dict[str, str] | None = None) -> Agent:
+    """An agent whose socket, state, run directory and log are in ``directory``, run by
+    ``program`` (the CLI's ``agent`` command; a fault agent of ``testkit``) with ``env``
+    added to this process's environment."""
     # The agent's state is root's; the users reach only the socket and their log dirs.
     directory.mkdir(mode=0o711, exist_ok=True)
     os.chmod(directory, 0o711)
     socket = directory / "agent.sock"
     log_path = directory / "agent.log"
+    # A killed agent's socket stays: this one is listening once it is there again.
+    socket.unlink(missing_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            [*CLI, "agent", "--socket", str(socket), "--state-dir", str(directory / "state"),
-             "--run-dir", str(directory / "run"), *options],
+            [*(program or [*CLI, "agent"]), "--socket", str(socket),
+             "--state-dir", str(directory / "state"), "--run-dir", str(directory / "run"),
+             *options],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **env} if env else None, cwd=REPO,
         )
     agent = Agent(process, socket, directory / "state", directory / "run", log_path)
     deadline = time.monotonic() + AGENT_START_SECONDS
@@ -228,14 +236,16 @@ def cli(user: UnixUser, agent: Agent, *args: str, check: bool = True
 
 
 def start_user_kernel(user: UnixUser, agent: ServingAgent,
-                      env: dict[str, str] | None = None) -> UserKernel:
+                      env: dict[str, str] | None = None, cwd: Path | None = None
+                      ) -> UserKernel:
     """A kernel of ``user``'s, held by a jupyter_client of theirs until the agent fixture
-    ends (it kills every process of the users). ``env`` is added to the kernel's."""
+    ends (it kills every process of the users). ``env`` is added to the kernel's; the
+    kernel runs in ``cwd`` (their home unless given)."""
     holder = subprocess.Popen(
         [sys.executable, "-c", START_KERNEL], user=user.uid, group=user.gid,
         extra_groups=os.getgrouplist(user.name, user.gid),
         env={**user_env(user, agent), **(env or {})},
-        cwd=user.home, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=cwd or user.home, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
     assert holder.stdout is not None and holder.stderr is not None

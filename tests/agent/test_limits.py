@@ -21,6 +21,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +279,56 @@ def test_malformed_requests_are_invalid_requests_without_a_traceback(agent, unix
         assert expected in error["message"], (data, error)
     assert not (agent.run_dir / "users" / str(alice.uid) / "logs" / "kernel-k1\n.log").exists()
     assert "Traceback" not in log_since(agent, log_start)
+
+
+# A request nested deeper than any parser's stack: 100,000 lists in a hello's args.
+DEEP = 100_000
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """One row: a request whose field is of the wrong kind, and the field's name, which the
+    answer must give."""
+
+    row: str
+    op: str
+    args: Callable[[int], dict[str, Any]]  # of the pid of Alice's kernel
+    field: str
+
+
+MALFORMED_FIELDS = (
+    Malformed("a NUL in cwd", "launch", lambda pid: {
+        "argv": ["/bin/true"], "kernel_id": "nul-cwd", "cwd": "/tmp/a\x00b"}, "cwd"),
+    Malformed("a string as target.portable", "save", lambda pid: {
+        "target": {"pid": pid, "portable": "yes"}}, "portable"),
+    Malformed("a list as name", "save", lambda pid: {
+        "target": {"pid": pid}, "name": ["mine"]}, "name"),
+    Malformed("true as the pid", "save", lambda pid: {"target": {"pid": True}}, "pid"),
+    Malformed("a number as a snapshot's ref", "restore", lambda pid: {"ref": 7}, "ref"),
+)
+
+
+def test_malformed_fields_are_invalid_requests_before_any_work(agent, unix_users):
+    """Each is answered ``invalid_request`` naming the field, before anything is done for
+    it (the kernel untouched and answering, nothing saved, no kernel launched), and the
+    agent's log takes a line at most for each, never a traceback."""
+    alice, _ = unix_users
+    kernel = start_user_kernel(alice, agent)
+    log_start = agent.log_path.stat().st_size
+    for case in MALFORMED_FIELDS:
+        replies = send(alice, agent, encode({"op": case.op, "args": case.args(kernel.root_pid)}))
+        error = replies[-1].get("error") or {}
+        assert error.get("code") == "invalid_request", (case.row, replies)
+        assert case.field in error["message"], (case.row, error)
+    deep = b'{"op": "hello", "args": {"x": ' + b"[" * DEEP + b"]" * DEEP + b"}}\n"
+    replies = send(alice, agent, deep)
+    assert replies[-1]["error"]["code"] == "invalid_request", replies
+    said = log_since(agent, log_start)
+    assert "Traceback" not in said, said[-3000:]
+    assert len(said.splitlines()) <= len(MALFORMED_FIELDS) + 1, said[-3000:]
+    assert json.loads(cli(alice, agent, "list", "--json").stdout) == []
+    assert procfs.tree_alive(kernel.root_pid)
+    assert not (agent.run_dir / "users" / str(alice.uid) / "logs" / "kernel-nul-cwd.log").exists()
 
 
 def test_an_image_file_replaced_by_a_link_is_refused_by_name(agent, unix_users, tmp_path):

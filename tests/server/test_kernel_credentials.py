@@ -142,6 +142,24 @@ async def test_a_kernel_reaches_its_own_notebooks_snapshots_only(
     assert [s["id"] for s in await api.snapshots()] == [their["id"]]
 
 
+async def test_a_kernel_restores_into_a_new_session_at_its_own_notebook_only(
+    api: Api, jp_serverapp: Any
+) -> None:
+    """A restore into a new session at a path no session holds: whoever opens that
+    notebook next would run in the restored kernel, its pickles loaded. Its own notebook
+    only; the snapshot is still there after each refusal."""
+    mine = (await api.open_notebook("mine.ipynb"))["kernel"]["id"]
+    own = (await api.succeeded(await api.save(mine, name="own")))["result"]
+    as_mine = _as_kernel(api, jp_serverapp, mine)
+    for body in ({"path": "c.ipynb"}, {"path": "c.ipynb", "fallback": "portable"},
+                 {"path": "sub/mine.ipynb"}):
+        message = await _refused(as_mine, "POST", *SNAPSHOTS, own["id"], "restore", body=body)
+        assert "mine.ipynb" in message, (body, message)
+    assert (await api.ok("GET", *SNAPSHOTS, own["id"]))["name"] == "own"
+    sessions = await api.ok("GET", "api", "sessions")
+    assert [s["path"] for s in sessions] == ["mine.ipynb"], sessions
+
+
 async def test_a_kernels_credential_ends_with_its_launch(
     api: Api, jp_serverapp: Any, kernel_socket: KernelConnector
 ) -> None:

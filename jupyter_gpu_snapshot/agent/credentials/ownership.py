@@ -64,9 +64,12 @@ class PodCaller(Caller):
     """A caller in a pod, to an agent that serves pods (``--pods``): the pod, as the
     container runtime reports it (``pods/identity``), tells users apart, whatever their uid;
     ``name`` is the pod's ``NAMESPACE/NAME``. ``peer_pid`` is the calling process, through
-    which the agent enters the caller's container (``pods/entry``)."""
+    which the agent enters the caller's container (``pods/entry``), and ``peer_start`` its
+    start (clock ticks since boot) when it connected: the agent uses the pid only while
+    the process there started then, never a process that took the pid since."""
 
     peer_pid: int = field(default=0, compare=False)
+    peer_start: int = field(default=0, compare=False)
 
     @property
     def realm_key(self) -> str:

@@ -113,12 +113,23 @@ class ContainerEntry:
     cgroup_procs: tuple[str, ...]
 
     @classmethod
-    def of(cls, pid: int) -> ContainerEntry:
+    def of(cls, pid: int, start: int | None = None) -> ContainerEntry:
+        """The way into process ``pid``'s container; with ``start``, only while the process
+        at ``pid`` is the one that started then (the caller's, as they connected)."""
+        ended = SnapshotError(
+            "agent", f"the process that connected (pid {pid}) has ended",
+            hint="ask from a process that stays until the answer comes")
         try:
-            return cls(pid, start_ticks(pid), tuple(cgroup_procs(pid)))
+            # The entry program checks the start again, once it holds a pidfd of the pid.
+            entry = cls(pid, start_ticks(pid), tuple(cgroup_procs(pid)))
+        except (FileNotFoundError, ProcessLookupError):
+            raise ended from None
         except (OSError, ValueError) as exc:
             raise SnapshotError("agent", f"cannot read process {pid}'s container: {exc}"
                                 ) from None
+        if start is not None and entry.start != start:
+            raise ended
+        return entry
 
     def prefix(self, launch: dict[str, Any] | None = None) -> list[str]:
         """What a command runs under to run in the container (``entry_program``); with

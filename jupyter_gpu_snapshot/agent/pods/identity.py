@@ -16,8 +16,10 @@ pod, not the uid, tells them apart; nothing of it comes from the request.
   whose pid the runtime recorded in the bundle. A process whose cgroup names a container
   it does not run in (a delegated cgroup named after another pod's container) is refused.
 
-A pidfd held from the first read to the last tells whether the caller lived throughout: a
-pid reused meanwhile is never taken for it.
+The process is the one that connected, identified when the agent accepts the connection
+(``server``), through the pidfd the kernel gives of it (``SO_PEERPIDFD``): held from the
+first read to the last, it tells whether the caller lived throughout, so a pid reused
+meanwhile is never taken for it.
 """
 
 from __future__ import annotations
@@ -115,7 +117,12 @@ def _cgroup_path(pid: int) -> str:
                if hierarchy == "0" and not controllers]
     if unified and unified[0] != "/":
         return unified[0]
-    legacy = [path for hierarchy, _controllers, path in entries if hierarchy != "0"]
+    # A v1 hierarchy of controllers, or systemd's: the runtimes put a container in those. A
+    # hierarchy only named (``name=...``, as criu's zdtm suite leaves them) holds every
+    # process at its root and says nothing of containers.
+    legacy = [path for hierarchy, controllers, path in entries
+              if hierarchy != "0" and (not controllers.startswith("name=")
+                                       or controllers == "name=systemd")]
     if legacy:
         return legacy[0]
     return unified[0] if unified else ""
@@ -333,13 +340,20 @@ def _alive(pidfd: int) -> bool:
     return True
 
 
-def identify(pid: int, bundles: Sequence[str] = DEFAULT_BUNDLES) -> PodIdentity:
+def identify(pid: int, bundles: Sequence[str] = DEFAULT_BUNDLES,
+             pidfd: int | None = None) -> PodIdentity:
     """The pod of process ``pid``, a pid of the node's PID namespace (the agent's own).
 
     ``bundles``: where the runtimes keep each container's OCI bundle, ``{id}`` for the
-    container's id; the first that exists is read."""
+    container's id; the first that exists is read. ``pidfd``: a pidfd of the process that
+    must be at ``pid`` throughout (the one that connected, ``SO_PEERPIDFD``); without it,
+    one is opened now."""
+    if pidfd is not None:
+        if pid_of(pidfd) != pid:
+            raise _refuse(f"process {pid} has ended")
+        return _identify_alive(pid, bundles, pidfd)
     try:
-        pidfd = os.pidfd_open(pid)
+        own = os.pidfd_open(pid)
     except ProcessLookupError as exc:
         raise _refuse(f"process {pid} has ended") from exc
     except OSError as exc:
@@ -347,15 +361,31 @@ def identify(pid: int, bundles: Sequence[str] = DEFAULT_BUNDLES) -> PodIdentity:
             raise _refuse(f"{pid} is not a process id") from exc
         raise
     try:
-        try:
-            identity = _read_identity(pid, bundles)
-        except NotInPod as exc:
-            # What a process that ended meanwhile left unreadable says nothing of it.
-            if not _alive(pidfd):
-                raise _refuse(f"process {pid} has ended") from exc
-            raise
-        if not _alive(pidfd):
-            raise _refuse(f"process {pid} has ended")
-        return identity
+        return _identify_alive(pid, bundles, own)
     finally:
-        os.close(pidfd)
+        os.close(own)
+
+
+def pid_of(pidfd: int) -> int:
+    """The pid, in the agent's namespace, of the process of ``pidfd``; 0 once it ended
+    (its ``fdinfo`` says -1 then). The process of a pidfd keeps its pid while it lives."""
+    with open(f"/proc/self/fdinfo/{pidfd}", encoding="ascii") as info:
+        for line in info:
+            if line.startswith("Pid:"):
+                return max(int(line.split()[1]), 0)
+    return 0
+
+
+def _identify_alive(pid: int, bundles: Sequence[str], pidfd: int) -> PodIdentity:
+    """``_read_identity`` of ``pid``, checked to be ``pidfd``'s process from before the
+    first read to after the last: a pid reused meanwhile is never taken for it."""
+    try:
+        identity = _read_identity(pid, bundles)
+    except NotInPod as exc:
+        # What a process that ended meanwhile left unreadable says nothing of it.
+        if not _alive(pidfd):
+            raise _refuse(f"process {pid} has ended") from exc
+        raise
+    if not _alive(pidfd):
+        raise _refuse(f"process {pid} has ended")
+    return identity
