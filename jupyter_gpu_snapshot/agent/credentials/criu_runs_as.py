@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 
+from ...core import procfs
 from .ownership import Caller
 
 CAP_SYS_RESOURCE = 24
@@ -31,11 +32,7 @@ _CAPABILITY_NAMES = (
 
 def own_capabilities() -> int:
     """This process's permitted capabilities, as a bit mask."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("CapPrm:"):
-                return int(line.split()[1], 16)
-    return 0
+    return int(procfs.status_fields().get("CapPrm", "0"), 16)
 
 
 def _setpriv() -> str:

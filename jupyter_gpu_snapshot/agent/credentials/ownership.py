@@ -76,15 +76,10 @@ class PodCaller(Caller):
         return f"pod:{self.name}"
 
 
-def _status(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-
-
 def process_problem(pid: int, caller: Caller) -> str | None:
     """Why process ``pid`` is not the caller's own unprivileged process, or None."""
     try:
-        status = _status(pid)
+        status = procfs.status_fields(pid)
         owner = os.stat(f"/proc/{pid}/environ").st_uid
     except (FileNotFoundError, ProcessLookupError):
         return f"process {pid} has ended"
