@@ -38,6 +38,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit import gpu_results
+from testkit.manifests import commit_tiny
 from testkit.unix_users import unix_users, user_paths  # noqa: F401  (fixtures for tests/agent, tests/hub)
 
 T = TypeVar("T")
@@ -197,6 +198,24 @@ def kernel() -> Iterator[KernelHandle]:
 @pytest.fixture
 def store(tmp_path: Path) -> SnapshotStore:
     return SnapshotStore(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def many_snapshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store of 200 small snapshots of 7 notebooks, committed once for the
+    session: each commit checks its name against every snapshot already there, so filling
+    it takes seconds of CPU. For the tests that only list them, each in a copy of its own
+    (``copy_many_snapshots``)."""
+    store = SnapshotStore(tmp_path_factory.mktemp("many-snapshots") / "store")
+    for i in range(200):
+        commit_tiny(store, f"snap-{i}", f"nb-{i % 7}.ipynb")
+    return store.root
+
+
+def copy_many_snapshots(many_snapshots: Path, root: Path) -> None:
+    """The ``many_snapshots`` store copied to ``root``, whole: the same signed manifests and
+    images, read through this test's own store."""
+    shutil.copytree(many_snapshots, root, symlinks=True, dirs_exist_ok=True)
 
 
 @pytest.fixture
