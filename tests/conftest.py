@@ -58,26 +58,39 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         loop.close()
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (the controller collects its reports)."""
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Once, before any test and before xdist starts its workers: install_kernel_spec
+    # removes the directory before it copies, so a worker installing it while another
+    # worker's kernel starts would pull the kernelspec from under that kernel.
+    if not _is_worker(session.config):
+        install()
+
+
+# -- GPU results -----------------------------------------------------------------------------
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     gpu_results.record(report)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    gpu_results.write()
+    # Under xdist the controller receives every worker's reports, figures included.
+    if not _is_worker(session.config):
+        gpu_results.write()
 
 
 @pytest.fixture
 def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """Numbers a GPU test measured, kept in the results file under the test's name."""
+    """Numbers a GPU test measured, kept in the results file under the test's name; they
+    travel in the teardown's report, from an xdist worker too."""
     found: dict[str, Any] = {}
     yield found
     if found:
-        gpu_results.RESULTS["figures"][request.node.name] = found
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _snapshot_kernelspec() -> None:
-    install()
+        request.node.user_properties.append((gpu_results.FIGURES, found))
 
 
 @dataclass
