@@ -72,6 +72,56 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         install()
 
 
+# -- running in parallel ---------------------------------------------------------------------
+# `make pytest` runs the suite in several pytest-xdist workers with `--dist loadgroup`: most
+# of its time is spent waiting for kernels, criu and servers, not computing. Tests that
+# share something beyond their own temporary directory run in one group, one after another
+# on one worker, set up once.
+UNIX_USERS_FOLDERS = ("tests/agent/", "tests/hub/", "tests/pods/")
+BROWSER_FOLDER = "tests/ui/"
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    path = item.nodeid.split("::")[0]
+    # They create, use and remove the machine's Unix users alice and bob, kill every one
+    # of their processes when they end, and the node agent tests listen on /run/agent.sock.
+    if path.startswith(UNIX_USERS_FOLDERS) or "unix_users" in item.fixturenames:
+        return "unix-users"
+    # Each scenario drives a chromium, heavy enough alone; the session's ui_tools may run
+    # jlpm install into tests/ui/node_modules, which two workers must not do at once.
+    if path.startswith(BROWSER_FOLDER):
+        return "browser"
+    # Built once for the session, on the worker that runs its readers.
+    if "many_snapshots" in item.fixturenames:
+        return "many-snapshots"
+    # A module-scoped fixture (a Jupyter server, a saved kernel, a network namespace and
+    # its S3 server) is started once per worker that runs one of the module's tests.
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None and any(
+        defs[-1].scope in ("module", "package", "class")
+        for name, defs in info.name2fixturedefs.items() if name in info.names_closure
+    ):
+        return path
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only loadgroup keeps a group on one worker; load, loadscope or worksteal would run
+    # two unix-users tests at once, each killing the other's processes.
+    dist = config.getoption("dist", "no")
+    if config.getoption("tx", None) and dist not in ("no", "loadgroup"):
+        raise pytest.UsageError(f"--dist {dist}: this suite runs in parallel only with "
+                                "--dist loadgroup (the default of its addopts)")
+
+
 # -- GPU results -----------------------------------------------------------------------------
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     gpu_results.record(report)
