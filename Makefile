@@ -45,7 +45,7 @@ STOCK_CRIU_TESTS ?= tests/core/store/test_streamer.py tests/core/test_fill_worke
 test-stock-criu: criu-stock venv kernelspec
 	PATH="$(STOCK_CRIU)/sbin:$$PATH" JUPYTER_GPU_SNAPSHOT_CRIU=$(STOCK_CRIU)/sbin/criu \
 		JUPYTER_GPU_SNAPSHOT_LIBDIR=$(STOCK_CRIU)/lib/jupyter-gpu-snapshot \
-		$(VENV)/bin/pytest $(STOCK_CRIU_TESTS)
+		$(VENV)/bin/pytest -n $(PYTEST_WORKERS) $(STOCK_CRIU_TESTS)
 
 venv: $(VENV)/.installed
 
@@ -86,10 +86,15 @@ lint: venv
 
 # PYTEST_ARGS picks tests or adds options, e.g. PYTEST_ARGS='tests/launch/test_provisioner.py -x'.
 PYTEST_ARGS ?=
+# The suite mostly waits (for kernels, criu, servers) rather than computes, so pytest runs
+# it in PYTEST_WORKERS pytest-xdist workers, more than CI's 2 cores; tests that share
+# something run one after another on one worker (tests/conftest.py). PYTEST_WORKERS=0 (or
+# PYTEST_ARGS=-n0) runs it in one process, serially.
+PYTEST_WORKERS ?= 4
 
 # The tests alone, for the inner loop: no apt, no criu build, no pip (make install did them).
 pytest: installed
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The quick suite: the tests that need no root, no criu and no browser, in a few minutes
 # on 2 cores. They are picked by what they use: the portable copy written and loaded in
@@ -119,8 +124,9 @@ installed:
 	@test -x $(VENV)/bin/pytest || { echo "no $(VENV)/bin/pytest: run make install first" >&2; exit 1; }
 
 # The suite must hold on a busy machine: CI runs it on 2 cores, at times beside other work.
-# This runs pytest LOAD_RUNS times in a row while stress-ng keeps 2 cores busy, whatever
-# fails, and stops the load at the end, on Ctrl-C too. About 70 minutes on 2 cores.
+# This runs pytest LOAD_RUNS times in a row, in PYTEST_WORKERS workers as make pytest does,
+# while stress-ng keeps 2 cores busy, whatever fails, and stops the load at the end, on
+# Ctrl-C too.
 LOAD_RUNS ?= 3
 
 test-under-load: install
@@ -129,7 +135,7 @@ test-under-load: install
 	failed=0; \
 	for run in $$(seq $(LOAD_RUNS)); do \
 		echo "test-under-load: run $$run of $(LOAD_RUNS), beside stress-ng --cpu 2"; \
-		$(VENV)/bin/pytest $(PYTEST_ARGS) || failed=$$((failed + 1)); \
+		$(VENV)/bin/pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) || failed=$$((failed + 1)); \
 	done; \
 	echo "test-under-load: $$failed of $(LOAD_RUNS) runs failed"; \
 	[ $$failed -eq 0 ]

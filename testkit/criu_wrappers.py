@@ -109,6 +109,24 @@ def slow(action: str, seconds: float) -> str:
     return _SLOW.format(real=_real(), action=action, seconds=seconds)
 
 
+def waits_before(action: str, gate: str, limit_seconds: int = 300) -> str:
+    """A wrapper that runs ``criu ACTION`` (dump or restore) only once the file ``gate``
+    exists (or after ``limit_seconds``): the operation holds its locks until the test has
+    done what must overlap it, however slow the machine or busy its other processes."""
+    return (
+        f'if [ "$1" = {action} ]; then\n'
+        f"  for i in $(seq {limit_seconds * 10}); do [ -e '{gate}' ] && break; sleep 0.1; done\n"
+        f'fi\nexec "{_real()}" "$@"\n'
+    )
+
+
+def gated(directory: Path, action: str) -> tuple[str, Path]:
+    """A ``waits_before`` criu installed in ``directory``, and its gate: the test creates
+    the gate file once what must overlap the operation is done."""
+    gate = directory / f"{action}-may-start"
+    return install(directory, waits_before(action, str(gate)), f"criu-gated-{action}"), gate
+
+
 def fails_writing_pages() -> str:
     """The real criu, refused a pages image past 16 MiB (the kernel's; the namespace's init
     stays under it): with SIGXFSZ ignored the write fails with EFBIG, and criu ends its dump

@@ -16,19 +16,34 @@ from typing import Any
 import pytest
 
 RESULTS: dict[str, Any] = {"tests": {}, "figures": {}}
+# The name of the user property that carries a test's figures in its reports.
+FIGURES = "gpu_figures"
 
 
 def record(report: pytest.TestReport) -> None:
-    """Called by the tests' conftest for each phase of each test; keeps GPU tests only."""
+    """Called by the tests' conftest for each phase of each test, in the process that reports
+    them (pytest-xdist's controller in a parallel run); keeps GPU tests only."""
     if "gpu" not in report.keywords:
         return
-    entry = RESULTS["tests"].setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+    nodeid = _without_group(report.nodeid)
+    for name, value in report.user_properties:
+        if name == FIGURES and report.when == "teardown":
+            RESULTS["figures"][nodeid.rsplit("::", 1)[-1]] = value
+    entry = RESULTS["tests"].setdefault(nodeid, {"outcome": "passed", "seconds": 0.0})
     entry["seconds"] = round(entry["seconds"] + report.duration, 2)
     if report.failed:
         entry["outcome"] = "failed"
         entry["error"] = str(report.longrepr)[-1500:]
     elif report.skipped and report.when == "setup":
         entry["outcome"] = "skipped"
+
+
+def _without_group(nodeid: str) -> str:
+    """The test's id without the "@group" that ``--dist loadgroup`` appends to it (an "@" in
+    a parameter's id, inside the brackets, is no group)."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.rsplit("@", 1)[0]
+    return nodeid
 
 
 def write() -> None:

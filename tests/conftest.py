@@ -38,6 +38,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit import gpu_results
+from testkit.manifests import commit_tiny
 from testkit.unix_users import unix_users, user_paths  # noqa: F401  (fixtures for tests/agent, tests/hub)
 
 T = TypeVar("T")
@@ -57,26 +58,89 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         loop.close()
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (the controller collects its reports)."""
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Once, before any test and before xdist starts its workers: install_kernel_spec
+    # removes the directory before it copies, so a worker installing it while another
+    # worker's kernel starts would pull the kernelspec from under that kernel.
+    if not _is_worker(session.config):
+        install()
+
+
+# -- running in parallel ---------------------------------------------------------------------
+# `make pytest` runs the suite in several pytest-xdist workers with `--dist loadgroup`: most
+# of its time is spent waiting for kernels, criu and servers, not computing. Tests that
+# share something beyond their own temporary directory run in one group, one after another
+# on one worker, set up once.
+UNIX_USERS_FOLDERS = ("tests/agent/", "tests/hub/", "tests/pods/")
+BROWSER_FOLDER = "tests/ui/"
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    path = item.nodeid.split("::")[0]
+    # They create, use and remove the machine's Unix users alice and bob, kill every one
+    # of their processes when they end, and the node agent tests listen on /run/agent.sock.
+    if path.startswith(UNIX_USERS_FOLDERS) or "unix_users" in item.fixturenames:
+        return "unix-users"
+    # Each scenario drives a chromium, heavy enough alone; the session's ui_tools may run
+    # jlpm install into tests/ui/node_modules, which two workers must not do at once.
+    if path.startswith(BROWSER_FOLDER):
+        return "browser"
+    # Built once for the session, on the worker that runs its readers.
+    if "many_snapshots" in item.fixturenames:
+        return "many-snapshots"
+    # A module-scoped fixture (a Jupyter server, a saved kernel, a network namespace and
+    # its S3 server) is started once per worker that runs one of the module's tests.
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None and any(
+        defs[-1].scope in ("module", "package", "class")
+        for name, defs in info.name2fixturedefs.items() if name in info.names_closure
+    ):
+        return path
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only loadgroup keeps a group on one worker; load, loadscope or worksteal would run
+    # two unix-users tests at once, each killing the other's processes.
+    dist = config.getoption("dist", "no")
+    if config.getoption("tx", None) and dist not in ("no", "loadgroup"):
+        raise pytest.UsageError(f"--dist {dist}: this suite runs in parallel only with "
+                                "--dist loadgroup (the default of its addopts)")
+
+
+# -- GPU results -----------------------------------------------------------------------------
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     gpu_results.record(report)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    gpu_results.write()
+    # Under xdist the controller receives every worker's reports, figures included.
+    if not _is_worker(session.config):
+        gpu_results.write()
 
 
 @pytest.fixture
 def figures(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """Numbers a GPU test measured, kept in the results file under the test's name."""
+    """Numbers a GPU test measured, kept in the results file under the test's name; they
+    travel in the teardown's report, from an xdist worker too."""
     found: dict[str, Any] = {}
     yield found
     if found:
-        gpu_results.RESULTS["figures"][request.node.name] = found
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _snapshot_kernelspec() -> None:
-    install()
+        request.node.user_properties.append((gpu_results.FIGURES, found))
 
 
 @dataclass
@@ -197,6 +261,24 @@ def kernel() -> Iterator[KernelHandle]:
 @pytest.fixture
 def store(tmp_path: Path) -> SnapshotStore:
     return SnapshotStore(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
+def many_snapshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store of 200 small snapshots of 7 notebooks, committed once for the
+    session: each commit checks its name against every snapshot already there, so filling
+    it takes seconds of CPU. For the tests that only list them, each in a copy of its own
+    (``copy_many_snapshots``)."""
+    store = SnapshotStore(tmp_path_factory.mktemp("many-snapshots") / "store")
+    for i in range(200):
+        commit_tiny(store, f"snap-{i}", f"nb-{i % 7}.ipynb")
+    return store.root
+
+
+def copy_many_snapshots(many_snapshots: Path, root: Path) -> None:
+    """The ``many_snapshots`` store copied to ``root``, whole: the same signed manifests and
+    images, read through this test's own store."""
+    shutil.copytree(many_snapshots, root, symlinks=True, dirs_exist_ok=True)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from jupyter_gpu_snapshot.core.errors import Busy, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.locks import kernel_key, name_key, snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from testkit.criu_wrappers import install, slow
+from testkit.criu_wrappers import gated, install, slow
 from tests.cli.test_cli import cli
 from tests.conftest import KernelHandle, RestoredTrees, run, start_kernel, stop_kernel
 
@@ -89,13 +89,14 @@ def test_cli_save_and_engine_save_of_one_kernel(
     store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, cli_in_background: CliStarter
 ):
     kernel.execute("counter = 0; blob = b'x' * (20 << 20)")
-    first = cli_in_background(
-        "--criu", _slow_criu(tmp_path, "dump"), "save", "--pid", str(kernel.kernel_pid),
-        "--json",
-    )
-    _until_held(store, kernel_key(kernel.root_pid), first)
-    with pytest.raises(Busy) as err:
-        run(SnapshotEngine(store).save(SaveTarget(pid=kernel.root_pid)))
+    criu, gate = gated(tmp_path, "dump")
+    first = cli_in_background("--criu", criu, "save", "--pid", str(kernel.kernel_pid), "--json")
+    try:
+        _until_held(store, kernel_key(kernel.root_pid), first)
+        with pytest.raises(Busy) as err:
+            run(SnapshotEngine(store).save(SaveTarget(pid=kernel.root_pid)))
+    finally:
+        gate.touch()
     assert err.value.step == "preflight"
     assert f"kernel pid {kernel.kernel_pid} is busy: pid {first.pid}" in err.value.message
     out, stderr = first.communicate(timeout=120)
@@ -108,14 +109,17 @@ def test_two_saves_under_one_name(
     store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, cli_in_background: CliStarter
 ):
     other = start_kernel()
+    criu, gate = gated(tmp_path, "dump")
     try:
         first = cli_in_background(
-            "--criu", _slow_criu(tmp_path, "dump"), "save",
-            "--pid", str(kernel.kernel_pid), "--name", "mine", "--json",
+            "--criu", criu, "save", "--pid", str(kernel.kernel_pid), "--name", "mine", "--json",
         )
-        _until_held(store, name_key("mine"), first)
-        with pytest.raises(Busy, match="the snapshot name 'mine' is busy"):
-            run(SnapshotEngine(store).save(SaveTarget(pid=other.root_pid), name="mine"))
+        try:
+            _until_held(store, name_key("mine"), first)
+            with pytest.raises(Busy, match="the snapshot name 'mine' is busy"):
+                run(SnapshotEngine(store).save(SaveTarget(pid=other.root_pid), name="mine"))
+        finally:
+            gate.touch()
         _, stderr = first.communicate(timeout=120)
         assert first.returncode == 0, stderr
         # Once committed, the name is taken for good.
@@ -132,16 +136,20 @@ def test_cli_rm_during_a_restore(
 ):
     kernel.execute("state = 'kept'")
     snapshot = run(SnapshotEngine(store).save(SaveTarget(pid=kernel.root_pid), stop=True))
-    # criu restores while the digests are checked: it must outlast the CLI's start-up.
-    engine = SnapshotEngine(store, CriuRunner(_slow_criu(tmp_path, "restore", 8.0)))
+    # criu restores while the digests are checked: it waits until the CLI's rm has ended.
+    criu, gate = gated(tmp_path, "restore")
+    engine = SnapshotEngine(store, CriuRunner(criu))
 
     async def restore_while_deleting() -> subprocess.CompletedProcess[str]:
         verifying = asyncio.Event()  # reported with the snapshot's lock held
         restoring = asyncio.ensure_future(
             engine.restore(snapshot.id, lambda p: verifying.set())
         )
-        await verifying.wait()
-        rm = await asyncio.to_thread(cli, store.root, "rm", snapshot.id, check=False)
+        try:
+            await verifying.wait()
+            rm = await asyncio.to_thread(cli, store.root, "rm", snapshot.id, check=False)
+        finally:
+            gate.touch()
         back = await restoring
         restored.connect(back.connection_info, back.pid)
         return rm
@@ -158,12 +166,14 @@ def test_delete_during_a_cli_restore(
     store: SnapshotStore, kernel: KernelHandle, tmp_path: Path, cli_in_background: CliStarter
 ):
     snapshot = run(SnapshotEngine(store).save(SaveTarget(pid=kernel.root_pid), stop=True))
-    restoring = cli_in_background(
-        "--criu", _slow_criu(tmp_path, "restore", 2.0), "restore", snapshot.id, "--json"
-    )
-    _until_held(store, snapshot_key(snapshot.id), restoring)
-    with pytest.raises(Busy, match="is busy"):
-        store.delete(snapshot.id)
+    criu, gate = gated(tmp_path, "restore")
+    restoring = cli_in_background("--criu", criu, "restore", snapshot.id, "--json")
+    try:
+        _until_held(store, snapshot_key(snapshot.id), restoring)
+        with pytest.raises(Busy, match="is busy"):
+            store.delete(snapshot.id)
+    finally:
+        gate.touch()
     out, stderr = restoring.communicate(timeout=120)
     assert restoring.returncode == 0, stderr
     result = json.loads(out)

@@ -14,15 +14,11 @@ from typing import Any
 
 from jupyter_gpu_snapshot.core.locks import kernel_key, snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
-from testkit.criu_wrappers import install, slow
+from testkit.criu_wrappers import gated
 
 from .conftest import Api, KernelConnector
 
 SNAPSHOTS = ("gpu-snapshot", "snapshots")
-
-
-def _slow_criu(tmp_path: Path, action: str) -> str:
-    return install(tmp_path, slow(action, 3.0), f"criu-slow-{action}")
 
 
 def _cli(store_dir: Path, criu: str, *args: str) -> subprocess.Popen[str]:
@@ -49,10 +45,13 @@ async def test_cli_save_and_rest_save_of_one_kernel(
     ws = await kernel_socket(kernel_id)
     await ws.execute("counter = 0; blob = b'x' * (20 << 20)")
     root = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.root_pid
-    cli = _cli(store_dir, _slow_criu(tmp_path, "dump"), "save", "--pid", str(root), "--json")
-    await _until_held(store_dir, kernel_key(root), cli)
-
-    job = await api.wait(await api.save(kernel_id))
+    criu, gate = gated(tmp_path, "dump")
+    cli = _cli(store_dir, criu, "save", "--pid", str(root), "--json")
+    try:
+        await _until_held(store_dir, kernel_key(root), cli)
+        job = await api.wait(await api.save(kernel_id))
+    finally:
+        gate.touch()
 
     assert job["status"] == "failed"
     assert job["error"]["step"] == "preflight" and "is busy: pid" in job["error"]["message"]
@@ -70,10 +69,14 @@ async def test_rest_delete_during_a_cli_restore(
     ws = await kernel_socket(kernel_id)
     await ws.execute("counter = 0")
     job = await api.succeeded(await api.save(kernel_id, name="shared", stop=True))
-    cli = _cli(store_dir, _slow_criu(tmp_path, "restore"), "restore", "shared", "--json")
+    criu, gate = gated(tmp_path, "restore")
+    cli = _cli(store_dir, criu, "restore", "shared", "--json")
     try:
-        await _until_held(store_dir, snapshot_key(job["snapshot_id"]), cli)
-        code, error = await api.call("DELETE", *SNAPSHOTS, "shared")
+        try:
+            await _until_held(store_dir, snapshot_key(job["snapshot_id"]), cli)
+            code, error = await api.call("DELETE", *SNAPSHOTS, "shared")
+        finally:
+            gate.touch()
         assert code == 409 and "is busy" in error["message"] and error["step"] == "delete"
         out, err = await asyncio.to_thread(cli.communicate, timeout=120)
         assert cli.returncode == 0, err

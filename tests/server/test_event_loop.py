@@ -18,8 +18,8 @@ import pytest
 
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from testkit.loop_watch import LoopWatch
-from testkit.manifests import commit_tiny
 
+from ..conftest import copy_many_snapshots
 from .conftest import Api, KernelConnector
 
 KERNEL_BYTES = 2 << 30
@@ -94,16 +94,10 @@ async def test_no_callback_blocks_the_loop_while_2_gib_are_saved_listed_and_dele
     assert (await ws.execute("print(len(blob))")).strip() == str(KERNEL_BYTES)
 
 
-def _fill_store(store_dir: Path, count: int) -> None:
-    store = SnapshotStore(store_dir)
-    for i in range(count):
-        commit_tiny(store, f"snap-{i}", "many.ipynb")
-
-
 async def test_listing_200_snapshots_reads_each_manifest_once_and_blocks_nothing(
-    api: Api, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+    api: Api, store_dir: Path, monkeypatch: pytest.MonkeyPatch, many_snapshots: Path
 ) -> None:
-    await asyncio.to_thread(_fill_store, store_dir, 200)
+    await asyncio.to_thread(copy_many_snapshots, many_snapshots, store_dir)
     manifests_read: list[str] = []
     load = SnapshotStore._load
 

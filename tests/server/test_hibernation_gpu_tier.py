@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,14 @@ from testkit.fake_driver import (
     fake_cuda_bytes,
 )
 
-from .conftest import Api, Json, KernelConnector, recorded_events, serve_with_fake_cuda
+from .conftest import (
+    JOB_TIMEOUT,
+    Api,
+    Json,
+    KernelConnector,
+    recorded_events,
+    serve_with_fake_cuda,
+)
 from .test_hibernation import (
     HIBERNATION_EVENT_ID,
     collect,
@@ -176,6 +184,20 @@ async def until_woken(hibernation_: Hibernation, kernel_id: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def until_heard_ending(api: Api, kernel_id: str, since: float) -> None:
+    """Until the server has heard the kernel go idle after ``since``: it hears a kernel on
+    a channel of its own, so it may relay a cell's output to the client before it has
+    counted the cell as the kernel's last activity, or heard the cell end."""
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while True:
+        model = await api.ok("GET", "api", "kernels", kernel_id)
+        heard = datetime.fromisoformat(model["last_activity"].replace("Z", "+00:00"))
+        if heard.timestamp() > since and model["execution_state"] == "idle":
+            return
+        assert time.monotonic() < deadline, f"the server never heard kernel {kernel_id} end"
+        await asyncio.sleep(0.05)
+
+
 class TestTakingTurns:
     """Three kernels of 30 GiB on one 80 GiB GPU: two fit awake, each cell wakes its own."""
 
@@ -193,6 +215,7 @@ class TestTakingTurns:
         async def start(name: str) -> str:
             kernel_id, sock = await notebook_kernel(api, kernel_socket, f"{name}.ipynb")
             await sock.execute(f"name = {name!r}")
+            await until_idle(api, kernel_id)  # as the server sees it: a wake's choice
             kernel = procfs.kernel_of(root_of(jp_serverapp, kernel_id))
             assert kernel is not None
             driver.state(kernel.pid)  # the fake's GPU shows the processes it has seen
@@ -213,7 +236,10 @@ class TestTakingTurns:
         await until_state(api, first, "hibernated")  # 60 GiB of 80 in use now
         # Each cell wakes its kernel; the least recently used idle one gives its GPU back.
         for kernel_id, gives_way in ((first, second), (second, third), (third, first)):
+            sent = time.time()
             assert printed(await cell(kernel_id)) == f"{names[kernel_id]}\n"
+            # The next wake must find this kernel idle and the most recently used one.
+            await until_heard_ending(api, kernel_id, sent)
             asleep = await hibernation(api)
             assert set(asleep) == {gives_way}, asleep
             assert asleep[gives_way]["tier"] == "gpu"

@@ -197,3 +197,9 @@ async def test_a_dead_kernels_credential_dies_with_it(api: Api, jp_serverapp: An
         assert time.monotonic() < deadline, "the dead kernel's credential still works"
         await asyncio.sleep(0.2)
     assert code == 403
+    # The test ends once the blank kernel has started: the server's shutdown at teardown
+    # fails on a kernel caught halfway through its restart.
+    km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+    while getattr(km.provisioner, "root_pid", None) in (None, root) or not km.ready.done():
+        assert time.monotonic() < deadline, "the restarter started no new kernel"
+        await asyncio.sleep(0.2)

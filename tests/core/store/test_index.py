@@ -13,6 +13,7 @@ from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.core.store.index import SnapshotIndex
 from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from testkit.manifests import commit_tiny
+from tests.conftest import copy_many_snapshots
 
 
 @pytest.fixture
@@ -69,12 +70,11 @@ def test_a_directory_without_a_readable_manifest_is_listed_damaged(store: Snapsh
 
 
 def test_listing_200_snapshots_again_reads_no_manifest(
-    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch, many_snapshots: Path
 ) -> None:
     """A listing costs a scandir and a stat per snapshot once the index holds them; how long
     that takes is measured by benchmarks/bench_event_loop.py."""
-    for i in range(200):
-        commit_tiny(store, f"snap-{i}", f"nb-{i % 7}.ipynb")
+    copy_many_snapshots(many_snapshots, store.root)
     index = SnapshotIndex(store)
     reads = counting_reads(monkeypatch, store)
     assert len(index.list()) == 200  # the first listing reads the manifests
