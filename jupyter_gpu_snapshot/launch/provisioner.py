@@ -95,11 +95,15 @@ def wait_for_namespace_init(launcher_pid: int, timeout: float = _INIT_WAIT_SECON
     launcher = psutil.Process(launcher_pid)
     while time.monotonic() < deadline:
         try:
-            for child in launcher.children(recursive=True):
+            children = launcher.children(recursive=True)
+        except psutil.NoSuchProcess:
+            break  # the launcher itself ended: no init will come
+        for child in children:
+            # A child that ended since it was listed (unshare's own fork before it execs
+            # nsinit, say) is no reason to give up on the others.
+            with contextlib.suppress(psutil.NoSuchProcess):
                 if script in child.cmdline():
                     return int(child.pid)
-        except psutil.NoSuchProcess:
-            break
         time.sleep(0.01)
     raise RuntimeError(
         "the snapshot-ready kernel did not start its PID namespace "

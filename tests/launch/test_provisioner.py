@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -14,6 +17,11 @@ import pytest
 from jupyter_gpu_snapshot._constants import KERNEL_DEATH_PREFIX
 from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.launch import nsinit
+from jupyter_gpu_snapshot.launch.provisioner import (
+    NSINIT,
+    namespaced_command,
+    wait_for_namespace_init,
+)
 from tests.conftest import KernelError, KernelHandle, reply_to, start_kernel, wait_for_output
 
 
@@ -96,3 +104,30 @@ def test_nsinit_keeps_the_death_prefix_of_the_package():
 
     assert nsinit.DEATH_PREFIX == KERNEL_DEATH_PREFIX
     assert nsinit.describe_end(3) == "exited with status 3"
+
+
+def test_a_child_gone_while_listed_does_not_end_the_wait_for_the_init(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's children are listed, then each is asked its command line: one that
+    ended in between (unshare's own fork, say) is no failure of the launch."""
+    ended = subprocess.Popen(["sleep", "60"])
+    gone = psutil.Process(ended.pid)
+    ended.kill()
+    ended.wait()
+    listed = psutil.Process.children
+
+    def with_one_gone(self: psutil.Process, recursive: bool = False) -> list[psutil.Process]:
+        return [gone, *listed(self, recursive=recursive)]
+
+    monkeypatch.setattr(psutil.Process, "children", with_one_gone)
+    launcher = subprocess.Popen(namespaced_command(
+        [sys.executable, "-c", "import time; time.sleep(120)"], tmp_path / "kernel.log"))
+    try:
+        init = wait_for_namespace_init(launcher.pid, timeout=30)
+        assert str(NSINIT) in psutil.Process(init).cmdline()
+        psutil.Process(init).kill()
+        launcher.wait(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait()
