@@ -113,6 +113,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # pytest-xdist groups a test by the "@group" it appends to the test's id; where it could
+    # not (a pytest that ignores it), the group's tests would run at once on several workers.
+    config = session.config
+    if not (_is_worker(config) and config.getvalue("loadgroup")):
+        return
+    ungrouped = [item.nodeid for item in session.items
+                 if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if ungrouped:
+        # xdist's controller answers this with an internal error of its own, without the
+        # words: pytest_configure names the one pytest known to do it.
+        raise pytest.UsageError(
+            f"pytest-xdist could not group {len(ungrouped)} tests (the first: {ungrouped[0]}), "
+            "which would run at once on several workers")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Only loadgroup keeps a group on one worker; load, loadscope or worksteal would run
     # two unix-users tests at once, each killing the other's processes.
@@ -120,6 +136,17 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("tx", None) and dist not in ("no", "loadgroup"):
         raise pytest.UsageError(f"--dist {dist}: this suite runs in parallel only with "
                                 "--dist loadgroup (the default of its addopts)")
+    if config.getoption("tx", None) and _ignores_group_suffix(pytest.__version__):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} ignores the group pytest-xdist adds to a test's id, "
+            "so --dist loadgroup would run a group's tests at once on several workers: "
+            "install the pytest pyproject.toml asks for (pip install -e '.[test]')")
+
+
+def _ignores_group_suffix(version: str) -> bool:
+    """pytest 9.2 builds a test's id from its parts and drops the suffix xdist sets."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= (9, 2)
 
 
 # -- GPU results -----------------------------------------------------------------------------
