@@ -344,9 +344,34 @@ def offence(call: FileCall, user: UserDirs) -> str | None:
         return None
     for directory in user.writable:
         # Below it: the directory itself is named in a directory of root's.
-        if path.startswith(directory.rstrip("/") + "/"):
+        if path.startswith(directory.rstrip("/") + "/") and _replaceable(
+                path, directory, user):
             return f"{call}: under {directory}, which the user can change"
     return None
+
+
+def _replaceable(path: str, directory: str, user: UserDirs) -> bool:
+    """Whether ``user`` can change what ``path``, below ``directory`` that they may write,
+    names. In a sticky directory (/tmp) they may replace only their own entries, so a path
+    below an entry of root's is theirs to change only where a directory on the way down is
+    theirs to write. What is gone by now is taken as theirs: nothing says otherwise."""
+    top = directory.rstrip("/")
+    try:
+        if not os.stat(top).st_mode & 0o1000:
+            return True
+        names = path[len(top) + 1:].split("/")
+        entries = [f"{top}/{'/'.join(names[:i])}" for i in range(1, len(names) + 1)]
+        first = os.lstat(entries[0])
+        if first.st_uid == user.uid:
+            return True
+        for entry in entries[:-1]:
+            st = os.lstat(entry)
+            if user.changes((st.st_uid, st.st_gid, st.st_mode)):
+                return True
+    except OSError:
+        return True
+    return False
+    return False
 
 
 def offences(calls: Iterable[FileCall], user: UserDirs) -> list[str]:
