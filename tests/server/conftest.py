@@ -263,7 +263,9 @@ KernelConnector = Callable[[str], Awaitable[KernelSocket]]
 
 
 @pytest.fixture
-def kernel_socket(jp_ws_fetch: Callable[..., Any]) -> Iterator[KernelConnector]:
+def kernel_socket(
+    jp_ws_fetch: Callable[..., Any], jp_asyncio_loop: asyncio.AbstractEventLoop,
+) -> Iterator[KernelConnector]:
     sockets: list[KernelSocket] = []
 
     async def connect(kernel_id: str) -> KernelSocket:
@@ -272,9 +274,14 @@ def kernel_socket(jp_ws_fetch: Callable[..., Any]) -> Iterator[KernelConnector]:
         sockets.append(sock)
         return sock
 
+    async def close_all() -> None:
+        for sock in sockets:
+            sock.close()
+
     yield connect
-    for sock in sockets:
-        sock.close()
+    # A socket the server has not closed yet writes its close frame, on the test's loop,
+    # which runs no more once the test ended.
+    jp_asyncio_loop.run_until_complete(close_all())
 
 
 # -- servers in their own processes, as a user or systemd runs them --------------------------
