@@ -228,7 +228,9 @@ class RootFileCalls:
 
     def start(self, argv: Sequence[str], **popen: object) -> subprocess.Popen[bytes]:
         """``argv`` started as ``subprocess.Popen(argv, **popen)`` would, watched from its
-        first instruction on; its stdin is /dev/null (``popen`` without ``stdin``)."""
+        first instruction on; its stdin is /dev/null (``popen`` may say so, or nothing)."""
+        stdin = popen.pop("stdin", subprocess.DEVNULL)
+        assert stdin == subprocess.DEVNULL, "the gate holds stdin: the program gets /dev/null"
         gate_in, gate_out = os.pipe()
         # The gate waits on its stdin, then becomes ``argv``.
         started: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
