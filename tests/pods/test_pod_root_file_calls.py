@@ -4,8 +4,8 @@ DaemonSet's agent (``tests/pods/daemonset.py``).
 
 The node's agent, started under the tracer, launches her kernel in her pod's container;
 it is saved there (its connection file, in her home volume, read by the agent, as the CLI
-sends none), saved with a stop, her pod deleted, and the snapshot restored into her next
-pod, each through the CLI in her container. The agent has no gpu tier for a kernel in a
+sends none), saved with a stop and restored into her pod (the wake of a hibernation),
+each through the CLI in her container. The agent has no gpu tier for a kernel in a
 pod (``test_pod_daemonset_isolation`` checks its refusal). What she can change: in her
 container, her home, ``/tmp``, ``/var/tmp``, ``/dev/shm`` and the kernel's working
 directory; every volume of her pod that she can write (the home volume, her kernel-log
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,24 +47,28 @@ SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
 
 @dataclass
 class CallerInAPod:
-    """Alice in the DaemonSet model: her pods, and the kernel the node's agent launched in
-    the latest."""
+    """Alice in the DaemonSet model: her pod, and the kernel the node's agent launched in
+    it."""
 
     user: NodeAgentUser
-    pods: list[Pod] = field(default_factory=list)
+    pod: Pod | None = None
     kernel: PodKernel | None = None
 
     def _kernel(self) -> PodKernel:
         assert self.kernel is not None, "no kernel started"
         return self.kernel
 
+    def _pod(self) -> Pod:
+        assert self.pod is not None, "no pod made"
+        return self.pod
+
     def start_kernel(self) -> None:
-        self.pods.append(self.user.next_pod())
-        self.kernel = self.user.start_kernel(self.pods[-1])
+        self.pod = self.user.next_pod()
+        self.kernel = self.user.start_kernel(self.pod)
 
     def save(self) -> None:
         # The CLI sends no connection: the agent reads the kernel's connection file itself.
-        self.user.cli(self.pods[-1], "save", "--pid", str(self._kernel().pod_pid),
+        self.user.cli(self._pod(), "save", "--pid", str(self._kernel().pod_pid),
                       "--name", "kept")
 
     def release_and_wake_gpu(self) -> None:
@@ -72,7 +76,7 @@ class CallerInAPod:
 
     def save_and_stop(self) -> str:
         kernel = self._kernel()
-        saved = json.loads(self.user.cli(self.pods[-1], "save", "--pid", str(kernel.pod_pid),
+        saved = json.loads(self.user.cli(self._pod(), "save", "--pid", str(kernel.pod_pid),
                                          "--stop", "--json").stdout)
         deadline = time.monotonic() + COMMAND_SECONDS
         while procfs.tree_alive(kernel.node_pid):
@@ -82,10 +86,9 @@ class CallerInAPod:
         return snapshot_id
 
     def restore_and_ask(self, snapshot_id: str, expression: str) -> str:
-        # Woken in her next pod, as when her server's pod was deleted meanwhile.
-        self.pods[-1].delete()
-        self.pods.append(self.user.next_pod())
-        pod = self.pods[-1]
+        # Woken in her pod, as her server wakes a hibernated kernel (a restore into her
+        # next pod is test_pod_daemonset's).
+        pod = self._pod()
         restored = json.loads(self.user.cli(pod, "restore", snapshot_id, "--json").stdout)
         said = self.user.run_in(pod, sys.executable, "-c", ASK_KERNEL,
                                 restored["connection_file"], expression)
