@@ -126,8 +126,9 @@ def declared(call: FileCall, working_directories: set[str]) -> bool:
     kernel's working directory by path, which criu makes at the dump (a stat, to record
     it) and at the restore (inside the restored mount namespace, where no descriptor
     from outside could serve), and which the restore checks before the tree runs
-    (``UserPath.WORKING_DIRECTORY``)."""
-    if call.comm != "criu":
+    (``UserPath.WORKING_DIRECTORY``). In a pod the agent runs criu by its own loader, a
+    copy in memory run as ``/proc/self/fd/N``: the kernel names that task ``N``."""
+    if call.comm != "criu" and not call.comm.isdigit():
         return False
     if CRIU_SCRATCH.match(call.path) or (call.syscall, call.path) in CRIU_PIVOT:
         return True

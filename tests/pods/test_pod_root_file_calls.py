@@ -122,7 +122,7 @@ def node_dir() -> Iterator[Path]:
     """The node's directories (the agent's socket, run and state, the runtime's records,
     the pods' volumes): root's and in none that a user may write, as /run and /var/lib are
     on a node, so that /tmp counts whole as the users'."""
-    directory = Path(tempfile.mkdtemp(prefix="jgs-traced-pods-", dir="/run"))
+    directory = Path(tempfile.mkdtemp(prefix="jgs-", dir="/run"))
     try:
         yield directory
     finally:
