@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from jupyter_gpu_snapshot.cli.main import main as cli_main
-from jupyter_gpu_snapshot.core import restore, save
+from jupyter_gpu_snapshot.core import engine, restore, save
 from jupyter_gpu_snapshot.core.hooks import Progress, ProgressCallback
 from testkit import fault_points
 
@@ -51,10 +51,17 @@ def arm(moment: str, after_bytes: int) -> None:
         fault_points.arm(moment)
         return
     # save_kernel(engine, target, name, stop, report); restore_snapshot(engine, snapshot,
-    # report, gpus): the engine imports each from its module when it runs it.
-    save.save_kernel = _dying(save.save_kernel, 4, moment, after_bytes)  # type: ignore[assignment]
-    restore.restore_snapshot = _dying(  # type: ignore[assignment]
-        restore.restore_snapshot, 2, moment, after_bytes)
+    # report, gpus): wrapped in their modules, whence the engine imports each when it runs
+    # it, and in the engine's own module where it holds them from its import (as a release
+    # before the lazy imports did), so that the kill comes in either.
+    saving = _dying(save.save_kernel, 4, moment, after_bytes)
+    restoring = _dying(restore.restore_snapshot, 2, moment, after_bytes)
+    for module in (save, engine):
+        if hasattr(module, "save_kernel"):
+            module.save_kernel = saving  # type: ignore[attr-defined]
+    for module in (restore, engine):
+        if hasattr(module, "restore_snapshot"):
+            module.restore_snapshot = restoring  # type: ignore[attr-defined]
 
 
 def main() -> None:

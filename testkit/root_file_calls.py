@@ -228,7 +228,9 @@ class RootFileCalls:
 
     def start(self, argv: Sequence[str], **popen: object) -> subprocess.Popen[bytes]:
         """``argv`` started as ``subprocess.Popen(argv, **popen)`` would, watched from its
-        first instruction on; its stdin is /dev/null (``popen`` without ``stdin``)."""
+        first instruction on; its stdin is /dev/null (``popen`` may say so, or nothing)."""
+        stdin = popen.pop("stdin", subprocess.DEVNULL)
+        assert stdin == subprocess.DEVNULL, "the gate holds stdin: the program gets /dev/null"
         gate_in, gate_out = os.pipe()
         # The gate waits on its stdin, then becomes ``argv``.
         started: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
@@ -325,6 +327,12 @@ def offence(call: FileCall, user: UserDirs) -> str | None:
             # below one of its magic links is a lookup in the user's files.
             if _BELOW_PROC_LINK.match(path):
                 return f"{call}: a lookup below a process's magic link in /proc"
+            return None
+        if path == ".." and call.base is not None and not user.changes(call.base):
+            # The parent of a directory the user cannot change (getcwd's walk up from a
+            # directory the kernel cannot name, as a helper criu runs in a pod does): the
+            # directory's own parent, named by nothing of theirs; a lookup from where the
+            # walk leads is judged by its own base.
             return None
         if ".." in path.split("/") or call.base is None or user.changes(call.base):
             return f"{call}: relative to a directory the user can change"

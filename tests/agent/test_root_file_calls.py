@@ -12,6 +12,11 @@ as the CLI sends none), released and woken in the gpu tier, saved with a stop (t
 tier) and restored; every call on a path under her home, /tmp, /var/tmp, /dev/shm, the
 kernel's working directory or her log directory fails the test, but two of criu's own,
 declared below with the reason each is safe.
+
+The steps and the verdict are one function of a ``Caller``
+(``no_path_of_the_callers_is_resolved_with_roots_rights``): here a user of this host, and in
+``tests/pods/test_pod_root_file_calls.py`` a user in a pod of the node's agent, the pod's
+volumes counted among what they can change.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -38,6 +44,7 @@ from testkit.unix_users import REPO, UnixUser
 
 from .conftest import (
     AGENT_START_SECONDS,
+    UserKernel,
     ask_kernel,
     cli,
     kill_users_kernels,
@@ -119,8 +126,9 @@ def declared(call: FileCall, working_directories: set[str]) -> bool:
     kernel's working directory by path, which criu makes at the dump (a stat, to record
     it) and at the restore (inside the restored mount namespace, where no descriptor
     from outside could serve), and which the restore checks before the tree runs
-    (``UserPath.WORKING_DIRECTORY``)."""
-    if call.comm != "criu":
+    (``UserPath.WORKING_DIRECTORY``). In a pod the agent runs criu by its own loader, a
+    copy in memory run as ``/proc/self/fd/N``: the kernel names that task ``N``."""
+    if call.comm != "criu" and not call.comm.isdigit():
         return False
     if CRIU_SCRATCH.match(call.path) or (call.syscall, call.path) in CRIU_PIVOT:
         return True
@@ -128,35 +136,111 @@ def declared(call: FileCall, working_directories: set[str]) -> bool:
     return call.syscall in ("openat", "newfstatat") and looked_up in working_directories
 
 
-def test_no_path_of_the_users_is_resolved_with_roots_rights(
-        traced_agent: TracedAgent, unix_users: tuple[UnixUser, UnixUser]) -> None:
-    alice, _ = unix_users
-    kernel = start_user_kernel(alice, traced_agent, env=fake_cuda_env(GIB))
-    assert ask_kernel(alice, traced_agent, kernel.connection_file,
-                      f"exec({RESTORE_THREAD_CODE!r}) or 'started'") == "started"
-    # The CLI sends no connection: the agent reads the kernel's connection file itself.
-    cli(alice, traced_agent, "save", "--pid", str(kernel.root_pid), "--name", "kept")
-    server = UserServer(alice, traced_agent)
-    try:
-        released = server.call("release", kernel.root_pid, {"kernel_id": kernel.kernel_id})
-        assert released["gpu_memory"], released
-        server.call("wake", kernel.root_pid)
-    finally:
-        server.close()
-    stopped = save_and_stop(alice, traced_agent, kernel)
-    restored = json.loads(cli(alice, traced_agent, "restore", stopped["id"],
-                              "--json").stdout)
-    assert ask_kernel(alice, traced_agent, restored["connection_file"], "x") == "41"
+class Caller(Protocol):
+    """A user whose kernel the class runs through a traced agent: one of this host's
+    (``HostCaller``), or of a pod the node's agent serves (``tests/pods``). It holds its
+    kernel between the steps."""
 
-    calls = traced_agent.calls.stop()
+    def start_kernel(self) -> None:
+        """A kernel of theirs, started through the agent, with ``x = 41`` in it."""
+
+    def save(self) -> None:
+        """A save that keeps the kernel running, sending no connection: the agent reads
+        the kernel's connection file itself."""
+
+    def release_and_wake_gpu(self) -> None:
+        """The gpu tier of a hibernation, where the agent has one for the caller."""
+
+    def save_and_stop(self) -> str:
+        """A save that stops the kernel (the process tier of a hibernation); its id, once
+        the kernel's tree has ended."""
+
+    def restore_and_ask(self, snapshot_id: str, expression: str) -> str:
+        """The snapshot restored through the agent (the wake), and what the restored
+        kernel says ``expression`` is."""
+
+    def changeable(self) -> UserDirs:
+        """Every directory the caller can change, once the steps are done."""
+
+    def working_directories(self) -> set[str]:
+        """The kernel's working directories, as criu names them."""
+
+
+def no_path_of_the_callers_is_resolved_with_roots_rights(
+        caller: Caller, calls: RootFileCalls) -> None:
+    """The class: save, the gpu tier's release and wake, a stopping save and a restore of
+    ``caller``'s kernel, each through the agent ``calls`` watches; then not one call with
+    root's file rights on a path the caller can change, but criu's declared ones."""
+    caller.start_kernel()
+    caller.save()
+    caller.release_and_wake_gpu()
+    stopped = caller.save_and_stop()
+    assert caller.restore_and_ask(stopped, "x") == "41"
+
+    recorded = calls.stop()
     # The tracer saw criu and the agent's reads of the kernel's files: the test can fail.
-    assert any(c.comm == "criu" for c in calls), "criu was not seen"
-    working_directories = {str(alice.home)}
-    user = UserDirs(alice.uid, frozenset(os.getgrouplist(alice.name, alice.gid)), (
-        str(alice.home), "/tmp", "/var/tmp", "/dev/shm", str(traced_agent.log_dir(alice)),
-        *working_directories))
-    found = [why for call in calls
+    assert any(c.comm == "criu" for c in recorded), "criu was not seen"
+    user = caller.changeable()
+    working_directories = caller.working_directories()
+    found = [why for call in recorded
              if (why := offence(call, user)) is not None
              and not declared(call, working_directories)]
-    assert found == [], (f"{len(found)} calls with root's file rights on paths "
-                         f"{alice.name} can change:\n" + "\n".join(found[:60]))
+    assert found == [], (f"{len(found)} calls with root's file rights on paths the caller "
+                         "can change:\n" + "\n".join(found[:60]))
+
+
+@dataclass
+class HostCaller:
+    """Alice, a user of this host, her kernel holding CUDA state for the scripted driver."""
+
+    user: UnixUser
+    agent: TracedAgent
+    kernel: UserKernel | None = None
+
+    def _kernel(self) -> UserKernel:
+        assert self.kernel is not None, "no kernel started"
+        return self.kernel
+
+    def start_kernel(self) -> None:
+        self.kernel = start_user_kernel(self.user, self.agent, env=fake_cuda_env(GIB))
+        assert ask_kernel(self.user, self.agent, self.kernel.connection_file,
+                          f"exec({RESTORE_THREAD_CODE!r}) or 'started'") == "started"
+
+    def save(self) -> None:
+        # The CLI sends no connection: the agent reads the kernel's connection file itself.
+        cli(self.user, self.agent, "save", "--pid", str(self._kernel().root_pid),
+            "--name", "kept")
+
+    def release_and_wake_gpu(self) -> None:
+        kernel = self._kernel()
+        server = UserServer(self.user, self.agent)
+        try:
+            released = server.call("release", kernel.root_pid, {"kernel_id": kernel.kernel_id})
+            assert released["gpu_memory"], released
+            server.call("wake", kernel.root_pid)
+        finally:
+            server.close()
+
+    def save_and_stop(self) -> str:
+        stopped: str = save_and_stop(self.user, self.agent, self._kernel())["id"]
+        return stopped
+
+    def restore_and_ask(self, snapshot_id: str, expression: str) -> str:
+        restored = json.loads(cli(self.user, self.agent, "restore", snapshot_id,
+                                  "--json").stdout)
+        return ask_kernel(self.user, self.agent, restored["connection_file"], expression)
+
+    def changeable(self) -> UserDirs:
+        user = self.user
+        return UserDirs(user.uid, frozenset(os.getgrouplist(user.name, user.gid)), (
+            str(user.home), "/tmp", "/var/tmp", "/dev/shm", str(self.agent.log_dir(user)),
+            *self.working_directories()))
+
+    def working_directories(self) -> set[str]:
+        return {str(self.user.home)}
+
+
+def test_no_path_of_the_users_is_resolved_with_roots_rights(
+        traced_agent: TracedAgent, unix_users: tuple[UnixUser, UnixUser]) -> None:
+    no_path_of_the_callers_is_resolved_with_roots_rights(
+        HostCaller(unix_users[0], traced_agent), traced_agent.calls)

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,12 +189,18 @@ class Node:
         return [*args, "--container-bundles", f"{self.bundles}/{{id}}", *options]
 
 
+# What starts the agent's process: ``subprocess.Popen``, or a tracer's start that watches
+# it and everything it starts (``testkit.root_file_calls.RootFileCalls.start``).
+Start = Callable[..., subprocess.Popen[bytes]]
+
+
 class NodeAgent:
     """``jupyter gpu-snapshot agent`` as the DaemonSet runs it, on this machine as the node
-    and in its namespaces, with ``options`` after the manifest's; its output in
-    ``log_path``."""
+    and in its namespaces, with ``options`` after the manifest's, started by ``start``; its
+    output in ``log_path``."""
 
-    def __init__(self, node: Node, options: Sequence[str] = ()) -> None:
+    def __init__(self, node: Node, options: Sequence[str] = (),
+                 start: Start = subprocess.Popen) -> None:
         self.node = node
         self.log_path = node.root / "agent.log"
         for directory in (node.socket_dir, node.run_dir, node.state_dir, node.bundles):
@@ -202,7 +208,7 @@ class NodeAgent:
         with open(self.log_path, "wb") as log:
             # `jupyter gpu-snapshot` is this module, run by the image's interpreter. A
             # session of its own: ``end`` kills what it runs too.
-            self.process = subprocess.Popen(
+            self.process = start(
                 [sys.executable, "-m", "jupyter_gpu_snapshot.cli", "agent",
                  *node.agent_args(options)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -275,16 +281,24 @@ class NodeAgentUser(PodUser):
         """The user's snapshots in the agent's state, by their pod's namespace and name."""
         return self.node.state_dir / "pods" / HUB_NAMESPACE / self.pod_name / "snapshots"
 
+    def volumes(self) -> dict[Path, str]:
+        """The volumes of each of the user's pods: this node's directory -> where the pod
+        mounts it (the home volume, then the values' hostPaths)."""
+        volumes = {self.home: self.spec.home}
+        for node_path, pod_path in self.spec.pod_volumes(self.name).values():
+            here, inside = self.node.volume(node_path, pod_path)
+            volumes[here] = inside
+        return volumes
+
     def next_pod(self, devices: tuple[str, ...] = ()) -> Pod:
         """A new pod of the user's, as the hub makes it from the values, with ``devices``
         (the GPUs the device plugin allocates it); and the runtime's record of its
         container, by which the agent knows whose it is. Blocking: called in a thread."""
         node = self.node
-        volumes = {self.home: self.spec.home}
-        for node_path, pod_path in self.spec.pod_volumes(self.name).values():
-            here, inside = node.volume(node_path, pod_path)
-            make_host_path(here)
-            volumes[here] = inside
+        volumes = self.volumes()
+        for here in volumes:
+            if here != self.home:
+                make_host_path(here)
         pod = NotebookPod(self.pod_name, self.workdir / "pods", volumes, self.spec.env,
                           devices)
         self.made.append(pod)
@@ -300,19 +314,20 @@ class NodeAgentUser(PodUser):
 
 @contextlib.contextmanager
 def node_agent_users(
-    tmp_path: Path, unix_user: UnixUser, agent_options: Sequence[str] = ()
+    tmp_path: Path, unix_user: UnixUser, agent_options: Sequence[str] = (),
+    start: Start = subprocess.Popen,
 ) -> Iterator[tuple[NodeAgent, NodeAgentUser, NodeAgentUser]]:
-    """The node's agent, listening, with ``agent_options`` after the manifest's arguments
-    (``--disk-quota 1``: they win), and Alice and Bob, both running as ``unix_user``'s uid
-    as the values' one ``uid`` for all has them (the uid must have a name here). Their
-    pods are deleted and the agent killed at the end, whatever happened, and the end of its
-    log printed: pytest shows it with a failed test."""
+    """The node's agent, started by ``start``, listening, with ``agent_options`` after the
+    manifest's arguments (``--disk-quota 1``: they win), and Alice and Bob, both running as
+    ``unix_user``'s uid as the values' one ``uid`` for all has them (the uid must have a
+    name here). Their pods are deleted and the agent killed at the end, whatever happened,
+    and the end of its log printed: pytest shows it with a failed test."""
     # The agent trusts the runtime's records only in directories that none but root can
     # change, from / down.
     os.chmod(tmp_path, 0o755)
     spec = DaemonSetPods.read(DAEMONSET, VALUES)
     assert spec.uid != 0
-    agent = NodeAgent(Node(tmp_path, spec), agent_options)
+    agent = NodeAgent(Node(tmp_path, spec), agent_options, start)
     try:
         agent.wait_listening()
         with pods(tmp_path / "pods") as made:

@@ -33,7 +33,13 @@ from testkit.unix_users import POLL, UnixUser
 
 from ..agent.conftest import COMMAND_SECONDS
 from .conftest import ASK_AGENT, NOTEBOOK, PodKernel, image_environment
-from .daemonset import HUB_NAMESPACE, SOCKET_VARIABLE, NodeAgentUser, node_agent_users
+from .daemonset import (
+    HUB_NAMESPACE,
+    SOCKET_VARIABLE,
+    NodeAgentUser,
+    Start,
+    node_agent_users,
+)
 from .test_pod_daemonset import Node
 from .test_pod_isolation import ANSWER_SECONDS, FLOOD, NO_SNAPSHOT, NOT_LAUNCHED
 
@@ -63,11 +69,12 @@ def shared_uid(unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int
 
 
 @contextlib.contextmanager
-def node_users(tmp_path: Path, uid: UnixUser, *agent_options: str) -> Iterator[Node]:
-    """The node's agent, given ``agent_options`` after the manifest's, and Alice and Bob;
-    what they started from this machine (their kernels' holders, their floods) ended
-    whatever happens, before their pods are deleted."""
-    with node_agent_users(tmp_path, uid, agent_options) as (agent, alice, bob):
+def node_users(tmp_path: Path, uid: UnixUser, *agent_options: str,
+               start: Start = subprocess.Popen) -> Iterator[Node]:
+    """The node's agent, given ``agent_options`` after the manifest's and started by
+    ``start``, and Alice and Bob; what they started from this machine (their kernels'
+    holders, their floods) ended whatever happens, before their pods are deleted."""
+    with node_agent_users(tmp_path, uid, agent_options, start) as (agent, alice, bob):
         try:
             yield agent, alice, bob
         finally:
