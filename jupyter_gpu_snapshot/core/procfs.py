@@ -212,13 +212,21 @@ def kill_tree(root: int) -> None:
         psutil.wait_procs(procs, timeout=5)
 
 
+# The states of a connection its process has closed, which the system alone ends.
+_CLOSED_BY_ITS_PROCESS = frozenset({
+    psutil.CONN_FIN_WAIT1, psutil.CONN_FIN_WAIT2, psutil.CONN_CLOSING, psutil.CONN_LAST_ACK,
+    psutil.CONN_TIME_WAIT,
+})
+
+
 def ports_closing(connection_info: dict[str, Any]) -> bool:
-    """Whether the kernel's ports are held only by connections in TIME_WAIT: no process has
-    them, the system frees them within a minute (a criu restore killed midway leaves these)."""
+    """Whether the kernel's ports are held only by connections their process has closed
+    (TIME_WAIT, or on the way to it): no process has them, the system frees them within a
+    minute (a criu restore killed midway leaves these)."""
     ports = set(kernel_ports(connection_info).values())
     states = {c.status for c in psutil.net_connections(kind="tcp")
               if c.laddr and c.laddr.port in ports}
-    return states == {psutil.CONN_TIME_WAIT}
+    return bool(states) and states <= _CLOSED_BY_ITS_PROCESS
 
 
 def kill_orphans(children: dict[int, float], connection_info: dict[str, Any],
