@@ -494,7 +494,11 @@ test('autosave', async ({ lab, page }) => {
   await lab.buttonState('ready');
   await lab.recordStatusTexts();
   seen.state_output = await lab.runCell(0);
-  const status = page.locator('.jp-gpu-snapshot-status', { hasText: /^Autosaved / });
+  // The status may say "Autosaved just now" from the listing before it has the autosave's
+  // own record, with the pause: wait for that.
+  const status = page.locator('.jp-gpu-snapshot-status', {
+    hasText: /^Autosaved .*\(paused [\d.]+ s\)$/
+  });
   await status.waitFor({ timeout: 90_000 });
   seen.status_item = (await status.innerText()).trim();
   seen.status_texts = await lab.recordedStatusTexts();
