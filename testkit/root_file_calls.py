@@ -26,6 +26,7 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -362,23 +363,30 @@ def _replaceable(path: str, directory: str, user: UserDirs) -> bool:
     """Whether ``user`` can change what ``path``, below ``directory`` that they may write,
     names. In a sticky directory (/tmp) they may replace only their own entries, so a path
     below an entry of root's is theirs to change only where a directory on the way down is
-    theirs to write. What is gone by now is taken as theirs: nothing says otherwise."""
+    theirs to write, or lets them make what is missing."""
     top = directory.rstrip("/")
     try:
         if not os.stat(top).st_mode & 0o1000:
             return True
-        names = path[len(top) + 1:].split("/")
-        entries = [f"{top}/{'/'.join(names[:i])}" for i in range(1, len(names) + 1)]
-        first = os.lstat(entries[0])
-        if first.st_uid == user.uid:
-            return True
-        for entry in entries[:-1]:
-            st = os.lstat(entry)
-            if user.changes((st.st_uid, st.st_gid, st.st_mode)):
-                return True
     except OSError:
         return True
-    return False
+    names = path[len(top) + 1:].split("/")
+    entries = [f"{top}/{'/'.join(names[:i])}" for i in range(1, len(names) + 1)]
+    for index, entry in enumerate(entries):
+        try:
+            st = os.lstat(entry)
+            if stat.S_ISLNK(st.st_mode):
+                st = os.stat(entry)  # a link's own mode says nothing: its target's does
+        except FileNotFoundError:
+            # Nobody made it: the user may where they can write its parent, the sticky
+            # directory itself for the first entry; the others' parents were found root's.
+            return index == 0
+        except OSError:
+            return True
+        if index == 0 and st.st_uid == user.uid:
+            return True
+        if index < len(entries) - 1 and user.changes((st.st_uid, st.st_gid, st.st_mode)):
+            return True
     return False
 
 
