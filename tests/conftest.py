@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psutil
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
@@ -269,10 +270,11 @@ def start_kernel(kernel_name: str = KERNEL_NAME, env: dict[str, str] | None = No
 
 def stop_kernel(handle: KernelHandle) -> None:
     handle.client.stop_channels()
-    root = getattr(handle.km.provisioner, "root_pid", None)
+    # The root as the provisioner holds it: the pid alone may be another's by now.
+    root = getattr(handle.km.provisioner, "root", None)
     if handle.km.has_kernel:
         handle.km.shutdown_kernel(now=True)
-    if root and procfs.tree_alive(root):
+    if root is not None and procfs.tree_alive(root):
         procfs.kill_tree(root)
 
 
@@ -326,11 +328,15 @@ class RestoredTrees:
     """Restored process trees to kill after a test, whatever happened in it."""
 
     def __init__(self) -> None:
-        self.roots: list[int] = []
+        # Held as the processes they are now: a tree that ended during the test leaves its
+        # pid to others, whom the cleanup must not kill.
+        self.roots: list[psutil.Process] = []
         self.clients: list[BlockingKernelClient] = []
 
     def connect(self, info: dict[str, Any] | Path, root: int) -> BlockingKernelClient:
-        self.roots.append(root)
+        held = procfs.held(root)
+        if held is not None:
+            self.roots.append(held)
         client = connect(info)
         self.clients.append(client)
         return client

@@ -165,14 +165,28 @@ def namespace_init(pid: int) -> int | None:
         current = parent
 
 
-def tree(root: int) -> list[psutil.Process]:
-    proc = psutil.Process(root)
+# A tree's root, by pid, or as a ``psutil.Process`` taken while it ran: the latter names that
+# process alone (psutil checks its start time), never one that got the pid after it ended:
+# a process that is not our child leaves no zombie to keep its pid from others.
+Root = int | psutil.Process
+
+
+def held(pid: int) -> psutil.Process | None:
+    """``pid``'s process as it is now, to signal and watch later; None if it ended."""
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def tree(root: Root) -> list[psutil.Process]:
+    proc = psutil.Process(root) if isinstance(root, int) else root
     return [proc, *proc.children(recursive=True)]
 
 
-def tree_alive(root: int) -> bool:
+def tree_alive(root: Root) -> bool:
     try:
-        proc = psutil.Process(root)
+        proc = psutil.Process(root) if isinstance(root, int) else root
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
@@ -202,7 +216,7 @@ def continue_tree(root: int) -> None:
                 proc.send_signal(signal.SIGCONT)
 
 
-def kill_tree(root: int) -> None:
+def kill_tree(root: Root) -> None:
     """SIGKILL the init of a namespace; the kernel dies with it."""
     with contextlib.suppress(psutil.Error):
         procs = tree(root)

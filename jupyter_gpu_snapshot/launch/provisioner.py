@@ -135,17 +135,19 @@ class Adoption:
 
 
 class AdoptedProcess:
-    """Popen-like handle on a restored kernel tree, which is not our child."""
+    """Popen-like handle on a restored kernel tree, which is not our child: held as the
+    process it was when adopted, so that its pid, once taken by another, is not it."""
 
     # No pipes: LocalProvisioner.wait() closes these when they are set.
     stdin = stdout = stderr = None
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, root: psutil.Process | None) -> None:
         self.pid = pid
+        self.root = root
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not procfs.tree_alive(self.pid):
+        if self.returncode is None and (self.root is None or not procfs.tree_alive(self.root)):
             self.returncode = 0
         return self.returncode
 
@@ -158,7 +160,12 @@ class AdoptedProcess:
         return self.returncode or 0
 
     def send_signal(self, signum: int) -> None:
-        os.kill(self.pid, signum)
+        try:
+            if self.root is None:
+                raise psutil.NoSuchProcess(self.pid)
+            self.root.send_signal(signum)
+        except psutil.NoSuchProcess as gone:  # as os.kill says it, for Popen's callers
+            raise ProcessLookupError(signum, f"process {self.pid} has ended") from gone
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -264,6 +271,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
     inherited_credential: str | None = None
 
     root_pid: int | None = None
+    # The root as the process it was when it started: what signals and kills reach.
+    _root: psutil.Process | None = None
     # The log the running tree writes, and its size when this kernel began: what nsinit
     # writes there after that says how this kernel ended (core/kernel_log.py).
     log_path: Path | None = None
@@ -353,6 +362,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
                 os.close(log_fd)
             assert self.process is not None
             self.root_pid = await asyncio.to_thread(wait_for_namespace_init, self.process.pid)
+            self._root = procfs.held(self.root_pid)
         await self._tree_runs()
         return info
 
@@ -381,11 +391,17 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         })
         self.log_path = Path(started["log_path"])
         self.log_start = await asyncio.to_thread(log_size, self.log_path)
-        self.root_pid = int(started["pid"])
-        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(self.root_pid))
-        self.pid = self.root_pid
-        self.pgid = None
+        self._hold_tree(int(started["pid"]))
         return self.connection_info
+
+    def _hold_tree(self, pid: int) -> None:
+        """A tree that is not our child becomes this kernel's process."""
+        self.root_pid = pid
+        self._root = procfs.held(pid)
+        # LocalProvisioner only polls, waits for and signals its process: duck typing works.
+        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(pid, self._root))
+        self.pid = pid
+        self.pgid = None
 
     async def _take_log_of(self, adoption: Adoption) -> None:
         """Follow the log a restored tree writes: the one of the kernel it was saved from,
@@ -415,7 +431,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
                 ended.kill()
                 await asyncio.to_thread(ended.wait)
         self.process = cast("subprocess.Popen[bytes]", HibernatedProcess())
-        self.root_pid = None
+        self.root_pid = self._root = None
         self.pid = None
         self.pgid = None
 
@@ -439,11 +455,7 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         self._adoption_used = True
         self.adopted_snapshot = adoption.snapshot_id
         self.inherited_credential = adoption.credential
-        self.root_pid = adoption.pid
-        # LocalProvisioner only polls, waits for and signals its process: duck typing works.
-        self.process = cast("subprocess.Popen[bytes]", AdoptedProcess(adoption.pid))
-        self.pid = adoption.pid
-        self.pgid = None
+        self._hold_tree(adoption.pid)
         return self.connection_info
 
     # -- the kernel's credential -----------------------------------------------------------
@@ -469,15 +481,15 @@ class SnapshotReadyProvisioner(LocalProvisioner):
 
     async def send_signal(self, signum: int) -> None:
         """Called by ``KernelManager.signal_kernel()``; nsinit forwards it to the kernel."""
-        if self.root_pid is None:
+        if self._root is None:
             return await super().send_signal(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.root_pid, signum)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self._root.send_signal(signum)
 
     async def kill(self, restart: bool = False) -> None:
         """Called by ``KernelManager._kill_kernel()``: killing the init ends the namespace."""
-        if self.root_pid is not None:
-            await asyncio.to_thread(procfs.kill_tree, self.root_pid)
+        if self._root is not None:
+            await asyncio.to_thread(procfs.kill_tree, self._root)
         await super().kill(restart)
 
     async def terminate(self, restart: bool = False) -> None:
@@ -488,16 +500,26 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         """Called by ``KernelManager.cleanup_resources()``; nothing may outlive the kernel,
         its credential neither."""
         self._revoke_credentials()
-        if self.root_pid is not None and procfs.tree_alive(self.root_pid):
-            await asyncio.to_thread(procfs.kill_tree, self.root_pid)
-        self.root_pid = None
+        if self._root is not None and procfs.tree_alive(self._root):
+            await asyncio.to_thread(procfs.kill_tree, self._root)
+        self.root_pid = self._root = None
         await super().cleanup(restart)
+
+    @property
+    def root(self) -> psutil.Process | None:
+        """The tree's root as the process it was when it started; None without a tree."""
+        return self._root
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await super().get_provisioner_info()
         info["root_pid"] = self.root_pid
+        info["root_started"] = None if self._root is None else self._root.create_time()
         return info
 
     async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
         await super().load_provisioner_info(provisioner_info)
         self.root_pid = provisioner_info.get("root_pid")
+        started = provisioner_info.get("root_started")
+        # The root only while its pid is still the process that was saved as it.
+        same = self.root_pid is not None and procfs.same_process(self.root_pid, started)
+        self._root = procfs.held(self.root_pid) if same and self.root_pid else None

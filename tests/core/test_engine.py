@@ -14,6 +14,7 @@ import stat
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from jupyter_gpu_snapshot.core import procfs
@@ -23,6 +24,7 @@ from jupyter_gpu_snapshot.core.hooks import SaveTarget
 from jupyter_gpu_snapshot.core.store import SnapshotStore, digest
 from jupyter_gpu_snapshot.core.store.manifest import FORMAT_VERSION
 from testkit import stored_pages
+from testkit.pid_taker import PidTaken, take_pid
 from tests.conftest import KernelHandle, execute, run
 
 STATE_SETUP = """
@@ -181,21 +183,12 @@ def test_restore_while_original_runs_is_refused(engine, store, kernel, tmp_path)
     assert _listed(store) == [snap.id]
 
 
-def _occupy_pid(pid: int) -> object:
-    """Start a process that gets exactly ``pid`` (root may steer the next pid)."""
-    import subprocess
-    import time
-
-    for _ in range(50):
-        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-            f.write(str(pid - 1))
-        proc = subprocess.Popen(["sleep", "600"])
-        if proc.pid == pid:
-            return proc
-        proc.kill()
-        proc.wait()
-        time.sleep(0.01)
-    pytest.fail(f"could not start a process with pid {pid}")
+def _occupy_pid(pid: int) -> psutil.Process | None:
+    """A process that has exactly ``pid`` now; None if another process has it already."""
+    try:
+        return take_pid(pid, ["/bin/sleep", "600"])
+    except PidTaken:
+        return None
 
 
 def test_restore_after_original_pids_are_taken(engine, kernel, tmp_path, restored):
@@ -211,8 +204,8 @@ def test_restore_after_original_pids_are_taken(engine, kernel, tmp_path, restore
         assert back.pid not in (root, kpid)
     finally:
         for proc in squatters:
-            proc.kill()  # type: ignore[attr-defined]
-            proc.wait()  # type: ignore[attr-defined]
+            if proc is not None:
+                proc.kill()
 
 
 CANARY_WATCH = """

@@ -19,9 +19,11 @@ from jupyter_gpu_snapshot.core import procfs
 from jupyter_gpu_snapshot.launch import nsinit
 from jupyter_gpu_snapshot.launch.provisioner import (
     NSINIT,
+    AdoptedProcess,
     namespaced_command,
     wait_for_namespace_init,
 )
+from testkit.pid_taker import take_pid
 from tests.conftest import KernelError, KernelHandle, reply_to, start_kernel, wait_for_output
 
 
@@ -53,7 +55,10 @@ def test_kernel_runs_under_its_own_namespace_init(kernel: KernelHandle):
 
 
 def test_interrupt_reaches_the_kernel(kernel: KernelHandle):
-    msg_id = kernel.client.execute("import time; print('started', flush=True); time.sleep(600)")
+    # Not stop_on_error: ipykernel would abort a request that reached it before it noticed
+    # the interrupted cell's error reply had gone out.
+    msg_id = kernel.client.execute("import time; print('started', flush=True); time.sleep(600)",
+                                   stop_on_error=False)
     wait_for_output(kernel.client, msg_id, "started")
     kernel.km.interrupt_kernel()
     reply = reply_to(kernel.client, msg_id)
@@ -131,3 +136,23 @@ def test_a_child_gone_while_listed_does_not_end_the_wait_for_the_init(
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def test_an_ended_trees_pid_taken_by_another_process_is_not_the_kernel(kernel: KernelHandle):
+    """A kernel's tree is held as the process it was: once it ended and a stranger got its
+    pid (as a pid wrap gives it), the stranger is neither seen as the kernel nor killed with
+    it, whether the tree was launched here or adopted."""
+    root = kernel.root_pid
+    adopted = AdoptedProcess(root, procfs.held(root))
+    kernel.client.stop_channels()
+    psutil.Process(root).kill()
+    kernel.km.provisioner.process.wait(timeout=30)
+    stranger = take_pid(root, ["/bin/sleep", "600"])
+    try:
+        assert adopted.poll() == 0
+        with pytest.raises(ProcessLookupError):
+            adopted.kill()
+        kernel.km.shutdown_kernel(now=True)
+        assert stranger.is_running() and stranger.status() != psutil.STATUS_ZOMBIE
+    finally:
+        stranger.kill()

@@ -12,6 +12,7 @@ different users: the pod, fixed once, when the agent accepts the connection.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any
 import psutil
 
 from jupyter_gpu_snapshot.agent_client.protocol import decode
+from testkit.pid_taker import Namespace, PidTaken, take_pid
 from testkit.pods import Pod
 from testkit.unix_users import POLL, UnixUser
 
@@ -115,77 +117,21 @@ CONNECT_THEN_END = textwrap.dedent("""
     sys.stdout.flush()
 """)
 
-# Joins the pid and network namespaces of process POD_PID, and starts PROGRAM there as
-# UID:GID with the host pid NODE_PID and the pid NS_PID in that namespace (clone3's
-# set_tid, root's), its stdio /dev/null; prints the child's host pid. Exit status 3: a
-# pid taken.
-SPAWN_AT = r"""
-#define _GNU_SOURCE
-#include <errno.h>
-#include <fcntl.h>
-#include <grp.h>
-#include <linux/sched.h>
-#include <sched.h>
-#include <signal.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-int main(int argc, char **argv) {
-    if (argc < 7) return 2;
-    pid_t node = atoi(argv[1]), inner = atoi(argv[2]);
-    const char *kinds[] = {"net", "pid"};
-    for (int i = 0; i < 2; i++) {
-        char path[64];
-        snprintf(path, sizeof path, "/proc/%s/ns/%s", argv[3], kinds[i]);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0 || setns(fd, 0) < 0) { perror(path); return 1; }
-        close(fd);
-    }
-    pid_t tids[2] = {inner, node};
-    struct clone_args args;
-    memset(&args, 0, sizeof args);
-    args.exit_signal = SIGCHLD;
-    args.set_tid = (uint64_t)(uintptr_t)tids;
-    args.set_tid_size = 2;
-    long pid = syscall(SYS_clone3, &args, sizeof args);
-    if (pid < 0) { perror("clone3"); return errno == EEXIST ? 3 : 1; }
-    if (pid == 0) {
-        /* Nothing of ours: whoever waits for our output must not wait for the child. */
-        int null = open("/dev/null", O_RDWR);
-        for (int fd = 0; fd < 3; fd++) dup2(null, fd);
-        gid_t gid = atoi(argv[5]);
-        if (setgroups(1, &gid) || setgid(gid) || setuid(atoi(argv[4]))) _exit(126);
-        execv(argv[6], argv + 6);
-        _exit(127);
-    }
-    printf("%ld\n", pid);
-    return 0;
-}
-"""
-
-
 def _node_pid(pod: Pod, pid_there: int) -> int:
     (found,) = [p.pid for p in psutil.process_iter() if pod.holds(p.pid)
                 and pid_in_pod(p.pid) == pid_there]
     return found
 
 
-def _spawn_at(helper: Path, pod: Pod, node_pid: int, user: UnixUser) -> int:
+def _spawn_at(pod: Pod, node_pid: int, user: UnixUser) -> int:
     """A process of ``pod`` (its cgroup, pid and network namespaces) as ``user``, with the
     host pid ``node_pid``; its host pid."""
     for _ in range(20):
         inner = random.randrange(20000, 30000)
-        done = subprocess.run(
-            ["sh", "-c", pod._enter_cgroups + 'exec "$@"', "spawn", str(helper),
-             str(node_pid), str(inner), str(pod.init_pid), str(user.uid), str(user.gid),
-             "/bin/sleep", "600"], capture_output=True, text=True, timeout=COMMAND_SECONDS)
-        if done.returncode == 0:
-            return int(done.stdout)
-        assert done.returncode == 3, done.stderr
+        with contextlib.suppress(PidTaken):  # the inner pid, most likely: another is drawn
+            return take_pid(node_pid, ["/bin/sleep", "600"], user=(user.uid, user.gid),
+                            namespace=Namespace(pod.init_pid, inner, pod._enter_cgroups),
+                            timeout=COMMAND_SECONDS).pid
     raise AssertionError(f"pid {node_pid} could not be had again")
 
 
@@ -193,9 +139,6 @@ def test_a_pid_taken_by_another_pod_after_the_connection_does_not_make_it_theirs
         tmp_path: Path, unix_users: tuple[UnixUser, UnixUser], user_paths: dict[Path, int]
 ) -> None:
     shared_uid = unix_users[0]
-    helper = tmp_path / "spawn-at"
-    (tmp_path / "spawn-at.c").write_text(SPAWN_AT)
-    subprocess.run(["cc", "-O", "-o", str(helper), str(tmp_path / "spawn-at.c")], check=True)
     with node_users(tmp_path, shared_uid) as (agent, alice, bob):
         alices_pod, bobs_pod = alice.next_pod(), bob.next_pod()
         stores = {}
@@ -221,7 +164,7 @@ def test_a_pid_taken_by_another_pod_after_the_connection_does_not_make_it_theirs
             assert time.monotonic() < deadline, f"process {connected} did not end"
             time.sleep(POLL)
 
-        taken = _spawn_at(helper, bobs_pod, connected, bob.unix_user)
+        taken = _spawn_at(bobs_pod, connected, bob.unix_user)
         try:
             # The pid is Bob's pod's now, by what the runtime made of the pod (its cgroup
             # and network), not by the agent's own reading of it.
