@@ -65,6 +65,12 @@ CELLS_REQUEST = "gpu_snapshot_cells_request"
 CELLS_REPLY = "gpu_snapshot_cells_reply"
 PORTABLE_REQUEST = "gpu_snapshot_portable_request"
 PORTABLE_REPLY = "gpu_snapshot_portable_reply"
+# A kernel's timeline (kernel/timeline/ answers; the server and the CLI ask): its points, one
+# per cell, and a rewind to before one of them. See docs/rewind.md for the contents.
+TIMELINE_REQUEST = "gpu_snapshot_timeline_request"
+TIMELINE_REPLY = "gpu_snapshot_timeline_reply"
+REWIND_REQUEST = "gpu_snapshot_rewind_request"
+REWIND_REPLY = "gpu_snapshot_rewind_reply"
 # The cells a snapshot keeps: the newest ones, up to this much source in all (the kernel
 # sends no more, and a manifest accepts no more).
 HISTORY_SOURCE_BYTES = 2 << 20
