@@ -21,6 +21,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Kernels the tests start themselves take their ports below the system's ephemeral range, each
+# xdist worker from a block of its own: a port a killed kernel left is then never handed by
+# the system to another test's connection or kernel (bind(0) and connect() draw from that
+# range) before the test restores the kernel on it.
+_PRIVATE_PORTS = range(15000, 32000)
+_CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+_next_port: dict[str, int] = {}
+
+
+def private_kernel_ports(ip: str = "127.0.0.1") -> dict[str, int]:
+    """Five free ports for a kernel this process starts, from this worker's block."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    size = len(_PRIVATE_PORTS) // workers
+    block = range(_PRIVATE_PORTS.start + index * size, _PRIVATE_PORTS.start + (index + 1) * size)
+    ports: list[int] = []
+    port = _next_port.get(worker, block.start)
+    for _ in range(len(block)):
+        if port >= block.stop:
+            port = block.start
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                pass  # taken: by a kernel of this worker still running, most likely
+            else:
+                ports.append(port)
+        port += 1
+        if len(ports) == len(_CHANNELS):
+            _next_port[worker] = port
+            return dict(zip(_CHANNELS, ports, strict=True))
+    raise RuntimeError(f"no {len(_CHANNELS)} free ports in {block}")
+
+
 def shut_down(process: subprocess.Popen[bytes], timeout: float, *, group: bool = False) -> int:
     """Ends the process as a node's shutdown does, with SIGTERM, and SIGKILLs it (its whole
     process group with ``group``) if it still runs ``timeout`` s later; its exit status."""

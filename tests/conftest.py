@@ -40,6 +40,7 @@ from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 from jupyter_gpu_snapshot.launch.liveness import kernel_answers
 from testkit import gpu_results
 from testkit.manifests import commit_tiny
+from testkit.processes import private_kernel_ports
 from testkit.unix_users import unix_users, user_paths  # noqa: F401  (fixtures for tests/agent, tests/hub)
 
 T = TypeVar("T")
@@ -260,7 +261,7 @@ def connect(info: dict[str, Any] | Path, timeout: float = 30) -> BlockingKernelC
 def start_kernel(kernel_name: str = KERNEL_NAME, env: dict[str, str] | None = None,
                  **kwargs: Any) -> KernelHandle:
     """A kernel of ``kernel_name`` and a client; ``env`` adds to this process's environment."""
-    km = KernelManager(kernel_name=kernel_name, **kwargs)
+    km = KernelManager(kernel_name=kernel_name, **{**private_kernel_ports(), **kwargs})
     km.start_kernel(**({"env": {**os.environ, **env}} if env else {}))
     client = km.blocking_client()
     client.start_channels()

@@ -47,15 +47,17 @@ NODE_B_SETUP = (
 
 @dataclass
 class Network:
-    """A network namespace for node B, joined to this one by a veth pair."""
+    """A network namespace for node B (``path``, held by a sleeping process), joined to this
+    one by a veth pair."""
 
-    namespace: str
+    path: str
     host_ip: str
     node_b_ip: str
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+def _ip(*args: str, within: str | None = None) -> None:
+    enter = [] if within is None else ["nsenter", f"--net={within}"]
+    subprocess.run([*enter, "ip", *args], check=True, capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -63,23 +65,31 @@ def network() -> Iterator[Network]:
     if shutil.which("ip") is None:
         pytest.fail("the ip command is missing: install iproute2 (make system)")
     tag = uuid.uuid4().hex[:6]
-    namespace, host_end, b_end = f"jgs-node-b-{tag}", f"jgsa{tag}", f"jgsb{tag}"
+    host_end, b_end = f"jgsa{tag}", f"jgsb{tag}"
     subnet = f"10.{random.randrange(100, 250)}.{random.randrange(0, 250)}"
-    network = Network(namespace, f"{subnet}.1", f"{subnet}.2")
-    _ip("netns", "add", namespace)
+    # Held by a process, not named by 'ip netns add': that one mounts the namespace under
+    # /run/netns, and every kernel started meanwhile by another test would carry that mount
+    # in its mount namespace, to be bound back at its restore after this one has gone.
+    # It says so once it is in the new namespace.
+    holder = subprocess.Popen(["unshare", "--net", "sh", "-c", "echo in; exec sleep infinity"],
+                              stdout=subprocess.PIPE, text=True)
     try:
+        assert holder.stdout is not None and holder.stdout.readline() == "in\n"
+        path = f"/proc/{holder.pid}/ns/net"
+        network = Network(path, f"{subnet}.1", f"{subnet}.2")
         _ip("link", "add", host_end, "type", "veth", "peer", "name", b_end)
-        _ip("link", "set", b_end, "netns", namespace)
+        _ip("link", "set", b_end, "netns", str(holder.pid))
         _ip("addr", "add", f"{network.host_ip}/30", "dev", host_end)
         _ip("link", "set", host_end, "up")
-        _ip("-n", namespace, "addr", "add", f"{network.node_b_ip}/30", "dev", b_end)
-        _ip("-n", namespace, "link", "set", b_end, "up")
-        _ip("-n", namespace, "link", "set", "lo", "up")
+        _ip("addr", "add", f"{network.node_b_ip}/30", "dev", b_end, within=path)
+        _ip("link", "set", b_end, "up", within=path)
+        _ip("link", "set", "lo", "up", within=path)
         yield network
     finally:
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", host_end)  # takes its peer with it
-        _ip("netns", "del", namespace)
+        holder.kill()
+        holder.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +118,7 @@ class Cluster:
         launcher = (
             # nsenter, not 'ip netns exec': that one remounts /sys, and the kernel's
             # mounts under it (cgroups) must be there for criu.
-            "nsenter", f"--net=/run/netns/{self.network.namespace}",
+            "nsenter", f"--net={self.network.path}",
             "unshare", "--mount", "--uts", "--propagation", "private",
             "sh", "-c", NODE_B_SETUP, "node-b", str(self.store_dir), str(self.runtime_dir),
         )  # fmt: skip
