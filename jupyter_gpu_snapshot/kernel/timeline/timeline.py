@@ -121,6 +121,7 @@ class Timeline:
         self._digests: dict[tuple[Any, ...], bytes] = {}
         self.unseen: dict[str, str] = {}
         self._fingerprints: dict[str, int] = {}
+        self._ids: dict[str, int] = {}
         with self.lock:
             self._start_over()
 
@@ -128,6 +129,7 @@ class Timeline:
     def pre_run_cell(self, info: Any) -> None:
         with self.lock:
             self.running += 1
+            self._outside_cells()
 
     def post_run_cell(self, result: Any) -> None:
         with self.lock:
@@ -154,6 +156,7 @@ class Timeline:
         self.initial = set(names)
         walk = Walk({})
         self._fingerprints = fingerprints(self.shell.user_ns, names, lambda name: True, walk)
+        self._ids = {name: id(self.shell.user_ns[name]) for name in names}
         self._digests = walk.fresh
         self.unseen = walk.unseen
 
@@ -172,11 +175,36 @@ class Timeline:
         entries.update((name, ABSENT) for name in deleted)
         point = Point(count, ok, changed, deleted, entries, time.time())
         self._fingerprints = now
+        self._ids = {name: id(namespace[name]) for name in names}
         self._digests = walk.fresh
         self.unseen = walk.unseen
         self.points.append(point)
         self._keep_within_limits()
         return point
+
+    def _outside_cells(self) -> None:
+        """Names bound, rebound or deleted since the last point by code that was no cell
+        (a silent execution, a user expression: the portable fallback's load) belong to
+        the state after the newest point: they are copied into it (into the base where
+        there is none), so that rewinds see them. Changes in place outside cells are not
+        looked for (a cheap check of identities only)."""
+        namespace = self.shell.user_ns
+        names = self.user_names()
+        moved = [name for name in names if self._ids.get(name) != id(namespace[name])]
+        gone = [name for name in self._ids if name not in namespace]
+        if not moved and not gone:
+            return
+        walk = Walk(self._digests)
+        walk.fresh = dict(self._digests)
+        self._fingerprints.update(fingerprints(namespace, moved, lambda name: True, walk))
+        self._digests = walk.fresh
+        entries = copy_point(namespace, moved, walk.by_reference, self.limit_bytes)
+        entries.update((name, ABSENT) for name in gone)
+        for name in gone:
+            self._fingerprints.pop(name, None)
+        (self.points[-1].entries if self.points else self.base).update(entries)
+        self._ids = {name: id(namespace[name]) for name in names}
+        self._keep_within_limits()
 
     def _python(self, raw_cell: str) -> str:
         try:
@@ -293,6 +321,7 @@ class Timeline:
         namespace = self.shell.user_ns
         present = [name for name in rebound if name in namespace]
         self._fingerprints.update(fingerprints(namespace, present, lambda name: True, walk))
+        self._ids = {name: id(namespace[name]) for name in self.user_names()}
         self._digests = walk.fresh
         self.unseen.update(walk.unseen)
 
