@@ -92,13 +92,47 @@ def _by_reference(value: Any) -> bool:
                               types.BuiltinFunctionType)) or is_jax_array(value)
 
 
+class Recycled:
+    """Big NumPy copies the timeline let go of, whose memory the next copies of the same
+    shape reuse: fresh memory costs the first write of every page, often more than the
+    copy itself. Held only while one point is taken."""
+
+    def __init__(self) -> None:
+        self.arrays: list[Any] = []
+
+    def give(self, entry: Entry | None) -> None:
+        if entry is None:
+            return
+        value: Any = entry.value
+        if entry.kind == "copy" and is_numpy_array(value) \
+                and value.nbytes >= _RECYCLED_MIN_BYTES and value.flags.c_contiguous \
+                and value.flags.owndata and not value.dtype.hasobject:
+            self.arrays.append(value)
+
+    def take(self, like: Any) -> Any:
+        """A let-go array shaped like ``like`` that nothing else holds, or None."""
+        for index in range(len(self.arrays)):  # enumerate's tuple would hold one more
+            array = self.arrays[index]
+            # Held by this list, this variable and the call's argument only: no entry
+            # still holds it.
+            if array.shape == like.shape and array.dtype == like.dtype \
+                    and sys.getrefcount(array) <= _UNHELD_REFCOUNT:
+                return self.arrays.pop(index)
+        return None
+
+
+_RECYCLED_MIN_BYTES = 1 << 20
+# The list's reference, the variable and getrefcount's argument.
+_UNHELD_REFCOUNT = 3
+
+
 def copy_point(namespace: dict[str, Any], names: list[str], keep: dict[int, Any],
-               limit_bytes: int) -> dict[str, Entry]:
+               limit_bytes: int, recycled: Recycled | None = None) -> dict[str, Entry]:
     """Entries for ``names`` as they are in ``namespace`` now, copied with one memo.
 
     ``keep`` holds objects (by id) that are kept by reference wherever met: modules and
     JAX arrays the fingerprint walk found. A copy that would pass ``limit_bytes`` is not
-    taken.
+    taken. ``recycled``: memory to copy big arrays into.
     """
     memo: dict[int, Any] = {key: value for key, value in keep.items()}
     entries: dict[str, Entry] = {}
@@ -107,11 +141,12 @@ def copy_point(namespace: dict[str, Any], names: list[str], keep: dict[int, Any]
             entries[name] = ABSENT
             continue
         value = namespace[name]
-        entries[name] = _entry(value, memo, limit_bytes)
+        entries[name] = _entry(value, memo, limit_bytes, recycled)
     return entries
 
 
-def _entry(value: Any, memo: dict[int, Any], limit_bytes: int) -> Entry:
+def _entry(value: Any, memo: dict[int, Any], limit_bytes: int,
+           recycled: Recycled | None = None) -> Entry:
     if _by_reference(value):
         return Entry("reference", value, id(value))
     refused = refusal(type(value))
@@ -123,6 +158,14 @@ def _entry(value: Any, memo: dict[int, Any], limit_bytes: int) -> Entry:
                      reason=f"its copy ({_mib(nbytes)}) would pass the timeline's memory "
                      f"limit ({_mib(limit_bytes)})")
     known = len(memo)
+    reused = None
+    if recycled is not None and is_numpy_array(value) and type(value).__name__ == "ndarray" \
+            and value.flags.c_contiguous and id(value) not in memo:
+        reused = recycled.take(value)
+    if reused is not None:
+        reused[...] = value
+        memo[id(value)] = reused
+        return Entry("copy", reused, id(value), nbytes)
     try:
         copied = _copy(value, memo)
     except Exception as exc:
