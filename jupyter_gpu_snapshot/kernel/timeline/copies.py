@@ -49,25 +49,31 @@ class Entry:
 ABSENT = Entry("absent")
 
 
-def size_of(value: Any) -> int:
-    """About how many bytes a copy of ``value`` takes (host and device), by a bounded walk."""
-    seen: set[int] = set()
-    return _size(value, 0, seen)
+def size_of(value: Any, devices: dict[str, int] | None = None) -> int:
+    """About how many bytes a copy of ``value`` takes (host and device), by a bounded walk;
+    ``devices`` gets the bytes it would take on each GPU ("cuda:0": bytes)."""
+    return _size(value, 0, set(), {} if devices is None else devices)
 
 
-def _size(value: Any, depth: int, seen: set[int]) -> int:
+def _size(value: Any, depth: int, seen: set[int], devices: dict[str, int]) -> int:
     if id(value) in seen:
         return 0
     seen.add(id(value))
     if is_numpy_array(value):
-        return int(value.nbytes) if value.base is None or value.flags.owndata else \
-            int(value.nbytes) + 112
+        return int(value.nbytes)
     if is_torch_tensor(value):
         grad = value.grad if value.is_leaf else None
         own = int(value.nelement() * value.element_size())
-        return own + (_size(grad, depth, seen) if grad is not None else 0)
-    if is_cupy_array(value) or is_jax_array(value):
-        return int(getattr(value, "nbytes", 0))
+        if value.device.type != "cpu":
+            where = str(value.device)
+            devices[where] = devices.get(where, 0) + own
+        return own + (_size(grad, depth, seen, devices) if grad is not None else 0)
+    if is_jax_array(value):
+        return 0  # kept by reference
+    if is_cupy_array(value):
+        where = f"cuda:{getattr(value.device, 'id', 0)}"
+        devices[where] = devices.get(where, 0) + int(value.nbytes)
+        return int(value.nbytes)
     if is_pandas_object(value):
         usage = value.memory_usage(deep=False, index=True) if hasattr(value, "memory_usage") \
             else 0
@@ -84,7 +90,33 @@ def _size(value: Any, depth: int, seen: set[int]) -> int:
     else:
         inside = getattr(value, "__dict__", None)
         items = [inside] if isinstance(inside, dict) else []
-    return size + sum(_size(item, depth + 1, seen) for item in items)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.nn.Module):
+            # However deep the model: every parameter and buffer.
+            items += [*value.parameters(), *value.buffers()]
+    return size + sum(_size(item, depth + 1, seen, devices) for item in items)
+
+
+def _short_of_gpu_memory(devices: dict[str, int]) -> str | None:
+    """Why copying this much onto its GPUs would not leave enough free, or None. A copy
+    leaves a tenth of each GPU free, so that the user's next cell does not run out."""
+    torch = sys.modules.get("torch")
+    for where, nbytes in devices.items():
+        try:
+            if torch is not None and torch.cuda.is_initialized():
+                free, total = torch.cuda.mem_get_info(torch.device(where))
+            else:
+                cupy = sys.modules.get("cupy")
+                if cupy is None:
+                    continue
+                with cupy.cuda.Device(int(where.partition(":")[2] or 0)):
+                    free, total = cupy.cuda.runtime.memGetInfo()
+        except Exception:
+            continue  # not known: copied, as far as the device lets it
+        if nbytes > free - total // 10:
+            return (f"its copy on {where} ({_mib(nbytes)}) would leave too little GPU "
+                    f"memory ({_mib(free)} free)")
+    return None
 
 
 def _by_reference(value: Any) -> bool:
@@ -152,7 +184,11 @@ def _entry(value: Any, memo: dict[int, Any], limit_bytes: int,
     refused = refusal(type(value))
     if refused:
         return Entry("uncopied", live_id=id(value), reason=f"{refused} cannot be copied")
-    nbytes = size_of(value)
+    devices: dict[str, int] = {}
+    nbytes = size_of(value, devices)
+    short = _short_of_gpu_memory(devices) if devices else None
+    if short:
+        return Entry("uncopied", live_id=id(value), reason=short)
     if nbytes > limit_bytes:
         return Entry("uncopied", live_id=id(value),
                      reason=f"its copy ({_mib(nbytes)}) would pass the timeline's memory "
