@@ -379,3 +379,14 @@ def test_names_set_outside_cells_belong_to_the_state_they_joined(
     report = rewind(client, first)["report"]
     assert set(report["removed"]) == {"x", "loaded"}
     assert cell(client, "print('loaded' in dir(), 'x' in dir())")[1] == "False False\n"
+
+
+def test_a_view_of_a_value_left_alone_is_not_written_into(kernels: list[KernelHandle],
+                                                          tmp_path: Path) -> None:
+    client = new_kernel(kernels, tmp_path)
+    cell(client, "import numpy as np\nx = np.zeros(5)\nkeep = np.ones(10)")
+    rebound, _ = cell(client, "x = keep[:5]")
+    assert rewind(client, rebound)["report"]["restored"] == ["x"]
+    # x is zeros again, in memory of its own; keep, which no cell since changed, is intact.
+    out = cell(client, "print(x.tolist(), keep.tolist(), np.shares_memory(x, keep))")[1]
+    assert out == f"{[0.0] * 5} {[1.0] * 10} False\n"

@@ -61,6 +61,14 @@ def bump():
     assert changed(shell, timeline, "print(len(big))") == []
 
 
+def test_a_view_and_its_base_change_together(shell: InteractiveShell,
+                                             timeline: Timeline) -> None:
+    # 16 MiB and 8 MiB: both above what is digested after every cell.
+    changed(shell, timeline, "import numpy as np\nbase = np.zeros(2 << 20)\nhalf = base[: 1 << 20]")
+    assert changed(shell, timeline, "half[0] = 1") == ["base", "half"]
+    assert changed(shell, timeline, "base[1] = 1") == ["base", "half"]
+
+
 def test_what_the_walk_cannot_see_is_not_claimed(shell: InteractiveShell,
                                                  timeline: Timeline) -> None:
     changed(shell, timeline, f"""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .copies import Entry, fresh_copy
-from .fingerprint import is_numpy_array, is_pandas_object, is_torch_tensor
+from .fingerprint import is_numpy_array, is_pandas_object, is_torch_tensor, root_array
 
 _MATCH_DEPTH = 6
 _MATCH_ITEMS = 10_000
@@ -151,8 +151,10 @@ def _match(stored: Any, live: Any, depth: int, pairs: dict[int, tuple[str, Any, 
     # One live object takes one stored object's contents, never two.
     protected.add(id(live))
     if is_numpy_array(stored):
+        # A view writes its base's memory: never one whose base the rewind leaves alone.
         if stored.shape == live.shape and stored.dtype == live.dtype \
-                and live.flags.writeable:
+                and live.flags.writeable \
+                and (live.base is None or id(root_array(live)) not in protected):
             pairs[id(stored)] = ("array", stored, live)
         return
     if is_torch_tensor(stored):

@@ -15,6 +15,7 @@ control thread.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -129,7 +130,13 @@ class Timeline:
     def pre_run_cell(self, info: Any) -> None:
         with self.lock:
             self.running += 1
-            self._outside_cells()
+            try:
+                self._outside_cells()
+            except Exception as exc:
+                self._start_over()
+                print(f"The timeline could not record what changed outside cells "
+                      f"({type(exc).__name__}: {exc}); earlier cells can no longer be "
+                      "rewound.", file=sys.stderr, flush=True)
 
     def post_run_cell(self, result: Any) -> None:
         with self.lock:
@@ -138,7 +145,15 @@ class Timeline:
             count = getattr(result, "execution_count", None)
             if info is None or count is None or not info.store_history:
                 return
-            self.record(int(count), bool(result.success), info.raw_cell or "")
+            try:
+                self.record(int(count), bool(result.success), info.raw_cell or "")
+            except Exception as exc:
+                # Never a traceback after the user's cell: one line, and a timeline that
+                # knows only what it can be sure of from here on.
+                self._start_over()
+                print(f"The timeline could not record cell [{count}] ({type(exc).__name__}: "
+                      f"{exc}); cells before it can no longer be rewound.",
+                      file=sys.stderr, flush=True)
 
     # -- recording ---------------------------------------------------------------------------
     def user_names(self) -> list[str]:
