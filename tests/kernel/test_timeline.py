@@ -328,6 +328,23 @@ def test_the_magics_print_the_timeline_and_the_report(kernels: list[KernelHandle
     refused = cell(client, "%gpu_snapshot rewind 999", ok=False)[1]
     assert "%gpu_snapshot rewind: cannot rewind to before cell 999: the cells that can be " \
         "are " in refused
+    assert "usage: %gpu_snapshot rewind N" in cell(client, "%gpu_snapshot rewind", ok=False)[1]
+    assert "usage: %gpu_snapshot rewind N" in cell(client, "%gpu_snapshot rewind x",
+                                                   ok=False)[1]
+
+
+def test_a_kernel_without_a_timeline_says_so(kernels: list[KernelHandle],
+                                             tmp_path: Path) -> None:
+    client = new_kernel(kernels, tmp_path, env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "off"})
+    cell(client, "%load_ext jupyter_gpu_snapshot")
+    count, _ = cell(client, "x = 1")
+    off = "this kernel keeps no timeline (JUPYTER_GPU_SNAPSHOT_TIMELINE is off)"
+    for msg_type in (TIMELINE_REQUEST, REWIND_REQUEST):
+        reply = request(client, msg_type, {"before": count})
+        assert reply["content"] == {"status": "error", "ename": "TimelineOff",
+                                    "evalue": off, "traceback": []}
+    printed = cell(client, "%gpu_snapshot timeline", ok=False)[1]
+    assert "%gpu_snapshot timeline: this kernel keeps no timeline" in printed
 
 
 def test_a_cell_sent_during_a_rewind_waits_for_it(kernels: list[KernelHandle],

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..._constants import REWIND_REQUEST, TIMELINE_REQUEST
-from .requests import TimelineRequests
+from ..._constants import REWIND_REPLY, REWIND_REQUEST, TIMELINE_REPLY, TIMELINE_REQUEST
+from .requests import TimelineRequests, answer_off
 from .timeline import (
     ENV_LIMIT_BYTES,
     ENV_MAX_POINTS,
@@ -53,13 +53,16 @@ def install(shell: InteractiveShell) -> Timeline | None:
     global _installed
     if _installed is not None and _installed.shell is shell:
         return _installed
+    handlers = getattr(getattr(shell, "kernel", None), "control_handlers", None)
     if not enabled_by_env():
+        if isinstance(handlers, dict):
+            handlers[TIMELINE_REQUEST] = answer_off(shell, TIMELINE_REPLY)
+            handlers[REWIND_REQUEST] = answer_off(shell, REWIND_REPLY)
         return None
     limit_bytes, max_points = limits_from_env()
     timeline = Timeline(shell, limit_bytes, max_points)
     shell.events.register("pre_run_cell", timeline.pre_run_cell)
     shell.events.register("post_run_cell", timeline.post_run_cell)
-    handlers = getattr(getattr(shell, "kernel", None), "control_handlers", None)
     if isinstance(handlers, dict):
         requests = TimelineRequests(timeline)
         handlers[TIMELINE_REQUEST] = requests.timeline_request
