@@ -338,7 +338,7 @@ def test_a_kernel_without_a_timeline_says_so(kernels: list[KernelHandle],
     client = new_kernel(kernels, tmp_path, env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "off"})
     cell(client, "%load_ext jupyter_gpu_snapshot")
     count, _ = cell(client, "x = 1")
-    off = "this kernel keeps no timeline (JUPYTER_GPU_SNAPSHOT_TIMELINE is off)"
+    off = "the timeline is off (JUPYTER_GPU_SNAPSHOT_TIMELINE=off)"
     for msg_type in (TIMELINE_REQUEST, REWIND_REQUEST):
         reply = request(client, msg_type, {"before": count})
         assert reply["content"] == {"status": "error", "ename": "TimelineOff",

@@ -3,8 +3,9 @@ the namespace back to how it was before any recorded cell.
 
 ``fingerprint`` finds cheaply what a cell changed (``scope``: which names it could reach),
 ``copies`` keeps the copies of one point, ``restore`` prepares and applies a rewind,
-``timeline`` holds the points and their limits, ``requests`` answers the control channel,
-``words`` says it all for the magic. ``install(shell)`` sets it up once; ``cell_record``
+``timeline`` holds the points and their limits, ``requests`` answers the control channel (the
+magic and the CLI say it in words with ``_constants.timeline_lines`` and
+``rewind_report_lines``). ``install(shell)`` sets it up once; ``cell_record``
 calls it for every snapshot-ready kernel. docs/rewind.md says what is exact and what not.
 """
 
@@ -25,7 +26,6 @@ from .timeline import (
     enabled_by_env,
     limits_from_env,
 )
-from .words import report_lines, timeline_lines
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -40,8 +40,6 @@ __all__ = [
     "Timeline",
     "current",
     "install",
-    "report_lines",
-    "timeline_lines",
 ]
 
 _installed: Timeline | None = None

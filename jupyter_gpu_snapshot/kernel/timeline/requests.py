@@ -85,7 +85,7 @@ def answer_off(shell: Any, reply_type: str) -> Callable[[Any, Any, dict[str, Any
     """The handler of a kernel that keeps no timeline: it says so, rather than leaving the
     asker to wait for a reply that never comes."""
     content = {"status": "error", "ename": "TimelineOff", "traceback": [],
-               "evalue": f"this kernel keeps no timeline ({ENV_TIMELINE} is off)"}
+               "evalue": f"the timeline is off ({ENV_TIMELINE}=off)"}
 
     def handle(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         send_reply(shell, stream, reply_type, content, parent, ident)
