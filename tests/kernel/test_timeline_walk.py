@@ -97,3 +97,27 @@ def test_limits_read_from_the_environment() -> None:
                             "JUPYTER_GPU_SNAPSHOT_TIMELINE_POINTS": "7"}) == (1 << 30, 7)
     limit, points = limits_from_env({})
     assert 0 < limit <= 8 << 30 and points == 100
+
+
+def test_a_name_older_than_the_timeline_cannot_be_rewound_past(
+    shell: InteractiveShell,
+) -> None:
+    from jupyter_gpu_snapshot.kernel.timeline import RewindOutOfRange
+
+    shell.run_cell("older = [1]", store_history=True)
+    kept = Timeline(shell, 1 << 30, 100)
+    shell.events.register("post_run_cell", kept.post_run_cell)
+    try:
+        first = shell.run_cell("x = 1", store_history=True).execution_count
+        touched = shell.run_cell("older.append(2)", store_history=True).execution_count
+        later = shell.run_cell("x = 2", store_history=True).execution_count
+        # Before `touched`, older's value is not known: only later points can be rewound to.
+        assert kept.content()["rewindable"] == [later]
+        assert "older" in kept.points[-2].changed and kept.points[-2].count == touched
+        with pytest.raises(RewindOutOfRange, match=f"before cell {first}: the cells that "
+                           f"can be are {later}$"):
+            kept.rewind(first)
+        kept.rewind(later)
+        assert shell.user_ns["x"] == 1 and shell.user_ns["older"] == [1, 2]
+    finally:
+        shell.events.unregister("post_run_cell", kept.post_run_cell)

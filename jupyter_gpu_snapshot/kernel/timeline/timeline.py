@@ -293,9 +293,18 @@ class Timeline:
         return list(names)
 
     def rewindable(self) -> list[int]:
-        return [point.count for index, point in enumerate(self.points)
-                if all(self._resolve(name, index) is not None
-                       for name in self._names_from(index))]
+        """The counts N for which every name changed from [N] on has a known value before
+        it: some older point has it, or the base, or it did not exist yet. A name is not
+        known before its first point, where neither the base nor its absence says so."""
+        first: dict[str, int] = {}
+        for index, point in enumerate(self.points):
+            for name in point.entries:
+                first.setdefault(name, index)
+        blocked = max((index for name, index in first.items()
+                       if name not in self.base
+                       and not (self.base_complete and name not in self.initial)),
+                      default=-1)
+        return [point.count for point in self.points[blocked + 1:]]
 
     def content(self) -> dict[str, Any]:
         with self.lock:
