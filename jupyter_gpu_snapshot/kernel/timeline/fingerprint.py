@@ -70,7 +70,7 @@ def is_torch_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _is_torch_module(value: Any) -> bool:
+def is_torch_module(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.nn.Module)
 
@@ -265,7 +265,7 @@ def _kind_of(value: Any) -> str:
         found = "numpy"
     elif is_torch_tensor(value):
         found = "torch"
-    elif _is_torch_module(value):
+    elif is_torch_module(value):
         found = "torch_module"
     elif is_cupy_array(value):
         found = "cupy"
