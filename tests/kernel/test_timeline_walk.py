@@ -10,7 +10,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from jupyter_gpu_snapshot.kernel.timeline import Timeline
-from jupyter_gpu_snapshot.kernel.timeline.timeline import limits_from_env, parse_bytes
+from jupyter_gpu_snapshot.kernel.timeline.limits import limits_from_env, parse_bytes
 
 BIG = "np.zeros((8 << 20) // 8)"  # 8 MiB: above what is digested after every cell
 

@@ -3,7 +3,7 @@ the namespace back to how it was before any recorded cell.
 
 ``fingerprint`` finds cheaply what a cell changed (``scope``: which names it could reach),
 ``copies`` keeps the copies of one point, ``restore`` prepares and applies a rewind,
-``timeline`` holds the points and their limits, ``requests`` answers the control channel (the
+``timeline`` holds the points within their ``limits``, ``requests`` answers the control channel (the
 magic and the CLI say it in words with ``_constants.timeline_lines`` and
 ``rewind_report_lines``). ``install(shell)`` sets it up once; ``cell_record``
 calls it for every snapshot-ready kernel. docs/rewind.md says what is exact and what not.
@@ -14,18 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..._constants import REWIND_REPLY, REWIND_REQUEST, TIMELINE_REPLY, TIMELINE_REQUEST
+from .limits import ENV_LIMIT_BYTES, ENV_MAX_POINTS, ENV_TIMELINE, enabled_by_env, limits_from_env
 from .requests import TimelineRequests, answer_off
-from .timeline import (
-    ENV_LIMIT_BYTES,
-    ENV_MAX_POINTS,
-    ENV_TIMELINE,
-    KernelBusy,
-    RewindFailed,
-    RewindOutOfRange,
-    Timeline,
-    enabled_by_env,
-    limits_from_env,
-)
+from .timeline import KernelBusy, RewindFailed, RewindOutOfRange, Timeline
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell

@@ -22,14 +22,8 @@ from typing import Any
 from ..._constants import REWIND_REPLY, TIMELINE_REPLY
 from .. import portable_request
 from ..control_channel import send_reply
-from .timeline import (
-    BUSY,
-    ENV_TIMELINE,
-    KernelBusy,
-    RewindFailed,
-    RewindOutOfRange,
-    Timeline,
-)
+from .limits import ENV_TIMELINE
+from .timeline import BUSY, KernelBusy, RewindFailed, RewindOutOfRange, Timeline
 
 KNOWN_ERRORS = (KernelBusy, RewindOutOfRange, RewindFailed)
 
