@@ -2,7 +2,8 @@
 
 ``%load_ext jupyter_gpu_snapshot`` registers it; snapshot-ready kernels load it at start.
 Every command is a short REST call to the server extension that launched the kernel
-(see ``client``); nothing here touches CRIU or CUDA itself.
+(see ``client``); nothing here touches CRIU or CUDA itself. ``timeline`` and ``rewind N``
+are this kernel's own: they ask its timeline (``timeline``), without the server.
 
 Saving from inside a running cell
 ---------------------------------
