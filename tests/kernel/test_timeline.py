@@ -310,6 +310,11 @@ def test_the_magics_print_the_timeline_and_the_report(kernels: list[KernelHandle
                                                       tmp_path: Path) -> None:
     client = new_kernel(kernels, tmp_path)
     cell(client, "%load_ext jupyter_gpu_snapshot")
+    # Installed twice (the recorder, then the extension): one timeline follows the cells.
+    assert cell(client, """
+        print(sum(type(getattr(f, "__self__", None)).__name__ == "Timeline"
+                  for f in get_ipython().events.callbacks["post_run_cell"]))
+        """)[1] == "1\n"
     cell(client, "import pandas as pd\nframe = pd.DataFrame({'a': [1, 2]})")
     dropped, _ = cell(client, "frame = frame.drop(columns=['a'])\nscratch = 1")
     shown = cell(client, "%gpu_snapshot timeline")[1]
