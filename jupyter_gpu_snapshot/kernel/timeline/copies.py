@@ -26,6 +26,9 @@ from .fingerprint import (
 )
 
 _SIZE_DEPTH = 6
+# What copy.deepcopy does not copy.
+_SHARED_BY_COPIES = (type(None), bool, int, float, complex, str, bytes, range, type,
+                     types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
 _SIZE_ITEMS = 10_000
 
 
@@ -78,9 +81,10 @@ def _size(value: Any, depth: int, seen: set[int], devices: dict[str, int]) -> in
         usage = value.memory_usage(deep=False, index=True) if hasattr(value, "memory_usage") \
             else 0
         return int(getattr(usage, "sum", lambda: usage)())
+    if isinstance(value, _SHARED_BY_COPIES):
+        return 0  # deepcopy keeps the object itself: a copy costs nothing
     size = sys.getsizeof(value, 64)
-    if depth >= _SIZE_DEPTH or isinstance(value, (str, bytes, int, float, type,
-                                                  types.ModuleType, types.FunctionType)):
+    if depth >= _SIZE_DEPTH:
         return size
     items: list[Any]
     if isinstance(value, dict):
