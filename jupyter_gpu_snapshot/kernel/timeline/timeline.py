@@ -181,9 +181,8 @@ class Timeline:
         if not moved and not gone:
             return
         walk = Walk(self._digests)
-        walk.fresh = dict(self._digests)
         self._fingerprints.update(fingerprints(namespace, moved, lambda name: True, walk))
-        self._digests = walk.fresh
+        self._digests = {**self._digests, **walk.fresh}
         entries = copy_point(namespace, moved, walk.by_reference, self.limit_bytes)
         entries.update((name, ABSENT) for name in gone)
         for name in gone:
@@ -322,13 +321,13 @@ class Timeline:
         measured from the state the rewind made."""
         for name in removed:
             self._fingerprints.pop(name, None)
+        # Digested afresh (deep): the rewind wrote into arrays whose old digests are kept.
         walk = Walk(self._digests)
-        walk.fresh = dict(self._digests)
         namespace = self.shell.user_ns
         present = [name for name in rebound if name in namespace]
         self._fingerprints.update(fingerprints(namespace, present, lambda name: True, walk))
         self._ids = {name: id(namespace[name]) for name in self.user_names()}
-        self._digests = walk.fresh
+        self._digests = {**self._digests, **walk.fresh}
         self.unseen.update(walk.unseen)
 
     def _caveats(self) -> list[str]:
