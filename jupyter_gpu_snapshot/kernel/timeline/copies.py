@@ -87,10 +87,12 @@ def _size(value: Any, depth: int, seen: set[int], devices: dict[str, int]) -> in
     if depth >= _SIZE_DEPTH:
         return size
     items: list[Any]
-    if isinstance(value, dict):
-        items = [*list(value.values())[:_SIZE_ITEMS], *list(value)[:_SIZE_ITEMS]]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)[:_SIZE_ITEMS]
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        every = [*value.values(), *value] if isinstance(value, dict) else list(value)
+        items = every[:_SIZE_ITEMS]
+        if len(every) > len(items):  # the rest taken to be like the first ones
+            sampled = sum(_size(item, depth + 1, seen, devices) for item in items)
+            return size + sampled * len(every) // len(items)
     else:
         inside = getattr(value, "__dict__", None)
         items = [inside] if isinstance(inside, dict) else []

@@ -110,13 +110,15 @@ class Timeline:
             try:
                 with _collector_paused():
                     self.record(int(count), bool(result.success), info.raw_cell or "")
-            except Exception as exc:
-                # Never a traceback after the user's cell: one line, and a timeline that
-                # knows only what it can be sure of from here on.
+            except (Exception, KeyboardInterrupt) as exc:
+                # Never a traceback after the user's cell (an interrupt while a big copy
+                # was taken included): one line, and a timeline that knows only what it
+                # can be sure of from here on.
                 self._start_over()
-                print(f"The timeline could not record cell [{count}] ({type(exc).__name__}: "
-                      f"{exc}); cells before it can no longer be rewound.",
-                      file=sys.stderr, flush=True)
+                why = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+                    f"{type(exc).__name__}: {exc}"
+                print(f"The timeline could not record cell [{count}] ({why}); cells before "
+                      "it can no longer be rewound.", file=sys.stderr, flush=True)
 
     # -- recording ---------------------------------------------------------------------------
     def user_names(self) -> list[str]:
