@@ -24,6 +24,7 @@ from .fingerprint import (
     is_pandas_object,
     is_torch_tensor,
 )
+from .limits import ENV_GPU_COPIES, gpu_copies_by_env
 
 _SIZE_DEPTH = 6
 # What copy.deepcopy does not copy.
@@ -192,6 +193,10 @@ def _entry(value: Any, memo: dict[int, Any], limit_bytes: int,
         return Entry("uncopied", live_id=id(value), reason=f"{refused} cannot be copied")
     devices: dict[str, int] = {}
     nbytes = size_of(value, devices)
+    if devices and not gpu_copies_by_env():
+        return Entry("uncopied", live_id=id(value),
+                     reason=f"it is on a GPU, and the timeline copies nothing there unless "
+                     f"{ENV_GPU_COPIES}=on")
     short = _short_of_gpu_memory(devices) if devices else None
     if short:
         return Entry("uncopied", live_id=id(value), reason=short)

@@ -7,18 +7,21 @@ import os
 ENV_TIMELINE = "JUPYTER_GPU_SNAPSHOT_TIMELINE"
 ENV_LIMIT_BYTES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_BYTES"
 ENV_MAX_POINTS = "JUPYTER_GPU_SNAPSHOT_TIMELINE_POINTS"
+ENV_GPU_COPIES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_GPU"
 DEFAULT_MAX_POINTS = 100
-_DEFAULT_CAP_BYTES = 8 << 30
+# The copies live in the kernel's own memory, so every process snapshot of the kernel carries
+# them: by default they take an eighth of the machine's memory, at most 2 GiB.
+_DEFAULT_CAP_BYTES = 2 << 30
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def default_limit_bytes() -> int:
-    """A quarter of the machine's memory, at most 8 GiB."""
+    """An eighth of the machine's memory, at most 2 GiB."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 1 << 30
-    return min(total // 4, _DEFAULT_CAP_BYTES)
+    return min(total // 8, _DEFAULT_CAP_BYTES)
 
 
 def parse_bytes(text: str) -> int:
@@ -43,3 +46,11 @@ def limits_from_env(env: dict[str, str] | None = None) -> tuple[int, int]:
 def enabled_by_env(env: dict[str, str] | None = None) -> bool:
     value = (os.environ if env is None else env).get(ENV_TIMELINE, "on")
     return value.strip().lower() not in ("off", "0", "false", "no")
+
+
+def gpu_copies_by_env(env: dict[str, str] | None = None) -> bool:
+    """Whether values on a GPU are copied there. Off unless asked: a copy holds GPU memory
+    the user's cells may need, and goes into every process snapshot the kernel's CUDA
+    checkpoint writes."""
+    value = (os.environ if env is None else env).get(ENV_GPU_COPIES, "off")
+    return value.strip().lower() in ("on", "1", "true", "yes")
