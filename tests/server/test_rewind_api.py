@@ -18,8 +18,10 @@ import pytest
 
 from jupyter_gpu_snapshot.server.wiring import REWIND_EVENT_ID
 from testkit.criu_wrappers import gated
+from testkit.loop_watch import LoopWatch
 
 from .conftest import Api, Json, KernelConnector, recorded_events
+from .test_event_loop import BLOCKING_SECONDS, Poller
 from .test_kernel_credentials import _as_kernel
 from .test_openapi import SPEC
 
@@ -77,6 +79,26 @@ async def test_rewind_puts_values_back_and_tells_every_client(
 
     await jp_serverapp.event_logger.gather_listeners()
     assert rewinds == [{"kernel_id": kernel_id, "report": report}]
+
+
+async def test_no_callback_holds_the_loop_while_a_kernel_rewinds(
+    api: Api, kernel_socket: KernelConnector,
+) -> None:
+    kernel_id = await api.start_kernel()
+    ws = await kernel_socket(kernel_id)
+    await ws.execute("import numpy as np; weights = np.ones(16 << 20)")  # 128 MiB
+    await ws.execute("weights *= 3")
+    status = Poller(api, "api", "status")
+    with LoopWatch(asyncio.get_running_loop(), BLOCKING_SECONDS) as watch:
+        status.start()
+        await timeline(api, kernel_id)
+        report = (await api.ok("POST", *KERNELS, kernel_id, "rewind", body={"before": 2}))[
+            "report"]
+        answers = await status.stop()
+    assert report["restored"] == ["weights"]
+    assert watch.held == [], [vars(h) for h in watch.held]
+    assert answers > 0
+    assert (await ws.execute("print(weights.sum() == weights.size)")).strip() == "True"
 
 
 async def test_a_rewind_while_a_cell_runs_is_refused_and_the_cell_goes_on(
