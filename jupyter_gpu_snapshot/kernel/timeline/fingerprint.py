@@ -115,40 +115,45 @@ class Walk:
         self.unseen.setdefault(self._name, why)
 
     def _value(self, value: Any, depth: int) -> Any:
-        if isinstance(value, _BY_IDENTITY_ALONE):
-            if isinstance(value, types.ModuleType):
-                self.by_reference[id(value)] = value
+        kind = _KINDS.get(type(value)) or _kind_of(value)
+        if kind == "identity":
             return id(value)
-        kind = type(value)
-        if is_numpy_array(value):
-            return self._array(value)
-        if is_torch_tensor(value):
-            return self._tensor(value)
-        if is_jax_array(value):
+        if kind == "reference":
             self.by_reference[id(value)] = value
             return id(value)
-        if is_cupy_array(value):
+        if kind == "numpy":
+            return self._array(value)
+        if kind == "torch":
+            return self._tensor(value)
+        if kind == "cupy":
             self._miss("a CuPy array's contents are not read: an in-place change is not seen")
             return (id(value), int(getattr(value.data, "ptr", 0)))
-        if is_pandas_object(value):
+        if kind == "pandas":
             return self._pandas(value, depth)
+        if kind == "buffer":
+            return (id(value), digest_buffer(value))
         if depth >= MAX_DEPTH:
             self._miss("nested deeper than the timeline looks")
             return id(value)
-        if isinstance(value, (list, tuple, set, frozenset)) or kind.__name__ == "deque":
+        if kind == "items":
             return self._items(value, list(value), depth)
-        if isinstance(value, dict):
+        if kind == "mapping":
             return self._mapping(value, depth)
-        if isinstance(value, (bytearray, memoryview)) or kind.__module__ == "array":
-            return (id(value), digest_buffer(value))
         return self._object(value, depth)
 
     def _items(self, value: Any, items: list[Any], depth: int) -> Any:
         if len(items) > MAX_ITEMS:
             self._miss(f"a container of {len(items)} items is checked in part")
             items = items[:MAX_ITEMS]
-        walked = tuple(self._value(item, depth + 1) for item in items[:MAX_WALKED_ITEMS])
-        return (id(value), len(items), hash(tuple(map(id, items))), walked)
+        return (id(value), len(items), hash(tuple(map(id, items))),
+                self._walk_items(items, depth))
+
+    def _walk_items(self, items: list[Any], depth: int) -> Any:
+        """The items' own fingerprints, unless all are judged by identity already."""
+        head = items[:MAX_WALKED_ITEMS]
+        if set(map(type, head)) <= _IDENTITY_TYPES:  # at C speed: ints, strings...
+            return None
+        return tuple(self._value(item, depth + 1) for item in head)
 
     def _mapping(self, value: dict[Any, Any], depth: int) -> Any:
         keys = list(value)
@@ -156,9 +161,8 @@ class Walk:
             self._miss(f"a mapping of {len(keys)} items is checked in part")
             keys = keys[:MAX_ITEMS]
         values = [value[key] for key in keys]
-        walked = tuple(self._value(item, depth + 1) for item in values[:MAX_WALKED_ITEMS])
         return (id(value), len(value), hash(tuple(map(id, keys))),
-                hash(tuple(map(id, values))), walked)
+                hash(tuple(map(id, values))), self._walk_items(values, depth))
 
     def _object(self, value: Any, depth: int) -> Any:
         inside = getattr(value, "__dict__", None)
@@ -216,6 +220,37 @@ class Walk:
             return (id(array), id(array._pa_array))
         self._miss(f"a pandas {type(array).__qualname__} is checked by identity only")
         return id(array)
+
+
+# What each type's values are fingerprinted as, learned once per type.
+_KINDS: dict[type, str] = {}
+_IDENTITY_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _kind_of(value: Any) -> str:
+    kind = type(value)
+    if isinstance(value, types.ModuleType) or is_jax_array(value):
+        found = "reference"
+    elif isinstance(value, _BY_IDENTITY_ALONE):
+        found = "identity"
+    elif is_numpy_array(value):
+        found = "numpy"
+    elif is_torch_tensor(value):
+        found = "torch"
+    elif is_cupy_array(value):
+        found = "cupy"
+    elif is_pandas_object(value):
+        found = "pandas"
+    elif isinstance(value, (list, tuple, set, frozenset)) or kind.__name__ == "deque":
+        found = "items"
+    elif isinstance(value, dict):
+        found = "mapping"
+    elif isinstance(value, (bytearray, memoryview)) or kind.__module__ == "array":
+        found = "buffer"
+    else:
+        found = "object"
+    _KINDS[kind] = found
+    return found
 
 
 def _slot_values(value: Any) -> tuple[Any, ...] | None:

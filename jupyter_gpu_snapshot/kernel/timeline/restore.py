@@ -100,6 +100,7 @@ def prepare(namespace: dict[str, Any], targets: dict[str, tuple[Entry, int]],
     pairs: dict[int, tuple[str, Any, Any]] = {}
     sources: dict[int, Entry] = {}
     guarded = set(protected)  # grows with the live objects already paired
+    candidates: list[tuple[Entry, Any]] = []
     for live_id, names in groups.items():
         newest = max((targets[name] for name in names), key=lambda pair: pair[1])[0]
         sources[live_id] = newest
@@ -107,7 +108,12 @@ def prepare(namespace: dict[str, Any], targets: dict[str, tuple[Entry, int]],
             continue
         live = _live_candidate(namespace, names, live_id)
         if live is not None:
-            _match(newest.value, live, 0, pairs, guarded)
+            candidates.append((newest, live))
+    # The live objects that are the very objects of then take their parts first: a part
+    # two values share goes back to the one that held it then.
+    candidates.sort(key=lambda pair: id(pair[1]) != pair[0].live_id)
+    for newest, live in candidates:
+        _match(newest.value, live, 0, pairs, guarded)
     for stored_id, (_, _, live) in pairs.items():
         memo[stored_id] = live
     contents = {stored_id: _content(kind, stored, memo)
@@ -170,11 +176,19 @@ def _match(stored: Any, live: Any, depth: int, pairs: dict[int, tuple[str, Any, 
     elif kind is tuple:
         for old, new in list(zip(stored, live, strict=False))[:_MATCH_ITEMS]:
             _match(old, new, depth + 1, pairs, protected)
-    elif isinstance(getattr(stored, "__dict__", None), dict) and \
-            isinstance(getattr(live, "__dict__", None), dict) and \
-            getattr(kind, "__slots__", None) is None:
+    elif _refilled_by_dict(kind) and isinstance(getattr(stored, "__dict__", None), dict) \
+            and isinstance(getattr(live, "__dict__", None), dict):
         pairs[id(stored)] = ("object", stored, live)
         _match_values(stored.__dict__, live.__dict__, depth, pairs, protected)
+
+
+def _refilled_by_dict(kind: type) -> bool:
+    """Whether an object of ``kind`` is all in its ``__dict__``: no slots, and copied the
+    plain way (a class that copies or pickles itself its own way may hold more)."""
+    plain: Any = object
+    return getattr(kind, "__slots__", None) is None and not hasattr(kind, "__deepcopy__") \
+        and getattr(kind, "__reduce_ex__", None) is plain.__reduce_ex__ \
+        and getattr(kind, "__reduce__", None) is plain.__reduce__
 
 
 def _match_values(stored: dict[Any, Any], live: dict[Any, Any], depth: int,
