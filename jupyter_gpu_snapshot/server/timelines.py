@@ -5,10 +5,10 @@ The kernel keeps its timeline and makes the rewind itself (``node/timeline_reque
 asks it on its control channel, without blocking the event loop). What the server adds is
 what only it knows: which of its kernels the id names, whether that kernel was launched
 snapshot-ready (others keep no timeline), whether it sleeps in hibernation (no process to
-ask), and whether one of its jobs holds the kernel (a save
-dumping it, a restore taking its slot), during which a rewind would change what the job
-works on. Each rewind made is told to every client as an event of the rewind/v1 schema, so
-that every view of the notebook marks the cells whose effects are gone.
+ask), and whether one of its jobs holds the kernel (a save dumping it, a restore taking its
+slot), during which a rewind would change what the job works on. Each rewind made is told
+to every client as an event of the rewind/v1 schema, so that every view of the notebook
+marks the cells whose effects are gone.
 """
 
 from __future__ import annotations
