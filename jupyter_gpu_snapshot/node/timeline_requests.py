@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._constants import REWIND_REQUEST, TIMELINE_REQUEST
+from .._constants import KERNEL_DISPLAY_NAME, REWIND_REQUEST, TIMELINE_REQUEST
 from ..core.errors import (
     InvalidRequest,
     KernelBusy,
@@ -39,8 +39,9 @@ _REFUSALS: dict[str, type[SnapshotError]] = {
     "RewindFailed": RewindFailed,
 }
 _NO_TIMELINE_HINT = (
-    "is it a snapshot-ready kernel ('Python 3 (snapshots)') started with this version? "
-    "A kernel that is still starting answers once it is ready"
+    f"is it a snapshot-ready kernel ('{KERNEL_DISPLAY_NAME}') started with this version, "
+    "and awake (a hibernated kernel answers once woken)? A kernel that is still starting "
+    "answers once it is ready"
 )
 
 
