@@ -361,3 +361,21 @@ def test_a_cell_sent_during_a_rewind_waits_for_it(kernels: list[KernelHandle],
     reply = control_reply(client, asked)
     assert reply["content"]["status"] == "ok", reply["content"]
     wait_for_output(client, following, "x is 1", 60, "stdout")
+
+
+def test_names_set_outside_cells_belong_to_the_state_they_joined(
+    kernels: list[KernelHandle], tmp_path: Path
+) -> None:
+    # As the portable fallback loads names: a silent request's user expression, no cell.
+    client = new_kernel(kernels, tmp_path)
+    first, _ = cell(client, "x = 1")
+    reply = client.execute("", silent=True, store_history=False, reply=True, timeout=60,
+                           user_expressions={"done": "globals().update(loaded=[1, 2])"})
+    assert reply["content"]["user_expressions"]["done"]["status"] == "ok"
+    later, _ = cell(client, "loaded.append(3)\nx = 2")
+    assert "loaded" in timeline(client)["points"][-1]["changed"]
+    assert rewind(client, later)["status"] == "ok"
+    assert cell(client, "print(loaded, x)")[1] == "[1, 2] 1\n"
+    report = rewind(client, first)["report"]
+    assert set(report["removed"]) == {"x", "loaded"}
+    assert cell(client, "print('loaded' in dir(), 'x' in dir())")[1] == "False False\n"

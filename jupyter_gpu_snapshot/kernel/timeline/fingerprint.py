@@ -70,6 +70,11 @@ def is_torch_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def _is_torch_module(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.nn.Module)
+
+
 def is_numpy_array(value: Any) -> bool:
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, numpy.ndarray)
@@ -125,6 +130,8 @@ class Walk:
             return self._array(value)
         if kind == "torch":
             return self._tensor(value)
+        if kind == "torch_module":
+            return self._torch_module(value, depth)
         if kind == "cupy":
             self._miss("a CuPy array's contents are not read: an in-place change is not seen")
             return (id(value), int(getattr(value.data, "ptr", 0)))
@@ -195,6 +202,16 @@ class Walk:
         return (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape),
                 str(tensor.dtype), grad is not None and self._tensor(grad))
 
+    def _torch_module(self, module: Any, depth: int) -> Any:
+        """A model however deep: every parameter and buffer, each module's mode, and the
+        top module's own attributes."""
+        tensors = tuple(self._tensor(tensor) for tensor in
+                        (*module.parameters(), *module.buffers()))
+        modes = tuple(sub.training for sub in module.modules())
+        own = [(key, item) for key, item in vars(module).items() if not key.startswith("_")]
+        attributes = tuple((key, self._value(item, depth + 1)) for key, item in own)
+        return (id(module), tensors, modes, attributes)
+
     def _pandas(self, value: Any, depth: int) -> Any:
         manager = value._mgr
         arrays = getattr(manager, "arrays", None)
@@ -237,6 +254,8 @@ def _kind_of(value: Any) -> str:
         found = "numpy"
     elif is_torch_tensor(value):
         found = "torch"
+    elif _is_torch_module(value):
+        found = "torch_module"
     elif is_cupy_array(value):
         found = "cupy"
     elif is_pandas_object(value):

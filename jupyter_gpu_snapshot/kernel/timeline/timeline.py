@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..portable import is_user_name
-from .copies import ABSENT, Entry, copy_point
+from .copies import ABSENT, Entry, Recycled, copy_point, size_of
 from .fingerprint import Walk, fingerprints
 from .restore import prepare, protected_ids
 from .scope import reachable
@@ -121,6 +121,7 @@ class Timeline:
         self._digests: dict[tuple[Any, ...], bytes] = {}
         self.unseen: dict[str, str] = {}
         self._fingerprints: dict[str, int] = {}
+        self._ids: dict[str, int] = {}
         with self.lock:
             self._start_over()
 
@@ -128,6 +129,7 @@ class Timeline:
     def pre_run_cell(self, info: Any) -> None:
         with self.lock:
             self.running += 1
+            self._outside_cells()
 
     def post_run_cell(self, result: Any) -> None:
         with self.lock:
@@ -154,6 +156,7 @@ class Timeline:
         self.initial = set(names)
         walk = Walk({})
         self._fingerprints = fingerprints(self.shell.user_ns, names, lambda name: True, walk)
+        self._ids = {name: id(self.shell.user_ns[name]) for name in names}
         self._digests = walk.fresh
         self.unseen = walk.unseen
 
@@ -168,15 +171,48 @@ class Timeline:
         now = fingerprints(namespace, names, scope.__contains__, walk)
         changed = [name for name in names if now[name] != self._fingerprints.get(name)]
         deleted = [name for name in self._fingerprints if name not in now]
-        entries = copy_point(namespace, changed, walk.by_reference, self.limit_bytes)
+        # Room first, for what this point will hold: the copies let go of lend their
+        # memory to the new ones, and the timeline never holds more than its limit.
+        recycled = Recycled()
+        sizes = [size_of(namespace[name]) for name in changed]
+        self._keep_within_limits(sum(size for size in sizes if size <= self.limit_bytes),
+                                 adding=True, recycled=recycled)
+        entries = copy_point(namespace, changed, walk.by_reference, self.limit_bytes,
+                             recycled)
+        recycled.arrays.clear()
         entries.update((name, ABSENT) for name in deleted)
         point = Point(count, ok, changed, deleted, entries, time.time())
         self._fingerprints = now
+        self._ids = {name: id(namespace[name]) for name in names}
         self._digests = walk.fresh
         self.unseen = walk.unseen
         self.points.append(point)
         self._keep_within_limits()
         return point
+
+    def _outside_cells(self) -> None:
+        """Names bound, rebound or deleted since the last point by code that was no cell
+        (a silent execution, a user expression: the portable fallback's load) belong to
+        the state after the newest point: they are copied into it (into the base where
+        there is none), so that rewinds see them. Changes in place outside cells are not
+        looked for (a cheap check of identities only)."""
+        namespace = self.shell.user_ns
+        names = self.user_names()
+        moved = [name for name in names if self._ids.get(name) != id(namespace[name])]
+        gone = [name for name in self._ids if name not in namespace]
+        if not moved and not gone:
+            return
+        walk = Walk(self._digests)
+        walk.fresh = dict(self._digests)
+        self._fingerprints.update(fingerprints(namespace, moved, lambda name: True, walk))
+        self._digests = walk.fresh
+        entries = copy_point(namespace, moved, walk.by_reference, self.limit_bytes)
+        entries.update((name, ABSENT) for name in gone)
+        for name in gone:
+            self._fingerprints.pop(name, None)
+        (self.points[-1].entries if self.points else self.base).update(entries)
+        self._ids = {name: id(namespace[name]) for name in names}
+        self._keep_within_limits()
 
     def _python(self, raw_cell: str) -> str:
         try:
@@ -189,21 +225,32 @@ class Timeline:
         return sum(point.nbytes for point in self.points) + \
             sum(entry.nbytes for entry in self.base.values())
 
-    def _keep_within_limits(self) -> None:
-        """Drop the oldest points into the base until within the limits; a base that
-        still does not fit is forgotten (rewinds that need it stop being possible), and
-        at last the newest copies themselves."""
-        while len(self.points) > self.max_points or \
-                (len(self.points) > 1 and self.nbytes > self.limit_bytes):
+    def _keep_within_limits(self, coming: int = 0, adding: bool = False,
+                            recycled: Recycled | None = None) -> None:
+        """Drop the oldest points into the base until within the limits (with room for
+        ``coming`` bytes, and for one more point when ``adding``); a base that still does
+        not fit is forgotten (rewinds that need it stop being possible), and at last the
+        newest copies themselves. The copies let go of go to ``recycled``."""
+        let_go = recycled or Recycled()
+        room = self.limit_bytes - min(coming, self.limit_bytes)
+        points = self.max_points - (1 if adding else 0)
+        kept = 0 if adding else 1
+        while len(self.points) > points or \
+                (len(self.points) > kept and self.nbytes > room):
             oldest = self.points.pop(0)
-            self.base.update(oldest.entries)
+            for name, entry in oldest.entries.items():
+                let_go.give(self.base.get(name))
+                self.base[name] = entry
             self.dropped += 1
-        if self.nbytes > self.limit_bytes and self.base:
+        if self.nbytes > room and self.base:
+            for entry in self.base.values():
+                let_go.give(entry)
             self.base.clear()
             self.base_complete = False
+        room = self.limit_bytes
         for point in self.points:
             for name, entry in list(point.entries.items()):
-                if self.nbytes <= self.limit_bytes:
+                if self.nbytes <= room:
                     return
                 if entry.kind == "copy":
                     point.entries[name] = Entry(
@@ -293,6 +340,7 @@ class Timeline:
         namespace = self.shell.user_ns
         present = [name for name in rebound if name in namespace]
         self._fingerprints.update(fingerprints(namespace, present, lambda name: True, walk))
+        self._ids = {name: id(namespace[name]) for name in self.user_names()}
         self._digests = walk.fresh
         self.unseen.update(walk.unseen)
 
