@@ -21,6 +21,7 @@ from ..core.errors import (
     InvalidRequest,
     KernelBusy,
     NoAnswer,
+    NotReady,
     RewindFailed,
     RewindOutOfRange,
     SnapshotError,
@@ -37,6 +38,8 @@ _REFUSALS: dict[str, type[SnapshotError]] = {
     "KernelBusy": KernelBusy,
     "RewindOutOfRange": RewindOutOfRange,
     "RewindFailed": RewindFailed,
+    # JUPYTER_GPU_SNAPSHOT_TIMELINE=off in the kernel's environment: it keeps none.
+    "TimelineOff": NotReady,
 }
 _NO_TIMELINE_HINT = (
     f"is it a snapshot-ready kernel ('{KERNEL_DISPLAY_NAME}') started with this version, "

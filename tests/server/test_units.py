@@ -150,6 +150,7 @@ def test_a_kernel_still_starting_has_no_last_activity_yet() -> None:
     ("KernelBusy", "kernel_busy", 409),
     ("RewindOutOfRange", "rewind_out_of_range", 400),
     ("RewindFailed", "rewind_failed", 500),
+    ("TimelineOff", "not_ready", 409),
     ("ZeroDivisionError", "failed", 500),
 ])
 def test_a_kernels_refusal_keeps_its_words_and_name_and_has_one_status(
