@@ -10,7 +10,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from jupyter_gpu_snapshot.kernel.timeline import Timeline
-from jupyter_gpu_snapshot.kernel.timeline.timeline import limits_from_env, parse_bytes
+from jupyter_gpu_snapshot.kernel.timeline.limits import limits_from_env, parse_bytes
 
 BIG = "np.zeros((8 << 20) // 8)"  # 8 MiB: above what is digested after every cell
 
@@ -61,6 +61,14 @@ def bump():
     assert changed(shell, timeline, "print(len(big))") == []
 
 
+def test_a_view_and_its_base_change_together(shell: InteractiveShell,
+                                             timeline: Timeline) -> None:
+    # 16 MiB and 8 MiB: both above what is digested after every cell.
+    changed(shell, timeline, "import numpy as np\nbase = np.zeros(2 << 20)\nhalf = base[: 1 << 20]")
+    assert changed(shell, timeline, "half[0] = 1") == ["base", "half"]
+    assert changed(shell, timeline, "base[1] = 1") == ["base", "half"]
+
+
 def test_what_the_walk_cannot_see_is_not_claimed(shell: InteractiveShell,
                                                  timeline: Timeline) -> None:
     changed(shell, timeline, f"""
@@ -89,3 +97,27 @@ def test_limits_read_from_the_environment() -> None:
                             "JUPYTER_GPU_SNAPSHOT_TIMELINE_POINTS": "7"}) == (1 << 30, 7)
     limit, points = limits_from_env({})
     assert 0 < limit <= 8 << 30 and points == 100
+
+
+def test_a_name_older_than_the_timeline_cannot_be_rewound_past(
+    shell: InteractiveShell,
+) -> None:
+    from jupyter_gpu_snapshot.kernel.timeline import RewindOutOfRange
+
+    shell.run_cell("older = [1]", store_history=True)
+    kept = Timeline(shell, 1 << 30, 100)
+    shell.events.register("post_run_cell", kept.post_run_cell)
+    try:
+        first = shell.run_cell("x = 1", store_history=True).execution_count
+        touched = shell.run_cell("older.append(2)", store_history=True).execution_count
+        later = shell.run_cell("x = 2", store_history=True).execution_count
+        # Before `touched`, older's value is not known: only later points can be rewound to.
+        assert kept.content()["rewindable"] == [later]
+        assert "older" in kept.points[-2].changed and kept.points[-2].count == touched
+        with pytest.raises(RewindOutOfRange, match=f"before cell {first}: the cells that "
+                           f"can be are {later}$"):
+            kept.rewind(first)
+        kept.rewind(later)
+        assert shell.user_ns["x"] == 1 and shell.user_ns["older"] == [1, 2]
+    finally:
+        shell.events.unregister("post_run_cell", kept.post_run_cell)

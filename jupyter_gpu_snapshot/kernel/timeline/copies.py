@@ -99,7 +99,7 @@ def _size(value: Any, depth: int, seen: set[int], devices: dict[str, int]) -> in
 
 def _short_of_gpu_memory(devices: dict[str, int]) -> str | None:
     """Why copying this much onto its GPUs would not leave enough free, or None. A copy
-    leaves a tenth of each GPU free, so that the user's next cell does not run out."""
+    leaves a quarter of each GPU free, so that the user's next cell does not run out."""
     torch = sys.modules.get("torch")
     for where, nbytes in devices.items():
         try:
@@ -113,7 +113,7 @@ def _short_of_gpu_memory(devices: dict[str, int]) -> str | None:
                     free, total = cupy.cuda.runtime.memGetInfo()
         except Exception:
             continue  # not known: copied, as far as the device lets it
-        if nbytes > free - total // 10:
+        if nbytes > free - total // 4:
             return (f"its copy on {where} ({_mib(nbytes)}) would leave too little GPU "
                     f"memory ({_mib(free)} free)")
     return None

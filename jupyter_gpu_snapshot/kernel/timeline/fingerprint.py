@@ -70,7 +70,7 @@ def is_torch_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _is_torch_module(value: Any) -> bool:
+def is_torch_module(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.nn.Module)
 
@@ -109,12 +109,17 @@ class Walk:
         self.deep = True
         self._name = ""
         self.by_reference: dict[int, Any] = {}
+        self.touched_roots: set[int] = set()
 
     def name(self, name: str, value: Any, deep: bool) -> int:
         """The fingerprint of the user's name ``name`` bound to ``value``."""
         self._name = name
         self.deep = deep
-        return hash(self._value(value, 0))
+        try:
+            return hash(self._value(value, 0))
+        except Exception as exc:  # an object whose attributes raise, say
+            self._miss(f"it could not be looked into ({type(exc).__name__}: {exc})")
+            return hash((id(value), "unjudged"))
 
     def _miss(self, why: str) -> None:
         self.unseen.setdefault(self._name, why)
@@ -185,7 +190,13 @@ class Walk:
     def _array(self, array: Any) -> Any:
         key = (id(array), array.__array_interface__["data"][0], array.shape, array.strides,
                array.dtype.str)
-        if array.nbytes <= SMALL_BUFFER_BYTES or self.deep or key not in self.digests:
+        # Views share their memory with their base: one digested again makes the others
+        # digested again too (the names the cell reaches are walked first).
+        root = root_array(array)
+        if self.deep:
+            self.touched_roots.add(id(root))
+        if array.nbytes <= SMALL_BUFFER_BYTES or self.deep or key not in self.digests \
+                or id(root) in self.touched_roots:
             digest = self.fresh.get(key)
             if digest is None:
                 digest = _numpy_digest(array)
@@ -254,7 +265,7 @@ def _kind_of(value: Any) -> str:
         found = "numpy"
     elif is_torch_tensor(value):
         found = "torch"
-    elif _is_torch_module(value):
+    elif is_torch_module(value):
         found = "torch_module"
     elif is_cupy_array(value):
         found = "cupy"
@@ -270,6 +281,14 @@ def _kind_of(value: Any) -> str:
         found = "object"
     _KINDS[kind] = found
     return found
+
+
+def root_array(array: Any) -> Any:
+    """The array that owns the memory a view of NumPy's shows."""
+    numpy = sys.modules["numpy"]
+    while isinstance(array.base, numpy.ndarray):
+        array = array.base
+    return array
 
 
 def _slot_values(value: Any) -> tuple[Any, ...] | None:

@@ -14,9 +14,12 @@ control thread.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import gc
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +28,6 @@ from .copies import ABSENT, Entry, Recycled, copy_point, size_of
 from .fingerprint import Walk, fingerprints
 from .restore import prepare, protected_ids
 from .scope import reachable
-
-ENV_TIMELINE = "JUPYTER_GPU_SNAPSHOT_TIMELINE"
-ENV_LIMIT_BYTES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_BYTES"
-ENV_MAX_POINTS = "JUPYTER_GPU_SNAPSHOT_TIMELINE_POINTS"
-DEFAULT_MAX_POINTS = 100
-_DEFAULT_CAP_BYTES = 8 << 30
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 CAVEAT = ("changes to files on disk, to other modules' globals, and mutations the timeline "
           "cannot see are not undone")
@@ -49,39 +45,6 @@ class RewindOutOfRange(Exception):
 
 class RewindFailed(Exception):
     """The rewind could not be prepared or made; the namespace is as it was."""
-
-
-def default_limit_bytes() -> int:
-    """A quarter of the machine's memory, at most 8 GiB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 1 << 30
-    return min(total // 4, _DEFAULT_CAP_BYTES)
-
-
-def parse_bytes(text: str) -> int:
-    """``2G``, ``512MiB``, ``1000000``: a number of bytes."""
-    cleaned = text.strip().lower().removesuffix("ib").removesuffix("b")
-    number = cleaned.rstrip("kmgt")
-    return int(float(number) * _UNITS[cleaned[len(number):]])
-
-
-def limits_from_env(env: dict[str, str] | None = None) -> tuple[int, int]:
-    """The timeline's memory limit and its number of points, from the environment."""
-    env = dict(os.environ) if env is None else env
-    limit = default_limit_bytes()
-    points = DEFAULT_MAX_POINTS
-    if env.get(ENV_LIMIT_BYTES):
-        limit = parse_bytes(env[ENV_LIMIT_BYTES])
-    if env.get(ENV_MAX_POINTS):
-        points = max(1, int(env[ENV_MAX_POINTS]))
-    return limit, points
-
-
-def enabled_by_env(env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(ENV_TIMELINE, "on")
-    return value.strip().lower() not in ("off", "0", "false", "no")
 
 
 @dataclass
@@ -129,7 +92,13 @@ class Timeline:
     def pre_run_cell(self, info: Any) -> None:
         with self.lock:
             self.running += 1
-            self._outside_cells()
+            try:
+                self._outside_cells()
+            except Exception as exc:
+                self._start_over()
+                print(f"The timeline could not record what changed outside cells "
+                      f"({type(exc).__name__}: {exc}); earlier cells can no longer be "
+                      "rewound.", file=sys.stderr, flush=True)
 
     def post_run_cell(self, result: Any) -> None:
         with self.lock:
@@ -138,7 +107,16 @@ class Timeline:
             count = getattr(result, "execution_count", None)
             if info is None or count is None or not info.store_history:
                 return
-            self.record(int(count), bool(result.success), info.raw_cell or "")
+            try:
+                with _collector_paused():
+                    self.record(int(count), bool(result.success), info.raw_cell or "")
+            except Exception as exc:
+                # Never a traceback after the user's cell: one line, and a timeline that
+                # knows only what it can be sure of from here on.
+                self._start_over()
+                print(f"The timeline could not record cell [{count}] ({type(exc).__name__}: "
+                      f"{exc}); cells before it can no longer be rewound.",
+                      file=sys.stderr, flush=True)
 
     # -- recording ---------------------------------------------------------------------------
     def user_names(self) -> list[str]:
@@ -278,9 +256,18 @@ class Timeline:
         return list(names)
 
     def rewindable(self) -> list[int]:
-        return [point.count for index, point in enumerate(self.points)
-                if all(self._resolve(name, index) is not None
-                       for name in self._names_from(index))]
+        """The counts N for which every name changed from [N] on has a known value before
+        it: some older point has it, or the base, or it did not exist yet. A name is not
+        known before its first point, where neither the base nor its absence says so."""
+        first: dict[str, int] = {}
+        for index, point in enumerate(self.points):
+            for name in point.entries:
+                first.setdefault(name, index)
+        blocked = max((index for name, index in first.items()
+                       if name not in self.base
+                       and not (self.base_complete and name not in self.initial)),
+                      default=-1)
+        return [point.count for point in self.points[blocked + 1:]]
 
     def content(self) -> dict[str, Any]:
         with self.lock:
@@ -353,6 +340,19 @@ class Timeline:
         if len(unseen) > _UNSEEN_SHOWN:
             caveats.append(f"{len(unseen) - _UNSEEN_SHOWN} more names are seen in part only")
         return caveats
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The walk makes many short-lived tuples, freed as it goes; left on, the cyclic
+    collector would run over the user's whole heap in the middle of it (tens of ms)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _out_of_range(before: int, rewindable: list[int]) -> str:
