@@ -62,6 +62,9 @@ def test_timeline_and_rewind_by_id_and_by_connection_file(
     kernel.execute("y.append(3); z = 'made later'; notes = open('/dev/null')")
 
     timeline = json.loads(succeeded("timeline", kernel_id, "--json"))
+    # What GET kernels/{id}/timeline answers (openapi.yaml's Timeline).
+    assert set(timeline) == {"running", "points", "rewindable", "bytes", "limit_bytes",
+                             "dropped"}
     assert [p["count"] for p in timeline["points"]] == [1, 2, 3]
     assert {2, 3} <= set(timeline["rewindable"]) and timeline["running"] is False
     second, third = timeline["points"][1:]
