@@ -1,8 +1,8 @@
 /**
  * jupyter-gpu-snapshot: snapshot a notebook's kernel (CUDA state included) and restore it.
  *
- * The toolbar button and the Kernel menu entries are declared in schema/plugin.json;
- * this file supplies the commands and widgets they name.
+ * The toolbar button, the Kernel menu entries and the cells' context menu entry are
+ * declared in schema/plugin.json; this file supplies the commands and widgets they name.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import {
@@ -24,9 +24,11 @@ import { pickSnapshot } from './dialog';
 import { restoreIcon, snapshotIcon } from './icons';
 import { askSnapshotName } from './names';
 import { ShutdownOffer } from './reboot';
+import { Rewinder, rewindAvailability } from './rewind';
 import { SNAPSHOTS_EVENT_PREFIX, SnapshotsSidebar } from './sidebar';
 import { DEFAULT_REFRESH_SECONDS, SnapshotStatusItem } from './statusbar';
 import { TRANSLATION_DOMAIN } from './translation';
+import type { ICellLike } from './undone';
 
 const PLUGIN_ID = 'jupyter-gpu-snapshot:plugin';
 
@@ -39,6 +41,7 @@ export namespace CommandIDs {
   export const saveNamed = 'gpu-snapshot:save-named';
   export const restore = 'gpu-snapshot:restore';
   export const hibernate = 'gpu-snapshot:hibernate';
+  export const rewindToCell = 'gpu-snapshot:rewind-to-cell';
 }
 
 /** The toolbar item name used in schema/plugin.json. */
@@ -180,6 +183,40 @@ const plugin: JupyterFrontEndPlugin<void> = {
           );
         }
         await controller.refresh(kernelId);
+      }
+    });
+
+    const rewinder = new Rewinder(controller.api, trans);
+    /**
+     * The notebook and the cell a rewind is about: the cell whose context menu is open,
+     * else the current notebook's active cell.
+     */
+    const rewindTarget = (): { panel: NotebookPanel | null; cell: ICellLike | null } => {
+      const node = app.contextMenuHitTest(node => node.classList.contains('jp-Cell'));
+      const panel = node
+        ? (tracker.find(panel => panel.node.contains(node)) ?? null)
+        : current();
+      const cells = (panel?.content.widgets ?? []) as unknown as readonly ICellLike[];
+      const cell = node
+        ? (cells.find(cell => cell.node === node) ?? null)
+        : ((panel?.content.activeCell ?? null) as unknown as ICellLike | null);
+      return { panel, cell };
+    };
+    const rewindAsked = () => {
+      const { panel, cell } = rewindTarget();
+      const kernelId = controller.kernelId(panel);
+      return { panel, kernelId, ...rewindAvailability(kernelId, cell, trans) };
+    };
+
+    app.commands.addCommand(CommandIDs.rewindToCell, {
+      label: trans.__('Rewind kernel to before this cell'),
+      caption: () => rewindAsked().reason,
+      isEnabled: () => rewindAsked().enabled,
+      execute: async () => {
+        const { panel, kernelId, enabled, count } = rewindAsked();
+        if (panel && kernelId && enabled && count !== null) {
+          await rewinder.rewind(panel, kernelId, count);
+        }
       }
     });
 
