@@ -10,7 +10,7 @@ import {
   IToolbarWidgetRegistry,
   Notification
 } from '@jupyterlab/apputils';
-import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStateDB } from '@jupyterlab/statedb';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -287,7 +287,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       tracker,
       DEFAULT_REFRESH_SECONDS,
       trans,
-      app.serviceManager.events ?? null
+      app.serviceManager.events ?? null,
+      { rewinder, executed: NotebookActions.executed }
     );
     app.shell.add(sidebar, 'left', { rank: 850 });
 
