@@ -1,4 +1,5 @@
-"""``jupyter gpu-snapshot``: check the machine, and save, list, restore and delete snapshots.
+"""``jupyter gpu-snapshot``: check the machine; save, list, restore and delete snapshots; list
+a kernel's timeline and rewind it.
 
 It works without a running server: ``save`` takes a kernel's pid or id, ``restore`` brings
 a kernel back standalone and prints a connection file for ``jupyter console --existing``.
@@ -193,6 +194,32 @@ def _status(p: argparse.ArgumentParser) -> None:
     _json_flag(p, "print readiness, problems and connection file as JSON")
 
 
+def _cell_count(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"there is no cell [{count}]: counts start at 1")
+    return count
+
+
+def _kernel_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kernel", metavar="KERNEL",
+                   help="the kernel's id (its connection file kernel-ID.json is in the "
+                   "Jupyter runtime directory) or the path of its connection file")
+
+
+def _timeline(p: argparse.ArgumentParser) -> None:
+    _kernel_argument(p)
+    _json_flag(p, "print the timeline as JSON, as GET kernels/{id}/timeline answers it")
+
+
+def _rewind(p: argparse.ArgumentParser) -> None:
+    _kernel_argument(p)
+    p.add_argument("--before", type=_cell_count, required=True, metavar="N",
+                   help="the execution count of the cell to go back to before (the N of "
+                   "its [N]): the kernel becomes as it was before that cell ran")
+    _json_flag(p, 'print {"report": ...} as JSON, as POST kernels/{id}/rewind answers it')
+
+
 def _no_arguments(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -241,6 +268,10 @@ COMMANDS = (
     Command("wake", "wake a hibernated kernel of a server", _wake, "servers:cmd_wake"),
     Command("status", "say whether a kernel process is snapshot-ready", _status,
             "kernels:cmd_status"),
+    Command("timeline", "list a kernel's timeline: a point after each cell, what it "
+            "changed", _timeline, "timeline:cmd_timeline"),
+    Command("rewind", "put a kernel back to how it was before one of its cells, and say "
+            "what came back", _rewind, "timeline:cmd_rewind"),
 )
 _NAMED = {command.name: command for command in COMMANDS}
 # The options before the command that take a value.

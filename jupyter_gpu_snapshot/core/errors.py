@@ -100,6 +100,33 @@ class PortsInUse(SnapshotError):
 
     code = "ports_in_use"
 
+
+class KernelBusy(Busy):
+    """The kernel runs a cell, and what was asked of it (a rewind) waits for no cell."""
+
+    code = "kernel_busy"
+
+
+class RewindOutOfRange(SnapshotError):
+    """The kernel's timeline cannot go back to before that cell (no such point, or dropped
+    for the limit); ``details["rewindable"]`` lists the cells it can go back to before."""
+
+    code = "rewind_out_of_range"
+
+
+class RewindFailed(SnapshotError):
+    """The kernel tried a rewind and gave it up; its namespace is as it was before."""
+
+    code = "rewind_failed"
+
+
+class NoAnswer(SnapshotError):
+    """The kernel did not answer a request on its control channel in time (it has no
+    timeline, it is starting, or it is stuck)."""
+
+    code = "no_answer"
+
+
 class Interrupted(SnapshotError):
     """The caller asked the operation to stop (Ctrl-C, a server stopping); it rolled back."""
 

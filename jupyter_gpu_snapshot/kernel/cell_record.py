@@ -20,6 +20,8 @@ request by ``portable_request``) and from re-running the cells this kernel ran.
   out.
 - The portable request, and the holding still of user code while a copy is written
   (``portable_request.install``).
+- The timeline of the cells' changes and the rewind (``timeline.install``; off where
+  ``JUPYTER_GPU_SNAPSHOT_TIMELINE=off``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._constants import CELLS_REPLY, CELLS_REQUEST, HISTORY_SOURCE_BYTES
-from . import portable_request
+from . import portable_request, timeline
 from .control_channel import error_content, send_reply
 from .portable import is_user_name
 
@@ -126,6 +128,7 @@ def install(shell: InteractiveShell) -> None:
     if isinstance(handlers, dict):
         handlers[CELLS_REQUEST] = recorder.cells_request
     _recorder = recorder
+    timeline.install(shell)
 
 
 def recorder() -> CellRecorder | None:

@@ -43,7 +43,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
 from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines, table
-from . import cell_record, portable_request
+from . import cell_record, portable_request, timeline
 from .client import ClientError, JobFailed, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
 from .presentation import (
@@ -84,7 +84,10 @@ def _display(*objs: Any, **kwargs: Any) -> Any:
     return display(*objs, **kwargs)  # type: ignore[no-untyped-call]
 
 
-COMMANDS = ("save", "list", "status", "rm", "restore", "widget", "autosave", "hibernate")
+COMMANDS = ("save", "list", "status", "rm", "restore", "widget", "autosave", "hibernate",
+            "timeline", "rewind")
+# Answered by this kernel's own timeline, without the server.
+_LOCAL_COMMANDS = ("timeline", "rewind")
 _TAKES_NAME = {
     "save": "optional", "rm": "required", "restore": "required", "autosave": "optional",
     "hibernate": "optional",
@@ -139,9 +142,12 @@ class GPUSnapshotMagics(Magics):
         "into a new kernel and switch this notebook to it; widget: a live panel; autosave: "
         "this notebook's autosave policy (on, off, every 10m, status); hibernate: free "
         "this kernel's GPU once this cell ends, and wake it at the next cell (gpu: keep "
-        "its process; after 30m, never, default: when it does so by itself once idle).",
+        "its process; after 30m, never, default: when it does so by itself once idle); "
+        "timeline: what each cell changed, and which cells can be rewound; rewind N: put "
+        "the variables back as they were before cell [N].",
     )
-    @argument("name", nargs="?", help="snapshot name (save: optional; rm, restore: name or id)")
+    @argument("name", nargs="?", help="snapshot name (save: optional; rm, restore: name or "
+              "id); rewind: the cell's execution count")
     @argument("rest", nargs="*", help=argparse.SUPPRESS)
     @argument(
         "--stop",
@@ -193,10 +199,15 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot hibernate after 30m  # when idle that long; also: never, default
             %gpu_snapshot hibernate gpu        # give the GPU back, keep the process
             %gpu_snapshot hibernate gpu after 10m  # when idle that long; never, default
+            %gpu_snapshot timeline             # the points, one per cell
+            %gpu_snapshot rewind 12            # back to before cell [12]
         """
         args = parse_argstring(self.gpu_snapshot, line)
         args.name = _unquoted(args.name)
         command: str = args.command
+        if command in _LOCAL_COMMANDS:
+            self._timeline_command(command, args)
+            return
         _check_usage(command, args.name, args.stop, args.all_notebooks)
         if args.rest and command not in ("autosave", "hibernate"):
             raise UsageError(f"unrecognized arguments: {' '.join(args.rest)}")
@@ -222,6 +233,30 @@ class GPUSnapshotMagics(Magics):
             raise SnapshotMagicError(f"%gpu_snapshot {command}: {exc.message}") from None
 
     # -- commands --------------------------------------------------------------------------
+    def _timeline_command(self, command: str, args: Any) -> None:
+        if args.rest or args.stop or args.portable or args.fallback or args.all_notebooks \
+                or args.latest:
+            usage = "rewind N" if command == "rewind" else command
+            raise UsageError(f"usage: %gpu_snapshot {usage}")
+        kept = timeline.current()
+        if kept is None:
+            raise SnapshotMagicError(f"%gpu_snapshot {command}: this kernel keeps no timeline "
+                                     f"({timeline.ENV_TIMELINE} turned it off)")
+        if command == "timeline":
+            if args.name:
+                raise UsageError("%gpu_snapshot timeline takes no argument")
+            print("\n".join(timeline.timeline_lines(kept.content())))
+            return
+        if not args.name or not args.name.lstrip("[").rstrip("]").isdigit():
+            raise UsageError("usage: %gpu_snapshot rewind N (N: the execution count of the "
+                             "cell to go back before)")
+        try:
+            report = kept.rewind(int(args.name.lstrip("[").rstrip("]")), from_cell=True)
+        except (timeline.KernelBusy, timeline.RewindOutOfRange,
+                timeline.RewindFailed) as exc:
+            raise SnapshotMagicError(f"%gpu_snapshot rewind: {exc}") from None
+        print("\n".join(timeline.report_lines(report)))
+
     def _save(self, client: SnapshotClient, args: Any) -> None:
         posted_at = time.time()
         job: dict[str, Any] = {}

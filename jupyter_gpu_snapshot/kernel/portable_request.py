@@ -204,7 +204,7 @@ class PortableRequests:
             directory = Path(str(request["directory"]))
             wait = request.get("wait_seconds")
             timeout = None if wait is None else float(wait)
-            report = await _in_thread(lambda: write_held(directory, timeout))
+            report = await in_thread(lambda: write_held(directory, timeout))
             content: dict[str, Any] = {"status": "ok", "portable": report}
         except PortableCopyAbandoned:
             content = {"status": "error", "ename": "PortableCopyAbandoned",
@@ -214,7 +214,7 @@ class PortableRequests:
         send_reply(self.shell, stream, PORTABLE_REPLY, content, parent, ident)
 
 
-async def _in_thread(work: Callable[[], T]) -> T:
+async def in_thread(work: Callable[[], T]) -> T:
     """``work()`` in a daemon thread: a copy still waiting for a cell must never keep the
     kernel's process from exiting (the default executor's threads would)."""
     loop = asyncio.get_running_loop()

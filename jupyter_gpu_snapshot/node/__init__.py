@@ -7,5 +7,6 @@ implement), ``local_engine`` (the engine this process runs itself, built from
 and the remote store, written once), ``remotes`` (the remote store from the settings),
 ``gpus`` (the GPU layer's few names the faces use), ``checks`` (what ``jupyter
 gpu-snapshot check`` reports), ``save_requests`` (what a save asks the kernel on its
-control channel) and ``fallback`` (a snapshot's work back in a fresh kernel).
+control channel), ``timeline_requests`` (its timeline and a rewind, asked there too) and
+``fallback`` (a snapshot's work back in a fresh kernel).
 """

@@ -18,12 +18,16 @@ not know: the question then times out, and the save goes on without the cells.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._constants import CELLS_REQUEST, PORTABLE_REQUEST
 from ..core.errors import SnapshotError
-from ..core.hooks import PortableWriter
 from ..launch.liveness import control_client, reply_to
+
+if TYPE_CHECKING:
+    # The engine's hooks bring the store and criu: a question to a kernel (the CLI's
+    # timeline) needs neither.
+    from ..core.hooks import PortableWriter
 
 # A kernel with the recorder answers at once, even mid-cell; one without never does.
 CELLS_SECONDS = 3.0

@@ -142,7 +142,8 @@ class GPUSnapshotApp(ExtensionApp):
     def initialize_handlers(self) -> None:
         """Called by ``ExtensionApp.initialize()`` after ``initialize_settings``."""
         parts = self.parts
-        self.handlers.extend(routes(parts.service, parts.autosave, parts.hibernation))
+        self.handlers.extend(
+            routes(parts.service, parts.autosave, parts.hibernation, parts.timelines))
 
     async def _start_jupyter_server_extension(self, serverapp: ServerApp) -> None:
         """Called once the server listens: the port is final only now (port retries).

@@ -3,7 +3,7 @@
 Handlers are thin: they parse the request, call ``SnapshotService`` and write JSON. The
 core's errors become HTTP statuses in one place, ``SnapshotAPIHandler.write_error``.
 Every handler is authenticated and authorized against the ``kernels`` resource, so the
-server's own authorizer decides; saving and restoring count as ``execute``. POST and
+server's own authorizer decides; saving, restoring and rewinding count as ``execute``. POST and
 DELETE need an XSRF token when the request is authenticated by cookie (the server's
 default check). A request with a kernel's own credential is further limited to what that
 kernel reaches (``kernel_credentials.KernelReach``), checked by the handlers' ``reach``.
@@ -28,9 +28,11 @@ from ..core.errors import (
     Busy,
     Incompatible,
     InvalidRequest,
+    NoAnswer,
     NotFound,
     NotReady,
     PortsInUse,
+    RewindOutOfRange,
     SnapshotError,
 )
 from .autosave import AutosaveScheduler
@@ -40,6 +42,7 @@ from .kernel_credentials import KernelReach, OutOfReach
 from .notebook_policies import POLICY_FIELDS
 from .service import SnapshotService
 from .sleepers import PROCESS_TIER
+from .timelines import KernelTimelines
 
 # The same pattern the server's own kernel handlers accept.
 KERNEL_ID = r"(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)"
@@ -57,6 +60,9 @@ STATUS_OF: tuple[tuple[type[SnapshotError], int], ...] = (
     (NotReady, 409),
     (PortsInUse, 409),
     (Incompatible, 409),
+    (RewindOutOfRange, 400),
+    # The kernel, behind the server, did not answer: a gateway's failure.
+    (NoAnswer, 502),
     (SnapshotError, 500),
 )
 
@@ -445,6 +451,42 @@ class KernelWakeHandler(HibernationAPIHandler):
         self.write_json(await self.hibernation.wake(kernel_id), status=202)
 
 
+class TimelineAPIHandler(SnapshotAPIHandler):
+    timelines: KernelTimelines
+
+    def initialize(  # type: ignore[override]
+        self, service: SnapshotService, timelines: KernelTimelines
+    ) -> None:
+        super().initialize(service)
+        self.timelines = timelines
+
+
+class KernelTimelineHandler(TimelineAPIHandler):
+    """``GET kernels/{kernel_id}/timeline``: the kernel's points, one per cell."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        await self.require_kernel(kernel_id)
+        self.write_json(await self.timelines.timeline(kernel_id))
+
+
+class KernelRewindHandler(TimelineAPIHandler):
+    """``POST kernels/{kernel_id}/rewind`` with ``{before}``: the kernel back to how it was
+    before that cell; answers the kernel's report once it is made."""
+
+    @web.authenticated
+    @authorized_to_execute
+    async def post(self, kernel_id: str) -> None:
+        await self.require_kernel(kernel_id)
+        body = self.json_body({"before": int})
+        if "before" not in body:
+            raise InvalidRequest("request", "the request names no cell to rewind to before",
+                                 hint='send {"before": N}, N the count in the cell\'s [N]')
+        report = await self.timelines.rewind(kernel_id, body["before"])
+        self.write_json({"report": report})
+
+
 class JobsHandler(SnapshotAPIHandler):
     """``GET jobs[?kernel_id=K]``."""
 
@@ -473,6 +515,7 @@ def routes(
     service: SnapshotService,
     autosave: AutosaveScheduler,
     hibernation: Hibernation | None = None,
+    timelines: KernelTimelines | None = None,
 ) -> list[tuple[str, type[SnapshotAPIHandler], dict[str, Any]]]:
     """URL patterns relative to the server's base_url (the extension app prepends it)."""
     kwargs: dict[str, Any] = {"service": service}
@@ -492,6 +535,9 @@ def routes(
         (rf"kernels/{KERNEL_ID}/hibernate", KernelHibernateHandler,
          {**kwargs, "hibernation": hibernation}),
         (rf"kernels/{KERNEL_ID}/wake", KernelWakeHandler, {**kwargs, "hibernation": hibernation}),
+        (rf"kernels/{KERNEL_ID}/timeline", KernelTimelineHandler,
+         {**kwargs, "timelines": timelines}),
+        (rf"kernels/{KERNEL_ID}/rewind", KernelRewindHandler, {**kwargs, "timelines": timelines}),
         (r"jobs", JobsHandler, kwargs),
         (rf"jobs/(?P<job_id>{JOB_ID_PATTERN})", JobHandler, kwargs),
     ]

@@ -8,8 +8,9 @@ and sets nothing on any of them afterwards:
   snapshots with the remote store of ``c.GPUSnapshot.remote_url``;
 - the job runner, the server's kernel slots, hibernation's registry of sleeping kernels
   (``Sleepers``) and the record of kernel deaths, which the service reads;
-- the service, the autosave scheduler, hibernation (which changes ``Sleepers``), and the
-  record of this server's kernels for adoption by a later server.
+- the service, the autosave scheduler, hibernation (which changes ``Sleepers``), the
+  kernels' timelines (their rewinds), and the record of this server's kernels for adoption
+  by a later server.
 
 It registers the extension's events and the listeners of jupyter_server's kernel_actions
 and contents events (a renamed notebook keeps its snapshots: ``notebook_renames``). The
@@ -47,6 +48,7 @@ from .remote_sync import RemoteSync
 from .service import SnapshotService
 from .sleepers import Sleepers
 from .status import newest_once_saved
+from .timelines import KernelTimelines
 from .wake_notes import drop_wake_notes
 
 EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "job-v1.yaml"
@@ -57,6 +59,8 @@ HIBERNATION_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "hibernatio
 HIBERNATION_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/hibernation/v1"
 SNAPSHOTS_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "snapshots-v1.yaml"
 SNAPSHOTS_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/snapshots/v1"
+REWIND_EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "rewind-v1.yaml"
+REWIND_EVENT_ID = "https://events.jupyter.org/jupyter_gpu_snapshot/rewind/v1"
 # What the operator may set for kernels' provisioners themselves; it wins over the app's.
 PROVISIONER_OVERRIDES = ("server_url", "server_token")
 
@@ -74,6 +78,8 @@ class ServerParts:
     service: SnapshotService
     autosave: AutosaveScheduler
     hibernation: Hibernation
+    # The kernels' timelines and their rewinds.
+    timelines: KernelTimelines
     # With c.GPUSnapshot.adopt_orphaned_kernels: this server's kernels, as a server that
     # starts after this one was killed finds them.
     kernel_record: KernelRecord | None
@@ -107,6 +113,7 @@ def build_server_parts(
     event_logger.register_event_schema(DEATH_EVENT_SCHEMA)
     event_logger.register_event_schema(HIBERNATION_EVENT_SCHEMA)
     event_logger.register_event_schema(SNAPSHOTS_EVENT_SCHEMA)
+    event_logger.register_event_schema(REWIND_EVENT_SCHEMA)
 
     def emit_job(job: Job) -> None:
         # Jobs start once the server runs, after this function has returned: the autosave
@@ -125,6 +132,9 @@ def build_server_parts(
 
     def emit_listing_changed(data: dict[str, Any]) -> None:
         event_logger.emit(schema_id=SNAPSHOTS_EVENT_ID, data=data)
+
+    def emit_rewound(data: dict[str, Any]) -> None:
+        event_logger.emit(schema_id=REWIND_EVENT_ID, data=data)
 
     jobs = JobRunner(on_change=emit_job, log=log)
     slots = KernelSlots(
@@ -200,6 +210,7 @@ def build_server_parts(
         service=service,
         autosave=autosave,
         hibernation=hibernation,
+        timelines=KernelTimelines(service, rewound=emit_rewound, log=log),
         kernel_record=kernel_record,
         kernel_token_secret=secrets.token_hex(32),
         provisioner_overrides=provisioner_overrides,

@@ -20,6 +20,8 @@ LINES = [
     ["save", "--pid", "7", "--name", "n", "--stop"],
     ["status", "--pid", "1"],
     ["hibernate", "k-1", "--tier", "gpu", "--url", "http://h/"],
+    ["timeline", "k-1", "--json"],
+    ["rewind", "/tmp/kernel-1.json", "--before", "3"],
 ]
 
 
@@ -29,7 +31,8 @@ def test_a_line_parses_as_with_the_whole_table(argv: list[str]) -> None:
     assert chosen == build_parser().parse_args(argv)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["list", "--help"], ["nosuch"], []])
+@pytest.mark.parametrize("argv", [["--help"], ["list", "--help"], ["nosuch"], [],
+                                  ["rewind", "k-1", "--before", "0"], ["rewind", "k-1"]])
 def test_help_and_refusals_stay_argparse_s(argv: list[str],
                                            capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as chosen:

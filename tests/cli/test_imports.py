@@ -89,3 +89,19 @@ def test_check_imports_the_checks_and_no_more(tmp_path: Path) -> None:
     modules, done = imported("check", "--json", cwd=tmp_path)
     assert {c["name"] for c in json.loads(done.stdout)} >= {"criu", "privileges"}, done.stderr
     assert not within(modules, NEVER), within(modules, NEVER)
+
+
+def test_timeline_asks_the_kernel_with_nothing_of_the_server_or_the_store(
+    tmp_path: Path,
+) -> None:
+    # The kernel's connection (jupyter_client, its tornado, zmq) is all it needs; a kernel
+    # that is not there is told in one line naming the step, before any of it is asked.
+    modules, done = imported("timeline", "no-such-kernel", cwd=tmp_path)
+    told = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and done.stdout == "", told
+    assert len(told) == 1 and told[0].startswith(
+        "error: lookup failed: no connection file kernel-no-such-kernel.json"), told
+    quiet = (*(m for m in NEVER if m not in ("zmq", "jupyter_client", "tornado")),
+             "jupyter_gpu_snapshot.config", "jupyter_gpu_snapshot.core.store",
+             "jupyter_gpu_snapshot.gpu", "jupyter_gpu_snapshot.node.engine")
+    assert not within(modules, quiet), within(modules, quiet)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from .load import PortableLoad, load_into_kernel, load_portable
 from .report import FILE_NAME, REPORT_FILE, PortableCopyAbandoned, read_report
 from .tensor_file import ALIGNED_MIN_BYTES, METADATA_KEY, PAGE_BYTES, TENSOR_FILE, is_padding
-from .write import is_user_name, portable_names, write_portable
+from .write import is_user_name, portable_names, refusal, write_portable
 
 __all__ = [
     "ALIGNED_MIN_BYTES",
@@ -34,5 +34,6 @@ __all__ = [
     "load_portable",
     "portable_names",
     "read_report",
+    "refusal",
     "write_portable",
 ]

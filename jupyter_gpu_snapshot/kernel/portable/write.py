@@ -144,7 +144,7 @@ def _copy_order(value: Any) -> int:
     return 3
 
 
-def _refusal(kind: type) -> str | None:
+def refusal(kind: type) -> str | None:
     """Why objects of this type are never carried, or None."""
     if issubclass(kind, (types.GeneratorType, types.AsyncGeneratorType)):
         return "a generator"
@@ -232,8 +232,8 @@ class _Pickling:
         elif self.cupy is not None and issubclass(kind, self.cupy.ndarray):
             verdict = "cupy"
         else:
-            refusal = _refusal(kind)
-            verdict = f"refuse:{refusal}" if refusal else None
+            refused = refusal(kind)
+            verdict = f"refuse:{refused}" if refused else None
         self.verdicts[kind] = verdict
         return verdict
 

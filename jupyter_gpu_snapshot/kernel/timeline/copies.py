@@ -1,0 +1,164 @@
+"""The copies a timeline point keeps of the values a cell changed.
+
+Every changed name's new value is deep-copied, all with ONE memo per point, so objects the
+values share (a model and the optimizer that holds its parameters) stay shared among the
+copies. Device arrays are copied where they live (a PyTorch tensor's deepcopy clones it on
+its device, a CuPy array's copy stays on its GPU); JAX arrays and modules are immutable or
+global and are kept by reference. What cannot be copied (open files, sockets, generators,
+threads, locks, anything deepcopy raises on) is kept as the reason, in words.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from ..portable import refusal
+from .fingerprint import (
+    is_cupy_array,
+    is_jax_array,
+    is_numpy_array,
+    is_pandas_object,
+    is_torch_tensor,
+)
+
+_SIZE_DEPTH = 6
+_SIZE_ITEMS = 10_000
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a point knows of one name after its cell.
+
+    ``kind``: "copy" (``value`` is a private copy), "reference" (``value`` is the object
+    itself: a module, a JAX array), "uncopied" (``reason`` says why) or "absent" (the name
+    did not exist). ``live_id`` is the id the name's value had then: names with the same
+    one were bound to one object.
+    """
+
+    kind: str
+    value: Any = None
+    live_id: int = 0
+    nbytes: int = 0
+    reason: str = ""
+
+
+ABSENT = Entry("absent")
+
+
+def size_of(value: Any) -> int:
+    """About how many bytes a copy of ``value`` takes (host and device), by a bounded walk."""
+    seen: set[int] = set()
+    return _size(value, 0, seen)
+
+
+def _size(value: Any, depth: int, seen: set[int]) -> int:
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    if is_numpy_array(value):
+        return int(value.nbytes) if value.base is None or value.flags.owndata else \
+            int(value.nbytes) + 112
+    if is_torch_tensor(value):
+        grad = value.grad if value.is_leaf else None
+        own = int(value.nelement() * value.element_size())
+        return own + (_size(grad, depth, seen) if grad is not None else 0)
+    if is_cupy_array(value) or is_jax_array(value):
+        return int(getattr(value, "nbytes", 0))
+    if is_pandas_object(value):
+        usage = value.memory_usage(deep=False, index=True) if hasattr(value, "memory_usage") \
+            else 0
+        return int(getattr(usage, "sum", lambda: usage)())
+    size = sys.getsizeof(value, 64)
+    if depth >= _SIZE_DEPTH or isinstance(value, (str, bytes, int, float, type,
+                                                  types.ModuleType, types.FunctionType)):
+        return size
+    items: list[Any]
+    if isinstance(value, dict):
+        items = [*list(value.values())[:_SIZE_ITEMS], *list(value)[:_SIZE_ITEMS]]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)[:_SIZE_ITEMS]
+    else:
+        inside = getattr(value, "__dict__", None)
+        items = [inside] if isinstance(inside, dict) else []
+    return size + sum(_size(item, depth + 1, seen) for item in items)
+
+
+def _by_reference(value: Any) -> bool:
+    return isinstance(value, (types.ModuleType, type, types.FunctionType,
+                              types.BuiltinFunctionType)) or is_jax_array(value)
+
+
+def copy_point(namespace: dict[str, Any], names: list[str], keep: dict[int, Any],
+               limit_bytes: int) -> dict[str, Entry]:
+    """Entries for ``names`` as they are in ``namespace`` now, copied with one memo.
+
+    ``keep`` holds objects (by id) that are kept by reference wherever met: modules and
+    JAX arrays the fingerprint walk found. A copy that would pass ``limit_bytes`` is not
+    taken.
+    """
+    memo: dict[int, Any] = {key: value for key, value in keep.items()}
+    entries: dict[str, Entry] = {}
+    for name in names:
+        if name not in namespace:
+            entries[name] = ABSENT
+            continue
+        value = namespace[name]
+        entries[name] = _entry(value, memo, limit_bytes)
+    return entries
+
+
+def _entry(value: Any, memo: dict[int, Any], limit_bytes: int) -> Entry:
+    if _by_reference(value):
+        return Entry("reference", value, id(value))
+    refused = refusal(type(value))
+    if refused:
+        return Entry("uncopied", live_id=id(value), reason=f"{refused} cannot be copied")
+    nbytes = size_of(value)
+    if nbytes > limit_bytes:
+        return Entry("uncopied", live_id=id(value),
+                     reason=f"its copy ({_mib(nbytes)}) would pass the timeline's memory "
+                     f"limit ({_mib(limit_bytes)})")
+    known = len(memo)
+    try:
+        copied = _copy(value, memo)
+    except Exception as exc:
+        # A copy that failed half way must not leave its half-made parts in the memo,
+        # where another name sharing them would pick them up.
+        for key in list(memo)[known:]:
+            memo.pop(key, None)
+        return Entry("uncopied", live_id=id(value), reason=_copy_failure(exc))
+    return Entry("copy", copied, id(value), nbytes)
+
+
+def _copy(value: Any, memo: dict[int, Any]) -> Any:
+    if is_cupy_array(value):
+        copied = value.copy()  # on the array's own device
+        memo[id(value)] = copied
+        return copied
+    return copy.deepcopy(value, memo)
+
+
+def _copy_failure(exc: BaseException) -> str:
+    text = str(exc)
+    for word, words in (("TextIOWrapper", "an open file"), ("BufferedReader", "an open file"),
+                        ("BufferedWriter", "an open file"), ("socket", "a socket"),
+                        ("generator", "a generator"), ("_thread.lock", "a lock or a thread"),
+                        ("_thread.RLock", "a lock or a thread"), ("coroutine", "a coroutine"),
+                        ("frame", "a running frame")):
+        if word in text:
+            return f"it holds {words}, which cannot be copied"
+    text = f"{type(exc).__name__}: {text}"
+    return "it cannot be copied: " + (text if len(text) <= 200 else text[:197] + "...")
+
+
+def fresh_copy(value: Any, memo: dict[int, Any]) -> Any:
+    """A new copy of a point's stored copy (the point keeps its own)."""
+    return _copy(value, memo)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
