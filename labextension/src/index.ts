@@ -24,7 +24,7 @@ import { pickSnapshot } from './dialog';
 import { restoreIcon, snapshotIcon } from './icons';
 import { askSnapshotName } from './names';
 import { ShutdownOffer } from './reboot';
-import { Rewinder, rewindAvailability } from './rewind';
+import { REWIND_EVENT_PREFIX, Rewinder, rewindAvailability } from './rewind';
 import { SNAPSHOTS_EVENT_PREFIX, SnapshotsSidebar } from './sidebar';
 import { DEFAULT_REFRESH_SECONDS, SnapshotStatusItem } from './statusbar';
 import { TRANSLATION_DOMAIN } from './translation';
@@ -186,7 +186,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
-    const rewinder = new Rewinder(controller.api, trans);
+    const rewinder = new Rewinder(controller.api, trans, kernelId => {
+      const panels: NotebookPanel[] = [];
+      tracker.forEach(panel => {
+        if (controller.kernelId(panel) === kernelId) {
+          panels.push(panel);
+        }
+      });
+      return panels;
+    });
     /**
      * The notebook and the cell a rewind is about: the cell whose context menu is open,
      * else the current notebook's active cell.
@@ -301,8 +309,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
     );
 
     // A kernel that hibernated or woke: its notebook's status bar says so at once. A
-    // snapshot renamed or deleted anywhere, or a notebook renamed: the current notebook's
-    // status names its newest snapshot again.
+    // kernel rewound through the server, here or elsewhere: its notebooks mark the cells
+    // whose effects are gone. A snapshot renamed or deleted anywhere, or a notebook
+    // renamed: the current notebook's status names its newest snapshot again.
     app.serviceManager.events?.stream.connect((_, event) => {
       const kernelId = (event as unknown as { kernel_id?: unknown }).kernel_id;
       if (
@@ -311,6 +320,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
         tracker.find(panel => controller.kernelId(panel) === kernelId)
       ) {
         void controller.refresh(kernelId);
+      } else if (
+        event.schema_id?.startsWith(REWIND_EVENT_PREFIX) &&
+        typeof kernelId === 'string'
+      ) {
+        const report = (event as unknown as { report?: { undone?: unknown } }).report;
+        const undone = Array.isArray(report?.undone)
+          ? report.undone.filter((count): count is number => typeof count === 'number')
+          : [];
+        rewinder.onRewindEvent(kernelId, { undone });
       } else if (event.schema_id?.startsWith(SNAPSHOTS_EVENT_PREFIX)) {
         const current = controller.polledKernel(tracker.currentWidget);
         if (current) {

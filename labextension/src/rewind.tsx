@@ -15,6 +15,10 @@ import { shortError, SUCCESS_CLOSE_MS } from './controller';
 import { untranslated } from './translation';
 import { markUndone, type ICellLike } from './undone';
 
+/** The server's events of rewinds made (server/event_schemas/rewind-v1.yaml), any version. */
+export const REWIND_EVENT_PREFIX =
+  'https://events.jupyter.org/jupyter_gpu_snapshot/rewind/';
+
 /** Whether a rewind to before a cell can be asked, and why (not), for the menu's tooltip. */
 export interface IRewindAvailability {
   enabled: boolean;
@@ -196,9 +200,11 @@ export async function showRewindReport(
  * context menu's command and the sidebar's timeline call ``rewind``.
  */
 export class Rewinder {
+  /** ``panelsOf``: the notebooks open here that run a kernel (the plugin's tracker's). */
   constructor(
     private readonly _api: SnapshotAPI,
-    private readonly _trans: TranslationBundle = untranslated
+    private readonly _trans: TranslationBundle = untranslated,
+    private readonly _panelsOf: (kernelId: string) => NotebookPanel[] = () => []
   ) {}
 
   /** Emitted with the kernel id after each rewind that was made: its timeline changed. */
@@ -258,6 +264,23 @@ export class Rewinder {
       }
     );
     return report;
+  }
+
+  /**
+   * Called by the plugin for each rewind/v1 event of the server: a rewind made through the
+   * server, by this page or another. Every notebook open here on that kernel marks the
+   * cells whose effects are gone, and its timeline is asked again. Marking twice (the
+   * answer and the event of the same rewind) leaves one mark.
+   */
+  onRewindEvent(kernelId: string, report: Pick<IRewindReport, 'undone'>): void {
+    const panels = this._panelsOf(kernelId);
+    if (!panels.length) {
+      return;
+    }
+    for (const panel of panels) {
+      markUndone(panel, report.undone ?? [], this._trans.__('effects undone by rewind'));
+    }
+    this._rewound.emit(kernelId);
   }
 
   private _rewound = new Signal<this, string>(this);

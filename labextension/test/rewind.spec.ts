@@ -259,3 +259,33 @@ describe('Rewinder', () => {
     expect(rewound).toEqual([]);
   });
 });
+
+describe("Rewinder and the server's rewind events", () => {
+  it('marks the undone cells in every notebook open on that kernel, and says so', () => {
+    const cellsA = [cell('code', 1), cell('code', 2)];
+    const cellsB = [cell('code', 2), cell('code', 1)];
+    const panels = [cellsA, cellsB].map(
+      cells =>
+        ({ isDisposed: false, content: { widgets: cells } }) as unknown as NotebookPanel
+    );
+    const rewinder = new Rewinder({} as SnapshotAPI, untranslated, kernelId =>
+      kernelId === 'k-a' ? panels : []
+    );
+    const rewound: string[] = [];
+    rewinder.rewound.connect((_, kernelId) => rewound.push(kernelId));
+
+    rewinder.onRewindEvent('k-other', { undone: [2] });
+    expect(rewound).toEqual([]);
+    rewinder.onRewindEvent('k-a', { undone: [2] });
+    expect(
+      [cellsA, cellsB].map(cells =>
+        cells.map(c => c.node.classList.contains(UNDONE_CLASS))
+      )
+    ).toEqual([
+      [false, true],
+      [true, false]
+    ]);
+    expect(rewound).toEqual(['k-a']);
+    expect(shown()).toEqual([]);
+  });
+});
