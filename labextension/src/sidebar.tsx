@@ -1,11 +1,11 @@
 /**
  * The Snapshots sidebar in JupyterLab's left area: the store's size on disk and its free
- * disk, this notebook's snapshots and all the others, searchable and sortable, with
- * restore, rename and delete; the server's hibernated kernels; then this notebook's
- * settings (autosave, and hibernation's two tiers), folded away until asked for. Added to
- * the shell by the plugin; it refreshes while it is shown, and at once when the server
- * says the listing changed (a job ended, a snapshot was renamed or deleted anywhere, a
- * notebook was renamed).
+ * disk, this notebook's snapshots, its kernel's timeline (timeline.tsx), and all the other
+ * snapshots, searchable and sortable, with restore, rename and delete; the server's
+ * hibernated kernels; then this notebook's settings (autosave, and hibernation's two
+ * tiers), folded away until asked for. Added to the shell by the plugin; it refreshes while
+ * it is shown, and at once when the server says the listing changed (a job ended, a
+ * snapshot was renamed or deleted anywhere, a notebook was renamed).
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import type { Event } from '@jupyterlab/services';

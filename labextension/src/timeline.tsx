@@ -275,7 +275,7 @@ function TimelinePoint(props: {
       )}
       <div className="jp-gpu-snapshot-item-actions">
         <button
-          className="jp-Button jp-mod-styled jp-mod-warn jp-gpu-snapshot-rewind"
+          className="jp-Button jp-mod-styled jp-mod-reject jp-gpu-snapshot-rewind"
           disabled={blocked !== null}
           title={
             blocked ??
