@@ -104,6 +104,7 @@ export class KernelTimeline {
       standby: () => !isShown() || 'when-hidden'
     });
     _tracker.currentChanged.connect(this._onCurrentChanged, this);
+    _controller.changed.connect(this._onStatus, this);
     _executed.connect(this._onExecuted, this);
     _rewinder.rewound.connect(this._onRewound, this);
     this._onCurrentChanged();
@@ -151,16 +152,17 @@ export class KernelTimeline {
   async reload(): Promise<void> {
     const asked = ++this._asked;
     const kernelId = this._controller.polledKernel(this._tracker.currentWidget);
-    const status = this._controller.entry(kernelId)?.status;
     let timeline: ITimeline | null = null;
     let error: string | null = null;
-    // A kernel the server says is not snapshot-ready keeps no timeline: not asked.
-    if (kernelId && status?.ready !== false) {
+    if (kernelId && this._answers(kernelId)) {
       try {
         timeline = await this._api.timeline(kernelId);
       } catch (reason) {
-        // 404: an older server, or a kernel it no longer knows: nothing to show.
-        if (!(reason instanceof SnapshotAPIError && reason.status === 404)) {
+        // 404: an older server, or a kernel it no longer knows: nothing to show, and no
+        // status news asks again (the interval does).
+        if (reason instanceof SnapshotAPIError && reason.status === 404) {
+          this._unanswered = kernelId;
+        } else {
           error = (reason as Error).message;
         }
       }
@@ -172,6 +174,18 @@ export class KernelTimeline {
     this._timeline = timeline;
     this._error = error;
     this._changed.emit();
+  }
+
+  /**
+   * Whether the kernel can answer for its timeline, as its last status says: a
+   * snapshot-ready kernel whose process runs. Any other (a plain kernel, one asleep in
+   * hibernation, one whose status is not known yet) is not asked: the server would wait
+   * for an answer that does not come, or refuse. The status's arrival asks again.
+   */
+  private _answers(kernelId: string): boolean {
+    const status = this._controller.entry(kernelId)?.status;
+    const sleeping = status?.hibernation?.state;
+    return status?.ready === true && (!sleeping || sleeping === 'requested');
   }
 
   /** Called by a point's button: rewind the notebook's kernel to before that cell. */
@@ -189,6 +203,7 @@ export class KernelTimeline {
     this._poll.dispose();
     this._watched?.sessionContext.kernelChanged.disconnect(this._onKernelChanged, this);
     this._tracker.currentChanged.disconnect(this._onCurrentChanged, this);
+    this._controller.changed.disconnect(this._onStatus, this);
     this._executed.disconnect(this._onExecuted, this);
     this._rewinder.rewound.disconnect(this._onRewound, this);
     Signal.clearData(this);
@@ -204,6 +219,24 @@ export class KernelTimeline {
   /** A restore or a restart gave the notebook another kernel: its timeline is another. */
   private _onKernelChanged(): void {
     void this._poll.refresh();
+  }
+
+  /**
+   * The controller has news of a kernel: if the current one shows no timeline and can now
+   * answer for it (its status came, it woke), ask. Statuses come often: a timeline already
+   * shown is left to the other triggers.
+   */
+  private _onStatus(_: unknown, kernelId: string): void {
+    const current = this._controller.polledKernel(this._tracker.currentWidget);
+    if (
+      kernelId === current &&
+      kernelId !== this._unanswered &&
+      this._timeline === null &&
+      this._error === null &&
+      this._answers(kernelId)
+    ) {
+      void this._poll.refresh();
+    }
   }
 
   /** A cell ended: if it is the current notebook's, its kernel took a new point. */
@@ -223,6 +256,8 @@ export class KernelTimeline {
   private _timeline: ITimeline | null = null;
   private _error: string | null = null;
   private _asked = 0;
+  /** The last kernel the server answered 404 for. */
+  private _unanswered: string | null = null;
   private _watched: NotebookPanel | null = null;
   private _changed = new Signal<this, void>(this);
   private _poll: Poll;

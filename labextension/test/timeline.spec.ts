@@ -110,18 +110,29 @@ function fakePanel(kernelId: string | null) {
 
 type FakePanel = ReturnType<typeof fakePanel>;
 
-function setUp(options: { ready?: boolean | null } = {}) {
+/** A kernel's status as the controller holds it: null when not known yet. */
+type FakeStatus = { ready: boolean; hibernation?: { state: string } | null } | null;
+
+function setUp(options: { status?: FakeStatus } = {}) {
   const panelA = fakePanel('k-a');
   const panelB = fakePanel('k-b');
   const tracker = {
     currentChanged: new Signal<unknown, unknown>({}),
     currentWidget: panelA as FakePanel | null
   };
-  const statusReady = options.ready === undefined ? true : options.ready;
   const controller = {
+    status: (options.status === undefined
+      ? { ready: true }
+      : options.status) as FakeStatus,
+    changed: new Signal<unknown, string>({}),
     kernelId: (panel: FakePanel | null) => panel?.kernelId ?? null,
     polledKernel: (panel: FakePanel | null) => panel?.kernelId ?? null,
-    entry: () => (statusReady === null ? null : { status: { ready: statusReady } })
+    entry: (): { status: FakeStatus } => ({ status: controller.status })
+  };
+  /** The controller learns the kernel's status (from its own poll). */
+  const statusCame = (kernelId: string, status: FakeStatus) => {
+    controller.status = status;
+    controller.changed.emit(kernelId);
   };
   const api = {
     timeline: jest.fn(async (kernelId: string) =>
@@ -150,6 +161,7 @@ function setUp(options: { ready?: boolean | null } = {}) {
     rewound,
     rewinder,
     executed,
+    statusCame,
     hide: () => (shown = false)
   };
 }
@@ -165,7 +177,7 @@ describe('KernelTimeline', () => {
     return since;
   }
 
-  async function start(options: { ready?: boolean | null } = {}) {
+  async function start(options: { status?: FakeStatus } = {}) {
     env = setUp(options);
     counted = 0;
     // The poll's first tick comes at once (on jest's clock, 1 ms).
@@ -247,13 +259,39 @@ describe('KernelTimeline', () => {
   });
 
   it('does not ask about a kernel the server says is not snapshot-ready', async () => {
-    await start({ ready: false });
+    await start({ status: { ready: false } });
+    await jest.advanceTimersByTimeAsync(15_000 * 2);
+    env.executed.emit({ notebook: env.panelA.content });
+    await jest.advanceTimersByTimeAsync(1);
     expect(asked()).toBe(0);
     expect(env.model.timeline).toBeNull();
   });
 
-  it('asks about a kernel whose status is not known yet', async () => {
-    await start({ ready: null });
+  it('asks about a kernel once its status says it is snapshot-ready, not before', async () => {
+    await start({ status: null });
+    expect(asked()).toBe(0);
+    env.statusCame('k-a', { ready: true });
+    await jest.advanceTimersByTimeAsync(1);
+    expect(asked()).toBe(1);
+    // Further statuses leave a timeline shown alone: the cells and rewinds ask again.
+    env.statusCame('k-a', { ready: true });
+    await jest.advanceTimersByTimeAsync(1);
+    expect(asked()).toBe(0);
+  });
+
+  it('does not ask a kernel asleep in hibernation, and asks once it woke', async () => {
+    await start({ status: { ready: true, hibernation: { state: 'hibernated' } } });
+    expect(asked()).toBe(0);
+    env.statusCame('k-a', { ready: true, hibernation: { state: 'waking' } });
+    await jest.advanceTimersByTimeAsync(1);
+    expect(asked()).toBe(0);
+    env.statusCame('k-a', { ready: true, hibernation: null });
+    await jest.advanceTimersByTimeAsync(1);
+    expect(asked()).toBe(1);
+  });
+
+  it('asks a kernel that hibernates once its cell ends: it still runs', async () => {
+    await start({ status: { ready: true, hibernation: { state: 'requested' } } });
     expect(asked()).toBe(1);
   });
 
@@ -264,6 +302,11 @@ describe('KernelTimeline', () => {
     await jest.advanceTimersByTimeAsync(1);
     expect(env.model.timeline).toBeNull();
     expect(env.model.error).toBeNull();
+    // Its statuses do not ask again each time (the interval does).
+    asked();
+    env.statusCame('k-a', { ready: true });
+    await jest.advanceTimersByTimeAsync(1);
+    expect(asked()).toBe(0);
     env.api.timeline.mockRejectedValueOnce(
       new SnapshotAPIError('the kernel did not answer in time', 502)
     );
