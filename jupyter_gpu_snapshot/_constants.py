@@ -133,3 +133,63 @@ def fallback_offer(name: str, offered: list[str]) -> str:
     ways = " or ".join(f"--fallback {mode}" for mode in offered)
     return (f"Its work can still come back in a fresh kernel: %gpu_snapshot restore {name} "
             f"{ways}")
+
+
+def _names_text(names: list[str], limit: int) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def timeline_lines(content: dict[str, Any],
+                   rewind_hint: str = "%gpu_snapshot rewind N") -> list[str]:
+    """A kernel's timeline (its timeline reply, see docs/rewind.md) as lines a person reads,
+    the same in the magic and the CLI: the points oldest first, what each changed and could
+    not keep, and the counts that can be rewound to (``rewind_hint`` says how)."""
+    import time
+
+    points = content.get("points") or []
+    dropped = int(content.get("dropped") or 0)
+    lines = [f"Timeline: {len(points)} point(s), {format_bytes(int(content.get('bytes', 0)))}"
+             f" of {format_bytes(int(content.get('limit_bytes', 0)))}"
+             + (f"; {dropped} older point(s) dropped for the limits" if dropped else "") + "."]
+    rewindable = set(content.get("rewindable") or [])
+    for point in points:
+        when = time.strftime("%H:%M:%S", time.localtime(float(point.get("at", 0))))
+        parts = []
+        if point.get("changed"):
+            parts.append("changed " + _names_text(point["changed"], 8))
+        if point.get("deleted"):
+            parts.append("deleted " + _names_text(point["deleted"], 8))
+        what = "; ".join(parts) or "changed nothing the timeline sees"
+        failed = "" if point.get("ok", True) else " (raised)"
+        mark = "" if point["count"] in rewindable else " [cannot rewind to before it]"
+        lines.append(f"  [{point['count']}]{failed} {when}, "
+                     f"{format_bytes(int(point.get('bytes', 0)))}: {what}{mark}")
+        lines.extend(f"      not kept: {item['name']}: {item['reason']}"
+                     for item in point.get("uncopied") or [])
+    if rewindable:
+        lines.append(f"Rewind with {rewind_hint}, N one of: "
+                     + ", ".join(str(count) for count in sorted(rewindable)) + ".")
+    else:
+        lines.append("Nothing can be rewound now.")
+    return lines
+
+
+def rewind_report_lines(report: dict[str, Any]) -> list[str]:
+    """A rewind's report (docs/rewind.md) as lines a person reads, the same in the magic and
+    the CLI: what came back, what could not and why, and the caveats."""
+    undone = report.get("undone") or []
+    lines = [f"Rewound to before cell [{report.get('before')}]: the effects of "
+             f"{len(undone)} cell(s) are undone ("
+             + ", ".join(f"[{count}]" for count in undone) + ")."]
+    if report.get("restored"):
+        lines.append("Put back as they were: " + _names_text(report["restored"], 20) + ".")
+    if report.get("removed"):
+        lines.append("Removed (they did not exist then): "
+                     + _names_text(report["removed"], 20) + ".")
+    if not report.get("restored") and not report.get("removed"):
+        lines.append("No name needed to change.")
+    lines.extend(f"Could not put back {item['name']}: {item['reason']}; it keeps its current "
+                 "value." for item in report.get("not_restored") or [])
+    lines.extend(f"Note: {caveat}." for caveat in report.get("caveats") or [])
+    return lines

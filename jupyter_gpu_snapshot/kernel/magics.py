@@ -2,7 +2,8 @@
 
 ``%load_ext jupyter_gpu_snapshot`` registers it; snapshot-ready kernels load it at start.
 Every command is a short REST call to the server extension that launched the kernel
-(see ``client``); nothing here touches CRIU or CUDA itself.
+(see ``client``); nothing here touches CRIU or CUDA itself. ``timeline`` and ``rewind N``
+are this kernel's own: they ask its timeline (``timeline``), without the server.
 
 Saving from inside a running cell
 ---------------------------------
@@ -42,7 +43,14 @@ from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .._constants import FALLBACK_MODES, fallback_offer, fallback_report_lines, table
+from .._constants import (
+    FALLBACK_MODES,
+    fallback_offer,
+    fallback_report_lines,
+    rewind_report_lines,
+    table,
+    timeline_lines,
+)
 from . import cell_record, portable_request, timeline
 from .client import ClientError, JobFailed, RestoredWhileWaiting, ServerLink, SnapshotClient
 from .identity import KernelIdentity
@@ -245,7 +253,7 @@ class GPUSnapshotMagics(Magics):
         if command == "timeline":
             if args.name:
                 raise UsageError("%gpu_snapshot timeline takes no argument")
-            print("\n".join(timeline.timeline_lines(kept.content())))
+            print("\n".join(timeline_lines(kept.content())))
             return
         if not args.name or not args.name.lstrip("[").rstrip("]").isdigit():
             raise UsageError("usage: %gpu_snapshot rewind N (N: the execution count of the "
@@ -255,7 +263,7 @@ class GPUSnapshotMagics(Magics):
         except (timeline.KernelBusy, timeline.RewindOutOfRange,
                 timeline.RewindFailed) as exc:
             raise SnapshotMagicError(f"%gpu_snapshot rewind: {exc}") from None
-        print("\n".join(timeline.report_lines(report)))
+        print("\n".join(rewind_report_lines(report)))
 
     def _save(self, client: SnapshotClient, args: Any) -> None:
         posted_at = time.time()

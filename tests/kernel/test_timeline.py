@@ -328,6 +328,23 @@ def test_the_magics_print_the_timeline_and_the_report(kernels: list[KernelHandle
     refused = cell(client, "%gpu_snapshot rewind 999", ok=False)[1]
     assert "%gpu_snapshot rewind: cannot rewind to before cell 999: the cells that can be " \
         "are " in refused
+    assert "usage: %gpu_snapshot rewind N" in cell(client, "%gpu_snapshot rewind", ok=False)[1]
+    assert "usage: %gpu_snapshot rewind N" in cell(client, "%gpu_snapshot rewind x",
+                                                   ok=False)[1]
+
+
+def test_a_kernel_without_a_timeline_says_so(kernels: list[KernelHandle],
+                                             tmp_path: Path) -> None:
+    client = new_kernel(kernels, tmp_path, env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "off"})
+    cell(client, "%load_ext jupyter_gpu_snapshot")
+    count, _ = cell(client, "x = 1")
+    off = "the timeline is off (JUPYTER_GPU_SNAPSHOT_TIMELINE=off)"
+    for msg_type in (TIMELINE_REQUEST, REWIND_REQUEST):
+        reply = request(client, msg_type, {"before": count})
+        assert reply["content"] == {"status": "error", "ename": "TimelineOff",
+                                    "evalue": off, "traceback": []}
+    printed = cell(client, "%gpu_snapshot timeline", ok=False)[1]
+    assert "%gpu_snapshot timeline: this kernel keeps no timeline" in printed
 
 
 def test_a_cell_sent_during_a_rewind_waits_for_it(kernels: list[KernelHandle],
@@ -361,3 +378,32 @@ def test_a_cell_sent_during_a_rewind_waits_for_it(kernels: list[KernelHandle],
     reply = control_reply(client, asked)
     assert reply["content"]["status"] == "ok", reply["content"]
     wait_for_output(client, following, "x is 1", 60, "stdout")
+
+
+def test_names_set_outside_cells_belong_to_the_state_they_joined(
+    kernels: list[KernelHandle], tmp_path: Path
+) -> None:
+    # As the portable fallback loads names: a silent request's user expression, no cell.
+    client = new_kernel(kernels, tmp_path)
+    first, _ = cell(client, "x = 1")
+    reply = client.execute("", silent=True, store_history=False, reply=True, timeout=60,
+                           user_expressions={"done": "globals().update(loaded=[1, 2])"})
+    assert reply["content"]["user_expressions"]["done"]["status"] == "ok"
+    later, _ = cell(client, "loaded.append(3)\nx = 2")
+    assert "loaded" in timeline(client)["points"][-1]["changed"]
+    assert rewind(client, later)["status"] == "ok"
+    assert cell(client, "print(loaded, x)")[1] == "[1, 2] 1\n"
+    report = rewind(client, first)["report"]
+    assert set(report["removed"]) == {"x", "loaded"}
+    assert cell(client, "print('loaded' in dir(), 'x' in dir())")[1] == "False False\n"
+
+
+def test_a_view_of_a_value_left_alone_is_not_written_into(kernels: list[KernelHandle],
+                                                          tmp_path: Path) -> None:
+    client = new_kernel(kernels, tmp_path)
+    cell(client, "import numpy as np\nx = np.zeros(5)\nkeep = np.ones(10)")
+    rebound, _ = cell(client, "x = keep[:5]")
+    assert rewind(client, rebound)["report"]["restored"] == ["x"]
+    # x is zeros again, in memory of its own; keep, which no cell since changed, is intact.
+    out = cell(client, "print(x.tolist(), keep.tolist(), np.shares_memory(x, keep))")[1]
+    assert out == f"{[0.0] * 5} {[1.0] * 10} False\n"

@@ -70,6 +70,11 @@ def is_torch_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def is_torch_module(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.nn.Module)
+
+
 def is_numpy_array(value: Any) -> bool:
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, numpy.ndarray)
@@ -104,12 +109,17 @@ class Walk:
         self.deep = True
         self._name = ""
         self.by_reference: dict[int, Any] = {}
+        self.touched_roots: set[int] = set()
 
     def name(self, name: str, value: Any, deep: bool) -> int:
         """The fingerprint of the user's name ``name`` bound to ``value``."""
         self._name = name
         self.deep = deep
-        return hash(self._value(value, 0))
+        try:
+            return hash(self._value(value, 0))
+        except Exception as exc:  # an object whose attributes raise, say
+            self._miss(f"it could not be looked into ({type(exc).__name__}: {exc})")
+            return hash((id(value), "unjudged"))
 
     def _miss(self, why: str) -> None:
         self.unseen.setdefault(self._name, why)
@@ -125,6 +135,8 @@ class Walk:
             return self._array(value)
         if kind == "torch":
             return self._tensor(value)
+        if kind == "torch_module":
+            return self._torch_module(value, depth)
         if kind == "cupy":
             self._miss("a CuPy array's contents are not read: an in-place change is not seen")
             return (id(value), int(getattr(value.data, "ptr", 0)))
@@ -178,7 +190,13 @@ class Walk:
     def _array(self, array: Any) -> Any:
         key = (id(array), array.__array_interface__["data"][0], array.shape, array.strides,
                array.dtype.str)
-        if array.nbytes <= SMALL_BUFFER_BYTES or self.deep or key not in self.digests:
+        # Views share their memory with their base: one digested again makes the others
+        # digested again too (the names the cell reaches are walked first).
+        root = root_array(array)
+        if self.deep:
+            self.touched_roots.add(id(root))
+        if array.nbytes <= SMALL_BUFFER_BYTES or self.deep or key not in self.digests \
+                or id(root) in self.touched_roots:
             digest = self.fresh.get(key)
             if digest is None:
                 digest = _numpy_digest(array)
@@ -194,6 +212,16 @@ class Walk:
         grad = tensor.grad if tensor.is_leaf else None
         return (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape),
                 str(tensor.dtype), grad is not None and self._tensor(grad))
+
+    def _torch_module(self, module: Any, depth: int) -> Any:
+        """A model however deep: every parameter and buffer, each module's mode, and the
+        top module's own attributes."""
+        tensors = tuple(self._tensor(tensor) for tensor in
+                        (*module.parameters(), *module.buffers()))
+        modes = tuple(sub.training for sub in module.modules())
+        own = [(key, item) for key, item in vars(module).items() if not key.startswith("_")]
+        attributes = tuple((key, self._value(item, depth + 1)) for key, item in own)
+        return (id(module), tensors, modes, attributes)
 
     def _pandas(self, value: Any, depth: int) -> Any:
         manager = value._mgr
@@ -237,6 +265,8 @@ def _kind_of(value: Any) -> str:
         found = "numpy"
     elif is_torch_tensor(value):
         found = "torch"
+    elif is_torch_module(value):
+        found = "torch_module"
     elif is_cupy_array(value):
         found = "cupy"
     elif is_pandas_object(value):
@@ -251,6 +281,14 @@ def _kind_of(value: Any) -> str:
         found = "object"
     _KINDS[kind] = found
     return found
+
+
+def root_array(array: Any) -> Any:
+    """The array that owns the memory a view of NumPy's shows."""
+    numpy = sys.modules["numpy"]
+    while isinstance(array.base, numpy.ndarray):
+        array = array.base
+    return array
 
 
 def _slot_values(value: Any) -> tuple[Any, ...] | None:

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .copies import Entry, fresh_copy
-from .fingerprint import is_numpy_array, is_pandas_object, is_torch_tensor
+from .fingerprint import (
+    is_numpy_array,
+    is_pandas_object,
+    is_torch_module,
+    is_torch_tensor,
+    root_array,
+)
 
 _MATCH_DEPTH = 6
 _MATCH_ITEMS = 10_000
@@ -151,8 +157,10 @@ def _match(stored: Any, live: Any, depth: int, pairs: dict[int, tuple[str, Any, 
     # One live object takes one stored object's contents, never two.
     protected.add(id(live))
     if is_numpy_array(stored):
+        # A view writes its base's memory: never one whose base the rewind leaves alone.
         if stored.shape == live.shape and stored.dtype == live.dtype \
-                and live.flags.writeable:
+                and live.flags.writeable \
+                and (live.base is None or id(root_array(live)) not in protected):
             pairs[id(stored)] = ("array", stored, live)
         return
     if is_torch_tensor(stored):
@@ -164,6 +172,10 @@ def _match(stored: Any, live: Any, depth: int, pairs: dict[int, tuple[str, Any, 
                                                        types.FunctionType)):
         return
     kind = type(stored)
+    if is_torch_module(stored):
+        if _refilled_by_dict(kind):
+            _match_model(stored, live, pairs, protected)
+        return
     if kind is list:
         pairs[id(stored)] = ("list", stored, live)
         for old, new in list(zip(stored, live, strict=False))[:_MATCH_ITEMS]:
@@ -180,6 +192,27 @@ def _match(stored: Any, live: Any, depth: int, pairs: dict[int, tuple[str, Any, 
             and isinstance(getattr(live, "__dict__", None), dict):
         pairs[id(stored)] = ("object", stored, live)
         _match_values(stored.__dict__, live.__dict__, depth, pairs, protected)
+
+
+def _match_model(stored: Any, live: Any, pairs: dict[int, tuple[str, Any, Any]],
+                 protected: set[int]) -> None:
+    """A PyTorch model and its submodules, however deep, matched by their qualified names,
+    and their parameters and buffers by theirs: the live modules and tensors keep their
+    identities (an optimizer's references to them hold), the tensors get the data back."""
+    live_modules = dict(live.named_modules(remove_duplicate=False))
+    for name, module in stored.named_modules(remove_duplicate=False):
+        other = live_modules.get(name)
+        if other is None or type(other) is not type(module) or id(module) in pairs \
+                or (id(other) in protected and other is not live) \
+                or not _refilled_by_dict(type(module)):
+            continue
+        protected.add(id(other))
+        pairs[id(module)] = ("object", module, other)
+        for table in ("_parameters", "_buffers"):
+            mine, theirs = getattr(module, table, {}), getattr(other, table, {})
+            for key, tensor in mine.items():
+                if tensor is not None and theirs.get(key) is not None:
+                    _match(tensor, theirs[key], 0, pairs, protected)
 
 
 def _refilled_by_dict(kind: type) -> bool:

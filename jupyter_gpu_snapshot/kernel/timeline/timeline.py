@@ -14,24 +14,20 @@ control thread.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import gc
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..portable import is_user_name
-from .copies import ABSENT, Entry, copy_point
+from .copies import ABSENT, Entry, Recycled, copy_point, size_of
 from .fingerprint import Walk, fingerprints
 from .restore import prepare, protected_ids
 from .scope import reachable
-
-ENV_TIMELINE = "JUPYTER_GPU_SNAPSHOT_TIMELINE"
-ENV_LIMIT_BYTES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_BYTES"
-ENV_MAX_POINTS = "JUPYTER_GPU_SNAPSHOT_TIMELINE_POINTS"
-DEFAULT_MAX_POINTS = 100
-_DEFAULT_CAP_BYTES = 8 << 30
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 CAVEAT = ("changes to files on disk, to other modules' globals, and mutations the timeline "
           "cannot see are not undone")
@@ -49,39 +45,6 @@ class RewindOutOfRange(Exception):
 
 class RewindFailed(Exception):
     """The rewind could not be prepared or made; the namespace is as it was."""
-
-
-def default_limit_bytes() -> int:
-    """A quarter of the machine's memory, at most 8 GiB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 1 << 30
-    return min(total // 4, _DEFAULT_CAP_BYTES)
-
-
-def parse_bytes(text: str) -> int:
-    """``2G``, ``512MiB``, ``1000000``: a number of bytes."""
-    cleaned = text.strip().lower().removesuffix("ib").removesuffix("b")
-    number = cleaned.rstrip("kmgt")
-    return int(float(number) * _UNITS[cleaned[len(number):]])
-
-
-def limits_from_env(env: dict[str, str] | None = None) -> tuple[int, int]:
-    """The timeline's memory limit and its number of points, from the environment."""
-    env = dict(os.environ) if env is None else env
-    limit = default_limit_bytes()
-    points = DEFAULT_MAX_POINTS
-    if env.get(ENV_LIMIT_BYTES):
-        limit = parse_bytes(env[ENV_LIMIT_BYTES])
-    if env.get(ENV_MAX_POINTS):
-        points = max(1, int(env[ENV_MAX_POINTS]))
-    return limit, points
-
-
-def enabled_by_env(env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(ENV_TIMELINE, "on")
-    return value.strip().lower() not in ("off", "0", "false", "no")
 
 
 @dataclass
@@ -121,6 +84,7 @@ class Timeline:
         self._digests: dict[tuple[Any, ...], bytes] = {}
         self.unseen: dict[str, str] = {}
         self._fingerprints: dict[str, int] = {}
+        self._ids: dict[str, int] = {}
         with self.lock:
             self._start_over()
 
@@ -128,6 +92,13 @@ class Timeline:
     def pre_run_cell(self, info: Any) -> None:
         with self.lock:
             self.running += 1
+            try:
+                self._outside_cells()
+            except Exception as exc:
+                self._start_over()
+                print(f"The timeline could not record what changed outside cells "
+                      f"({type(exc).__name__}: {exc}); earlier cells can no longer be "
+                      "rewound.", file=sys.stderr, flush=True)
 
     def post_run_cell(self, result: Any) -> None:
         with self.lock:
@@ -136,7 +107,16 @@ class Timeline:
             count = getattr(result, "execution_count", None)
             if info is None or count is None or not info.store_history:
                 return
-            self.record(int(count), bool(result.success), info.raw_cell or "")
+            try:
+                with _collector_paused():
+                    self.record(int(count), bool(result.success), info.raw_cell or "")
+            except Exception as exc:
+                # Never a traceback after the user's cell: one line, and a timeline that
+                # knows only what it can be sure of from here on.
+                self._start_over()
+                print(f"The timeline could not record cell [{count}] ({type(exc).__name__}: "
+                      f"{exc}); cells before it can no longer be rewound.",
+                      file=sys.stderr, flush=True)
 
     # -- recording ---------------------------------------------------------------------------
     def user_names(self) -> list[str]:
@@ -154,6 +134,7 @@ class Timeline:
         self.initial = set(names)
         walk = Walk({})
         self._fingerprints = fingerprints(self.shell.user_ns, names, lambda name: True, walk)
+        self._ids = {name: id(self.shell.user_ns[name]) for name in names}
         self._digests = walk.fresh
         self.unseen = walk.unseen
 
@@ -168,15 +149,48 @@ class Timeline:
         now = fingerprints(namespace, names, scope.__contains__, walk)
         changed = [name for name in names if now[name] != self._fingerprints.get(name)]
         deleted = [name for name in self._fingerprints if name not in now]
-        entries = copy_point(namespace, changed, walk.by_reference, self.limit_bytes)
+        # Room first, for what this point will hold: the copies let go of lend their
+        # memory to the new ones, and the timeline never holds more than its limit.
+        recycled = Recycled()
+        sizes = [size_of(namespace[name]) for name in changed]
+        self._keep_within_limits(sum(size for size in sizes if size <= self.limit_bytes),
+                                 adding=True, recycled=recycled)
+        entries = copy_point(namespace, changed, walk.by_reference, self.limit_bytes,
+                             recycled)
+        recycled.arrays.clear()
         entries.update((name, ABSENT) for name in deleted)
         point = Point(count, ok, changed, deleted, entries, time.time())
         self._fingerprints = now
+        self._ids = {name: id(namespace[name]) for name in names}
         self._digests = walk.fresh
         self.unseen = walk.unseen
         self.points.append(point)
         self._keep_within_limits()
         return point
+
+    def _outside_cells(self) -> None:
+        """Names bound, rebound or deleted since the last point by code that was no cell
+        (a silent execution, a user expression: the portable fallback's load) belong to
+        the state after the newest point: they are copied into it (into the base where
+        there is none), so that rewinds see them. Changes in place outside cells are not
+        looked for (a cheap check of identities only)."""
+        namespace = self.shell.user_ns
+        names = self.user_names()
+        moved = [name for name in names if self._ids.get(name) != id(namespace[name])]
+        gone = [name for name in self._ids if name not in namespace]
+        if not moved and not gone:
+            return
+        walk = Walk(self._digests)
+        walk.fresh = dict(self._digests)
+        self._fingerprints.update(fingerprints(namespace, moved, lambda name: True, walk))
+        self._digests = walk.fresh
+        entries = copy_point(namespace, moved, walk.by_reference, self.limit_bytes)
+        entries.update((name, ABSENT) for name in gone)
+        for name in gone:
+            self._fingerprints.pop(name, None)
+        (self.points[-1].entries if self.points else self.base).update(entries)
+        self._ids = {name: id(namespace[name]) for name in names}
+        self._keep_within_limits()
 
     def _python(self, raw_cell: str) -> str:
         try:
@@ -189,21 +203,32 @@ class Timeline:
         return sum(point.nbytes for point in self.points) + \
             sum(entry.nbytes for entry in self.base.values())
 
-    def _keep_within_limits(self) -> None:
-        """Drop the oldest points into the base until within the limits; a base that
-        still does not fit is forgotten (rewinds that need it stop being possible), and
-        at last the newest copies themselves."""
-        while len(self.points) > self.max_points or \
-                (len(self.points) > 1 and self.nbytes > self.limit_bytes):
+    def _keep_within_limits(self, coming: int = 0, adding: bool = False,
+                            recycled: Recycled | None = None) -> None:
+        """Drop the oldest points into the base until within the limits (with room for
+        ``coming`` bytes, and for one more point when ``adding``); a base that still does
+        not fit is forgotten (rewinds that need it stop being possible), and at last the
+        newest copies themselves. The copies let go of go to ``recycled``."""
+        let_go = recycled or Recycled()
+        room = self.limit_bytes - min(coming, self.limit_bytes)
+        points = self.max_points - (1 if adding else 0)
+        kept = 0 if adding else 1
+        while len(self.points) > points or \
+                (len(self.points) > kept and self.nbytes > room):
             oldest = self.points.pop(0)
-            self.base.update(oldest.entries)
+            for name, entry in oldest.entries.items():
+                let_go.give(self.base.get(name))
+                self.base[name] = entry
             self.dropped += 1
-        if self.nbytes > self.limit_bytes and self.base:
+        if self.nbytes > room and self.base:
+            for entry in self.base.values():
+                let_go.give(entry)
             self.base.clear()
             self.base_complete = False
+        room = self.limit_bytes
         for point in self.points:
             for name, entry in list(point.entries.items()):
-                if self.nbytes <= self.limit_bytes:
+                if self.nbytes <= room:
                     return
                 if entry.kind == "copy":
                     point.entries[name] = Entry(
@@ -231,9 +256,18 @@ class Timeline:
         return list(names)
 
     def rewindable(self) -> list[int]:
-        return [point.count for index, point in enumerate(self.points)
-                if all(self._resolve(name, index) is not None
-                       for name in self._names_from(index))]
+        """The counts N for which every name changed from [N] on has a known value before
+        it: some older point has it, or the base, or it did not exist yet. A name is not
+        known before its first point, where neither the base nor its absence says so."""
+        first: dict[str, int] = {}
+        for index, point in enumerate(self.points):
+            for name in point.entries:
+                first.setdefault(name, index)
+        blocked = max((index for name, index in first.items()
+                       if name not in self.base
+                       and not (self.base_complete and name not in self.initial)),
+                      default=-1)
+        return [point.count for point in self.points[blocked + 1:]]
 
     def content(self) -> dict[str, Any]:
         with self.lock:
@@ -293,6 +327,7 @@ class Timeline:
         namespace = self.shell.user_ns
         present = [name for name in rebound if name in namespace]
         self._fingerprints.update(fingerprints(namespace, present, lambda name: True, walk))
+        self._ids = {name: id(namespace[name]) for name in self.user_names()}
         self._digests = walk.fresh
         self.unseen.update(walk.unseen)
 
@@ -305,6 +340,19 @@ class Timeline:
         if len(unseen) > _UNSEEN_SHOWN:
             caveats.append(f"{len(unseen) - _UNSEEN_SHOWN} more names are seen in part only")
         return caveats
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The walk makes many short-lived tuples, freed as it goes; left on, the cyclic
+    collector would run over the user's whole heap in the middle of it (tens of ms)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _out_of_range(before: int, rewindable: list[int]) -> str:
