@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._constants import REWIND_REQUEST, TIMELINE_REQUEST
+from .._constants import KERNEL_DISPLAY_NAME, REWIND_REQUEST, TIMELINE_REQUEST
 from ..core.errors import (
     InvalidRequest,
     KernelBusy,
     NoAnswer,
+    NotReady,
     RewindFailed,
     RewindOutOfRange,
     SnapshotError,
@@ -37,10 +38,13 @@ _REFUSALS: dict[str, type[SnapshotError]] = {
     "KernelBusy": KernelBusy,
     "RewindOutOfRange": RewindOutOfRange,
     "RewindFailed": RewindFailed,
+    # JUPYTER_GPU_SNAPSHOT_TIMELINE=off in the kernel's environment: it keeps none.
+    "TimelineOff": NotReady,
 }
 _NO_TIMELINE_HINT = (
-    "is it a snapshot-ready kernel ('Python 3 (snapshots)') started with this version? "
-    "A kernel that is still starting answers once it is ready"
+    f"is it a snapshot-ready kernel ('{KERNEL_DISPLAY_NAME}') started with this version, "
+    "and awake (a hibernated kernel answers once woken)? A kernel that is still starting "
+    "answers once it is ready"
 )
 
 

@@ -3,11 +3,12 @@
 
 The kernel keeps its timeline and makes the rewind itself (``node/timeline_requests.py``
 asks it on its control channel, without blocking the event loop). What the server adds is
-what only it knows: which of its kernels the id names, whether that kernel sleeps in
-hibernation (no process to ask), and whether one of its jobs holds the kernel (a save
-dumping it, a restore taking its slot), during which a rewind would change what the job
-works on. Each rewind made is told to every client as an event of the rewind/v1 schema, so
-that every view of the notebook marks the cells whose effects are gone.
+what only it knows: which of its kernels the id names, whether that kernel was launched
+snapshot-ready (others keep no timeline), whether it sleeps in hibernation (no process to
+ask), and whether one of its jobs holds the kernel (a save dumping it, a restore taking its
+slot), during which a rewind would change what the job works on. Each rewind made is told
+to every client as an event of the rewind/v1 schema, so that every view of the notebook
+marks the cells whose effects are gone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .._constants import KERNEL_DISPLAY_NAME
 from ..core.errors import Busy, NotReady
+from ..launch.provisioner import SnapshotReadyProvisioner
 from ..node.timeline_requests import cell_count, kernel_timeline, rewind_kernel
 from .service import SnapshotService
 
@@ -45,6 +48,13 @@ class KernelTimelines:
     def _connection_info(self, kernel_id: str, step: str) -> dict[str, Any]:
         """The connection info of a kernel of this server whose process runs."""
         km = self.service.kernel(kernel_id)
+        if not isinstance(getattr(km, "provisioner", None), SnapshotReadyProvisioner):
+            # Answered at once: such a kernel would leave the request unanswered, and a
+            # client that asks after each cell would wait for nothing every time.
+            raise NotReady(
+                step, f"kernel {kernel_id} is not snapshot-ready: only kernels of a "
+                "snapshot-ready kernelspec keep a timeline",
+                hint=f"switch the notebook to the '{KERNEL_DISPLAY_NAME}' kernel")
         sleeping = self.service.sleepers.describe(kernel_id)
         # "requested": it hibernates once its cell ends, and runs until then.
         if sleeping and sleeping.get("state") != "requested":

@@ -171,6 +171,13 @@ async def test_bad_requests_unknown_kernels_and_counts_out_of_reach(
         error = await refused(api, kernel_id, body, 400, "invalid_request")
         assert words in error["message"], (body, error)
 
+    # A kernel of another kernelspec keeps no timeline: told at once, not after a wait.
+    plain = await api.start_kernel("python3")
+    for method, route, body in (("GET", "timeline", None), ("POST", "rewind", {"before": 1})):
+        got, error = await api.call(method, *KERNELS, plain, route, body=body)
+        assert (got, error["code"]) == (409, "not_ready"), error
+        assert f"kernel {plain} is not snapshot-ready" in error["message"], error
+
     stranger = str(uuid.uuid4())
     for method, route, body in (("GET", "timeline", None), ("POST", "rewind", {"before": 1})):
         got, error = await api.call(method, *KERNELS, stranger, route, body=body)

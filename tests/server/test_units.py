@@ -1,4 +1,5 @@
-"""Pieces of the server extension that need no server: jobs and the kernel-facing URL."""
+"""Pieces of the server extension that need no server: jobs, the kernel-facing URL, and how
+a kernel's refusals map to statuses."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Any
 import pytest
 from jupyter_server.services.kernels.kernelmanager import ServerKernelManager
 
-from jupyter_gpu_snapshot.core.errors import Busy, SnapshotError
+from jupyter_gpu_snapshot.core.errors import Busy, NoAnswer, SnapshotError
 from jupyter_gpu_snapshot.core.hooks import Progress
+from jupyter_gpu_snapshot.node.timeline_requests import refusal
 from jupyter_gpu_snapshot.server.app import GPUSnapshotApp, kernel_facing_url
+from jupyter_gpu_snapshot.server.handlers import status_of
 from jupyter_gpu_snapshot.server.jobs import FINISHED_JOBS_KEPT, Job, JobRunner
 from jupyter_gpu_snapshot.server.jupyter_server_internals import last_activity
 
@@ -141,3 +144,20 @@ def test_a_kernel_still_starting_has_no_last_activity_yet() -> None:
     started = ServerKernelManager()
     started.last_activity = datetime.fromtimestamp(1_700_000_000, tz=timezone.utc)
     assert last_activity(started) == 1_700_000_000
+
+
+@pytest.mark.parametrize(("ename", "code", "status"), [
+    ("KernelBusy", "kernel_busy", 409),
+    ("RewindOutOfRange", "rewind_out_of_range", 400),
+    ("RewindFailed", "rewind_failed", 500),
+    ("TimelineOff", "not_ready", 409),
+    ("ZeroDivisionError", "failed", 500),
+])
+def test_a_kernels_refusal_keeps_its_words_and_name_and_has_one_status(
+    ename: str, code: str, status: int,
+) -> None:
+    error = refusal("rewind", {"status": "error", "ename": ename, "evalue": "because",
+                               "traceback": []})
+    assert (error.code, status_of(error)) == (code, status)
+    assert (error.message, error.details) == ("rewind failed: because", {"ename": ename})
+    assert status_of(NoAnswer("timeline", "no answer")) == 502
