@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Coroutine
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .._constants import format_bytes
+from .._constants import rewind_report_lines, timeline_lines
 from ..core.errors import NotFound, SnapshotError
 from .output import print_json, say
 
@@ -76,7 +75,13 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     if args.json:
         print_json(timeline)
     else:
-        say("\n".join(timeline_lines(timeline, args.kernel)))
+        lines = timeline_lines(
+            timeline, rewind_hint=f"jupyter gpu-snapshot rewind {args.kernel} --before N")
+        if timeline.get("running"):
+            # The magic asks from its own running cell; here it is news.
+            lines.append("A cell is running now: a rewind is refused until it ends (or is "
+                         "interrupted).")
+        say("\n".join(lines))
     return 0
 
 
@@ -88,64 +93,5 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"report": report})
     else:
-        say("\n".join(rewind_lines(report)))
+        say("\n".join(rewind_report_lines(report)))
     return 0
-
-
-def _cells(counts: list[int]) -> str:
-    return ", ".join(f"[{count}]" for count in counts)
-
-
-def timeline_lines(timeline: dict[str, Any], kernel: str) -> list[str]:
-    """A timeline (TIMELINE_REPLY) as lines a person reads: each point, oldest first, what
-    it holds and what it could not copy; then what a rewind can go back to."""
-    points = timeline.get("points") or []
-    lines = [
-        f"{len(points)} point(s) on the timeline, holding "
-        f"{format_bytes(timeline.get('bytes') or 0)} of host memory "
-        f"(limit {format_bytes(timeline.get('limit_bytes') or 0)})."
-    ]
-    for point in points:
-        at = point.get("at")
-        when = datetime.fromtimestamp(at).strftime("%H:%M:%S") if at else "-"
-        said = []
-        if not point.get("ok", True):
-            said.append("raised an error (its changes up to it are kept)")
-        if point.get("changed"):
-            said.append("changed " + ", ".join(point["changed"]))
-        if point.get("deleted"):
-            said.append("deleted " + ", ".join(point["deleted"]))
-        lines.append(f"  [{point.get('count')}] {when}  {format_bytes(point.get('bytes') or 0)}"
-                     f"  {'; '.join(said) or 'changed nothing the timeline sees'}")
-        lines.extend(f"      not copied: {entry.get('name')} ({entry.get('reason')})"
-                     for entry in point.get("uncopied") or [])
-    if timeline.get("dropped"):
-        lines.append(f"The {timeline['dropped']} oldest point(s) were dropped to stay within "
-                     "the limit.")
-    rewindable = timeline.get("rewindable") or []
-    if rewindable:
-        lines.append(f"It can go back to before cell {_cells(rewindable)}: "
-                     f"jupyter gpu-snapshot rewind {kernel} --before N")
-    else:
-        lines.append("Nothing to go back to yet: the timeline takes a point after each cell.")
-    if timeline.get("running"):
-        lines.append("A cell is running now: a rewind is refused until it ends (or is "
-                     "interrupted).")
-    return lines
-
-
-def rewind_lines(report: dict[str, Any]) -> list[str]:
-    """A rewind's report as lines a person reads: what came back, what could not and why,
-    and what a rewind never undoes."""
-    undone = report.get("undone") or []
-    lines = [f"Rewound to before cell [{report.get('before')}]: "
-             + (f"the effects of cell(s) {_cells(undone)} are gone."
-                if undone else "no cell's effects had to go.")]
-    if report.get("restored"):
-        lines.append("Back as they were: " + ", ".join(report["restored"]))
-    if report.get("removed"):
-        lines.append("Removed (they did not exist then): " + ", ".join(report["removed"]))
-    lines.extend(f"Not back: {entry.get('name')}: {entry.get('reason')}"
-                 for entry in report.get("not_restored") or [])
-    lines.extend(f"Note: {caveat}" for caveat in report.get("caveats") or [])
-    return lines

@@ -88,7 +88,11 @@ async def rewind_kernel(connection_info: dict[str, Any], before: int) -> dict[st
     before = cell_count(before)
     # Asked first: a kernel without a timeline is told in seconds, not after a rewind's
     # wait; and a refused count is answered with the counts that can be asked.
-    timeline = await kernel_timeline(connection_info)
+    try:
+        timeline = await kernel_timeline(connection_info)
+    except SnapshotError as exc:
+        # Told as the rewind's failure: that is what the user asked for.
+        raise type(exc)("rewind", exc.cause, hint=exc.hint, details=exc.details) from None
     content = await ask_kernel(connection_info, REWIND_REQUEST, {"before": before},
                                REWIND_SECONDS)
     if content is None:

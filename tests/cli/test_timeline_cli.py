@@ -62,14 +62,18 @@ def test_timeline_and_rewind_by_id_and_by_connection_file(
     kernel.execute("y.append(3); z = 'made later'; notes = open('/dev/null')")
 
     timeline = json.loads(succeeded("timeline", kernel_id, "--json"))
+    # What GET kernels/{id}/timeline answers (openapi.yaml's Timeline).
+    assert set(timeline) == {"running", "points", "rewindable", "bytes", "limit_bytes",
+                             "dropped"}
     assert [p["count"] for p in timeline["points"]] == [1, 2, 3]
     assert {2, 3} <= set(timeline["rewindable"]) and timeline["running"] is False
     second, third = timeline["points"][1:]
     assert {"x", "y"} <= set(second["changed"]) and {"y", "z"} <= set(third["changed"])
     assert [u["name"] for u in third["uncopied"]] == ["notes"]
     words = succeeded("timeline", kernel_id)
-    assert "[3]" in words and "not copied: notes" in words
-    assert f"jupyter gpu-snapshot rewind {kernel_id} --before N" in words
+    assert "[3]" in words and "not kept: notes: an open file cannot be copied" in words
+    assert f"Rewind with jupyter gpu-snapshot rewind {kernel_id} --before N, N one of: " \
+        in words
 
     connection_file = kernel.km.connection_file
     answer = json.loads(succeeded("rewind", connection_file, "--before", "3", "--json"))
@@ -81,9 +85,10 @@ def test_timeline_and_rewind_by_id_and_by_connection_file(
 
     # Cell [4] printed them: its point goes too.
     said = succeeded("rewind", kernel_id, "--before", "2")
-    assert said.startswith("Rewound to before cell [2]: the effects of cell(s) [2], [4] are "
-                           "gone."), said
-    assert "Back as they were: x\n" in said and "Removed (they did not exist then): y" in said
+    assert said.startswith("Rewound to before cell [2]: the effects of 2 cell(s) are undone "
+                           "([2], [4])."), said
+    assert "Put back as they were: x.\n" in said, said
+    assert "Removed (they did not exist then): y." in said, said
     after = json.loads(succeeded("timeline", kernel_id, "--json"))
     assert [p["count"] for p in after["points"]] == [1]
     assert kernel.execute("print(x, 'y' in dir())").strip() == "1 False"
@@ -115,6 +120,7 @@ def test_refusals_are_one_line_with_the_step_and_a_non_zero_status(
         assert line == ("error: rewind failed: a cell is running: wait for it or interrupt "
                         "it, then rewind"), line
         assert json.loads(succeeded("timeline", kernel_id, "--json"))["running"] is True
+        assert "A cell is running now: a rewind is refused" in succeeded("timeline", kernel_id)
     finally:
         writer.write("undisturbed")
         writer.close()
@@ -129,7 +135,19 @@ def test_a_kernel_without_a_timeline_is_told_in_seconds(tmp_path: Path) -> None:
         line = refused("rewind", plain.km.connection_file, "--before", "1")
     finally:
         stop_kernel(plain)
-    assert line.startswith("error: timeline failed: the kernel did not answer the request "
+    assert line.startswith("error: rewind failed: the kernel did not answer the request "
                            "for its timeline within 15 s"), line
     assert "snapshot-ready kernel" in line
+
+
+def test_a_kernel_whose_timeline_is_off_says_so() -> None:
+    off = start_kernel(env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "off"})
+    try:
+        off.execute("x = 1")
+        told = [refused(command, off.km.connection_file, *more)
+                for command, *more in (("timeline",), ("rewind", "--before", "1"))]
+    finally:
+        stop_kernel(off)
+    assert told == [f"error: {step} failed: the timeline is off "
+                    "(JUPYTER_GPU_SNAPSHOT_TIMELINE=off)" for step in ("timeline", "rewind")]
 

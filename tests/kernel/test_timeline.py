@@ -160,6 +160,14 @@ def test_rewind_by_one_cell_and_by_ten(kernels: list[KernelHandle], tmp_path: Pa
     assert timeline(client)["points"][-1]["count"] == count
     assert rewind(client, count)["status"] == "ok"
     assert state(client) == start
+    # A rewind writes into the arrays it restores: the same change made again right after
+    # it is seen, and undone (8 MiB: above what is digested after every cell).
+    cell(client, "big = np.ones(1 << 20)")
+    for _ in range(2):
+        count, _ = cell(client, "big += 1")
+        assert timeline(client)["points"][-1]["changed"] == ["big"]
+        assert rewind(client, count)["report"]["restored"] == ["big"]
+    assert cell(client, "print(big.min(), big.max())")[1] == "1.0 1.0\n"
 
 
 def test_a_cell_that_failed_half_way_is_undone(kernels: list[KernelHandle],
@@ -310,6 +318,11 @@ def test_the_magics_print_the_timeline_and_the_report(kernels: list[KernelHandle
                                                       tmp_path: Path) -> None:
     client = new_kernel(kernels, tmp_path)
     cell(client, "%load_ext jupyter_gpu_snapshot")
+    # Installed twice (the recorder, then the extension): one timeline follows the cells.
+    assert cell(client, """
+        print(sum(type(getattr(f, "__self__", None)).__name__ == "Timeline"
+                  for f in get_ipython().events.callbacks["post_run_cell"]))
+        """)[1] == "1\n"
     cell(client, "import pandas as pd\nframe = pd.DataFrame({'a': [1, 2]})")
     dropped, _ = cell(client, "frame = frame.drop(columns=['a'])\nscratch = 1")
     shown = cell(client, "%gpu_snapshot timeline")[1]

@@ -121,3 +121,27 @@ def test_a_name_older_than_the_timeline_cannot_be_rewound_past(
         assert shell.user_ns["x"] == 1 and shell.user_ns["older"] == [1, 2]
     finally:
         shell.events.unregister("post_run_cell", kept.post_run_cell)
+
+
+def test_deleted_names_come_back_and_objects_are_refilled_in_place(
+    shell: InteractiveShell, timeline: Timeline
+) -> None:
+    shell.run_cell("""
+class Box:
+    def __init__(self):
+        self.items = [1]
+        self.label = "a"
+box = Box()
+held = {"box": box}
+gone = [1, 2]
+""", store_history=True)
+    original = shell.user_ns["box"]
+    count = shell.run_cell("box.items.append(2)\nbox.label = 'b'\ndel gone",
+                           store_history=True).execution_count
+    assert timeline.points[-1].deleted == ["gone"]
+    report = timeline.rewind(count)
+    ns = shell.user_ns
+    assert set(report["restored"]) == {"box", "held", "gone"} and report["removed"] == []
+    assert ns["gone"] == [1, 2]
+    assert ns["box"].items == [1] and ns["box"].label == "a"
+    assert ns["held"]["box"] is ns["box"] is original

@@ -26,6 +26,9 @@ from .fingerprint import (
 )
 
 _SIZE_DEPTH = 6
+# What copy.deepcopy does not copy.
+_SHARED_BY_COPIES = (type(None), bool, int, float, complex, str, bytes, range, type,
+                     types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
 _SIZE_ITEMS = 10_000
 
 
@@ -78,15 +81,18 @@ def _size(value: Any, depth: int, seen: set[int], devices: dict[str, int]) -> in
         usage = value.memory_usage(deep=False, index=True) if hasattr(value, "memory_usage") \
             else 0
         return int(getattr(usage, "sum", lambda: usage)())
+    if isinstance(value, _SHARED_BY_COPIES):
+        return 0  # deepcopy keeps the object itself: a copy costs nothing
     size = sys.getsizeof(value, 64)
-    if depth >= _SIZE_DEPTH or isinstance(value, (str, bytes, int, float, type,
-                                                  types.ModuleType, types.FunctionType)):
+    if depth >= _SIZE_DEPTH:
         return size
     items: list[Any]
-    if isinstance(value, dict):
-        items = [*list(value.values())[:_SIZE_ITEMS], *list(value)[:_SIZE_ITEMS]]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)[:_SIZE_ITEMS]
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        every = [*value.values(), *value] if isinstance(value, dict) else list(value)
+        items = every[:_SIZE_ITEMS]
+        if len(every) > len(items):  # the rest taken to be like the first ones
+            sampled = sum(_size(item, depth + 1, seen, devices) for item in items)
+            return size + sampled * len(every) // len(items)
     else:
         inside = getattr(value, "__dict__", None)
         items = [inside] if isinstance(inside, dict) else []

@@ -110,13 +110,15 @@ class Timeline:
             try:
                 with _collector_paused():
                     self.record(int(count), bool(result.success), info.raw_cell or "")
-            except Exception as exc:
-                # Never a traceback after the user's cell: one line, and a timeline that
-                # knows only what it can be sure of from here on.
+            except (Exception, KeyboardInterrupt) as exc:
+                # Never a traceback after the user's cell (an interrupt while a big copy
+                # was taken included): one line, and a timeline that knows only what it
+                # can be sure of from here on.
                 self._start_over()
-                print(f"The timeline could not record cell [{count}] ({type(exc).__name__}: "
-                      f"{exc}); cells before it can no longer be rewound.",
-                      file=sys.stderr, flush=True)
+                why = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+                    f"{type(exc).__name__}: {exc}"
+                print(f"The timeline could not record cell [{count}] ({why}); cells before "
+                      "it can no longer be rewound.", file=sys.stderr, flush=True)
 
     # -- recording ---------------------------------------------------------------------------
     def user_names(self) -> list[str]:
@@ -181,9 +183,8 @@ class Timeline:
         if not moved and not gone:
             return
         walk = Walk(self._digests)
-        walk.fresh = dict(self._digests)
         self._fingerprints.update(fingerprints(namespace, moved, lambda name: True, walk))
-        self._digests = walk.fresh
+        self._digests = {**self._digests, **walk.fresh}
         entries = copy_point(namespace, moved, walk.by_reference, self.limit_bytes)
         entries.update((name, ABSENT) for name in gone)
         for name in gone:
@@ -322,13 +323,13 @@ class Timeline:
         measured from the state the rewind made."""
         for name in removed:
             self._fingerprints.pop(name, None)
+        # Digested afresh (deep): the rewind wrote into arrays whose old digests are kept.
         walk = Walk(self._digests)
-        walk.fresh = dict(self._digests)
         namespace = self.shell.user_ns
         present = [name for name in rebound if name in namespace]
         self._fingerprints.update(fingerprints(namespace, present, lambda name: True, walk))
         self._ids = {name: id(namespace[name]) for name in self.user_names()}
-        self._digests = walk.fresh
+        self._digests = {**self._digests, **walk.fresh}
         self.unseen.update(walk.unseen)
 
     def _caveats(self) -> list[str]:
