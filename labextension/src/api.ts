@@ -90,7 +90,11 @@ export type ErrorCode =
   | 'busy'
   | 'not_ready'
   | 'ports_in_use'
-  | 'incompatible_node';
+  | 'incompatible_node'
+  | 'kernel_busy'
+  | 'rewind_out_of_range'
+  | 'rewind_failed'
+  | 'no_answer';
 
 export interface ISnapshotListing {
   snapshots: ISnapshotSummary[];
@@ -285,6 +289,56 @@ export interface IStoreUsage {
   disk_bytes: number;
 }
 
+/** A name a timeline point could not copy, or a rewind could not put back, and why. */
+export interface IUncopiedName {
+  name: string;
+  reason: string;
+}
+
+/** One point of a kernel's timeline: the state after the cell that ran as In [count]. */
+export interface ITimelinePoint {
+  count: number;
+  /** False: the cell raised (its changes up to the error are recorded). */
+  ok: boolean;
+  /** The names the cell bound or mutated, as far as the timeline sees. */
+  changed: string[];
+  deleted: string[];
+  /** What this point's copies hold. */
+  bytes: number;
+  uncopied: IUncopiedName[];
+  /** When the cell ended, seconds since the epoch. */
+  at: number;
+}
+
+/** A kernel's timeline (GET kernels/{id}/timeline). */
+export interface ITimeline {
+  /** A cell runs now: no rewind until it ends. */
+  running: boolean;
+  /** Oldest first. */
+  points: ITimelinePoint[];
+  /** The counts N for which "rewind to before N" is possible now. */
+  rewindable: number[];
+  /** The timeline's host memory, and its limit. */
+  bytes: number;
+  limit_bytes: number;
+  /** Oldest points dropped for the limit. */
+  dropped: number;
+}
+
+/** What a rewind did (POST kernels/{id}/rewind). */
+export interface IRewindReport {
+  before: number;
+  /** The counts of the cells whose effects are gone. */
+  undone: number[];
+  /** Names put back as they were. */
+  restored: string[];
+  /** Names that did not exist then, deleted. */
+  removed: string[];
+  not_restored: IUncopiedName[];
+  /** What no rewind undoes (files on disk, other modules' globals, unseen mutations). */
+  caveats: string[];
+}
+
 /** An error answer of the API, carrying the server's own message and error object. */
 export class SnapshotAPIError extends Error {
   constructor(
@@ -421,6 +475,20 @@ export class SnapshotAPI {
         body: JSON.stringify(override)
       }
     );
+  }
+
+  /** The kernel's timeline: a point per cell, and which cells it can go back to before. */
+  timeline(kernelId: string): Promise<ITimeline> {
+    return this._request<ITimeline>(`kernels/${encodeURIComponent(kernelId)}/timeline`);
+  }
+
+  /** Put the kernel back to how it was before the cell that ran as In [before]. */
+  async rewind(kernelId: string, before: number): Promise<IRewindReport> {
+    const answer = await this._request<{ report: IRewindReport }>(
+      `kernels/${encodeURIComponent(kernelId)}/rewind`,
+      { method: 'POST', body: JSON.stringify({ before }) }
+    );
+    return answer.report;
   }
 
   private async _request<T>(endpoint: string, init: RequestInit = {}): Promise<T> {

@@ -1,8 +1,8 @@
 /**
  * jupyter-gpu-snapshot: snapshot a notebook's kernel (CUDA state included) and restore it.
  *
- * The toolbar button and the Kernel menu entries are declared in schema/plugin.json;
- * this file supplies the commands and widgets they name.
+ * The toolbar button, the Kernel menu entries and the cells' context menu entry are
+ * declared in schema/plugin.json; this file supplies the commands and widgets they name.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import {
@@ -10,7 +10,7 @@ import {
   IToolbarWidgetRegistry,
   Notification
 } from '@jupyterlab/apputils';
-import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStateDB } from '@jupyterlab/statedb';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -24,9 +24,11 @@ import { pickSnapshot } from './dialog';
 import { restoreIcon, snapshotIcon } from './icons';
 import { askSnapshotName } from './names';
 import { ShutdownOffer } from './reboot';
+import { REWIND_EVENT_PREFIX, Rewinder, rewindAvailability } from './rewind';
 import { SNAPSHOTS_EVENT_PREFIX, SnapshotsSidebar } from './sidebar';
 import { DEFAULT_REFRESH_SECONDS, SnapshotStatusItem } from './statusbar';
 import { TRANSLATION_DOMAIN } from './translation';
+import type { ICellLike } from './undone';
 
 const PLUGIN_ID = 'jupyter-gpu-snapshot:plugin';
 
@@ -39,6 +41,7 @@ export namespace CommandIDs {
   export const saveNamed = 'gpu-snapshot:save-named';
   export const restore = 'gpu-snapshot:restore';
   export const hibernate = 'gpu-snapshot:hibernate';
+  export const rewindToCell = 'gpu-snapshot:rewind-to-cell';
 }
 
 /** The toolbar item name used in schema/plugin.json. */
@@ -183,6 +186,48 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
+    const rewinder = new Rewinder(controller.api, trans, kernelId => {
+      const panels: NotebookPanel[] = [];
+      tracker.forEach(panel => {
+        if (controller.kernelId(panel) === kernelId) {
+          panels.push(panel);
+        }
+      });
+      return panels;
+    });
+    /**
+     * The notebook and the cell a rewind is about: the cell whose context menu is open,
+     * else the current notebook's active cell.
+     */
+    const rewindTarget = (): { panel: NotebookPanel | null; cell: ICellLike | null } => {
+      const node = app.contextMenuHitTest(node => node.classList.contains('jp-Cell'));
+      const panel = node
+        ? (tracker.find(panel => panel.node.contains(node)) ?? null)
+        : current();
+      const cells = (panel?.content.widgets ?? []) as unknown as readonly ICellLike[];
+      const cell = node
+        ? (cells.find(cell => cell.node === node) ?? null)
+        : ((panel?.content.activeCell ?? null) as unknown as ICellLike | null);
+      return { panel, cell };
+    };
+    const rewindAsked = () => {
+      const { panel, cell } = rewindTarget();
+      const kernelId = controller.kernelId(panel);
+      return { panel, kernelId, ...rewindAvailability(kernelId, cell, trans) };
+    };
+
+    app.commands.addCommand(CommandIDs.rewindToCell, {
+      label: trans.__('Rewind kernel to before this cell'),
+      caption: () => rewindAsked().reason,
+      isEnabled: () => rewindAsked().enabled,
+      execute: async () => {
+        const { panel, kernelId, enabled, count } = rewindAsked();
+        if (panel && kernelId && enabled && count !== null) {
+          await rewinder.rewind(panel, kernelId, count);
+        }
+      }
+    });
+
     controller.showsSession = sessionId =>
       tracker.find(panel => panel.sessionContext.session?.id === sessionId) !== undefined;
 
@@ -250,7 +295,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       tracker,
       DEFAULT_REFRESH_SECONDS,
       trans,
-      app.serviceManager.events ?? null
+      app.serviceManager.events ?? null,
+      { rewinder, executed: NotebookActions.executed }
     );
     app.shell.add(sidebar, 'left', { rank: 850 });
 
@@ -263,8 +309,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
     );
 
     // A kernel that hibernated or woke: its notebook's status bar says so at once. A
-    // snapshot renamed or deleted anywhere, or a notebook renamed: the current notebook's
-    // status names its newest snapshot again.
+    // kernel rewound through the server, here or elsewhere: its notebooks mark the cells
+    // whose effects are gone. A snapshot renamed or deleted anywhere, or a notebook
+    // renamed: the current notebook's status names its newest snapshot again.
     app.serviceManager.events?.stream.connect((_, event) => {
       const kernelId = (event as unknown as { kernel_id?: unknown }).kernel_id;
       if (
@@ -273,6 +320,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
         tracker.find(panel => controller.kernelId(panel) === kernelId)
       ) {
         void controller.refresh(kernelId);
+      } else if (
+        event.schema_id?.startsWith(REWIND_EVENT_PREFIX) &&
+        typeof kernelId === 'string'
+      ) {
+        const report = (event as unknown as { report?: { undone?: unknown } }).report;
+        const undone = Array.isArray(report?.undone)
+          ? report.undone.filter((count): count is number => typeof count === 'number')
+          : [];
+        rewinder.onRewindEvent(kernelId, { undone });
       } else if (event.schema_id?.startsWith(SNAPSHOTS_EVENT_PREFIX)) {
         const current = controller.polledKernel(tracker.currentWidget);
         if (current) {

@@ -1,17 +1,18 @@
 /**
  * The Snapshots sidebar in JupyterLab's left area: the store's size on disk and its free
- * disk, this notebook's snapshots and all the others, searchable and sortable, with
- * restore, rename and delete; the server's hibernated kernels; then this notebook's
- * settings (autosave, and hibernation's two tiers), folded away until asked for. Added to
- * the shell by the plugin; it refreshes while it is shown, and at once when the server
- * says the listing changed (a job ended, a snapshot was renamed or deleted anywhere, a
- * notebook was renamed).
+ * disk, this notebook's snapshots, its kernel's timeline (timeline.tsx), and all the other
+ * snapshots, searchable and sortable, with restore, rename and delete; the server's
+ * hibernated kernels; then this notebook's settings (autosave, and hibernation's two
+ * tiers), folded away until asked for. Added to the shell by the plugin; it refreshes while
+ * it is shown, and at once when the server says the listing changed (a job ended, a
+ * snapshot was renamed or deleted anywhere, a notebook was renamed).
  */
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import type { Event } from '@jupyterlab/services';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import { ReactWidget } from '@jupyterlab/ui-components';
 import { Poll } from '@lumino/polling';
+import type { ISignal } from '@lumino/signaling';
 import * as React from 'react';
 import {
   IDLE_POLICY_FIELDS,
@@ -45,6 +46,8 @@ import { snapshotIcon } from './icons';
 import { JOB_EVENT_PREFIX } from './jobs';
 import { askSnapshotName } from './names';
 import { describeRefusal, heldByRunningKernel } from './remedy';
+import type { Rewinder } from './rewind';
+import { KernelTimeline, TimelineSection } from './timeline';
 
 /** The server's events that change the listing without a job (event_schemas/snapshots-v1). */
 export const SNAPSHOTS_EVENT_PREFIX =
@@ -81,14 +84,27 @@ export function matches(s: ISnapshotSummary, search: string): boolean {
     .includes(needle);
 }
 
+/**
+ * What the Timeline section needs: the rewinds its buttons ask for, and JupyterLab's
+ * NotebookActions.executed, which says a cell ended (its kernel took a new point).
+ */
+export interface ITimelineSource {
+  rewinder: Rewinder;
+  executed: ISignal<unknown, { notebook: unknown }>;
+}
+
 export class SnapshotsSidebar extends ReactWidget {
-  /** ``events``: the server's event stream, which makes changes show at once. */
+  /**
+   * ``events``: the server's event stream, which makes changes show at once; ``timeline``:
+   * where the Timeline section's kernel timeline comes from (none: no such section).
+   */
   constructor(
     private readonly _controller: SnapshotController,
     private readonly _tracker: INotebookTracker,
     refreshSeconds: number,
     private readonly _trans: TranslationBundle,
-    private readonly _events: Event.IManager | null = null
+    private readonly _events: Event.IManager | null = null,
+    timeline: ITimelineSource | null = null
   ) {
     super();
     this.id = 'jp-gpu-snapshot-sidebar';
@@ -105,12 +121,25 @@ export class SnapshotsSidebar extends ReactWidget {
       name: 'jupyter-gpu-snapshot:sidebar',
       standby: () => !this.isVisible || 'when-hidden'
     });
+    this._timeline = timeline
+      ? new KernelTimeline(
+          _controller.api,
+          _controller,
+          _tracker,
+          timeline.rewinder,
+          timeline.executed,
+          refreshSeconds,
+          () => this.isVisible
+        )
+      : null;
+    this._timeline?.changed.connect(() => this.update());
   }
 
   /** Called by the plugin when the setting changes. */
   setRefreshSeconds(seconds: number): void {
     const interval = seconds * 1000;
     this._poll.frequency = { interval, backoff: true, max: 300_000 };
+    this._timeline?.setRefreshSeconds(seconds);
   }
 
   async reload(): Promise<void> {
@@ -137,12 +166,14 @@ export class SnapshotsSidebar extends ReactWidget {
 
   dispose(): void {
     this._poll.dispose();
+    this._timeline?.dispose();
     this._events?.stream.disconnect(this._onEvent, this);
     super.dispose();
   }
 
   protected onAfterShow(): void {
     void this._poll.refresh();
+    void this._timeline?.refresh();
   }
 
   /**
@@ -266,6 +297,9 @@ export class SnapshotsSidebar extends ReactWidget {
             {path && this._shutdownWarning(kernelId)}
             {path &&
               this._section(trans.__('This notebook: %1', path), own, panel, 'own')}
+            {path && this._timeline && (
+              <TimelineSection model={this._timeline} panel={panel} trans={trans} />
+            )}
             {this._section(
               path ? trans.__('All others') : trans.__('All snapshots'),
               others,
@@ -876,4 +910,6 @@ export class SnapshotsSidebar extends ReactWidget {
   private _listingError: string | null = null;
   private _loaded = false;
   private _poll: Poll;
+  /** The current notebook kernel's timeline; null without a timeline source. */
+  private readonly _timeline: KernelTimeline | null;
 }

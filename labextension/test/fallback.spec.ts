@@ -11,30 +11,10 @@ import {
   summarizeReport
 } from '../src/fallback';
 import { untranslated } from '../src/translation';
-import { ShoutingBundle, makeSnapshot } from './fixtures';
+import { ShoutingBundle, makeSnapshot, textOf } from './fixtures';
 
 // A dialog would wait for a click: these tests only read what the modules word.
 jest.mock('@jupyterlab/apputils', () => ({ Dialog: {}, showDialog: jest.fn() }));
-
-/** The text of a React tree, one line per list item or paragraph. */
-function textOf(node: React.ReactNode): string {
-  if (node === null || node === undefined || typeof node === 'boolean') {
-    return '';
-  }
-  if (typeof node === 'string' || typeof node === 'number') {
-    return String(node);
-  }
-  if (Array.isArray(node)) {
-    return node.map(textOf).join('');
-  }
-  const element = node as React.ReactElement<{ children?: React.ReactNode }>;
-  if (typeof element.type === 'function') {
-    const component = element.type as (props: unknown) => React.ReactNode;
-    return textOf(component(element.props));
-  }
-  const inner = textOf(element.props.children);
-  return ['li', 'p', 'h3'].includes(element.type as string) ? `${inner}\n` : inner;
-}
 
 const report: IFallbackReport = {
   mode: 'both',

@@ -5,6 +5,7 @@
 import type { Event } from '@jupyterlab/services';
 import { Gettext, TranslationBundle } from '@jupyterlab/translation';
 import { Signal } from '@lumino/signaling';
+import type * as React from 'react';
 import type { IJob, IJobError, IKernelStatus, ISnapshotSummary } from '../src/api';
 import { JOB_EVENT_PREFIX } from '../src/jobs';
 
@@ -125,4 +126,24 @@ export class EventStream {
   emitJob(job: IJob, schema = JOB_SCHEMA): void {
     this.signal.emit({ schema_id: schema, ...job } as unknown as Event.Emission);
   }
+}
+
+/** The text of a React tree, one line per list item or paragraph. */
+export function textOf(node: React.ReactNode): string {
+  if (node === null || node === undefined || typeof node === 'boolean') {
+    return '';
+  }
+  if (typeof node === 'string' || typeof node === 'number') {
+    return String(node);
+  }
+  if (Array.isArray(node)) {
+    return node.map(textOf).join('');
+  }
+  const element = node as React.ReactElement<{ children?: React.ReactNode }>;
+  if (typeof element.type === 'function') {
+    const component = element.type as (props: unknown) => React.ReactNode;
+    return textOf(component(element.props));
+  }
+  const inner = textOf(element.props.children);
+  return ['li', 'p', 'h3'].includes(element.type as string) ? `${inner}\n` : inner;
 }

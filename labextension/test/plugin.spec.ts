@@ -25,7 +25,11 @@ import { makeSnapshot } from './fixtures';
 // whole would take jest most of a minute to transform.
 jest.mock('@jupyterlab/notebook', () => {
   const { Token } = jest.requireActual('@lumino/coreutils');
-  return { INotebookTracker: new Token('@jupyterlab/notebook:INotebookTracker') };
+  const { Signal } = jest.requireActual('@lumino/signaling');
+  return {
+    INotebookTracker: new Token('@jupyterlab/notebook:INotebookTracker'),
+    NotebookActions: { executed: new Signal({}) }
+  };
 });
 jest.mock('@jupyterlab/statusbar', () => {
   const { Token } = jest.requireActual('@lumino/coreutils');

@@ -745,6 +745,80 @@ def test_a_snapshot_whose_image_is_refused_comes_back_by_re_running_its_cells(
     assert saved["console_errors"] == [] and seen["console_errors"] == []
 
 
+# The rewind scenario's notebook: two cells bind x, one reads it, one runs long enough to
+# be running when a rewind is asked.
+REWIND_CELLS = (
+    "x = 1",
+    "x = 2",
+    "print('x is', x)",
+    "import time\nprint('sleeping', flush=True)\ntime.sleep(300)",
+)
+
+
+def set_cells(notebook: Path, sources: tuple[str, ...]) -> None:
+    """Gives the notebook these code cells, none of them run."""
+    content = json.loads(notebook.read_text())
+    content["cells"] = [
+        {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+         "source": source}
+        for source in sources
+    ]
+    notebook.write_text(json.dumps(content, indent=1))
+
+
+def test_rewind_from_a_cells_context_menu_brings_the_value_back_and_marks_the_cell(
+    ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
+) -> None:
+    server = start_lab("rewind", {"rewind.ipynb": "python3-snapshot"})
+    set_cells(server.root / "rewind.ipynb", REWIND_CELLS)
+    seen = run_scenario(ui_tools, server, "rewind", "rewind.ipynb")
+
+    assert seen["prompts"] == ["[1]:", "[2]:"], seen["prompts"]
+    # The sidebar's timeline: a point per cell, newest first, with the name each bound.
+    assert seen["points_before"] == [[2, "changed x"], [1, "changed x"]], seen
+    assert re.fullmatch(r"2 points, [\d.]+ (B|KiB|MiB) of [\d.]+ (MiB|GiB|TiB)",
+                        seen["timeline_use"]), seen["timeline_use"]
+    assert seen["menu_entry"] == "Rewind kernel to before this cell"
+    assert seen["menu_entry_disabled"] is False
+    # The report: in the notification, then whole in its dialog.
+    assert seen["rewound_toast"].startswith(
+        "Kernel rewound to before In [2]: In [2] undone; 1 name restored"
+    ), seen["rewound_toast"]
+    assert seen["report_title"] == "Rewound to before In [2]"
+    report = seen["report_text"]
+    assert report.startswith(
+        "The kernel is as it was before In [2]. The effects of In [2] are gone."
+    ), report
+    assert re.search(r"Came back as they were\s+x\b", report), report
+    assert "Not undone by a rewind" in report, report
+    # The second cell is marked; the value is back; running another cell keeps the mark.
+    assert seen["marked"] == [[1, "effects undone by rewind"]], seen["marked"]
+    assert seen["points_after"] == [[1, "changed x"]], seen["points_after"]
+    assert seen["after_rewind_output"] == "x is 1"
+    assert seen["marked_after_another_cell"] == [[1, "effects undone by rewind"]]
+    # Run again, the cell loses its mark and its effect is back.
+    assert seen["marked_after_rerun"] == []
+    assert seen["after_rerun_output"] == "x is 2"
+    assert [count for count, _ in seen["points_after_rerun"]] == [5, 4, 3, 1], seen
+    # Asked while a cell runs: refused in one message that says what to do.
+    assert seen["busy_toast"].startswith(
+        "Could not rewind to before In [1]: a cell is running: wait for it or interrupt "
+        "it, then rewind"
+    ), seen["busy_toast"]
+    assert seen["marked_at_end"] == []
+    assert seen["after_refusal_output"] == "x is 2"
+    # The server's timeline agrees: the undone cell's point is gone for good.
+    counts = [p["count"] for p in server.get(
+        f"gpu-snapshot/kernels/{seen['kernel']}/timeline")["points"]]
+    assert counts[:4] == [1, 3, 4, 5], counts
+    # Chromium logs the refused rewind's answer (409) as a resource that failed to load;
+    # nothing else may show.
+    refused = [e for e in seen["console_errors"]
+               if re.match(r"Failed to load resource: .* 409 \(Conflict\) .*/rewind\?", e)]
+    assert len(refused) == 1, seen["console_errors"]
+    assert [e for e in seen["console_errors"] if e not in refused] == []
+
+
 def test_the_panel_and_the_extension_name_phases_alike() -> None:
     from jupyter_gpu_snapshot.kernel.presentation import PHASE_LABELS
 

@@ -361,7 +361,8 @@ const DOCS_IMAGES: Record<string, string> = {
   'autosave/sidebar-autosave': 'autosave.png',
   'after-restart/restart-offer-names-both': 'restart-offer.png',
   'first-save-rename/snapshot-follows-rename': 'snapshot-follows-rename.png',
-  'save-progress/save-progress': 'save-progress.png'
+  'save-progress/save-progress': 'save-progress.png',
+  'rewind/cell-marked-undone': 'rewind-marked-cell.png'
 };
 
 // JupyterLab's debugger logs this when a kernel it asks about is shut down, as the

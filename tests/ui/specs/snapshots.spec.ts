@@ -983,3 +983,112 @@ test('save-progress', async ({ lab, page }) => {
   await lab.buttonState('ready');
   await page.keyboard.press('Escape');
 });
+
+// Rewind from a cell's context menu (the notebook's cells, written by pytest: x = 1, x = 2,
+// print x, a long cell): the kernel goes back to before the second cell without running
+// anything, x is 1 again, the second cell is marked as undone until it runs again, and the
+// sidebar's timeline lists a point per cell, before and after. A rewind asked while a cell
+// runs is refused in one message, and the kernel runs on.
+test('rewind', async ({ lab, page }) => {
+  const { seen } = lab;
+  const cells = page.locator(`${CURRENT} .jp-Notebook .jp-Cell`);
+  const countOf = async (index: number) =>
+    (await cells.nth(index).locator('.jp-InputPrompt').innerText()).trim();
+  const marked = () =>
+    page
+      .locator(`${CURRENT} .jp-Cell.jp-gpu-snapshot-undone`)
+      .evaluateAll(nodes =>
+        nodes.map(c => [
+          [...c.parentElement!.children].indexOf(c),
+          c.getAttribute('data-gpu-snapshot-undone')
+        ])
+      );
+  /** Opens the context menu of a cell (on its prompt) and gives the rewind's entry. */
+  const rewindEntry = async (index: number) => {
+    await cells.nth(index).locator('.jp-InputPrompt').click({ button: 'right' });
+    const entry = page.locator(
+      '.lm-Menu-item[data-command="gpu-snapshot:rewind-to-cell"]'
+    );
+    await entry.waitFor({ state: 'visible', timeout: STEP_TIMEOUT });
+    return entry;
+  };
+
+  await lab.openNotebook();
+  await lab.buttonState('ready');
+  seen.kernel = await lab.kernelOf();
+  for (const index of [0, 1]) {
+    expect(await page.notebook.runCell(index), `run cell ${index}`).toBe(true);
+  }
+  seen.prompts = [await countOf(0), await countOf(1)];
+
+  const sidebar = await lab.openSidebar();
+  const timeline = sidebar.locator('[data-section="timeline"]');
+  const points = timeline.locator('.jp-gpu-snapshot-point');
+  const listed = () =>
+    points.evaluateAll(nodes =>
+      nodes.map(n => [
+        Number(n.getAttribute('data-count')),
+        (n.querySelector('.jp-gpu-snapshot-point-names') as HTMLElement).innerText.trim()
+      ])
+    );
+  await expect(points).toHaveCount(2, { timeout: STEP_TIMEOUT });
+  seen.points_before = await listed();
+  seen.timeline_use = (
+    await timeline.locator('.jp-gpu-snapshot-timeline-use').innerText()
+  ).trim();
+  await lab.screenshot('timeline-before-rewind');
+
+  const entry = await rewindEntry(1);
+  seen.menu_entry = (await entry.innerText()).trim();
+  seen.menu_entry_disabled = await entry.evaluate(node =>
+    node.classList.contains('lm-mod-disabled')
+  );
+  await lab.screenshot('context-menu-rewind');
+  await entry.click();
+  seen.rewound_toast = await lab.toast(/Kernel rewound/);
+  seen.marked = await marked();
+  await lab.screenshot('cell-marked-undone');
+
+  await lab.toasts('Kernel rewound').getByRole('button', { name: 'Report' }).click();
+  const report = page.locator('.jp-Dialog', {
+    has: page.locator('.jp-gpu-snapshot-report')
+  });
+  await report.waitFor({ timeout: STEP_TIMEOUT });
+  seen.report_title = (await report.locator('.jp-Dialog-header').innerText()).trim();
+  seen.report_text = (await report.locator('.jp-Dialog-body').innerText()).trim();
+  await lab.screenshot('rewind-report');
+  await report.locator('.jp-mod-accept').click();
+  await report.waitFor({ state: 'detached', timeout: STEP_TIMEOUT });
+
+  // The point of the undone cell is gone from the timeline.
+  await expect(points).toHaveCount(1, { timeout: STEP_TIMEOUT });
+  seen.points_after = await listed();
+
+  seen.after_rewind_output = await lab.runCell(2);
+  seen.marked_after_another_cell = await marked();
+  await lab.screenshot('value-back');
+  // The undone cell runs again: its mark goes, and its effect is back.
+  expect(await page.notebook.runCell(1), 'run cell 1 again').toBe(true);
+  seen.marked_after_rerun = await marked();
+  seen.after_rerun_output = await lab.runCell(2);
+  await expect(points).toHaveCount(4, { timeout: STEP_TIMEOUT });
+  seen.points_after_rerun = await listed();
+  await lab.screenshot('timeline-after-rerun');
+
+  // A rewind while a cell runs: refused, in one message; the cell is interrupted after.
+  expect(await page.notebook.runCell(3, { wait: false }), 'start cell 3').toBe(true);
+  await cells
+    .nth(3)
+    .locator('.jp-OutputArea-output', { hasText: 'sleeping' })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  await (await rewindEntry(0)).click();
+  seen.busy_toast = await lab.toast(/Could not rewind/);
+  await lab.screenshot('rewind-refused-while-running');
+  await (await lab.kernelMenu('kernelmenu:interrupt')).click();
+  await cells
+    .nth(3)
+    .locator('.jp-OutputArea-output', { hasText: 'KeyboardInterrupt' })
+    .waitFor({ timeout: STEP_TIMEOUT });
+  seen.marked_at_end = await marked();
+  seen.after_refusal_output = await lab.runCell(2);
+});
