@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from IPython.core import magic_arguments as _ma
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .._constants import (
     FALLBACK_MODES,
@@ -186,8 +186,8 @@ class GPUSnapshotMagics(Magics):
         action="store_true",
         help="list only: just the newest snapshot (of each notebook, with --all)",
     )
-    @line_magic
-    def gpu_snapshot(self, line: str) -> None:
+    @line_cell_magic
+    def gpu_snapshot(self, line: str, cell: str | None = None) -> None:
         """Snapshot this kernel (CUDA state included) and restore snapshots.
 
         Examples::
@@ -209,7 +209,14 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot hibernate gpu after 10m  # when idle that long; never, default
             %gpu_snapshot timeline             # the points, one per cell
             %gpu_snapshot rewind 12            # back to before cell [12]
+
+        As a cell magic, a process snapshot before a risky cell, then the cell::
+
+            %%gpu_snapshot checkpoint [NAME]   # NAME: before-cell-N by default
         """
+        if cell is not None:
+            self._checkpoint_then_run(line, cell)
+            return
         args = parse_argstring(self.gpu_snapshot, line)
         args.name = _unquoted(args.name)
         command: str = args.command
@@ -241,6 +248,34 @@ class GPUSnapshotMagics(Magics):
             raise SnapshotMagicError(f"%gpu_snapshot {command}: {exc.message}") from None
 
     # -- commands --------------------------------------------------------------------------
+    def _checkpoint_then_run(self, line: str, cell: str) -> None:
+        """A process snapshot of the kernel as it is before the cell, then the cell. The
+        snapshot puts back what the timeline cannot (GPU values, open files, C extensions'
+        state): restore it to undo the cell whole."""
+        shell = self.shell
+        assert shell is not None  # a magic runs in its shell
+        words = line.split()
+        if not words or words[0] != "checkpoint" or len(words) > 2:
+            raise UsageError("as a cell magic: %%gpu_snapshot checkpoint [NAME]")
+        name = _unquoted(words[1]) if len(words) == 2 else \
+            f"before-cell-{shell.execution_count}"
+        args = argparse.Namespace(name=name, stop=False, portable=False)
+        self.last_outcome = None  # an interrupted wait leaves none: the cell is not run
+        try:
+            self._save(self.client(), args)
+        except ClientError as exc:
+            # The cell is not run: it was asked to run only once its checkpoint exists.
+            raise SnapshotMagicError(f"%%gpu_snapshot checkpoint: {exc.message}; the cell "
+                                     "did not run") from None
+        outcome = self._outcome()
+        if outcome is None or outcome.snapshot_id is None:
+            raise SnapshotMagicError("%%gpu_snapshot checkpoint: the snapshot was not made; "
+                                     "the cell did not run")
+        shell.run_cell(cell)  # type: ignore[no-untyped-call]  # IPython is untyped here
+
+    def _outcome(self) -> SaveOutcome | None:
+        return self.last_outcome
+
     def _timeline_command(self, command: str, args: Any) -> None:
         if args.rest or args.stop or args.portable or args.fallback or args.all_notebooks \
                 or args.latest:

@@ -164,6 +164,28 @@ def test_save_list_status_rm(jupyter_server: JupyterServer, notebook: NotebookKe
     assert line.startswith("%gpu_snapshot rm: lookup failed: no snapshot 'first'"), line
 
 
+def test_a_checkpoint_cell_saves_the_kernel_first_then_runs(
+    jupyter_server: JupyterServer, usage_kernel: NotebookKernel
+) -> None:
+    usage_kernel.ok("risky = 'before'")
+    out = usage_kernel.ok("%%gpu_snapshot checkpoint\nrisky = 'after'\nprint('ran', risky)")
+    saved = SAVED.search(out)
+    assert saved, out
+    # Named after the cell it protects; the cell ran once the snapshot existed.
+    assert re.fullmatch(r"before-cell-\d+", saved["name"]), saved["name"]
+    assert out.rstrip().endswith("ran after"), out
+    assert [s["id"] for s in jupyter_server.snapshots(usage_kernel.path)] == [saved["id"]]
+    named = usage_kernel.ok("%%gpu_snapshot checkpoint risky-one\nrisky = 'again'")
+    assert SAVED.search(named) and "(risky-one)" in named, named
+
+    refused = usage_kernel.run("%%gpu_snapshot save\nrisky = 'never'")
+    assert refused.ename == "UsageError", refused
+    assert "%%gpu_snapshot checkpoint [NAME]" in refused.stderr
+    assert usage_kernel.ok("print(risky)") == "again\n"
+    for snapshot in jupyter_server.snapshots(usage_kernel.path):
+        usage_kernel.ok(f"%gpu_snapshot rm {snapshot['id']}")
+
+
 def test_failures_are_one_line_and_leave_the_kernel_running(
     jupyter_server: JupyterServer, notebook: NotebookKernel
 ) -> None:
