@@ -252,6 +252,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       palette.addItem({ command: CommandIDs.saveNamed, category });
       palette.addItem({ command: CommandIDs.restore, category });
       palette.addItem({ command: CommandIDs.hibernate, category });
+      // The active cell's rewind, when no context menu names one.
+      palette.addItem({ command: CommandIDs.rewindToCell, category });
     }
 
     toolbarRegistry.addFactory<NotebookPanel>(

@@ -65,14 +65,20 @@ class FakeSettings {
   }
 }
 
-function activate(settings: FakeSettings, state = new StateDB()) {
+function activate(
+  settings: FakeSettings,
+  state = new StateDB(),
+  palette: { addItem: jest.Mock } | null = null
+) {
   const registry = { load: jest.fn(async () => settings) };
   const statusBar = { registerStatusItem: jest.fn() };
   const shell = { add: jest.fn() };
   const app = {
     commands: new CommandRegistry(),
     serviceManager: { events: null },
-    shell
+    shell,
+    // No context menu is open: commands act on the current notebook.
+    contextMenuHitTest: () => undefined
   } as unknown as JupyterFrontEnd;
   const tracker = {
     currentChanged: new Signal<unknown, unknown>({}),
@@ -80,8 +86,17 @@ function activate(settings: FakeSettings, state = new StateDB()) {
     currentWidget: null
   };
   const toolbarRegistry = { addFactory: jest.fn() };
-  plugin.activate(app, tracker, toolbarRegistry, null, statusBar, registry, state, null);
-  return { registry, statusBar, shell, tracker };
+  plugin.activate(
+    app,
+    tracker,
+    toolbarRegistry,
+    palette,
+    statusBar,
+    registry,
+    state,
+    null
+  );
+  return { registry, statusBar, shell, tracker, app };
 }
 
 describe('the plugin and its settings', () => {
@@ -107,6 +122,16 @@ describe('the plugin and its settings', () => {
     Notification.dismiss();
     jest.restoreAllMocks();
     jest.useRealTimers();
+  });
+
+  it("offers the active cell's rewind in the command palette, with the saves", () => {
+    const palette = { addItem: jest.fn() };
+    const { app } = activate(new FakeSettings(), new StateDB(), palette);
+    const offered = palette.addItem.mock.calls.map(([item]) => item.command);
+    expect(offered).toContain('gpu-snapshot:rewind-to-cell');
+    expect(app.commands.hasCommand('gpu-snapshot:rewind-to-cell')).toBe(true);
+    // No notebook is open: nothing to rewind, and the command says so.
+    expect(app.commands.isEnabled('gpu-snapshot:rewind-to-cell')).toBe(false);
   });
 
   it('applies the intervals it loads, and each change of them', async () => {
