@@ -71,6 +71,8 @@ TIMELINE_REQUEST = "gpu_snapshot_timeline_request"
 TIMELINE_REPLY = "gpu_snapshot_timeline_reply"
 REWIND_REQUEST = "gpu_snapshot_rewind_request"
 REWIND_REPLY = "gpu_snapshot_rewind_reply"
+# ``on`` in a kernel's environment starts it with a timeline (c.GPUSnapshot.timeline sets it).
+TIMELINE_ENV = "JUPYTER_GPU_SNAPSHOT_TIMELINE"
 # The cells a snapshot keeps: the newest ones, up to this much source in all (the kernel
 # sends no more, and a manifest accepts no more).
 HISTORY_SOURCE_BYTES = 2 << 20

@@ -110,6 +110,15 @@ class GPUSnapshot(Configurable):
         running untouched.""",
     ).tag(config=True)
 
+    timeline = Bool(
+        False,
+        help="""Start snapshot-ready kernels with a timeline: after each cell, copies of what
+        it changed, so that the kernel can be rewound to before any cell (docs/rewind.md).
+        Off by default: the copies stay in the kernel's memory (a deleted name keeps its
+        value for a rewind) and every process snapshot carries them. In one kernel:
+        %gpu_snapshot timeline on.""",
+    ).tag(config=True)
+
     drop_allocator_caches = Bool(
         True,
         help="""Before suspending CUDA, release memory that PyTorch's caching allocator and

@@ -20,8 +20,8 @@ request by ``portable_request``) and from re-running the cells this kernel ran.
   out.
 - The portable request, and the holding still of user code while a copy is written
   (``portable_request.install``).
-- The timeline of the cells' changes and the rewind (``timeline.install``; off where
-  ``JUPYTER_GPU_SNAPSHOT_TIMELINE=off``).
+- The timeline of the cells' changes and the rewind (``timeline.install``; kept where
+  ``JUPYTER_GPU_SNAPSHOT_TIMELINE=on``, or once ``%gpu_snapshot timeline on`` asks).
 """
 
 from __future__ import annotations

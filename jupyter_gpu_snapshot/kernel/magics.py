@@ -47,6 +47,7 @@ from .._constants import (
     FALLBACK_MODES,
     fallback_offer,
     fallback_report_lines,
+    format_bytes,
     rewind_report_lines,
     table,
     timeline_lines,
@@ -207,6 +208,7 @@ class GPUSnapshotMagics(Magics):
             %gpu_snapshot hibernate after 30m  # when idle that long; also: never, default
             %gpu_snapshot hibernate gpu        # give the GPU back, keep the process
             %gpu_snapshot hibernate gpu after 10m  # when idle that long; never, default
+            %gpu_snapshot timeline on          # keep a point per cell from now on
             %gpu_snapshot timeline             # the points, one per cell
             %gpu_snapshot rewind 12            # back to before cell [12]
 
@@ -273,6 +275,18 @@ class GPUSnapshotMagics(Magics):
                                      "the cell did not run")
         shell.run_cell(cell)  # type: ignore[no-untyped-call]  # IPython is untyped here
 
+    def _switch_timeline(self, on: bool) -> None:
+        shell = self.shell
+        assert shell is not None  # a magic runs in its shell
+        if on:
+            kept = timeline.start(shell)
+            limit = format_bytes(kept.limit_bytes)
+            print("The timeline is on: every cell from the next one is a point to rewind to "
+                  f"(its copies may take {limit} of this kernel's memory).")
+        else:
+            timeline.stop(shell)
+            print("The timeline is off: its points and their copies are let go.")
+
     def _outcome(self) -> SaveOutcome | None:
         return self.last_outcome
 
@@ -281,13 +295,15 @@ class GPUSnapshotMagics(Magics):
                 or args.latest:
             usage = "rewind N" if command == "rewind" else command
             raise UsageError(f"usage: %gpu_snapshot {usage}")
+        if command == "timeline" and args.name:
+            if args.name not in ("on", "off"):
+                raise UsageError("usage: %gpu_snapshot timeline [on|off]")
+            self._switch_timeline(args.name == "on")
+            return
         kept = timeline.current()
         if kept is None:
-            raise SnapshotMagicError(f"%gpu_snapshot {command}: this kernel keeps no timeline "
-                                     f"({timeline.ENV_TIMELINE} turned it off)")
+            raise SnapshotMagicError(f"%gpu_snapshot {command}: {timeline.TIMELINE_OFF}")
         if command == "timeline":
-            if args.name:
-                raise UsageError("%gpu_snapshot timeline takes no argument")
             print("\n".join(timeline_lines(kept.content())))
             return
         if not args.name or not args.name.lstrip("[").rstrip("]").isdigit():

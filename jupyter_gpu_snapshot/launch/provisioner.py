@@ -39,6 +39,7 @@ from .._constants import (
     ENV_URL,
     GROWING_ALLOCATOR_ENV,
     KERNEL_ENV_NAMES,
+    TIMELINE_ENV,
 )
 from ..agent_client.client import AgentClient
 from ..config import GPUSnapshot
@@ -328,6 +329,8 @@ class SnapshotReadyProvisioner(LocalProvisioner):
         # already holds the server's environment (or the env the kernel is started with)
         # and the kernelspec's, so setdefault leaves every value the user chose.
         settings = GPUSnapshot(parent=self)
+        if settings.timeline:
+            env.setdefault(TIMELINE_ENV, "on")
         if settings.grow_gpu_allocators:
             for key, value in GROWING_ALLOCATOR_ENV.items():
                 env.setdefault(key, value)

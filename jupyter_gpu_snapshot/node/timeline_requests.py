@@ -38,7 +38,7 @@ _REFUSALS: dict[str, type[SnapshotError]] = {
     "KernelBusy": KernelBusy,
     "RewindOutOfRange": RewindOutOfRange,
     "RewindFailed": RewindFailed,
-    # JUPYTER_GPU_SNAPSHOT_TIMELINE=off in the kernel's environment: it keeps none.
+    # The kernel's timeline is off (its default): it keeps none.
     "TimelineOff": NotReady,
 }
 _NO_TIMELINE_HINT = (

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from jupyter_core.paths import jupyter_runtime_dir
 
+from jupyter_gpu_snapshot.kernel.timeline import TIMELINE_OFF
 from tests.conftest import KernelHandle, reply_to, start_kernel, stop_kernel
 
 
@@ -46,6 +47,7 @@ def named_kernel() -> Iterator[tuple[KernelHandle, str]]:
     the runtime directory, as kernel-<id>.json; and its id."""
     kernel_id = str(uuid.uuid4())
     handle = start_kernel(
+        env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "on"},
         connection_file=str(Path(jupyter_runtime_dir()) / f"kernel-{kernel_id}.json"))
     try:
         yield handle, kernel_id
@@ -141,13 +143,12 @@ def test_a_kernel_without_a_timeline_is_told_in_seconds(tmp_path: Path) -> None:
 
 
 def test_a_kernel_whose_timeline_is_off_says_so() -> None:
-    off = start_kernel(env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "off"})
+    off = start_kernel()  # off unless asked
     try:
         off.execute("x = 1")
         told = [refused(command, off.km.connection_file, *more)
                 for command, *more in (("timeline",), ("rewind", "--before", "1"))]
     finally:
         stop_kernel(off)
-    assert told == [f"error: {step} failed: the timeline is off "
-                    "(JUPYTER_GPU_SNAPSHOT_TIMELINE=off)" for step in ("timeline", "rewind")]
+    assert told == [f"error: {step} failed: {TIMELINE_OFF}" for step in ("timeline", "rewind")]
 

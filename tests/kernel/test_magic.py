@@ -419,14 +419,20 @@ def test_a_refused_image_offers_its_fallback_and_the_notebook_gets_its_work_back
 
 def test_loading_the_extension_never_waits_for_a_server(tmp_path: Path) -> None:
     # A server that would swallow packets (a non-routed address) and one that is gone: the
-    # extension loads at once either way, because loading makes no request.
+    # extension loads at once either way, because loading makes no request: no socket of
+    # the process so much as tries to connect while it loads.
     script = (
-        "import time\n"
+        "import socket\n"
+        "tried = []\n"
+        "connect = socket.socket.connect\n"
+        "def noted(self, address):\n"
+        "    tried.append(address)\n"
+        "    return connect(self, address)\n"
+        "socket.socket.connect = noted\n"
         "from IPython.core.interactiveshell import InteractiveShell\n"
         "shell = InteractiveShell.instance()\n"
-        "t = time.monotonic()\n"
         "shell.run_line_magic('load_ext', 'jupyter_gpu_snapshot')\n"
-        "print(time.monotonic() - t, 'gpu_snapshot' in shell.magics_manager.magics['line'])\n"
+        "print(len(tried), 'gpu_snapshot' in shell.magics_manager.magics['line'])\n"
     )
     for url in ("http://10.255.255.1:9/", "http://127.0.0.1:9/"):
         env = dict(os.environ, JUPYTER_GPU_SNAPSHOT_URL=url,
@@ -436,8 +442,7 @@ def test_loading_the_extension_never_waits_for_a_server(tmp_path: Path) -> None:
             [sys.executable, "-c", script], env=env, capture_output=True, text=True,
             check=True, timeout=60,
         ).stdout.split()
-        assert out[1] == "True", out
-        assert float(out[0]) < 1.0, out
+        assert out == ["0", "True"], out
 
 
 def test_interrupting_a_save_only_stops_waiting(tmp_path: Path) -> None:

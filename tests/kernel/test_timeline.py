@@ -25,6 +25,7 @@ from jupyter_gpu_snapshot._constants import (
     TIMELINE_REPLY,
     TIMELINE_REQUEST,
 )
+from jupyter_gpu_snapshot.kernel.timeline import TIMELINE_OFF
 from tests.conftest import KernelHandle, start_kernel, stop_kernel, wait_for_output
 from tests.kernel.test_cell_record import control, control_reply, request
 
@@ -53,7 +54,8 @@ def kernels() -> Iterator[list[KernelHandle]]:
 def new_kernel(kernels: list[KernelHandle], tmp_path: Path,
                env: dict[str, str] | None = None) -> BlockingKernelClient:
     ipython_dir = tmp_path / f"ipython-{len(kernels)}"
-    handle = start_kernel("python3", env={"IPYTHONDIR": str(ipython_dir), **(env or {})})
+    handle = start_kernel("python3", env={"IPYTHONDIR": str(ipython_dir),
+                                          "JUPYTER_GPU_SNAPSHOT_TIMELINE": "on", **(env or {})})
     kernels.append(handle)
     cell(handle.client, INSTALL)
     return handle.client
@@ -351,13 +353,28 @@ def test_a_kernel_without_a_timeline_says_so(kernels: list[KernelHandle],
     client = new_kernel(kernels, tmp_path, env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "off"})
     cell(client, "%load_ext jupyter_gpu_snapshot")
     count, _ = cell(client, "x = 1")
-    off = "the timeline is off (JUPYTER_GPU_SNAPSHOT_TIMELINE=off)"
+    off = TIMELINE_OFF
     for msg_type in (TIMELINE_REQUEST, REWIND_REQUEST):
         reply = request(client, msg_type, {"before": count})
         assert reply["content"] == {"status": "error", "ename": "TimelineOff",
                                     "evalue": off, "traceback": []}
     printed = cell(client, "%gpu_snapshot timeline", ok=False)[1]
-    assert "%gpu_snapshot timeline: this kernel keeps no timeline" in printed
+    assert f"%gpu_snapshot timeline: {TIMELINE_OFF}" in printed
+
+    # Turned on in the running kernel: the cells from then on are points to rewind to.
+    assert "The timeline is on" in cell(client, "%gpu_snapshot timeline on")[1]
+    first, _ = cell(client, "x = 2")
+    cell(client, "x = 3")
+    assert "Rewound to before cell" in cell(client, f"%gpu_snapshot rewind {first + 1}")[1]
+    assert cell(client, "print(x)")[1] == "2\n"
+    reply = request(client, TIMELINE_REQUEST, {})
+    assert reply["content"]["status"] == "ok" and reply["content"]["points"], reply
+    # And off again: its points are let go, and the requests say it is off.
+    assert "The timeline is off" in cell(client, "%gpu_snapshot timeline off")[1]
+    assert request(client, REWIND_REQUEST, {"before": first})["content"]["ename"] == \
+        "TimelineOff"
+    assert "usage: %gpu_snapshot timeline [on|off]" in cell(
+        client, "%gpu_snapshot timeline maybe", ok=False)[1]
 
 
 def test_a_cell_sent_during_a_rewind_waits_for_it(kernels: list[KernelHandle],

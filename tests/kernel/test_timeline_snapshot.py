@@ -5,12 +5,14 @@ a rewind in the restored kernel goes back past the save, to before a cell that r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from jupyter_gpu_snapshot._constants import REWIND_REPLY, REWIND_REQUEST
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
-from tests.conftest import KernelHandle, RestoredTrees, run
+from tests.conftest import KernelHandle, RestoredTrees, run, start_kernel, stop_kernel
 from tests.kernel.test_cell_record import request
 from tests.kernel.test_timeline import cell, state
 
@@ -23,6 +25,15 @@ items = [1]
 arr = np.arange(4.0)
 frame = pd.DataFrame({"a": [1, 2]})
 """
+
+
+@pytest.fixture
+def kernel() -> Iterator[KernelHandle]:
+    handle = start_kernel(env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "on"})
+    try:
+        yield handle
+    finally:
+        stop_kernel(handle)
 
 
 def test_a_restored_kernel_rewinds_past_the_save_it_came_from(

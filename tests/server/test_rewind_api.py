@@ -28,6 +28,12 @@ from .test_openapi import SPEC
 KERNELS = ("gpu-snapshot", "kernels")
 
 
+@pytest.fixture
+def snapshot_config() -> Json:
+    # The server starts its snapshot-ready kernels with a timeline (off by default).
+    return {"timeline": True}
+
+
 def _properties(name: str) -> set[str]:
     return set(SPEC["components"]["schemas"][name]["properties"])
 

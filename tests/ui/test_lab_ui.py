@@ -769,7 +769,8 @@ def set_cells(notebook: Path, sources: tuple[str, ...]) -> None:
 def test_rewind_from_a_cells_context_menu_brings_the_value_back_and_marks_the_cell(
     ui_tools: dict[str, str], start_lab: Callable[..., JupyterProcess]
 ) -> None:
-    server = start_lab("rewind", {"rewind.ipynb": "python3-snapshot"})
+    server = start_lab("rewind", {"rewind.ipynb": "python3-snapshot"},
+                       config="c.GPUSnapshot.timeline = True\n")
     set_cells(server.root / "rewind.ipynb", REWIND_CELLS)
     seen = run_scenario(ui_tools, server, "rewind", "rewind.ipynb")
 

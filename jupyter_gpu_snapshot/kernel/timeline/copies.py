@@ -22,6 +22,7 @@ from .fingerprint import (
     is_jax_array,
     is_numpy_array,
     is_pandas_object,
+    is_torch_module,
     is_torch_tensor,
 )
 from .limits import ENV_GPU_COPIES, gpu_copies_by_env
@@ -97,8 +98,7 @@ def _size(value: Any, depth: int, seen: set[int], devices: dict[str, int]) -> in
     else:
         inside = getattr(value, "__dict__", None)
         items = [inside] if isinstance(inside, dict) else []
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(value, torch.nn.Module):
+        if is_torch_module(value):
             # However deep the model: every parameter and buffer.
             items += [*value.parameters(), *value.buffers()]
     return size + sum(_size(item, depth + 1, seen, devices) for item in items)

@@ -65,19 +65,28 @@ def _module_of(value: Any) -> str:
     return type(value).__module__ or ""
 
 
+def _loaded_class(module: str, path: str) -> type | None:
+    """``module.path`` when that module is loaded and it is a class: a module of that name
+    that is something else (a stand-in, one half imported) is not the library."""
+    found: Any = sys.modules.get(module)
+    for part in path.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) else None
+
+
 def is_torch_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+    tensor = _loaded_class("torch", "Tensor")
+    return tensor is not None and isinstance(value, tensor)
 
 
 def is_torch_module(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.nn.Module)
+    module = _loaded_class("torch", "nn.Module")
+    return module is not None and isinstance(value, module)
 
 
 def is_numpy_array(value: Any) -> bool:
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, numpy.ndarray)
+    array = _loaded_class("numpy", "ndarray")
+    return array is not None and isinstance(value, array)
 
 
 def is_jax_array(value: Any) -> bool:

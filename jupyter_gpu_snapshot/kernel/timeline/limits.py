@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 
-ENV_TIMELINE = "JUPYTER_GPU_SNAPSHOT_TIMELINE"
+from ..._constants import TIMELINE_ENV
+
+ENV_TIMELINE = TIMELINE_ENV
 ENV_LIMIT_BYTES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_BYTES"
 ENV_MAX_POINTS = "JUPYTER_GPU_SNAPSHOT_TIMELINE_POINTS"
 ENV_GPU_COPIES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_GPU"
+# What a kernel without a timeline answers (the magic, REST and the CLI say it as it is).
+TIMELINE_OFF = ("the timeline is off: turn it on with %gpu_snapshot timeline on, or for every "
+                "kernel with c.GPUSnapshot.timeline = True")
 DEFAULT_MAX_POINTS = 100
 # The copies live in the kernel's own memory, so every process snapshot of the kernel carries
 # them: by default they take an eighth of the machine's memory, at most 2 GiB.
@@ -44,8 +49,11 @@ def limits_from_env(env: dict[str, str] | None = None) -> tuple[int, int]:
 
 
 def enabled_by_env(env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(ENV_TIMELINE, "on")
-    return value.strip().lower() not in ("off", "0", "false", "no")
+    """Whether the kernel starts with a timeline: only when asked (``on``). Off by default,
+    because what it keeps stays in the kernel's memory: a name deleted still holds its value
+    for a rewind, and every process snapshot carries the copies."""
+    value = (os.environ if env is None else env).get(ENV_TIMELINE, "off")
+    return value.strip().lower() in ("on", "1", "true", "yes")
 
 
 def gpu_copies_by_env(env: dict[str, str] | None = None) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 from ..._constants import REWIND_REPLY, TIMELINE_REPLY
 from .. import portable_request
 from ..control_channel import send_reply
-from .limits import ENV_TIMELINE
+from .limits import TIMELINE_OFF
 from .timeline import BUSY, KernelBusy, RewindFailed, RewindOutOfRange, Timeline
 
 KNOWN_ERRORS = (KernelBusy, RewindOutOfRange, RewindFailed)
@@ -79,7 +79,7 @@ def answer_off(shell: Any, reply_type: str) -> Callable[[Any, Any, dict[str, Any
     """The handler of a kernel that keeps no timeline: it says so, rather than leaving the
     asker to wait for a reply that never comes."""
     content = {"status": "error", "ename": "TimelineOff", "traceback": [],
-               "evalue": f"the timeline is off ({ENV_TIMELINE}=off)"}
+               "evalue": TIMELINE_OFF}
 
     def handle(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         send_reply(shell, stream, reply_type, content, parent, ident)
