@@ -22,8 +22,10 @@ A page's id is the first 16 bytes of its keyed BLAKE3 (``id_workers.page_ids``):
 the context ``ID_CONTEXT``. The zero id (16 zero bytes, ``ZERO_ID``) stands for a page of
 zeros, which no pack holds.
 
-A pack is written ``O_EXCL``, 0600, and fsynced; only then are its ids written to
-``.<name>.ids.new``, fsynced and renamed to ``<name>.ids``, and the directory fsynced. So a
+A pack is written ``O_EXCL``, 0600, and made durable (``fdatasync``; the writer hands each
+range to the disk as it appends it, so that little is left for that call); only then are its
+ids written to ``.<name>.ids.new``, fsynced and renamed to ``<name>.ids``, and the directory
+fsynced. So a
 ``.pack`` without its ``.ids`` is one whose save never finished, and only a pack with ids is
 part of the store (``list_packs``). An id may be in more than one pack (a rewrite cut off
 before the old pack went, or a download that added a page a save wrote meanwhile): any copy
