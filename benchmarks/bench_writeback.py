@@ -9,12 +9,16 @@ random numpy bytes is saved keep-running into a fresh, empty store, the two ways
 is measured in the same directory: buffered writes of 16 MiB, then ``fdatasync``, the way a
 pack is written; and the disk's raw rate beside it (``dd oflag=direct``).
 
+Then the commit alone, the same two ways in turn: an image of ``--commit-gib`` GiB of random
+pages written beside a draft and synced, committed into an empty store, with no kernel and
+nothing else dirty in the page cache.
+
 Reported per save: the pause, the commit (the save is durable when it ends: the time from
 the end of the pause to durable), the part of it spent in the pack's final fsync, the new
 bytes, and the commit over the new bytes at the write rate measured next to it; medians and
 minimums per way.
 
-    python benchmarks/bench_writeback.py [--gib 3] [--repeats 3] [--out FILE]
+    python benchmarks/bench_writeback.py [--gib 3] [--repeats 3] [--commit-gib 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from bench_cpu import machine_info
 from bench_fill import printed
 from common import settle
@@ -41,8 +46,10 @@ from jupyter_client.manager import KernelManager
 from jupyter_gpu_snapshot.core.criu import CriuRunner
 from jupyter_gpu_snapshot.core.engine import SnapshotEngine
 from jupyter_gpu_snapshot.core.hooks import SaveTarget
+from jupyter_gpu_snapshot.core.locks import snapshot_key
 from jupyter_gpu_snapshot.core.store import SnapshotStore
 from jupyter_gpu_snapshot.core.store.packs import layout
+from jupyter_gpu_snapshot.core.store.snapshot import new_snapshot_id
 from jupyter_gpu_snapshot.launch.kernelspec import KERNEL_NAME, install
 
 STATE = """
@@ -52,6 +59,9 @@ block = np.random.default_rng(20261208).integers(0, 2**63, size=int({gib} * (1 <
 print(block.nbytes)
 """
 WAYS = {"fsync at the end": False, "write-behind": True}
+CONNECTION = {"transport": "tcp", "ip": "127.0.0.1", "key": "k" * 36,
+              "signature_scheme": "hmac-sha256", "shell_port": 50001, "iopub_port": 50002,
+              "stdin_port": 50003, "control_port": 50004, "hb_port": 50005}
 RATE_BYTES = 2 << 30
 RATE_BLOCK = 16 << 20
 DIRECT_BYTES = 1 << 30
@@ -128,6 +138,36 @@ def first_save(target: SaveTarget, criu: CriuRunner, root: Path, write_behind: b
             "new_page_bytes": stored["new_page_bytes"], "load_1min": load, "timings": t}
 
 
+def commit_only(gib: float, root: Path, write_behind: bool) -> dict[str, Any]:
+    """The commit alone: an image of ``gib`` GiB of random pages, written and synced beside
+    a draft as criu leaves one, committed into the empty store at ``root`` (removed
+    afterwards). No kernel and no criu: nothing else dirty in the page cache."""
+    layout.WRITE_BEHIND = write_behind
+    store = SnapshotStore(root, chunk_images=True)
+    snapshot_id = new_snapshot_id()
+    partial = store.begin(snapshot_id)
+    manifest = {"id": snapshot_id, "name": "commit", "created": time.time(),
+                "kernel": {"name": KERNEL_NAME, "connection_info": CONNECTION, "log_files": []}}
+    store.write_draft(partial, manifest)
+    rng = np.random.default_rng(20261208)
+    with open(partial / "pages-1.img", "wb") as image:
+        for _ in range(int(gib * 4)):
+            image.write(rng.integers(0, 2**63, size=(256 << 20) // 8, dtype=np.int64).tobytes())
+    settle()
+    load = os.getloadavg()[0]
+    try:
+        with pack_finish_timed() as finish, store.locks.hold(
+                snapshot_key(snapshot_id), "benchmark", "commit"):
+            started = time.monotonic()
+            snap = store.commit(partial, manifest)
+            seconds = time.monotonic() - started
+    finally:
+        layout.WRITE_BEHIND = True
+        shutil.rmtree(root, ignore_errors=True)
+    return {"commit_s": round(seconds, 3), "pack_fsync_s": round(sum(finish), 3),
+            "new_page_bytes": snap.manifest["stored"]["new_page_bytes"], "load_1min": load}
+
+
 def summary(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
     values = [r[key] for r in runs]
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3)}
@@ -137,13 +177,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--commit-gib", type=float, default=1,
+                        help="the commit alone, of an image this large (0: not measured)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     install()
     criu = CriuRunner()
     result: dict[str, Any] = {
         "benchmark": "first-save-writeback", "machine": machine_info(criu), "gib": args.gib,
-        "load_average_start": os.getloadavg(), "runs": {way: [] for way in WAYS}}
+        "load_average_start": os.getloadavg(), "runs": {way: [] for way in WAYS},
+        "commit_gib": args.commit_gib, "commit_only": {way: [] for way in WAYS}}
     with tempfile.TemporaryDirectory(prefix="jgs-bench-writeback-") as tmp:
         os.environ["JUPYTER_RUNTIME_DIR"] = str(Path(tmp) / "runtime")
         km = KernelManager(kernel_name=KERNEL_NAME)
@@ -174,12 +217,23 @@ def main() -> None:
                           f"load {run['load_1min']:.1f}", flush=True)
         finally:
             km.shutdown_kernel(now=True)
+        for repeat in range(args.repeats if args.commit_gib else 0):
+            order = list(WAYS) if repeat % 2 == 0 else list(reversed(WAYS))
+            for way in order:
+                done = commit_only(args.commit_gib, Path(tmp) / "store", WAYS[way])
+                result["commit_only"][way].append(done)
+                print(f"{way}, the commit alone: {done['commit_s']:.2f}s (final fsync "
+                      f"{done['pack_fsync_s']:.2f}s), load {done['load_1min']:.1f}", flush=True)
     result["load_average_end"] = os.getloadavg()
     result["summary"] = {
         way: {key: summary(runs, key) for key in (
             "pause_s", "durable_after_pause_s", "pack_fsync_s", "new_bytes_at_rate_s",
             "durable_after_pause_over_write_time")}
         for way, runs in result["runs"].items()}
+    if args.commit_gib:
+        result["summary"]["commit_only"] = {
+            way: {key: summary(runs, key) for key in ("commit_s", "pack_fsync_s")}
+            for way, runs in result["commit_only"].items()}
     rates = [r["write_rate"]["bytes_per_s"] for runs in result["runs"].values() for r in runs]
     result["summary"]["write_rate_bytes_per_s"] = {"median": statistics.median(rates),
                                                    "min": min(rates), "max": max(rates)}
