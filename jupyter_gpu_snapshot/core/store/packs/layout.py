@@ -22,8 +22,10 @@ A page's id is the first 16 bytes of its keyed BLAKE3 (``id_workers.page_ids``):
 the context ``ID_CONTEXT``. The zero id (16 zero bytes, ``ZERO_ID``) stands for a page of
 zeros, which no pack holds.
 
-A pack is written ``O_EXCL``, 0600, and fsynced; only then are its ids written to
-``.<name>.ids.new``, fsynced and renamed to ``<name>.ids``, and the directory fsynced. So a
+A pack is written ``O_EXCL``, 0600, and made durable (``fdatasync``; the writer hands each
+range to the disk as it appends it, so that little is left for that call); only then are its
+ids written to ``.<name>.ids.new``, fsynced and renamed to ``<name>.ids``, and the directory
+fsynced. So a
 ``.pack`` without its ``.ids`` is one whose save never finished, and only a pack with ids is
 part of the store (``list_packs``). An id may be in more than one pack (a rewrite cut off
 before the old pack went, or a download that added a page a save wrote meanwhile): any copy
@@ -51,7 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ... import safe_fs
-from .fd_io import copy_range, read_all
+from .fd_io import copy_range, read_all, start_writeback
 
 PAGE = 4096
 ID_BYTES = 16
@@ -64,6 +66,9 @@ LOCK_KEY = "chunks"
 _SORT_THREADS = min(16, max(1, os.cpu_count() or 1))
 _SORT_PART_MIN = 1 << 18
 ID_CONTEXT = "jupyter-gpu-snapshot 2026-11 page ids"
+# Whether a pack writer has the disk start on each range as it is appended (``PackWriter``);
+# off only to measure the difference (benchmarks/bench_writeback.py).
+WRITE_BEHIND = True
 
 Ids = npt.NDArray[np.uint8]  # shape (n, 16)
 
@@ -183,14 +188,23 @@ class PackWriter:
         return self.appended.lacks(ids)
 
     def append(self, pages: memoryview | list[memoryview], new_ids: bytes) -> None:
-        """Add pages (one buffer, or several written in their order) and their ids."""
+        """Add pages (one buffer, or several written in their order) and their ids.
+
+        The disk starts on them at once (write-behind): a save whose pages are mostly new
+        then writes while it reads and hashes the rest of its images, and ``finish``'s fsync
+        waits only for the last of it."""
         self._open()
+        start = self.pages * PAGE
+        length = 0
         for view in [pages] if isinstance(pages, memoryview) else pages:
             written = 0
             while written < len(view):
                 # Released on leaving, error or not: see ``_store_new``.
                 with view[written:] as rest:
                     written += os.write(self.fd, rest)
+            length += written
+        if WRITE_BEHIND:
+            start_writeback(self.fd, start, length)
         self.ids += new_ids
         self.appended.add(np.frombuffer(new_ids, np.uint8).reshape(-1, ID_BYTES))
 
@@ -218,7 +232,8 @@ class PackWriter:
         """Make the pack durable, then its ids: only then is the pack part of the store."""
         if self.fd < 0:
             return
-        os.fsync(self.fd)
+        # The data and what reading it back needs (size, blocks): a pack is never rewritten.
+        os.fdatasync(self.fd)
         os.close(self.fd)
         self.fd = -1
         staged = f".{self.name}{IDS_SUFFIX}.new"

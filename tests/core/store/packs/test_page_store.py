@@ -5,6 +5,7 @@ collector frees. No kernel: the images are bytes the tests choose, committed as 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -29,6 +30,7 @@ from jupyter_gpu_snapshot.core.store.packs import (
     PageStore,
     RememberedPlan,
     id_workers,
+    layout,
     recipe_name,
 )
 from jupyter_gpu_snapshot.core.store.snapshot import Snapshot, new_snapshot_id
@@ -180,6 +182,31 @@ def test_pages_repeated_in_one_save_are_written_once(tmp_path, monkeypatch, step
     snapshot = commit(store, {IMAGE: (page + other) * 150, "pages-2.img": page * 300})
     assert pack_bytes(store) == 2 * PAGE
     assert assembled(store, snapshot)[IMAGE] == (page + other) * 150
+
+
+def test_each_range_of_a_new_pack_goes_to_the_disk_as_it_is_appended(tmp_path, monkeypatch):
+    """Write-behind: every byte of the pack is handed to the disk once, in order, a step at
+    a time, before the commit's final fsync (so the disk works while the rest is read)."""
+    monkeypatch.setattr(id_workers, "STEP", 64 * PAGE)
+    started: list[tuple[int, int]] = []
+
+    def start_writeback(fd: int, offset: int, length: int) -> None:
+        started.append((offset, length))
+        real_start_writeback(fd, offset, length)
+
+    real_start_writeback = layout.start_writeback
+    monkeypatch.setattr(layout, "start_writeback", start_writeback)
+    store = make_store(tmp_path)
+    data = b"".join(pages(300, 1))  # 1.2 MiB: chunked
+    snapshot = commit(store, {IMAGE: data})
+
+    (size,) = packs(store).values()
+    assert size == len(data)
+    assert len(started) == 5  # 300 pages in steps of 64
+    assert [offset for offset, _ in started] == list(
+        itertools.accumulate([0] + [length for _, length in started[:-1]]))
+    assert sum(length for _, length in started) == size
+    assert assembled(store, snapshot)[IMAGE] == data
 
 
 def test_zero_pages_are_never_written(tmp_path):
