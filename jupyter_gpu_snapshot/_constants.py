@@ -73,6 +73,9 @@ REWIND_REQUEST = "gpu_snapshot_rewind_request"
 REWIND_REPLY = "gpu_snapshot_rewind_reply"
 # ``on`` in a kernel's environment starts it with a timeline (c.GPUSnapshot.timeline sets it).
 TIMELINE_ENV = "JUPYTER_GPU_SNAPSHOT_TIMELINE"
+# What a kernel without a timeline answers a rewind, and how its timeline reads.
+TIMELINE_OFF_WORDS = ("the timeline is off: turn it on with %gpu_snapshot timeline on, or for "
+                      "every kernel with c.GPUSnapshot.timeline = True")
 # The cells a snapshot keeps: the newest ones, up to this much source in all (the kernel
 # sends no more, and a manifest accepts no more).
 HISTORY_SOURCE_BYTES = 2 << 20
@@ -149,6 +152,8 @@ def timeline_lines(content: dict[str, Any],
     not keep, and the counts that can be rewound to (``rewind_hint`` says how)."""
     import time
 
+    if content.get("on") is False:
+        return [TIMELINE_OFF_WORDS]
     points = content.get("points") or []
     dropped = int(content.get("dropped") or 0)
     lines = [f"Timeline: {len(points)} point(s), {format_bytes(int(content.get('bytes', 0)))}"

@@ -312,6 +312,8 @@ export interface ITimelinePoint {
 
 /** A kernel's timeline (GET kernels/{id}/timeline). */
 export interface ITimeline {
+  /** Whether the kernel keeps a timeline (off unless asked for); off, it has no points. */
+  on?: boolean;
   /** A cell runs now: no rewind until it ends. */
   running: boolean;
   /** Oldest first. */

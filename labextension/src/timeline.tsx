@@ -348,7 +348,14 @@ export function TimelineSection(props: {
     <section className="jp-gpu-snapshot-sidebar-section" data-section="timeline">
       <h3>{trans.__('Timeline')}</h3>
       {model.error && <p className="jp-gpu-snapshot-error">{model.error}</p>}
-      {timeline && (
+      {timeline?.on === false && (
+        <p className="jp-gpu-snapshot-empty" data-timeline="off">
+          {trans.__(
+            'The timeline is off. Run %gpu_snapshot timeline on in a cell to keep a point per cell from then on.'
+          )}
+        </p>
+      )}
+      {timeline && timeline.on !== false && (
         <div
           className="jp-gpu-snapshot-timeline-use"
           title={trans.__(
@@ -358,7 +365,7 @@ export function TimelineSection(props: {
           {describeTimeline(timeline, trans)}
         </div>
       )}
-      {timeline && points.length === 0 && (
+      {timeline && timeline.on !== false && points.length === 0 && (
         <p className="jp-gpu-snapshot-empty">
           {trans.__('No point yet: each cell the kernel runs adds one.')}
         </p>

@@ -359,6 +359,21 @@ describe('KernelTimeline', () => {
         ].join('')
       )
     );
+    // A kernel whose timeline is off says how to turn it on, and lists nothing.
+    env.api.timeline.mockResolvedValueOnce(makeTimeline({ on: false, points: [] }));
+    await env.model.refresh();
+    await jest.advanceTimersByTimeAsync(1);
+    expect(
+      textOf(
+        React.createElement(TimelineSection, {
+          model: env.model,
+          panel: env.panelA as unknown as NotebookPanel,
+          trans: untranslated
+        })
+      )
+    ).toBe(
+      'Timeline\nThe timeline is off. Run %gpu_snapshot timeline on in a cell to keep a point per cell from then on.\n'
+    );
     // Another notebook's kernel: the section is not this one's.
     expect(
       TimelineSection({

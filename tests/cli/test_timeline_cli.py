@@ -65,7 +65,7 @@ def test_timeline_and_rewind_by_id_and_by_connection_file(
 
     timeline = json.loads(succeeded("timeline", kernel_id, "--json"))
     # What GET kernels/{id}/timeline answers (openapi.yaml's Timeline).
-    assert set(timeline) == {"running", "points", "rewindable", "bytes", "limit_bytes",
+    assert set(timeline) == {"on", "running", "points", "rewindable", "bytes", "limit_bytes",
                              "dropped"}
     assert [p["count"] for p in timeline["points"]] == [1, 2, 3]
     assert {2, 3} <= set(timeline["rewindable"]) and timeline["running"] is False
@@ -146,9 +146,13 @@ def test_a_kernel_whose_timeline_is_off_says_so() -> None:
     off = start_kernel()  # off unless asked
     try:
         off.execute("x = 1")
-        told = [refused(command, off.km.connection_file, *more)
-                for command, *more in (("timeline",), ("rewind", "--before", "1"))]
+        timeline = cli("timeline", off.km.connection_file)
+        as_json = cli("timeline", off.km.connection_file, "--json")
+        told = refused("rewind", off.km.connection_file, "--before", "1")
     finally:
         stop_kernel(off)
-    assert told == [f"error: {step} failed: {TIMELINE_OFF}" for step in ("timeline", "rewind")]
+    # Its timeline reads as off, with how to turn it on; a rewind is refused so.
+    assert (timeline.returncode, timeline.stdout) == (0, f"{TIMELINE_OFF}\n"), timeline
+    assert json.loads(as_json.stdout)["on"] is False, as_json.stdout
+    assert told == f"error: rewind failed: {TIMELINE_OFF}"
 

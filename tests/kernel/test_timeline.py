@@ -353,11 +353,12 @@ def test_a_kernel_without_a_timeline_says_so(kernels: list[KernelHandle],
     client = new_kernel(kernels, tmp_path, env={"JUPYTER_GPU_SNAPSHOT_TIMELINE": "off"})
     cell(client, "%load_ext jupyter_gpu_snapshot")
     count, _ = cell(client, "x = 1")
-    off = TIMELINE_OFF
-    for msg_type in (TIMELINE_REQUEST, REWIND_REQUEST):
-        reply = request(client, msg_type, {"before": count})
-        assert reply["content"] == {"status": "error", "ename": "TimelineOff",
-                                    "evalue": off, "traceback": []}
+    reply = request(client, TIMELINE_REQUEST, {})
+    assert reply["content"] == {"status": "ok", "on": False, "running": False, "points": [],
+                                "rewindable": [], "bytes": 0, "limit_bytes": 0, "dropped": 0}
+    reply = request(client, REWIND_REQUEST, {"before": count})
+    assert reply["content"] == {"status": "error", "ename": "TimelineOff",
+                                "evalue": TIMELINE_OFF, "traceback": []}
     printed = cell(client, "%gpu_snapshot timeline", ok=False)[1]
     assert f"%gpu_snapshot timeline: {TIMELINE_OFF}" in printed
 
@@ -373,6 +374,7 @@ def test_a_kernel_without_a_timeline_says_so(kernels: list[KernelHandle],
     assert "The timeline is off" in cell(client, "%gpu_snapshot timeline off")[1]
     assert request(client, REWIND_REQUEST, {"before": first})["content"]["ename"] == \
         "TimelineOff"
+    assert request(client, TIMELINE_REQUEST, {})["content"]["on"] is False
     assert "usage: %gpu_snapshot timeline [on|off]" in cell(
         client, "%gpu_snapshot timeline maybe", ok=False)[1]
 

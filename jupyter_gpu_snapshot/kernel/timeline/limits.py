@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 
-from ..._constants import TIMELINE_ENV
+from ..._constants import TIMELINE_ENV, TIMELINE_OFF_WORDS
 
 ENV_TIMELINE = TIMELINE_ENV
 ENV_LIMIT_BYTES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_BYTES"
 ENV_MAX_POINTS = "JUPYTER_GPU_SNAPSHOT_TIMELINE_POINTS"
 ENV_GPU_COPIES = "JUPYTER_GPU_SNAPSHOT_TIMELINE_GPU"
 # What a kernel without a timeline answers (the magic, REST and the CLI say it as it is).
-TIMELINE_OFF = ("the timeline is off: turn it on with %gpu_snapshot timeline on, or for every "
-                "kernel with c.GPUSnapshot.timeline = True")
+TIMELINE_OFF = TIMELINE_OFF_WORDS
 DEFAULT_MAX_POINTS = 100
 # The copies live in the kernel's own memory, so every process snapshot of the kernel carries
 # them: by default they take an eighth of the machine's memory, at most 2 GiB.

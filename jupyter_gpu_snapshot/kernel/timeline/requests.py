@@ -75,11 +75,17 @@ class TimelineRequests:
         task.add_done_callback(self._tasks.discard)
 
 
+# The timeline of a kernel that keeps none: nothing to rewind to, and "on" false.
+OFF_TIMELINE: dict[str, Any] = {"status": "ok", "on": False, "running": False, "points": [],
+                                "rewindable": [], "bytes": 0, "limit_bytes": 0, "dropped": 0}
+
+
 def answer_off(shell: Any, reply_type: str) -> Callable[[Any, Any, dict[str, Any]], None]:
-    """The handler of a kernel that keeps no timeline: it says so, rather than leaving the
-    asker to wait for a reply that never comes."""
-    content = {"status": "error", "ename": "TimelineOff", "traceback": [],
-               "evalue": TIMELINE_OFF}
+    """The handler of a kernel that keeps no timeline: its timeline says it is off, and a
+    rewind is refused with how to turn it on, rather than leaving the asker to wait for a
+    reply that never comes."""
+    content = OFF_TIMELINE if reply_type == TIMELINE_REPLY else {
+        "status": "error", "ename": "TimelineOff", "traceback": [], "evalue": TIMELINE_OFF}
 
     def handle(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         send_reply(shell, stream, reply_type, content, parent, ident)

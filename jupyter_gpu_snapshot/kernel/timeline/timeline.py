@@ -272,7 +272,7 @@ class Timeline:
 
     def content(self) -> dict[str, Any]:
         with self.lock:
-            return {"status": "ok", "running": self.running > 0,
+            return {"status": "ok", "on": True, "running": self.running > 0,
                     "points": [point.content() for point in self.points],
                     "rewindable": self.rewindable(), "bytes": self.nbytes,
                     "limit_bytes": self.limit_bytes, "dropped": self.dropped}
