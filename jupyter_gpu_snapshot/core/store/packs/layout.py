@@ -25,14 +25,13 @@ zeros, which no pack holds.
 A pack is written ``O_EXCL``, 0600, and made durable (``fdatasync``; the writer hands each
 range to the disk as it appends it, so that little is left for that call); only then are its
 ids written to ``.<name>.ids.new``, fsynced and renamed to ``<name>.ids``, and the directory
-fsynced. So a
-``.pack`` without its ``.ids`` is one whose save never finished, and only a pack with ids is
-part of the store (``list_packs``). An id may be in more than one pack (a rewrite cut off
-before the old pack went, or a download that added a page a save wrote meanwhile): any copy
-serves, and the collector keeps the first in name order.
-Entries whose names begin with a dot are leftovers of a writer that died; the collector
-removes them, and packs without ids. The directory also holds the remembered plans
-(``plans.py``, ``<recipe BLAKE3>.where``).
+fsynced. So a ``.pack`` without its ``.ids`` is one whose save never finished, and only a
+pack with ids is part of the store (``list_packs``). An id may be in more than one pack (a
+rewrite cut off before the old pack went, or a download that added a page a save wrote
+meanwhile): any copy serves, and the collector keeps the first in name order. Entries whose
+names begin with a dot are leftovers of a writer that died; the collector removes them, and
+packs without ids. The directory also holds the remembered plans (``plans.py``, ``<recipe
+BLAKE3>.where``).
 
 One lock, ``chunks`` (``LOCK_KEY``, a ``StoreLocks`` lock), keeps the collector away from a
 save between its choice of which pages it need not write and the recipe that keeps them
