@@ -164,6 +164,9 @@ async def test_a_kernels_credential_ends_with_its_launch(
     api: Api, jp_serverapp: Any, kernel_socket: KernelConnector
 ) -> None:
     shut, restarted = await api.start_kernel(), await api.start_kernel()
+    # Saved once it has run a cell, as a user saves one: a save of a kernel still starting
+    # waits 30 s for its first answer, which a start on a loaded machine has outlasted.
+    assert (await (await kernel_socket(shut)).execute("print(1)")).strip() == "1"
     as_shut = _as_kernel(api, jp_serverapp, shut)
     taken = (await api.succeeded(await as_shut.save(shut)))["result"]
     as_restarted = _as_kernel(api, jp_serverapp, restarted)
