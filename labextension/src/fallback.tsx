@@ -9,6 +9,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import * as React from 'react';
 import type { FallbackMode, IFallbackReport, ISnapshotSummary } from './api';
+import { lines, namedReasons, ReportSection, showReport } from './report';
 import { untranslated } from './translation';
 
 /** The modes in the order they are offered: the fullest last, where Enter picks it. */
@@ -206,19 +207,11 @@ export function FallbackReport(props: {
           </ul>
         </section>
       )}
-      {missing.length > 0 && (
-        <section data-section="not-loaded">
-          <h3>{trans.__('Did not come back')}</h3>
-          <ul>
-            {missing.map(item => (
-              <li key={item.name} data-name={item.name}>
-                <code>{item.name}</code>
-                {`: ${item.reason}`}
-              </li>
-            ))}
-          </ul>
-        </section>
-      )}
+      <ReportSection
+        section="not-loaded"
+        title={trans.__('Did not come back')}
+        items={namedReasons(missing)}
+      />
       {replayed.length > 0 && (
         <section data-section="replayed">
           <h3>{trans.__('Cells re-run')}</h3>
@@ -242,16 +235,7 @@ export function FallbackReport(props: {
           </ul>
         </section>
       )}
-      {notes.length > 0 && (
-        <section data-section="notes">
-          <h3>{trans.__('Notes')}</h3>
-          <ul>
-            {notes.map((note, at) => (
-              <li key={at}>{note}</li>
-            ))}
-          </ul>
-        </section>
-      )}
+      <ReportSection section="notes" title={trans.__('Notes')} items={lines(notes)} />
     </div>
   );
 }
@@ -262,9 +246,9 @@ export async function showFallbackReport(
   report: IFallbackReport,
   trans: TranslationBundle = untranslated
 ): Promise<void> {
-  await showDialog({
-    title: trans.__("A fresh kernel for '%1'", snapshotName),
-    body: <FallbackReport report={report} trans={trans} />,
-    buttons: [Dialog.okButton({ label: trans.__('Close') })]
-  });
+  await showReport(
+    trans.__("A fresh kernel for '%1'", snapshotName),
+    <FallbackReport report={report} trans={trans} />,
+    trans
+  );
 }

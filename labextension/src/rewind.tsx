@@ -5,13 +5,14 @@
  * what could not and why, and what no rewind undoes; the cells whose effects are gone are
  * marked in the notebook.
  */
-import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import { Notification } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { TranslationBundle } from '@jupyterlab/translation';
 import { ISignal, Signal } from '@lumino/signaling';
 import * as React from 'react';
 import { SnapshotAPIError, type IRewindReport, type SnapshotAPI } from './api';
 import { shortError, SUCCESS_CLOSE_MS } from './controller';
+import { lines, namedReasons, ReportSection, showReport } from './report';
 import { untranslated } from './translation';
 import { markUndone, type ICellLike } from './undone';
 
@@ -156,29 +157,16 @@ export function RewindReport(props: {
           {names(removed)}
         </section>
       )}
-      {missing.length > 0 && (
-        <section data-section="not-restored">
-          <h3>{trans.__('Could not come back')}</h3>
-          <ul>
-            {missing.map(item => (
-              <li key={item.name} data-name={item.name}>
-                <code>{item.name}</code>
-                {`: ${item.reason}`}
-              </li>
-            ))}
-          </ul>
-        </section>
-      )}
-      {caveats.length > 0 && (
-        <section data-section="caveats">
-          <h3>{trans.__('Not undone by a rewind')}</h3>
-          <ul>
-            {caveats.map((caveat, at) => (
-              <li key={at}>{caveat}</li>
-            ))}
-          </ul>
-        </section>
-      )}
+      <ReportSection
+        section="not-restored"
+        title={trans.__('Could not come back')}
+        items={namedReasons(missing)}
+      />
+      <ReportSection
+        section="caveats"
+        title={trans.__('Not undone by a rewind')}
+        items={lines(caveats)}
+      />
     </div>
   );
 }
@@ -188,11 +176,11 @@ export async function showRewindReport(
   report: IRewindReport,
   trans: TranslationBundle = untranslated
 ): Promise<void> {
-  await showDialog({
-    title: trans.__('Rewound to before In [%1]', report.before),
-    body: <RewindReport report={report} trans={trans} />,
-    buttons: [Dialog.okButton({ label: trans.__('Close') })]
-  });
+  await showReport(
+    trans.__('Rewound to before In [%1]', report.before),
+    <RewindReport report={report} trans={trans} />,
+    trans
+  );
 }
 
 /**
