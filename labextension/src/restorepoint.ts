@@ -7,23 +7,12 @@
  * saved in the notebook.
  */
 import type { NotebookPanel } from '@jupyterlab/notebook';
+import type { ICellLike } from './undone';
 
 /** The attribute of the marked cell; its text is what the marker says. */
 export const RESTORE_POINT_ATTRIBUTE = 'data-gpu-snapshot-restore-point';
 /** The class of a cell whose outputs are from after the snapshot. */
 export const STALE_CLASS = 'jp-gpu-snapshot-stale';
-
-interface ICellLike {
-  node: HTMLElement;
-  model: {
-    type: string;
-    executionCount?: number | null;
-    stateChanged?: {
-      connect(slot: (sender: unknown, change: { name: string }) => void): void;
-      disconnect(slot: (sender: unknown, change: { name: string }) => void): void;
-    };
-  };
-}
 
 /**
  * Mark ``panel``'s cells for a kernel restored to execution count ``count`` (the
